@@ -1,0 +1,3 @@
+from blocktrain.cli.main import main
+
+raise SystemExit(main())

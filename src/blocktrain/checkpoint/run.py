@@ -1,0 +1,147 @@
+"""Run directories: one config, B block checkpoints and/or one E2E checkpoint.
+
+Layout::
+
+    RUN/run.json                       config (JSON) and format version
+    RUN/blocks/block_{k}.safetensors   weights of block k (+ frozen E) and metadata
+    RUN/blocks/block_{k}.state.safetensors   optimiser state for resuming
+    RUN/e2e/model.safetensors          E2E reference weights
+    RUN/e2e/model.state.safetensors    its optimiser state
+    RUN/metrics/*.jsonl                per-run training metrics
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, load_file, save_file
+from blocktrain.config import RunConfig
+from blocktrain.errors import CheckpointError, ConfigError, RunError
+
+RUN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    tensors: dict[str, torch.Tensor]  # parameter and buffer tensors by name
+    meta: dict[str, str]  # verified metadata header
+
+    @property
+    def step(self) -> int:
+        return int(self.meta.get("step", "0"))
+
+
+class RunDir:
+    """A run directory bound to one :class:`RunConfig`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    # --- config -----------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.root / "run.json"
+
+    def init(self, cfg: RunConfig) -> RunConfig:
+        """Create the run, or check that an existing run has the same architecture."""
+        if self.config_path.exists():
+            existing = self.load_config()
+            if existing.architecture_key() != cfg.architecture_key():
+                raise ConfigError(
+                    f"{self.root} already holds a run with another model/diffusion config "
+                    f"(preset {existing.name!r}); choose a new --out directory"
+                )
+            return existing if existing.train == cfg.train else cfg
+        payload = json.dumps({"format_version": RUN_FORMAT_VERSION, "config": cfg.to_dict()}, indent=2)
+        atomic_write_bytes(self.config_path, payload.encode())
+        return cfg
+
+    def load_config(self) -> RunConfig:
+        if not self.config_path.is_file():
+            raise RunError(f"{self.root} is not a BlockTrain run (no run.json); train one with 'blocktrain train'")
+        try:
+            doc = json.loads(self.config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise RunError(f"{self.config_path} is not valid JSON: {exc}") from exc
+        if doc.get("format_version") != RUN_FORMAT_VERSION:
+            raise RunError(f"{self.config_path}: unsupported run format {doc.get('format_version')!r}")
+        return RunConfig.from_dict(doc["config"])
+
+    # --- paths --------------------------------------------------------------
+    def block_path(self, k: int) -> Path:
+        return self.root / "blocks" / f"block_{k}.safetensors"
+
+    def block_state_path(self, k: int) -> Path:
+        return self.root / "blocks" / f"block_{k}.state.safetensors"
+
+    def e2e_path(self) -> Path:
+        return self.root / "e2e" / "model.safetensors"
+
+    def e2e_state_path(self) -> Path:
+        return self.root / "e2e" / "model.state.safetensors"
+
+    def metrics_path(self, name: str) -> Path:
+        return self.root / "metrics" / f"{name}.jsonl"
+
+    def has_blocks(self, n_blocks: int) -> bool:
+        return all(self.block_path(k).is_file() for k in range(n_blocks))
+
+    def has_e2e(self) -> bool:
+        return self.e2e_path().is_file()
+
+
+def save_model(path: Path, module: nn.Module, cfg: RunConfig, kind: str, step: int, **extra: str) -> str:
+    meta = {"kind": kind, "config": cfg.to_json(), "step": str(step), **extra}
+    return save_file(path, {k: v for k, v in module.state_dict().items()}, meta)
+
+
+def load_model(path: Path, module: nn.Module, cfg: RunConfig, kind: str, **expect: str) -> Checkpoint:
+    """Load a checkpoint into ``module`` after checking kind, architecture and extra fields."""
+    tensors, meta = load_file(path)
+    if meta.get("kind") != kind:
+        raise CheckpointError(f"{path} is a {meta.get('kind')!r} checkpoint, expected {kind!r}")
+    try:
+        other = RunConfig.from_json(meta.get("config", ""))
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: its embedded config is unreadable ({exc})") from exc
+    if other.architecture_key() != cfg.architecture_key():
+        raise CheckpointError(
+            f"{path} was trained with another config (preset {other.name!r}); "
+            "use the matching --preset or a fresh run directory"
+        )
+    for key, value in expect.items():
+        if meta.get(key) != value:
+            raise CheckpointError(f"{path}: metadata {key}={meta.get(key)!r}, expected {value!r}")
+    own = module.state_dict()
+    if set(own) != set(tensors) or any(own[k].shape != tensors[k].shape for k in own):
+        raise CheckpointError(f"{path}: tensor names or shapes do not match the model; the file belongs elsewhere")
+    module.load_state_dict(tensors)
+    return Checkpoint(tensors=tensors, meta=meta)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """Flatten optimiser state to named tensors: ``{param_name}::{key}``."""
+    out: dict[str, torch.Tensor] = {}
+    sd = opt.state_dict()
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            out[f"{names[idx]}::{key}"] = torch.as_tensor(value)
+    return out
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor]) -> None:
+    sd = opt.state_dict()
+    by_name = {v: k for k, v in names.items()}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        pname, _, field = key.rpartition("::")
+        if pname not in by_name:
+            raise CheckpointError(f"optimiser state names unknown parameter {pname!r}")
+        state.setdefault(by_name[pname], {})[field] = value
+    sd["state"] = state
+    opt.load_state_dict(sd)

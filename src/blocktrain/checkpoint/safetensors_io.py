@@ -1,0 +1,115 @@
+"""Tensors on disk and on the wire: safetensors only, never pickle.
+
+Every file or payload carries a metadata header with
+
+* ``format`` = ``"blocktrain"`` and ``format_version`` (bumped on breaking change);
+* ``sha256``: digest of the tensors' canonical form (sorted names, dtype,
+  shape, raw little-endian bytes), checked on every load;
+* free-form string fields chosen by the caller (config JSON, block index, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from blocktrain.errors import CheckpointError
+
+FORMAT = "blocktrain"
+FORMAT_VERSION = "1"
+RESERVED = ("format", "format_version", "sha256")
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the canonical form of a tensor dict (order-independent)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(str(t.dtype).encode())
+        h.update(json.dumps(list(t.shape)).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> bytes:
+    """Serialise tensors plus metadata to safetensors bytes with the versioned header."""
+    meta = dict(meta or {})
+    for key in RESERVED:
+        if key in meta:
+            raise ValueError(f"metadata key {key!r} is reserved")
+    bad = [k for k, v in meta.items() if not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"metadata values must be strings: {bad}")
+    clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, sha256=tensors_sha256(clean))
+    return st_save(clean, metadata=meta)
+
+
+def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse and verify safetensors bytes; raise CheckpointError on any problem."""
+    if len(payload) < 8:
+        raise CheckpointError(f"{source}: {len(payload)} bytes is too short to be a safetensors file")
+    header_len = int.from_bytes(payload[:8], "little")
+    if header_len <= 0 or 8 + header_len > len(payload):
+        raise CheckpointError(f"{source}: not a safetensors file (bad header length); it may be truncated")
+    try:
+        header = json.loads(payload[8 : 8 + header_len])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{source}: not a safetensors file (header is not JSON)") from exc
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{source}: not a BlockTrain file (metadata 'format' is {meta.get('format')!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{source}: format version {meta.get('format_version')!r} is not supported "
+            f"(this BlockTrain reads version {FORMAT_VERSION}); upgrade or re-create the file"
+        )
+    try:
+        tensors = st_load(payload)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{source}: corrupt safetensors data ({exc}); it may be truncated") from exc
+    digest = tensors_sha256(tensors)
+    if digest != meta.get("sha256"):
+        raise CheckpointError(
+            f"{source}: sha256 mismatch (stored {meta.get('sha256')}, computed {digest}); "
+            "the file is corrupt or was modified; delete it and re-create it"
+        )
+    return tensors, dict(meta)
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    """Write via a temporary file in the same directory, fsync, then rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> str:
+    """Atomically write a checkpoint; returns the tensors' sha256."""
+    payload = pack(tensors, meta)
+    atomic_write_bytes(path, payload)
+    return json.loads(payload[8 : 8 + int.from_bytes(payload[:8], "little")])["__metadata__"]["sha256"]
+
+
+def load_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found")
+    return unpack(path.read_bytes(), source=str(path))

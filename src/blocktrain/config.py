@@ -1,0 +1,232 @@
+"""Typed, frozen configuration.
+
+Three dataclasses describe a run: :class:`ModelConfig` (shapes),
+:class:`DiffusionConfig` (noise range, partition, sampler) and
+:class:`TrainConfig` (optimisation). :class:`RunConfig` bundles them. Every
+``__post_init__`` rejects bad values with a :class:`~blocktrain.errors.ConfigError`
+that names the field. Presets live in :mod:`blocktrain.presets`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from blocktrain.errors import ConfigError
+
+VOCAB_SIZE = 256  # byte-level: one symbol per byte value
+
+
+class Slicing(enum.Enum):
+    """How the noise range [sigma_min, sigma_max] is cut into B slices."""
+
+    EQUAL_PROB = "equal_prob"  # equal mass under the truncated log-normal
+    LOG_UNIFORM = "log_uniform"  # equal width in ln(sigma)
+
+
+class Readout(enum.Enum):
+    """Where p(next byte) is read off the chain."""
+
+    LAST_STEP = "last_step"  # logits of the last block's final Euler evaluation
+    SIGMA_MIN = "sigma_min"  # one extra evaluation of the last block at sigma_min
+
+
+class LossWeighting(enum.Enum):
+    """Per-sample weight lambda(sigma) applied to the cross-entropy."""
+
+    EDM = "edm"  # lambda = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2, mean-normalised
+    UNIFORM = "uniform"  # lambda = 1
+
+
+class Solver(enum.Enum):
+    """ODE solver used along the chain."""
+
+    EULER = "euler"  # first order, one evaluation per step (Karras et al. 2022, Alg. 1 w/o 2nd order)
+    HEUN = "heun"  # second order, two evaluations per step except the last
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes of the byte-level Transformer that is cut into blocks."""
+
+    d_model: int = 256  # width of every layer, in features
+    n_heads: int = 4  # attention heads per layer
+    n_layers: int = 8  # total depth L of the whole model, in layers
+    n_blocks: int = 4  # number of blocks B; each block holds L/B layers
+    context: int = 256  # context length T, in bytes
+    mlp_ratio: int = 4  # MLP hidden width as a multiple of d_model
+    embed_seed: int = 1234  # seed of the frozen target embedding E (shared by all blocks)
+
+    def __post_init__(self) -> None:
+        _check(self.d_model > 0, "d_model", f"must be positive, got {self.d_model}")
+        _check(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        _check(
+            self.d_model % self.n_heads == 0,
+            "d_model",
+            f"{self.d_model} is not divisible by n_heads={self.n_heads}",
+        )
+        _check(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
+        _check(self.n_blocks > 0, "n_blocks", f"must be positive, got {self.n_blocks}")
+        _check(
+            self.n_layers % self.n_blocks == 0,
+            "n_blocks",
+            f"B={self.n_blocks} does not divide L={self.n_layers}; choose B among the divisors of L",
+        )
+        _check(self.context >= 2, "context", f"must be at least 2 bytes, got {self.context}")
+        _check(self.mlp_ratio > 0, "mlp_ratio", f"must be positive, got {self.mlp_ratio}")
+
+    @property
+    def layers_per_block(self) -> int:
+        return self.n_layers // self.n_blocks
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class DiffusionConfig:
+    """Noise range, its partition into slices, the loss and the sampler."""
+
+    sigma_min: float = 1.0  # lowest noise level, in units of ||E[y]|| (=1)
+    sigma_max: float = 10.0  # highest noise level, same unit
+    p_mean: float = -1.2  # mean of ln(sigma) of the log-normal (EDM P_mean)
+    p_std: float = 1.2  # std of ln(sigma) of the log-normal (EDM P_std)
+    sigma_data: float = 0.5  # data std used by the EDM preconditioning
+    overlap: float = 0.1  # gamma: slice widening, as a fraction of the slice's probability mass
+    slicing: Slicing = Slicing.EQUAL_PROB  # how slices are cut
+    steps_per_block: int = 1  # solver steps each block takes at inference
+    solver: Solver = Solver.EULER  # Euler or Heun steps along the chain
+    readout: Readout = Readout.LAST_STEP  # where p(next byte) is read
+    loss_weighting: LossWeighting = LossWeighting.EDM  # lambda(sigma) in the weighted CE
+
+    def __post_init__(self) -> None:
+        _check(self.sigma_min > 0, "sigma_min", f"must be > 0, got {self.sigma_min}")
+        _check(
+            self.sigma_min < self.sigma_max,
+            "sigma_min",
+            f"sigma_min={self.sigma_min} must be smaller than sigma_max={self.sigma_max}",
+        )
+        _check(self.p_std > 0, "p_std", f"must be > 0, got {self.p_std}")
+        _check(self.sigma_data > 0, "sigma_data", f"must be > 0, got {self.sigma_data}")
+        _check(0.0 <= self.overlap < 1.0, "overlap", f"must be in [0, 1), got {self.overlap}")
+        _check(self.steps_per_block >= 1, "steps_per_block", f"must be >= 1, got {self.steps_per_block}")
+        for name in ("slicing", "readout", "loss_weighting", "solver"):
+            value = getattr(self, name)
+            expected = type(DiffusionConfig.__dataclass_fields__[name].default)
+            _check(isinstance(value, expected), name, f"must be a {expected.__name__}, got {value!r}")
+        _check(math.isfinite(self.p_mean), "p_mean", "must be finite")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation of one block or of the E2E reference."""
+
+    steps: int = 600  # optimiser steps per block (and for the E2E run)
+    batch_size: int = 16  # sequences per step
+    lr: float = 1e-3  # peak AdamW learning rate
+    min_lr_ratio: float = 0.1  # final LR as a fraction of the peak (cosine decay)
+    warmup_steps: int = 50  # linear warm-up, in steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 disables
+    seed: int = 0  # seed of data order, noise and init
+    checkpoint_every: int = 200  # steps between checkpoints
+    log_every: int = 10  # steps between JSONL metric lines
+    eval_bytes: int = 65536  # validation bytes scored at each periodic eval (0 = off)
+    eval_every: int = 0  # steps between periodic validation evals (0 = only at the end)
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
+        _check(self.batch_size > 0, "batch_size", f"must be positive, got {self.batch_size}")
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _check(self.checkpoint_every > 0, "checkpoint_every", f"must be positive, got {self.checkpoint_every}")
+        _check(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
+        _check(self.eval_bytes >= 0, "eval_bytes", f"must be >= 0, got {self.eval_bytes}")
+        _check(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run; serialised into every checkpoint."""
+
+    name: str  # preset name this config came from (informational)
+    model: ModelConfig = field(default_factory=ModelConfig)  # shapes
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # noise and sampler
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", "must be a non-empty string")
+
+    # --- serialisation -------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        def enc(obj: Any) -> Any:
+            if isinstance(obj, enum.Enum):
+                return obj.value
+            if isinstance(obj, dict):
+                return {k: enc(v) for k, v in obj.items()}
+            return obj
+
+        return enc(asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        try:
+            return cls(
+                name=str(data["name"]),
+                model=_build(ModelConfig, data["model"]),
+                diffusion=_build(DiffusionConfig, data["diffusion"]),
+                train=_build(TrainConfig, data["train"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"malformed run config: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"run config is not valid JSON: {exc}") from exc
+
+    def architecture_key(self) -> str:
+        """JSON of the fields that must agree between blocks of one model."""
+        return json.dumps(
+            {"model": RunConfig.to_dict(self)["model"], "diffusion": RunConfig.to_dict(self)["diffusion"]},
+            sort_keys=True,
+        )
+
+    def with_train(self, **changes: Any) -> RunConfig:
+        return replace(self, train=replace(self.train, **changes))
+
+
+_ENUMS: dict[str, type[enum.Enum]] = {
+    "slicing": Slicing,
+    "readout": Readout,
+    "loss_weighting": LossWeighting,
+    "solver": Solver,
+}
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    kwargs = {k: (_ENUMS[k](v) if k in _ENUMS else v) for k, v in data.items()}
+    return cls(**kwargs)

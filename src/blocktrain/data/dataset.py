@@ -1,0 +1,166 @@
+"""Locate a WikiText data directory and open its splits as uint8 memory maps.
+
+Byte-level modelling means a split's file *is* its uint8 array: each split is
+memory-mapped read-only straight from disk, never copied into RAM.
+
+Resolution order (first hit wins):
+  1. an explicit ``--data DIR``;
+  2. the ``BLOCKTRAIN_DATA`` environment variable;
+  3. the local cache (``$BLOCKTRAIN_CACHE`` or ``~/.cache/blocktrain``)/wikitext-2-raw;
+  4. a download of WikiText-2 raw from the Hugging Face hub into that cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from blocktrain.errors import DataError
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "valid", "test")
+FLAVOURS = ("raw", "tokens")  # file suffixes, preferred first
+
+# Published digests of the official files (see PROVENANCE of the shared data).
+KNOWN_SHA256 = {
+    "wiki.train.raw": "6707892fa3788b5ab9ed78ab5ff37d9fe825f6011a2ad4fcd6a6d467f0e7da57",
+    "wiki.valid.raw": "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7",
+    "wiki.test.raw": "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08",
+    "wiki.train.tokens": "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f",
+    "wiki.valid.tokens": "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8",
+    "wiki.test.tokens": "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0",
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BLOCKTRAIN_CACHE", Path.home() / ".cache" / "blocktrain"))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def expected_files_message(root: Path) -> str:
+    names = ", ".join(f"wiki.{s}.{{raw,tokens}}" for s in SPLITS)
+    return f"{root} must hold {names} (WikiText-2/103, raw or tokenized)"
+
+
+@dataclass(frozen=True)
+class ByteSplit:
+    """One split as a read-only uint8 memory map."""
+
+    name: str  # split name: train, valid or test
+    path: Path  # file on disk
+    data: np.ndarray  # uint8 memory map of the whole file
+
+    def __len__(self) -> int:
+        return int(self.data.shape[0])
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """A validated data directory."""
+
+    root: Path  # the directory
+    flavour: str  # "raw" or "tokens"
+
+    def path(self, split: str) -> Path:
+        return self.root / f"wiki.{split}.{self.flavour}"
+
+    def open(self, split: str, verify: bool = False) -> ByteSplit:
+        if split not in SPLITS:
+            raise DataError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+        path = self.path(split)
+        if not path.is_file():
+            raise DataError(f"split {split!r} is missing: {path} not found; {expected_files_message(self.root)}")
+        size = path.stat().st_size
+        if size < 2:
+            raise DataError(f"split {split!r} at {path} is empty; re-copy or re-download the data")
+        with path.open("rb") as f:
+            head = f.read(1 << 16)
+        if b"\x00" in head:
+            raise DataError(f"split {split!r} at {path} holds NUL bytes and is not WikiText text; the file is corrupt")
+        if verify:
+            want = KNOWN_SHA256.get(path.name)
+            got = sha256_file(path)
+            if want is not None and got != want:
+                log.warning("%s has sha256 %s, not the published %s; results will not be comparable", path, got, want)
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        return ByteSplit(name=split, path=path, data=data)
+
+
+def find_flavour(root: Path) -> str | None:
+    for flavour in FLAVOURS:
+        if all((root / f"wiki.{s}.{flavour}").is_file() for s in SPLITS):
+            return flavour
+    for flavour in FLAVOURS:  # partial directories (e.g. eval-only) still resolve
+        if any((root / f"wiki.{s}.{flavour}").is_file() for s in SPLITS):
+            return flavour
+    return None
+
+
+def open_data_dir(root: Path) -> DataDir:
+    if not root.is_dir():
+        raise DataError(f"data directory {root} does not exist; {expected_files_message(root)}")
+    flavour = find_flavour(root)
+    if flavour is None:
+        raise DataError(f"no WikiText split found in {root}; {expected_files_message(root)}")
+    return DataDir(root=root, flavour=flavour)
+
+
+def resolve_data_dir(
+    explicit: str | Path | None = None,
+    *,
+    download: Callable[[Path], Path] | None = None,
+) -> DataDir:
+    """Find the data directory in the documented order; see the module docstring."""
+    if explicit is not None:
+        return open_data_dir(Path(explicit).expanduser())
+    env = os.environ.get("BLOCKTRAIN_DATA")
+    if env:
+        return open_data_dir(Path(env).expanduser())
+    cached = cache_dir() / "wikitext-2-raw"
+    if find_flavour(cached) is not None:
+        return open_data_dir(cached)
+    if download is None:
+        from blocktrain.data.download import download_wikitext
+
+        def download(dest: Path) -> Path:
+            return download_wikitext("wikitext-2", dest)
+
+    log.info("no data directory given; downloading WikiText-2 raw into %s", cached)
+    return open_data_dir(download(cached))
+
+
+def eval_windows(n: int, context: int) -> list[tuple[int, int, int]]:
+    """Windows that score every target byte 1..n-1 exactly once.
+
+    Returns (start, length, first_scored) triples: inputs are bytes
+    [start, start+length), targets [start+1, start+length+1), and positions
+    >= first_scored of the window are scored. After the first window, each
+    window advances by context//2, so every scored byte sees at least half a
+    window of context; the last window is aligned to the end of the split.
+    """
+    if n < 2:
+        raise DataError(f"a split of {n} bytes has nothing to score")
+    length = min(context, n - 1)
+    stride = max(1, length // 2)
+    windows = [(0, length, 0)]
+    scored_to = length  # targets with index < scored_to+1 done (target index = start + pos + 1)
+    while scored_to < n - 1:
+        start = min(scored_to - length + stride, n - 1 - length)
+        first = scored_to - start
+        windows.append((start, length, first))
+        scored_to = start + length
+    return windows

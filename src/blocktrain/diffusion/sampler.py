@@ -1,0 +1,100 @@
+"""The chain: blocks composed at inference as steps of the probability-flow ODE.
+
+Karras et al. (2022), Eq. (4) and Alg. 1: with D(z; sigma) = softmax(logits) @ E,
+
+    dz/dsigma = (z - D(z; sigma)) / sigma
+    Euler:  z <- z + (s_next - s) * (z - D) / s
+    Heun:   z' = Euler step;  d' = (z' - D(z'; s_next)) / s_next;
+            z <- z + (s_next - s) * (d + d') / 2        (Euler on the final step)
+
+The chain starts at z = sigma_max * eps and block k integrates from s_k down to
+s_{k+1}; block B-1 ends at sigma_min. The logits of the last evaluation give
+p(next byte) (``Readout.LAST_STEP``), or one extra evaluation of the last block
+at sigma_min does (``Readout.SIGMA_MIN``). Nothing here sees the true next byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from blocktrain.config import DiffusionConfig, Readout, Solver
+from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.model.block import BlockDenoiser
+
+
+def initial_noise(
+    shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator
+) -> torch.Tensor:
+    """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim)."""
+    return sigma_max * torch.randn(*shape, dim, generator=generator)
+
+
+def block_steps(
+    block: BlockDenoiser,
+    k: int,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    partition: NoisePartition,
+    cfg: DiffusionConfig,
+    is_last: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run block ``k``'s solver steps on z. Returns (z at s_{k+1}, logits of its last evaluation)."""
+    sigmas = partition.block_steps(k, cfg.steps_per_block)
+    logits = torch.empty(0)
+    for j, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:], strict=True)):
+        logits = block(x, z, torch.tensor(s))
+        d = (z - block.denoised(logits)) / s
+        z_next = z + (s_next - s) * d
+        final = is_last and j == len(sigmas) - 2
+        if cfg.solver is Solver.HEUN and not final:
+            logits2 = block(x, z_next, torch.tensor(s_next))
+            d2 = (z_next - block.denoised(logits2)) / s_next
+            z_next = z + (s_next - s) * 0.5 * (d + d2)
+            logits = logits2
+        z = z_next
+    return z, logits
+
+
+@torch.no_grad()
+def chain_logits(
+    blocks: Sequence[BlockDenoiser],
+    x: torch.Tensor,
+    partition: NoisePartition,
+    cfg: DiffusionConfig,
+    generator: torch.Generator,
+    z0: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One traversal of the block stack: logits (b, t, 256) for every position of x (b, t)."""
+    if len(blocks) != partition.n_blocks:
+        raise ValueError(f"chain needs {partition.n_blocks} blocks, got {len(blocks)}")
+    d = blocks[0].cfg.d_model
+    z = z0 if z0 is not None else initial_noise(tuple(x.shape), d, cfg.sigma_max, generator).to(x.device)  # type: ignore[arg-type]
+    logits = torch.empty(0)
+    for k, block in enumerate(blocks):
+        z, logits = block_steps(block, k, x, z, partition, cfg, is_last=k == len(blocks) - 1)
+    if cfg.readout is Readout.SIGMA_MIN:
+        logits = blocks[-1](x, z, torch.tensor(cfg.sigma_min))
+    return logits
+
+
+@torch.no_grad()
+def block_alone_logits(
+    block: BlockDenoiser,
+    k: int,
+    x: torch.Tensor,
+    partition: NoisePartition,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Block ``k`` used alone: fed pure noise z = s_k * eps at the top of its own slice."""
+    s = partition.slices[k].step_hi
+    z = initial_noise(tuple(x.shape), block.cfg.d_model, s, generator).to(x.device)  # type: ignore[arg-type]
+    return block(x, z, torch.tensor(s))
+
+
+def evaluations_per_traversal(cfg: DiffusionConfig, n_blocks: int) -> int:
+    """Block forward passes one traversal costs (for compute accounting)."""
+    per_block = cfg.steps_per_block * (2 if cfg.solver is Solver.HEUN else 1)
+    total = n_blocks * per_block - (1 if cfg.solver is Solver.HEUN else 0)
+    return total + (1 if cfg.readout is Readout.SIGMA_MIN else 0)

@@ -1,0 +1,72 @@
+"""Named presets: plain functions returning a :class:`RunConfig`.
+
+``tiny`` runs in seconds for tests, ``cpu_mini`` in minutes for iteration,
+``cpu_small`` is the committed CPU benchmark, ``paper`` is GPU scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from blocktrain.config import DiffusionConfig, ModelConfig, RunConfig, TrainConfig
+from blocktrain.errors import ConfigError
+
+
+def tiny() -> RunConfig:
+    """Seconds on one CPU core; used by the test suite."""
+    return RunConfig(
+        name="tiny",
+        model=ModelConfig(d_model=32, n_heads=2, n_layers=4, n_blocks=4, context=32, mlp_ratio=2),
+        diffusion=DiffusionConfig(),
+        train=TrainConfig(
+            steps=20, batch_size=4, lr=3e-3, warmup_steps=2, checkpoint_every=10, log_every=5, eval_bytes=2048
+        ),
+    )
+
+
+def cpu_mini() -> RunConfig:
+    """A few minutes per side on 2 CPU cores; for iterating on recipes."""
+    return RunConfig(
+        name="cpu-mini",
+        model=ModelConfig(d_model=128, n_heads=4, n_layers=8, n_blocks=4, context=128),
+        diffusion=DiffusionConfig(),
+        train=TrainConfig(steps=400, batch_size=16, lr=2e-3, warmup_steps=30, checkpoint_every=100),
+    )
+
+
+def cpu_small() -> RunConfig:
+    """The committed CPU benchmark shape (d=256, 4 heads, L=8, B=4, T=256)."""
+    return RunConfig(
+        name="cpu-small",
+        model=ModelConfig(d_model=256, n_heads=4, n_layers=8, n_blocks=4, context=256),
+        diffusion=DiffusionConfig(),
+        train=TrainConfig(steps=600, batch_size=16, lr=1e-3, warmup_steps=50, checkpoint_every=100),
+    )
+
+
+def paper() -> RunConfig:
+    """GPU scale, as in the paper's byte-level WikiText runs."""
+    return RunConfig(
+        name="paper",
+        model=ModelConfig(d_model=768, n_heads=12, n_layers=16, n_blocks=4, context=512),
+        diffusion=DiffusionConfig(),
+        train=TrainConfig(
+            steps=20000, batch_size=64, lr=6e-4, warmup_steps=500, checkpoint_every=1000, eval_every=1000
+        ),
+    )
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "tiny": tiny,
+    "cpu-mini": cpu_mini,
+    "cpu-small": cpu_small,
+    "paper": paper,
+}
+
+
+def get_preset(name: str) -> RunConfig:
+    """Return the preset called ``name`` or raise a ConfigError listing the choices."""
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

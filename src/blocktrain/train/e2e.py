@@ -1,0 +1,59 @@
+"""Train the end-to-end reference with plain next-byte cross-entropy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.config import RunConfig
+from blocktrain.data.dataset import DataDir
+from blocktrain.data.stream import TrainStream
+from blocktrain.diffusion.loss import lm_loss
+from blocktrain.evaluate.scoring import score_split
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.train.loop import TrainSummary, run_training
+from blocktrain.train.memory import rss_bytes, warm_runtime
+
+
+def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True) -> TrainSummary:
+    train = data.open("train")  # validate inputs before anything is written
+    valid = data.open("valid") if cfg.train.eval_bytes else None
+    run = RunDir(out)
+    cfg = run.init(cfg)
+    # Same data stream as block 0 would see at a given step would bias nothing; use a distinct one.
+    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=999_999)
+    torch.manual_seed(cfg.train.seed * 1009 + 77)
+    warm_runtime()
+    baseline = rss_bytes()
+    model = E2ETransformer(cfg.model)
+
+    def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        x, y = tstream.batch(step)
+        return lm_loss(model(x), y), {}
+
+    def eval_fn() -> dict[str, float]:
+        assert valid is not None
+        model.eval()
+
+        def lp(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.log_softmax(model(x), dim=-1).unsqueeze(0)
+
+        return {"val_ce": score_split(lp, valid.data, cfg.model.context, max_bytes=cfg.train.eval_bytes).ce_nats_per_byte}
+
+    return run_training(
+        name="e2e",
+        module=model,
+        cfg=cfg,
+        step_fn=step_fn,
+        ckpt_path=run.e2e_path(),
+        state_path=run.e2e_state_path(),
+        metrics_path=run.metrics_path("e2e"),
+        bytes_per_step=cfg.train.batch_size * cfg.model.context,
+        baseline_rss=baseline,
+        save_meta={"kind": "e2e"},
+        eval_fn=eval_fn if valid is not None else None,
+        progress=progress,
+    )

@@ -1,0 +1,170 @@
+"""The optimisation loop shared by block and E2E training.
+
+Resumable: model weights and AdamW state are checkpointed together, and all
+randomness (data windows, noise) is a pure function of (seed, stream, step),
+so a resumed run continues exactly where the killed one stopped. Ctrl-C saves
+a checkpoint before exiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from blocktrain.checkpoint.run import load_model, load_optimizer_tensors, optimizer_tensors, save_model
+from blocktrain.checkpoint.safetensors_io import load_file, save_file
+from blocktrain.config import RunConfig, TrainConfig
+from blocktrain.errors import CheckpointError
+from blocktrain.train.memory import peak_rss_bytes, rss_bytes
+from blocktrain.train.metrics import JsonlWriter
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[int], tuple[torch.Tensor, dict[str, float]]]  # step -> (loss, extra metrics)
+EvalFn = Callable[[], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    name: str  # "block_k" or "e2e"
+    steps: int  # steps completed in total (including resumed ones)
+    wall_s: float  # wall-clock seconds of this process's training
+    final_loss: float  # last training loss (NaN if no step ran)
+    params: int  # trainable parameters
+    optimizer_bytes: int  # bytes of AdamW state
+    baseline_rss: int  # RSS just before the model was built
+    peak_rss: int  # peak RSS of the process
+    train_mem_bytes: int  # peak_rss - baseline_rss
+    eval: dict[str, float]  # final evaluation figures
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up then cosine decay to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, dict[int, str]]:
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if p.dim() >= 2 and "emb" not in n]
+    no_decay = [p for n, p in named if not (p.dim() >= 2 and "emb" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    order = [id(p) for p in decay + no_decay]
+    by_id = {id(p): n for n, p in named}
+    return opt, {i: by_id[pid] for i, pid in enumerate(order)}
+
+
+def optimizer_bytes(module: nn.Module) -> int:
+    """AdamW keeps two fp32 moments per trainable parameter."""
+    return 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def run_training(
+    *,
+    name: str,
+    module: nn.Module,
+    cfg: RunConfig,
+    step_fn: StepFn,
+    ckpt_path: Path,
+    state_path: Path,
+    metrics_path: Path,
+    bytes_per_step: int,
+    baseline_rss: int,
+    save_meta: dict[str, str],
+    eval_fn: EvalFn | None = None,
+    progress: bool = True,
+) -> TrainSummary:
+    tc = cfg.train
+    opt, names = make_optimizer(module, tc)
+    start = 0
+    if ckpt_path.exists():
+        ckpt = load_model(ckpt_path, module, cfg, save_meta["kind"], **{k: v for k, v in save_meta.items() if k != "kind"})
+        start = ckpt.step
+        if start > 0:
+            if not state_path.exists():
+                raise CheckpointError(f"{state_path} is missing; cannot resume {ckpt_path} at step {start}")
+            st, st_meta = load_file(state_path)
+            if int(st_meta.get("step", "-1")) != start:
+                raise CheckpointError(f"{state_path} is at step {st_meta.get('step')}, weights at {start}; delete both")
+            load_optimizer_tensors(opt, names, st)
+        log.info("%s: resuming at step %d of %d", name, start, tc.steps)
+    metrics = JsonlWriter(metrics_path)
+
+    def checkpoint(step: int) -> None:
+        save_file(state_path, optimizer_tensors(opt, names), {"step": str(step), "name": name})
+        save_model(ckpt_path, module, cfg, step=step, **save_meta)
+
+    if start == 0:
+        checkpoint(0)  # step-0 weights: initial state is reproducible and resumable
+    module.train()
+    t0 = time.perf_counter()
+    last_loss = float("nan")
+    step = start
+    bar = tqdm(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
+    try:
+        for step in range(start, tc.steps):
+            lr = lr_at(step, tc)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss, extra = step_fn(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = float(nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip or float("inf")))
+            opt.step()
+            last_loss = float(loss.detach())
+            elapsed = time.perf_counter() - t0
+            rate = (step + 1 - start) * bytes_per_step / max(elapsed, 1e-9)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last_loss:.3f}", bytes_s=f"{rate:,.0f}")
+            if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+                metrics.write(step=step + 1, loss=last_loss, lr=lr, grad_norm=gnorm, bytes_per_s=rate, **extra)
+            if (step + 1) % tc.checkpoint_every == 0:
+                checkpoint(step + 1)
+            if eval_fn is not None and tc.eval_every and (step + 1) % tc.eval_every == 0:
+                metrics.write(step=step + 1, event="eval", **eval_fn())
+                module.train()
+        step = tc.steps
+    except KeyboardInterrupt:
+        log.warning("%s: interrupted; saving a checkpoint at step %d", name, step)
+        checkpoint(step)
+        raise
+    finally:
+        bar.close()
+    checkpoint(step)
+    wall = time.perf_counter() - t0
+    peak = peak_rss_bytes()
+    final_eval = eval_fn() if eval_fn is not None else {}
+    params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    summary = TrainSummary(
+        name=name,
+        steps=step,
+        wall_s=wall,
+        final_loss=last_loss,
+        params=params,
+        optimizer_bytes=optimizer_bytes(module),
+        baseline_rss=baseline_rss,
+        peak_rss=peak,
+        train_mem_bytes=peak - baseline_rss,
+        eval=final_eval,
+    )
+    metrics.write(event="summary", **{k: v for k, v in summary.__dict__.items()})
+    return summary
+
+
+def current_rss() -> int:
+    return rss_bytes()
