@@ -26,7 +26,8 @@ def add_run_args(p: argparse.ArgumentParser, *, need_out: bool = True) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = get_preset(args.preset)
-    train = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("batch_size", args.batch_size), ("lr", args.lr)) if v is not None}
+    overrides = (("steps", args.steps), ("seed", args.seed), ("batch_size", args.batch_size), ("lr", args.lr))
+    train = {k: v for k, v in overrides if v is not None}
     if train:
         cfg = replace(cfg, train=replace(cfg.train, **train))
     diff = {k: v for k, v in (("sigma_min", args.sigma_min), ("sigma_max", args.sigma_max)) if v is not None}

@@ -92,7 +92,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blocktrain.evaluate.generate import generate
 
     if args.pipeline:
-        from blocktrain.serve.client import generate_remote  # type: ignore[import-not-found]
+        from blocktrain.serve.client import generate_remote
 
         text = generate_remote(args, args.prompt.encode())
     else:
@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="auto", choices=["auto", "blocktrain", "e2e"])
     s.add_argument("--pipeline", default=None, help="HOST:PORT of the first serving stage")
-    s.add_argument("--mode", default="ar", choices=["ar", "sweep"], help="serving mode with --pipeline")
+    s.add_argument("--mode", default="ar", choices=["ar", "sweep", "baseline"], help="serving mode with --pipeline")
+    s.add_argument("--sweeps", type=int, default=1, help="k sweeps of --mode sweep")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_generate)
 
@@ -182,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-eval-bytes", type=int, default=None, help="score only the first N test bytes")
     q.add_argument("--fresh", action="store_true", help="delete the run directory first")
     q.set_defaults(fn=cmd_bench_quality)
+
+    # Sub-commands of the distributed parts register themselves.
+    from blocktrain.cli import distributed, serving
+
+    distributed.register(sub, bsub)
+    serving.register(sub, bsub)
     return p
 
 

@@ -15,6 +15,7 @@ at sigma_min does (``Readout.SIGMA_MIN``). Nothing here sees the true next byte.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -43,7 +44,7 @@ def block_steps(
     """Run block ``k``'s solver steps on z. Returns (z at s_{k+1}, logits of its last evaluation)."""
     sigmas = partition.block_steps(k, cfg.steps_per_block)
     logits = torch.empty(0)
-    for j, (s, s_next) in enumerate(zip(sigmas[:-1], sigmas[1:], strict=True)):
+    for j, (s, s_next) in enumerate(itertools.pairwise(sigmas)):
         logits = block(x, z, torch.tensor(s))
         d = (z - block.denoised(logits)) / s
         z_next = z + (s_next - s) * d

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from blocktrain.data.dataset import ByteSplit
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
@@ -39,16 +41,21 @@ def evaluate_model(
         "wall_s": time.perf_counter() - t0,
     }
     if blocks_alone and isinstance(model, AssembledModel):
-        alone = []
+        alone_ce: list[float] = []
+        assembled = model
         for b in range(len(model.blocks)):
+
+            def alone(x: torch.Tensor, b: int = b) -> torch.Tensor:
+                return assembled.block_alone_log_probs(b, x, seed=seed)
+
             r = score_split(
-                lambda x, b=b: model.block_alone_log_probs(b, x, seed=seed),
+                alone,
                 split.data, model.context, batch_size=batch_size, max_bytes=max_bytes, progress=progress,
                 desc=f"block {b} alone",
             )
-            alone.append(r.ce_nats_per_byte)
-        out["blocks_alone_ce"] = alone
-        out["compositional_gain_nats_per_byte"] = min(alone) - res.ce_nats_per_byte
+            alone_ce.append(r.ce_nats_per_byte)
+        out["blocks_alone_ce"] = alone_ce
+        out["compositional_gain_nats_per_byte"] = min(alone_ce) - res.ce_nats_per_byte
     return out
 
 

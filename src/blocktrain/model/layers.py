@@ -90,7 +90,8 @@ class SigmaEmbedding(nn.Module):
 
     def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
         # (...,) -> (..., n_freq)
-        arg = c_noise.unsqueeze(-1) * self.freqs
+        freqs: torch.Tensor = self.freqs  # type: ignore[assignment]
+        arg = c_noise.unsqueeze(-1) * freqs
         return self.mlp(torch.cat([torch.sin(arg), torch.cos(arg)], dim=-1))
 
 

@@ -1,0 +1,164 @@
+"""How fast the coordinator ingests updates on loopback, next to a plain loopback copy.
+
+The coordinator runs as its own process (as in production). U workers, all on
+block 0, each push one delta; the round closes when the last one arrives, so the
+timing includes HTTP, parsing, validation (names, shapes, dtypes, finiteness,
+norm), sha256 checks, the durable write (fsync) and the SQLite commit of every
+update, and the one aggregation at the end. The reference is the same number of
+bytes sent through a plain TCP socket on 127.0.0.1 to a process that only reads
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from blocktrain.coordinator.store import Store
+from blocktrain.coordinator.wire import Compression, block_schema, pack_delta
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.presets import get_preset
+
+log = logging.getLogger(__name__)
+
+_SINK = """
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); buf = bytearray(1 << 20); view = memoryview(buf); total = int(sys.argv[1]); got = 0
+while got < total:
+    n = c.recv_into(view)
+    if not n: break
+    got += n
+c.sendall(b"k"); c.close()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def plain_copy_mbps(payload: bytes, repeats: int) -> float:
+    """MB/s of sending ``repeats`` x ``payload`` over a loopback TCP socket to another process."""
+    total = len(payload) * repeats
+    sink = subprocess.Popen([sys.executable, "-c", _SINK, str(total)], stdout=subprocess.PIPE)
+    try:
+        assert sink.stdout is not None
+        port = int(sink.stdout.readline())
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                s.sendall(payload)
+            s.recv(1)
+            dt = time.perf_counter() - t0
+    finally:
+        sink.wait(timeout=60)
+    return total / dt / 1e6
+
+
+def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: str = "none",
+                     work_dir: Path | None = None, concurrency: int = 4) -> dict[str, Any]:
+    cfg = get_preset(preset)
+    tmp = tempfile.TemporaryDirectory(prefix="blocktrain-ingest-") if work_dir is None else None
+    root = Path(tmp.name) if tmp is not None else Path(work_dir or ".")
+    result: dict[str, Any] = {"preset": preset, "updates": updates, "compression": compression}
+    try:
+        results = []
+        for mode, n_clients in (("sequential", 1), ("concurrent", concurrency)):
+            run = root / f"run-{mode}"
+            results.append(_one(cfg.name, run, updates, Compression(compression), n_clients))
+        shapes = block_schema(BlockDenoiser(cfg.model, cfg.diffusion.sigma_data))
+        body = pack_delta({n: torch.zeros(s) for n, s in shapes.items()}, Compression(compression), block=0,
+                          base_version=0, samples=1)
+        copy = plain_copy_mbps(body, updates)
+        result.update(
+            block_fp32_bytes=sum(4 * torch.Size(s).numel() for s in shapes.values()),
+            update_bytes=len(body),
+            ingest_sequential_MBps=results[0],
+            ingest_concurrent_MBps=results[1],
+            concurrent_clients=concurrency,
+            plain_loopback_copy_MBps=copy,
+            ingest_over_copy=max(results) / copy,
+            cpu_count=os.cpu_count(),
+            includes="HTTP + safetensors parse + sha256 + name/shape/dtype/finite/norm checks + fsync'd blob + "
+                     "SQLite commit per update, and the final aggregation",
+        )
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    return result
+
+
+def _one(preset: str, run: Path, updates: int, compression: Compression, n_clients: int) -> float:
+    store = Store(run)
+    tokens = [store.add_token(f"w{i:03d}", time.time()) for i in range(updates)]
+    store.close()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blocktrain", "coordinator", "--run-dir", str(run), "--preset", preset, "--port",
+         str(port), "--no-eval", "--norm-k", "0", "--round-seconds", "3600", "--threads", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                httpx.get(f"{url}/v1/status", timeout=5)
+                break
+            except httpx.HTTPError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the coordinator did not start") from None
+                time.sleep(0.2)
+        cfg = get_preset(preset)
+        shapes = block_schema(BlockDenoiser(cfg.model, cfg.diffusion.sigma_data))
+        bodies = []
+        for i, t in enumerate(tokens):
+            httpx.post(f"{url}/v1/register", json={"block": 0}, headers={"Authorization": f"Bearer {t}"}, timeout=30)
+            g = torch.Generator().manual_seed(i)
+            delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}
+            bodies.append(pack_delta(delta, compression, block=0, base_version=0, samples=1))
+        errors: list[str] = []
+
+        def push(idx: list[int]) -> None:
+            with httpx.Client(base_url=url, timeout=120) as h:
+                for i in idx:
+                    r = h.post("/v1/blocks/0/updates", content=bodies[i],
+                               headers={"Authorization": f"Bearer {tokens[i]}"})
+                    if r.status_code != 202:
+                        errors.append(f"{r.status_code} {r.text[:200]}")
+
+        chunks = [list(range(c, updates, n_clients)) for c in range(n_clients)]
+        threads = [threading.Thread(target=push, args=(c,)) for c in chunks]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        dt = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"ingest bench: {len(errors)} pushes failed, first: {errors[0]}")
+        st = httpx.get(f"{url}/v1/status", timeout=30).json()
+        if st["updates_accepted"] != updates or st["blocks"][0]["version"] != 1:
+            raise RuntimeError(f"ingest bench: expected {updates} accepted updates and one closed round, got {st}")
+        mbps = sum(len(b) for b in bodies) / dt / 1e6
+        log.info("ingest (%d clients): %d updates of %.1f MB in %.2fs = %.0f MB/s", n_clients, updates,
+                 len(bodies[0]) / 1e6, dt, mbps)
+        return mbps
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

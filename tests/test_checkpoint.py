@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.checkpoint.safetensors_io import load_file, pack, save_file, tensors_sha256, unpack
+from blocktrain.errors import CheckpointError
+
+
+def test_exact_bytes_of_wire_format() -> None:
+    payload = pack({"a": torch.tensor([1.0, 2.0])}, {"kind": "x"})
+    n = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + n])
+    digest = tensors_sha256({"a": torch.tensor([1.0, 2.0])})
+    assert header["__metadata__"] == {"kind": "x", "format": "blocktrain", "format_version": "1", "sha256": digest}
+    assert header["a"] == {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    assert payload[8 + n :] == b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0f, 2.0f little-endian
+    assert digest == tensors_sha256({"a": torch.tensor([1.0, 2.0])})
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    t = {"w": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int64)}
+    save_file(tmp_path / "c.safetensors", t, {"step": "7"})
+    got, meta = load_file(tmp_path / "c.safetensors")
+    assert meta["step"] == "7" and all(torch.equal(got[k], t[k]) for k in t)
+
+
+def test_tampered_tensor_detected(tmp_path: Path) -> None:
+    payload = bytearray(pack({"w": torch.zeros(16)}))
+    payload[-1] ^= 0x01
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        unpack(bytes(payload))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"1234", pickle.dumps({"w": [1, 2, 3]}), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......"],
+)
+def test_garbage_rejected(payload: bytes) -> None:
+    with pytest.raises(CheckpointError):
+        unpack(payload)
+
+
+def test_truncated_rejected() -> None:
+    payload = pack({"w": torch.randn(100)})
+    with pytest.raises(CheckpointError):
+        unpack(payload[:-10])
+
+
+def test_foreign_safetensors_rejected() -> None:
+    from safetensors.torch import save
+
+    with pytest.raises(CheckpointError, match="not a BlockTrain file"):
+        unpack(save({"w": torch.zeros(2)}))
+
+
+def test_reserved_metadata() -> None:
+    with pytest.raises(ValueError, match="reserved"):
+        pack({"w": torch.zeros(1)}, {"sha256": "x"})

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blocktrain.config import RunConfig
+from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.diffusion.sampler import chain_logits
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.embedding import make_target_embedding
+
+
+def _perturb_after(x: torch.Tensor, t: int) -> torch.Tensor:
+    y = x.clone()
+    y[:, t + 1] = (y[:, t + 1] + 1) % 256
+    return y
+
+
+def _randomise(module: torch.nn.Module) -> None:
+    """Give zero-initialised paths (adaLN, z_in) non-zero weights so causality is tested everywhere."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("t", [0, 5, 30])
+def test_e2e_is_causal(tiny_cfg: RunConfig, t: int) -> None:
+    model = E2ETransformer(tiny_cfg.model).eval()
+    _randomise(model)
+    x = torch.randint(0, 256, (2, tiny_cfg.model.context))
+    a, b = model(x), model(_perturb_after(x, t))
+    assert torch.allclose(a[:, : t + 1], b[:, : t + 1], atol=1e-6)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :], atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [0, 5, 30])
+def test_block_chain_is_causal(tiny_cfg: RunConfig, t: int) -> None:
+    blocks = [BlockDenoiser(tiny_cfg.model, 0.5).eval() for _ in range(tiny_cfg.model.n_blocks)]
+    for b in blocks:
+        _randomise(b)
+        b.target_embedding.copy_(blocks[0].target_embedding)
+    part = NoisePartition(tiny_cfg.diffusion, tiny_cfg.model.n_blocks)
+    x = torch.randint(0, 256, (2, tiny_cfg.model.context))
+
+    def run(inp: torch.Tensor) -> torch.Tensor:
+        return chain_logits(blocks, inp, part, tiny_cfg.diffusion, torch.Generator().manual_seed(0))
+
+    a, b = run(x), run(_perturb_after(x, t))
+    assert torch.allclose(a[:, : t + 1], b[:, : t + 1], atol=1e-5)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :], atol=1e-5)
+
+
+def test_target_embedding_frozen_normalised_seeded(tiny_cfg: RunConfig) -> None:
+    blk = BlockDenoiser(tiny_cfg.model, 0.5)
+    E = blk.E
+    assert E.shape == (256, tiny_cfg.model.d_model)
+    assert torch.allclose(E.norm(dim=-1), torch.ones(256), atol=1e-5)
+    assert torch.equal(E, make_target_embedding(tiny_cfg.model.d_model, tiny_cfg.model.embed_seed))
+    assert "target_embedding" in blk.state_dict()
+    assert all(p is not E for p in blk.parameters())
+
+
+def test_adaln_zero_init_means_sigma_has_no_effect_at_init(tiny_cfg: RunConfig) -> None:
+    blk = BlockDenoiser(tiny_cfg.model, 0.5).eval()
+    x = torch.randint(0, 256, (1, 8))
+    z = torch.zeros(1, 8, tiny_cfg.model.d_model)
+    # With z = 0, logits = W c_out(sigma) F + b: F must not depend on sigma at init.
+    p = blk.precond
+    f1 = (blk(x, z, torch.tensor(1.0)) - blk.head.bias) / p.c_out(torch.tensor(1.0))
+    f5 = (blk(x, z, torch.tensor(5.0)) - blk.head.bias) / p.c_out(torch.tensor(5.0))
+    assert torch.allclose(f1, f5, atol=1e-5)
+
+
+def test_sigma_shapes_agree(tiny_cfg: RunConfig) -> None:
+    blk = BlockDenoiser(tiny_cfg.model, 0.5).eval()
+    _randomise(blk)
+    x = torch.randint(0, 256, (3, 8))
+    z = torch.randn(3, 8, tiny_cfg.model.d_model)
+    a = blk(x, z, torch.tensor(2.0))
+    for s in (torch.full((3,), 2.0), torch.full((3, 1), 2.0), torch.full((3, 8), 2.0)):
+        assert torch.allclose(a, blk(x, z, s), atol=1e-6)
+
+
+def test_context_overflow_rejected(tiny_cfg: RunConfig) -> None:
+    with pytest.raises(ValueError, match="exceeds the context"):
+        E2ETransformer(tiny_cfg.model)(torch.zeros(1, tiny_cfg.model.context + 1, dtype=torch.long))
