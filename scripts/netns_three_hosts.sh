@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Three "hosts" as network namespaces joined by veth pairs (a star around the coordinator):
+#
+#   bt-host1 (10.77.1.2) ---veth--- (10.77.1.1) bt-coord (10.77.2.1) ---veth--- (10.77.2.2) bt-host2
+#
+# The coordinator runs in bt-coord, two workers in each of bt-host1 and bt-host2 (B=4 blocks).
+# Every veth end is capped with tbf at RATE_MBIT. Latency: netem adds RTT_MS/4 per veth end
+# egress when the kernel has it; otherwise (CONFIG_NET_SCH_NETEM unset, as on the machine the
+# committed results come from) a userspace relay in bt-coord (benchmarks/delay_relay.py) adds
+# RTT_MS/2 in each direction. Writes benchmarks/results/three-hosts.json.
+#
+#   flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh          # set up, run, tear down
+#   scripts/netns_three_hosts.sh up | down                               # only set up / tear down
+#
+# Needs root (ip netns, tc); without root it prints SKIP and exits 0.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" != 0 ]; then echo "SKIP: needs root for 'ip netns' and 'tc' (run with sudo)"; exit 0; fi
+for t in ip tc; do command -v "$t" > /dev/null || { echo "SKIP: '$t' not found (install iproute2)"; exit 0; }; done
+
+PRESET=${PRESET:-cpu-mini}
+H=${H:-25}
+ROUNDS=${ROUNDS:-12}
+RTT_MS=${RTT_MS:-40}
+RATE_MBIT=${RATE_MBIT:-50}
+DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
+OUT=${OUT:-runs/exp-three-hosts}
+NS_C=bt-coord; NS_1=bt-host1; NS_2=bt-host2
+PY=$(pwd)/.venv/bin/python
+BT="$PY -m blocktrain"
+
+down() {
+  for ns in $NS_C $NS_1 $NS_2; do ip netns del "$ns" 2> /dev/null || true; done
+}
+
+up() {
+  down
+  for ns in $NS_C $NS_1 $NS_2; do ip netns add "$ns"; ip -n "$ns" link set lo up; done
+  for i in 1 2; do
+    ns="bt-host$i"
+    ip link add "bt-c$i" type veth peer name "bt-h$i"
+    ip link set "bt-c$i" netns $NS_C
+    ip link set "bt-h$i" netns "$ns"
+    ip -n $NS_C addr add "10.77.$i.1/24" dev "bt-c$i"
+    ip -n "$ns" addr add "10.77.$i.2/24" dev "bt-h$i"
+    ip -n $NS_C link set "bt-c$i" up
+    ip -n "$ns" link set "bt-h$i" up
+  done
+  NETEM=0
+  if ip netns exec $NS_C tc qdisc add dev bt-c1 root netem delay 1ms 2> /dev/null; then
+    ip netns exec $NS_C tc qdisc del dev bt-c1 root; NETEM=1
+  fi
+  for i in 1 2; do
+    for pair in "$NS_C bt-c$i" "bt-host$i bt-h$i"; do
+      set -- $pair
+      if [ $NETEM = 1 ]; then
+        ip netns exec "$1" tc qdisc add dev "$2" root netem delay "$((RTT_MS / 4))ms" rate "${RATE_MBIT}mbit"
+      else
+        ip netns exec "$1" tc qdisc add dev "$2" root tbf rate "${RATE_MBIT}mbit" burst 64kb latency 400ms
+      fi
+    done
+  done
+  echo $NETEM > /tmp/bt-netns-netem
+  echo "namespaces up (netem: $NETEM, rate ${RATE_MBIT} mbit/s per veth end)"
+}
+
+run() {
+  up
+  trap 'kill $(jobs -p) 2> /dev/null || true; down' EXIT
+  NETEM=$(cat /tmp/bt-netns-netem)
+  rm -rf "$OUT"; mkdir -p "$OUT/logs"
+  for i in 0 1 2 3; do $BT token add "w$i" --run-dir "$OUT/run" > "$OUT/w$i.token"; done
+  if [ "$NETEM" = 1 ]; then
+    LISTEN=0.0.0.0; CPORT=8470; EMUL="netem delay $((RTT_MS / 4)) ms per veth end"
+  else
+    LISTEN=127.0.0.1; CPORT=8471; EMUL="userspace relay (benchmarks/delay_relay.py), $((RTT_MS / 2)) ms each way"
+    ip netns exec $NS_C "$PY" benchmarks/delay_relay.py --listen 10.77.1.1:8470 --listen 10.77.2.1:8470 \
+      --target "127.0.0.1:$CPORT" --delay-ms "$((RTT_MS / 2))" 2> "$OUT/logs/relay.log" &
+  fi
+  ip netns exec $NS_C env OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/run" --preset "$PRESET" \
+    --steps $((ROUNDS * H)) --data "$DATA" --host $LISTEN --port $CPORT --rounds "$ROUNDS" --round-seconds 300 \
+    --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 2> "$OUT/logs/coordinator.log" &
+  until ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > /dev/null; do sleep 0.5; done
+  RTT=$(ip netns exec $NS_1 "$PY" benchmarks/measure_rtt.py "http://10.77.1.1:8470/" --n 30)
+  echo "{\"rtt_ms\": $(echo "$RTT" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["rtt_ms_median"])'),
+    \"rtt_note\": \"median of 30 small HTTP GETs from bt-host1 to the coordinator over a kept-alive connection\",
+    \"rate_mbit\": $RATE_MBIT, \"latency_emulation\": \"$EMUL\"}" > "$OUT/net.json"
+  t0=$(date +%s)
+  PIDS=()
+  for i in 0 1 2 3; do
+    h=$(( i % 2 + 1 ))
+    ip netns exec "bt-host$h" env OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN="$(cat "$OUT/w$i.token")" $BT worker \
+      --coordinator "http://10.77.$h.1:8470" --local-steps "$H" --data "$DATA" --threads 1 --no-progress \
+      --summary-json "$OUT/w$i.summary.json" 2> "$OUT/logs/w$i.log" &
+    PIDS+=($!)
+  done
+  for p in "${PIDS[@]}"; do wait "$p"; done
+  echo $(( $(date +%s) - t0 )) > "$OUT/wall_s"
+  sleep 3
+  ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > "$OUT/status.json"
+  "$PY" benchmarks/collect_distributed.py three-hosts "$OUT" --preset "$PRESET" --h "$H" --rounds "$ROUNDS" \
+    --out "${RESULT:-benchmarks/results/three-hosts.json}" \
+    --command "PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
+}
+
+case "${1:-run}" in
+  up) up ;;
+  down) down ;;
+  run) run ;;
+  *) echo "usage: $0 [run|up|down]"; exit 2 ;;
+esac

@@ -1,0 +1,192 @@
+"""CLI of decentralised training: coordinator, worker, token management (issue 3)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from blocktrain.cli.common import add_run_args, config_from_args
+from blocktrain.errors import BlockTrainError
+
+log = logging.getLogger("blocktrain")
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from blocktrain.coordinator.aggregate import Aggregation, OuterOptimizer
+    from blocktrain.coordinator.app import run_server
+    from blocktrain.coordinator.service import Coordinator
+    from blocktrain.coordinator.settings import CoordinatorSettings
+    from blocktrain.data.dataset import resolve_data_dir
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise BlockTrainError("--tls-cert and --tls-key go together; pass both or neither")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    settings = CoordinatorSettings(
+        round_seconds=args.round_seconds,
+        adaptive_deadline=args.adaptive_deadline,
+        lease_seconds=args.lease_seconds,
+        rounds=args.rounds,
+        min_updates=args.min_updates,
+        max_body_bytes=args.max_body_bytes,
+        norm_k=args.norm_k,
+        aggregation=Aggregation(args.aggregation),
+        trim_fraction=args.trim_fraction,
+        outer=OuterOptimizer(args.outer),
+        outer_lr=args.outer_lr if args.outer_lr is not None else (0.7 if args.outer == "nesterov" else 1.0),
+        outer_momentum=args.outer_momentum,
+        gate_tolerance=args.gate_tolerance,
+        eval_every=args.eval_every,
+        eval_bytes=args.eval_bytes,
+        fsync=not args.no_fsync,
+    )
+    data = None if args.no_eval and args.gate_tolerance is None else resolve_data_dir(args.data)
+    c = Coordinator(Path(args.run_dir), config_from_args(args), settings, data)
+    try:
+        run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
+    finally:
+        c.close()
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from blocktrain.coordinator.wire import Compression
+    from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.worker.loop import Worker, WorkerOptions
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is too chatty
+    token = args.token or os.environ.get("BLOCKTRAIN_TOKEN")
+    if not token:
+        raise BlockTrainError(
+            "no token: pass --token T or set BLOCKTRAIN_TOKEN (create one with 'blocktrain token add')"
+        )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    opts = WorkerOptions(
+        url=args.coordinator,
+        token=token,
+        block=args.block,
+        local_steps=args.local_steps,
+        compression=Compression(args.compress),
+        progress=not args.no_progress,
+        give_up_s=args.give_up_s,
+        verify_tls=args.ca_cert or not args.insecure,
+    )
+    stop, abandon = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            log.warning("second signal: abandoning the current round")
+            abandon.set()
+        else:
+            log.warning("signal %d: finishing the current round, then leaving (signal again to abandon)", signum)
+            stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    summary = Worker(opts, resolve_data_dir(args.data), stop=stop, abandon=abandon).run()
+    log.info("worker done: %s", summary)
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary.__dict__, indent=2))
+    return 0
+
+
+def cmd_token_add(args: argparse.Namespace) -> int:
+    from blocktrain.coordinator.store import Store
+
+    store = Store(Path(args.run_dir))
+    try:
+        token = store.add_token(args.name, time.time())
+    finally:
+        store.close()
+    sys.stdout.write(token + "\n")
+    log.info("token for worker %r stored (hashed) in %s; it is shown only once", args.name, args.run_dir)
+    return 0
+
+
+def cmd_bench_ingest(args: argparse.Namespace) -> int:
+    from blocktrain.bench.ingest import run_ingest_bench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    result = run_ingest_bench(preset=args.preset, updates=args.updates, compression=args.compress,
+                              work_dir=Path(args.work_dir) if args.work_dir else None)
+    text = json.dumps(result, indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the coordinator/worker/token sub-commands (and their benches) to the parser."""
+    s = sub.add_parser("coordinator", help="serve decentralised training: publish blocks, average updates")
+    add_run_args(s, need_out=False)
+    s.add_argument("--run-dir", required=True, help="run directory holding the coordinator state")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8470, help="port to listen on")
+    s.add_argument("--round-seconds", type=float, default=60.0, help="round deadline, in seconds")
+    s.add_argument("--adaptive-deadline", action="store_true", help="adapt deadlines to observed arrival times")
+    s.add_argument("--lease-seconds", type=float, default=30.0, help="a worker silent this long leaves the round")
+    s.add_argument("--rounds", type=int, default=0, help="rounds per block, then the run finishes (0 = forever)")
+    s.add_argument("--min-updates", type=int, default=1, help="a round needs this many deltas to close by quorum")
+    s.add_argument("--max-body-bytes", type=int, default=0, help="cap on an update (0 = 2x the block's fp32 size)")
+    s.add_argument("--norm-k", type=float, default=10.0, help="reject updates above k x the median norm (0 = off)")
+    s.add_argument("--aggregation", default="mean", choices=["mean", "median", "trimmed_mean"])
+    s.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed mean: fraction cut at each end")
+    s.add_argument("--outer", default="average", choices=["average", "nesterov"], help="outer step")
+    s.add_argument("--outer-lr", type=float, default=None, help="outer learning rate (1.0 average, 0.7 nesterov)")
+    s.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum")
+    s.add_argument("--gate-tolerance", type=float, default=None, help="reject updates raising held-out loss more")
+    s.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (0 = never)")
+    s.add_argument("--eval-bytes", type=int, default=4096, help="validation bytes per evaluation")
+    s.add_argument("--no-eval", action="store_true", help="no evaluation (no data directory needed)")
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
+    s.add_argument("--no-fsync", action="store_true",
+                   help="skip fsync: state survives a killed process but not a power loss (faster ingest)")
+    s.add_argument("--tls-cert", default=None, help="TLS certificate (PEM)")
+    s.add_argument("--tls-key", default=None, help="TLS private key (PEM)")
+    s.set_defaults(fn=cmd_coordinator)
+
+    s = sub.add_parser("worker", help="train one block for a coordinator")
+    s.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://10.0.0.1:8470")
+    s.add_argument("--token", default=None, help="bearer token (or $BLOCKTRAIN_TOKEN)")
+    s.add_argument("--block", type=int, default=None, help="train block K (else the coordinator assigns one)")
+    s.add_argument("--local-steps", type=int, default=50, help="H: local optimiser steps per round")
+    s.add_argument("--compress", default="bf16", choices=["bf16", "int8", "none"], help="delta encoding")
+    s.add_argument("--data", default=None, help="data directory")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (1 when several share a machine)")
+    s.add_argument("--give-up-s", type=float, default=600.0, help="stop retrying after this many seconds")
+    s.add_argument("--ca-cert", default=None, help="CA bundle to verify the coordinator's TLS certificate")
+    s.add_argument("--insecure", action="store_true", help="do not verify TLS certificates")
+    s.add_argument("--summary-json", default=None, help="write the worker's summary here at exit")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=cmd_worker)
+
+    s = sub.add_parser("token", help="manage worker tokens")
+    tsub = s.add_subparsers(dest="token_command", required=True)
+    t = tsub.add_parser("add", help="create a bearer token for worker NAME; printed once, stored hashed")
+    t.add_argument("name", help="worker name")
+    t.add_argument("--run-dir", required=True, help="the coordinator's run directory")
+    t.set_defaults(fn=cmd_token_add)
+
+    b = bench.add_parser("ingest", help="coordinator update ingest speed on loopback vs a plain socket copy")
+    b.add_argument("--preset", default="cpu-small")
+    b.add_argument("--updates", type=int, default=40, help="updates to push")
+    b.add_argument("--compress", default="none", choices=["bf16", "int8", "none"])
+    b.add_argument("--work-dir", default=None, help="run directory for the coordinator (default: a temp dir)")
+    b.add_argument("--json", default=None, help="write the result JSON here")
+    b.set_defaults(fn=cmd_bench_ingest)

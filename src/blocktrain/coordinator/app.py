@@ -1,0 +1,234 @@
+"""HTTP layer of the coordinator (FastAPI on uvicorn).
+
+Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
+
+    GET  /                           dashboard (HTML)
+    GET  /v1/status                  status document
+    GET  /metrics                    Prometheus text
+    POST /v1/register                {"block": K|null} -> assignment and config
+    POST /v1/heartbeat               renew the lease
+    POST /v1/leave                   give the lease back (clean shutdown)
+    GET  /v1/work                    block, version, data stream, deadline
+    GET  /v1/blocks/{k}/weights      safetensors: the current weights of block k
+    GET  /v1/blocks/{k}/steps/{v}    safetensors: the bf16 step from version v to v+1
+    POST /v1/blocks/{k}/updates      safetensors body: a delta against the current version
+
+Every byte of request and response bodies is counted, per worker and in total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
+
+from blocktrain.coordinator.dashboard import DASHBOARD_HTML
+from blocktrain.coordinator.observe import prometheus, status
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+SAFETENSORS = "application/octet-stream"
+
+
+class RegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    block: int | None = None  # pin this worker to block K (else: the block with the fewest live replicas)
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class ByteCounter:
+    """ASGI middleware: count request/response body bytes, attributed to the token's worker."""
+
+    def __init__(self, app: ASGIApp, coordinator: Coordinator) -> None:
+        self.app = app
+        self.c = coordinator
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        n = [0, 0]
+        worker = None
+        for key, value in scope.get("headers", []):
+            if key == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token:
+                    worker = self.c.worker_for_token(token.strip())
+
+        async def recv() -> Message:
+            msg = await receive()
+            if msg["type"] == "http.request":
+                n[0] += len(msg.get("body", b""))
+            return msg
+
+        async def snd(msg: Message) -> None:
+            if msg["type"] == "http.response.body":
+                n[1] += len(msg.get("body", b""))
+            await send(msg)
+
+        try:
+            await self.app(scope, recv, snd)
+        finally:
+            self.c.count_bytes(worker, n[0], n[1])
+
+
+async def _read_capped(request: Request, cap: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise ProtocolError(413, f"body of {declared} bytes exceeds the cap of {cap} bytes", "too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", "too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _background(c: Coordinator, stop: threading.Event) -> list[threading.Thread]:
+    def ticker() -> None:
+        while not stop.wait(c.settings.tick_seconds):
+            try:
+                c.tick()
+            except Exception:  # keep the service alive; the error is logged with its traceback
+                log.exception("tick failed")
+
+    def evaluator() -> None:
+        while not stop.wait(c.settings.tick_seconds):
+            try:
+                c.maybe_evaluate(force=c.finished())
+            except Exception:
+                log.exception("evaluation failed")
+
+    threads = [threading.Thread(target=ticker, name="tick", daemon=True),
+               threading.Thread(target=evaluator, name="eval", daemon=True)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
+    """The ASGI app; ``background=False`` leaves ticking to the caller (tests)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        stop = threading.Event()
+        threads = _background(c, stop) if background else []
+        try:
+            yield
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+            c.flush_bytes()
+
+    app = FastAPI(title="BlockTrain coordinator", version="1", lifespan=lifespan)
+    app.add_middleware(ByteCounter, coordinator=c)  # type: ignore[arg-type]
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=exc.status, headers=headers)
+
+    def auth(request: Request) -> str:
+        return c.authenticate(_bearer(request))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD_HTML)
+
+    @app.get("/v1/status")
+    async def get_status() -> dict[str, Any]:
+        return await run_in_threadpool(status, c)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        text = await run_in_threadpool(prometheus, c)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/register")
+    async def register(request: Request, body: RegisterRequest) -> dict[str, Any]:
+        name = auth(request)
+        return await run_in_threadpool(c.register, name, body.block)
+
+    @app.post("/v1/heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(c.heartbeat, auth(request))
+
+    @app.post("/v1/leave")
+    async def leave(request: Request) -> dict[str, Any]:
+        await run_in_threadpool(c.leave, auth(request))
+        return {"left": True}
+
+    @app.get("/v1/work")
+    async def work(request: Request) -> dict[str, Any]:
+        return await run_in_threadpool(c.work, auth(request))
+
+    @app.get("/v1/blocks/{k}/weights", response_class=Response,
+             responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors weights"}})
+    async def weights(request: Request, k: int) -> Response:
+        auth(request)
+        v, payload = await run_in_threadpool(c.weights_bytes, k)
+        return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v)})
+
+    @app.get("/v1/blocks/{k}/steps/{v}", response_class=Response,
+             responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors bf16 step v -> v+1"}})
+    async def step(request: Request, k: int, v: int) -> Response:
+        auth(request)
+        payload = await run_in_threadpool(c.step_bytes, k, v)
+        return Response(payload, media_type=SAFETENSORS)
+
+    @app.post(
+        "/v1/blocks/{k}/updates",
+        status_code=202,
+        openapi_extra={"requestBody": {"required": True, "content": {SAFETENSORS: {"schema": {
+            "type": "string", "format": "binary"}}}}},
+    )
+    async def update(request: Request, k: int) -> dict[str, Any]:
+        name = None
+        try:
+            name = auth(request)
+            body = await _read_capped(request, c.max_body_bytes)
+        except ProtocolError as exc:
+            await run_in_threadpool(c.record_rejection, name, k, exc)
+            raise
+        return await run_in_threadpool(c.submit, name, k, body)
+
+    return app
+
+
+async def serve_forever(c: Coordinator, host: str, port: int, cert: str | None, key: str | None) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        create_app(c), host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    log.info("coordinator listening on %s://%s:%d", "https" if cert else "http", host, port)
+    await server.serve()
+
+
+def run_server(c: Coordinator, host: str, port: int, cert: str | None = None, key: str | None = None) -> None:
+    asyncio.run(serve_forever(c, host, port, cert, key))

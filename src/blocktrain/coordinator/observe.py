@@ -1,0 +1,119 @@
+"""Observability: the ``/v1/status`` document and Prometheus text for ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.coordinator.settings import RoundState, WorkerState
+
+
+def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
+    """Everything the dashboard shows, as JSON-ready data."""
+    c.flush_bytes()
+    with c.lock:
+        now = c.clock()
+        s = c.store
+        live = c._live(now)
+        blocks = []
+        for k in range(c.n_blocks):
+            v = c.version[k]
+            rnd = s.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+            blocks.append({
+                "block": k,
+                "version": v,
+                "weights_sha": c.weights_sha[k],
+                "round_state": rnd["state"] if rnd is not None else RoundState.FINISHED.value,
+                "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
+                "updates_in_round": int(rnd["n_updates"]) if rnd is not None else 0,
+                "live_replicas": len(live[k]),
+            })
+        workers = [
+            {
+                "name": r["name"],
+                "block": r["block"],
+                "pinned": bool(r["pinned"]),
+                "state": r["state"],
+                "live": r["state"] == WorkerState.ACTIVE.value and float(r["lease_until"]) >= now,
+                "lease_in": float(r["lease_until"]) - now,
+                "bytes_in": int(r["bytes_in"]),
+                "bytes_out": int(r["bytes_out"]),
+                "updates_accepted": int(r["accepted"]),
+                "updates_rejected": int(r["rejected"]),
+            }
+            for r in s.q("SELECT * FROM workers ORDER BY name")
+        ]
+        rounds = [
+            {
+                "block": int(r["block"]),
+                "version": int(r["version"]),
+                "state": r["state"],
+                "opened": float(r["opened"]),
+                "closed": None if r["closed"] is None else float(r["closed"]),
+                "close_reason": r["close_reason"],
+                "updates": int(r["n_updates"]),
+            }
+            for r in s.q("SELECT * FROM rounds WHERE state=? ORDER BY closed DESC LIMIT ?",
+                         RoundState.CLOSED.value, recent_rounds)
+        ]
+        evals = [
+            {"epoch": int(r["epoch"]), "versions": json.loads(r["versions"]), "ce_nats_per_byte": float(r["ce"]),
+             "bytes": int(r["bytes"]), "at": float(r["at"])}
+            for r in s.q("SELECT * FROM evals ORDER BY id")
+        ]
+        counters = s.counters()
+    return {
+        "preset": c.cfg.name,
+        "n_blocks": c.n_blocks,
+        "block_fp32_bytes": c.block_fp32_bytes,
+        "finished": c.finished(),
+        "rounds_closed": counters.get("rounds_closed", 0),
+        "updates_accepted": counters.get("updates_accepted", 0),
+        "rejections": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")},
+        "bytes_in": counters.get("bytes_in", 0),
+        "bytes_out": counters.get("bytes_out", 0),
+        "latest_eval_ce": evals[-1]["ce_nats_per_byte"] if evals else None,
+        "blocks": blocks,
+        "workers": workers,
+        "rounds": rounds,
+        "evals": evals,
+    }
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus(c: Coordinator) -> str:
+    """Prometheus text exposition format 0.0.4."""
+    st = status(c, recent_rounds=0)
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_esc(str(v))}"' for k, v in labels.items())
+            out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+
+    metric("blocktrain_rounds_closed_total", "counter", "Rounds closed over all blocks.", [({}, st["rounds_closed"])])
+    metric("blocktrain_updates_accepted_total", "counter", "Updates accepted.", [({}, st["updates_accepted"])])
+    metric("blocktrain_updates_rejected_total", "counter", "Updates rejected, by reason.",
+           [({"reason": r}, n) for r, n in sorted(st["rejections"].items())])
+    metric("blocktrain_bytes_received_total", "counter", "Request body bytes received.", [({}, st["bytes_in"])])
+    metric("blocktrain_bytes_sent_total", "counter", "Response body bytes sent.", [({}, st["bytes_out"])])
+    metric("blocktrain_worker_bytes_received_total", "counter", "Request body bytes received per worker.",
+           [({"worker": w["name"]}, w["bytes_in"]) for w in st["workers"]])
+    metric("blocktrain_worker_bytes_sent_total", "counter", "Response body bytes sent per worker.",
+           [({"worker": w["name"]}, w["bytes_out"]) for w in st["workers"]])
+    metric("blocktrain_worker_live", "gauge", "1 if the worker holds a lease.",
+           [({"worker": w["name"], "block": str(w["block"])}, int(w["live"])) for w in st["workers"]])
+    metric("blocktrain_block_version", "gauge", "Published version of each block.",
+           [({"block": str(b["block"])}, b["version"]) for b in st["blocks"]])
+    metric("blocktrain_block_live_replicas", "gauge", "Live workers on each block.",
+           [({"block": str(b["block"])}, b["live_replicas"]) for b in st["blocks"]])
+    if st["latest_eval_ce"] is not None:
+        metric("blocktrain_eval_ce_nats_per_byte", "gauge", "Latest validation CE of the assembled model.",
+               [({}, st["latest_eval_ce"])])
+    return "\n".join(out) + "\n"

@@ -1,0 +1,322 @@
+"""The coordinator service: worker identities, leases, assignment, update intake, accounting.
+
+Builds on :class:`.blocks.BlockRounds` (versions, rounds, aggregation). Every
+update is validated (:mod:`.validate`), checked against the block's version,
+the recent norms and the optional loss gate, stored durably and only then
+acknowledged; every rejection is logged, counted and answered with a 4xx.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from blocktrain.config import RunConfig
+from blocktrain.coordinator.blocks import BlockRounds
+from blocktrain.coordinator.settings import (
+    CoordinatorSettings,
+    RoundState,
+    UpdateState,
+    WorkerState,
+)
+from blocktrain.coordinator.store import hash_token
+from blocktrain.coordinator.validate import ParsedUpdate, parse_update
+from blocktrain.data.dataset import DataDir
+from blocktrain.data.stream import mix_seed
+from blocktrain.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class Coordinator(BlockRounds):
+    """All coordinator logic, independent of HTTP (the app in :mod:`.app` is a thin layer)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: RunConfig,
+        settings: CoordinatorSettings,
+        data: DataDir | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._tokens: dict[str, str] = {}  # token hash -> worker name
+        self._bytes_lock = threading.Lock()
+        self._pending_bytes: dict[str | None, list[int]] = {}
+        super().__init__(run_dir, cfg, settings, data, clock)
+        with self.lock:
+            self._reload_tokens()
+
+    def _reload_tokens(self) -> None:
+        self._tokens = {h: name for name, h in self.store.token_hashes()}
+
+    def worker_for_token(self, token: str) -> str | None:
+        """Constant-time comparison against every stored hash; None if unknown."""
+        h = hash_token(token)
+        found = None
+        for known, name in list(self._tokens.items()):
+            if hmac.compare_digest(h, known):
+                found = name
+        return found
+
+    def authenticate(self, token: str | None) -> str:
+        if not token:
+            raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", "auth")
+        name = self.worker_for_token(token)
+        if name is None:
+            with self.lock:
+                self._reload_tokens()  # a token may have been added while we run
+            name = self.worker_for_token(token)
+        if name is None:
+            raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", "auth")
+        return name
+
+    def add_token(self, name: str) -> str:
+        with self.lock:
+            token = self.store.add_token(name, self.clock())
+            self._reload_tokens()
+            return token
+
+    def register(self, name: str, block: int | None) -> dict[str, Any]:
+        if block is not None and not 0 <= block < self.n_blocks:
+            raise ProtocolError(
+                422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", "block"
+            )
+        with self.lock:
+            now = self.clock()
+            row = self.store.q1("SELECT * FROM workers WHERE name=?", name)
+            if block is None and row is not None and row["block"] is not None:
+                k = int(row["block"])  # a returning worker keeps its block
+            elif block is None:
+                live = self._live(now)
+                live = {b: {w for w in names if w != name} for b, names in live.items()}
+                k = min(range(self.n_blocks), key=lambda b: (len(live[b]), b))
+            else:
+                k = block
+            lease = now + self.settings.lease_seconds
+            with self.store.tx() as db:
+                db.execute(
+                    "INSERT INTO workers(name, block, pinned, state, registered, lease_until) VALUES(?,?,?,?,?,?) "
+                    "ON CONFLICT(name) DO UPDATE SET block=excluded.block, pinned=excluded.pinned, "
+                    "state=excluded.state, lease_until=excluded.lease_until",
+                    (name, k, int(block is not None), WorkerState.ACTIVE.value, now, lease),
+                )
+            log.info("worker %s registered on block %d", name, k)
+            return {
+                "worker": name,
+                "block": k,
+                "config": self.cfg.to_json(),
+                "lease_seconds": self.settings.lease_seconds,
+                "rounds": self.settings.rounds,
+                "n_blocks": self.n_blocks,
+            }
+
+    def _worker(self, name: str) -> Any:
+        row = self.store.q1("SELECT * FROM workers WHERE name=?", name)
+        if row is None or row["block"] is None:
+            raise ProtocolError(409, f"worker {name!r} is not registered; POST /v1/register first", "not_registered")
+        return row
+
+    def heartbeat(self, name: str) -> dict[str, Any]:
+        with self.lock:
+            self._worker(name)
+            now = self.clock()
+            with self.store.tx() as db:
+                db.execute(
+                    "UPDATE workers SET lease_until=?, state=? WHERE name=?",
+                    (now + self.settings.lease_seconds, WorkerState.ACTIVE.value, name),
+                )
+            return {"lease_seconds": self.settings.lease_seconds}
+
+    def leave(self, name: str) -> None:
+        with self.lock:
+            self._worker(name)
+            with self.store.tx() as db:
+                db.execute("UPDATE workers SET state=?, lease_until=0 WHERE name=?", (WorkerState.LEFT.value, name))
+            log.info("worker %s left", name)
+            self._check_quorum(self.clock())
+
+    def work(self, name: str) -> dict[str, Any]:
+        """Renew the lease and say what to do: block, version, data stream, deadline."""
+        with self.lock:
+            row = self._worker(name)
+            now = self.clock()
+            k = int(row["block"])
+            v = self.version[k]
+            rnd = self.store.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+            state = RoundState(rnd["state"]) if rnd is not None else RoundState.FINISHED
+            stream = mix_seed(int(row["id"]), k, v)
+            submitted = self.store.q1("SELECT 1 FROM updates WHERE block=? AND version=? AND worker=?", k, v, name)
+            with self.store.tx() as db:
+                db.execute(
+                    "UPDATE workers SET lease_until=?, state=? WHERE name=?",
+                    (now + self.settings.lease_seconds, WorkerState.ACTIVE.value, name),
+                )
+                if state is RoundState.OPEN:
+                    db.execute(
+                        "INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)",
+                        (name, k, v, self.cfg.train.seed, stream),
+                    )
+            return {
+                "block": k,
+                "version": v,
+                "weights_sha": self.weights_sha[k],
+                "round_state": state.value,
+                "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
+                "seed": self.cfg.train.seed,
+                "stream": stream,
+                "submitted": submitted is not None,
+                "finished": state is RoundState.FINISHED,  # this worker's block has no more rounds
+            }
+
+    def submit(self, name: str, k: int, body: bytes) -> dict[str, Any]:
+        """Validate and store one update; close the round if that makes a quorum."""
+        try:
+            return self._submit(name, k, body)
+        except ProtocolError as exc:
+            self.record_rejection(name, k, exc)
+            raise
+
+    def _submit(self, name: str, k: int, body: bytes) -> dict[str, Any]:
+        self._check_block(k)
+        arrived = self.clock()
+        with self.lock:
+            row = self._worker(name)
+            if int(row["block"]) != k:
+                raise ProtocolError(
+                    403, f"worker {name!r} is assigned to block {row['block']}, not {k}; GET /v1/work", "wrong_block"
+                )
+        if len(body) > self.max_body_bytes:
+            raise ProtocolError(
+                413, f"update of {len(body)} bytes exceeds the cap of {self.max_body_bytes}", "too_large"
+            )
+        upd = parse_update(body, k, self.shapes)
+        self._check_version(k, upd.base_version)
+        if self.settings.gate_tolerance is not None:
+            self._gate(k, upd)
+        digest = self.store.put_blob(body)  # durable before the row that names it
+        with self.lock:
+            self._check_version(k, upd.base_version)
+            v = upd.base_version
+            prior = self.store.q1("SELECT blob FROM updates WHERE block=? AND version=? AND worker=?", k, v, name)
+            if prior is not None:
+                if prior["blob"] == digest:
+                    return {"accepted": True, "duplicate": True, "block": k, "version": v}
+                raise ProtocolError(
+                    409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate"
+                )
+            self._check_norm(k, upd.norm)
+            rnd = self.store.q1("SELECT opened FROM rounds WHERE block=? AND version=?", k, v)
+            opened = float(rnd["opened"]) if rnd is not None else arrived
+            with self.store.tx() as db:
+                db.execute(
+                    "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, "
+                    "state) VALUES(?,?,?,?,?,?,?,?,?,?)",
+                    (k, v, name, upd.samples, upd.norm, upd.compression.value, digest, arrived, arrived - opened,
+                     UpdateState.ACCEPTED.value),
+                )
+                db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
+                db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (name,))
+                self.store.add_counter("updates_accepted", 1)
+            self.norms[k].append(upd.norm)
+            log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
+            closed = self._check_quorum(self.clock())
+            return {"accepted": True, "duplicate": False, "block": k, "version": v, "round_closed": k in closed}
+
+    def _check_version(self, k: int, base: int) -> None:
+        with self.lock:
+            v = self.version[k]
+            rnd = self.store.q1("SELECT state FROM rounds WHERE block=? AND version=?", k, v)
+            if base != v:
+                raise ProtocolError(
+                    409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
+                    "stale",
+                )
+            if rnd is None or rnd["state"] != RoundState.OPEN.value:
+                raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", "finished")
+
+    def _check_norm(self, k: int, norm: float) -> None:
+        hist = self.norms[k]
+        if self.settings.norm_k <= 0 or len(hist) < self.settings.norm_min_history:
+            return
+        med = statistics.median(hist)
+        if norm > self.settings.norm_k * med:
+            raise ProtocolError(
+                422,
+                f"update norm {norm:.4g} exceeds {self.settings.norm_k:g} x the median {med:.4g} of recent updates "
+                f"of block {k}; check the worker's learning rate and data",
+                "norm",
+            )
+
+    def _gate(self, k: int, upd: ParsedUpdate) -> None:
+        with self.lock:
+            base = self.weights[k]
+        before = self.evaluator.gate_loss(k, base)
+        after = self.evaluator.gate_loss(k, {n: w + upd.delta[n] for n, w in base.items()})
+        tol = self.settings.gate_tolerance or 0.0
+        if after > before + tol:
+            raise ProtocolError(
+                422,
+                f"the update makes block {k}'s held-out loss worse ({before:.4f} -> {after:.4f}, tolerance {tol:g})",
+                "gate",
+            )
+
+    def record_rejection(self, name: str | None, k: int | None, exc: ProtocolError) -> None:
+        log.warning("rejected update from %s for block %s: %d %s: %s", name, k, exc.status, exc.reason, exc)
+        block = k if k is not None and 0 <= k < self.n_blocks else None  # a bogus index is not stored
+        with self.lock, self.store.tx() as db:
+            db.execute(
+                "INSERT INTO rejections(worker, block, status, reason, message, at) VALUES(?,?,?,?,?,?)",
+                (name, block, exc.status, exc.reason, str(exc), self.clock()),
+            )
+            self.store.add_counter(f"rejected:{exc.reason}", 1)
+            if name is not None:
+                db.execute("UPDATE workers SET rejected=rejected+1 WHERE name=?", (name,))
+
+    # --- rounds ------------------------------------------------------------------
+    def tick(self) -> None:
+        """Lapse expired leases, close rounds at quorum or deadline, flush byte counters."""
+        with self.lock:
+            now = self.clock()
+            lapsed = self.store.q(
+                "SELECT name FROM workers WHERE state=? AND lease_until<?", WorkerState.ACTIVE.value, now
+            )
+            if lapsed:
+                with self.store.tx() as db:
+                    for r in lapsed:
+                        db.execute("UPDATE workers SET state=? WHERE name=?", (WorkerState.LAPSED.value, r["name"]))
+                        log.warning("worker %s: lease lapsed; it leaves the round", r["name"])
+            self._check_quorum(now)
+            self._close_due_rounds(now)
+            self.flush_bytes()
+
+    # --- byte accounting ---------------------------------------------------------
+    def count_bytes(self, name: str | None, n_in: int, n_out: int) -> None:
+        with self._bytes_lock:
+            acc = self._pending_bytes.setdefault(name, [0, 0])
+            acc[0] += n_in
+            acc[1] += n_out
+
+    def flush_bytes(self) -> None:
+        with self._bytes_lock:
+            pending, self._pending_bytes = self._pending_bytes, {}
+        if not pending:
+            return
+        with self.lock, self.store.tx() as db:
+            for name, (n_in, n_out) in pending.items():
+                self.store.add_counter("bytes_in", n_in)
+                self.store.add_counter("bytes_out", n_out)
+                if name is not None:
+                    db.execute(
+                        "UPDATE workers SET bytes_in=bytes_in+?, bytes_out=bytes_out+? WHERE name=?",
+                        (n_in, n_out, name),
+                    )
+
+    def close(self) -> None:
+        self.flush_bytes()
+        self.store.close()

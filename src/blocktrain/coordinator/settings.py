@@ -1,0 +1,75 @@
+"""Coordinator settings and the lifecycles of workers, rounds and updates."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from blocktrain.coordinator.aggregate import Aggregation, OuterOptimizer
+from blocktrain.errors import ConfigError
+
+
+class WorkerState(enum.Enum):
+    ACTIVE = "active"  # registered and holding a lease
+    LAPSED = "lapsed"  # lease expired; out of the round until it comes back
+    LEFT = "left"  # said goodbye (SIGINT/SIGTERM)
+
+
+class RoundState(enum.Enum):
+    OPEN = "open"  # taking deltas against this version
+    CLOSED = "closed"  # aggregated into the next version
+    FINISHED = "finished"  # the block reached its last round; nothing more is taken
+
+
+class UpdateState(enum.Enum):
+    ACCEPTED = "accepted"  # validated and stored, waiting for its round to close
+    APPLIED = "applied"  # part of an aggregate
+
+
+class CloseReason(enum.Enum):
+    QUORUM = "quorum"  # every live replica reported
+    DEADLINE = "deadline"  # the deadline passed with at least one delta
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    round_seconds: float = 60.0  # deadline of a round after it opens, in seconds
+    min_round_seconds: float = 2.0  # lower bound of an adaptive deadline
+    adaptive_deadline: bool = False  # deadline <- clamp(slack * slowest arrival of the last round)
+    deadline_slack: float = 2.0  # multiple of the last round's slowest arrival
+    lease_seconds: float = 30.0  # a worker without a heartbeat this long leaves the round
+    rounds: int = 0  # rounds per block before the run finishes (0 = never)
+    min_updates: int = 1  # a round closes by quorum only with at least this many deltas (deadline: 1)
+    max_body_bytes: int = 0  # cap on an update body (0 = 2 x the block's fp32 size + 64 KiB)
+    norm_k: float = 10.0  # reject ||Delta|| > norm_k x median of recent norms (0 = off)
+    norm_history: int = 16  # recent accepted norms of the block used for that median
+    norm_min_history: int = 2  # the norm check starts once this many norms are known
+    aggregation: Aggregation = Aggregation.MEAN  # how one round's deltas are combined
+    trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
+    outer: OuterOptimizer = OuterOptimizer.AVERAGE  # outer step
+    outer_lr: float = 1.0  # eta of the outer step
+    outer_momentum: float = 0.9  # mu of Nesterov
+    gate_tolerance: float | None = None  # reject if block loss on a held-out batch rises by more (nats)
+    gate_batch: int = 8  # sequences in the gate's held-out batch
+    eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
+    eval_bytes: int = 4096  # validation bytes scored per evaluation
+    tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
+    fsync: bool = True  # fsync every blob and SQLite commit (False: safe from process crashes, not power loss)
+
+    def __post_init__(self) -> None:
+        if self.round_seconds <= 0 or self.min_round_seconds <= 0:
+            raise ConfigError("round_seconds and min_round_seconds must be positive")
+        if self.lease_seconds <= 0:
+            raise ConfigError(f"lease_seconds must be positive, got {self.lease_seconds}")
+        if self.rounds < 0 or self.max_body_bytes < 0 or self.eval_every < 0 or self.eval_bytes < 0:
+            raise ConfigError("rounds, max_body_bytes, eval_every and eval_bytes must be >= 0")
+        if self.min_updates < 1:
+            raise ConfigError(f"min_updates must be >= 1, got {self.min_updates}")
+        if self.norm_k < 0:
+            raise ConfigError(f"norm_k must be >= 0 (0 disables the norm check), got {self.norm_k}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ConfigError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError("outer_lr must be > 0 and outer_momentum in [0, 1)")
+        if self.gate_tolerance is not None and self.gate_tolerance < 0:
+            raise ConfigError(f"gate_tolerance must be >= 0, got {self.gate_tolerance}")

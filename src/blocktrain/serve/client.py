@@ -1,0 +1,247 @@
+"""Client of a serving pipeline: one persistent connection to the entry stage.
+
+Many requests can be in flight on one connection (each has its own id); the
+entry stage batches those that arrive together. ``generate_ar`` and
+``generate_baseline`` reproduce :func:`blocktrain.evaluate.generate.generate`
+(same seeds, same sampling), so a pipeline and a local model give the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from typing import Any
+
+import torch
+
+from blocktrain.data.stream import mix_seed
+from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
+from blocktrain.evaluate.generate import sample_from_logits
+from blocktrain.serve.links import Address, Conn, Counters, open_conn, parse_address
+from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE = (ErrorCode.STAGE_UNAVAILABLE, ErrorCode.TIMEOUT)
+_WIRE = (ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNKNOWN_REQUEST, ErrorCode.DUPLICATE_REQUEST,
+         ErrorCode.MISROUTED, ErrorCode.BAD_REQUEST)
+
+
+def error_from_frame(frame: Frame) -> ServeError:
+    msg = f"pipeline error ({(frame.code or ErrorCode.INTERNAL).value}): {frame.error}"
+    if frame.code in _UNAVAILABLE:
+        return StageUnavailableError(msg)
+    if frame.code in _WIRE:
+        return WireError(msg)
+    return ServeError(msg)
+
+
+class PipelineClient:
+    """Async client; use as ``async with PipelineClient(addr) as c: ...``."""
+
+    def __init__(
+        self,
+        address: Address | str,
+        *,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        connect_attempts: int = 3,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.address = parse_address(address) if isinstance(address, str) else address
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.connect_attempts = connect_attempts
+        self.max_frame_bytes = max_frame_bytes
+        self.counters = Counters()
+        self.conn: Conn | None = None
+        self._futures: dict[str, asyncio.Future[Frame]] = {}
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:12]
+        self._reader: asyncio.Task[None] | None = None
+        self.entry: dict[str, Any] = {}
+
+    async def __aenter__(self) -> PipelineClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def where(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    async def connect(self) -> None:
+        delay = 0.1
+        last: Exception | None = None
+        for _ in range(self.connect_attempts):
+            try:
+                self.conn = await open_conn(self.address, self.counters, self.max_frame_bytes, self.connect_timeout_s)
+                break
+            except (TimeoutError, OSError) as exc:
+                last = exc
+                await asyncio.sleep(delay)
+                delay *= 2
+        else:
+            raise StageUnavailableError(
+                f"cannot reach the entry stage at {self.where} after {self.connect_attempts} attempts ({last}); "
+                "start it with 'blocktrain serve --blocks 0-.. --listen HOST:PORT' or check --pipeline"
+            )
+        self._reader = asyncio.create_task(self._read_loop(self.conn))
+        self.entry = await self.ping()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    async def _read_loop(self, conn: Conn) -> None:
+        reason = "the entry stage closed the connection"
+        try:
+            while True:
+                try:
+                    frame = await conn.recv()
+                except FramingError:
+                    raise
+                except WireError as exc:
+                    log.warning("bad frame from the entry stage: %s", exc)
+                    continue
+                fut = self._futures.pop(frame.request_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(frame)
+                elif frame.kind is FrameKind.ERROR:
+                    log.warning("entry stage error: %s", frame.error)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, FramingError) as exc:
+            reason = f"connection to the entry stage lost ({exc!r})"
+        finally:
+            for rid, fut in list(self._futures.items()):
+                if not fut.done():
+                    fut.set_exception(StageUnavailableError(
+                        f"request {rid}: {reason} at {self.where}; restart that stage and retry"))
+            self._futures.clear()
+
+    def new_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids)}"
+
+    async def call(self, frame: Frame, timeout_s: float | None = None) -> Frame:
+        """Send one frame and wait for the frame answering its id (RESULT/PONG); raise on ERROR."""
+        if self.conn is None or self.conn.closed:
+            raise StageUnavailableError(f"not connected to {self.where}; the entry stage went away")
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self._futures[frame.request_id] = fut
+        if not await self.conn.send(frame):
+            self._futures.pop(frame.request_id, None)
+            raise StageUnavailableError(f"sending to the entry stage at {self.where} failed; is it running?")
+        timeout = timeout_s or self.timeout_s
+        try:
+            reply = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._futures.pop(frame.request_id, None)
+            raise StageUnavailableError(
+                f"request {frame.request_id} got no answer from the pipeline at {self.where} within {timeout:.1f}s; "
+                "a stage may be down or overloaded: check each 'blocktrain serve' process"
+            ) from None
+        if reply.kind is FrameKind.ERROR:
+            raise error_from_frame(reply)
+        return reply
+
+    async def ping(self) -> dict[str, Any]:
+        return (await self.call(Frame(FrameKind.PING, self.new_id()))).params
+
+    # --- modes ------------------------------------------------------------------------
+    async def score(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        """Teacher-forced logits (b, t, 256) of bytes x (b, t): one traversal."""
+        f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.SCORE, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
+        return (await self.call(f)).tensors["logits"]
+
+    async def ar_logits(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        """Logits (b, 256) of the byte after x (b, t): one traversal, B block steps."""
+        f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.AR, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
+        return (await self.call(f)).tensors["logits"]
+
+    async def sweep(
+        self, prompt: bytes, n_new: int, *, sweeps: int = 1, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+    ) -> bytes:
+        """A whole n_new-byte continuation from one traversal (per sweep)."""
+        context = int(self.entry.get("context", 0)) or len(prompt) + n_new
+        if n_new < 1 or n_new >= context:
+            raise ServeError(f"sweep needs 1 <= bytes < context ({context}), got {n_new}")
+        p = (prompt or b"\n")[-(context - n_new) :]
+        params = {"seed": seed, "n_new": n_new, "prompt_len": len(p), "sweeps": sweeps,
+                  "temperature": float(temperature), "top_k": int(top_k)}
+        x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
+        f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.SWEEP, params=params, tensors={"x": x})
+        return bytes((await self.call(f)).tensors["bytes"][0].tolist())
+
+    async def generate_ar(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+    ) -> bytes:
+        """Same bytes as ``generate(assembled_model, ...)``: one traversal per byte."""
+        context = int(self.entry.get("context", 0))
+        out = bytearray(prompt or b"\n")
+        g = torch.Generator().manual_seed(mix_seed(seed, 7))
+        for i in range(n_new):
+            ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
+            logits = await self.ar_logits(ctx, seed=mix_seed(seed, i))
+            out.append(sample_from_logits(torch.log_softmax(logits[0].float(), -1), temperature, top_k, g))
+        return bytes(out[len(prompt or b"\n") :])
+
+    async def generate_baseline(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+    ) -> bytes:
+        """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
+        context = int(self.entry.get("context", 0))
+        p = prompt or b"\n"
+        if len(p) + n_new - 1 > context:
+            raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
+        rid = self.new_id()
+        g = torch.Generator().manual_seed(mix_seed(seed, 7))
+        out = bytearray()
+        x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
+        pos = 0
+        try:
+            for _ in range(n_new):
+                f = Frame(FrameKind.SUBMIT, rid, Mode.BASELINE, params={"pos": pos}, tensors={"x": x})
+                logits = (await self.call(f)).tensors["logits"]
+                pos += x.shape[1]
+                out.append(sample_from_logits(torch.log_softmax(logits[0].float(), -1), temperature, top_k, g))
+                x = torch.tensor([[out[-1]]], dtype=torch.uint8)
+        finally:
+            if self.conn is not None and not self.conn.closed:
+                with contextlib.suppress(ServeError):
+                    await self.conn.send(Frame(FrameKind.RELEASE, rid, Mode.BASELINE))
+        return bytes(out)
+
+
+async def generate_with(client: PipelineClient, mode: str, prompt: bytes, n: int, **kw: Any) -> bytes:
+    if mode == "sweep":
+        return await client.sweep(prompt, n, **kw)
+    kw.pop("sweeps", None)
+    if mode == "ar":
+        return await client.generate_ar(prompt, n, **kw)
+    if mode == "baseline":
+        return await client.generate_baseline(prompt, n, **kw)
+    raise ServeError(f"unknown serving mode {mode!r}; use sweep, ar or baseline")
+
+
+def generate_remote(args: argparse.Namespace, prompt_bytes: bytes) -> bytes:
+    """``blocktrain generate --pipeline HOST:PORT --mode {ar,sweep,baseline}``."""
+
+    async def run() -> bytes:
+        async with PipelineClient(args.pipeline, timeout_s=float(getattr(args, "timeout", 60.0))) as client:
+            return await generate_with(
+                client, args.mode, prompt_bytes, args.bytes, temperature=args.temperature, top_k=args.top_k,
+                seed=args.seed, sweeps=int(getattr(args, "sweeps", 1)),
+            )
+
+    try:
+        return asyncio.run(run())
+    except ValueError as exc:  # a malformed --pipeline address
+        raise ServeError(str(exc)) from exc

@@ -1,0 +1,323 @@
+"""What one stage computes: a contiguous span of blocks, or of E2E layers with KV caches.
+
+:class:`BlockSpan` holds blocks ``lo..hi`` of a BlockTrain model and runs each
+block's solver steps with :func:`blocktrain.diffusion.sampler.block_steps`.
+Frames that arrive together are batched: sequences are right-padded to the
+longest, which is exact because every block is causal (padding sits after the
+positions that are read back).
+
+:class:`E2ESpan` holds layers ``lo..hi`` of the E2E reference (plus the
+embeddings on the first stage and the head on the last) and keeps a KV cache
+per request id, so each new token costs one pass over its layers.
+
+Both turn an input frame into an output frame (WORK for the next stage,
+RESULT for the client) and never touch the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+from blocktrain.config import VOCAB_SIZE, ModelConfig, Readout, RunConfig
+from blocktrain.data.stream import mix_seed
+from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.diffusion.sampler import block_steps, initial_noise
+from blocktrain.errors import WireError
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
+from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
+
+log = logging.getLogger(__name__)
+
+PLACEHOLDER_BYTE = 32  # context byte of not-yet-estimated sweep positions (a space)
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    """Sample one byte per row of (n, 256) logits; temperature <= 0 means argmax."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _param(params: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    value = params.get(name, default)
+    if value is None or not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise WireError(f"parameter {name!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+class BlockSpan:
+    """Blocks ``lo..hi`` of a BlockTrain model."""
+
+    family = "blocktrain"
+
+    def __init__(self, blocks: dict[int, BlockDenoiser], cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.lo, self.hi = min(blocks), max(blocks)
+        if sorted(blocks) != list(range(self.lo, self.hi + 1)):
+            raise ValueError(f"a stage holds a contiguous span of blocks, got {sorted(blocks)}")
+        self.blocks = {k: b.eval() for k, b in blocks.items()}
+        self.n_last = cfg.model.n_blocks - 1
+        self.partition = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.model.n_blocks,
+                "context": self.cfg.model.context, "d_model": self.cfg.model.d_model}
+
+    def holds(self, index: int) -> bool:
+        return self.lo <= index <= self.hi
+
+    @property
+    def is_last(self) -> bool:
+        return self.hi == self.n_last
+
+    def release(self, request_id: str) -> bool:
+        return False
+
+    def batch_key(self, frame: Frame) -> tuple[Any, ...]:
+        return (self.family, frame.sigma_index)
+
+    def validate(self, frame: Frame) -> None:
+        """Reject a frame this span cannot run (raises WireError with the reason)."""
+        if frame.mode not in (Mode.SCORE, Mode.SWEEP, Mode.AR):
+            raise WireError(f"this stage serves BlockTrain blocks; mode {frame.mode} is not one of score/sweep/ar")
+        x = frame.tensors.get("x")
+        if x is None or x.dim() != 2 or x.dtype != torch.uint8 or x.shape[0] < 1 or x.shape[1] < 1:
+            raise WireError("frames need tensor 'x': uint8 bytes of shape (b, t) with b, t >= 1")
+        t = x.shape[1]
+        _param(frame.params, "seed", int, 0)
+        if frame.mode is Mode.SWEEP:
+            n_new = _param(frame.params, "n_new", int)
+            prompt_len = _param(frame.params, "prompt_len", int)
+            sweeps = _param(frame.params, "sweeps", int, 1)
+            _param(frame.params, "top_k", int, 0)
+            _param(frame.params, "temperature", (int, float), 0.0)  # type: ignore[arg-type]
+            if n_new < 1 or sweeps < 1 or prompt_len < 1:
+                raise WireError("sweep needs n_new >= 1, sweeps >= 1 and a prompt of at least 1 byte")
+            expected = prompt_len if "z" not in frame.tensors and frame.kind is FrameKind.SUBMIT else prompt_len + n_new
+            if t != expected:
+                raise WireError(f"sweep frame holds {t} bytes, expected {expected}")
+            t = prompt_len + n_new
+        if t > self.cfg.model.context:
+            raise WireError(
+                f"{t} positions exceed the model context of {self.cfg.model.context}; shorten the prompt or the output"
+            )
+        z = frame.tensors.get("z")
+        if frame.sigma_index > 0 and (z is None or tuple(z.shape) != (*x.shape, self.cfg.model.d_model)):
+            raise WireError(f"a frame at sigma index {frame.sigma_index} needs 'z' of shape (b, t, d_model)")
+
+    # --- compute -----------------------------------------------------------
+    def _start(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, z) of a frame; draws z_0 from the request seed when the frame starts a traversal."""
+        x = frame.tensors["x"]
+        seed = int(frame.params.get("seed", 0))
+        d = self.cfg.model.d_model
+        if "z" in frame.tensors:
+            return x.clone(), frame.tensors["z"].float()
+        if frame.mode is Mode.SWEEP:
+            sweep_index = int(frame.params.get("sweep_index", 0))
+            if x.shape[1] == int(frame.params["prompt_len"]):
+                pad = torch.full((x.shape[0], int(frame.params["n_new"])), PLACEHOLDER_BYTE, dtype=torch.uint8)
+                x = torch.cat([x, pad], dim=1)
+            g = torch.Generator().manual_seed(mix_seed(seed, 100 + sweep_index))
+        else:
+            # Same draw as AssembledModel.log_probs(x, chains=1, seed): chain 0 of that seed.
+            g = torch.Generator().manual_seed(mix_seed(seed, 0))
+        return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g)
+
+    @torch.inference_mode()
+    def run(self, frames: Sequence[Frame]) -> list[Frame]:
+        """Run this span on frames that share ``batch_key``; one output frame per input."""
+        starts = [self._start(f) for f in frames]
+        rows = [x.shape[0] for x, _ in starts]
+        lens = [x.shape[1] for x, _ in starts]
+        t_max, b_all, d = max(lens), sum(rows), self.cfg.model.d_model
+        x = torch.zeros(b_all, t_max, dtype=torch.uint8)
+        z = torch.zeros(b_all, t_max, d)
+        offsets = [sum(rows[:i]) for i in range(len(rows))]
+        for (xi, zi), r0, r, t in zip(starts, offsets, rows, lens, strict=True):
+            x[r0 : r0 + r, :t] = xi
+            z[r0 : r0 + r, :t] = zi
+        logits = torch.empty(0)
+        for k in range(frames[0].sigma_index, self.hi + 1):
+            z, logits = block_steps(self.blocks[k], k, x, z, self.partition, self.cfg.diffusion, k == self.n_last)
+            if k == self.n_last and self.cfg.diffusion.readout is Readout.SIGMA_MIN:
+                logits = self.blocks[k](x, z, torch.tensor(self.cfg.diffusion.sigma_min))
+            for f, r0, r in zip(frames, offsets, rows, strict=True):
+                if f.mode is Mode.SWEEP:
+                    self._update_estimate(f, k, x[r0 : r0 + r], logits[r0 : r0 + r])
+        outs = []
+        for f, r0, r, t in zip(frames, offsets, rows, lens, strict=True):
+            outs.append(self._output(f, x[r0 : r0 + r, :t], z[r0 : r0 + r, :t], logits[r0 : r0 + r, :t]))
+        return outs
+
+    def _update_estimate(self, f: Frame, k: int, x: torch.Tensor, logits: torch.Tensor) -> None:
+        """Generated positions take the running estimate: byte p+1 is read off the logits at p."""
+        p, n = int(f.params["prompt_len"]), int(f.params["n_new"])
+        s = int(f.params.get("sweep_index", 0))
+        g = torch.Generator().manual_seed(mix_seed(int(f.params.get("seed", 0)), 1000 + s * 1000 + k))
+        est = logits[:, p - 1 : p + n - 1].reshape(-1, VOCAB_SIZE)  # (b*n, 256)
+        temp = float(f.params.get("temperature", 0.0))
+        if k < self.n_last and f.params.get("estimate", "sample") == "greedy":
+            temp = 0.0  # intermediate estimates by argmax; only the last block samples
+        x[:, p : p + n] = sample_rows(est, temp, int(f.params.get("top_k", 0)), g).view(x.shape[0], n).to(torch.uint8)
+
+    def _output(self, f: Frame, x: torch.Tensor, z: torch.Tensor, logits: torch.Tensor) -> Frame:
+        params = dict(f.params)
+        if not self.is_last:
+            return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, params, {"x": x, "z": z})
+        if f.mode is Mode.SCORE:
+            return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, params, {"logits": logits.float()})
+        if f.mode is Mode.AR:
+            return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, params, {"logits": logits[:, -1].float()})
+        s = int(params.get("sweep_index", 0))
+        if s + 1 < int(params.get("sweeps", 1)):
+            params["sweep_index"] = s + 1  # another sweep: fresh noise, the estimate as context
+            return Frame(FrameKind.WORK, f.request_id, f.mode, 0, params, {"x": x})
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, params, {"bytes": x[:, int(params["prompt_len"]) :]})
+
+
+# --- the AR baseline -----------------------------------------------------------
+def attention_cached(
+    attn: CausalSelfAttention, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Causal self-attention of new positions x (b, t, d) over cached keys/values plus their own."""
+    b, t, d = x.shape
+    h = attn.n_heads
+    q, k, v = attn.qkv(x).split(d, dim=-1)
+    # (b, t, d) -> (b, h, t, d/h)
+    q, k, v = (a.view(b, t, h, d // h).transpose(1, 2) for a in (q, k, v))
+    n_past = 0
+    if past is not None:
+        n_past = past[0].shape[2]
+        k = torch.cat([past[0], k], dim=2)
+        v = torch.cat([past[1], v], dim=2)
+    if n_past == 0:
+        y = sdpa(q, k, v, is_causal=True)
+    elif t == 1:
+        y = sdpa(q, k, v)
+    else:
+        mask = torch.ones(t, n_past + t, dtype=torch.bool).tril(diagonal=n_past)
+        y = sdpa(q, k, v, attn_mask=mask)
+    # (b, h, t, d/h) -> (b, t, d)
+    return attn.proj(y.transpose(1, 2).reshape(b, t, d)), (k, v)
+
+
+def layer_cached(
+    layer: TransformerLayer, h: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One pre-LN TransformerLayer (unconditioned) with a KV cache; same maths as ``layer(h)``."""
+    a, kv = attention_cached(layer.attn, layer.ln1(h, None), past)
+    h = h + a
+    return h + layer.mlp(layer.ln2(h, None)), kv
+
+
+class E2ESpan:
+    """Layers ``lo..hi`` of the E2E reference, with a KV cache per request id."""
+
+    family = "e2e"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: dict[int, TransformerLayer],
+        embed: tuple[nn.Embedding, nn.Embedding] | None,
+        head: tuple[nn.LayerNorm, nn.Linear] | None,
+        max_cached: int = 64,
+        cache_ttl_s: float = 600.0,
+    ) -> None:
+        self.cfg = cfg
+        self.lo, self.hi = min(layers), max(layers)
+        self.layers = {i: m.eval() for i, m in layers.items()}
+        self.embed = embed
+        self.head = head
+        if (self.lo == 0) != (embed is not None) or (self.hi == cfg.n_layers - 1) != (head is not None):
+            raise ValueError("the first E2E stage holds the embeddings and the last one the head")
+        self.max_cached = max_cached
+        self.cache_ttl_s = cache_ttl_s
+        # request id -> (positions cached, per-layer (k, v), last use)
+        self.cache: OrderedDict[str, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]], float]] = OrderedDict()
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.n_layers,
+                "context": self.cfg.context, "d_model": self.cfg.d_model}
+
+    def holds(self, index: int) -> bool:
+        return self.lo <= index <= self.hi
+
+    @property
+    def is_last(self) -> bool:
+        return self.head is not None
+
+    def release(self, request_id: str) -> bool:
+        return self.cache.pop(request_id, None) is not None
+
+    def batch_key(self, frame: Frame) -> tuple[Any, ...]:
+        return (self.family, frame.request_id)  # KV-cached steps run one request at a time
+
+    def validate(self, frame: Frame) -> None:
+        if frame.mode is not Mode.BASELINE:
+            raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline'")
+        pos = _param(frame.params, "pos", int, 0)
+        key = "x" if self.lo == 0 else "h"
+        t = frame.tensors.get(key)
+        if t is None or t.shape[0] != 1 or t.shape[1] < 1:
+            raise WireError(f"baseline frames at layer {self.lo} need tensor {key!r} of shape (1, t, ...)")
+        if pos < 0 or pos + t.shape[1] > self.cfg.context:
+            raise WireError(
+                f"positions {pos}..{pos + t.shape[1] - 1} exceed the context of {self.cfg.context}; "
+                "start a new request with a shorter prompt"
+            )
+        if pos > 0:
+            entry = self.cache.get(frame.request_id)
+            if entry is None:
+                raise UnknownRequestError(
+                    f"request {frame.request_id} has no KV cache here (never prefilled, released or evicted); "
+                    "start it again with pos=0"
+                )
+            if entry[0] != pos:
+                raise WireError(f"request {frame.request_id} has {entry[0]} cached positions, the frame says pos={pos}")
+
+    def _evict(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, (_, _, used) in self.cache.items() if now - used > self.cache_ttl_s]:
+            del self.cache[rid]
+        while len(self.cache) > self.max_cached:
+            rid, _ = self.cache.popitem(last=False)
+            log.warning("KV cache full (%d requests): dropped the least recently used request %s", self.max_cached, rid)
+
+    @torch.inference_mode()
+    def run(self, frames: Sequence[Frame]) -> list[Frame]:
+        return [self._run_one(f) for f in frames]
+
+    def _run_one(self, f: Frame) -> Frame:
+        pos = int(f.params.get("pos", 0))
+        past = {} if pos == 0 else self.cache[f.request_id][1]
+        if self.embed is not None:
+            x = f.tensors["x"].long()
+            tok, posemb = self.embed
+            h = tok(x) + posemb(torch.arange(pos, pos + x.shape[1]))
+        else:
+            h = f.tensors["h"].float()
+        new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in range(self.lo, self.hi + 1):
+            h, new[i] = layer_cached(self.layers[i], h, past.get(i))
+        self.cache[f.request_id] = (pos + h.shape[1], new, time.monotonic())
+        self.cache.move_to_end(f.request_id)
+        self._evict()
+        if self.head is None:
+            return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
+        ln_f, lin = self.head
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(h[:, -1])).float()})

@@ -1,0 +1,136 @@
+"""Build a stage's span from a run directory, or with random weights for a scale run.
+
+A stage loads only the blocks (or E2E layers) it serves. Random-weight spans
+are seeded per block/layer, so the three stages of a scale run agree on the
+model without exchanging weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from blocktrain.checkpoint.run import RunDir, load_model
+from blocktrain.config import VOCAB_SIZE, ModelConfig, RunConfig
+from blocktrain.data.stream import mix_seed
+from blocktrain.errors import ConfigError, RunError
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.layers import TransformerLayer
+from blocktrain.presets import get_preset
+from blocktrain.serve.compute import BlockSpan, E2ESpan
+
+log = logging.getLogger(__name__)
+
+
+def parse_span(text: str) -> tuple[int, int]:
+    """``"0-1"`` -> (0, 1); ``"2"`` -> (2, 2)."""
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text.strip())
+    if not m:
+        raise ConfigError(f"span {text!r} must look like 'LO-HI' or 'K', e.g. --blocks 0-1")
+    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+    if hi < lo:
+        raise ConfigError(f"span {text!r}: the end {hi} is before the start {lo}")
+    return lo, hi
+
+
+def parse_shape(text: str, base: str = "cpu-small") -> RunConfig:
+    """``"d_model=2048,n_layers=16,n_heads=16"`` -> the preset ``base`` with those model fields."""
+    cfg = get_preset(base)
+    changes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if key not in ModelConfig.__dataclass_fields__ or not value.isdigit():
+            raise ConfigError(f"shape field {part!r} must be NAME=INT with NAME a ModelConfig field")
+        changes[key] = int(value)
+    return replace(cfg, name="random", model=replace(cfg.model, **changes))
+
+
+def _check_span(lo: int, hi: int, n: int, what: str) -> None:
+    if not 0 <= lo <= hi < n:
+        raise ConfigError(f"{what} {lo}-{hi} is outside 0-{n - 1} of this model")
+
+
+def load_block_span(run: RunDir, lo: int, hi: int) -> BlockSpan:
+    cfg = run.load_config()
+    _check_span(lo, hi, cfg.model.n_blocks, "blocks")
+    blocks = {}
+    for k in range(lo, hi + 1):
+        path = run.block_path(k)
+        if not path.is_file():
+            raise RunError(
+                f"{run.root} has no checkpoint for block {k}; train it with 'blocktrain train-block --block {k}'"
+            )
+        block = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
+        load_model(path, block, cfg, "block", block_index=str(k))
+        blocks[k] = block
+    return BlockSpan(blocks, cfg)
+
+
+Parts = tuple[
+    dict[int, TransformerLayer], tuple[nn.Embedding, nn.Embedding] | None, tuple[nn.LayerNorm, nn.Linear] | None
+]
+
+
+def _e2e_parts(model: E2ETransformer, lo: int, hi: int) -> Parts:
+    layers = {i: model.layers[i] for i in range(lo, hi + 1)}
+    embed = (model.tok_emb, model.pos_emb) if lo == 0 else None
+    head = (model.ln_f, model.head) if hi == model.cfg.n_layers - 1 else None
+    return layers, embed, head  # type: ignore[return-value]
+
+
+def load_e2e_span(run: RunDir, lo: int, hi: int) -> E2ESpan:
+    cfg = run.load_config()
+    _check_span(lo, hi, cfg.model.n_layers, "layers")
+    if not run.has_e2e():
+        raise RunError(f"{run.root} has no E2E checkpoint; train it with 'blocktrain train-e2e'")
+    model = E2ETransformer(cfg.model)
+    load_model(run.e2e_path(), model, cfg, "e2e")
+    return E2ESpan(cfg.model, *_e2e_parts(model, lo, hi))
+
+
+def _seeded(seed: int, *parts: int) -> None:
+    torch.manual_seed(mix_seed(seed, *parts))
+
+
+def random_block_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> BlockSpan:
+    """Blocks lo..hi with random weights (seeded per block); for scale runs only."""
+    _check_span(lo, hi, cfg.model.n_blocks, "blocks")
+    blocks = {}
+    for k in range(lo, hi + 1):
+        _seeded(seed, 1, k)
+        blocks[k] = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
+        nn.init.normal_(blocks[k].z_in.weight, std=0.02)  # untrained: let z matter
+    return BlockSpan(blocks, cfg)
+
+
+def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:
+    """E2E layers lo..hi (+ embeddings/head where they belong) with random weights."""
+    m = cfg.model
+    _check_span(lo, hi, m.n_layers, "layers")
+    layers = {}
+    for i in range(lo, hi + 1):
+        _seeded(seed, 2, i)
+        layers[i] = TransformerLayer(m.d_model, m.n_heads, m.mlp_ratio, conditioned=False)
+    embed = head = None
+    if lo == 0:
+        _seeded(seed, 3)
+        embed = (nn.Embedding(VOCAB_SIZE, m.d_model), nn.Embedding(m.context, m.d_model))
+        for e in embed:
+            nn.init.normal_(e.weight, std=0.02)
+    if hi == m.n_layers - 1:
+        _seeded(seed, 4)
+        head = (nn.LayerNorm(m.d_model), nn.Linear(m.d_model, VOCAB_SIZE))
+    return E2ESpan(m, layers, embed, head)
+
+
+def span_params(span: BlockSpan | E2ESpan) -> int:
+    if isinstance(span, BlockSpan):
+        return sum(p.numel() for b in span.blocks.values() for p in b.parameters())
+    mods: list[nn.Module] = list(span.layers.values())
+    mods += list(span.embed or ()) + list(span.head or ())
+    return sum(p.numel() for m in mods for p in m.parameters())

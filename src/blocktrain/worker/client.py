@@ -1,0 +1,115 @@
+"""HTTP client of the coordinator, with timeouts and bounded exponential backoff.
+
+Connection errors, timeouts and 5xx answers are retried with delays
+``base * 2^i`` (capped at ``max_delay``, with jitter) until ``give_up_s``
+seconds have passed without success; then :class:`ProtocolError` is raised.
+A 4xx answer is not retried: it is raised at once as a ProtocolError carrying
+the coordinator's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from blocktrain.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorClient:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 60.0,
+        base_delay: float = 0.5,
+        max_delay: float = 15.0,
+        give_up_s: float = 600.0,
+        verify: bool | str = True,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.base_delay = base_delay
+        self.max_delay = max_delay
+        self.give_up_s = give_up_s
+        self.stop = stop or threading.Event()
+        self.http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
+        )
+        self.bytes_sent = 0  # request body bytes
+        self.bytes_received = 0  # response body bytes
+
+    def close(self) -> None:
+        self.http.close()
+
+    def request(self, method: str, path: str, *, content: bytes | None = None, json: Any = None,
+                retry: bool = True) -> httpx.Response:
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                resp = self.http.request(
+                    method, path, content=content, json=json,
+                    headers={"Content-Type": "application/octet-stream"} if content is not None else None,
+                )
+                self.bytes_sent += len(resp.request.content) if resp.request.content else 0
+                self.bytes_received += len(resp.content)
+                if resp.status_code < 500:
+                    if resp.status_code >= 400:
+                        raise _protocol_error(resp)
+                    return resp
+                problem = f"{resp.status_code} {resp.text[:200]}"
+            except httpx.TransportError as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            elapsed = time.monotonic() - start
+            if not retry or elapsed > self.give_up_s or self.stop.is_set():
+                raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}); check it is running",
+                                    "unreachable")
+            delay = min(self.max_delay, self.base_delay * 2**attempt) * (0.5 + random.random() / 2)
+            log.warning("%s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
+            attempt += 1
+            if self.stop.wait(delay):
+                raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
+
+    # --- protocol calls --------------------------------------------------------
+    def register(self, block: int | None) -> dict[str, Any]:
+        return dict(self.request("POST", "/v1/register", json={"block": block}).json())
+
+    def work(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/work").json())
+
+    def heartbeat(self) -> None:
+        self.request("POST", "/v1/heartbeat", retry=False)
+
+    def leave(self) -> None:
+        self.request("POST", "/v1/leave", retry=False)
+
+    def weights(self, k: int) -> bytes:
+        return self.request("GET", f"/v1/blocks/{k}/weights").content
+
+    def step(self, k: int, from_version: int) -> bytes:
+        return self.request("GET", f"/v1/blocks/{k}/steps/{from_version}").content
+
+    def push(self, k: int, payload: bytes) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/blocks/{k}/updates", content=payload).json())
+
+
+def _protocol_error(resp: httpx.Response) -> ProtocolError:
+    try:
+        doc = resp.json()
+        detail = str(doc.get("detail", doc))
+        reason = str(doc.get("error", "http"))
+    except ValueError:
+        detail, reason = resp.text[:300], "http"
+    return ProtocolError(resp.status_code, f"coordinator answered {resp.status_code}: {detail}", reason)

@@ -1,0 +1,235 @@
+"""The worker: register, pull its block, train H local steps, push the delta, repeat.
+
+The local AdamW state persists across rounds (DiLoCo's inner optimiser); only
+the weights are reset to each new published version. The local learning rate
+follows the preset's schedule over ``rounds x H`` local steps. Data comes from
+the stream id the coordinator hands out for (worker, block, round), so replicas
+never repeat one another and the run can be audited.
+
+Shutdown: the first SIGINT/SIGTERM finishes the current round (trains, pushes)
+and then leaves; a second one abandons the round at once and leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack
+from blocktrain.config import RunConfig
+from blocktrain.coordinator.aggregate import apply_step
+from blocktrain.coordinator.wire import (
+    Compression,
+    block_schema,
+    load_trainable,
+    pack_delta,
+    trainable_state,
+)
+from blocktrain.data.dataset import DataDir
+from blocktrain.data.stream import TrainStream
+from blocktrain.diffusion.loss import block_loss
+from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.errors import CheckpointError, ProtocolError
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.train.loop import lr_at, make_optimizer
+from blocktrain.worker.client import CoordinatorClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    url: str  # coordinator base URL
+    token: str  # bearer token of this worker
+    block: int | None = None  # pin to block K (else the coordinator assigns one)
+    local_steps: int = 50  # H: optimiser steps per round
+    compression: Compression = Compression.BF16  # delta encoding on the wire
+    progress: bool = True  # per-round progress bar
+    poll_s: float = 0.5  # wait between polls while a round is closing
+    give_up_s: float = 600.0  # stop retrying an unreachable coordinator after this long
+    max_rejections: int = 5  # consecutive rejected updates before the worker gives up
+    verify_tls: bool | str = True  # TLS verification (or a CA bundle path)
+
+
+@dataclass
+class WorkerSummary:
+    rounds_pushed: int = 0  # deltas accepted by the coordinator
+    rounds_stale: int = 0  # deltas answered 409 (their round had moved on)
+    local_steps: int = 0  # optimiser steps taken
+    bytes_sent: int = 0  # request body bytes
+    bytes_received: int = 0  # response body bytes
+    block: int = -1  # the block trained last
+
+
+class Worker:
+    def __init__(self, opts: WorkerOptions, data: DataDir, *, stop: threading.Event | None = None,
+                 abandon: threading.Event | None = None) -> None:
+        self.opts = opts
+        self.data = data
+        self.stop = stop or threading.Event()  # finish the current round, then leave
+        self.abandon = abandon or threading.Event()  # leave at once
+        self.client = CoordinatorClient(opts.url, opts.token, give_up_s=opts.give_up_s, stop=self.abandon,
+                                        verify=opts.verify_tls)
+        self.summary = WorkerSummary()
+        self._last_beat = 0.0
+
+    # --- set-up ---------------------------------------------------------------
+    def _setup(self, reg: dict[str, Any]) -> None:
+        self.cfg = RunConfig.from_json(reg["config"])
+        self.k = int(reg["block"])
+        self.lease_s = float(reg["lease_seconds"])
+        rounds = int(reg["rounds"])
+        steps = rounds * self.opts.local_steps if rounds else self.cfg.train.steps
+        self.schedule = replace(self.cfg.train, steps=max(1, steps))
+        self.partition = NoisePartition(self.cfg.diffusion, self.cfg.model.n_blocks)
+        self.train = self.data.open("train")
+        self.block = BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data)
+        self.shapes = block_schema(self.block)
+        self.opt, _ = make_optimizer(self.block, self.cfg.train)
+        self.base: dict[str, torch.Tensor] | None = None
+        self.base_version = -1
+        self.summary.block = self.k
+        log.info("registered as %s on block %d (preset %s)", reg["worker"], self.k, self.cfg.name)
+
+    def _register(self) -> None:
+        self._setup(self.client.register(self.opts.block))
+
+    # --- weights ---------------------------------------------------------------
+    def _sync(self, work: dict[str, Any]) -> None:
+        v, sha = int(work["version"]), str(work["weights_sha"])
+        if self.base is not None and v == self.base_version + 1:
+            try:
+                tensors, meta = unpack(self.client.step(self.k, self.base_version), source="step")
+                if set(tensors) == set(self.shapes):
+                    new = apply_step(self.base, tensors)
+                    if tensors_sha256(new) == sha:
+                        self._set_base(new, v)
+                        return
+                log.warning("block %d: step to v%d does not reproduce the published weights; pulling them", self.k, v)
+            except (ProtocolError, CheckpointError) as exc:
+                log.warning("block %d: could not apply the step to v%d (%s); pulling full weights", self.k, v, exc)
+        tensors, meta = unpack(self.client.weights(self.k), source="weights")
+        if meta.get("block_index") != str(self.k) or {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
+            raise ProtocolError(422, f"the coordinator sent weights that do not fit block {self.k}", "schema")
+        self._set_base({n: t.float() for n, t in tensors.items()}, int(meta.get("version", v)))
+
+    def _set_base(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.base = weights
+        self.base_version = version
+        load_trainable(self.block, weights)
+
+    # --- training ----------------------------------------------------------------
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat > self.lease_s / 3:
+            self._last_beat = now
+            try:
+                self.client.heartbeat()
+            except ProtocolError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _train_round(self, work: dict[str, Any]) -> bool:
+        """H local steps on this round's stream; False if abandoned."""
+        stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, int(work["seed"]),
+                             stream=int(work["stream"]))
+        H = self.opts.local_steps
+        self.block.train()
+        bar = tqdm(total=H, desc=f"block {self.k} v{self.base_version}", unit="step", disable=not self.opts.progress,
+                   dynamic_ncols=True, leave=False)
+        try:
+            for i in range(H):
+                if self.abandon.is_set():
+                    return False
+                self._beat()
+                lr = lr_at(min(self.summary.local_steps, self.schedule.steps - 1), self.schedule)
+                for group in self.opt.param_groups:
+                    group["lr"] = lr
+                x, y = stream.batch(i)
+                out = block_loss(self.block, self.k, x, y, self.partition, self.cfg.diffusion,
+                                 stream.generator(i, purpose=1))
+                self.opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.block.parameters(), self.cfg.train.grad_clip or float("inf"))
+                self.opt.step()
+                self.summary.local_steps += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(out.loss):.3f}", lr=f"{lr:.2e}")
+        finally:
+            bar.close()
+        return True
+
+    def _push(self) -> None:
+        assert self.base is not None
+        local = trainable_state(self.block)
+        delta = {n: local[n] - self.base[n] for n in self.base}
+        samples = self.opts.local_steps * self.cfg.train.batch_size
+        payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
+                             samples=samples)
+        try:
+            self.client.push(self.k, payload)
+            self.summary.rounds_pushed += 1
+            log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
+                     self.k, len(payload), self.base_version, self.summary.local_steps)
+            self._rejections = 0
+        except ProtocolError as exc:
+            if exc.status == 409:
+                self.summary.rounds_stale += 1
+                log.warning("block %d: delta against v%d refused (%s); pulling the new version",
+                            self.k, self.base_version, exc)
+                return
+            if exc.status >= 500:
+                raise
+            self._rejections += 1
+            log.error("block %d: update rejected: %s", self.k, exc)
+            if self._rejections >= self.opts.max_rejections:
+                raise
+        finally:
+            load_trainable(self.block, self.base)  # the local copy restarts from the published version
+
+    # --- main loop ------------------------------------------------------------------
+    def run(self) -> WorkerSummary:
+        self._rejections = 0
+        try:
+            self._register()
+            while not self.stop.is_set() and not self.abandon.is_set():
+                try:
+                    work = self.client.work()
+                except ProtocolError as exc:
+                    if exc.reason == "not_registered":
+                        self._register()
+                        continue
+                    raise
+                if work["finished"]:
+                    log.info("block %d has finished its rounds", self.k)
+                    break
+                if int(work["block"]) != self.k:
+                    log.info("reassigned from block %d to %d", self.k, work["block"])
+                    self._register()
+                    continue
+                if int(work["version"]) != self.base_version:
+                    self._sync(work)
+                    continue
+                if work["round_state"] != "open" or work["submitted"]:
+                    self.abandon.wait(self.opts.poll_s)
+                    continue
+                if not self._train_round(work):
+                    break
+                self._push()
+        finally:
+            self._leave()
+        self.summary.bytes_sent = self.client.bytes_sent
+        self.summary.bytes_received = self.client.bytes_received
+        return self.summary
+
+    def _leave(self) -> None:
+        try:
+            self.client.leave()
+        except ProtocolError as exc:
+            log.warning("could not tell the coordinator we leave: %s", exc)
+        self.client.close()

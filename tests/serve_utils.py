@@ -1,0 +1,80 @@
+"""Helpers for the serving tests: tiny random-weight models and in-process pipelines."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from blocktrain.config import RunConfig
+from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.presets import tiny
+from blocktrain.serve.compute import BlockSpan, E2ESpan
+from blocktrain.serve.links import Address
+from blocktrain.serve.loading import _e2e_parts
+from blocktrain.serve.stage import StageOptions, StageThread
+
+SPANS = ((0, 1), (2, 2), (3, 3))  # B=4 blocks over three stages
+E2E_SPANS = ((0, 1), (2, 2), (3, 3))  # L=4 layers over three stages
+
+
+def tiny_models(seed: int = 0) -> tuple[RunConfig, list[BlockDenoiser], E2ETransformer]:
+    cfg = tiny()
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(cfg.model.n_blocks):
+        b = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
+        torch.nn.init.normal_(b.z_in.weight, std=0.05)  # let z matter in untrained blocks
+        for layer in b.layers:  # and sigma, through adaLN
+            for ln in (layer.ln1, layer.ln2):
+                assert ln.mod is not None
+                torch.nn.init.normal_(ln.mod.weight, std=0.05)
+        blocks.append(b.eval())
+    e2e = E2ETransformer(cfg.model).eval()
+    return cfg, blocks, e2e
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def block_spans(cfg: RunConfig, blocks: Sequence[BlockDenoiser], spans: Sequence[tuple[int, int]]) -> list[BlockSpan]:
+    return [BlockSpan({k: blocks[k] for k in range(lo, hi + 1)}, cfg) for lo, hi in spans]
+
+
+def e2e_spans(e2e: E2ETransformer, spans: Sequence[tuple[int, int]]) -> list[E2ESpan]:
+    return [E2ESpan(e2e.cfg, *_e2e_parts(e2e, lo, hi)) for lo, hi in spans]
+
+
+@contextmanager
+def ring(spans: Sequence[BlockSpan | E2ESpan], ports: Sequence[int] | None = None,
+         **opts: object) -> Iterator[list[StageThread]]:
+    """Start stages as a ring on loopback (the last stage answers through the first)."""
+    ports = list(ports or free_ports(len(spans)))
+    addrs: list[Address] = [("127.0.0.1", p) for p in ports]
+    stages = []
+    try:
+        for i, span in enumerate(spans):
+            nxt = addrs[(i + 1) % len(spans)] if len(spans) > 1 else None
+            o = StageOptions(next_stages=(nxt,) if nxt else (), **opts)  # type: ignore[arg-type]
+            stages.append(StageThread(span, "127.0.0.1", ports[i], o))
+        yield stages
+    finally:
+        for s in stages:
+            s.stop()
+
+
+def local_models(
+    cfg: RunConfig, blocks: Sequence[BlockDenoiser], e2e: E2ETransformer
+) -> tuple[AssembledModel, E2EModel]:
+    return AssembledModel(list(blocks), cfg), E2EModel(e2e, cfg)

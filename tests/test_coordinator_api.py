@@ -1,0 +1,326 @@
+"""In-process API tests of the coordinator (FastAPI TestClient, no sockets)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from blocktrain.checkpoint.safetensors_io import unpack
+from blocktrain.coordinator.aggregate import Aggregation, OuterOptimizer
+from blocktrain.coordinator.app import create_app
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.coordinator.wire import Compression, pack_delta
+from blocktrain.data.dataset import DataDir
+from tests.test_distributed_helpers import FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
+
+
+def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(s, generator=g) for n, s in c.shapes.items()}
+
+
+class Api:
+    """A TestClient bound to one coordinator, with one token per worker name."""
+
+    def __init__(self, c: Coordinator, client: TestClient) -> None:
+        self.c = c
+        self.client = client
+        self.tokens: dict[str, str] = {}
+
+    def h(self, name: str) -> dict[str, str]:
+        if name not in self.tokens:
+            self.tokens[name] = self.c.add_token(name)
+        return {"Authorization": f"Bearer {self.tokens[name]}"}
+
+    def register(self, name: str, block: int | None = None) -> int:
+        r = self.client.post("/v1/register", json={"block": block}, headers=self.h(name))
+        assert r.status_code == 200, r.text
+        return int(r.json()["block"])
+
+    def push(self, name: str, k: int, body: bytes) -> tuple[int, dict[str, object]]:
+        r = self.client.post(f"/v1/blocks/{k}/updates", content=body, headers=self.h(name))
+        return r.status_code, r.json()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def api(tmp_path: Path, clock: FakeClock) -> Iterator[Api]:
+    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=10)
+    with TestClient(create_app(c, background=False)) as client:
+        yield Api(c, client)
+    c.close()
+
+
+def test_assignment_fewest_live_replicas_and_override(api: Api) -> None:
+    got = [api.register(f"w{i}") for i in range(6)]
+    assert got == [0, 1, 2, 3, 0, 1]
+    assert api.register("pinned", block=3) == 3
+    assert api.register("w7") == 2  # blocks 2 and 3 now: 1 and 2 live replicas -> 2
+    r = api.client.post("/v1/register", json={"block": 9}, headers=api.h("bad"))
+    assert r.status_code == 422 and "does not exist" in r.json()["detail"]
+
+
+def test_auth_required_and_constant_time_lookup(api: Api) -> None:
+    assert api.client.post("/v1/register", json={}).status_code == 401
+    r = api.client.get("/v1/work", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and "token add" in r.json()["detail"]
+    row = api.c.store.q1("SELECT hash FROM tokens WHERE name='x'")
+    assert row is None
+    api.h("x")
+    stored = api.c.store.q1("SELECT hash FROM tokens WHERE name='x'")["hash"]
+    assert api.tokens["x"] not in stored and len(stored) == 64  # stored hashed
+
+
+def test_round_closes_at_quorum_with_sample_weighted_mean(api: Api) -> None:
+    for name in ("a", "b", "c"):
+        assert api.register(name, block=1) == 1
+    w0 = block_weights(api.c, 1)
+    deltas = [small_delta(api.c, seed=i) for i in range(3)]
+    samples = [10, 20, 70]
+    for i, name in enumerate(("a", "b", "c")):
+        status, doc = api.push(name, 1, pack_delta(deltas[i], Compression.NONE, block=1, base_version=0,
+                                                    samples=samples[i]))
+        assert status == 202, doc
+        assert doc["round_closed"] is (i == 2)
+    assert api.c.version[1] == 1
+    w1 = api.c.weights[1]
+    for n in w0:
+        want = sum(s * d[n] for s, d in zip(samples, deltas, strict=True)) / sum(samples)
+        # the published step is bf16: relative error <= 2^-8 of the step
+        err = (w1[n] - w0[n] - want).abs().max().item()
+        assert err <= 2**-8 * want.abs().max().item() + 1e-12, n
+    # a delta against the old version is refused with 409 and says what to do
+    status, doc = api.push("a", 1, pack_delta(deltas[0], Compression.NONE, block=1, base_version=0, samples=1))
+    assert status == 409 and "pull the new version" in str(doc["detail"])
+
+
+def test_deadline_closes_round_without_lapsed_worker(api: Api, clock: FakeClock) -> None:
+    api.register("a", block=0)
+    api.register("b", block=0)
+    status, _ = api.push("a", 0, pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, samples=4))
+    assert status == 202 and api.c.version[0] == 0  # b is live: no quorum yet
+    clock.advance(11)  # b's lease lapses; a keeps its lease by heartbeat
+    api.client.post("/v1/heartbeat", headers=api.h("a"))
+    api.c.tick()
+    assert api.c.version[0] == 1  # b left the round: quorum of the live replicas
+    row = api.c.store.q1("SELECT close_reason FROM rounds WHERE block=0 AND version=0")
+    assert row["close_reason"] == "quorum"
+    # a round whose deadline passes with one of two live replicas reporting closes by deadline
+    api.register("b", block=0)
+    api.client.get("/v1/work", headers=api.h("a"))
+    api.push("b", 0, pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=1, samples=4))
+    clock.advance(31)
+    api.client.post("/v1/heartbeat", headers=api.h("a"))
+    api.c.tick()
+    assert api.c.version[0] == 2
+    row = api.c.store.q1("SELECT close_reason FROM rounds WHERE block=0 AND version=1")
+    assert row["close_reason"] == "deadline"
+
+
+def _bad_bodies(c: Coordinator) -> dict[str, tuple[bytes, int, str]]:
+    good = small_delta(c)
+    nan = {n: t.clone() for n, t in good.items()}
+    first = next(iter(nan))
+    nan[first].view(-1)[0] = float("nan")
+    wrong = dict(good)
+    wrong[first] = torch.zeros(3, 3)
+    ok_body = pack_delta(good, Compression.BF16, block=0, base_version=0, samples=4)
+    buf = io.BytesIO()
+    pickle.dump({n: t.numpy() for n, t in good.items()}, buf)
+    return {
+        "nan": (pack_delta(nan, Compression.BF16, block=0, base_version=0, samples=4), 422, "NaN"),
+        "shape": (pack_delta(wrong, Compression.BF16, block=0, base_version=0, samples=4), 422, "expected"),
+        "scaled": (pack_delta({n: 100 * t for n, t in good.items()}, Compression.BF16, block=0, base_version=0,
+                              samples=4), 422, "median"),
+        "pickle": (buf.getvalue(), 415, "safetensors"),
+        "truncated": (ok_body[: len(ok_body) - 1000], 400, "truncated"),
+        "oversized": (b"\0" * (c.max_body_bytes + 1), 413, "cap"),
+    }
+
+
+def test_bad_updates_are_rejected_and_model_unchanged(api: Api) -> None:
+    for name in ("a", "b", "c", "evil"):
+        api.register(name, block=0)
+    # two good updates establish the norm history (and close nothing: 'evil' and 'c' are live)
+    for i, name in enumerate(("a", "b")):
+        status, _ = api.push(name, 0, pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0,
+                                                 base_version=0, samples=4))
+        assert status == 202
+    before = block_weights(api.c, 0)
+    for case, (body, want, text) in _bad_bodies(api.c).items():
+        status, doc = api.push("evil", 0, body)
+        assert status == want, (case, doc)
+        assert text in str(doc["detail"]), (case, doc)
+    r = api.client.post("/v1/blocks/0/updates", content=b"x", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    for n, t in before.items():
+        assert torch.equal(api.c.weights[0][n], t)
+    assert api.c.version[0] == 0
+    st = api.client.get("/v1/status").json()
+    assert st["updates_accepted"] == 2
+    assert st["rejections"] == {"non_finite": 1, "schema": 1, "norm": 1, "not_safetensors": 1, "corrupt": 1,
+                                "too_large": 1, "auth": 1}
+    metrics = api.client.get("/metrics").text
+    assert 'blocktrain_updates_rejected_total{reason="norm"} 1' in metrics
+    assert api.c.store.q1("SELECT COUNT(*) AS n FROM rejections")["n"] == 7
+
+
+def test_wrong_block_and_wrong_version_metadata(api: Api) -> None:
+    api.register("a", block=0)
+    status, doc = api.push("a", 2, pack_delta(small_delta(api.c), Compression.BF16, block=2, base_version=0,
+                                              samples=1))
+    assert status == 403 and "assigned to block 0" in str(doc["detail"])
+    status, doc = api.push("a", 0, pack_delta(small_delta(api.c), Compression.BF16, block=1, base_version=0,
+                                              samples=1))
+    assert status == 422 and "block 1" in str(doc["detail"])
+
+
+def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
+    api.register("a", block=2)
+    d = small_delta(api.c)
+    status, _ = api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=0, samples=3))
+    assert status == 202 and api.c.version[2] == 1
+    r = api.client.get("/v1/blocks/2/weights", headers=api.h("a"))
+    assert r.status_code == 200 and r.headers["X-Block-Version"] == "1"
+    w, meta = unpack(r.content)
+    assert meta["version"] == "1" and set(w) == set(api.c.shapes)
+    step, _ = unpack(api.client.get("/v1/blocks/2/steps/0", headers=api.h("a")).content)
+    assert all(t.dtype == torch.bfloat16 for t in step.values())
+    assert api.client.get("/v1/blocks/2/steps/5", headers=api.h("a")).status_code == 404
+    assert api.client.get("/v1/blocks/7/weights", headers=api.h("a")).status_code == 404
+
+
+def test_status_and_metrics_count_bytes(api: Api) -> None:
+    api.register("a", block=0)
+    n_pull = len(api.client.get("/v1/blocks/0/weights", headers=api.h("a")).content)
+    body = pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, samples=1)
+    api.push("a", 0, body)
+    st = api.client.get("/v1/status").json()
+    w = next(x for x in st["workers"] if x["name"] == "a")
+    assert w["bytes_out"] >= n_pull and w["bytes_in"] >= len(body)
+    assert st["bytes_in"] >= w["bytes_in"] and st["blocks"][0]["version"] == 1
+    # the bf16 delta is about half the block's fp32 size (+ a small header)
+    assert 0.45 * st["block_fp32_bytes"] < len(body) < 0.55 * st["block_fp32_bytes"]
+    assert "blocktrain_worker_bytes_received_total" in api.client.get("/metrics").text
+
+
+@pytest.mark.parametrize("method", [Aggregation.MEDIAN, Aggregation.TRIMMED_MEAN])
+def test_robust_aggregation_ignores_an_outlier(tmp_path: Path, method: Aggregation) -> None:
+    c = make_coordinator(tmp_path / "run", None, aggregation=method, norm_k=0, trim_fraction=0.2)
+    names = [f"w{i}" for i in range(5)]
+    for n in names:
+        c.register(n, 0)
+    w0 = block_weights(c, 0)
+    base = small_delta(c, seed=1)
+    for i, n in enumerate(names):
+        d = {k: v * (1000.0 if i == 4 else 1.0 + 0.01 * i) for k, v in base.items()}
+        c.submit(n, 0, pack_delta(d, Compression.NONE, block=0, base_version=0, samples=1))
+    assert c.version[0] == 1
+    for k in w0:
+        step = c.weights[0][k] - w0[k]
+        assert (step - base[k]).abs().max() <= 0.03 * base[k].abs().max() + 1e-9
+    c.close()
+
+
+def test_nesterov_outer_step_and_momentum_persist(tmp_path: Path) -> None:
+    c = make_coordinator(tmp_path / "run", None, outer=OuterOptimizer.NESTEROV, outer_lr=0.7, outer_momentum=0.9)
+    c.register("a", 3)
+    w0 = block_weights(c, 3)
+    d = small_delta(c)
+    c.submit("a", 3, pack_delta(d, Compression.NONE, block=3, base_version=0, samples=1))
+    for k in w0:  # first step: m = g = -d; step = -lr (g + mu m) = lr (1 + mu) d
+        want = 0.7 * 1.9 * d[k]
+        assert (c.weights[3][k] - w0[k] - want).abs().max() <= 2**-8 * want.abs().max() + 1e-12
+    c.close()
+    c2 = make_coordinator(tmp_path / "run", None, outer=OuterOptimizer.NESTEROV)
+    assert c2.momentum[3] is not None and c2.version[3] == 1
+    c2.close()
+
+
+def test_gate_rejects_an_update_that_hurts_held_out_loss(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    c = make_coordinator(tmp_path / "run", corpus, gate_tolerance=0.0, norm_k=0, eval_every=0)
+    c.register("a", 0)
+    from blocktrain.errors import ProtocolError
+
+    harmful = {n: 0.5 * torch.randn(s) for n, s in c.shapes.items()}
+    with pytest.raises(ProtocolError) as exc:
+        c.submit("a", 0, pack_delta(harmful, Compression.NONE, block=0, base_version=0, samples=1))
+    assert exc.value.status == 422 and exc.value.reason == "gate"
+    assert c.version[0] == 0
+    c.close()
+
+
+def test_restart_resumes_versions_and_pending_updates(tmp_path: Path) -> None:
+    c = make_coordinator(tmp_path / "run", None)
+    for n in ("a", "b"):
+        c.register(n, 0)
+    c.register("c", 1)
+    c.submit("c", 1, pack_delta(small_delta(c), Compression.BF16, block=1, base_version=0, samples=1))
+    c.submit("a", 0, pack_delta(small_delta(c, seed=3), Compression.BF16, block=0, base_version=0, samples=1))
+    sha = dict(c.weights_sha)
+    c.close()  # (a hard kill is tested with processes in test_distributed_loopback)
+    c2 = make_coordinator(tmp_path / "run", None)
+    assert c2.version == {0: 0, 1: 1, 2: 0, 3: 0} and c2.weights_sha == sha
+    assert c2.store.q1("SELECT COUNT(*) AS n FROM updates WHERE state='accepted'")["n"] == 1
+    c2.submit("b", 0, pack_delta(small_delta(c2, seed=4), Compression.BF16, block=0, base_version=0, samples=1))
+    assert c2.version[0] == 1
+    row = c2.store.q1("SELECT n_updates FROM rounds WHERE block=0 AND version=0")
+    assert row["n_updates"] == 2  # the update accepted before the restart counted
+    c2.close()
+
+
+def test_seeds_are_recorded_per_worker_and_round(api: Api) -> None:
+    api.register("a", block=0)
+    api.register("b", block=0)
+    wa = api.client.get("/v1/work", headers=api.h("a")).json()
+    wb = api.client.get("/v1/work", headers=api.h("b")).json()
+    assert wa["stream"] != wb["stream"]
+    rows = api.c.store.q("SELECT worker, stream FROM seeds ORDER BY worker")
+    assert [(r["worker"], r["stream"]) for r in rows] == [("a", wa["stream"]), ("b", wb["stream"])]
+
+
+def test_adaptive_deadline_follows_observed_arrivals(tmp_path: Path) -> None:
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, adaptive_deadline=True,
+                         min_round_seconds=2, deadline_slack=2.0)
+    c.register("a", 0)
+    clock.advance(3.0)  # the only replica reports 3 s after the round opened
+    c.submit("a", 0, pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, samples=1))
+    row = c.store.q1("SELECT opened, deadline FROM rounds WHERE block=0 AND version=1")
+    assert row["deadline"] - row["opened"] == pytest.approx(6.0)  # slack 2 x slowest arrival 3 s
+    c.close()
+
+
+def test_int8_encoding_error_is_bounded() -> None:
+    from blocktrain.coordinator.wire import decode_delta, encode_delta
+
+    d = {"w": torch.randn(64, 64), "b": torch.zeros(5)}
+    back = decode_delta(encode_delta(d, Compression.INT8), Compression.INT8)
+    assert torch.equal(back["b"], d["b"])
+    assert (back["w"] - d["w"]).abs().max() <= d["w"].abs().max() / 127 / 2 + 1e-6  # half a quantisation step
+
+
+def test_client_backoff_is_bounded_and_reports_unreachable() -> None:
+    import time
+
+    from blocktrain.errors import ProtocolError
+    from blocktrain.worker.client import CoordinatorClient
+    from tests.test_distributed_helpers import free_port
+
+    client = CoordinatorClient(f"http://127.0.0.1:{free_port()}", "t", base_delay=0.05, max_delay=0.2, give_up_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ProtocolError) as exc:
+        client.work()
+    assert exc.value.status == 503 and "unreachable" in str(exc.value)
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    client.close()

@@ -1,0 +1,56 @@
+"""The dashboard at ``/`` rendered by headless Chromium against a live coordinator.
+
+Chromium runs the page's JavaScript, which fetches ``/v1/status`` and fills the
+blocks and workers tables and the CE curve; the test reads the resulting DOM.
+Needs the ``chromium`` binary (Debian/Ubuntu package ``chromium``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.coordinator.wire import Compression, pack_delta
+from blocktrain.data.dataset import DataDir
+from tests.test_distributed_helpers import ThreadServer, corpus, make_coordinator  # noqa: F401
+
+CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+def dump_dom(url: str, profile: Path) -> str:
+    assert CHROMIUM is not None
+    out = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={profile}", "--virtual-time-budget=4000", "--dump-dom", url],
+        capture_output=True, timeout=120, check=True,
+    )
+    return out.stdout.decode()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)")
+def test_dashboard_shows_blocks_workers_and_ce_curve(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    c = make_coordinator(tmp_path / "run", corpus, eval_bytes=256, eval_every=1)
+    for name, k in (("alice", 0), ("bob", 1), ("carol", 2), ("dave", 3)):
+        c.add_token(name)
+        c.register(name, k)
+    c.maybe_evaluate()  # epoch 0
+    for name, k in (("alice", 0), ("bob", 1), ("carol", 2), ("dave", 3)):  # one round of every block
+        delta = {n: 1e-3 * torch.randn(s) for n, s in c.shapes.items()}
+        c.submit(name, k, pack_delta(delta, Compression.BF16, block=k, base_version=0, samples=4))
+    c.maybe_evaluate()  # epoch 1: a second point on the curve
+    with ThreadServer(c, background=False) as srv:
+        dom = dump_dom(srv.url + "/", tmp_path / "profile")
+    c.close()
+    assert "BlockTrain coordinator" in dom
+    for name in ("alice", "bob", "carol", "dave"):
+        assert f"<td>{name}</td>" in dom, f"worker {name} missing from the rendered dashboard"
+    rows = re.findall(r"<tr><td>(\d)</td><td>(\d+)</td><td>open</td>", dom)
+    assert sorted(rows) == [("0", "1"), ("1", "1"), ("2", "1"), ("3", "1")]  # blocks at version 1, round open
+    assert re.search(r'<polyline[^>]*id="ce-line"', dom) and 'data-points="2"' in dom
+    assert "4 rounds closed" in dom and "latest CE" in dom

@@ -1,0 +1,147 @@
+"""Shared fixtures and helpers of the coordinator/worker tests (no tests in here)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.data.dataset import DataDir, open_data_dir
+from blocktrain.presets import get_preset
+
+WORDS = [
+    "the", "of", "and", "in", "to", "a", "was", "is", "for", "on", "as", "by", "with", "he", "at", "from",
+    "his", "an", "were", "are", "which", "this", "also", "be", "had", "first", "new", "one", "their",
+    "after", "its", "who", "two", "not", "but", "has", "have", "been", "time", "city", "album", "river",
+    "song", "game",
+]
+
+
+def write_corpus(root: Path, seed: int = 0) -> DataDir:
+    """A small synthetic WikiText-like data directory (train/valid/test)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", 120_000), ("valid", 16_000), ("test", 16_000)):
+        out = []
+        size = 0
+        while size < n:
+            line = " = " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + " . \n"
+            out.append(line)
+            size += len(line)
+        (root / f"wiki.{split}.raw").write_text("".join(out))
+    return open_data_dir(root)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> DataDir:
+    return write_corpus(tmp_path_factory.mktemp("data"))
+
+
+class FakeClock:
+    """A settable wall clock for deadlines and leases."""
+
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+def make_coordinator(run: Path, data: DataDir | None, clock: Any = None, **settings: Any) -> Coordinator:
+    if clock is None:
+        return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data)
+    return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data, clock=clock)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ThreadServer:
+    """uvicorn serving a coordinator app in a background thread (real loopback sockets)."""
+
+    def __init__(self, c: Coordinator, background: bool = True) -> None:
+        import uvicorn
+
+        from blocktrain.coordinator.app import create_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(c, background=background), host="127.0.0.1", port=self.port,
+                                log_level="warning", limit_concurrency=1000, backlog=512)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ThreadServer:
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def cli(*args: str, **kw: Any) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "blocktrain", *args], env=env, **kw)
+
+
+def add_token(run: Path, name: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "blocktrain", "token", "add", name, "--run-dir", str(run)],
+                         check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out.stdout.decode().strip()
+
+
+def wait_for(pred: Any, timeout: float, what: str, every: float = 0.2) -> Any:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            got = pred()
+        except (httpx.HTTPError, OSError):
+            got = None
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def get_status(url: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/v1/status", timeout=10).json())
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts; killed (by pid) at teardown."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
+def block_weights(c: Coordinator, k: int) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in c.weights[k].items()}

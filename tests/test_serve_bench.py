@@ -1,0 +1,138 @@
+"""Serving CLI and benchmark pieces: span splits, scale shapes, quality helpers, end-to-end CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.evaluate.assembled import E2EModel
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.presets import tiny
+from blocktrain.serve.bench import generative_ce, repeat_fraction, scale_shape, split_blocks, split_layers
+from blocktrain.serve.loading import parse_shape, parse_span
+from blocktrain.serve.netns import Topology, netns_available
+from tests.serve_utils import free_ports
+
+
+def test_span_splits() -> None:
+    assert split_layers(8) == [(0, 2), (3, 5), (6, 7)]
+    assert split_blocks(4) == [(0, 1), (2, 2), (3, 3)]
+    assert split_layers(16) == [(0, 5), (6, 10), (11, 15)]
+    assert parse_span("0-1") == (0, 1) and parse_span("3") == (3, 3)
+    with pytest.raises(ValueError, match="LO-HI"):
+        parse_span("a-b")
+
+
+def test_scale_shape_fits_budget() -> None:
+    shape = scale_shape(10 * 2**30)
+    cfg = parse_shape(shape)
+    from blocktrain.model.block import BlockDenoiser
+
+    with torch.device("meta"):
+        params = cfg.model.n_blocks * sum(p.numel() for p in BlockDenoiser(cfg.model, 0.5).parameters())
+    assert 4 * params <= 10 * 2**30 < 4 * params * 1.5  # the largest multiple of 256 that fits
+    assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+def test_quality_helpers() -> None:
+    assert repeat_fraction(b"abcdabcd") == pytest.approx(1 / 5)
+    assert repeat_fraction(b"abcdefgh") == 0.0
+    cfg = tiny()
+    model = E2EModel(E2ETransformer(cfg.model), cfg)
+    prompt, out = b"hello ", b"world"
+    seq = prompt + out
+    with torch.no_grad():
+        logp = torch.log_softmax(model.model(torch.tensor([list(seq[:-1])])), -1)[0]
+    manual = -sum(float(logp[len(prompt) - 1 + i, out[i]]) for i in range(len(out))) / len(out)
+    assert generative_ce(model, prompt, out) == pytest.approx(manual, rel=1e-5)
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 60) -> None:
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "stage exited"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("stage did not start")
+
+
+def test_cli_serve_and_generate_pipeline(tmp_path: Path) -> None:
+    """`blocktrain serve` (random tiny weights, one stage) answers `blocktrain generate --pipeline`."""
+    (port,) = free_ports(1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    shape = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "blocktrain", "serve", "--random", shape, "--blocks", "0-3",
+         "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_port(port, serve)
+        for mode in ("sweep", "ar"):
+            r = subprocess.run(
+                [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode,
+                 "--bytes", "8", "--prompt", "abc", "--sweeps", "2"], capture_output=True, env=env, timeout=60)
+            assert r.returncode == 0, r.stderr.decode()
+            assert r.stdout.startswith(b"abc")
+        r = subprocess.run([sys.executable, "-m", "blocktrain", "generate", "--pipeline", "127.0.0.1:1",
+                            "--bytes", "4"], capture_output=True, env=env, timeout=60)
+        assert r.returncode == 2 and b"cannot reach the entry stage" in r.stderr
+    finally:
+        serve.terminate()
+        serve.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not netns_available(), reason="needs root and 'ip netns'")
+def test_namespace_ring_is_built_and_removed() -> None:
+    topo = Topology(delay_ms=25).setup()
+    try:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert all(name in listed for name in topo.names)
+        listen = ("import socket; s = socket.socket(); s.bind(('0.0.0.0', 47999)); s.listen(); "
+                  "c, _ = s.accept(); c.sendall(b'ok')")
+        server = subprocess.Popen([*topo.exec_prefix(1), sys.executable, "-c", listen])
+        connect = ("import socket, time\nfor _ in range(50):\n try:\n  c = socket.create_connection"
+                   f"(('{topo.stage_host[1]}', 47999), timeout=2); break\n except OSError: time.sleep(0.1)\n"
+                   "assert c.recv(2) == b'ok'")
+        client = subprocess.run([*topo.exec_prefix(0), sys.executable, "-c", connect], capture_output=True, timeout=30)
+        server.wait(10)
+        assert client.returncode == 0, client.stderr
+    finally:
+        topo.teardown()
+    assert not any(n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                   for n in topo.names)
+
+
+@pytest.mark.slow
+def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
+    """The whole benchmark on loopback with a tiny trained run (about 30 s)."""
+    from blocktrain.cli.main import main
+
+    run = tmp_path / "run"
+    common = ["--preset", "tiny", "--out", str(run), "--data", str(data_dir), "--steps", "5", "--no-progress"]
+    assert main(["train", *common]) == 0
+    assert main(["train-e2e", *common]) == 0
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--run", str(run), "--data", str(data_dir), "--network", "loopback",
+            "--prompt-bytes", "12", "--output-bytes", "16", "--prompts", "2", "--tf-bytes", "256",
+            "--scale", "d_model=64,n_heads=2,n_layers=4,n_blocks=4,context=64", "--scale-output-bytes", "8",
+            "--json", str(out), "--base-port", str(free_ports(1)[0] // 10 * 10 % 50000 + 10000)]
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    for key in ("hop_delay_ms", "output_bytes", "sweep_seconds", "ar_seconds", "ar_baseline_seconds",
+                "speedup_sweep_vs_baseline", "floor_seconds", "sweep_generative_ce", "baseline_generative_ce"):
+        assert key in r
+    tf = r["teacher_forced_ce"]
+    assert tf["blocktrain_pipeline_score"] == pytest.approx(tf["blocktrain_local"], abs=1e-4)
+    assert r["sweep_seconds"] >= 3 * r["hop_delay_ms"] / 1000
+    assert r["scale"]["blocktrain_params"] > 0

@@ -1,0 +1,84 @@
+"""Wire format of the serving frames: exact bytes, round trips, caps and rejections."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from blocktrain.checkpoint.safetensors_io import pack
+from blocktrain.errors import FramingError, WireError
+from blocktrain.serve.wire import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
+
+
+def _frame() -> Frame:
+    x = torch.tensor([[104, 105]], dtype=torch.uint8)
+    return Frame(FrameKind.SUBMIT, "req-1", Mode.SCORE, 0, {"seed": 7}, {"x": x})
+
+
+def test_exact_bytes() -> None:
+    f = _frame()
+    header = (
+        b'{"id":"req-1","kind":"submit","mode":"score","params":{"seed":7},'
+        b'"shapes":{"x":[1,2]},"sigma_index":0,"v":1}'
+    )
+    data = encode(f)
+    # safetensors orders its metadata map arbitrarily, so only its length is fixed, not its bytes
+    p_len = len(pack({"x": f.tensors["x"]}))
+    assert data[: 12 + len(header)] == b"BTW1" + struct.pack(">II", len(header), p_len) + header
+    payload = data[12 + len(header) :]
+    assert len(payload) == p_len and payload.endswith(b"hi")  # raw tensor bytes come last
+    # The payload is plain safetensors: an 8-byte little-endian header length, then JSON.
+    st_len = int.from_bytes(payload[:8], "little")
+    meta = json.loads(payload[8 : 8 + st_len])
+    assert meta["x"]["dtype"] == "U8" and meta["x"]["shape"] == [1, 2]
+    assert meta["__metadata__"]["format"] == "blocktrain" and len(meta["__metadata__"]["sha256"]) == 64
+
+
+def test_frame_without_tensors_has_empty_payload() -> None:
+    data = encode(Frame(FrameKind.PING, "p1"))
+    assert data[:4] == MAGIC and struct.unpack(">I", data[8:12])[0] == 0
+    g = decode(data)
+    assert g.kind is FrameKind.PING and g.request_id == "p1" and g.tensors == {}
+
+
+def test_round_trip() -> None:
+    f = _frame()
+    f.tensors["z"] = torch.randn(1, 2, 4)
+    g = decode(encode(f))
+    assert (g.kind, g.request_id, g.mode, g.sigma_index, g.params) == (f.kind, f.request_id, f.mode, 0, {"seed": 7})
+    assert torch.equal(g.tensors["x"], f.tensors["x"]) and torch.equal(g.tensors["z"], f.tensors["z"])
+    err = decode(encode(f.reply_error(ErrorCode.UNKNOWN_REQUEST, "no such id")))
+    assert err.kind is FrameKind.ERROR and err.code is ErrorCode.UNKNOWN_REQUEST and err.error == "no such id"
+
+
+def test_size_cap() -> None:
+    f = _frame()
+    f.tensors["z"] = torch.zeros(1, 2, 1024)
+    data = encode(f)
+    with pytest.raises(WireError, match="exceeds the cap"):
+        encode(f, max_frame_bytes=1024)
+    with pytest.raises(FramingError, match="exceeds the cap"):
+        decode(data, max_frame_bytes=1024)
+    huge = MAGIC + struct.pack(">II", 10, 2**31)
+    with pytest.raises(FramingError, match="exceeds the cap"):
+        decode(huge + b"x" * 10)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda d: b"XXXX" + d[4:], FramingError, "magic"),
+        (lambda d: d[:12] + b"}" + d[13:], WireError, "not JSON"),
+        (lambda d: d[:-1] + bytes([d[-1] ^ 1]), WireError, "sha256|corrupt"),
+        (lambda d: d.replace(b'"kind":"submit"', b'"kind":"submyt"'), WireError, "unknown value"),
+        (lambda d: d.replace(b'"x":[1,2]', b'"x":[2,1]'), WireError, "disagree"),
+        (lambda d: d.replace(b'"id":"req-1"', b'"id":"req/1"'), WireError, "request id"),
+        (lambda d: d[:-3], FramingError, "declares"),
+    ],
+)
+def test_rejections(mutate, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        decode(mutate(encode(_frame())))
