@@ -61,3 +61,10 @@ def test_foreign_safetensors_rejected() -> None:
 def test_reserved_metadata() -> None:
     with pytest.raises(ValueError, match="reserved"):
         pack({"w": torch.zeros(1)}, {"sha256": "x"})
+
+
+@pytest.mark.parametrize("header", [b"[1, 2, 3]", b'{"__metadata__": [1]}', b'"text"'])
+def test_non_object_headers_rejected(header: bytes) -> None:
+    payload = len(header).to_bytes(8, "little") + header
+    with pytest.raises(CheckpointError):
+        unpack(payload)

@@ -324,3 +324,11 @@ def test_client_backoff_is_bounded_and_reports_unreachable() -> None:
     assert exc.value.status == 503 and "unreachable" in str(exc.value)
     assert 1.0 <= time.monotonic() - t0 < 5.0
     client.close()
+
+
+def test_small_routes_cap_their_bodies_before_auth(api: Api) -> None:
+    big = b'{"block": 0, "pad": "' + b"x" * (80 * 1024) + b'"}'
+    r = api.client.post("/v1/register", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "too_large"
+    r = api.client.post("/v1/heartbeat", content=big, headers={**api.h("w0"), "content-type": "application/json"})
+    assert r.status_code == 413

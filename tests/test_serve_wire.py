@@ -82,3 +82,24 @@ def test_size_cap() -> None:
 def test_rejections(mutate, error, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match):
         decode(mutate(encode(_frame())))
+
+
+def test_span_rejects_oversized_batches_and_bad_sweep_params() -> None:
+    import torch
+
+    from blocktrain.errors import WireError
+    from blocktrain.model.block import BlockDenoiser
+    from blocktrain.presets import tiny
+    from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, BlockSpan
+    from blocktrain.serve.wire import Frame, FrameKind, Mode
+
+    cfg = tiny()
+    span = BlockSpan({0: BlockDenoiser(cfg.model, 0.5)}, cfg)
+    big = Frame(kind=FrameKind.SUBMIT, request_id="r1", mode=Mode.SCORE,
+                tensors={"x": torch.zeros(MAX_ROWS_PER_FRAME + 1, 4, dtype=torch.uint8)})
+    with pytest.raises(WireError, match="at most"):
+        span.validate(big)
+    bad = Frame(kind=FrameKind.SUBMIT, request_id="r2", mode=Mode.SWEEP, tensors={"x": torch.zeros(1, 4, dtype=torch.uint8)},
+                params={"n_new": 2, "prompt_len": 4, "estimate": "psychic"})
+    with pytest.raises(WireError, match="estimate"):
+        span.validate(bad)

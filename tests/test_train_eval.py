@@ -147,3 +147,32 @@ def test_generate_is_reproducible(trained: tuple[RunConfig, Path, Path]) -> None
     a = generate(model, b"The game", 12, seed=3)
     assert a == generate(model, b"The game", 12, seed=3) and len(a) == 12
     assert len(generate(E2EModel.load(RunDir(run)), b"The", 5, temperature=0)) == 5
+
+
+def test_interrupt_after_optimizer_step_resumes_exactly(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while logging (after opt.step) must record the step as done, not repeat it."""
+    import blocktrain.train.loop as loop
+    from blocktrain.checkpoint.safetensors_io import load_file
+
+    dd = open_data_dir(data_dir)
+    cfg = tiny().with_train(steps=10, checkpoint_every=100, log_every=5, eval_bytes=0)
+    train_block(cfg, dd, tmp_path / "straight", 0, progress=False)
+    real_write = loop.JsonlWriter.write
+
+    def dying_write(self: object, **record: object) -> None:
+        if record.get("step") == 5 and "loss" in record:
+            raise KeyboardInterrupt
+        real_write(self, **record)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop.JsonlWriter, "write", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        train_block(cfg, dd, tmp_path / "resumed", 0, progress=False)
+    assert load_file(RunDir(tmp_path / "resumed").block_path(0))[1]["step"] == "5"
+    monkeypatch.setattr(loop.JsonlWriter, "write", real_write)
+    train_block(cfg, dd, tmp_path / "resumed", 0, progress=False)
+    a, _ = load_file(RunDir(tmp_path / "straight").block_path(0))
+    b, _ = load_file(RunDir(tmp_path / "resumed").block_path(0))
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k

@@ -87,10 +87,6 @@ class ModelConfig:
     def layers_per_block(self) -> int:
         return self.n_layers // self.n_blocks
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
 
 @dataclass(frozen=True)
 class DiffusionConfig:

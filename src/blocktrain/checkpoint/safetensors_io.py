@@ -66,7 +66,11 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
         header = json.loads(payload[8 : 8 + header_len])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{source}: not a safetensors file (header is not JSON)") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{source}: not a safetensors file (header is not a JSON object)")
     meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{source}: not a BlockTrain file (metadata is not a JSON object)")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{source}: not a BlockTrain file (metadata 'format' is {meta.get('format')!r})")
     if meta.get("format_version") != FORMAT_VERSION:

@@ -36,25 +36,23 @@ def cmd_train_e2e(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """Train all B blocks, each in its own process (at most --parallel at a time).
+
+    A process per block keeps each block's peak memory and its metrics its own.
+    """
     from blocktrain.data.dataset import resolve_data_dir
-    from blocktrain.train.block import train_block
 
     cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
-    n = cfg.model.n_blocks
-    if args.parallel <= 1:
-        for k in range(n):
-            train_block(cfg, data, Path(args.out), k, progress=not args.no_progress)
-        return 0
-    # Parallel: one process per block, at most --parallel at a time.
+    data.open("train")
     base = [sys.executable, "-m", "blocktrain", "train-block", "--out", args.out, *forward_run_args(args)]
     if args.data is None:
         base += ["--data", str(data.root)]
-    pending = list(range(n))
+    pending = list(range(cfg.model.n_blocks))
     running: list[tuple[int, subprocess.Popen[bytes]]] = []
     failed = []
     while pending or running:
-        while pending and len(running) < args.parallel:
+        while pending and len(running) < max(1, args.parallel):
             k = pending.pop(0)
             running.append((k, subprocess.Popen([*base, "--block", str(k)])))
         k, proc = running.pop(0)

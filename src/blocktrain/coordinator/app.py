@@ -57,6 +57,9 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+SMALL_BODY_CAP = 64 * 1024  # bytes: cap on request bodies of every route but update uploads
+
+
 class ByteCounter:
     """ASGI middleware: count request/response body bytes, attributed to the token's worker."""
 
@@ -76,10 +79,23 @@ class ByteCounter:
                 if scheme.lower() == "bearer" and token:
                     worker = self.c.worker_for_token(token.strip())
 
+        # Only update uploads may be large; every other body (register, heartbeat, ...) is small JSON.
+        capped = not scope.get("path", "").endswith("/updates")
+        for key, value in scope.get("headers", []):
+            if capped and key == b"content-length" and value.isdigit() and int(value) > SMALL_BODY_CAP:
+                await JSONResponse(
+                    {"error": "too_large",
+                     "detail": f"body of {int(value)} bytes exceeds the cap of {SMALL_BODY_CAP} bytes for this route"},
+                    status_code=413,
+                )(scope, receive, send)
+                return
+
         async def recv() -> Message:
             msg = await receive()
             if msg["type"] == "http.request":
                 n[0] += len(msg.get("body", b""))
+                if capped and n[0] > SMALL_BODY_CAP:  # chunked body without a length: stop reading it
+                    return {"type": "http.disconnect"}
             return msg
 
         async def snd(msg: Message) -> None:

@@ -33,6 +33,8 @@ from blocktrain.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
+TOKEN_RELOAD_SECONDS = 1.0  # seconds between re-reads of the token table caused by unknown tokens
+
 
 class Coordinator(BlockRounds):
     """All coordinator logic, independent of HTTP (the app in :mod:`.app` is a thin layer)."""
@@ -46,6 +48,7 @@ class Coordinator(BlockRounds):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._tokens: dict[str, str] = {}  # token hash -> worker name
+        self._last_token_reload = float("-inf")  # time.monotonic() of the last re-read of the token table
         self._bytes_lock = threading.Lock()
         self._pending_bytes: dict[str | None, list[int]] = {}
         super().__init__(run_dir, cfg, settings, data, clock)
@@ -68,9 +71,13 @@ class Coordinator(BlockRounds):
         if not token:
             raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", "auth")
         name = self.worker_for_token(token)
-        if name is None:
+        now = time.monotonic()
+        if name is None and now - self._last_token_reload >= TOKEN_RELOAD_SECONDS:
+            # A token may have been added by 'blocktrain token add' while we run; re-read the table,
+            # at most once per TOKEN_RELOAD_SECONDS so unknown tokens cannot hammer the database.
             with self.lock:
-                self._reload_tokens()  # a token may have been added while we run
+                self._last_token_reload = now
+                self._reload_tokens()
             name = self.worker_for_token(token)
         if name is None:
             raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", "auth")

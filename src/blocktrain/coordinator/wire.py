@@ -120,7 +120,3 @@ def pack_delta(
         "compression": compression.value,
     }
     return pack(encode_delta(delta, compression), meta)
-
-
-def payload_nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())

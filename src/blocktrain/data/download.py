@@ -10,11 +10,10 @@ published digests where they are known.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
 from blocktrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -75,20 +74,6 @@ def _parquet_rows(path: Path) -> list[str]:
     return [str(v) if v is not None else "" for v in table.column("text").to_pylist()]
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def download_wikitext(name: str, dest: Path, fetch: Fetch = hub_fetch) -> Path:
     """Download ``name`` ("wikitext-2" or "wikitext-103") raw into ``dest``; return ``dest``."""
     from blocktrain.data.dataset import KNOWN_SHA256, sha256_file
@@ -106,7 +91,7 @@ def download_wikitext(name: str, dest: Path, fetch: Fetch = hub_fetch) -> Path:
             rows.extend(_parquet_rows(fetch(HUB_REPO, f"{folder}/{shard}")))
         if not rows:
             raise DataError(f"the hub returned no rows for {name} {split}")
-        _atomic_write(target, rows_to_raw(rows))
+        atomic_write_bytes(target, rows_to_raw(rows))
         want = KNOWN_SHA256.get(target.name) if name == "wikitext-2" else None
         if want is not None and sha256_file(target) != want:
             log.warning("%s does not match the published sha256 %s", target, want)

@@ -6,7 +6,6 @@ is deterministic, so it returns one "chain".
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -112,7 +111,3 @@ def load_model_from_run(run: RunDir, which: str = "auto") -> AssembledModel | E2
     if which in ("e2e", "auto"):
         return E2EModel.load(run, cfg)
     raise RunError(f"unknown model kind {which!r}; use blocktrain, e2e or auto")
-
-
-def nats_to_bits(ce: float) -> float:
-    return ce / math.log(2)

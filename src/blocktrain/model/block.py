@@ -80,7 +80,3 @@ class BlockDenoiser(nn.Module):
     def denoised(self, logits: torch.Tensor) -> torch.Tensor:
         """D = softmax(logits) @ E: the expected target embedding, (b, t, d)."""
         return torch.softmax(logits.float(), dim=-1) @ self.E
-
-
-def param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)

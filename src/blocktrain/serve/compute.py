@@ -38,6 +38,7 @@ from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
 log = logging.getLogger(__name__)
 
 PLACEHOLDER_BYTE = 32  # context byte of not-yet-estimated sweep positions (a space)
+MAX_ROWS_PER_FRAME = 64  # sequences per frame: bounds the (b, t, d_model) state a frame can make a stage allocate
 
 
 def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
@@ -96,9 +97,15 @@ class BlockSpan:
         x = frame.tensors.get("x")
         if x is None or x.dim() != 2 or x.dtype != torch.uint8 or x.shape[0] < 1 or x.shape[1] < 1:
             raise WireError("frames need tensor 'x': uint8 bytes of shape (b, t) with b, t >= 1")
+        if x.shape[0] > MAX_ROWS_PER_FRAME:
+            raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {x.shape[0]}; split the request")
         t = x.shape[1]
         _param(frame.params, "seed", int, 0)
         if frame.mode is Mode.SWEEP:
+            if _param(frame.params, "sweep_index", int, 0) < 0:
+                raise WireError("parameter 'sweep_index' must be >= 0")
+            if _param(frame.params, "estimate", str, "sample") not in ("sample", "greedy"):
+                raise WireError("parameter 'estimate' must be 'sample' or 'greedy'")
             n_new = _param(frame.params, "n_new", int)
             prompt_len = _param(frame.params, "prompt_len", int)
             sweeps = _param(frame.params, "sweeps", int, 1)

@@ -23,7 +23,7 @@ from blocktrain.checkpoint.run import load_model, load_optimizer_tensors, optimi
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
 from blocktrain.config import RunConfig, TrainConfig
 from blocktrain.errors import CheckpointError
-from blocktrain.train.memory import peak_rss_bytes, rss_bytes
+from blocktrain.train.memory import peak_rss_bytes
 from blocktrain.train.metrics import JsonlWriter
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def run_training(
     module.train()
     t0 = time.perf_counter()
     last_loss = float("nan")
-    step = start
+    done = start  # optimiser steps applied so far: what a checkpoint records
     bar = tqdm(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
     try:
         for step in range(start, tc.steps):
@@ -126,33 +126,33 @@ def run_training(
             loss.backward()
             gnorm = float(nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip or float("inf")))
             opt.step()
+            done = step + 1
             last_loss = float(loss.detach())
             elapsed = time.perf_counter() - t0
-            rate = (step + 1 - start) * bytes_per_step / max(elapsed, 1e-9)
+            rate = (done - start) * bytes_per_step / max(elapsed, 1e-9)
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", bytes_s=f"{rate:,.0f}")
-            if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
-                metrics.write(step=step + 1, loss=last_loss, lr=lr, grad_norm=gnorm, bytes_per_s=rate, **extra)
-            if (step + 1) % tc.checkpoint_every == 0:
-                checkpoint(step + 1)
-            if eval_fn is not None and tc.eval_every and (step + 1) % tc.eval_every == 0:
-                metrics.write(step=step + 1, event="eval", **eval_fn())
+            if done % tc.log_every == 0 or done == tc.steps:
+                metrics.write(step=done, loss=last_loss, lr=lr, grad_norm=gnorm, bytes_per_s=rate, **extra)
+            if done % tc.checkpoint_every == 0:
+                checkpoint(done)
+            if eval_fn is not None and tc.eval_every and done % tc.eval_every == 0:
+                metrics.write(step=done, event="eval", **eval_fn())
                 module.train()
-        step = tc.steps
     except KeyboardInterrupt:
-        log.warning("%s: interrupted; saving a checkpoint at step %d", name, step)
-        checkpoint(step)
+        log.warning("%s: interrupted; saving a checkpoint at step %d", name, done)
+        checkpoint(done)
         raise
     finally:
         bar.close()
-    checkpoint(step)
+    checkpoint(done)
     wall = time.perf_counter() - t0
     peak = peak_rss_bytes()
     final_eval = eval_fn() if eval_fn is not None else {}
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
     summary = TrainSummary(
         name=name,
-        steps=step,
+        steps=done,
         wall_s=wall,
         final_loss=last_loss,
         params=params,
@@ -164,7 +164,3 @@ def run_training(
     )
     metrics.write(event="summary", **{k: v for k, v in summary.__dict__.items()})
     return summary
-
-
-def current_rss() -> int:
-    return rss_bytes()
