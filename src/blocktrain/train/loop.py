@@ -149,6 +149,8 @@ def run_training(
     wall = time.perf_counter() - t0
     peak = peak_rss_bytes()
     final_eval = eval_fn() if eval_fn is not None else {}
+    if final_eval:
+        metrics.write(step=done, event="eval", **final_eval)
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
     summary = TrainSummary(
         name=name,
