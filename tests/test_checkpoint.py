@@ -68,3 +68,28 @@ def test_non_object_headers_rejected(header: bytes) -> None:
     payload = len(header).to_bytes(8, "little") + header
     with pytest.raises(CheckpointError):
         unpack(payload)
+
+
+def test_streamed_file_is_standard_safetensors(tmp_path: Path) -> None:
+    """save_file writes the layout itself; safetensors and unpack must both read it back exactly."""
+    from safetensors.torch import load_file as st_load_file
+
+    t = {
+        "w": torch.randn(5, 3),
+        "h": torch.randn(4, dtype=torch.float64).to(torch.bfloat16),
+        "step": torch.tensor(7.0),
+        "ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "mask": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 3),
+    }
+    digest = save_file(tmp_path / "s.safetensors", t, {"step": "3"})
+    raw = (tmp_path / "s.safetensors").read_bytes()
+    assert int.from_bytes(raw[:8], "little") % 8 == 0
+    theirs = st_load_file(str(tmp_path / "s.safetensors"))
+    ours, meta = load_file(tmp_path / "s.safetensors")
+    assert meta["sha256"] == digest == tensors_sha256(t) and meta["step"] == "3"
+    for k in t:
+        assert torch.equal(theirs[k], t[k]) and torch.equal(ours[k], t[k]), k
+    # same tensors and metadata as the in-memory wire form
+    wire_tensors, wire_meta = unpack(pack(t, {"step": "3"}))
+    assert wire_meta == meta and all(torch.equal(wire_tensors[k], ours[k]) for k in t)

@@ -37,12 +37,27 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         h.update(b"\0")
         h.update(str(t.dtype).encode())
         h.update(json.dumps(list(t.shape)).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(_raw_bytes(t))
     return h.hexdigest()
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy little-endian bytes of a contiguous CPU tensor (bf16 included)."""
+    if not t.numel():
+        return memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: the buffer itself, no copy
 
 
 def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> bytes:
     """Serialise tensors plus metadata to safetensors bytes with the versioned header."""
+    clean, full_meta = _prepare(tensors, meta)
+    return st_save(clean, metadata=full_meta)
+
+
+def _prepare(
+    tensors: dict[str, torch.Tensor], meta: dict[str, str] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Contiguous CPU tensors and the metadata header with format, version and sha256."""
     meta = dict(meta or {})
     for key in RESERVED:
         if key in meta:
@@ -52,7 +67,7 @@ def pack(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -
         raise ValueError(f"metadata values must be strings: {bad}")
     clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta.update(format=FORMAT, format_version=FORMAT_VERSION, sha256=tensors_sha256(clean))
-    return st_save(clean, metadata=meta)
+    return clean, meta
 
 
 def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -106,11 +121,47 @@ def atomic_write_bytes(path: Path, payload: bytes) -> None:
         raise
 
 
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
 def save_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> str:
-    """Atomically write a checkpoint; returns the tensors' sha256."""
-    payload = pack(tensors, meta)
-    atomic_write_bytes(path, payload)
-    return json.loads(payload[8 : 8 + int.from_bytes(payload[:8], "little")])["__metadata__"]["sha256"]
+    """Atomically write a checkpoint, streaming one tensor at a time; returns the tensors' sha256.
+
+    Writes the safetensors layout directly (8-byte header length, JSON header padded
+    to 8 bytes, raw tensor data), so the process never holds a second copy of the
+    state in memory: a training run's peak RSS is not raised by checkpointing.
+    """
+    clean, full_meta = _prepare(tensors, meta)
+    header: dict[str, object] = {"__metadata__": full_meta}
+    offset = 0
+    names = sorted(clean)
+    for name in names:
+        t = clean[name]
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(head).to_bytes(8, "little"))
+            f.write(head)
+            for name in names:
+                f.write(_raw_bytes(clean[name]))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return full_meta["sha256"]
 
 
 def load_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
