@@ -93,3 +93,18 @@ def test_streamed_file_is_standard_safetensors(tmp_path: Path) -> None:
     # same tensors and metadata as the in-memory wire form
     wire_tensors, wire_meta = unpack(pack(t, {"step": "3"}))
     assert wire_meta == meta and all(torch.equal(wire_tensors[k], ours[k]) for k in t)
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    from blocktrain.checkpoint.safetensors_io import atomic_open
+
+    target = tmp_path / "x.safetensors"
+    with pytest.raises(RuntimeError), atomic_open(target) as f:
+        f.write(b"partial")
+        raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []
+    save_file(target, {"w": torch.ones(2)})
+    before = target.read_bytes()
+    with pytest.raises(ValueError, match="safetensors cannot store"):
+        save_file(target, {"w": torch.ones(2, dtype=torch.complex64)})
+    assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]

@@ -14,7 +14,10 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import SafetensorError
@@ -106,19 +109,25 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
     return tensors, dict(meta)
 
 
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    """Write via a temporary file in the same directory, fsync, then rename."""
+@contextmanager
+def atomic_open(path: Path) -> Iterator[BinaryIO]:
+    """A file that appears at ``path`` only once fully written: temp file in the same directory, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    with atomic_open(path) as f:
+        f.write(payload)
 
 
 _ST_DTYPES = {
@@ -147,20 +156,11 @@ def save_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(len(head).to_bytes(8, "little"))
-            f.write(head)
-            for name in names:
-                f.write(_raw_bytes(clean[name]))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for name in names:
+            f.write(_raw_bytes(clean[name]))
     return full_meta["sha256"]
 
 
