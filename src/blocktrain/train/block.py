@@ -16,6 +16,7 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.diffusion.sampler import block_alone_logits
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.block import BlockDenoiser
@@ -59,13 +60,10 @@ def train_block(
         """Block-alone CE on validation (pure noise at its own sigma): honest, never leaky."""
         assert valid is not None
         block.eval()
-        s = partition.slices[k].step_hi
         gen = torch.Generator().manual_seed(cfg.train.seed)
 
         def lp(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                z = s * torch.randn(*x.shape, cfg.model.d_model, generator=gen)
-                return torch.log_softmax(block(x, z, torch.tensor(s)), dim=-1).unsqueeze(0)
+            return torch.log_softmax(block_alone_logits(block, k, x, partition, gen), dim=-1).unsqueeze(0)
 
         res = score_split(lp, valid.data, cfg.model.context, max_bytes=cfg.train.eval_bytes)
         return {"val_block_alone_ce": res.ce_nats_per_byte}
