@@ -31,7 +31,7 @@ def run_dir(tmp_path: Path, data_dir: Path) -> Path:
     [
         (["--preset", "gigantic"], "unknown preset 'gigantic'"),
         (["--blocks", "3"], "does not divide"),
-        (["--sigma-min", "20"], "sigma_min"),
+        (["--sigma-min", "60"], "sigma_min"),
         (["--block", "9"], "block index 9 is out of range"),
         (["--preset", "cpu-mini"], "another model/diffusion config"),
     ],

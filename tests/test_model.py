@@ -86,3 +86,23 @@ def test_sigma_shapes_agree(tiny_cfg: RunConfig) -> None:
 def test_context_overflow_rejected(tiny_cfg: RunConfig) -> None:
     with pytest.raises(ValueError, match="exceeds the context"):
         E2ETransformer(tiny_cfg.model)(torch.zeros(1, tiny_cfg.model.context + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("cond_shape", [(3, 1, 8), (3, 5, 8)])
+def test_modulated_layer_norm_matches_autograd_reference(cond_shape: tuple[int, int, int]) -> None:
+    """The memory-lean adaLN (recomputes LN(x) in backward) equals LN(x)*(1+scale)+shift, values and gradients."""
+    from blocktrain.model.layers import _ModulatedLayerNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.double, generator=g, requires_grad=True)
+    scale = torch.randn(*cond_shape, dtype=torch.double, generator=g, requires_grad=True)
+    shift = torch.randn(*cond_shape, dtype=torch.double, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: _ModulatedLayerNorm.apply(a, b, c, 1e-5), (x, scale, shift))
+    ref = torch.nn.functional.layer_norm(x, (8,), eps=1e-5) * (1 + scale) + shift
+    out = _ModulatedLayerNorm.apply(x, scale, shift, 1e-5)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    w = torch.randn(3, 5, 8, dtype=torch.double, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (x, scale, shift))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (x, scale, shift))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -5,7 +5,7 @@ of byte x_{t+1} at noise level sigma_t. With EDM preconditioning
 (Karras et al. 2022, Eq. 7):
 
     h_0   = ByteEmb(x) + PosEmb + W_in (c_in(sigma) * z)
-    F     = W_out LN(Layers(h_0; adaLN(c_noise(sigma))))
+    F     = LN(Layers(h_0; adaLN(c_noise(sigma))))
     y_hat = c_skip(sigma) * z + c_out(sigma) * F
     logits = Head(y_hat)
 
@@ -35,17 +35,19 @@ class BlockDenoiser(nn.Module):
         self.pos_emb = nn.Embedding(cfg.context, d)
         self.z_in = nn.Linear(d, d)
         self.sigma_emb = SigmaEmbedding(d)
+        self.mod = nn.Linear(d, 4 * d)  # adaLN-single: one modulation for all layers
         self.layers = nn.ModuleList(
             TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, conditioned=True) for _ in range(cfg.layers_per_block)
         )
         self.ln_f = nn.LayerNorm(d)
-        self.f_out = nn.Linear(d, d)
         self.head = nn.Linear(d, VOCAB_SIZE)
         init_weights(self)
         # Zero-init the z path: the block starts as a plain causal LM on the
         # context and learns how far to trust z (at init c_in*z would be ~10x
         # louder than the byte embedding and drown it).
         nn.init.zeros_(self.z_in.weight)
+        # Zero-init adaLN: at init every layer computes a plain LayerNorm.
+        nn.init.zeros_(self.mod.weight)
         # Frozen, shared target embedding E (persistent buffer: saved, never trained).
         self.register_buffer("target_embedding", make_target_embedding(d, cfg.embed_seed))
 
@@ -70,10 +72,10 @@ class BlockDenoiser(nn.Module):
         s = sigma.unsqueeze(-1)  # (b, 1|t) -> (b, 1|t, 1)
         pos = torch.arange(t, device=x.device)
         h = self.tok_emb(x.long()) + self.pos_emb(pos) + self.z_in(self.precond.c_in(s) * z)
-        cond = self.sigma_emb(self.precond.c_noise(sigma))
+        mod = self.mod(self.sigma_emb(self.precond.c_noise(sigma)))  # (b, 1|t, 4d)
         for layer in self.layers:
-            h = layer(h, cond)
-        f = self.f_out(self.ln_f(h))
+            h = layer(h, mod)
+        f = self.ln_f(h)  # F: the network's estimate in embedding space
         y_hat = self.precond.c_skip(s) * z + self.precond.c_out(s) * f
         return self.head(y_hat)
 

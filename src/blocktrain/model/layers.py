@@ -9,6 +9,7 @@ conditioned layer computes exactly what an unconditioned one does.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,38 +46,76 @@ class MLP(nn.Module):
         return self.out(F.gelu(self.fc(x)))
 
 
+class _ModulatedLayerNorm(torch.autograd.Function):
+    """out = LN(x) * (1 + scale) + shift, saving x and its statistics, not LN(x).
+
+    Autograd on the plain expression would keep the normalised activation
+    LN(x) alive for the backward of the product, one extra (b, t, d) tensor
+    per norm; here it is recomputed from x, mean and rstd in the backward.
+    scale and shift broadcast against x (per sequence (b, 1, d) or per token).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
+        mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
+        rstd = torch.rsqrt(x.var(dim=-1, unbiased=False, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, mean, rstd, scale)
+        ctx.shapes = (scale.shape, shift.shape)
+        return torch.addcmul(shift, (x - mean) * rstd, 1 + scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        x, mean, rstd, scale = ctx.saved_tensors
+        scale_shape, shift_shape = ctx.shapes
+        h = (x - mean) * rstd  # recomputed LN(x)
+        grad_scale = (grad * h).sum_to_size(scale_shape)
+        grad_shift = grad.sum_to_size(shift_shape)
+        gh = grad * (1 + scale)  # gradient w.r.t. h
+        # d LN / dx: rstd * (gh - mean(gh) - h * mean(gh * h))
+        grad_x = rstd * (gh - gh.mean(dim=-1, keepdim=True) - h * (gh * h).mean(dim=-1, keepdim=True))
+        return grad_x, grad_scale, grad_shift, None
+
+
 class AdaLayerNorm(nn.Module):
-    """LayerNorm whose shift/scale are ``Linear(cond)``, zero-initialised (adaLN)."""
+    """LayerNorm, either with its own affine or modulated by a given (shift, scale) (adaLN)."""
 
     def __init__(self, d_model: int, conditioned: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model, elementwise_affine=not conditioned)
-        self.mod: nn.Linear | None = None
-        if conditioned:
-            self.mod = nn.Linear(d_model, 2 * d_model)
-            nn.init.zeros_(self.mod.weight)
-            nn.init.zeros_(self.mod.bias)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
-        h = self.norm(x)
-        if self.mod is None:
-            return h
-        assert cond is not None, "a conditioned layer needs a conditioning vector"
-        shift, scale = self.mod(cond).chunk(2, dim=-1)
-        return h * (1 + scale) + shift
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+        if shift is None or scale is None:
+            return self.norm(x)
+        out: torch.Tensor = _ModulatedLayerNorm.apply(x, scale, shift, self.norm.eps)
+        return out
 
 
 class TransformerLayer(nn.Module):
+    """Pre-norm layer. Conditioned layers take a shared modulation (adaLN-single).
+
+    A conditioned layer receives ``mod`` = Linear(cond), shape (b, 1|t, 4d), from
+    its owner, shared by all its layers, and adds its own learned offset
+    ``mod_table`` (4d,), zero-initialised (Chen et al. 2023, "PixArt-alpha",
+    adaLN-single). This keeps one (d, 4d) modulation matrix per block instead
+    of one per norm, at the same expressiveness for a scalar condition.
+    """
+
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, conditioned: bool) -> None:
         super().__init__()
         self.ln1 = AdaLayerNorm(d_model, conditioned)
         self.attn = CausalSelfAttention(d_model, n_heads)
         self.ln2 = AdaLayerNorm(d_model, conditioned)
         self.mlp = MLP(d_model, mlp_ratio)
+        self.mod_table = nn.Parameter(torch.zeros(4 * d_model)) if conditioned else None
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x, cond))
-        return x + self.mlp(self.ln2(x, cond))
+    def forward(self, x: torch.Tensor, mod: torch.Tensor | None = None) -> torch.Tensor:
+        if self.mod_table is None:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        assert mod is not None, "a conditioned layer needs its modulation"
+        shift1, scale1, shift2, scale2 = (mod + self.mod_table).chunk(4, dim=-1)
+        x = x + self.attn(self.ln1(x, shift1, scale1))
+        return x + self.mlp(self.ln2(x, shift2, scale2))
 
 
 class SigmaEmbedding(nn.Module):
@@ -98,7 +137,7 @@ class SigmaEmbedding(nn.Module):
 def init_weights(module: nn.Module) -> None:
     """GPT-2 style init: N(0, 0.02) for linear and embedding weights, zero biases.
 
-    adaLN modulation layers stay zero (they are re-zeroed by their owner).
+    Owners re-zero their adaLN modulation after calling this.
     """
     for m in module.modules():
         if isinstance(m, nn.Linear):
@@ -107,7 +146,3 @@ def init_weights(module: nn.Module) -> None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
-    for m in module.modules():
-        if isinstance(m, AdaLayerNorm) and m.mod is not None:
-            nn.init.zeros_(m.mod.weight)
-            nn.init.zeros_(m.mod.bias)

