@@ -153,10 +153,10 @@ class Worker:
                 x, y = stream.batch(i)
                 out = block_loss(self.block, self.k, x, y, self.partition, self.cfg.diffusion,
                                  stream.generator(i, purpose=1))
-                self.opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.block.parameters(), self.cfg.train.grad_clip or float("inf"))
                 self.opt.step()
+                self.opt.zero_grad(set_to_none=True)  # freed before the next forward (see train/loop.py)
                 self.summary.local_steps += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(out.loss):.3f}", lr=f"{lr:.2e}")
