@@ -102,7 +102,10 @@ def test_three_workers_average_equals_hand_computed_mean(tmp_path: Path, corpus:
     seed_row = con.execute("SELECT * FROM seeds WHERE worker='w1' AND block=0 AND version=0").fetchone()
     again = reproduce_delta(w0, 0, seed_row["seed"], seed_row["stream"], 4, corpus)
     for n in again:
-        torch.testing.assert_close(again[n], deltas[1][n], rtol=1e-4, atol=1e-6)
+        # Two float32 runs of the same 4 AdamW steps: Adam divides by sqrt(v), so on coordinates whose
+        # gradient is at rounding level a last-bit difference moves the step by up to ~1e-6 (seen 1.5e-6
+        # in one CI run); a worker that trained on other data or steps is off by ~lr = 3e-3.
+        torch.testing.assert_close(again[n], deltas[1][n], rtol=1e-4, atol=1e-5)
 
 
 def test_worker_killed_mid_round_round_closes_at_deadline(tmp_path: Path, corpus: DataDir, procs) -> None:  # noqa: F811
