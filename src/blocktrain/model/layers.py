@@ -1,9 +1,11 @@
 """Pre-norm causal Transformer layers, optionally conditioned by adaLN.
 
-With conditioning, each LayerNorm's shift and scale come from a per-token
-conditioning vector through a zero-initialised linear map (Peebles & Xie 2023,
-"Scalable Diffusion Models with Transformers", adaLN), so at initialisation a
-conditioned layer computes exactly what an unconditioned one does.
+With conditioning, each LayerNorm's shift and scale come from a modulation
+vector (Peebles & Xie 2023, "Scalable Diffusion Models with Transformers",
+adaLN) that the owner computes once with a zero-initialised linear map and
+shares across its layers, each adding a zero-initialised offset (adaLN-single,
+see :class:`TransformerLayer`). At initialisation a conditioned layer computes
+exactly what an unconditioned one does.
 """
 
 from __future__ import annotations

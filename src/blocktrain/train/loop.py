@@ -126,8 +126,7 @@ def run_training(
             gnorm = float(nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip or float("inf")))
             opt.step()
             # Free the gradients now, not before the next backward: alive through the
-            # next forward they sit between its activations and fragment the heap
-            # (about 35 MiB more peak RSS for a cpu-small block).
+            # next forward they sit between its activations and fragment the heap.
             opt.zero_grad(set_to_none=True)
             done = step + 1
             last_loss = float(loss.detach())
