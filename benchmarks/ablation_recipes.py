@@ -48,6 +48,8 @@ class Variant:
     refresh_rounds: int = 0  # chain-aware only: 0 trains blocks one after another; R > 0 trains them
     # concurrently in rounds and refreshes the frozen snapshots of earlier blocks every R rounds
     round_steps: int = 10  # local steps per round when refresh_rounds > 0
+    catchup_steps: int = 0  # with refresh_rounds > 0: the last steps of each block, trained in block order
+    # against the final blocks before it (a progressive finish after the concurrent phase)
 
 
 def fit(module: nn.Module, cfg: RunConfig, steps: int, loss_at: Callable[[int], torch.Tensor]) -> float:
@@ -269,11 +271,17 @@ def _train_concurrent(v: Variant, cfg: RunConfig, train, part: NoisePartition) -
     snaps = [copy.deepcopy(b).eval() for b in blocks]  # round 0: everyone holds the initial weights
     holder = {"snaps": snaps}
     fns = [_block_loss_fn(v.mode, k, blocks[k], lambda: holder["snaps"], cfg, part, streams[k]) for k in range(B)]
-    for r in range(math.ceil(v.block_steps / v.round_steps)):
+    concurrent = v.block_steps - v.catchup_steps
+    for r in range(math.ceil(concurrent / v.round_steps)):
         if r > 0 and r % v.refresh_rounds == 0:
             holder["snaps"] = [copy.deepcopy(b).eval() for b in blocks]
         for k in range(B):
             blocks[k].train()
-            for step in range(r * v.round_steps, min((r + 1) * v.round_steps, v.block_steps)):
+            for step in range(r * v.round_steps, min((r + 1) * v.round_steps, concurrent)):
                 _step(blocks[k], opts[k], cfg, step, fns[k])
+    for k in range(B if v.catchup_steps else 0):  # blocks 0..k-1 are final when block k catches up
+        holder["snaps"] = [copy.deepcopy(b).eval() for b in blocks]
+        blocks[k].train()
+        for step in range(concurrent, v.block_steps):
+            _step(blocks[k], opts[k], cfg, step, fns[k])
     return [b.eval() for b in blocks], sum(range(B)) * v.block_steps

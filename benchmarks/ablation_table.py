@@ -31,6 +31,8 @@ def _label(r: Row) -> str:
         parts.append(f"lr {r['lr']:g}")
     if r.get("refresh_rounds", 0):
         parts.append(f"concurrent, refresh every {r['refresh_rounds']} x {r['round_steps']} steps")
+    if r.get("catchup_steps"):
+        parts.append(f"last {r['catchup_steps']} steps sequential")
     return ", ".join(parts)
 
 
@@ -145,6 +147,8 @@ def _snapshot_table(rows: list[Row]) -> list[str]:
     for r in chain_aware:
         rr = r.get("refresh_rounds", 0)
         when = f"{rr} ({r['round_steps']})" if rr else "sequential"
+        if r.get("catchup_steps"):
+            when += f", last {r['catchup_steps']} steps sequential"
         rng = "-" if r["recipe"] in ("features", "stack") else f"[{r['sigma_min']:g}, {r['sigma_max']:g}]"
         out.append(
             f"| {r['recipe']} | {rng} | {when} | {r['ce']:.3f} | {r['compositional_gain']:+.3f} | "

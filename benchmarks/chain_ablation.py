@@ -171,6 +171,7 @@ def main() -> int:
     ap.add_argument("--block-layers", type=int, default=None, help="layers per block; blocks then train steps*(L/B)/N steps")
     ap.add_argument("--block-steps", type=int, default=None, help="override the blocks' steps (to match total FLOPs, not only layer FLOPs)")
     ap.add_argument("--refresh-rounds", type=int, default=0, help="chain/boost: concurrent blocks, snapshots refreshed every R rounds")
+    ap.add_argument("--catchup-steps", type=int, default=0, help="with --refresh-rounds: last steps per block against final predecessors")
     ap.add_argument("--round-steps", type=int, default=10, help="local steps per round with --refresh-rounds")
     ap.add_argument("--slicing", choices=[s.value for s in Slicing], default=Slicing.EQUAL_PROB.value)
     ap.add_argument("--overlap", type=float, default=0.1)
@@ -198,14 +199,15 @@ def main() -> int:
     lpb = cfg.model.layers_per_block
     block_layers = args.block_layers or lpb
     block_cfg: RunConfig = replace(cfg, model=replace(cfg.model, n_layers=block_layers * B))
-    v = Variant(args.recipe, args.block_steps or round(steps * lpb / block_layers), args.refresh_rounds, args.round_steps)
+    block_steps = args.block_steps or round(steps * lpb / block_layers)
+    v = Variant(args.recipe, block_steps, args.refresh_rounds, args.round_steps, args.catchup_steps)
     data = resolve_data_dir(args.data)
     train, valid = data.open("train").data, data.open("valid").data
     t0 = time.time()
     res = score_e2e(cfg, train, valid) if args.recipe == "e2e" else score_blocks(v, block_cfg, train, valid)
     row = {"preset": args.preset, "recipe": args.recipe, "sigma_min": args.sigma_min, "sigma_max": args.sigma_max, "steps": steps,
            "slicing": args.slicing, "overlap": args.overlap, "lr": lr, "block_layers": block_layers, "block_steps": v.block_steps,
-           "refresh_rounds": args.refresh_rounds, "round_steps": args.round_steps, **res,
+           "refresh_rounds": args.refresh_rounds, "round_steps": args.round_steps, "catchup_steps": args.catchup_steps, **res,
            "wall_s": round(time.time() - t0, 1), "command": "python benchmarks/chain_ablation.py " + " ".join(sys.argv[1:])}
     jsonl.parent.mkdir(parents=True, exist_ok=True)
     with jsonl.open("a") as f:
