@@ -26,7 +26,7 @@ from torch import nn
 
 from blocktrain.config import RunConfig
 from blocktrain.data.stream import TrainStream
-from blocktrain.diffusion.loss import block_loss
+from blocktrain.diffusion.loss import block_loss, lm_loss
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import initial_noise
 from blocktrain.model.block import BlockDenoiser
@@ -66,14 +66,10 @@ def _step(module: nn.Module, opt: torch.optim.Optimizer, cfg: RunConfig, step: i
         gr["lr"] = lr_at(step, cfg.train)
     loss = loss_at(step)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.grad_clip or float("inf"))  # as train/loop.py
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1).long())  # (b, t, 256) -> (b*t, 256)
 
 
 class ConcatBlock(BlockDenoiser):
@@ -176,7 +172,7 @@ def train_e2e(cfg: RunConfig, train) -> E2ETransformer:  # type: ignore[no-untyp
 
     def loss_at(step: int) -> torch.Tensor:
         x, y = ts.batch(step)
-        return ce(m(x), y)
+        return lm_loss(m(x), y)
 
     fit(m, cfg, cfg.train.steps, loss_at)
     return m.eval()
@@ -202,7 +198,7 @@ def _block_loss_fn(
         g = ts.generator(step, 1)
         b, t = x.shape
         if mode == "ensemble":  # a plain LM fed pure noise at sigma_max
-            return ce(blk(x, initial_noise((b, t), d, smax, g), torch.tensor(smax)), y)
+            return lm_loss(blk(x, initial_noise((b, t), d, smax, g), torch.tensor(smax)), y)
         if mode in ("naive", "concat"):
             return block_loss(blk, k, x, y, part, cfg.diffusion, g).loss
         if mode in FEATURES:  # frozen blocks 0..k-1 give F; block k trains on it
@@ -211,7 +207,7 @@ def _block_loss_fn(
                 with torch.no_grad():
                     _, feat = feature_chain(preds()[:k], x, g, smax, d)
             assert isinstance(blk, FeatureBlock)
-            return ce(blk.forward_feat(x, initial_noise((b, t), d, smax, g), smax, feat)[0], y)  # type: ignore[arg-type]
+            return lm_loss(blk.forward_feat(x, initial_noise((b, t), d, smax, g), smax, feat)[0], y)  # type: ignore[arg-type]
         if mode in ("selfcond", "softblend"):
             sigma = part.sample(k, (b, 1), g)  # (b, 1), one sigma per sequence
             eps = torch.randn(b, t, d, generator=g)
@@ -227,20 +223,20 @@ def _block_loss_fn(
                 w = u * F.one_hot(y.long(), 256).float() + (1 - u) * w
                 d_bar = w @ blk.E
             z = s * eps + (1 - s / smax) * d_bar
-            return ce(blk(x, z, sigma), y)
+            return lm_loss(blk(x, z, sigma), y)
         # chain-aware: z from frozen earlier blocks, exactly the inference input
         with torch.no_grad():
             z, prev, _ = chain_state(mode, preds(), part, x, g, k, smax, d)
         logits = blk(x, z, torch.tensor(part.block_steps(k, 1)[0]))
         if mode == "boost" and prev is not None:
             logits = logits + prev
-        return ce(logits, y)
+        return lm_loss(logits, y)
 
     return loss_at
 
 
 def train_blocks(v: Variant, cfg: RunConfig, train, part: NoisePartition) -> tuple[list[BlockDenoiser], int]:  # type: ignore[no-untyped-def]
-    """Train the B blocks of a variant; returns them (eval mode) and the count of frozen block-forwards per sequence batch."""
+    """Train the B blocks of a variant; returns them (eval mode) and the number of frozen block forwards (one per batch)."""
     if v.refresh_rounds > 0:
         return _train_concurrent(v, cfg, train, part)
     blocks: list[BlockDenoiser] = []
@@ -264,7 +260,7 @@ def _train_concurrent(v: Variant, cfg: RunConfig, train, part: NoisePartition) -
     """All blocks train at once in rounds of ``round_steps``; block k's frozen copies of
     blocks 0..k-1 are the published weights, refreshed every ``refresh_rounds`` rounds."""
     if v.mode not in CHAIN_AWARE:
-        raise ValueError("--refresh-rounds only applies to the chain-aware recipes (chain, boost)")
+        raise ValueError(f"--refresh-rounds only applies to the chain-aware recipes {CHAIN_AWARE}, not {v.mode!r}")
     blocks = [_make_block(cfg, v.mode, k) for k in range(B)]
     opts = [make_optimizer(b, cfg.train)[0] for b in blocks]
     streams = [TrainStream(train, cfg.model.context, cfg.train.batch_size, 0, stream=1000 * k) for k in range(B)]
