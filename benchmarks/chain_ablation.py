@@ -38,6 +38,11 @@ Recipes (block k, slice step sigmas s_0 = sigma_max > s_1 > ... > s_B = sigma_mi
   size of z could carry if it held features instead of a next-byte guess.
 - stack: features, with block k's input projection of F initialised to the
   identity, so it starts by continuing from block k-1's features.
+- library-stack: the library's stack objective (blocktrain.objectives.stack):
+  block k continues the residual stream h of frozen blocks 0..k-1 and trains
+  its own next-byte head; the references are the prefixes 0..k (stored under
+  blocks_alone_ce). features/stack above are probes of a feature channel
+  beside the diffusion input, not this objective.
 - concat: the naive loss with the [x || z] input layout (interleaved tokens
   under one causal mask) instead of the additive one.
 Knobs: --block-layers N (depth per block at matched compute), --lr, --steps, and
@@ -54,28 +59,57 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import ablation_table
+import numpy as np
 import torch
-from ablation_recipes import FEATURES, B, FeatureBlock, Variant, chain_state, feature_chain, train_blocks, train_e2e
+from ablation_recipes import (
+    FEATURES,
+    LIBRARY_STACK,
+    RECIPES,
+    B,
+    FeatureBlock,
+    Variant,
+    chain_state,
+    feature_chain,
+    objective_for,
+    train_blocks,
+    train_e2e,
+)
+from torch import nn
 
 from blocktrain.config import DiffusionConfig, Readout, RunConfig, Slicing, Solver
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import block_alone_logits, chain_logits, evaluations_per_traversal, initial_noise
+from blocktrain.diffusion.sampler import chain_logits, evaluations_per_traversal, initial_noise
 from blocktrain.evaluate.scoring import score_split
-from blocktrain.presets import cpu_mini, cpu_small
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.objectives import compose_logits
+from blocktrain.objectives.diffusion import DiffusionObjective
+from blocktrain.presets import cpu_mini, cpu_small, tiny
 
 RESULTS = Path(__file__).parent / "results"
 EVAL_BYTES = 131072
+CHAIN_SEED = 7  # generator seed of every chain traversal that is scored
+ALONE_SEED = 11  # block k used alone draws its noise from ALONE_SEED + k
+PRESETS = {"cpu-mini": cpu_mini, "cpu-small": cpu_small, "tiny": tiny}
 
 
-def score_e2e(cfg: RunConfig, train, valid) -> dict:  # type: ignore[no-untyped-def]
+def _denoisers(blocks: Sequence[nn.Module]) -> list[BlockDenoiser]:
+    out = [b for b in blocks if isinstance(b, BlockDenoiser)]
+    assert len(out) == len(blocks)
+    return out
+
+
+def score_e2e(cfg: RunConfig, train: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
     m = train_e2e(cfg, train)
     with torch.no_grad():
         ce = score_split(lambda x: torch.log_softmax(m(x), -1).unsqueeze(0), valid, cfg.model.context, max_bytes=EVAL_BYTES)
@@ -84,47 +118,55 @@ def score_e2e(cfg: RunConfig, train, valid) -> dict:  # type: ignore[no-untyped-
     return {"ce": ce.ce_nats_per_byte, "train_flops": 6.0 * params * tokens, "infer_flops_per_byte": 2.0 * params}
 
 
-def score_blocks(v: Variant, cfg: RunConfig, train, valid) -> dict:  # type: ignore[no-untyped-def]
-    part = NoisePartition(cfg.diffusion, B)
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """logits (b, t, 256) -> one chain's log-probabilities (1, b, t, 256) for score_split."""
+    return torch.log_softmax(logits, -1).unsqueeze(0)
+
+
+def score_blocks(v: Variant, cfg: RunConfig, train: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
+    obj = objective_for(cfg, v.mode)
     smax, T, d = cfg.diffusion.sigma_max, cfg.model.context, cfg.model.d_model
-    blocks, frozen_forwards = train_blocks(v, cfg, train, part)
+    blocks, frozen_forwards = train_blocks(v, cfg, train)
 
     def run(x: torch.Tensor, readout: str) -> torch.Tensor:
-        g = torch.Generator().manual_seed(7)
+        g = torch.Generator().manual_seed(CHAIN_SEED)
+        if v.mode == LIBRARY_STACK:
+            return _log_probs(compose_logits(obj, blocks, x, g))
         if v.mode == "ensemble":
-            lps = [torch.log_softmax(b(x, initial_noise(tuple(x.shape), d, smax, g), torch.tensor(smax)), -1) for b in blocks]  # type: ignore[arg-type]
+            lps = [torch.log_softmax(b(x, initial_noise((x.shape[0], x.shape[1]), d, smax, g), torch.tensor(smax)), -1) for b in blocks]
             return (torch.logsumexp(torch.stack(lps), 0) - math.log(B)).unsqueeze(0)
         if v.mode in FEATURES:
-            return torch.log_softmax(feature_chain(blocks, x, g, smax, d)[0], -1).unsqueeze(0)
-        _, total, steps = chain_state(v.mode, blocks, part, x, g, B, smax, d)
+            return _log_probs(feature_chain(blocks, x, g, smax, d)[0])
+        assert isinstance(obj, DiffusionObjective)
+        _, total, steps = chain_state(v.mode, obj, blocks, x, g, B)
         assert total is not None
         if readout == "mean":  # the mean of the B steps' log-probabilities, renormalised
-            return torch.log_softmax(torch.stack([torch.log_softmax(s, -1) for s in steps]).mean(0), -1).unsqueeze(0)
-        return torch.log_softmax(total, -1).unsqueeze(0)
+            return _log_probs(torch.stack([torch.log_softmax(s, -1) for s in steps]).mean(0))
+        return _log_probs(total)
 
     with torch.no_grad():
         ce = score_split(lambda x: run(x, "last"), valid, T, max_bytes=EVAL_BYTES).ce_nats_per_byte
         ce_mean = None
-        if v.mode not in ("ensemble", *FEATURES):
+        if v.mode not in ("ensemble", *FEATURES, LIBRARY_STACK):
             ce_mean = score_split(lambda x: run(x, "mean"), valid, T, max_bytes=EVAL_BYTES).ce_nats_per_byte
     alone = []
     for k in range(B):
 
         @torch.no_grad()
         def lp(x: torch.Tensor, k: int = k) -> torch.Tensor:
-            g = torch.Generator().manual_seed(11 + k)
+            g = torch.Generator().manual_seed(ALONE_SEED + k)
+            if v.mode == LIBRARY_STACK:  # prefix 0..k with block k's head (the stack objective's reference)
+                return _log_probs(obj.reference_logits(blocks[: k + 1], x, g)[k])
             if v.mode == "ensemble":
-                z = initial_noise(tuple(x.shape), d, smax, g)  # type: ignore[arg-type]
-                return torch.log_softmax(blocks[k](x, z, torch.tensor(smax)), -1).unsqueeze(0)
+                return _log_probs(blocks[k](x, initial_noise((x.shape[0], x.shape[1]), d, smax, g), torch.tensor(smax)))
             if v.mode in FEATURES:  # no features from a predecessor
                 blk = blocks[k]
                 assert isinstance(blk, FeatureBlock)
-                z = initial_noise(tuple(x.shape), d, smax, g)  # type: ignore[arg-type]
-                return torch.log_softmax(blk.forward_feat(x, z, smax, None)[0], -1).unsqueeze(0)
-            return torch.log_softmax(block_alone_logits(blocks[k], k, x, part, g), -1).unsqueeze(0)
+                return _log_probs(blk.forward_feat(x, initial_noise((x.shape[0], x.shape[1]), d, smax, g), smax, None)[0])
+            return _log_probs(obj.local_logits(blocks[k], k, x, g))  # the block alone at the top of its slice
 
         alone.append(score_split(lp, valid, T, max_bytes=EVAL_BYTES).ce_nats_per_byte)
-    infer = {}
+    infer: dict[str, dict[str, float]] = {}
     if v.mode == "naive" and v.block_steps == cfg.train.steps:  # the same blocks under other inference schedules
         variants = {
             "euler_2_steps": replace(cfg.diffusion, steps_per_block=2),
@@ -136,20 +178,23 @@ def score_blocks(v: Variant, cfg: RunConfig, train, valid) -> dict:  # type: ign
 
             @torch.no_grad()
             def vlp(x: torch.Tensor, dcfg: DiffusionConfig = dcfg) -> torch.Tensor:
-                g = torch.Generator().manual_seed(7)
-                return torch.log_softmax(chain_logits(blocks, x, NoisePartition(dcfg, B), dcfg, g), -1).unsqueeze(0)
+                g = torch.Generator().manual_seed(CHAIN_SEED)
+                return _log_probs(chain_logits(_denoisers(blocks), x, NoisePartition(dcfg, B), dcfg, g))
 
             ce_v = score_split(vlp, valid, T, max_bytes=EVAL_BYTES).ce_nats_per_byte
             infer[name] = {"ce": ce_v, "evaluations": evaluations_per_traversal(dcfg, B)}
     params = sum(p.numel() for p in blocks[0].parameters())
     tokens_per_step = cfg.train.batch_size * T
     width = 2.0 if v.mode == "concat" else 1.0  # the [x || z] layout runs 2T tokens per sequence
-    out = {
+    train_flops = width * (6.0 * params * tokens_per_step * v.block_steps * B + 2.0 * params * frozen_forwards * tokens_per_step)
+    if v.mode == LIBRARY_STACK:  # the objective's own count: each block's step plus its frozen trunks' forwards
+        train_flops = sum(obj.train_flops_per_token(k) for k in range(B)) * tokens_per_step * v.block_steps
+    out: dict[str, Any] = {
         "ce": ce,
         "ce_mean_readout": ce_mean,
         "blocks_alone_ce": alone,
         "compositional_gain": min(alone) - ce,
-        "train_flops": width * (6.0 * params * tokens_per_step * v.block_steps * B + 2.0 * params * frozen_forwards * tokens_per_step),
+        "train_flops": train_flops,
         "infer_flops_per_byte": width * 2.0 * params * B,
         "inference_variants": infer,
     }
@@ -162,7 +207,7 @@ def score_blocks(v: Variant, cfg: RunConfig, train, valid) -> dict:  # type: ign
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    recipes = ["e2e", "naive", "chain", "boost", "ensemble", "selfcond", "softblend", "concat", "features", "stack", "table"]
+    recipes = ["e2e", *RECIPES, "table"]
     ap.add_argument("recipe", choices=recipes)
     ap.add_argument("--sigma-min", type=float, default=1.0)
     ap.add_argument("--sigma-max", type=float, default=10.0)
@@ -176,7 +221,7 @@ def main() -> int:
     ap.add_argument("--slicing", choices=[s.value for s in Slicing], default=Slicing.EQUAL_PROB.value)
     ap.add_argument("--overlap", type=float, default=0.1)
     ap.add_argument("--data", default=None)
-    ap.add_argument("--preset", choices=["cpu-mini", "cpu-small"], default="cpu-mini", help="cpu-small confirms a cpu-mini row")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-mini", help="cpu-small confirms a cpu-mini row; tiny is a smoke test")
     ap.add_argument("--jsonl", type=Path, default=None, help="where to append the row (default: results/ablation-<preset>.jsonl)")
     args = ap.parse_args()
     jsonl: Path = args.jsonl or RESULTS / f"ablation-{args.preset}.jsonl"
@@ -186,7 +231,8 @@ def main() -> int:
         sys.stdout.write(text)
         return 0
     torch.set_num_threads(2)
-    cfg = cpu_mini() if args.preset == "cpu-mini" else cpu_small()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = PRESETS[args.preset]()
     lr = args.lr if args.lr is not None else cfg.train.lr
     steps = args.steps if args.steps is not None else cfg.train.steps
     cfg = replace(
@@ -200,13 +246,16 @@ def main() -> int:
     block_layers = args.block_layers or lpb
     block_cfg: RunConfig = replace(cfg, model=replace(cfg.model, n_layers=block_layers * B))
     block_steps = args.block_steps or round(steps * lpb / block_layers)
-    v = Variant(args.recipe, block_steps, args.refresh_rounds, args.round_steps, args.catchup_steps)
     data = resolve_data_dir(args.data)
     train, valid = data.open("train").data, data.open("valid").data
     t0 = time.time()
-    res = score_e2e(cfg, train, valid) if args.recipe == "e2e" else score_blocks(v, block_cfg, train, valid)
+    if args.recipe == "e2e":
+        res = score_e2e(cfg, train, valid)
+    else:
+        v = Variant(args.recipe, block_steps, args.refresh_rounds, args.round_steps, args.catchup_steps)
+        res = score_blocks(v, block_cfg, train, valid)
     row = {"preset": args.preset, "recipe": args.recipe, "sigma_min": args.sigma_min, "sigma_max": args.sigma_max, "steps": steps,
-           "slicing": args.slicing, "overlap": args.overlap, "lr": lr, "block_layers": block_layers, "block_steps": v.block_steps,
+           "slicing": args.slicing, "overlap": args.overlap, "lr": lr, "block_layers": block_layers, "block_steps": block_steps,
            "refresh_rounds": args.refresh_rounds, "round_steps": args.round_steps, "catchup_steps": args.catchup_steps, **res,
            "wall_s": round(time.time() - t0, 1), "command": "python benchmarks/chain_ablation.py " + " ".join(sys.argv[1:])}
     jsonl.parent.mkdir(parents=True, exist_ok=True)

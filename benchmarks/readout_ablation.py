@@ -20,23 +20,30 @@ import torch
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import mix_seed
-from blocktrain.diffusion.sampler import block_steps, initial_noise
+from blocktrain.diffusion.sampler import block_steps
+from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.objectives.diffusion import DiffusionObjective
 
 READOUTS = ("last_step", "sigma_min", "mean_logprob", "mean_prob", "last_two_logprob")
 
 
 def chain_all_logits(model: AssembledModel, x: torch.Tensor, seed: int) -> list[torch.Tensor]:
     """Log-probs of each block's evaluation along one traversal, plus the sigma_min readout last."""
+    obj = model.objective
+    if not isinstance(obj, DiffusionObjective):
+        raise ConfigError(f"the readout ablation reads a diffusion chain; this run's objective is {obj.name!r}")
     cfg = model.cfg.diffusion
-    g = torch.Generator().manual_seed(mix_seed(seed, 0))
-    z = initial_noise(tuple(x.shape), model.cfg.model.d_model, cfg.sigma_max, g)  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(mix_seed(seed, 0))  # chain 0's generator, as AssembledModel.log_probs
+    z = obj.initial_carry(x, g)
     out = []
-    for k, block in enumerate(model.blocks):
-        z, logits = block_steps(block, k, x, z, model.partition, cfg, is_last=k == len(model.blocks) - 1)
+    blocks = [b for b in model.blocks if isinstance(b, BlockDenoiser)]
+    for k, block in enumerate(blocks):
+        z, logits = block_steps(block, k, x, z, obj.partition, cfg, is_last=k == len(blocks) - 1)
         out.append(torch.log_softmax(logits.float(), -1))
-    out.append(torch.log_softmax(model.blocks[-1](x, z, torch.tensor(cfg.sigma_min)).float(), -1))
+    out.append(torch.log_softmax(blocks[-1](x, z, torch.tensor(cfg.sigma_min)).float(), -1))
     return out
 
 
@@ -66,12 +73,15 @@ def main() -> int:
     run = RunDir(Path(args.run))
     model = AssembledModel.load(run)
     split = resolve_data_dir(args.data).open(args.split)
-    rows = {}
+    rows: dict[str, float] = {}
     torch.manual_seed(0)
     with torch.no_grad():
         for how in READOUTS:
-            res = score_split(lambda x, how=how: combine(chain_all_logits(model, x, 0), how).unsqueeze(0),
-                              split.data, model.context, max_bytes=args.max_bytes)
+
+            def lp(x: torch.Tensor, how: str = how) -> torch.Tensor:
+                return combine(chain_all_logits(model, x, 0), how).unsqueeze(0)
+
+            res = score_split(lp, split.data, model.context, max_bytes=args.max_bytes)
             rows[how] = res.ce_nats_per_byte
         if run.has_e2e():
             e2e = E2EModel.load(run)

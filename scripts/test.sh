@@ -8,7 +8,7 @@ bash scripts/setup.sh
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "note: could not install chromium; the dashboard test will skip"
 fi
-echo "== ruff"; ruff check src tests
+echo "== ruff"; ruff check src tests benchmarks
 echo "== mypy"; mypy
 echo "== pytest"
 export BLOCKTRAIN_TEST_THREADS=${BLOCKTRAIN_TEST_THREADS:-2}

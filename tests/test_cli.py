@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from blocktrain.cli.main import main
+from blocktrain.cli.main import build_parser, main
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -45,7 +48,7 @@ def test_bad_train_input(
     # later flags win in argparse
     rc = main(args + extra)
     err = capsys.readouterr().err
-    assert rc != 0
+    assert rc == 2
     line = [x for x in err.splitlines() if x.startswith("blocktrain: error:")]
     assert len(line) == 1 and needle in line[0], err
     assert "Traceback" not in err
@@ -92,6 +95,13 @@ def test_plot_writes_png(run_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "c.png"
     assert main(["plot", str(run_dir), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\\x89PNG\\r\\n\\x1a\\n".decode("unicode_escape").encode("latin-1")
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(out))  # (height, width, channels) floats in [0, 1]
+    assert img.shape[:2] == (round(4.5 * 110), 12 * 110)  # figsize (12, 4.5) inches at 110 dpi
+    rgb = img[..., :3]
+    assert float(rgb.std()) > 0.05  # not a blank canvas: axes, curves and labels
+    assert float((rgb < 0.5).mean()) > 0.001  # some dark ink (text, axes) on the white background
 
 
 def test_console_entry_point_exit_code(tmp_path: Path) -> None:
@@ -100,3 +110,82 @@ def test_console_entry_point_exit_code(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and proc.stderr.strip().startswith("blocktrain: error: unknown preset 'nope'")
+
+
+def test_eval_names_the_missing_block_file(run_dir: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run_dir / "blocks" / "block_3.safetensors").unlink()
+    assert main(["eval", str(run_dir), "--data", str(data_dir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    line = [x for x in err.splitlines() if x.startswith("blocktrain: error:")]
+    assert len(line) == 1, err
+    assert "block_3.safetensors" in line[0] and "train-block" in line[0] and "--preset tiny" in line[0], err
+    assert "E2E checkpoint" not in err and "block_2" not in line[0]
+
+
+def test_checkpoint_of_another_config_on_eval_says_what_is_true(
+    run_dir: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = json.loads((run_dir / "run.json").read_text())
+    doc["config"]["model"]["d_model"] = 64  # the run's config no longer matches its checkpoints
+    (run_dir / "run.json").write_text(json.dumps(doc))
+    assert main(["eval", str(run_dir), "--data", str(data_dir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "belongs to another run" in err and "run.json" in err
+    assert "--preset" not in err  # eval takes no --preset: the run's own config is used
+
+
+def _parsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    out = [p]
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict(action.choices).values():
+                out += _parsers(sub)
+    return out
+
+
+def test_every_parser_refuses_abbreviated_flags(data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parsers = _parsers(build_parser())
+    assert len(parsers) > 10 and all(not p.allow_abbrev for p in parsers)
+    # '--blocks 2' is not '--blocks-alone'; '--max' is not '--max-bytes': both are errors, exit code 2
+    for argv in (["eval", "run", "--blocks", "2"], ["eval", "run", "--max", "5"], ["generate", "run", "--temp", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_generate_pipeline_timeout_flag(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import blocktrain.serve.client as client
+    from blocktrain.errors import ServeError
+
+    seen: list[float] = []
+
+    class FakeClient:
+        def __init__(self, address: str, timeout_s: float = 60.0, **kw: object) -> None:
+            seen.append(timeout_s)
+
+        async def __aenter__(self) -> FakeClient:
+            raise ServeError("no pipeline in this test")
+
+        async def __aexit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(client, "PipelineClient", FakeClient)
+    assert main(["generate", "--pipeline", "127.0.0.1:9", "--timeout", "7.5", "--no-progress"]) == 2
+    assert seen == [7.5] and "no pipeline in this test" in capsys.readouterr().err
+
+
+def test_eval_into_a_log_file_prints_few_lines(run_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0"}  # a bar that redraws on every batch
+    with log.open("wb") as f:  # not a terminal, as in 'bash scripts/main.sh > log 2>&1'
+        proc = subprocess.run(
+            [sys.executable, "-m", "blocktrain", "eval", str(run_dir), "--data", str(data_dir), "--batch-size", "1",
+             "--blocks-alone"],
+            stdout=f, stderr=subprocess.STDOUT, env=env, timeout=300,
+        )
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    lines = [x for x in re.split(r"[\r\n]+", text) if x.strip()]  # a redraw in place is a line in a log
+    assert len(lines) < 50, text
+    assert "100%" in text  # each bar still reports its end

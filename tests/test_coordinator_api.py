@@ -70,7 +70,7 @@ def test_assignment_fewest_live_replicas_and_override(api: Api) -> None:
     assert r.status_code == 422 and "does not exist" in r.json()["detail"]
 
 
-def test_auth_required_and_constant_time_lookup(api: Api) -> None:
+def test_auth_required_and_tokens_stored_hashed(api: Api) -> None:
     assert api.client.post("/v1/register", json={}).status_code == 401
     r = api.client.get("/v1/work", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and "token add" in r.json()["detail"]
@@ -79,6 +79,31 @@ def test_auth_required_and_constant_time_lookup(api: Api) -> None:
     api.h("x")
     stored = api.c.store.q1("SELECT hash FROM tokens WHERE name='x'")["hash"]
     assert api.tokens["x"] not in stored and len(stored) == 64  # stored hashed
+
+
+def test_token_lookup_compares_every_hash_in_constant_time(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every stored hash goes through hmac.compare_digest, the match included: no early exit, no ``==``."""
+    import hmac
+
+    from blocktrain.coordinator import service
+    from blocktrain.coordinator.store import hash_token
+
+    for name in ("a", "b", "c"):
+        api.h(name)
+    compared: list[tuple[str, str]] = []
+    real = hmac.compare_digest
+
+    def spy(x: str, y: str) -> bool:
+        compared.append((x, y))
+        return real(x, y)
+
+    monkeypatch.setattr(service.hmac, "compare_digest", spy)
+    known = {h for _, h in api.c.store.token_hashes()}
+    assert api.c.worker_for_token(api.tokens["a"]) == "a"
+    assert {y for _, y in compared} == known and {x for x, _ in compared} == {hash_token(api.tokens["a"])}
+    compared.clear()
+    assert api.c.worker_for_token("not-a-token") is None
+    assert len(compared) == len(known)
 
 
 def test_round_closes_at_quorum_with_sample_weighted_mean(api: Api) -> None:
@@ -172,7 +197,8 @@ def test_bad_updates_are_rejected_and_model_unchanged(api: Api) -> None:
                                 "too_large": 1, "auth": 1}
     metrics = api.client.get("/metrics").text
     assert 'blocktrain_updates_rejected_total{reason="norm"} 1' in metrics
-    assert api.c.store.q1("SELECT COUNT(*) AS n FROM rejections")["n"] == 7
+    # the unauthenticated one is counted in memory only: nothing is stored for a request without a valid token
+    assert api.c.store.q1("SELECT COUNT(*) AS n FROM rejections")["n"] == 6
 
 
 def test_wrong_block_and_wrong_version_metadata(api: Api) -> None:

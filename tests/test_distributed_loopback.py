@@ -82,7 +82,8 @@ def test_three_workers_average_equals_hand_computed_mean(tmp_path: Path, corpus:
     procs.append(start_coordinator(run, port, "--rounds", "1", "--min-updates", "3", "--round-seconds", "60"))
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
     for i, t in enumerate(tokens):
-        procs.append(start_worker(url, t, corpus, "--block", "0", "--local-steps", str(3 + i), "--compress", "none"))
+        procs.append(start_worker(url, t, corpus, "--block", "0", "--local-steps", str(3 + i), "--compress", "none",
+                                  "--precision", "fp32"))  # the audit below replays in fp32
     wait_for(lambda: get_status(url)["blocks"][0]["version"] == 1, TIMEOUT, "round 0 of block 0 to close")
     for p in procs[1:]:
         assert p.wait(timeout=TIMEOUT) == 0  # the block finished: workers exit cleanly

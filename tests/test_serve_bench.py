@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -129,9 +130,16 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
             "--json", str(out), "--base-port", str(free_ports(1)[0] // 10 * 10 % 50000 + 10000)]
     assert main(args) == 0
     r = json.loads(out.read_text())
-    for key in ("hop_delay_ms", "output_bytes", "sweep_seconds", "ar_seconds", "ar_baseline_seconds",
-                "speedup_sweep_vs_baseline", "floor_seconds", "sweep_generative_ce", "baseline_generative_ce"):
-        assert key in r
+    assert (r["output_bytes"], r["hops_per_traversal"], r["prompt_bytes"]) == (16, 3, 12)
+    assert r["hop_delay_ms"] >= 0
+    for key in ("sweep_seconds", "ar_seconds", "ar_baseline_seconds", "floor_seconds"):
+        assert 0 < r[key] < 600, (key, r[key])  # a tiny run on loopback: well under ten minutes
+    assert r["speedup_sweep_vs_baseline"] == pytest.approx(r["ar_baseline_seconds"] / r["sweep_seconds"], rel=1e-9)
+    assert r["sweep_bytes_per_s"] == pytest.approx(16 / r["sweep_seconds"], rel=1e-9)
+    for key in ("sweep_generative_ce", "ar_generative_ce", "baseline_generative_ce", "reference_continuation_ce"):
+        assert 0 < r[key] < 3 * math.log(256), (key, r[key])  # nats/byte under a 5-step E2E judge
+    for key in ("sweep_wire_bytes", "ar_wire_bytes", "ar_baseline_wire_bytes"):
+        assert r[key] > 0, key
     tf = r["teacher_forced_ce"]
     assert tf["blocktrain_pipeline_score"] == pytest.approx(tf["blocktrain_local"], abs=1e-4)
     assert r["sweep_seconds"] >= 3 * r["hop_delay_ms"] / 1000

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
+from blocktrain.objectives import get_objective
+from blocktrain.presets import tiny
 
 
 def test_train_runs_each_block_in_its_own_process(tmp_path: Path, data_dir: Path) -> None:
@@ -16,5 +21,43 @@ def test_train_runs_each_block_in_its_own_process(tmp_path: Path, data_dir: Path
     for k in range(4):
         summary = [json.loads(x) for x in rd.metrics_path(f"block_{k}").read_text().splitlines()][-1]
         assert summary["event"] == "summary" and summary["steps"] == 3
-        # the baseline is this process's own: a fresh process per block
-        assert summary["baseline_rss"] < summary["peak_rss"]
+        # the baseline is this process's own: a fresh process per block, so train_mem_bytes is this block's
+        # training alone: at least its fp32 weights, gradients and AdamW moments (16 bytes per parameter),
+        # and at most that plus tiny's activations and the runtime's first-use buffers (observed ~22 MiB)
+        params = sum(p.numel() for p in get_objective(tiny()).build_block(k).parameters())
+        assert summary["params"] == params and summary["optimizer_bytes"] == 8 * params
+        assert summary["train_mem_bytes"] == summary["peak_rss"] - summary["baseline_rss"]
+        analytic = 4 * params + 4 * params + summary["optimizer_bytes"]
+        assert analytic <= summary["train_mem_bytes"] <= analytic + 96 * 2**20, summary
+
+
+def test_train_into_a_run_of_another_config_fails_once_with_exit_2(
+    tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    RunDir(run).init(tiny())
+    before = (run / "run.json").read_bytes()
+    rc = main(["train", "--preset", "tiny", "--blocks", "2", "--out", str(run), "--data", str(data_dir), "--no-progress"])
+    err = capfd.readouterr().err  # the file descriptor: a child process would write here too
+    assert rc == 2
+    lines = [x for x in err.splitlines() if "error" in x.lower()]
+    assert len(lines) == 1 and "another model/diffusion config" in lines[0], err
+    assert "choose a new --out directory" in lines[0] and "rerun the same command" not in err
+    assert not (run / "blocks").exists() and (run / "run.json").read_bytes() == before
+
+
+def test_train_reports_a_failed_block_truthfully(tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    cfg = tiny()
+    cfg = replace(cfg, model=replace(cfg.model, n_blocks=2))
+    rd = RunDir(run)
+    rd.init(cfg)
+    rd.block_path(1).parent.mkdir(parents=True)
+    rd.block_path(1).write_bytes(b"not a checkpoint")  # block 1 cannot resume from this
+    rc = main(["train", "--preset", "tiny", "--blocks", "2", "--steps", "2", "--out", str(run), "--data", str(data_dir),
+               "--no-progress"])
+    err = capfd.readouterr().err
+    assert rc == 2
+    assert "training failed for blocks [1]" in err and "fix its cause" in err, err
+    assert "rerun the same command to resume them" not in err
+    assert rd.block_path(0).is_file()

@@ -12,7 +12,7 @@ import torch
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
 from blocktrain.data.dataset import open_data_dir
-from blocktrain.errors import CheckpointError
+from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.generate import generate
 from blocktrain.evaluate.report import evaluate_model
@@ -50,28 +50,28 @@ def test_resume_after_kill_is_exact(
     tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, signal: type[BaseException]
 ) -> None:
     """Ctrl-C saves at the current step; a hard stop falls back to the last periodic checkpoint."""
-    import blocktrain.train.block as tb
     from blocktrain.checkpoint.safetensors_io import load_file
+    from blocktrain.objectives.diffusion import DiffusionObjective as Tb
 
     dd = open_data_dir(data_dir)
     cfg = tiny().with_train(steps=12, checkpoint_every=4, eval_bytes=0)
     train_block(cfg, dd, tmp_path / "straight", 1, progress=False)
 
-    real_loss = tb.block_loss
+    real_loss = Tb.block_loss
     calls = {"n": 0}
 
-    def dying_loss(*args: object, **kwargs: object) -> object:
+    def dying_loss(self: object, *args: object, **kwargs: object) -> object:
         calls["n"] += 1
         if calls["n"] == 7:
             raise signal()
-        return real_loss(*args, **kwargs)  # type: ignore[arg-type]
+        return real_loss(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tb, "block_loss", dying_loss)
+    monkeypatch.setattr(Tb, "block_loss", dying_loss)
     with pytest.raises(signal):
         train_block(cfg, dd, tmp_path / "resumed", 1, progress=False)
     saved = load_file(RunDir(tmp_path / "resumed").block_path(1))[1]["step"]
     assert saved == ("6" if signal is KeyboardInterrupt else "4")
-    monkeypatch.setattr(tb, "block_loss", real_loss)
+    monkeypatch.setattr(Tb, "block_loss", real_loss)
     train_block(cfg, dd, tmp_path / "resumed", 1, progress=False)
 
     a, ma = load_file(RunDir(tmp_path / "straight").block_path(1))
@@ -96,7 +96,7 @@ def test_checkpoint_from_other_config_rejected(tmp_path: Path, data_dir: Path) -
     cfg = tiny().with_train(steps=2, eval_bytes=0)
     train_block(cfg, dd, tmp_path / "r", 0, progress=False)
     other = replace(cfg, model=replace(cfg.model, d_model=64))
-    with pytest.raises(Exception, match="another"):
+    with pytest.raises(ConfigError, match=r"another model/diffusion config .*choose a new --out directory"):
         train_block(other, dd, tmp_path / "r", 0, progress=False)
     rd = RunDir(tmp_path / "r")
     bad = bytearray(rd.block_path(0).read_bytes())
@@ -115,9 +115,16 @@ def test_learning_beats_uniform(trained: tuple[RunConfig, Path, Path]) -> None:
     assert e2e["ce_nats_per_byte"] < np.log(256) - 1.0
     assert bt["ce_nats_per_byte"] < np.log(256) - 0.5
     assert len(bt["blocks_alone_ce"]) == cfg.model.n_blocks
-    for key in ("model", "split", "ce_nats_per_byte", "bits_per_byte", "perplexity", "bytes_scored"):
-        assert key in bt
-    assert bt["ce_mixture_nats_per_byte"] is not None
+    assert (bt["model"], bt["split"]) == ("blocktrain", "valid")
+    ce = bt["ce_nats_per_byte"]
+    assert bt["bits_per_byte"] == pytest.approx(ce / np.log(2), rel=1e-12)
+    assert bt["perplexity"] == pytest.approx(np.exp(ce), rel=1e-12)
+    assert all(0.0 < a < 2 * np.log(256) for a in bt["blocks_alone_ce"])
+    assert bt["compositional_gain_nats_per_byte"] == pytest.approx(min(bt["blocks_alone_ce"]) - ce, abs=1e-12)
+    # the mixture of 3 chains: no worse than their mean CE (Jensen), nor than log 3 above the best chain
+    mix, per_chain = bt["ce_mixture_nats_per_byte"], bt["ce_per_chain"]
+    assert mix is not None and len(per_chain) == 3
+    assert 0.0 < mix <= min(float(np.mean(per_chain)), min(per_chain) + np.log(3)) + 1e-9
 
 
 def test_chain_zero_of_k_equals_k1(trained: tuple[RunConfig, Path, Path]) -> None:

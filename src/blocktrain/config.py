@@ -1,8 +1,10 @@
 """Typed, frozen configuration.
 
-Three dataclasses describe a run: :class:`ModelConfig` (shapes),
-:class:`DiffusionConfig` (noise range, partition, sampler) and
-:class:`TrainConfig` (optimisation). :class:`RunConfig` bundles them. Every
+Four dataclasses describe a run: :class:`ModelConfig` (shapes),
+:class:`DiffusionConfig` (noise range, partition, sampler; the ``diffusion``
+objective), :class:`StackConfig` (the ``stack`` objective's local heads) and
+:class:`TrainConfig` (optimisation, precision, schedule). :class:`RunConfig`
+bundles them with the block ``objective``. Every
 ``__post_init__`` rejects bad values with a :class:`~blocktrain.errors.ConfigError`
 that names the field. Presets live in :mod:`blocktrain.presets`.
 """
@@ -39,6 +41,27 @@ class LossWeighting(enum.Enum):
 
     EDM = "edm"  # lambda = (sigma^2 + sigma_data^2) / (sigma * sigma_data)^2, mean-normalised
     UNIFORM = "uniform"  # lambda = 1
+
+
+class Objective(enum.Enum):
+    """What each block is trained to do, and how blocks compose (see :mod:`blocktrain.objectives`)."""
+
+    DIFFUSION = "diffusion"  # EDM denoiser of the next byte's embedding; blocks pass z along an Euler chain
+    STACK = "stack"  # residual-stream stack; block k reads block k-1's h and has its own next-byte head
+
+
+class Precision(enum.Enum):
+    """Arithmetic of the forward/backward pass. Master weights and AdamW state are always fp32."""
+
+    BF16 = "bf16"  # bf16 autocast for matmuls and attention; log-softmax / CE in fp32
+    FP32 = "fp32"  # everything in fp32
+
+
+class Schedule(enum.Enum):
+    """When block k of a ``stack`` run may train, relative to blocks 0..k-1."""
+
+    PROGRESSIVE = "progressive"  # block k opens when block k-1 has finished its step budget
+    CONCURRENT = "concurrent"  # every block trains at once; frozen copies refreshed every R rounds
 
 
 class Solver(enum.Enum):
@@ -138,6 +161,11 @@ class TrainConfig:
     log_every: int = 10  # steps between JSONL metric lines
     eval_bytes: int = 65536  # validation bytes scored at each periodic eval (0 = off)
     eval_every: int = 0  # steps between periodic validation evals (0 = only at the end)
+    precision: Precision = Precision.BF16  # forward/backward arithmetic (falls back to fp32 where bf16 is unsupported)
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
+    schedule: Schedule = Schedule.PROGRESSIVE  # stack objective: when block k may train
+    round_steps: int = 10  # concurrent schedule: optimiser steps per round, per block
+    refresh_rounds: int = 1  # concurrent schedule: rounds between refreshes of the frozen copies
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
@@ -151,6 +179,25 @@ class TrainConfig:
         _check(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
         _check(self.eval_bytes >= 0, "eval_bytes", f"must be >= 0, got {self.eval_bytes}")
         _check(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _check(isinstance(self.precision, Precision), "precision", f"must be a Precision, got {self.precision!r}")
+        _check(isinstance(self.schedule, Schedule), "schedule", f"must be a Schedule, got {self.schedule!r}")
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        _check(self.round_steps > 0, "round_steps", f"must be positive, got {self.round_steps}")
+        _check(self.refresh_rounds > 0, "refresh_rounds", f"must be positive, got {self.refresh_rounds}")
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """The ``stack`` objective: every block has a private next-byte head."""
+
+    head_layers: int = 0  # private Transformer layers in each block's local head, before LayerNorm + Linear(d, 256)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.head_layers <= 8, "head_layers", f"must be in [0, 8], got {self.head_layers}")
 
 
 @dataclass(frozen=True)
@@ -159,11 +206,15 @@ class RunConfig:
 
     name: str  # preset name this config came from (informational)
     model: ModelConfig = field(default_factory=ModelConfig)  # shapes
-    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # noise and sampler
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # noise and sampler (diffusion objective)
     train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
+    # Runs written before the objective existed are diffusion runs, hence this default; presets name it.
+    objective: Objective = Objective.DIFFUSION  # block objective
+    stack: StackConfig = field(default_factory=StackConfig)  # local heads (stack objective)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must be a non-empty string")
+        _check(isinstance(self.objective, Objective), "objective", f"must be an Objective, got {self.objective!r}")
 
     # --- serialisation -------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -187,6 +238,8 @@ class RunConfig:
                 model=_build(ModelConfig, data["model"]),
                 diffusion=_build(DiffusionConfig, data["diffusion"]),
                 train=_build(TrainConfig, data["train"]),
+                objective=Objective(data.get("objective", Objective.DIFFUSION.value)),
+                stack=_build(StackConfig, data.get("stack", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -201,17 +254,18 @@ class RunConfig:
             raise ConfigError(f"run config is not valid JSON: {exc}") from exc
 
     def architecture_key(self) -> str:
-        """JSON of the fields that must agree between blocks of one model."""
-        return json.dumps(
-            {"model": RunConfig.to_dict(self)["model"], "diffusion": RunConfig.to_dict(self)["diffusion"]},
-            sort_keys=True,
-        )
+        """JSON of the fields that must agree between blocks of one model: shapes, objective and its settings."""
+        d = self.to_dict()
+        own = d["diffusion"] if self.objective is Objective.DIFFUSION else d["stack"]
+        return json.dumps({"model": d["model"], "objective": self.objective.value, self.objective.value: own}, sort_keys=True)
 
     def with_train(self, **changes: Any) -> RunConfig:
         return replace(self, train=replace(self.train, **changes))
 
 
 _ENUMS: dict[str, type[enum.Enum]] = {
+    "precision": Precision,
+    "schedule": Schedule,
     "slicing": Slicing,
     "readout": Readout,
     "loss_weighting": LossWeighting,

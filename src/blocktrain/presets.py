@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from blocktrain.config import DiffusionConfig, ModelConfig, RunConfig, TrainConfig
 from blocktrain.errors import ConfigError
@@ -57,6 +58,12 @@ def cpu_small() -> RunConfig:
     )
 
 
+def cpu_small_long() -> RunConfig:
+    """The cpu-small shape at 4x the steps (2,400 per side): the budget at which depth starts to matter."""
+    base = cpu_small()
+    return replace(base, name="cpu-small-long", train=replace(base.train, steps=2400, checkpoint_every=200))
+
+
 def paper() -> RunConfig:
     """GPU scale, as in the paper's byte-level WikiText runs."""
     return RunConfig(
@@ -73,6 +80,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "tiny": tiny,
     "cpu-mini": cpu_mini,
     "cpu-small": cpu_small,
+    "cpu-small-long": cpu_small_long,
     "paper": paper,
 }
 

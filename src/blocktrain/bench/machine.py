@@ -35,3 +35,41 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "cuda": torch.cuda.is_available(),
     }
+
+
+def measure_peak_flops(device: torch.device | None = None, n: int | None = None, seconds: float = 1.0) -> dict[str, float]:
+    """Dense matmul peak of ``device`` in FLOP/s, for fp32 and bf16: the best of repeated n x n x n products.
+
+    2 n^3 FLOPs per product; each dtype is warmed up, then timed for about
+    ``seconds``. The best rate over sizes n/2 and n is reported, since small
+    caches favour one or the other.
+    """
+    import time
+
+    device = device or torch.device("cpu")
+    n = n or (8192 if device.type == "cuda" else 2048)
+    out: dict[str, float] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        best = 0.0
+        for size in (n // 2, n):
+            a = torch.randn(size, size, device=device).to(dtype)
+            b = torch.randn(size, size, device=device).to(dtype)
+            for _ in range(2):
+                a @ b
+            _sync(device)
+            reps, t0 = 0, time.perf_counter()
+            while True:
+                a @ b
+                reps += 1
+                _sync(device)
+                elapsed = time.perf_counter() - t0
+                if elapsed >= seconds / 2:
+                    break
+            best = max(best, 2.0 * size**3 * reps / elapsed)
+        out[name] = best
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

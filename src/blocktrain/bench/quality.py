@@ -1,15 +1,22 @@
-"""``blocktrain bench quality``: E2E reference vs B blocks at matched training compute.
+"""``blocktrain bench quality``: the E2E reference against block objectives, scored on the same test bytes.
 
-Each block gets as many steps as the E2E run at the same batch and context, so
-total training FLOPs match (each block is 1/B of the depth). Every training runs
-in its own fresh process so its peak RSS is its own; memory is peak RSS minus
-the RSS just before the model is built. Both models are scored on the same
-test bytes.
+Arms, each trained in a fresh child process so its peak RSS is its own (memory
+is peak RSS minus the RSS just before the model is built):
+
+* **E2E at matched steps** -- as many steps as each block gets. With the
+  learning-rate sweep, E2E runs at the preset's lr x0.5, x1 and x2 and the
+  best on validation is kept; the stack's block 0 gets the same sweep.
+* **E2E at matched FLOPs** -- steps scaled so that its training FLOPs equal
+  the stack's, frozen forward passes included (at the swept lr).
+* **diffusion** and/or **stack** -- B blocks; a stack's blocks train in order
+  (progressive schedule), block k on frozen copies of blocks 0..k-1.
+
+The result JSON keeps the historic top-level keys for the primary objective
+(the one named, or ``stack`` with ``both``) and adds one section per objective.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shlex
@@ -17,21 +24,53 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from blocktrain.bench.machine import machine_info
+from blocktrain.bench.machine import machine_info, measure_peak_flops
+from blocktrain.bench.quality_report import format_table
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.cli.common import config_from_args, forward_run_args
-from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.errors import BlockTrainError, RunError
+from blocktrain.config import Objective, RunConfig
+from blocktrain.data.dataset import DataDir
+from blocktrain.device import resolve_device, resolve_precision
+from blocktrain.errors import BlockTrainError, ConfigError, RunError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.report import evaluate_model
-from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.objectives import get_objective
 from blocktrain.train.metrics import read_jsonl
 
 log = logging.getLogger(__name__)
+
+LR_FACTORS = (0.5, 1.0, 2.0)  # the learning-rate sweep, as multiples of the preset's lr
+
+
+@dataclass(frozen=True)
+class QualityOptions:
+    cfg: RunConfig  # the preset with the command line's overrides
+    data: DataDir  # resolved data directory
+    out: Path  # bench directory: one run directory per arm below it
+    child_args: tuple[str, ...]  # run flags re-emitted for the child training processes (preset, overrides, data)
+    objective: str = "both"  # "diffusion", "stack" or "both"
+    json_path: Path | None = None  # write the result JSON (and a .md table beside it) here
+    chains: int = 2  # K of the diffusion chain-mixture row
+    max_eval_bytes: int | None = None  # score only the first N test bytes (None: the whole split)
+    fresh: bool = False  # delete ``out`` first
+    progress: bool = True  # progress bars
+    lr_sweep: bool = True  # sweep E2E's and stack block 0's lr over LR_FACTORS on validation
+    matched_flops: bool = True  # also train the E2E at the stack's training FLOPs
+    command: str = ""  # the command line, recorded in the JSON
+
+    def __post_init__(self) -> None:
+        if self.objective not in ("diffusion", "stack", "both"):
+            raise ConfigError(f"objective must be diffusion, stack or both, got {self.objective!r}")
+        if self.chains < 1:
+            raise ConfigError(f"chains must be >= 1, got {self.chains}")
+
+    @property
+    def objectives(self) -> list[Objective]:
+        return [Objective.STACK, Objective.DIFFUSION] if self.objective == "both" else [Objective(self.objective)]
 
 
 def _summary(run: RunDir, name: str) -> dict[str, Any]:
@@ -43,93 +82,113 @@ def _summary(run: RunDir, name: str) -> dict[str, Any]:
 
 def _analytic(module: Any) -> dict[str, int]:
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return {
-        "params": params,
-        "param_bytes": 4 * params,
-        "grad_bytes": 4 * params,
-        "optimizer_bytes": 8 * params,  # AdamW: two fp32 moments
-        "total_state_bytes": 16 * params,
-    }
+    return {"params": params, "param_bytes": 4 * params, "grad_bytes": 4 * params,
+            "optimizer_bytes": 8 * params, "total_state_bytes": 16 * params}  # AdamW: two fp32 moments
 
 
-def _child(cmd: list[str]) -> None:
-    log.info("running: %s", shlex.join(cmd))
-    rc = subprocess.call(cmd)
-    if rc != 0:
-        raise BlockTrainError(f"child training failed (exit {rc}): {shlex.join(cmd)}")
+class _Bench:
+    def __init__(self, opts: QualityOptions) -> None:
+        self.o = opts
+        self.cfg = opts.cfg
+        self.base = [sys.executable, "-m", "blocktrain"]
+
+    def child(self, *args: str) -> None:
+        cmd = [*self.base, *args, *self.o.child_args]
+        log.info("running: %s", shlex.join(cmd))
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            raise BlockTrainError(f"child training failed (exit {rc}): {shlex.join(cmd)}")
+
+    def e2e(self, out: Path, *extra: str) -> dict[str, Any]:
+        self.child("train-e2e", "--out", str(out), *extra)
+        return _summary(RunDir(out), "e2e")
+
+    def blocks(self, out: Path, objective: Objective, ks: range, *extra: str) -> list[dict[str, Any]]:
+        for k in ks:
+            self.child("train-block", "--objective", objective.value, "--block", str(k), "--out", str(out), *extra)
+        return [_summary(RunDir(out), f"block_{k}") for k in ks]
+
+    def sweep(self, name: str, train: Any, key: str) -> tuple[float, dict[str, float], dict[float, Path]]:
+        """Train ``train(out, lr)`` at each lr of the sweep; the lr with the lowest validation CE ``key`` wins."""
+        lrs = [self.cfg.train.lr * f for f in LR_FACTORS] if self.o.lr_sweep else [self.cfg.train.lr]
+        scores: dict[str, float] = {}
+        dirs: dict[float, Path] = {}
+        for lr in lrs:
+            out = self.o.out / f"{name}-lr{lr:g}"
+            summary = train(out, lr)
+            scores[f"{lr:g}"] = float(summary["eval"].get(key, float("nan"))) if summary["eval"] else float("nan")
+            dirs[lr] = out
+        best = min(lrs, key=lambda lr: scores[f"{lr:g}"] if scores[f"{lr:g}"] == scores[f"{lr:g}"] else float("inf"))
+        log.info("%s lr sweep on validation: %s -> lr %g", name, scores, best)
+        return best, scores, dirs
 
 
-def run_quality_bench(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = config_from_args(args)
-    data = resolve_data_dir(args.data)
-    data.open("test")
-    out = Path(args.out or f"runs/bench-quality-{cfg.name}")
-    if out.exists():
-        if not args.fresh:
-            raise RunError(f"{out} exists; pass --fresh to delete it or choose another --out")
-        shutil.rmtree(out)
-    run = RunDir(out)
-    child_args = [*forward_run_args(args)]
-    if args.data is None:
-        child_args += ["--data", str(data.root)]
-    base = [sys.executable, "-m", "blocktrain"]
+def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
+    cfg = opts.cfg
+    test = opts.data.open("test")
+    if opts.out.exists():
+        if not opts.fresh:
+            raise RunError(f"{opts.out} exists; pass --fresh to delete it or choose another --out")
+        shutil.rmtree(opts.out)
+    opts.out.mkdir(parents=True)
+    bench = _Bench(opts)
+    device = resolve_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    peak = measure_peak_flops(device)
     t0 = time.perf_counter()
-    _child([*base, "train-e2e", "--out", str(out), *child_args])
-    e2e_sum = _summary(run, "e2e")
-    block_sums = []
-    for k in range(cfg.model.n_blocks):
-        _child([*base, "train-block", "--block", str(k), "--out", str(out), *child_args])
-        block_sums.append(_summary(run, f"block_{k}"))
+    steps = cfg.train.steps
+    tokens = cfg.train.batch_size * cfg.model.context
+
+    lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, "--lr", repr(lr)), "val_ce")
+    e2e_dir = e2e_dirs[lr_e2e]
+    e2e_sum = _summary(RunDir(e2e_dir), "e2e")
+    sections: dict[str, dict[str, Any]] = {}
+    sweeps: dict[str, Any] = {"factors": list(LR_FACTORS), "e2e_val_ce": e2e_scores, "e2e_lr": lr_e2e}
+    for objective in opts.objectives:
+        if objective is Objective.STACK:
+            lr_s, s_scores, s_dirs = bench.sweep(
+                "stack", lambda out, lr: bench.blocks(out, Objective.STACK, range(1), "--lr", repr(lr))[0], "val_prefix_ce"
+            )
+            sweeps.update(stack_block0_val_prefix_ce=s_scores, stack_lr=lr_s)
+            run_dir = s_dirs[lr_s]  # block 0 is the sweep's winner; blocks 1.. train on it
+            bench.blocks(run_dir, objective, range(1, cfg.model.n_blocks), "--lr", repr(lr_s))
+            sums = [_summary(RunDir(run_dir), f"block_{k}") for k in range(cfg.model.n_blocks)]
+        else:
+            run_dir = opts.out / "diffusion"
+            sums = bench.blocks(run_dir, objective, range(cfg.model.n_blocks))
+        sections[objective.value] = {"run_dir": str(run_dir), "summaries": sums}
+
+    primary = opts.objectives[0]
+    flops_primary = sum(s["flops_per_step"] * s["steps"] for s in sections[primary.value]["summaries"])
+    e2e_flops_step = float(e2e_sum["flops_per_step"])
+    matched: dict[str, Any] | None = None
+    if opts.matched_flops:
+        m_steps = max(1, round(flops_primary / e2e_flops_step))
+        m_dir = opts.out / "e2e-matched-flops"
+        m_sum = bench.e2e(m_dir, "--lr", repr(lr_e2e), "--steps", str(m_steps))
+        matched = {"run_dir": str(m_dir), "steps": m_steps, "train_flops": e2e_flops_step * m_steps, "lr": lr_e2e,
+                   "summary": m_sum}
     train_wall = time.perf_counter() - t0
 
-    test = data.open("test")
-    progress = not args.no_progress
-    e2e_eval = evaluate_model(E2EModel.load(run, cfg), test, max_bytes=args.max_eval_bytes, progress=progress)
-    bt_eval = evaluate_model(
-        AssembledModel.load(run, cfg), test, chains=args.chains, max_bytes=args.max_eval_bytes,
-        blocks_alone=True, progress=progress,
-    )
-    if e2e_eval["bytes_scored"] != bt_eval["bytes_scored"]:
-        raise RunError("E2E and BlockTrain were scored on different bytes")
-    block_mem = max(s["train_mem_bytes"] for s in block_sums)
-    result: dict[str, Any] = {
-        "benchmark": "quality",
-        "preset": cfg.name,
-        "config": cfg.to_dict(),
-        "command": "blocktrain " + shlex.join(sys.argv[1:]),
-        "machine": machine_info(),
-        "data_dir": str(data.root),
-        "data_flavour": data.flavour,
-        "split": "test",
-        "bytes_scored": e2e_eval["bytes_scored"],
-        "e2e": {
-            **e2e_eval,
-            "train_wall_s": e2e_sum["wall_s"],
-            "train_mem_bytes": e2e_sum["train_mem_bytes"],
-            "train_steps": e2e_sum["steps"],
-            "analytic": _analytic(E2ETransformer(cfg.model)),
-        },
-        "blocktrain": {
-            **bt_eval,
-            "train_wall_s_sequential": sum(s["wall_s"] for s in block_sums),
-            "train_wall_s_per_block": [s["wall_s"] for s in block_sums],
-            "train_steps_per_block": [s["steps"] for s in block_sums],
-        },
-        "block_worker": {
-            "train_mem_bytes": block_mem,
-            "train_mem_bytes_per_block": [s["train_mem_bytes"] for s in block_sums],
-            "analytic": _analytic(BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)),
-        },
-        "gap_nats_per_byte": bt_eval["ce_nats_per_byte"] - e2e_eval["ce_nats_per_byte"],
-        "memory_ratio_block_over_e2e": block_mem / max(1, e2e_sum["train_mem_bytes"]),
-        "blocks_alone_ce": bt_eval["blocks_alone_ce"],
-        "bench_wall_s": time.perf_counter() - t0,
-        "train_wall_s": train_wall,
-    }
+    def score(model: AssembledModel | E2EModel, **kw: Any) -> dict[str, Any]:
+        return evaluate_model(model, test, max_bytes=opts.max_eval_bytes, progress=opts.progress, **kw)
+
+    e2e_eval = score(E2EModel.load(RunDir(e2e_dir), precision=precision))
+    if matched is not None:
+        matched["eval"] = score(E2EModel.load(RunDir(Path(matched["run_dir"])), precision=precision))
+    for name, sec in sections.items():
+        model = AssembledModel.load(RunDir(Path(sec["run_dir"])), precision=precision)
+        sec["eval"] = score(model, chains=opts.chains if name == "diffusion" else 1, blocks_alone=True)
+        if sec["eval"]["bytes_scored"] != e2e_eval["bytes_scored"]:
+            raise RunError("E2E and the blocks were scored on different bytes")
+
+    result = _assemble(opts, sections, e2e_eval, e2e_sum, matched, sweeps, peak, precision.value, tokens, steps)
+    result["e2e"]["run_dir"] = str(e2e_dir)
+    result.update(bench_wall_s=time.perf_counter() - t0, train_wall_s=train_wall)
     table = format_table(result)
     sys.stdout.write(table + "\n")
-    if args.json:
-        path = Path(args.json)
+    if opts.json_path:
+        path = opts.json_path
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         path.with_suffix(".md").write_text(f"# Quality benchmark: {cfg.name}\n\n```\n{result['command']}\n```\n\n{table}\n")
@@ -137,24 +196,88 @@ def run_quality_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def format_table(r: dict[str, Any]) -> str:
-    e, b, w = r["e2e"], r["blocktrain"], r["block_worker"]
-    mib = 2**20
-    rows = [
-        ("model", "E2E reference", f"BlockTrain (B={r['config']['model']['n_blocks']})"),
-        ("test CE (nats/byte)", f"{e['ce_nats_per_byte']:.4f}", f"{b['ce_nats_per_byte']:.4f} (K=1 chain)"),
-        ("bits/byte", f"{e['bits_per_byte']:.4f}", f"{b['bits_per_byte']:.4f}"),
-        ("gap (nats/byte)", "", f"{r['gap_nats_per_byte']:+.4f}"),
-        (f"K={b['chains']} chain mixture", "", f"{b['ce_mixture_nats_per_byte'] or b['ce_nats_per_byte']:.4f} ({b['chains']}x compute)"),
-        ("best block alone", "", f"{min(r['blocks_alone_ce']):.4f} ({', '.join(f'{c:.3f}' for c in r['blocks_alone_ce'])})"),
-        ("train wall (s)", f"{e['train_wall_s']:.0f}", f"{b['train_wall_s_sequential']:.0f} (sum over blocks)"),
-        ("train memory (MiB, peak RSS - base)", f"{e['train_mem_bytes'] / mib:.1f}", f"{w['train_mem_bytes'] / mib:.1f} per block worker"),
-        ("memory ratio", "", f"{r['memory_ratio_block_over_e2e']:.3f}"),
-        ("params per worker", f"{e['analytic']['params']:,}", f"{w['analytic']['params']:,}"),
-        ("params+grads+AdamW (MiB)", f"{e['analytic']['total_state_bytes'] / mib:.1f}", f"{w['analytic']['total_state_bytes'] / mib:.1f}"),
-        ("bytes scored", f"{e['bytes_scored']:,}", f"{b['bytes_scored']:,}"),
-    ]
-    width = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["| " + " | ".join(c.ljust(width[i]) for i, c in enumerate(row)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (wd + 2) for wd in width) + "|")
-    return "\n".join(lines)
+def _assemble(
+    opts: QualityOptions, sections: dict[str, dict[str, Any]], e2e_eval: dict[str, Any], e2e_sum: dict[str, Any],
+    matched: dict[str, Any] | None, sweeps: dict[str, Any], peak: dict[str, float], precision: str, tokens: int, steps: int,
+) -> dict[str, Any]:
+    cfg = opts.cfg
+    peak_p = peak[precision]
+    e2e_ce = e2e_eval["ce_nats_per_byte"]
+    e2e_train_flops = e2e_sum["flops_per_step"] * e2e_sum["steps"]
+    per_objective: dict[str, Any] = {}
+    for name, sec in sections.items():
+        sums, ev = sec["summaries"], sec["eval"]
+        obj = get_objective(replace(cfg, objective=Objective(name)))
+        ref_key = obj.reference_name
+        mem = max(s["train_mem_bytes"] for s in sums)
+        sps = [s["seconds_per_step"] for s in sums]
+        entry: dict[str, Any] = {
+            **ev,
+            "run_dir": sec["run_dir"],
+            "ce_nats_per_byte": ev["ce_nats_per_byte"],
+            "gap_nats_per_byte": ev["ce_nats_per_byte"] - e2e_ce,
+            ref_key: ev[ref_key],
+            "compositional_gain_nats_per_byte": ev["compositional_gain_nats_per_byte"],
+            "train_flops": sum(s["flops_per_step"] * s["steps"] for s in sums),
+            "train_flops_over_e2e": sum(s["flops_per_step"] * s["steps"] for s in sums) / e2e_train_flops,
+            "train_wall_s_sequential": sum(s["wall_s"] for s in sums),
+            "train_wall_s_per_block": [s["wall_s"] for s in sums],
+            "train_steps_per_block": [s["steps"] for s in sums],
+            "block_worker": {
+                "train_mem_bytes": mem,  # frozen copies of the earlier blocks included (stack)
+                "train_mem_bytes_per_block": [s["train_mem_bytes"] for s in sums],
+                "seconds_per_step": sum(sps) / len(sps),
+                "seconds_per_step_per_block": sps,
+                "mfu": sum(s["achieved_flops"] for s in sums) / len(sums) / peak_p,
+                "mfu_per_block": [s["achieved_flops"] / peak_p for s in sums],
+                "analytic": _analytic(obj.build_block(cfg.model.n_blocks - 1)),  # the largest stack block: a local head
+            },
+            "memory_ratio_block_over_e2e": mem / max(1, e2e_sum["train_mem_bytes"]),
+        }
+        if matched is not None:
+            entry["gap_matched_flops_nats_per_byte"] = ev["ce_nats_per_byte"] - matched["eval"]["ce_nats_per_byte"]
+        per_objective[name] = entry
+    primary = per_objective[opts.objectives[0].value]
+    result: dict[str, Any] = {
+        "benchmark": "quality",
+        "preset": cfg.name,
+        "objective": opts.objective,
+        "primary_objective": opts.objectives[0].value,
+        "config": cfg.to_dict(),
+        "command": opts.command,
+        "machine": {**machine_info(), "peak_flops": peak},
+        "peak_flops": peak,
+        "precision": precision,
+        "data_dir": str(opts.data.root),
+        "data_flavour": opts.data.flavour,
+        "split": "test",
+        "bytes_scored": e2e_eval["bytes_scored"],
+        "lr_sweep": sweeps,
+        "e2e": {
+            **e2e_eval,
+            "train_wall_s": e2e_sum["wall_s"],
+            "train_mem_bytes": e2e_sum["train_mem_bytes"],
+            "train_steps": e2e_sum["steps"],
+            "train_flops": e2e_train_flops,
+            "seconds_per_step": e2e_sum["seconds_per_step"],
+            "bytes_per_s": tokens / e2e_sum["seconds_per_step"],
+            "flops_per_step": e2e_sum["flops_per_step"],
+            "mfu": e2e_sum["achieved_flops"] / peak_p,
+            "analytic": _analytic(E2ETransformer(cfg.model)),
+        },
+        "blocktrain": primary,
+        "block_worker": {**primary["block_worker"], "bytes_per_s": tokens / primary["block_worker"]["seconds_per_step"]},
+        "gap_nats_per_byte": primary["gap_nats_per_byte"],
+        "memory_ratio_block_over_e2e": primary["memory_ratio_block_over_e2e"],
+        "objectives": per_objective,
+        "steps_per_block": steps,
+    }
+    if "diffusion" in per_objective:
+        result["blocks_alone_ce"] = per_objective["diffusion"]["blocks_alone_ce"]
+    if matched is not None:
+        result["e2e_matched_flops"] = {
+            "ce_nats_per_byte": matched["eval"]["ce_nats_per_byte"], "steps": matched["steps"],
+            "train_flops": matched["train_flops"], "lr": matched["lr"], "eval": matched["eval"],
+            "seconds_per_step": matched["summary"]["seconds_per_step"],
+        }
+    return result

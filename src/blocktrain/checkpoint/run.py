@@ -110,9 +110,11 @@ def load_model(path: Path, module: nn.Module, cfg: RunConfig, kind: str, **expec
     except ConfigError as exc:
         raise CheckpointError(f"{path}: its embedded config is unreadable ({exc})") from exc
     if other.architecture_key() != cfg.architecture_key():
+        # ``cfg`` is the run's own (its run.json): the file was copied in from another run.
         raise CheckpointError(
-            f"{path} was trained with another config (preset {other.name!r}); "
-            "use the matching --preset or a fresh run directory"
+            f"{path} was trained with another model config (preset {other.name!r}) than its run directory's "
+            f"run.json (preset {cfg.name!r}), so it belongs to another run; move it out and train it again here, "
+            "or use it from the run directory it came from"
         )
     for key, value in expect.items():
         if meta.get(key) != value:

@@ -1,58 +1,105 @@
-"""Argument helpers shared by the sub-commands."""
+"""Argument helpers shared by the sub-commands.
+
+Run flags are derived from the config dataclasses' fields (``TrainConfig`` and
+``StackConfig`` whole, plus a few ``ModelConfig`` / ``DiffusionConfig`` fields
+and the objective), so a new field needs one edit: its declaration. The help
+text is the field's unit comment.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+import enum
+import functools
+import inspect
+import re
+from dataclasses import MISSING, fields, replace
+from typing import Any
 
-from blocktrain.config import RunConfig
+from blocktrain.config import DiffusionConfig, ModelConfig, Objective, RunConfig, StackConfig, TrainConfig
 from blocktrain.presets import PRESETS, get_preset
 
+# (section of RunConfig, dataclass, field, flag): every run flag and where its value goes.
+_SECTIONS: tuple[tuple[str, type], ...] = (("train", TrainConfig), ("stack", StackConfig))
+_EXTRA: tuple[tuple[str, type, str, str], ...] = (
+    ("model", ModelConfig, "n_blocks", "--blocks"),
+    ("diffusion", DiffusionConfig, "sigma_min", "--sigma-min"),
+    ("diffusion", DiffusionConfig, "sigma_max", "--sigma-max"),
+)
 
-def add_run_args(p: argparse.ArgumentParser, *, need_out: bool = True) -> None:
+
+@functools.cache
+def _field_comments(cls: type) -> dict[str, str]:
+    """Unit comments of a dataclass's fields, read from its source: ``name: type = default  # comment``."""
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.+)$", src, re.M)}
+
+
+def _run_flags() -> list[tuple[str, type, str, str]]:
+    out = [(section, cls, f.name, "--" + f.name.replace("_", "-")) for section, cls in _SECTIONS for f in fields(cls)]
+    return [*out, *_EXTRA]
+
+
+def _dest(section: str, name: str) -> str:
+    return f"cfg__{section}__{name}"
+
+
+def _arg_type(cls: type, name: str) -> dict[str, Any]:
+    f = next(f for f in fields(cls) if f.name == name)
+    default = f.default if f.default is not MISSING else None
+    if isinstance(default, enum.Enum):
+        enum_cls = type(default)
+        return {"type": enum_cls, "choices": list(enum_cls), "metavar": "{" + ",".join(e.value for e in enum_cls) + "}"}
+    return {"type": type(default) if default is not None else str, "metavar": name.upper()}
+
+
+def add_run_args(p: argparse.ArgumentParser, *, need_out: bool = True, skip: tuple[str, ...] = ()) -> None:
+    """Add --preset, --data, --objective and one flag per config field (``skip``: names the caller flags itself)."""
     p.add_argument("--preset", default="cpu-small", help=f"configuration preset: {', '.join(PRESETS)}")
     if need_out:
         p.add_argument("--out", required=True, help="run directory to create or resume")
     p.add_argument("--data", default=None, help="data directory (else $BLOCKTRAIN_DATA, cache, or download)")
-    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
-    p.add_argument("--seed", type=int, default=None, help="override the preset's seed")
-    p.add_argument("--batch-size", type=int, default=None, help="override sequences per step")
-    p.add_argument("--lr", type=float, default=None, help="override the peak learning rate")
-    p.add_argument("--sigma-min", type=float, default=None, help="override the lowest noise level")
-    p.add_argument("--sigma-max", type=float, default=None, help="override the highest noise level")
-    p.add_argument("--blocks", type=int, default=None, help="override the number of blocks B (must divide L)")
+    if "objective" not in skip:
+        p.add_argument(
+        "--objective", type=Objective, choices=list(Objective), default=None, metavar="{diffusion,stack}",
+        help="block objective (default: the preset's)",
+        )
+    for section, cls, name, flag in _run_flags():
+        if name in skip:
+            continue
+        comment = _field_comments(cls).get(name, "")
+        p.add_argument(flag, dest=_dest(section, name), default=None, help=f"override {section}.{name}: {comment}", **_arg_type(cls, name))
     p.add_argument("--no-progress", action="store_true", help="disable progress bars")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = get_preset(args.preset)
-    overrides = (("steps", args.steps), ("seed", args.seed), ("batch_size", args.batch_size), ("lr", args.lr))
-    train = {k: v for k, v in overrides if v is not None}
-    if train:
-        cfg = replace(cfg, train=replace(cfg.train, **train))
-    diff = {k: v for k, v in (("sigma_min", args.sigma_min), ("sigma_max", args.sigma_max)) if v is not None}
-    if diff:
-        cfg = replace(cfg, diffusion=replace(cfg.diffusion, **diff))
-    if args.blocks is not None:
-        cfg = replace(cfg, model=replace(cfg.model, n_blocks=args.blocks))
+    if getattr(args, "objective", None) is not None:
+        cfg = replace(cfg, objective=args.objective)
+    changes: dict[str, dict[str, Any]] = {}
+    for section, _cls, name, _flag in _run_flags():
+        value = getattr(args, _dest(section, name), None)
+        if value is not None:
+            changes.setdefault(section, {})[name] = value
+    for section, kw in changes.items():
+        cfg = replace(cfg, **{section: replace(getattr(cfg, section), **kw)})
     return cfg
 
 
 def forward_run_args(args: argparse.Namespace) -> list[str]:
     """Re-emit the run arguments for a child process."""
     out = ["--preset", args.preset]
-    for flag, value in (
-        ("--data", args.data),
-        ("--steps", args.steps),
-        ("--seed", args.seed),
-        ("--batch-size", args.batch_size),
-        ("--lr", args.lr),
-        ("--sigma-min", args.sigma_min),
-        ("--sigma-max", args.sigma_max),
-        ("--blocks", args.blocks),
-    ):
+    if args.data is not None:
+        out += ["--data", str(args.data)]
+    if getattr(args, "objective", None) is not None:
+        out += ["--objective", args.objective.value]
+    for section, _cls, name, flag in _run_flags():
+        value = getattr(args, _dest(section, name), None)
         if value is not None:
-            out += [flag, str(value)]
+            out += [flag, value.value if isinstance(value, enum.Enum) else str(value)]
     if args.no_progress:
         out.append("--no-progress")
     return out

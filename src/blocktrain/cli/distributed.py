@@ -14,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from blocktrain.cli.common import add_run_args, config_from_args
+from blocktrain.config import Precision
 from blocktrain.errors import BlockTrainError
 
 log = logging.getLogger("blocktrain")
@@ -54,6 +55,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     c = Coordinator(Path(args.run_dir), config_from_args(args), settings, data)
     try:
         run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
+    except KeyboardInterrupt:
+        # Not a training checkpoint: every acknowledged update and published version is already stored.
+        sys.stderr.write(
+            f"blocktrain: coordinator stopped; every accepted update and published version is stored in "
+            f"{Path(args.run_dir) / 'coordinator'}; rerun the same command to continue the run "
+            "(workers retry until it is back)\n"
+        )
+        return 130
     finally:
         c.close()
     return 0
@@ -83,6 +92,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         give_up_s=args.give_up_s,
         verify_tls=args.ca_cert or not args.insecure,
+        precision=Precision(args.precision) if args.precision else None,
+        device=args.device,
+        frozen_cache=Path(args.frozen_cache),
     )
     stop, abandon = threading.Event(), threading.Event()
 
@@ -134,7 +146,7 @@ def cmd_bench_ingest(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the coordinator/worker/token sub-commands (and their benches) to the parser."""
     s = sub.add_parser("coordinator", help="serve decentralised training: publish blocks, average updates")
-    add_run_args(s, need_out=False)
+    add_run_args(s, need_out=False, skip=("eval_every", "eval_bytes"))  # the coordinator's own evaluation flags below
     s.add_argument("--run-dir", required=True, help="run directory holding the coordinator state")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8470, help="port to listen on")
@@ -166,7 +178,12 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--token", default=None, help="bearer token (or $BLOCKTRAIN_TOKEN)")
     s.add_argument("--block", type=int, default=None, help="train block K (else the coordinator assigns one)")
     s.add_argument("--local-steps", type=int, default=50, help="H: local optimiser steps per round")
+    s.add_argument("--precision", default=None, choices=[p.value for p in Precision],
+                   help="forward/backward arithmetic (default: the run's, bf16 where the device supports it)")
+    s.add_argument("--device", default="auto", help="where to train: auto (cuda if available), cpu, cuda or cuda:N")
     s.add_argument("--compress", default="bf16", choices=["bf16", "int8", "none"], help="delta encoding")
+    s.add_argument("--frozen-cache", default="~/.cache/blocktrain/frozen",
+                   help="directory for the finished earlier blocks a stack block reads (downloaded once, hash-checked)")
     s.add_argument("--data", default=None, help="data directory")
     s.add_argument("--threads", type=int, default=None, help="torch threads (1 when several share a machine)")
     s.add_argument("--give-up-s", type=float, default=600.0, help="stop retrying after this many seconds")

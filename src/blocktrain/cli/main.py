@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
+import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from blocktrain.cli.common import add_run_args, config_from_args, forward_run_args
 from blocktrain.errors import BlockTrainError
@@ -36,40 +37,41 @@ def cmd_train_e2e(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train all B blocks, each in its own process (at most --parallel at a time).
+    """Train all B blocks: each in its own process (a stack's in order), or a stack's all at once (--schedule concurrent).
 
     A process per block keeps each block's peak memory and its metrics its own.
     """
+    from blocktrain.checkpoint.run import RunDir
+    from blocktrain.config import Schedule
     from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.train.schedule import schedule_of, train_all_processes, train_concurrent
 
     cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
     data.open("train")
+    RunDir(Path(args.out)).init(cfg)  # a run of another config is refused once, here, not once per block
+    if schedule_of(cfg) is Schedule.CONCURRENT:
+        train_concurrent(cfg, data, Path(args.out), progress=not args.no_progress)
+        return 0
     base = [sys.executable, "-m", "blocktrain", "train-block", "--out", args.out, *forward_run_args(args)]
     if args.data is None:
         base += ["--data", str(data.root)]
-    pending = list(range(cfg.model.n_blocks))
-    running: list[tuple[int, subprocess.Popen[bytes]]] = []
-    failed = []
-    while pending or running:
-        while pending and len(running) < max(1, args.parallel):
-            k = pending.pop(0)
-            running.append((k, subprocess.Popen([*base, "--block", str(k)])))
-        k, proc = running.pop(0)
-        if proc.wait() != 0:
-            failed.append(k)
-    if failed:
-        raise BlockTrainError(f"training failed for blocks {failed}; rerun the same command to resume them")
+    train_all_processes(cfg, base, args.parallel)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
     from blocktrain.checkpoint.run import RunDir
+    from blocktrain.config import Precision
     from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.device import resolve_precision
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.report import evaluate_model
 
-    model = load_model_from_run(RunDir(Path(args.run)), args.model)
+    precision = resolve_precision(Precision(args.precision), torch.device("cpu"))
+    model = load_model_from_run(RunDir(Path(args.run)), args.model, precision)
     data = resolve_data_dir(args.data).open(args.split)
     result = evaluate_model(
         model, data, chains=args.chains, max_bytes=args.max_bytes, blocks_alone=args.blocks_alone,
@@ -114,14 +116,65 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from blocktrain.bench.quality import run_quality_bench
+    from blocktrain.bench.quality import QualityOptions, run_quality_bench
+    from blocktrain.data.dataset import resolve_data_dir
 
-    run_quality_bench(args)
+    cfg = config_from_args(args)
+    data = resolve_data_dir(args.data)
+    child = forward_run_args(args)
+    if args.data is None:
+        child += ["--data", str(data.root)]
+    opts = QualityOptions(
+        cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"), child_args=tuple(child),
+        objective=args.bench_objective, json_path=Path(args.json) if args.json else None, chains=args.chains,
+        max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, progress=not args.no_progress,
+        lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops,
+        command="blocktrain " + shlex.join(sys.argv[1:]),
+    )
+    run_quality_bench(opts)
     return 0
 
 
+def cmd_bench_machine(args: argparse.Namespace) -> int:
+    from blocktrain.bench.machine import machine_info, measure_peak_flops
+    from blocktrain.device import resolve_device
+
+    device = resolve_device(args.device)
+    peak = measure_peak_flops(device, seconds=args.seconds)
+    result = {**machine_info(), "device": str(device), "peak_flops": peak}
+    sys.stdout.write(f"{device}: fp32 {peak['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:,.0f} GFLOP/s\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def cmd_bench_speed(args: argparse.Namespace) -> int:
+    from blocktrain.bench.speed import SpeedOptions, run_speed_bench
+    from blocktrain.data.dataset import resolve_data_dir
+
+    data = resolve_data_dir(args.data)
+    opts = SpeedOptions(
+        preset=args.preset, data=data, out=Path(args.out), steps=args.steps, json_path=Path(args.json) if args.json else None,
+        reference_commit=args.reference_commit, device=args.device, command="blocktrain " + shlex.join(sys.argv[1:]),
+    )
+    run_speed_bench(opts)
+    return 0
+
+
+class ExactParser(argparse.ArgumentParser):
+    """A parser that takes only whole option names: no prefix matching, so ``--blocks`` is never ``--blocks-alone``.
+
+    ``add_subparsers`` creates sub-parsers of the parser's own class, so every sub-command inherits this.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="blocktrain", description=__doc__)
+    p = ExactParser(prog="blocktrain", description=__doc__)  # its sub-parsers are ExactParsers too
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -132,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("train", help="train all B blocks into one run directory")
     add_run_args(s)
-    s.add_argument("--parallel", type=int, default=1, help="train this many blocks at once, as processes")
+    s.add_argument("--parallel", type=int, default=1,
+                   help="train this many diffusion blocks at once, as processes (a progressive stack trains in order)")
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("train-e2e", help="train the end-to-end reference")
@@ -147,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chains", type=int, default=1, help="K: also score the mixture of K chains")
     s.add_argument("--blocks-alone", action="store_true", help="also score each block alone on pure noise")
     s.add_argument("--max-bytes", type=int, default=None, help="score only the first N bytes (default: all)")
+    s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="inference arithmetic (bf16: autocast, about 2x faster on CPU, CE within ~0.001)")
     s.add_argument("--batch-size", type=int, default=32, help="windows per forward pass")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--no-progress", action="store_true")
@@ -161,8 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="auto", choices=["auto", "blocktrain", "e2e"])
     s.add_argument("--pipeline", default=None, help="HOST:PORT of the first serving stage")
-    s.add_argument("--mode", default="ar", choices=["ar", "sweep", "baseline"], help="serving mode with --pipeline")
+    s.add_argument("--mode", default="ar", choices=["ar", "sweep", "spec", "baseline"],
+                   help="serving mode with --pipeline (spec: speculative decoding, stack runs)")
+    s.add_argument("--draft-min", type=int, default=1, help="--mode spec: shortest draft, bytes")
+    s.add_argument("--draft-max", type=int, default=16, help="--mode spec: longest draft, bytes")
     s.add_argument("--sweeps", type=int, default=1, help="k sweeps of --mode sweep")
+    s.add_argument("--timeout", type=float, default=60.0, help="with --pipeline: seconds before a request fails")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=cmd_generate)
 
@@ -173,14 +233,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="benchmarks")
     bsub = s.add_subparsers(dest="bench", required=True)
-    q = bsub.add_parser("quality", help="E2E vs BlockTrain at matched training compute")
-    add_run_args(q, need_out=False)
-    q.add_argument("--out", default=None, help="run directory (default runs/bench-quality-PRESET)")
-    q.add_argument("--json", default=None, help="write the result JSON here")
-    q.add_argument("--chains", type=int, default=4, help="K for the K-chain mixture row")
+    q = bsub.add_parser("quality", help="E2E vs block objectives, at matched steps and matched FLOPs")
+    add_run_args(q, need_out=False, skip=("objective",))
+    q.add_argument("--objective", dest="bench_objective", default="both", choices=["diffusion", "stack", "both"],
+                   help="which block objective(s) to train and score against the E2E reference")
+    q.add_argument("--out", default=None, help="bench directory (default runs/bench-quality-PRESET)")
+    q.add_argument("--json", default=None, help="write the result JSON here (and a .md table beside it)")
+    q.add_argument("--chains", type=int, default=2, help="K for the diffusion K-chain mixture row")
     q.add_argument("--max-eval-bytes", type=int, default=None, help="score only the first N test bytes")
-    q.add_argument("--fresh", action="store_true", help="delete the run directory first")
+    q.add_argument("--fresh", action="store_true", help="delete the bench directory first")
+    q.add_argument("--no-lr-sweep", action="store_true", help="skip the lr sweep (x0.5, x1, x2) of E2E and stack block 0")
+    q.add_argument("--no-matched-flops", action="store_true", help="skip the E2E run at the stack's training FLOPs")
     q.set_defaults(fn=cmd_bench_quality)
+
+    q = bsub.add_parser("machine", help="dense matmul peak of this device in fp32 and bf16")
+    q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    q.add_argument("--seconds", type=float, default=1.0, help="timing budget per dtype")
+    q.add_argument("--json", default=None, help="write the result JSON here")
+    q.set_defaults(fn=cmd_bench_machine)
+
+    q = bsub.add_parser("speed", help="seconds per step and MFU of the E2E and block trainers, fp32 against bf16")
+    q.add_argument("--preset", default="cpu-small", help="configuration preset")
+    q.add_argument("--data", default=None, help="data directory")
+    q.add_argument("--out", default="runs/bench-speed", help="scratch directory for the short runs (replaced)")
+    q.add_argument("--steps", type=int, default=30, help="training steps per measurement")
+    q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    q.add_argument("--reference-commit", default=None, help="also time the trainers of this git commit (fp32, its own code)")
+    q.add_argument("--json", default=None, help="write the result JSON here")
+    q.set_defaults(fn=cmd_bench_speed)
 
     # Sub-commands of the distributed parts register themselves.
     from blocktrain.cli import distributed, serving

@@ -5,29 +5,71 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from blocktrain.serve.stage import StageOptions
 
 log = logging.getLogger(__name__)
+
+
+def read_token(args: argparse.Namespace) -> str:
+    """The shared serving token: --token-file, else $BLOCKTRAIN_SERVE_TOKEN, else "" (no authentication)."""
+    from blocktrain.errors import ConfigError
+    from blocktrain.serve.client import TOKEN_ENV
+
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --token-file {args.token_file}: {exc}") from exc
+        if not token:
+            raise ConfigError(f"--token-file {args.token_file} is empty; write the shared token into it")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip()
+
+
+def stage_options(args: argparse.Namespace, next_stages: tuple[tuple[str, int], ...] = ()) -> StageOptions:
+    """`blocktrain serve` flags -> StageOptions (ConfigError on a bad value)."""
+    from blocktrain.serve.stage import StageOptions
+    from blocktrain.serve.wire import SMALL_FRAME_BYTES
+
+    max_frame = int(args.max_frame_mib * 2**20)
+    conn_buffer = int(args.conn_buffer_mib * 2**20) if args.conn_buffer_mib is not None else max_frame
+    small = args.max_connections * SMALL_FRAME_BYTES
+    return StageOptions(
+        next_stages=next_stages, link_delay_s=args.delay_ms / 1000.0, max_frame_bytes=max_frame,
+        max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000.0, request_timeout_s=args.timeout,
+        retries=args.retries, idle_timeout_s=args.idle_timeout, read_timeout_s=args.read_timeout,
+        write_timeout_s=args.write_timeout, max_connections=args.max_connections, conn_buffer_bytes=conn_buffer,
+        buffer_bytes=int(args.buffer_mib * 2**20) if args.buffer_mib is not None else 4 * conn_buffer + small,
+        token=read_token(args),
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from blocktrain.checkpoint.run import RunDir
+    from blocktrain.config import Precision
     from blocktrain.errors import ConfigError, ServeError
     from blocktrain.serve.compute import BlockSpan, E2ESpan
+    from blocktrain.serve.kvcache import CacheOptions
     from blocktrain.serve.links import parse_address
     from blocktrain.serve.loading import (
-        load_block_span,
         load_e2e_span,
+        load_run_span,
         parse_shape,
         parse_span,
         random_block_span,
         random_e2e_span,
         span_params,
     )
-    from blocktrain.serve.stage import StageOptions, StageServer, serve_until_stopped
+    from blocktrain.serve.stackspan import StackSpan
+    from blocktrain.serve.stage import StageServer, serve_until_stopped
 
     torch.set_num_threads(args.threads)
     span_text = args.layers if args.model == "e2e" else args.blocks
@@ -39,22 +81,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         nxt = tuple(parse_address(a) for a in args.next.split(",")) if args.next else ()
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    span: BlockSpan | E2ESpan
+    precision = Precision(args.precision)
+    span: BlockSpan | E2ESpan | StackSpan
     if args.random:
         cfg = parse_shape(args.random)
         make = random_e2e_span if args.model == "e2e" else random_block_span
         span = make(cfg, lo, hi, args.seed)
+        span.precision = precision
     elif args.run:
         run = RunDir(Path(args.run))
-        span = load_e2e_span(run, lo, hi) if args.model == "e2e" else load_block_span(run, lo, hi)
+        cache = CacheOptions(ttl_s=args.cache_ttl, max_bytes=int(args.cache_mib * 2**20))
+        span = load_e2e_span(run, lo, hi, precision) if args.model == "e2e" else load_run_span(run, lo, hi, precision, cache)
     else:
         raise ConfigError("serve needs --run RUN (trained weights) or --random SHAPE (random weights)")
-    log.info("loaded %s %d-%d: %.1fM parameters", args.model, lo, hi, span_params(span) / 1e6)
-    opts = StageOptions(
-        next_stages=nxt, link_delay_s=args.delay_ms / 1000.0, max_frame_bytes=int(args.max_frame_mib * 2**20),
-        max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000.0, request_timeout_s=args.timeout,
-        retries=args.retries,
-    )
+    log.info("loaded %s %d-%d: %.1fM parameters, %s arithmetic", span.family, lo, hi, span_params(span) / 1e6,
+             precision.value)
+    opts = stage_options(args, nxt)
+    if not opts.token:
+        log.warning("stage %s accepts unauthenticated connections; set BLOCKTRAIN_SERVE_TOKEN or --token-file "
+                    "on every stage and client unless the network is private", span_text)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -74,6 +119,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from blocktrain.serve.bench import run_serve_bench
 
     run_serve_bench(args)
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from blocktrain.serve.gateway import gateway_from_args
+
+    gateway_from_args(args)
     return 0
 
 
@@ -98,6 +150,30 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--batch-window-ms", type=float, default=0.0, help="wait for more frames before a batch")
     s.add_argument("--timeout", type=float, default=60.0, help="entry stage: seconds before a request fails")
     s.add_argument("--retries", type=int, default=1, help="entry stage: re-runs after a downstream failure")
+    s.add_argument("--idle-timeout", type=float, default=300.0,
+                   help="seconds: close a connection on which no frame starts and nothing is in flight")
+    s.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds: a frame whose first byte arrived must be complete within this")
+    s.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds: close a connection whose peer reads nothing of a pending write for this long")
+    s.add_argument("--max-connections", type=int, default=256,
+                   help="inbound connections held at once; more are refused with an ERROR")
+    s.add_argument("--conn-buffer-mib", type=float, default=None,
+                   help="largest frame one connection may have buffered (default: --max-frame-mib)")
+    s.add_argument("--buffer-mib", type=float, default=None,
+                   help="frames buffered at once over all connections, 64 KiB per connection of it kept for small "
+                        "frames (default: 4 x --conn-buffer-mib + 64 KiB x --max-connections)")
+    s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="arithmetic of this stage's blocks (bf16: autocast). fp32 by default: stages compute on "
+                        "the CPU, where one-row decode matmuls gain nothing from bf16, and fp32 keeps a pipeline's "
+                        "output equal to the local model's")
+    s.add_argument("--cache-mib", type=float, default=256.0,
+                   help="stack runs: MiB of KV cache this stage holds over all requests (least recently used dropped)")
+    s.add_argument("--cache-ttl", type=float, default=600.0,
+                   help="stack runs: seconds after which an unused request's KV cache is dropped")
+    s.add_argument("--token-file", default=None,
+                   help="file holding the shared token that every connection must send first (default: "
+                        "$BLOCKTRAIN_SERVE_TOKEN; none: no authentication)")
     s.set_defaults(fn=cmd_serve)
 
     b = bench.add_parser("serve", help="sweep vs ar vs the AR baseline over three stages (netns or loopback)")
@@ -117,4 +193,20 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     b.add_argument("--scale-budget-gib", type=float, default=None, help="memory for the scale run's weights")
     b.add_argument("--scale-output-bytes", type=int, default=None, help="bytes per output at scale (default: same)")
     b.add_argument("--base-port", type=int, default=47100)
+    b.add_argument("--stack-run", default=None,
+                   help="a trained stack run: adds the spec row (speculative decoding over the same stages and prompts)")
+    b.add_argument("--draft-min", type=int, default=1, help="spec row: shortest draft, bytes")
+    b.add_argument("--draft-max", type=int, default=16, help="spec row: longest draft, bytes")
     b.set_defaults(fn=cmd_bench_serve)
+
+    g = sub.add_parser("gateway", help="an OpenAI-style HTTP API (/v1/completions, /v1/models) in front of a pipeline")
+    g.add_argument("--pipeline", required=True, help="HOST:PORT of the pipeline's entry stage")
+    g.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT the HTTP API listens on")
+    g.add_argument("--token", default=None,
+                   help="bearer token HTTP clients must send (default: $BLOCKTRAIN_GATEWAY_TOKEN; none: no authentication)")
+    g.add_argument("--model-name", default=None, help="model id to report and accept (default: from the entry stage)")
+    g.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens (bytes) accepted")
+    g.add_argument("--max-body-kib", type=float, default=1024.0, help="largest request body accepted")
+    g.add_argument("--timeout", type=float, default=120.0, help="seconds a request (or a whole stream) may take")
+    g.add_argument("--max-connections", type=int, default=256, help="HTTP connections served at once (more: 503)")
+    g.set_defaults(fn=cmd_gateway)

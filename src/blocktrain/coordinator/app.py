@@ -11,6 +11,8 @@ Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
     GET  /v1/work                    block, version, data stream, deadline
     GET  /v1/blocks/{k}/weights      safetensors: the current weights of block k
     GET  /v1/blocks/{k}/steps/{v}    safetensors: the bf16 step from version v to v+1
+    GET  /v1/blocks/{k}/frozen       safetensors: the final weights of finished block k (409 before),
+                                     the frozen input of later stack blocks; headers X-Block-Version, X-Weights-Sha
     POST /v1/blocks/{k}/updates      safetensors body: a delta against the current version
 
 Every byte of request and response bodies is counted, per worker and in total.
@@ -29,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from blocktrain.coordinator.dashboard import DASHBOARD_HTML
 from blocktrain.coordinator.observe import prometheus, status
@@ -114,11 +117,17 @@ async def _read_capped(request: Request, cap: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise ProtocolError(413, f"body of {declared} bytes exceeds the cap of {cap} bytes", "too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", "too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", "too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client went away mid-body (a worker that lost its network): an ordinary aborted upload.
+        raise ProtocolError(
+            400, f"the client closed the connection after {size} bytes of the update body; push it again", "aborted"
+        ) from None
     return b"".join(chunks)
 
 
@@ -215,6 +224,13 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         payload = await run_in_threadpool(c.step_bytes, k, v)
         return Response(payload, media_type=SAFETENSORS)
 
+    @app.get("/v1/blocks/{k}/frozen", response_class=Response,
+             responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors: finished block k"}})
+    async def frozen(request: Request, k: int) -> Response:
+        auth(request)
+        v, sha, payload = await run_in_threadpool(c.frozen_bytes, k)
+        return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v), "X-Weights-Sha": sha})
+
     @app.post(
         "/v1/blocks/{k}/updates",
         status_code=202,
@@ -227,7 +243,10 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             name = auth(request)
             body = await _read_capped(request, c.max_body_bytes)
         except ProtocolError as exc:
-            await run_in_threadpool(c.record_rejection, name, k, exc)
+            if name is None:  # no valid token: counted in memory only, no lock, nothing written
+                c.record_rejection(None, k, exc)
+            else:
+                await run_in_threadpool(c.record_rejection, name, k, exc)
             raise
         return await run_in_threadpool(c.submit, name, k, body)
 

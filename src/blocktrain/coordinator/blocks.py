@@ -7,6 +7,13 @@ deadline with no delta is extended rather than closed, so version v+1 always
 contains at least one update. State is durable (see :mod:`.store`); this class
 holds a cache of it and a lock that serialises every state change. Worker
 handling and update intake live in :mod:`.service`.
+
+Every block is ``waiting``, ``open`` or ``finished`` (:class:`.settings.BlockState`,
+stored in the ``block_states`` table). Diffusion blocks are all open from the
+start. Under the progressive schedule of the ``stack`` objective only block 0
+opens at first and block k opens when block k-1 has finished its rounds; a
+finished block is then served as a frozen input of the later blocks
+(:meth:`BlockRounds.frozen_bytes`).
 """
 
 from __future__ import annotations
@@ -22,12 +29,15 @@ from typing import Any
 
 import torch
 
+from blocktrain.checkpoint.blocks import block_save_meta
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import pack, save_file, tensors_sha256, unpack
-from blocktrain.config import RunConfig
+from blocktrain.config import Objective as ObjectiveKind
+from blocktrain.config import RunConfig, Schedule
 from blocktrain.coordinator.aggregate import aggregate, apply_step, outer_step
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.settings import (
+    BlockState,
     CloseReason,
     CoordinatorSettings,
     RoundState,
@@ -37,13 +47,26 @@ from blocktrain.coordinator.settings import (
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.wire import Compression, block_schema, decode_delta, trainable_state
 from blocktrain.data.dataset import DataDir
-from blocktrain.errors import ProtocolError
-from blocktrain.model.block import BlockDenoiser
-from blocktrain.train.block import block_save_meta
+from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.objectives import get_objective
 
 log = logging.getLogger(__name__)
 
 
+def progressive_schedule(cfg: RunConfig, settings: CoordinatorSettings) -> bool:
+    """Whether block k may open only once block k-1 has finished (a ``stack`` run); checks the settings fit."""
+    if cfg.objective is not ObjectiveKind.STACK:
+        return False  # diffusion blocks never see one another: all open at once
+    if cfg.train.schedule is not Schedule.PROGRESSIVE:
+        raise ConfigError(
+            f"the coordinator trains stack runs under the progressive schedule only, got schedule "
+            f"{cfg.train.schedule.value!r}; pass --schedule progressive (or train concurrently with 'blocktrain train')"
+        )
+    if settings.rounds <= 0:
+        raise ConfigError(
+            "a stack run opens block k only when block k-1 has finished its rounds; pass --rounds N (N > 0)"
+        )
+    return True
 
 class BlockRounds:
     """Versions, rounds and aggregation of every block (no HTTP, no worker identities)."""
@@ -63,11 +86,16 @@ class BlockRounds:
         self.store = Store(self.run.root, fsync=settings.fsync)
         self.lock = threading.RLock()
         self.n_blocks = self.cfg.model.n_blocks
-        template = BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data)
-        self.E = template.E.detach().clone()
-        self.shapes = block_schema(template)
-        fp32_bytes = sum(4 * int(torch.Size(s).numel()) for s in self.shapes.values())
-        self.block_fp32_bytes = fp32_bytes
+        self.objective = get_objective(self.cfg)
+        self.progressive = progressive_schedule(self.cfg, settings)
+        template = self.objective.build_block(0)
+        E = getattr(template, "E", None)  # diffusion: the frozen target embedding, saved with every checkpoint
+        self.E: torch.Tensor | None = E.detach().clone() if isinstance(E, torch.Tensor) else None
+        with torch.device("meta"):  # names and shapes only: stack blocks differ (block 0 embeds)
+            self.block_shapes = {k: block_schema(self.objective.build_block(k)) for k in range(self.n_blocks)}
+        self.shapes = self.block_shapes[0]  # every block's schema for diffusion
+        fp32_bytes = max(sum(4 * int(torch.Size(s).numel()) for s in sh.values()) for sh in self.block_shapes.values())
+        self.block_fp32_bytes = fp32_bytes  # of the largest block
         self.max_body_bytes = settings.max_body_bytes or 2 * fp32_bytes + 65536
         self.evaluator = Evaluator(self.cfg, settings, data)
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
@@ -76,6 +104,8 @@ class BlockRounds:
         self.version: dict[int, int] = {}
         self.momentum: dict[int, dict[str, torch.Tensor] | None] = {}
         self.norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in range(self.n_blocks)}
+        self.state: dict[int, BlockState] = {}
+        self._frozen_payload: dict[int, bytes] = {}  # finished block -> its frozen download (built once)
         with self.lock:
             self._init_or_resume()
 
@@ -91,15 +121,19 @@ class BlockRounds:
             row = s.q1("SELECT * FROM versions WHERE block=? ORDER BY version DESC LIMIT 1", k)
             if row is None:
                 torch.manual_seed(self.cfg.train.seed * 1009 + k)  # same init as 'blocktrain train-block'
-                w = trainable_state(BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data))
+                w = trainable_state(self.objective.build_block(k))
                 payload = self._weights_payload(k, 0, w)
                 digest = s.put_blob(payload)
+                initial = BlockState.OPEN if k == 0 or not self.progressive else BlockState.WAITING
                 with s.tx() as db:
                     db.execute(
                         "INSERT INTO versions(block, version, weights_blob, weights_sha, created) VALUES(?,?,?,?,?)",
                         (k, 0, digest, tensors_sha256(w), now),
                     )
-                    self._open_round(db, k, 0, now, self.settings.round_seconds)
+                    if initial is BlockState.OPEN:
+                        self._open_round(db, k, 0, now, self.settings.round_seconds)
+                    self._store_state(db, k, initial, now)
+                self.state[k] = initial
                 self._set_weights(k, 0, w, payload)
                 self._save_checkpoint(k)
                 continue
@@ -113,7 +147,25 @@ class BlockRounds:
                 "SELECT norm FROM updates WHERE block=? ORDER BY id DESC LIMIT ?", k, self.settings.norm_history
             ):
                 self.norms[k].appendleft(float(r["norm"]))
-            log.info("block %d: resumed at version %d", k, v)
+            self.state[k] = self._resumed_state(k, v, now)
+            log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
+
+    def _resumed_state(self, k: int, v: int, now: float) -> BlockState:
+        """The stored state of block k; derived from its rounds for a store written before states existed."""
+        row = self.store.q1("SELECT state FROM block_states WHERE block=?", k)
+        if row is not None:
+            return BlockState(row["state"])
+        rnd = self.store.q1("SELECT state FROM rounds WHERE block=? AND version=?", k, v)
+        if rnd is None:
+            state = BlockState.WAITING
+        else:
+            state = BlockState.FINISHED if rnd["state"] == RoundState.FINISHED.value else BlockState.OPEN
+        with self.store.tx() as db:
+            self._store_state(db, k, state, now)
+        return state
+
+    def _store_state(self, db: Any, k: int, state: BlockState, now: float) -> None:
+        db.execute("INSERT OR REPLACE INTO block_states(block, state, changed) VALUES(?,?,?)", (k, state.value, now))
 
     def _weights_payload(self, k: int, v: int, w: dict[str, torch.Tensor]) -> bytes:
         return pack(w, {"kind": "weights", "block_index": str(k), "version": str(v), "config": self.cfg.to_json()})
@@ -128,7 +180,8 @@ class BlockRounds:
     def _save_checkpoint(self, k: int) -> None:
         """Mirror the current weights as an ordinary block checkpoint, so 'blocktrain eval RUN' works."""
         meta = {**block_save_meta(self.cfg, k), "config": self.cfg.to_json(), "step": str(self.version[k])}
-        save_file(self.run.block_path(k), {**self.weights[k], "target_embedding": self.E}, meta)
+        extra = {"target_embedding": self.E} if self.E is not None else {}
+        save_file(self.run.block_path(k), {**self.weights[k], **extra}, meta)
 
     def _open_round(self, db: Any, k: int, v: int, now: float, seconds: float) -> None:
         db.execute(
@@ -172,6 +225,43 @@ class BlockRounds:
                     404, f"block {k} has no step from version {from_version}; pull the full weights instead", "no_step"
                 )
             return self.store.get_blob(row["step_blob"])
+
+    def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:
+        """(version, weights sha256, safetensors) of finished block k, the frozen input of later blocks."""
+        self._check_block(k)
+        with self.lock:
+            state = self.state[k]
+            if state is not BlockState.FINISHED:
+                raise ProtocolError(
+                    409, f"block {k} is {state.value}, not finished; only a finished block is served as a frozen input "
+                    f"(it finishes after {self.settings.rounds} rounds); wait and retry, see GET /v1/status", "not_finished",
+                )
+            v, sha = self.version[k], self.weights_sha[k]
+            if k not in self._frozen_payload:
+                meta = {"kind": "frozen", "block_index": str(k), "version": str(v), "weights_sha": sha,
+                        "objective": self.cfg.objective.value, "config": self.cfg.to_json()}
+                self._frozen_payload[k] = pack(self.weights[k], meta)
+            return v, sha, self._frozen_payload[k]
+
+    def frozen_refs(self, k: int) -> list[dict[str, Any]]:
+        """Version and sha256 of each frozen input of block k (empty until all of them have finished)."""
+        needed = range(self.objective.frozen_inputs(k))
+        if any(self.state[j] is not BlockState.FINISHED for j in needed):
+            return []
+        return [{"block": j, "version": self.version[j], "weights_sha": self.weights_sha[j]} for j in needed]
+
+    def state_message(self, k: int) -> str:
+        """What a worker on block k should know about its state ('' while it is open)."""
+        state = self.state[k]
+        if state is BlockState.WAITING:
+            return (f"block {k} is waiting: it opens once blocks 0..{k - 1} have finished their {self.settings.rounds} "
+                    f"rounds; this worker waits until then (omit --block to be assigned an open block)")
+        if state is BlockState.FINISHED:
+            return f"block {k} has finished its rounds; it takes no more updates"
+        return ""
+
+    def open_blocks(self) -> list[int]:
+        return [k for k in range(self.n_blocks) if self.state[k] is BlockState.OPEN]
 
     def _check_block(self, k: int) -> None:
         if not 0 <= k < self.n_blocks:
@@ -232,6 +322,7 @@ class BlockRounds:
         m_digest = s.put_blob(pack(buf, {"kind": "momentum", "block_index": str(k)})) if buf is not None else None
         slowest = max(float(r["arrival_s"]) for r in rows)
         seconds = cfg.round_seconds
+        changed: dict[int, BlockState] = {}
         if cfg.adaptive_deadline:
             seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * slowest))
         with s.tx() as db:
@@ -250,6 +341,13 @@ class BlockRounds:
                     "INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
                     (k, v + 1, RoundState.FINISHED.value, now, now),
                 )
+                changed[k] = BlockState.FINISHED
+                nxt = k + 1
+                if self.progressive and nxt < self.n_blocks and self.state[nxt] is BlockState.WAITING:
+                    self._open_round(db, nxt, self.version[nxt], now, cfg.round_seconds)
+                    changed[nxt] = BlockState.OPEN
+                for j, state in changed.items():
+                    self._store_state(db, j, state, now)
             else:
                 self._open_round(db, k, v + 1, now, seconds)
             s.add_counter("rounds_closed", 1)
@@ -257,6 +355,9 @@ class BlockRounds:
         self.momentum[k] = buf
         self._save_checkpoint(k)
         log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, len(rows), v + 1)
+        for j, state in changed.items():
+            self.state[j] = state
+            log.info("block %d is now %s", j, state.value)
 
     # --- evaluation ------------------------------------------------------------------
     def maybe_evaluate(self, force: bool = False) -> float | None:

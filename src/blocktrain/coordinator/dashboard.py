@@ -16,7 +16,7 @@ th{background:#f3f3f3}
 <p id="summary">loading&hellip;</p>
 <h2>Blocks</h2>
 <table id="blocks"><thead><tr><th>block</th><th>version</th><th>round</th><th>updates</th>
-<th>live replicas</th><th>deadline in (s)</th></tr></thead><tbody></tbody></table>
+<th>live replicas</th><th>deadline in (s)</th><th>state</th></tr></thead><tbody></tbody></table>
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>block</th><th>state</th><th>live</th><th>accepted</th>
 <th>rejected</th><th>bytes in</th><th>bytes out</th></tr></thead><tbody></tbody></table>
@@ -51,12 +51,12 @@ async function refresh(){
   try{
     const s=await (await fetch('/v1/status')).json();
     document.getElementById('summary').textContent =
-      `preset ${s.preset}, ${s.n_blocks} blocks, ${s.rounds_closed} rounds closed, ${s.updates_accepted} updates, `+
+      `preset ${s.preset} (${s.objective}), ${s.n_blocks} blocks, ${s.rounds_closed} rounds closed, ${s.updates_accepted} updates, `+
       `${s.bytes_in} B in, ${s.bytes_out} B out, `+
       `latest CE ${s.latest_eval_ce===null?'n/a':s.latest_eval_ce.toFixed(4)}`+
       (s.finished?' (finished)':'');
     fill('blocks', s.blocks.map(b=>[b.block,b.version,b.round_state,b.updates_in_round,b.live_replicas,
-                                    b.deadline_in.toFixed(1)]));
+                                    b.deadline_in.toFixed(1),b.state]));
     fill('workers', s.workers.map(w=>[w.name,w.block,w.state,w.live,w.updates_accepted,w.updates_rejected,
                                       w.bytes_in,w.bytes_out]));
     fill('rounds', s.rounds.slice(0,20).map(r=>[r.block,r.version,r.close_reason,r.updates]));

@@ -1,28 +1,34 @@
 """The coordinator's evaluations: assembled-model CE and the per-block loss gate.
 
-Both are cheap because blocks are independent: the gate runs one block on one
-held-out batch; the periodic eval runs the Euler chain over a validation slice.
+Both go through the run's objective (:func:`blocktrain.objectives.get_objective`)
+and are cheap because blocks train locally: the gate runs one block (after the
+frozen copies of the blocks it reads, for ``stack``) on one held-out batch; the
+periodic eval composes every block over a validation slice.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
+from blocktrain.config import Objective as ObjectiveKind
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.wire import load_trainable
 from blocktrain.data.dataset import ByteSplit, DataDir
 from blocktrain.data.stream import TrainStream, mix_seed
-from blocktrain.diffusion.loss import block_loss
-from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.block import BlockDenoiser
+from blocktrain.objectives import get_objective
 
 GATE_STREAM = 7_777  # stream id of the gate's held-out batch
+
+FrozenWeights = tuple[str, dict[str, torch.Tensor]]  # (weights sha256, fp32 weights) of a finished block
 
 
 class Evaluator:
@@ -31,10 +37,11 @@ class Evaluator:
     def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, data: DataDir | None) -> None:
         self.cfg = cfg
         self.settings = settings
+        self.objective = get_objective(cfg)
         self.valid: ByteSplit | None = data.open("valid") if data is not None else None
-        self.partition = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
         self._lock = threading.Lock()
-        self._gate_block: BlockDenoiser | None = None
+        self._gate_blocks: dict[int, nn.Module] = {}  # scratch block per schema (one for diffusion)
+        self._frozen: dict[int, tuple[str, nn.Module]] = {}  # block j -> (sha, fp32 frozen copy)
         if settings.gate_tolerance is not None and self.valid is None:
             raise ConfigError("the loss gate needs validation data; pass --data DIR")
 
@@ -42,32 +49,47 @@ class Evaluator:
     def enabled(self) -> bool:
         return self.valid is not None and self.settings.eval_bytes > 0
 
-    def gate_loss(self, k: int, weights: dict[str, torch.Tensor]) -> float:
-        """Block k's weighted loss on a fixed held-out validation batch with fixed noise."""
+    def _frozen_copy(self, j: int, sha: str, weights: dict[str, torch.Tensor]) -> nn.Module:
+        cached = self._frozen.get(j)
+        if cached is None or cached[0] != sha:
+            block = self.objective.build_block(j)
+            load_trainable(block, weights)
+            cached = (sha, self.objective.freeze(block, torch.float32))
+            self._frozen[j] = cached
+        return cached[1]
+
+    def gate_loss(self, k: int, weights: dict[str, torch.Tensor], frozen: Sequence[FrozenWeights] = ()) -> float:
+        """Block k's objective loss on a fixed held-out validation batch with fixed noise.
+
+        ``frozen``: the finished blocks 0..k-1 that block k reads (stack); empty for diffusion.
+        """
         assert self.valid is not None
         with self._lock:
-            if self._gate_block is None:
-                self._gate_block = BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data)
-            block = self._gate_block
+            key = k if self.cfg.objective is ObjectiveKind.STACK else 0  # diffusion blocks share one schema
+            if key not in self._gate_blocks:
+                self._gate_blocks[key] = self.objective.build_block(k)
+            block = self._gate_blocks[key]
             load_trainable(block, weights)
             block.eval()
+            inputs = [self._frozen_copy(j, sha, w) for j, (sha, w) in enumerate(frozen)]
             stream = TrainStream(
                 self.valid.data, self.cfg.model.context, self.settings.gate_batch, self.cfg.train.seed,
                 stream=mix_seed(GATE_STREAM, k),
             )
             x, y = stream.batch(0)
             with torch.no_grad():
-                out = block_loss(block, k, x, y, self.partition, self.cfg.diffusion, stream.generator(0, purpose=1))
+                out = self.objective.block_loss(block, k, x, y, stream.generator(0, purpose=1), inputs)
             return float(out.loss)
 
-    def evaluate(self, weights: dict[int, dict[str, torch.Tensor]], E: torch.Tensor) -> tuple[float, int]:
-        """CE (nats/byte) of the assembled chain on the first eval_bytes of validation."""
+    def evaluate(self, weights: dict[int, dict[str, torch.Tensor]], E: torch.Tensor | None) -> tuple[float, int]:
+        """CE (nats/byte) of the assembled model on the first eval_bytes of validation."""
         assert self.valid is not None
         blocks = []
         for k in range(self.cfg.model.n_blocks):
-            b = BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data)
+            b = self.objective.build_block(k)
             load_trainable(b, weights[k])
-            b.E.copy_(E)
+            if isinstance(b, BlockDenoiser) and E is not None:
+                b.E.copy_(E)
             blocks.append(b)
         model = AssembledModel(blocks, self.cfg)
         seed = self.cfg.train.seed

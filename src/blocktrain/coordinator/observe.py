@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from blocktrain.coordinator.service import Coordinator
-from blocktrain.coordinator.settings import RoundState, WorkerState
+from blocktrain.coordinator.settings import BlockState, RoundState, WorkerState
 
 
 def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
@@ -20,11 +20,16 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         for k in range(c.n_blocks):
             v = c.version[k]
             rnd = s.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+            state = c.state[k]
             blocks.append({
                 "block": k,
+                "state": state.value,  # waiting, open or finished
                 "version": v,
                 "weights_sha": c.weights_sha[k],
-                "round_state": rnd["state"] if rnd is not None else RoundState.FINISHED.value,
+                "round_state": (
+                    BlockState.WAITING.value if state is BlockState.WAITING
+                    else rnd["state"] if rnd is not None else RoundState.FINISHED.value
+                ),
                 "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
                 "updates_in_round": int(rnd["n_updates"]) if rnd is not None else 0,
                 "live_replicas": len(live[k]),
@@ -63,14 +68,18 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
             for r in s.q("SELECT * FROM evals ORDER BY id")
         ]
         counters = s.counters()
+    rejections = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}
+    for reason, n in c.unauthenticated_rejections().items():  # in memory only: since this process started
+        rejections[reason] = rejections.get(reason, 0) + n
     return {
         "preset": c.cfg.name,
+        "objective": c.cfg.objective.value,
         "n_blocks": c.n_blocks,
         "block_fp32_bytes": c.block_fp32_bytes,
         "finished": c.finished(),
         "rounds_closed": counters.get("rounds_closed", 0),
         "updates_accepted": counters.get("updates_accepted", 0),
-        "rejections": {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")},
+        "rejections": rejections,
         "bytes_in": counters.get("bytes_in", 0),
         "bytes_out": counters.get("bytes_out", 0),
         "latest_eval_ce": evals[-1]["ce_nats_per_byte"] if evals else None,
@@ -99,7 +108,8 @@ def prometheus(c: Coordinator) -> str:
 
     metric("blocktrain_rounds_closed_total", "counter", "Rounds closed over all blocks.", [({}, st["rounds_closed"])])
     metric("blocktrain_updates_accepted_total", "counter", "Updates accepted.", [({}, st["updates_accepted"])])
-    metric("blocktrain_updates_rejected_total", "counter", "Updates rejected, by reason.",
+    metric("blocktrain_updates_rejected_total", "counter",
+           "Updates rejected, by reason (reason auth: without a valid token, counted since the process started).",
            [({"reason": r}, n) for r, n in sorted(st["rejections"].items())])
     metric("blocktrain_bytes_received_total", "counter", "Request body bytes received.", [({}, st["bytes_in"])])
     metric("blocktrain_bytes_sent_total", "counter", "Response body bytes sent.", [({}, st["bytes_out"])])
@@ -111,6 +121,9 @@ def prometheus(c: Coordinator) -> str:
            [({"worker": w["name"], "block": str(w["block"])}, int(w["live"])) for w in st["workers"]])
     metric("blocktrain_block_version", "gauge", "Published version of each block.",
            [({"block": str(b["block"])}, b["version"]) for b in st["blocks"]])
+    metric("blocktrain_block_state", "gauge", "1 for the state each block is in (waiting, open, finished), else 0.",
+           [({"block": str(b["block"]), "state": s.value}, int(b["state"] == s.value))
+            for b in st["blocks"] for s in BlockState])
     metric("blocktrain_block_live_replicas", "gauge", "Live workers on each block.",
            [({"block": str(b["block"])}, b["live_replicas"]) for b in st["blocks"]])
     if st["latest_eval_ce"] is not None:

@@ -4,6 +4,8 @@ Builds on :class:`.blocks.BlockRounds` (versions, rounds, aggregation). Every
 update is validated (:mod:`.validate`), checked against the block's version,
 the recent norms and the optional loss gate, stored durably and only then
 acknowledged; every rejection is logged, counted and answered with a 4xx.
+Rejections of authenticated workers are stored; those of requests without a
+valid token are only counted in memory (and logged at a limited rate).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import Any
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.blocks import BlockRounds
 from blocktrain.coordinator.settings import (
+    BlockState,
     CoordinatorSettings,
     RoundState,
     UpdateState,
     WorkerState,
 )
-from blocktrain.coordinator.store import hash_token
+from blocktrain.coordinator.store import StagedBlob, hash_token
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import mix_seed
@@ -34,6 +37,7 @@ from blocktrain.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 TOKEN_RELOAD_SECONDS = 1.0  # seconds between re-reads of the token table caused by unknown tokens
+UNAUTH_LOG_SECONDS = 10.0  # at most one log line per this many seconds about unauthenticated updates
 
 
 class Coordinator(BlockRounds):
@@ -51,6 +55,10 @@ class Coordinator(BlockRounds):
         self._last_token_reload = float("-inf")  # time.monotonic() of the last re-read of the token table
         self._bytes_lock = threading.Lock()
         self._pending_bytes: dict[str | None, list[int]] = {}
+        self._unauth_lock = threading.Lock()
+        self._unauth_counts: dict[str, int] = {}  # reason -> refused unauthenticated updates (never stored)
+        self._unauth_logged = float("-inf")  # time.monotonic() of the last log line about them
+        self._unauth_quiet = 0  # refusals not logged since that line
         super().__init__(run_dir, cfg, settings, data, clock)
         with self.lock:
             self._reload_tokens()
@@ -97,12 +105,10 @@ class Coordinator(BlockRounds):
         with self.lock:
             now = self.clock()
             row = self.store.q1("SELECT * FROM workers WHERE name=?", name)
-            if block is None and row is not None and row["block"] is not None:
-                k = int(row["block"])  # a returning worker keeps its block
+            if block is None and row is not None and row["block"] is not None and not self._should_move(int(row["block"])):
+                k = int(row["block"])  # a returning worker keeps its block (stack: while it is open)
             elif block is None:
-                live = self._live(now)
-                live = {b: {w for w in names if w != name} for b, names in live.items()}
-                k = min(range(self.n_blocks), key=lambda b: (len(live[b]), b))
+                k = self._least_replicated(name, now)
             else:
                 k = block
             lease = now + self.settings.lease_seconds
@@ -113,15 +119,30 @@ class Coordinator(BlockRounds):
                     "state=excluded.state, lease_until=excluded.lease_until",
                     (name, k, int(block is not None), WorkerState.ACTIVE.value, now, lease),
                 )
-            log.info("worker %s registered on block %d", name, k)
+            state = self.state[k]
+            message = self.state_message(k)
+            log.info("worker %s registered on block %d (%s)%s", name, k, state.value, f": {message}" if message else "")
             return {
                 "worker": name,
                 "block": k,
+                "block_state": state.value,
+                "message": message,
                 "config": self.cfg.to_json(),
                 "lease_seconds": self.settings.lease_seconds,
                 "rounds": self.settings.rounds,
                 "n_blocks": self.n_blocks,
             }
+
+    def _least_replicated(self, name: str, now: float) -> int:
+        """The block with the fewest live replicas other than ``name`` (stack: among the open blocks, if any)."""
+        live = self._live(now)
+        live = {b: {w for w in names if w != name} for b, names in live.items()}
+        candidates = (self.open_blocks() if self.progressive else []) or list(range(self.n_blocks))
+        return min(candidates, key=lambda b: (len(live[b]), b))
+
+    def _should_move(self, k: int) -> bool:
+        """Progressive schedule: an unpinned worker leaves a waiting or finished block k for an open one."""
+        return self.progressive and self.state[k] is not BlockState.OPEN and bool(self.open_blocks())
 
     def _worker(self, name: str) -> Any:
         row = self.store.q1("SELECT * FROM workers WHERE name=?", name)
@@ -154,8 +175,14 @@ class Coordinator(BlockRounds):
             row = self._worker(name)
             now = self.clock()
             k = int(row["block"])
+            if not row["pinned"] and self._should_move(k):
+                old, k = k, self._least_replicated(name, now)  # its block is waiting or finished: move it
+                with self.store.tx() as db:
+                    db.execute("UPDATE workers SET block=? WHERE name=?", (k, name))
+                log.info("worker %s moved from block %d (%s) to open block %d", name, old, self.state[old].value, k)
             v = self.version[k]
             rnd = self.store.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+            block_state = self.state[k]
             state = RoundState(rnd["state"]) if rnd is not None else RoundState.FINISHED
             stream = mix_seed(int(row["id"]), k, v)
             submitted = self.store.q1("SELECT 1 FROM updates WHERE block=? AND version=? AND worker=?", k, v, name)
@@ -173,12 +200,16 @@ class Coordinator(BlockRounds):
                 "block": k,
                 "version": v,
                 "weights_sha": self.weights_sha[k],
-                "round_state": state.value,
+                "block_state": block_state.value,
+                "message": self.state_message(k),
+                "frozen": self.frozen_refs(k),  # the finished blocks block k reads: fetch /v1/blocks/{j}/frozen
+                # a waiting block has no round yet
+                "round_state": BlockState.WAITING.value if block_state is BlockState.WAITING else state.value,
                 "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
                 "seed": self.cfg.train.seed,
                 "stream": stream,
                 "submitted": submitted is not None,
-                "finished": state is RoundState.FINISHED,  # this worker's block has no more rounds
+                "finished": block_state is BlockState.FINISHED,  # this worker's block has no more rounds
             }
 
     def submit(self, name: str, k: int, body: bytes) -> dict[str, Any]:
@@ -202,11 +233,20 @@ class Coordinator(BlockRounds):
             raise ProtocolError(
                 413, f"update of {len(body)} bytes exceeds the cap of {self.max_body_bytes}", "too_large"
             )
-        upd = parse_update(body, k, self.shapes)
+        upd = parse_update(body, k, self.block_shapes[k])
         self._check_version(k, upd.base_version)
         if self.settings.gate_tolerance is not None:
             self._gate(k, upd)
-        digest = self.store.put_blob(body)  # durable before the row that names it
+        # Written (and fsynced) outside the lock, but named only once the update is accepted:
+        # a refused update leaves no blob behind.
+        staged = self.store.stage_blob(body)
+        try:
+            return self._accept(name, k, upd, staged, arrived)
+        finally:
+            self.store.discard_blob(staged)  # no-op once committed
+
+    def _accept(self, name: str, k: int, upd: ParsedUpdate, staged: StagedBlob, arrived: float) -> dict[str, Any]:
+        digest = staged.digest
         with self.lock:
             self._check_version(k, upd.base_version)
             v = upd.base_version
@@ -220,6 +260,7 @@ class Coordinator(BlockRounds):
             self._check_norm(k, upd.norm)
             rnd = self.store.q1("SELECT opened FROM rounds WHERE block=? AND version=?", k, v)
             opened = float(rnd["opened"]) if rnd is not None else arrived
+            self.store.commit_blob(staged)  # durable before the row that names it
             with self.store.tx() as db:
                 db.execute(
                     "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, "
@@ -244,6 +285,8 @@ class Coordinator(BlockRounds):
                     409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
                     "stale",
                 )
+            if self.state[k] is BlockState.WAITING:
+                raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", "waiting")
             if rnd is None or rnd["state"] != RoundState.OPEN.value:
                 raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", "finished")
 
@@ -263,8 +306,9 @@ class Coordinator(BlockRounds):
     def _gate(self, k: int, upd: ParsedUpdate) -> None:
         with self.lock:
             base = self.weights[k]
-        before = self.evaluator.gate_loss(k, base)
-        after = self.evaluator.gate_loss(k, {n: w + upd.delta[n] for n, w in base.items()})
+            frozen = [(self.weights_sha[j], self.weights[j]) for j in range(self.objective.frozen_inputs(k))]
+        before = self.evaluator.gate_loss(k, base, frozen)
+        after = self.evaluator.gate_loss(k, {n: w + upd.delta[n] for n, w in base.items()}, frozen)
         tol = self.settings.gate_tolerance or 0.0
         if after > before + tol:
             raise ProtocolError(
@@ -274,6 +318,14 @@ class Coordinator(BlockRounds):
             )
 
     def record_rejection(self, name: str | None, k: int | None, exc: ProtocolError) -> None:
+        """Log and count a refused update; durably (a ``rejections`` row) only for an authenticated worker.
+
+        ``name`` None means the request carried no valid token: it is counted in memory and its log
+        line rate-limited, so unauthenticated traffic takes no lock and writes nothing to disk.
+        """
+        if name is None:
+            self._record_unauthenticated(k, exc)
+            return
         log.warning("rejected update from %s for block %s: %d %s: %s", name, k, exc.status, exc.reason, exc)
         block = k if k is not None and 0 <= k < self.n_blocks else None  # a bogus index is not stored
         with self.lock, self.store.tx() as db:
@@ -282,8 +334,23 @@ class Coordinator(BlockRounds):
                 (name, block, exc.status, exc.reason, str(exc), self.clock()),
             )
             self.store.add_counter(f"rejected:{exc.reason}", 1)
-            if name is not None:
-                db.execute("UPDATE workers SET rejected=rejected+1 WHERE name=?", (name,))
+            db.execute("UPDATE workers SET rejected=rejected+1 WHERE name=?", (name,))
+
+    def _record_unauthenticated(self, k: int | None, exc: ProtocolError) -> None:
+        with self._unauth_lock:
+            self._unauth_counts[exc.reason] = self._unauth_counts.get(exc.reason, 0) + 1
+            now = time.monotonic()
+            if now - self._unauth_logged < UNAUTH_LOG_SECONDS:
+                self._unauth_quiet += 1
+                return
+            quiet, self._unauth_quiet, self._unauth_logged = self._unauth_quiet, 0, now
+        more = f" (and {quiet} more in the last {UNAUTH_LOG_SECONDS:g} s)" if quiet else ""
+        log.warning("rejected unauthenticated update for block %s: %d %s: %s%s", k, exc.status, exc.reason, exc, more)
+
+    def unauthenticated_rejections(self) -> dict[str, int]:
+        """Refused unauthenticated updates since start-up, by reason (kept in memory only)."""
+        with self._unauth_lock:
+            return dict(self._unauth_counts)
 
     # --- rounds ------------------------------------------------------------------
     def tick(self) -> None:

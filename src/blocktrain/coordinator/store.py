@@ -8,7 +8,9 @@ Layout inside the run directory::
 A blob is named by the sha256 of its bytes and written atomically (temp file,
 fsync, rename) *before* the row that refers to it is committed, so after a
 crash every committed row points at a complete file. Nothing accepted is lost:
-an update is acknowledged only after its row is committed.
+an update is acknowledged only after its row is committed. An update body is
+first staged in a temp file and named only once it is accepted, so refused
+updates leave nothing behind.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import secrets
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +60,16 @@ CREATE TABLE IF NOT EXISTS evals(
     id INTEGER PRIMARY KEY AUTOINCREMENT, epoch INTEGER NOT NULL, versions TEXT NOT NULL,
     ce REAL NOT NULL, bytes INTEGER NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS counters(key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS block_states(block INTEGER PRIMARY KEY, state TEXT NOT NULL, changed REAL NOT NULL);
 """
+
+
+@dataclass
+class StagedBlob:
+    """A blob written to a temp file but not yet named (see :meth:`Store.stage_blob`)."""
+
+    digest: str
+    tmp: Path | None  # None: nothing to rename (already stored, committed or discarded)
 
 
 def hash_token(token: str) -> str:
@@ -134,6 +146,41 @@ class Store:
                 tmp.write_bytes(payload)
                 os.replace(tmp, path)
         return digest
+
+    def stage_blob(self, payload: bytes) -> StagedBlob:
+        """Write ``payload`` to a temp file in the blob directory (fsynced); it is named only by :meth:`commit_blob`.
+
+        Lets the slow write happen outside the caller's lock, while a blob that is then refused
+        (:meth:`discard_blob`) never appears under a name. Named blobs are never deleted, so a digest
+        that is already stored needs no temp file.
+        """
+        digest = hashlib.sha256(payload).hexdigest()
+        if self.blob_path(digest).exists():
+            return StagedBlob(digest, None)
+        tmp = self.blob_dir / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(payload)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return StagedBlob(digest, tmp)
+
+    def commit_blob(self, staged: StagedBlob) -> str:
+        """Name a staged blob by its digest (atomic rename); return the digest."""
+        if staged.tmp is not None:
+            os.replace(staged.tmp, self.blob_path(staged.digest))
+            staged.tmp = None
+        return staged.digest
+
+    def discard_blob(self, staged: StagedBlob) -> None:
+        """Delete a staged blob that was not committed (no-op after :meth:`commit_blob`)."""
+        if staged.tmp is not None:
+            staged.tmp.unlink(missing_ok=True)
+            staged.tmp = None
 
     def blob_path(self, digest: str) -> Path:
         return self.blob_dir / f"{digest}.safetensors"

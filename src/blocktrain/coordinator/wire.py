@@ -38,7 +38,7 @@ class Compression(enum.Enum):
 
 def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Detached float32 copies of the trainable parameters (never the frozen E)."""
-    return {n: p.detach().float().clone() for n, p in module.named_parameters() if p.requires_grad}
+    return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
 def load_trainable(module: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -47,7 +47,7 @@ def block_loss(
     z = block.E[y.long()] + sigma.unsqueeze(-1) * eps  # (b, t, d)
     logits = block(x, z, sigma)
     # (b, t, 256) -> (b*t, 256)
-    ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), y.reshape(-1).long(), reduction="none").view(b, t)
+    ce = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), y.reshape(-1).long(), reduction="none").view(b, t)
     if cfg.loss_weighting is LossWeighting.EDM:
         w = edm_loss_weight(sigma, cfg.sigma_data)
     else:
@@ -57,6 +57,6 @@ def block_loss(
 
 
 def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Plain next-byte cross-entropy (E2E reference); logits (b, t, 256), y (b, t)."""
+    """Plain next-byte cross-entropy in fp32 (E2E reference, stack heads); logits (b, t, 256), y (b, t)."""
     # (b, t, 256) -> (b*t, 256)
-    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), y.reshape(-1).long())
+    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), y.reshape(-1).long())

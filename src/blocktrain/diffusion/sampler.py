@@ -74,10 +74,24 @@ def chain_logits(
     z = z0 if z0 is not None else initial_noise(tuple(x.shape), d, cfg.sigma_max, generator).to(x.device)  # type: ignore[arg-type]
     logits = torch.empty(0)
     for k, block in enumerate(blocks):
-        z, logits = block_steps(block, k, x, z, partition, cfg, is_last=k == len(blocks) - 1)
-    if cfg.readout is Readout.SIGMA_MIN:
-        logits = blocks[-1](x, z, torch.tensor(cfg.sigma_min))
+        z, logits = chain_step(block, k, x, z, partition, cfg, is_last=k == len(blocks) - 1)
     return logits
+
+
+def chain_step(
+    block: BlockDenoiser,
+    k: int,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    partition: NoisePartition,
+    cfg: DiffusionConfig,
+    is_last: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block k's share of the chain: its solver steps, plus the sigma_min readout when it is the last block."""
+    z, logits = block_steps(block, k, x, z, partition, cfg, is_last)
+    if is_last and cfg.readout is Readout.SIGMA_MIN:
+        logits = block(x, z, torch.tensor(cfg.sigma_min))
+    return z, logits
 
 
 @torch.no_grad()

@@ -1,7 +1,10 @@
 """The B trained blocks composed into one model, and the E2E model, behind one interface.
 
 Both expose ``log_probs(x, chains, seed) -> (chains, b, t, 256)``. The E2E model
-is deterministic, so it returns one "chain".
+and a stack are deterministic, so they return one "chain". Composition goes
+through the run's :class:`~blocktrain.objectives.base.Objective`; so do the
+single-block references (``reference_log_probs``: every prefix of a stack,
+every diffusion block alone). ``precision`` sets the inference arithmetic.
 """
 
 from __future__ import annotations
@@ -9,105 +12,139 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
+from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir, load_model
-from blocktrain.config import RunConfig
+from blocktrain.config import Objective, Precision, RunConfig
 from blocktrain.data.stream import mix_seed
-from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import block_alone_logits, chain_logits, evaluations_per_traversal
+from blocktrain.device import autocast
+from blocktrain.diffusion.sampler import evaluations_per_traversal
 from blocktrain.errors import CheckpointError, RunError
-from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.flops import forward_flops_per_token
+from blocktrain.objectives import compose_logits, get_objective
 
 
 class AssembledModel:
-    """B independently trained blocks run as one Euler chain."""
+    """B independently trained blocks composed by their objective (Euler chain or residual stack)."""
 
     kind = "blocktrain"
 
-    def __init__(self, blocks: Sequence[BlockDenoiser], cfg: RunConfig) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
         if len(blocks) != cfg.model.n_blocks:
             raise RunError(f"expected {cfg.model.n_blocks} blocks, got {len(blocks)}")
-        e0 = blocks[0].E
-        for k, b in enumerate(blocks):
-            if not torch.equal(b.E, e0):
-                raise CheckpointError(f"block {k} holds a different target embedding E; blocks are from other runs")
+        if cfg.objective is Objective.DIFFUSION:
+            e0 = blocks[0].E  # type: ignore[union-attr]
+            for k, b in enumerate(blocks):
+                if not torch.equal(b.E, e0):  # type: ignore[union-attr,arg-type]
+                    raise CheckpointError(f"block {k} holds a different target embedding E; blocks are from other runs")
+        for b in blocks:
             b.eval()
         self.blocks = list(blocks)
         self.cfg = cfg
-        self.partition = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
+        self.objective = get_objective(cfg)
+        self.precision = precision
 
     @property
     def context(self) -> int:
         return self.cfg.model.context
 
+    @property
+    def deterministic(self) -> bool:
+        """A stack draws no noise: one "chain" is all there is."""
+        return self.cfg.objective is Objective.STACK
+
     @classmethod
-    def load(cls, run: RunDir, cfg: RunConfig | None = None) -> AssembledModel:
+    def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> AssembledModel:
         cfg = cfg or run.load_config()
-        blocks = []
-        for k in range(cfg.model.n_blocks):
-            path = run.block_path(k)
-            if not path.is_file():
-                raise RunError(f"{run.root} has no checkpoint for block {k} ({path}); train it with 'blocktrain train-block --block {k}'")
-            block = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
-            load_model(path, block, cfg, "block", block_index=str(k))
-            blocks.append(block)
-        return cls(blocks, cfg)
+        return cls([load_block(run, cfg, k) for k in range(cfg.model.n_blocks)], cfg, precision)
 
     def traversal_flops_per_byte(self) -> float:
-        """Forward FLOPs per scored byte of one traversal (2 x params x evaluations)."""
+        """Forward FLOPs per scored byte of one traversal."""
+        m = self.cfg.model
+        if self.cfg.objective is Objective.STACK:  # every trunk, then the last block's head
+            last = self.blocks[-1]
+            path = nn.ModuleList([*(b.get_submodule("layers") for b in self.blocks), last.get_submodule("head_layers"),
+                                  last.get_submodule("head")])
+            return forward_flops_per_token(path, m.d_model, m.context)
         params = sum(p.numel() for p in self.blocks[0].parameters())
-        return 2.0 * params * evaluations_per_traversal(self.cfg.diffusion, self.cfg.model.n_blocks)
+        return 2.0 * params * evaluations_per_traversal(self.cfg.diffusion, m.n_blocks)
 
     @torch.no_grad()
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
         out = []
-        for c in range(chains):
+        for c in range(1 if self.deterministic else chains):
             g = torch.Generator().manual_seed(mix_seed(seed, c))
-            logits = chain_logits(self.blocks, x, self.partition, self.cfg.diffusion, g)
+            with autocast(self.precision, x.device):
+                logits = compose_logits(self.objective, self.blocks, x, g)
             out.append(torch.log_softmax(logits.float(), dim=-1))
         return torch.stack(out)  # (chains, b, t, 256)
 
     @torch.no_grad()
-    def block_alone_log_probs(self, k: int, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-        g = torch.Generator().manual_seed(mix_seed(seed, 10_000 + k))
-        logits = block_alone_logits(self.blocks[k], k, x, self.partition, g)
-        return torch.log_softmax(logits.float(), dim=-1).unsqueeze(0)
+    def reference_log_probs(self, x: torch.Tensor, seed: int = 0, only: int | None = None) -> torch.Tensor:
+        """Log-probs of the single-block references, (B, b, t, 256): prefix 0..k (stack) or block k alone (diffusion).
+
+        ``only=k``: block k alone, (1, b, t, 256) (diffusion; a stack's prefixes come in one pass).
+        """
+        with autocast(self.precision, x.device):
+            if self.cfg.objective is Objective.STACK:
+                logits = self.objective.reference_logits(self.blocks, x, torch.Generator())
+            else:  # one generator per block, as each block alone is its own experiment
+                ks = range(len(self.blocks)) if only is None else [only]
+                logits = [
+                    self.objective.local_logits(self.blocks[k], k, x, torch.Generator().manual_seed(mix_seed(seed, 10_000 + k)))
+                    for k in ks
+                ]
+        return torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in logits])
 
 
 class E2EModel:
     kind = "e2e"
 
-    def __init__(self, model: E2ETransformer, cfg: RunConfig) -> None:
+    deterministic = True
+
+    def __init__(self, model: E2ETransformer, cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
         self.model = model.eval()
         self.cfg = cfg
+        self.precision = precision
 
     @property
     def context(self) -> int:
         return self.cfg.model.context
 
     @classmethod
-    def load(cls, run: RunDir, cfg: RunConfig | None = None) -> E2EModel:
+    def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> E2EModel:
         cfg = cfg or run.load_config()
         if not run.has_e2e():
             raise RunError(f"{run.root} has no E2E checkpoint; train it with 'blocktrain train-e2e'")
         model = E2ETransformer(cfg.model)
         load_model(run.e2e_path(), model, cfg, "e2e")
-        return cls(model, cfg)
+        return cls(model, cfg, precision)
 
     def traversal_flops_per_byte(self) -> float:
         return 2.0 * sum(p.numel() for p in self.model.parameters())
 
     @torch.no_grad()
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
-        return torch.log_softmax(self.model(x).float(), dim=-1).unsqueeze(0)
+        with autocast(self.precision, x.device):
+            logits = self.model(x)
+        return torch.log_softmax(logits.float(), dim=-1).unsqueeze(0)
 
 
-def load_model_from_run(run: RunDir, which: str = "auto") -> AssembledModel | E2EModel:
+def load_model_from_run(run: RunDir, which: str = "auto", precision: Precision = Precision.FP32) -> AssembledModel | E2EModel:
     """``which``: "blocktrain", "e2e" or "auto" (blocks if present, else E2E)."""
     cfg = run.load_config()
+    missing = [k for k in range(cfg.model.n_blocks) if not run.block_path(k).is_file()]
+    if missing and (which == "blocktrain" or (which == "auto" and len(missing) < cfg.model.n_blocks)):
+        raise RunError(  # a partly trained run: say which block files are missing, not "no E2E checkpoint"
+            f"{run.root} is missing {len(missing)} of its {cfg.model.n_blocks} block files "
+            f"({', '.join(str(run.block_path(k)) for k in missing)}); train them with 'blocktrain train-block --out "
+            f"{run.root} --preset {cfg.name} --block K' for K in {', '.join(map(str, missing))} (with any overrides "
+            f"the run was created with)" + (", or evaluate its E2E model with --model e2e" if run.has_e2e() else "")
+        )
     if which == "blocktrain" or (which == "auto" and run.has_blocks(cfg.model.n_blocks)):
-        return AssembledModel.load(run, cfg)
+        return AssembledModel.load(run, cfg, precision)
     if which in ("e2e", "auto"):
-        return E2EModel.load(run, cfg)
+        return E2EModel.load(run, cfg, precision)
     raise RunError(f"unknown model kind {which!r}; use blocktrain, e2e or auto")

@@ -7,10 +7,10 @@ For a BlockTrain model each new byte costs one traversal of the chain
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
-from blocktrain.data.stream import mix_seed
+from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.progress import progress_bar
 
 
 def sample_from_logits(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
@@ -38,8 +38,8 @@ def generate(
     if n_bytes < 0:
         raise ValueError("n_bytes must be >= 0")
     out = bytearray(prompt or b"\n")
-    g = torch.Generator().manual_seed(mix_seed(seed, 7))
-    for i in tqdm(range(n_bytes), desc="generate", unit="byte", disable=not progress):
+    g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
+    for i in progress_bar(range(n_bytes), desc="generate", unit="byte", disable=not progress):
         ctx = torch.tensor(list(out[-model.context :]), dtype=torch.uint8).unsqueeze(0)
         logp = model.log_probs(ctx, chains=1, seed=mix_seed(seed, i))  # (1, 1, t, 256)
         out.append(sample_from_logits(logp[0, 0, -1], temperature, top_k, g))

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from blocktrain.data.dataset import eval_windows
+from blocktrain.progress import progress_bar
 
 LogProbFn = Callable[[torch.Tensor], torch.Tensor]  # x (b, t) -> log p (K, b, t, 256)
 
@@ -30,6 +30,7 @@ class ScoreResult:
     bytes_scored: int  # number of target bytes scored
     chains: int  # K
     ce_mixture_nats_per_byte: float | None  # CE of the K-chain mixture (None if K=1)
+    ce_per_chain: tuple[float, ...] = ()  # CE of each of the K log-prob sets, in order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,7 +54,7 @@ def score_split(
     total_mix = 0.0
     count = 0
     chains = 1
-    for i in tqdm(range(0, len(windows), batch_size), desc=desc, unit="batch", disable=not progress, dynamic_ncols=True):
+    for i in progress_bar(range(0, len(windows), batch_size), desc=desc, unit="batch", disable=not progress, dynamic_ncols=True):
         batch = windows[i : i + batch_size]
         length = batch[0][1]
         idx = np.array([s for s, _, _ in batch])[:, None] + np.arange(length + 1)[None, :]
@@ -79,4 +80,5 @@ def score_split(
         bytes_scored=count,
         chains=chains,
         ce_mixture_nats_per_byte=(-total_mix / count) if chains > 1 else None,
+        ce_per_chain=tuple(-float(v) / count for v in total),
     )

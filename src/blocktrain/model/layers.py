@@ -10,12 +10,48 @@ exactly what an unconditioned one does.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@functools.cache
+def _causal_bias(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(t, t) additive mask: 0 on and below the diagonal, -inf above (position i never sees j > i)."""
+    return torch.full((t, t), float("-inf"), device=device).triu(1).to(dtype)
+
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "explicit")
+_attention_backend = "auto"
+
+
+def set_attention_backend(name: str) -> None:
+    """``auto`` (explicit for bf16 on CPU, SDPA elsewhere), or force ``sdpa`` / ``explicit`` (for measurements)."""
+    global _attention_backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    _attention_backend = name
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h) + M) v with the causal mask M (Vaswani et al. 2017, Eq. 1); q, k, v (b, h, t, d_h).
+
+    bf16 on CPU takes the explicit form: oneDNN's bf16 batched matmuls plus a
+    bf16 softmax (fp32 inside the kernel) run fwd+bwd about 2x faster than the
+    CPU flash-attention kernel at T=256, d_h=64 (``benchmarks/speed_ablation.py``).
+    Everywhere else (fp32, CUDA) SDPA picks its fused kernel.
+    """
+    auto = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    square = q.shape[-2] == k.shape[-2]
+    if square and (_attention_backend == "explicit" or (_attention_backend == "auto" and auto)):
+        t = q.shape[-2]
+        s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + _causal_bias(t, q.dtype, q.device)  # (b, h, t, t)
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -32,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
         k = k.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
         v = v.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = causal_attention(q, k, v)
         # (b, h, t, d/h) -> (b, t, d)
         y = y.transpose(1, 2).contiguous().view(b, t, d)
         return self.proj(y)

@@ -36,10 +36,10 @@ from blocktrain.bench.machine import machine_info
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.diffusion.sampler import chain_logits
 from blocktrain.errors import BlockTrainError, ServeError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
+from blocktrain.serve.benchspec import run_spec, spec_markdown
 from blocktrain.serve.loading import parse_shape
 from blocktrain.serve.netns import Topology, netns_available
 
@@ -158,7 +158,7 @@ def traversal_compute_s(cfg: RunConfig, model: AssembledModel, t: int, repeat: i
         times = []
         for i in range(repeat + 1):
             t0 = time.perf_counter()
-            chain_logits(model.blocks, x, model.partition, cfg.diffusion, torch.Generator().manual_seed(i))
+            model.log_probs(x, seed=i)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
     finally:
@@ -351,6 +351,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     lines += [f"| {a} | {s:.3f} | {n / s:.1f} | {w:,} | {ce:.3f} |" for a, s, w, ce in rows]
+    lines += spec_markdown(r)
     tf = r["teacher_forced_ce"]
     lines += [
         "",
@@ -416,6 +417,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(pipe.stop)
         main = run_main_comparison(args, pipe, run)
         result = summarise(args, main, topo)
+        if getattr(args, "stack_run", None):
+            result["spec"] = run_spec(args, pipe, run, result["ar_baseline_seconds"])  # serve.benchspec
+            result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec"))})
         _finish(args, result, t0)  # written now too, in case the scale run is interrupted
         if args.scale != "off":
             result["scale"] = run_scale(args, pipe)

@@ -54,6 +54,23 @@ async def _stats(clients: list[PipelineClient]) -> tuple[int, int]:
     return total, pong_bytes
 
 
+async def timed_output(
+    c: PipelineClient, task: dict[str, Any], prompt: bytes, n: int, seed: int, **kw: Any
+) -> tuple[bytes, int | None]:
+    """One output of a task's mode, and the pipeline traversals it took (spec only; None for the other modes)."""
+    if task["mode"] == "spec":
+        res = await c.generate_spec(prompt, n, seed=seed, **draft_settings(task), **kw)
+        return res.data, res.traversals
+    return await generate_with(c, task["mode"], prompt, n, sweeps=int(task.get("sweeps", 1)), seed=seed, **kw), None
+
+
+def draft_settings(task: dict[str, Any]) -> dict[str, int]:
+    """draft_min/draft_max of a spec task (defaults 1 and 16); empty for the other modes."""
+    if task["mode"] != "spec":
+        return {}
+    return {"draft_min": int(task.get("draft_min", 1)), "draft_max": int(task.get("draft_max", 16))}
+
+
 async def run_plan(plan: dict[str, Any]) -> dict[str, Any]:
     entry = tuple(plan["entry"])
     stage_addrs = [tuple(a) for a in plan["stages"]]
@@ -70,13 +87,15 @@ async def run_plan(plan: dict[str, Any]) -> dict[str, Any]:
         await generate_with(c, warm["mode"], prompts[0], min(n, 4), sweeps=1, seed=999, **kw)  # opens the ring
         for task in plan["tasks"]:
             mode, sweeps = task["mode"], int(task.get("sweeps", 1))
-            times, wire, client_bytes, texts = [], [], [], []
+            times, wire, client_bytes, texts, traversals = [], [], [], [], []
             for r in range(int(task.get("repeat", 1))):
                 before, pong = await _stats(stats_clients)
                 c0 = c.counters.bytes_out
                 t0 = time.perf_counter()
-                text = await generate_with(c, mode, prompts[0], n, sweeps=sweeps, seed=int(plan["seed"]) + r, **kw)
+                text, trav = await timed_output(c, task, prompts[0], n, int(plan["seed"]) + r, **kw)
                 times.append(time.perf_counter() - t0)
+                if trav is not None:
+                    traversals.append(trav)
                 after, _ = await _stats(stats_clients)
                 wire.append(after - before - pong)
                 client_bytes.append(c.counters.bytes_out - c0)
@@ -88,10 +107,12 @@ async def run_plan(plan: dict[str, Any]) -> dict[str, Any]:
                 "client_bytes_out": int(statistics.median(client_bytes)),
                 "timing_output": list(texts[0]),
             }
+            if traversals:
+                res["traversals"] = statistics.median(traversals)
             if task.get("quality", True):
                 t0 = time.perf_counter()
                 outs = await asyncio.gather(*(
-                    generate_with(c, mode, p, n, sweeps=sweeps, seed=int(plan["seed"]) + 100 + j, **kw)
+                    generate_with(c, mode, p, n, sweeps=sweeps, seed=int(plan["seed"]) + 100 + j, **kw, **draft_settings(task))
                     for j, p in enumerate(prompts)
                 ))
                 res["quality_outputs"] = [list(o) for o in outs]

@@ -3,7 +3,16 @@
 Many requests can be in flight on one connection (each has its own id); the
 entry stage batches those that arrive together. ``generate_ar`` and
 ``generate_baseline`` reproduce :func:`blocktrain.evaluate.generate.generate`
-(same seeds, same sampling), so a pipeline and a local model give the same text.
+(same seeds, same sampling), so a pipeline and a local model give the same text;
+on a stack run's pipeline ``generate_ar`` keeps a KV cache per request in every
+stage. ``generate_spec``/``iter_spec`` run speculative decoding on a stack run
+(the loop runs here, see :mod:`blocktrain.serve.decoding`); ``iter_ar`` and
+``iter_spec`` yield bytes as they are accepted, for streaming.
+
+When the stages share a token (``blocktrain serve`` with ``BLOCKTRAIN_SERVE_TOKEN``
+or ``--token-file``), the client opens its connection with a HELLO frame carrying
+it: ``token=`` or, by default, the ``BLOCKTRAIN_SERVE_TOKEN`` environment variable.
+A connection the entry closed (e.g. after its idle timeout) is reopened on the next call.
 """
 
 from __future__ import annotations
@@ -13,28 +22,35 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
-from blocktrain.evaluate.generate import sample_from_logits
+from blocktrain.serve.decoding import SpecResult, iter_ar, sample_byte, spec_steps
 from blocktrain.serve.links import Address, Conn, Counters, open_conn, parse_address
-from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode
+from blocktrain.serve.speculative import SpecOptions
+from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
 
 log = logging.getLogger(__name__)
 
-_UNAVAILABLE = (ErrorCode.STAGE_UNAVAILABLE, ErrorCode.TIMEOUT)
+TOKEN_ENV = "BLOCKTRAIN_SERVE_TOKEN"  # shared serving token, read by `blocktrain serve` and by clients
+_UNAVAILABLE = (ErrorCode.STAGE_UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.OVERLOADED)
 _WIRE = (ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNKNOWN_REQUEST, ErrorCode.DUPLICATE_REQUEST,
          ErrorCode.MISROUTED, ErrorCode.BAD_REQUEST)
+# ErrorCode.UNAUTHORIZED is a plain ServeError: the token is wrong or missing, retrying will not help
 
 
 def error_from_frame(frame: Frame) -> ServeError:
     msg = f"pipeline error ({(frame.code or ErrorCode.INTERNAL).value}): {frame.error}"
     if frame.code in _UNAVAILABLE:
         return StageUnavailableError(msg)
+    if frame.code is ErrorCode.UNKNOWN_REQUEST:
+        return UnknownRequestError(msg)  # a WireError; KV-cached loops catch it and prefill again
     if frame.code in _WIRE:
         return WireError(msg)
     return ServeError(msg)
@@ -51,8 +67,10 @@ class PipelineClient:
         connect_timeout_s: float = 5.0,
         connect_attempts: int = 3,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        token: str | None = None,
     ) -> None:
         self.address = parse_address(address) if isinstance(address, str) else address
+        self.token = os.environ.get(TOKEN_ENV, "") if token is None else token  # "" = the stages need none
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.connect_attempts = connect_attempts
@@ -63,6 +81,9 @@ class PipelineClient:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
         self._reader: asyncio.Task[None] | None = None
+        self._refusal: ServeError | None = None  # why the entry stage hung up on us, when it said so
+        self._opened = False  # connect() succeeded and close() was not called: reopen a dropped connection
+        self._reopen = asyncio.Lock()
         self.entry: dict[str, Any] = {}
 
     async def __aenter__(self) -> PipelineClient:
@@ -81,7 +102,8 @@ class PipelineClient:
         last: Exception | None = None
         for _ in range(self.connect_attempts):
             try:
-                self.conn = await open_conn(self.address, self.counters, self.max_frame_bytes, self.connect_timeout_s)
+                self.conn = await open_conn(self.address, self.counters, self.max_frame_bytes, self.connect_timeout_s,
+                                            token=self.token)
                 break
             except (TimeoutError, OSError) as exc:
                 last = exc
@@ -92,12 +114,21 @@ class PipelineClient:
                 f"cannot reach the entry stage at {self.where} after {self.connect_attempts} attempts ({last}); "
                 "start it with 'blocktrain serve --blocks 0-.. --listen HOST:PORT' or check --pipeline"
             )
+        self._refusal = None
         self._reader = asyncio.create_task(self._read_loop(self.conn))
-        self.entry = await self.ping()
+        self.entry = (await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params
+        self._opened = True
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        self._opened = False
+        await self._drop()
+
+    async def _drop(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
         if self.conn is not None:
             self.conn.close()
             self.conn = None
@@ -113,6 +144,8 @@ class PipelineClient:
                 except WireError as exc:
                     log.warning("bad frame from the entry stage: %s", exc)
                     continue
+                if frame.kind is FrameKind.ERROR and frame.code in (ErrorCode.UNAUTHORIZED, ErrorCode.OVERLOADED):
+                    self._refusal = error_from_frame(frame)  # the stage hangs up next: fail every request with it
                 fut = self._futures.pop(frame.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(frame)
@@ -121,24 +154,33 @@ class PipelineClient:
         except (asyncio.IncompleteReadError, ConnectionError, OSError, FramingError) as exc:
             reason = f"connection to the entry stage lost ({exc!r})"
         finally:
+            conn.close()  # so that the next call reconnects
             for rid, fut in list(self._futures.items()):
                 if not fut.done():
-                    fut.set_exception(StageUnavailableError(
+                    fut.set_exception(self._refusal or StageUnavailableError(
                         f"request {rid}: {reason} at {self.where}; restart that stage and retry"))
             self._futures.clear()
 
     def new_id(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    async def call(self, frame: Frame, timeout_s: float | None = None) -> Frame:
+    async def call(self, frame: Frame, timeout_s: float | None = None, *, reopen: bool = True) -> Frame:
         """Send one frame and wait for the frame answering its id (RESULT/PONG); raise on ERROR."""
+        if reopen and self._opened and (self.conn is None or self.conn.closed):
+            async with self._reopen:  # the entry closed the connection (idle timeout, restart): open a fresh one
+                if self.conn is None or self.conn.closed:
+                    await self._drop()
+                    await self.connect()
         if self.conn is None or self.conn.closed:
-            raise StageUnavailableError(f"not connected to {self.where}; the entry stage went away")
+            raise self._refusal or StageUnavailableError(f"not connected to {self.where}; the entry stage went away")
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self._futures[frame.request_id] = fut
         if not await self.conn.send(frame):
             self._futures.pop(frame.request_id, None)
-            raise StageUnavailableError(f"sending to the entry stage at {self.where} failed; is it running?")
+            if self._reader is not None:  # let the read loop take in what the stage said before it hung up
+                await asyncio.wait([self._reader], timeout=1.0)
+            raise self._refusal or StageUnavailableError(
+                f"sending to the entry stage at {self.where} failed; is it running?")
         timeout = timeout_s or self.timeout_s
         try:
             reply = await asyncio.wait_for(fut, timeout)
@@ -180,22 +222,28 @@ class PipelineClient:
         f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.SWEEP, params=params, tensors={"x": x})
         return bytes((await self.call(f)).tensors["bytes"][0].tolist())
 
+    def iter_ar(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+        top_p: float = 1.0,
+    ) -> AsyncIterator[bytes]:
+        """One byte per traversal, yielded as it is sampled (KV-cached on stack and E2E pipelines).
+
+        With top_p = 1 the bytes equal ``generate(local model, ...)`` at the same seed.
+        """
+        return iter_ar(self, prompt, n_new, temperature=temperature, top_k=top_k, seed=seed, top_p=top_p)
+
     async def generate_ar(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+        top_p: float = 1.0,
     ) -> bytes:
         """Same bytes as ``generate(assembled_model, ...)``: one traversal per byte."""
-        context = int(self.entry.get("context", 0))
-        out = bytearray(prompt or b"\n")
-        g = torch.Generator().manual_seed(mix_seed(seed, 7))
-        for i in range(n_new):
-            ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
-            logits = await self.ar_logits(ctx, seed=mix_seed(seed, i))
-            out.append(sample_from_logits(torch.log_softmax(logits[0].float(), -1), temperature, top_k, g))
-        return bytes(out[len(prompt or b"\n") :])
+        return b"".join([b async for b in self.iter_ar(prompt, n_new, temperature=temperature, top_k=top_k, seed=seed,
+                                                       top_p=top_p)])
 
-    async def generate_baseline(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
-    ) -> bytes:
+    async def iter_baseline(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+        top_p: float = 1.0,
+    ) -> AsyncIterator[bytes]:
         """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
         context = int(self.entry.get("context", 0))
         p = prompt or b"\n"
@@ -203,7 +251,6 @@ class PipelineClient:
             raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
         rid = self.new_id()
         g = torch.Generator().manual_seed(mix_seed(seed, 7))
-        out = bytearray()
         x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
         pos = 0
         try:
@@ -211,34 +258,65 @@ class PipelineClient:
                 f = Frame(FrameKind.SUBMIT, rid, Mode.BASELINE, params={"pos": pos}, tensors={"x": x})
                 logits = (await self.call(f)).tensors["logits"]
                 pos += x.shape[1]
-                out.append(sample_from_logits(torch.log_softmax(logits[0].float(), -1), temperature, top_k, g))
-                x = torch.tensor([[out[-1]]], dtype=torch.uint8)
+                byte = sample_byte(logits[0], temperature, top_k, top_p, g)
+                x = torch.tensor([[byte]], dtype=torch.uint8)
+                yield bytes([byte])
         finally:
             if self.conn is not None and not self.conn.closed:
                 with contextlib.suppress(ServeError):
                     await self.conn.send(Frame(FrameKind.RELEASE, rid, Mode.BASELINE))
-        return bytes(out)
+
+    async def generate_baseline(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+    ) -> bytes:
+        """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
+        return b"".join([b async for b in self.iter_baseline(prompt, n_new, temperature=temperature, top_k=top_k,
+                                                             seed=seed)])
+
+    def iter_spec(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
+        seed: int = 0, draft_min: int = 1, draft_max: int = 16,
+    ) -> AsyncIterator[bytes]:
+        """Speculative decoding (stack pipelines): yields the bytes each traversal accepts (see serve.decoding)."""
+        opts = SpecOptions(temperature, top_k, top_p, seed, draft_min, draft_max)
+        return spec_steps(self, prompt, n_new, opts, SpecResult(b""))
+
+    async def generate_spec(
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
+        seed: int = 0, draft_min: int = 1, draft_max: int = 16,
+    ) -> SpecResult:
+        """Speculative decoding: n_new bytes drafted by the entry stage and verified one traversal per draft."""
+        result = SpecResult(b"")
+        opts = SpecOptions(temperature, top_k, top_p, seed, draft_min, draft_max)
+        async for _ in spec_steps(self, prompt, n_new, opts, result):
+            pass
+        return result
 
 
 async def generate_with(client: PipelineClient, mode: str, prompt: bytes, n: int, **kw: Any) -> bytes:
+    draft = {k: kw.pop(k) for k in ("draft_min", "draft_max", "top_p") if k in kw}  # spec's own settings
     if mode == "sweep":
         return await client.sweep(prompt, n, **kw)
     kw.pop("sweeps", None)
+    if mode == "spec":
+        return (await client.generate_spec(prompt, n, **kw, **draft)).data
     if mode == "ar":
         return await client.generate_ar(prompt, n, **kw)
     if mode == "baseline":
         return await client.generate_baseline(prompt, n, **kw)
-    raise ServeError(f"unknown serving mode {mode!r}; use sweep, ar or baseline")
+    raise ServeError(f"unknown serving mode {mode!r}; use sweep, ar, spec or baseline")
 
 
 def generate_remote(args: argparse.Namespace, prompt_bytes: bytes) -> bytes:
-    """``blocktrain generate --pipeline HOST:PORT --mode {ar,sweep,baseline}``."""
+    """``blocktrain generate --pipeline HOST:PORT --mode {ar,sweep,spec,baseline}``."""
 
     async def run() -> bytes:
-        async with PipelineClient(args.pipeline, timeout_s=float(getattr(args, "timeout", 60.0))) as client:
+        token = getattr(args, "token", None)  # None: BLOCKTRAIN_SERVE_TOKEN, if set
+        async with PipelineClient(args.pipeline, timeout_s=float(getattr(args, "timeout", 60.0)), token=token) as client:
             return await generate_with(
                 client, args.mode, prompt_bytes, args.bytes, temperature=args.temperature, top_k=args.top_k,
                 seed=args.seed, sweeps=int(getattr(args, "sweeps", 1)),
+                draft_min=int(getattr(args, "draft_min", 1)), draft_max=int(getattr(args, "draft_max", 16)),
             )
 
     try:

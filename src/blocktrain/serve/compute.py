@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from blocktrain.config import VOCAB_SIZE, ModelConfig, Readout, RunConfig
+from blocktrain.config import VOCAB_SIZE, ModelConfig, Precision, Readout, RunConfig
 from blocktrain.data.stream import mix_seed
+from blocktrain.device import autocast
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import block_steps, initial_noise
 from blocktrain.errors import WireError
@@ -64,8 +65,9 @@ class BlockSpan:
 
     family = "blocktrain"
 
-    def __init__(self, blocks: dict[int, BlockDenoiser], cfg: RunConfig) -> None:
+    def __init__(self, blocks: dict[int, BlockDenoiser], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
         self.cfg = cfg
+        self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
         self.lo, self.hi = min(blocks), max(blocks)
         if sorted(blocks) != list(range(self.lo, self.hi + 1)):
             raise ValueError(f"a stage holds a contiguous span of blocks, got {sorted(blocks)}")
@@ -92,6 +94,9 @@ class BlockSpan:
 
     def validate(self, frame: Frame) -> None:
         """Reject a frame this span cannot run (raises WireError with the reason)."""
+        if frame.mode is Mode.SPEC:
+            raise WireError("spec (speculative decoding) needs a stack run, whose every prefix is a language model "
+                            "that can draft; this stage serves diffusion blocks: use --mode ar or sweep")
         if frame.mode not in (Mode.SCORE, Mode.SWEEP, Mode.AR):
             raise WireError(f"this stage serves BlockTrain blocks; mode {frame.mode} is not one of score/sweep/ar")
         x = frame.tensors.get("x")
@@ -147,6 +152,10 @@ class BlockSpan:
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
         """Run this span on frames that share ``batch_key``; one output frame per input."""
+        with autocast(self.precision, torch.device("cpu")):
+            return self._run(frames)
+
+    def _run(self, frames: Sequence[Frame]) -> list[Frame]:
         starts = [self._start(f) for f in frames]
         rows = [x.shape[0] for x, _ in starts]
         lens = [x.shape[1] for x, _ in starts]
@@ -244,8 +253,10 @@ class E2ESpan:
         head: tuple[nn.LayerNorm, nn.Linear] | None,
         max_cached: int = 64,
         cache_ttl_s: float = 600.0,
+        precision: Precision = Precision.FP32,
     ) -> None:
         self.cfg = cfg
+        self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
         self.lo, self.hi = min(layers), max(layers)
         self.layers = {i: m.eval() for i, m in layers.items()}
         self.embed = embed
@@ -307,7 +318,8 @@ class E2ESpan:
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
-        return [self._run_one(f) for f in frames]
+        with autocast(self.precision, torch.device("cpu")):
+            return [self._run_one(f) for f in frames]
 
     def _run_one(self, f: Frame) -> Frame:
         pos = int(f.params.get("pos", 0))

@@ -11,7 +11,11 @@ fresh connection (to the same address, or the next replica); when no address
 answers within the bounded retries, each frame is handed back to the stage as
 undeliverable, which turns it into an ERROR for the request's origin. A
 one-way ``delay_s`` can be injected on the forward direction (benchmarks
-without netem).
+without netem). With a shared ``token`` every new connection opens with a
+HELLO frame carrying it.
+
+:class:`ByteBudget` is the bytes of inbound frames a stage may hold buffered at
+once over all its connections.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from blocktrain.errors import FramingError, WireError
-from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, Frame, FrameKind, encode, read_frame
+from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, encode, hello, read_frame
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +60,28 @@ class Counters:
     batched_frames: int = 0
     max_batch: int = 0
     errors_sent: int = 0
+    conns_refused: int = 0  # connections closed at once because the stage already held its maximum
+    conns_idle_closed: int = 0  # connections closed after the idle timeout (no frame, nothing in flight)
+    conns_slow_closed: int = 0  # connections closed because a started frame did not finish within the read timeout
+    auth_failures: int = 0  # connections closed because they did not open with the stage's token
+    frames_refused: int = 0  # frames refused from their prefix (over a buffer cap, or no room within the read timeout)
+    writes_timed_out: int = 0  # connections closed because the peer read nothing within the write timeout
 
 
 class Conn:
-    """One TCP connection with serialised, counted writes."""
+    """One TCP connection with serialised, counted writes (each bounded by ``write_timeout_s``; None: unbounded)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counters: Counters, max_frame: int):
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counters: Counters, max_frame: int,
+        write_timeout_s: float | None = None,
+    ):
         self.reader = reader
         self.writer = writer
         self.counters = counters
         self.max_frame = max_frame
+        self.write_timeout_s = write_timeout_s
+        self.authenticated = False  # a stage's inbound connection: HELLO with the right token seen
+        self.inflight = 0  # a stage's inbound connection: frames from it queued or running in the stage
         self._lock = asyncio.Lock()
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -82,7 +98,13 @@ class Conn:
                 return False
             try:
                 self.writer.write(data)
-                await self.writer.drain()
+                async with asyncio.timeout(self.write_timeout_s):
+                    await self.writer.drain()
+            except TimeoutError:  # the peer stopped reading: drop it rather than stall every sender behind it
+                log.warning("closing %s: it read nothing for %.1fs (write timeout)", self.peer, self.write_timeout_s)
+                self.counters.writes_timed_out += 1
+                self.close(abort=True)
+                return False
             except (ConnectionError, OSError) as exc:
                 log.debug("write to %s failed: %s", self.peer, exc)
                 self.close()
@@ -99,19 +121,88 @@ class Conn:
         self.counters.bytes_in += n
         return frame
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Close after the buffered writes are flushed, or at once (``abort``: the peer is not reading)."""
         with contextlib.suppress(Exception):
-            self.writer.close()
+            if abort:
+                self.writer.transport.abort()
+            else:
+                self.writer.close()
 
 
-async def open_conn(addr: Address, counters: Counters, max_frame: int, timeout_s: float) -> Conn:
+async def open_conn(
+    addr: Address, counters: Counters, max_frame: int, timeout_s: float, *, token: str = "",
+    write_timeout_s: float | None = None,
+) -> Conn:
+    """Connect to a stage; with a shared ``token``, open with the HELLO frame that carries it."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(addr[0], addr[1]), timeout_s)
     sock = writer.get_extra_info("socket")
     if sock is not None:
         import socket
 
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return Conn(reader, writer, counters, max_frame)
+    conn = Conn(reader, writer, counters, max_frame, write_timeout_s)
+    if token and not await conn.send(hello(token)):
+        conn.close()
+        raise ConnectionError(f"{format_address(addr)} closed the connection before the token could be sent")
+    return conn
+
+
+class ByteBudget:
+    """Bytes of inbound frames a stage may hold buffered at once, over all its connections.
+
+    A stage reserves a frame's whole length as soon as its 12-byte prefix is read (before any of the body
+    is buffered) and releases it once the frame has been handled, so ``used`` never exceeds ``total``.
+    ``small_slots`` x ``small_frame`` bytes are set aside for frames of at most ``small_frame`` bytes; with one
+    slot per connection (a connection reads one frame at a time) such a frame never waits, so control frames
+    and short requests get through even while large frames have taken all the rest.
+    """
+
+    def __init__(self, total: int, small_frame: int = 0, small_slots: int = 0) -> None:
+        if small_frame * small_slots > total:
+            raise ValueError(f"{small_slots} slots of {small_frame} bytes do not fit a budget of {total} bytes")
+        self.total = total  # bytes
+        self.small_frame = small_frame  # bytes: frames up to this size may use the set-aside slots
+        self.large_total = total - small_frame * small_slots  # bytes larger frames may hold together
+        self.used = 0  # bytes reserved now
+        self.large_used = 0  # of which by frames larger than small_frame
+        self.peak = 0  # most bytes ever reserved at once
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` bytes could ever be reserved."""
+        return n <= (self.total if n <= self.small_frame else self.large_total)
+
+    def try_reserve(self, n: int) -> bool:
+        large = n > self.small_frame
+        if self.used + n > self.total or (large and self.large_used + n > self.large_total):
+            return False
+        self.used += n
+        if large:
+            self.large_used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    async def reserve(self, n: int) -> None:
+        """Wait until ``n`` bytes fit (bound the wait with a timeout); ValueError if they never can."""
+        if not self.fits(n):
+            raise ValueError(f"{n} bytes can never fit a buffer budget of {self.total} bytes")
+        while not self.try_reserve(n):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        if n > self.small_frame:
+            self.large_used -= n
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
 
 
 class Link:
@@ -129,6 +220,8 @@ class Link:
         connect_timeout_s: float = 2.0,
         connect_attempts: int = 3,
         backoff_s: float = 0.1,
+        token: str = "",
+        write_timeout_s: float | None = None,
     ) -> None:
         if not targets:
             raise ValueError("a link needs at least one target address")
@@ -141,6 +234,9 @@ class Link:
         self.connect_timeout_s = connect_timeout_s
         self.connect_attempts = connect_attempts
         self.backoff_s = backoff_s
+        self.token = token  # shared token sent in a HELLO frame on every new connection ("" = none)
+        self.write_timeout_s = write_timeout_s
+        self.closed = False
         self.current = 0  # index of the target in use
         self.conn: Conn | None = None
         self.unacked: OrderedDict[int, tuple[Frame, float]] = OrderedDict()  # tag -> (frame, time sent)
@@ -161,6 +257,8 @@ class Link:
             tag = next(self._tags)
             frame.params = {**frame.params, "tag": tag}
             self.unacked[tag] = (frame, time.monotonic())
+        if self.closed:
+            return tag
         self._queue.put_nowait((time.monotonic() + self.delay_s, tag, None if custody else frame))
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send_loop())
@@ -172,12 +270,14 @@ class Link:
         return item[0] if item else None
 
     async def close(self) -> None:
-        for task in (self._sender, self._reader):
-            if task is not None:
-                task.cancel()
+        self.closed = True
+        tasks = [t for t in (self._sender, self._reader) if t is not None and t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- sending -------------------------------------------------------------
     async def _send_loop(self) -> None:
@@ -216,7 +316,8 @@ class Link:
             for i in range(len(self.targets)):
                 idx = (self.current + i) % len(self.targets)
                 try:
-                    conn = await open_conn(self.targets[idx], self.counters, self.max_frame, self.connect_timeout_s)
+                    conn = await open_conn(self.targets[idx], self.counters, self.max_frame, self.connect_timeout_s,
+                                           token=self.token, write_timeout_s=self.write_timeout_s)
                 except (TimeoutError, OSError) as exc:
                     log.warning("next stage %s unreachable (attempt %d): %s",
                                 format_address(self.targets[idx]), attempt + 1, exc)
@@ -241,24 +342,27 @@ class Link:
         for f in frames:
             await self.on_undeliverable(f, reason)
 
-    def _broken(self, conn: Conn) -> None:
+    def _broken(self, conn: Conn, resend: bool = True) -> None:
         """The connection died: resend every frame it carried that was not acknowledged."""
         conn.close()
-        if self.conn is not conn:
+        if self.conn is not conn or self.closed:
             return
         self.conn = None
-        resend = [t for t in self.unacked if t in self.written]
+        if not resend:
+            return
+        tags = [t for t in self.unacked if t in self.written]
         self.written = set()
-        if resend:
-            log.warning("connection to %s lost with %d frame(s) in custody; resending", self.target, len(resend))
+        if tags:
+            log.warning("connection to %s lost with %d frame(s) in custody; resending", self.target, len(tags))
             self.current = (self.current + 1) % len(self.targets)  # prefer a replica, come back later
-        for t in resend:
+        for t in tags:
             self._queue.put_nowait((time.monotonic(), t, None))
-        if resend and (self._sender is None or self._sender.done()):
+        if tags and (self._sender is None or self._sender.done()):
             self._sender = asyncio.create_task(self._send_loop())
 
     # --- receiving -------------------------------------------------------------
     async def _read_loop(self, conn: Conn) -> None:
+        refused = ""
         try:
             while True:
                 try:
@@ -268,11 +372,18 @@ class Link:
                 except WireError as exc:  # delimited but wrong inside: skip it, keep the connection
                     log.warning("bad frame from next stage %s: %s", conn.peer, exc)
                     continue
+                if frame.kind is FrameKind.ERROR and frame.code is ErrorCode.UNAUTHORIZED:
+                    refused = (f"{self.target} refused this stage's token ({frame.error}); "
+                               "start every stage with the same BLOCKTRAIN_SERVE_TOKEN / --token-file")
+                    log.error("%s", refused)
+                    break
                 await self.on_frame(frame)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, FramingError):
             pass
         finally:
-            self._broken(conn)
+            self._broken(conn, resend=not refused)
+        if refused and not self.closed:  # resending would be refused again: fail the frames in custody now
+            await self._give_up(refused)
 
     def expire(self, max_age_s: float) -> None:
         """Drop custody of frames older than ``max_age_s`` (their requests timed out long ago)."""

@@ -14,15 +14,19 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir, load_model
-from blocktrain.config import VOCAB_SIZE, ModelConfig, RunConfig
+from blocktrain.config import VOCAB_SIZE, ModelConfig, Objective, Precision, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, RunError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import TransformerLayer
+from blocktrain.model.stack import StackBlock
 from blocktrain.presets import get_preset
 from blocktrain.serve.compute import BlockSpan, E2ESpan
+from blocktrain.serve.kvcache import CacheOptions
+from blocktrain.serve.stackspan import StackSpan
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,30 @@ def _check_span(lo: int, hi: int, n: int, what: str) -> None:
         raise ConfigError(f"{what} {lo}-{hi} is outside 0-{n - 1} of this model")
 
 
-def load_block_span(run: RunDir, lo: int, hi: int) -> BlockSpan:
+def load_run_span(
+    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
+) -> BlockSpan | StackSpan:
+    """Blocks lo..hi of a run: a :class:`StackSpan` when its objective is ``stack``, else a :class:`BlockSpan`."""
+    cfg = run.load_config()
+    if cfg.objective is Objective.STACK:
+        return load_stack_span(run, lo, hi, precision, cache)
+    return load_block_span(run, lo, hi, precision)
+
+
+def load_stack_span(
+    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
+) -> StackSpan:
+    cfg = run.load_config()
+    _check_span(lo, hi, cfg.model.n_blocks, "blocks")
+    blocks: dict[int, StackBlock] = {}
+    for k in range(lo, hi + 1):
+        block = load_block(run, cfg, k)
+        assert isinstance(block, StackBlock)
+        blocks[k] = block
+    return StackSpan(blocks, cfg, precision, cache)
+
+
+def load_block_span(run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32) -> BlockSpan:
     cfg = run.load_config()
     _check_span(lo, hi, cfg.model.n_blocks, "blocks")
     blocks = {}
@@ -68,7 +95,7 @@ def load_block_span(run: RunDir, lo: int, hi: int) -> BlockSpan:
         block = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
         load_model(path, block, cfg, "block", block_index=str(k))
         blocks[k] = block
-    return BlockSpan(blocks, cfg)
+    return BlockSpan(blocks, cfg, precision)
 
 
 Parts = tuple[
@@ -83,14 +110,14 @@ def _e2e_parts(model: E2ETransformer, lo: int, hi: int) -> Parts:
     return layers, embed, head  # type: ignore[return-value]
 
 
-def load_e2e_span(run: RunDir, lo: int, hi: int) -> E2ESpan:
+def load_e2e_span(run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32) -> E2ESpan:
     cfg = run.load_config()
     _check_span(lo, hi, cfg.model.n_layers, "layers")
     if not run.has_e2e():
         raise RunError(f"{run.root} has no E2E checkpoint; train it with 'blocktrain train-e2e'")
     model = E2ETransformer(cfg.model)
     load_model(run.e2e_path(), model, cfg, "e2e")
-    return E2ESpan(cfg.model, *_e2e_parts(model, lo, hi))
+    return E2ESpan(cfg.model, *_e2e_parts(model, lo, hi), precision=precision)
 
 
 def _seeded(seed: int, *parts: int) -> None:
@@ -128,8 +155,8 @@ def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:
     return E2ESpan(m, layers, embed, head)
 
 
-def span_params(span: BlockSpan | E2ESpan) -> int:
-    if isinstance(span, BlockSpan):
+def span_params(span: BlockSpan | E2ESpan | StackSpan) -> int:
+    if isinstance(span, BlockSpan | StackSpan):
         return sum(p.numel() for b in span.blocks.values() for p in b.parameters())
     mods: list[nn.Module] = list(span.layers.values())
     mods += list(span.embed or ()) + list(span.head or ())

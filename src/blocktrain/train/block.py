@@ -1,6 +1,8 @@
 """Train one block alone: config + data directory + its own checkpoint.
 
-Peak memory is one block and its optimiser: the other blocks are never built.
+Peak memory is one block and its optimiser, plus (stack objective) forward-only
+copies of the earlier blocks it reads, loaded from the run directory once they
+have finished (the progressive schedule). Nothing else of the model is built.
 """
 
 from __future__ import annotations
@@ -10,30 +12,21 @@ from pathlib import Path
 
 import torch
 
+from blocktrain.checkpoint.blocks import block_save_meta, check_block_index, load_block
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.config import RunConfig
+from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
-from blocktrain.data.stream import TrainStream
-from blocktrain.diffusion.loss import block_loss
-from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import block_alone_logits
-from blocktrain.errors import ConfigError
+from blocktrain.data.stream import TrainStream, block_stream, init_seed
+from blocktrain.device import autocast, resolve_device, resolve_precision
 from blocktrain.evaluate.scoring import score_split
-from blocktrain.model.block import BlockDenoiser
+from blocktrain.objectives import get_objective
+from blocktrain.objectives.base import frozen_dtype
 from blocktrain.train.loop import TrainSummary, run_training
 from blocktrain.train.memory import rss_bytes, warm_runtime
 
 log = logging.getLogger(__name__)
 
-
-def check_block_index(k: int, n_blocks: int) -> None:
-    if not 0 <= k < n_blocks:
-        raise ConfigError(f"block index {k} is out of range; this config has B={n_blocks} blocks (0..{n_blocks - 1})")
-
-
-def block_save_meta(cfg: RunConfig, k: int) -> dict[str, str]:
-    s = NoisePartition(cfg.diffusion, cfg.model.n_blocks).slices[k]
-    return {"kind": "block", "block_index": str(k), "sigma_lo": repr(s.sigma_lo), "sigma_hi": repr(s.sigma_hi)}
+__all__ = ["block_save_meta", "check_block_index", "train_block"]
 
 
 def train_block(
@@ -44,30 +37,39 @@ def train_block(
     valid = data.open("valid") if cfg.train.eval_bytes else None
     run = RunDir(out)
     cfg = run.init(cfg)
-    partition = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
-    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=1000 * k + stream)
-    torch.manual_seed(cfg.train.seed * 1009 + k)
+    objective = get_objective(cfg)
+    device = resolve_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=block_stream(k, stream))
+    torch.manual_seed(init_seed(cfg.train.seed, k))
     warm_runtime()
-    baseline = rss_bytes()
-    block = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
+    baseline = rss_bytes()  # frozen copies count towards the worker's training memory
+    dtype = frozen_dtype(precision is Precision.BF16)
+    frozen = [objective.freeze(load_block(run, cfg, j, finished=True), dtype).to(device) for j in range(objective.frozen_inputs(k))]
+    block = objective.build_block(k).to(device)
 
     def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = tstream.batch(step)
-        out = block_loss(block, k, x, y, partition, cfg.diffusion, tstream.generator(step, purpose=1))
-        return out.loss, {"noised_ce": out.noised_ce, "mean_sigma": out.mean_sigma}
+        out = objective.block_loss(block, k, x.to(device), y.to(device), tstream.generator(step, purpose=1), frozen)
+        return out.loss, out.metrics
+
+    key = "val_prefix_ce" if objective.reference_name == "prefix_ce" else "val_block_alone_ce"
 
     def eval_fn() -> dict[str, float]:
-        """Block-alone CE on validation (pure noise at its own sigma): honest, never leaky."""
+        """Block k's own CE on validation, without the target (its prefix, or itself on pure noise)."""
         assert valid is not None
         block.eval()
         gen = torch.Generator().manual_seed(cfg.train.seed)
 
         def lp(x: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(block_alone_logits(block, k, x, partition, gen), dim=-1).unsqueeze(0)
+            with torch.no_grad(), autocast(precision, device):
+                logits = objective.local_logits(block, k, x.to(device), gen, frozen)
+            return torch.log_softmax(logits.float(), dim=-1).cpu().unsqueeze(0)
 
         res = score_split(lp, valid.data, cfg.model.context, max_bytes=cfg.train.eval_bytes)
-        return {"val_block_alone_ce": res.ce_nats_per_byte}
+        return {key: res.ce_nats_per_byte}
 
+    tokens = cfg.train.batch_size * cfg.model.context
     return run_training(
         name=f"block_{k}",
         module=block,
@@ -76,9 +78,12 @@ def train_block(
         ckpt_path=run.block_path(k),
         state_path=run.block_state_path(k),
         metrics_path=run.metrics_path(f"block_{k}"),
-        bytes_per_step=cfg.train.batch_size * cfg.model.context,
+        bytes_per_step=tokens,
         baseline_rss=baseline,
         save_meta=block_save_meta(cfg, k),
         eval_fn=eval_fn if valid is not None else None,
         progress=progress,
+        device=device,
+        precision=precision,
+        flops_per_step=objective.train_flops_per_token(k) * tokens,
     )

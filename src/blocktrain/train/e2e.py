@@ -9,10 +9,12 @@ import torch
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
 from blocktrain.data.dataset import DataDir
-from blocktrain.data.stream import TrainStream
+from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
+from blocktrain.device import autocast, resolve_device, resolve_precision
 from blocktrain.diffusion.loss import lm_loss
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.flops import train_flops_per_token
 from blocktrain.train.loop import TrainSummary, run_training
 from blocktrain.train.memory import rss_bytes, warm_runtime
 
@@ -22,27 +24,31 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
     valid = data.open("valid") if cfg.train.eval_bytes else None
     run = RunDir(out)
     cfg = run.init(cfg)
-    # Same data stream as block 0 would see at a given step would bias nothing; use a distinct one.
-    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=999_999)
-    torch.manual_seed(cfg.train.seed * 1009 + 77)
+    device = resolve_device(cfg.train.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    # A data stream of its own, distinct from every block's.
+    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=E2E_STREAM)
+    torch.manual_seed(init_seed(cfg.train.seed, E2E_INIT))
     warm_runtime()
     baseline = rss_bytes()
-    model = E2ETransformer(cfg.model)
+    model = E2ETransformer(cfg.model).to(device)
 
     def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = tstream.batch(step)
-        return lm_loss(model(x), y), {}
+        return lm_loss(model(x.to(device)), y.to(device)), {}
 
     def eval_fn() -> dict[str, float]:
         assert valid is not None
         model.eval()
 
         def lp(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return torch.log_softmax(model(x), dim=-1).unsqueeze(0)
+            with torch.no_grad(), autocast(precision, device):
+                logits = model(x.to(device))
+            return torch.log_softmax(logits.float(), dim=-1).cpu().unsqueeze(0)
 
         return {"val_ce": score_split(lp, valid.data, cfg.model.context, max_bytes=cfg.train.eval_bytes).ce_nats_per_byte}
 
+    tokens = cfg.train.batch_size * cfg.model.context
     return run_training(
         name="e2e",
         module=model,
@@ -51,9 +57,12 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
         ckpt_path=run.e2e_path(),
         state_path=run.e2e_state_path(),
         metrics_path=run.metrics_path("e2e"),
-        bytes_per_step=cfg.train.batch_size * cfg.model.context,
+        bytes_per_step=tokens,
         baseline_rss=baseline,
         save_meta={"kind": "e2e"},
         eval_fn=eval_fn if valid is not None else None,
         progress=progress,
+        device=device,
+        precision=precision,
+        flops_per_step=train_flops_per_token(model, cfg.model.d_model, cfg.model.context) * tokens,
     )

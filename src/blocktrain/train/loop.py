@@ -9,7 +9,7 @@ a checkpoint before exiting.
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,14 +17,18 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from blocktrain.checkpoint.run import load_model, load_optimizer_tensors, optimizer_tensors, save_model
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
-from blocktrain.config import RunConfig, TrainConfig
+from blocktrain.config import Precision, RunConfig
+from blocktrain.device import autocast
 from blocktrain.errors import CheckpointError
+from blocktrain.progress import progress_bar
 from blocktrain.train.memory import peak_rss_bytes
 from blocktrain.train.metrics import JsonlWriter
+from blocktrain.train.step import lr_at, make_optimizer, optimizer_bytes, optimizer_step
+
+__all__ = ["TrainSummary", "lr_at", "make_optimizer", "optimizer_bytes", "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -44,34 +48,11 @@ class TrainSummary:
     peak_rss: int  # peak RSS of the process
     train_mem_bytes: int  # peak_rss - baseline_rss
     eval: dict[str, float]  # final evaluation figures
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up then cosine decay to min_lr_ratio * lr."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, dict[int, str]]:
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    decay = [p for n, p in named if p.dim() >= 2 and "emb" not in n]
-    no_decay = [p for n, p in named if not (p.dim() >= 2 and "emb" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
-    order = [id(p) for p in decay + no_decay]
-    by_id = {id(p): n for n, p in named}
-    return opt, {i: by_id[pid] for i, pid in enumerate(order)}
-
-
-def optimizer_bytes(module: nn.Module) -> int:
-    """AdamW keeps two fp32 moments per trainable parameter."""
-    return 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    precision: str  # arithmetic of the forward/backward pass ("bf16" or "fp32")
+    device: str  # where it trained
+    seconds_per_step: float  # median wall time of one step (data, forward, backward, update), first step excluded
+    flops_per_step: float  # model FLOPs of one step (6 N tokens + attention; frozen forwards included)
+    achieved_flops: float  # flops_per_step / seconds_per_step, FLOP/s
 
 
 def run_training(
@@ -88,8 +69,13 @@ def run_training(
     save_meta: dict[str, str],
     eval_fn: EvalFn | None = None,
     progress: bool = True,
+    device: torch.device | None = None,
+    precision: Precision = Precision.FP32,
+    flops_per_step: float = 0.0,
 ) -> TrainSummary:
+    """Train ``module`` (already on ``device``) for cfg.train.steps steps of ``step_fn`` under ``precision``."""
     tc = cfg.train
+    device = device or torch.device("cpu")
     opt, names = make_optimizer(module, tc)
     start = 0
     if ckpt_path.exists():
@@ -115,27 +101,24 @@ def run_training(
     t0 = time.perf_counter()
     last_loss = float("nan")
     done = start  # optimiser steps applied so far: what a checkpoint records
-    bar = tqdm(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
+    step_times: list[float] = []
     try:
         for step in range(start, tc.steps):
+            ts = time.perf_counter()
             lr = lr_at(step, tc)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            loss, extra = step_fn(step)
-            loss.backward()
-            gnorm = float(nn.utils.clip_grad_norm_(module.parameters(), tc.grad_clip or float("inf")))
-            opt.step()
-            # Free the gradients now, not before the next backward: alive through the
-            # next forward they sit between its activations and fragment the heap.
-            opt.zero_grad(set_to_none=True)
+            with autocast(precision, device):
+                loss, extra = step_fn(step)
+            gnorm = optimizer_step(module, opt, loss, lr, tc.grad_clip)
             done = step + 1
-            last_loss = float(loss.detach())
+            last_loss = float(loss.detach())  # also waits for an asynchronous device
+            step_times.append(time.perf_counter() - ts)
             elapsed = time.perf_counter() - t0
             rate = (done - start) * bytes_per_step / max(elapsed, 1e-9)
             bar.update(1)
             bar.set_postfix(loss=f"{last_loss:.3f}", bytes_s=f"{rate:,.0f}")
             if done % tc.log_every == 0 or done == tc.steps:
-                metrics.write(step=done, loss=last_loss, lr=lr, grad_norm=gnorm, bytes_per_s=rate, **extra)
+                metrics.write(step=done, loss=last_loss, lr=lr, grad_norm=gnorm, bytes_per_s=rate, step_s=step_times[-1], **extra)
             if done % tc.checkpoint_every == 0:
                 checkpoint(done)
             if eval_fn is not None and tc.eval_every and done % tc.eval_every == 0:
@@ -154,6 +137,8 @@ def run_training(
     if final_eval:
         metrics.write(step=done, event="eval", **final_eval)
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    timed = step_times[1:] or step_times  # the first step of a process pays one-off kernel set-up
+    s_per_step = statistics.median(timed) if timed else float("nan")
     summary = TrainSummary(
         name=name,
         steps=done,
@@ -165,6 +150,11 @@ def run_training(
         peak_rss=peak,
         train_mem_bytes=peak - baseline_rss,
         eval=final_eval,
+        precision=precision.value,
+        device=str(device),
+        seconds_per_step=s_per_step,
+        flops_per_step=flops_per_step,
+        achieved_flops=flops_per_step / s_per_step if timed else float("nan"),
     )
     metrics.write(event="summary", **{k: v for k, v in summary.__dict__.items()})
     return summary

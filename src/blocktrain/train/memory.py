@@ -34,10 +34,14 @@ def warm_runtime() -> None:
     import torch.nn.functional as F
     from torch import nn
 
+    from blocktrain.model.layers import causal_attention
+
     layer = nn.Sequential(nn.Embedding(4, 8), nn.LayerNorm(8), nn.Linear(8, 8))
-    opt = torch.optim.AdamW(layer.parameters())
-    h = layer(torch.zeros(2, 4, dtype=torch.long))  # (2, 4, 8)
-    h = F.scaled_dot_product_attention(h[:, None], h[:, None], h[:, None], is_causal=True)  # (2, 1, 4, 8)
-    F.cross_entropy(F.gelu(h).reshape(-1, 8), torch.zeros(8, dtype=torch.long)).backward()
-    nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
-    opt.step()
+    opt = torch.optim.AdamW(layer.parameters(), fused=True)
+    for bf16 in (False, True):  # both arithmetics' kernels (bf16 autocast loads oneDNN's)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            h = layer(torch.zeros(2, 4, dtype=torch.long))  # (2, 4, 8)
+            h = causal_attention(h[:, None], h[:, None], h[:, None])  # (2, 1, 4, 8)
+        F.cross_entropy(F.gelu(h).float().reshape(-1, 8), torch.zeros(8, dtype=torch.long)).backward()
+        nn.utils.clip_grad_norm_(layer.parameters(), 1.0, foreach=True)
+        opt.step()

@@ -101,6 +101,10 @@ class CoordinatorClient:
     def step(self, k: int, from_version: int) -> bytes:
         return self.request("GET", f"/v1/blocks/{k}/steps/{from_version}").content
 
+    def frozen(self, k: int) -> bytes:
+        """The finished block k's weights (safetensors), the frozen input of later stack blocks."""
+        return self.request("GET", f"/v1/blocks/{k}/frozen").content
+
     def push(self, k: int, payload: bytes) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/blocks/{k}/updates", content=payload).json())
 

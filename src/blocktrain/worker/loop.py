@@ -6,6 +6,10 @@ follows the preset's schedule over ``rounds x H`` local steps. Data comes from
 the stream id the coordinator hands out for (worker, block, round), so replicas
 never repeat one another and the run can be audited.
 
+A ``stack`` block k reads frozen copies of the finished blocks 0..k-1: the
+worker fetches them once per published version, caches and verifies them
+(:mod:`.frozen`), and waits while its block is still ``waiting``.
+
 Shutdown: the first SIGINT/SIGTERM finishes the current round (trains, pushes)
 and then leaves; a second one abandons the round at once and leaves.
 """
@@ -15,14 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack
-from blocktrain.config import RunConfig
+from blocktrain.config import Precision, RunConfig
 from blocktrain.coordinator.aggregate import apply_step
 from blocktrain.coordinator.wire import (
     Compression,
@@ -33,12 +38,13 @@ from blocktrain.coordinator.wire import (
 )
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.diffusion.loss import block_loss
-from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.errors import CheckpointError, ProtocolError
-from blocktrain.model.block import BlockDenoiser
-from blocktrain.train.loop import lr_at, make_optimizer
+from blocktrain.device import autocast, resolve_device, resolve_precision
+from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
+from blocktrain.objectives import get_objective
+from blocktrain.objectives.base import frozen_dtype
+from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.client import CoordinatorClient
+from blocktrain.worker.frozen import FrozenInputs
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,17 @@ class WorkerOptions:
     give_up_s: float = 600.0  # stop retrying an unreachable coordinator after this long
     max_rejections: int = 5  # consecutive rejected updates before the worker gives up
     verify_tls: bool | str = True  # TLS verification (or a CA bundle path)
+    precision: Precision | None = None  # forward/backward arithmetic (None: the run config's, bf16 by default)
+    device: str = "auto"  # where to train: auto, cpu, cuda or cuda:N
+    frozen_cache: Path = field(default_factory=lambda: Path("~/.cache/blocktrain/frozen"))  # frozen blocks on disk
+
+    def __post_init__(self) -> None:
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
+        if self.poll_s <= 0 or self.give_up_s <= 0:
+            raise ConfigError("poll_s and give_up_s must be positive (seconds)")
+        if self.max_rejections < 1:
+            raise ConfigError(f"max_rejections must be >= 1, got {self.max_rejections}")
 
 
 @dataclass
@@ -65,6 +82,7 @@ class WorkerSummary:
     bytes_sent: int = 0  # request body bytes
     bytes_received: int = 0  # response body bytes
     block: int = -1  # the block trained last
+    frozen_downloads: int = 0  # frozen earlier blocks downloaded (each block version once; cache hits excluded)
 
 
 class Worker:
@@ -87,15 +105,22 @@ class Worker:
         rounds = int(reg["rounds"])
         steps = rounds * self.opts.local_steps if rounds else self.cfg.train.steps
         self.schedule = replace(self.cfg.train, steps=max(1, steps))
-        self.partition = NoisePartition(self.cfg.diffusion, self.cfg.model.n_blocks)
+        self.objective = get_objective(self.cfg)
+        self.device = resolve_device(self.opts.device)
+        self.precision = resolve_precision(self.opts.precision or self.cfg.train.precision, self.device)
+        self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_cache, self.device,
+                                   frozen_dtype(self.precision is Precision.BF16))
         self.train = self.data.open("train")
-        self.block = BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data)
+        self.block = self.objective.build_block(self.k).to(self.device)
         self.shapes = block_schema(self.block)
         self.opt, _ = make_optimizer(self.block, self.cfg.train)
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
         self.summary.block = self.k
-        log.info("registered as %s on block %d (preset %s)", reg["worker"], self.k, self.cfg.name)
+        log.info("registered as %s on block %d (preset %s, %s objective)", reg["worker"], self.k, self.cfg.name,
+                 self.cfg.objective.value)
+        if reg.get("message"):
+            log.info("%s", reg["message"])
 
     def _register(self) -> None:
         self._setup(self.client.register(self.opts.block))
@@ -136,6 +161,7 @@ class Worker:
 
     def _train_round(self, work: dict[str, Any]) -> bool:
         """H local steps on this round's stream; False if abandoned."""
+        frozen = self._frozen(work)
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, int(work["seed"]),
                              stream=int(work["stream"]))
         H = self.opts.local_steps
@@ -148,21 +174,30 @@ class Worker:
                     return False
                 self._beat()
                 lr = lr_at(min(self.summary.local_steps, self.schedule.steps - 1), self.schedule)
-                for group in self.opt.param_groups:
-                    group["lr"] = lr
                 x, y = stream.batch(i)
-                out = block_loss(self.block, self.k, x, y, self.partition, self.cfg.diffusion,
-                                 stream.generator(i, purpose=1))
-                out.loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.block.parameters(), self.cfg.train.grad_clip or float("inf"))
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)  # freed before the next forward (see train/loop.py)
+                with autocast(self.precision, self.device):
+                    out = self.objective.block_loss(self.block, self.k, x.to(self.device), y.to(self.device),
+                                                    stream.generator(i, purpose=1), frozen)
+                optimizer_step(self.block, self.opt, out.loss, lr, self.cfg.train.grad_clip)
                 self.summary.local_steps += 1
                 bar.update(1)
-                bar.set_postfix(loss=f"{float(out.loss):.3f}", lr=f"{lr:.2e}")
+                bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", lr=f"{lr:.2e}")
         finally:
             bar.close()
         return True
+
+    def _frozen(self, work: dict[str, Any]) -> list[torch.nn.Module]:
+        """The verified frozen copies of the blocks this block reads (fetched once per published version)."""
+        refs = list(work.get("frozen", []))
+        if len(refs) != self.objective.frozen_inputs(self.k):
+            raise ProtocolError(
+                502, f"the coordinator names {len(refs)} frozen inputs for block {self.k}, which reads "
+                f"{self.objective.frozen_inputs(self.k)}; check that it runs the same BlockTrain version", "frozen",
+            )
+        before = self.frozen.downloads
+        modules = self.frozen.ensure(refs)
+        self.summary.frozen_downloads += self.frozen.downloads - before
+        return modules
 
     def _push(self) -> None:
         assert self.base is not None
@@ -195,6 +230,7 @@ class Worker:
     # --- main loop ------------------------------------------------------------------
     def run(self) -> WorkerSummary:
         self._rejections = 0
+        waiting = False  # the last work answer said our block is waiting (logged once)
         try:
             self._register()
             while not self.stop.is_set() and not self.abandon.is_set():
@@ -215,6 +251,9 @@ class Worker:
                 if int(work["version"]) != self.base_version:
                     self._sync(work)
                     continue
+                if work.get("block_state") == "waiting" and not waiting:
+                    log.info("%s", work.get("message") or f"block {self.k} is waiting for earlier blocks to finish")
+                waiting = work.get("block_state") == "waiting"
                 if work["round_state"] != "open" or work["submitted"]:
                     self.abandon.wait(self.opts.poll_s)
                     continue

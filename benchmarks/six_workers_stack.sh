@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The six-worker experiment of scripts/exp_six_workers.sh with the `stack` objective: six workers
+# on B=4 blocks on one machine, against single-machine `blocktrain train --objective stack` at the
+# same number of optimiser steps per block. Writes benchmarks/results/six-workers-stack.json.
+#
+#   flock /tmp/blocktrain-cpu.lock benchmarks/six_workers_stack.sh
+#
+# Under the progressive schedule the coordinator opens block 0 only; block k opens when block k-1
+# has finished its ROUNDS rounds, and unpinned workers move to the open block. So all six workers
+# train one block at a time (six replicas per block), and each downloads the finished blocks it
+# reads once per block (GET /v1/blocks/{j}/frozen; counted as frozen_downloads in w*.summary.json,
+# cached under $OUT/frozen-cache). Wall time is therefore about B x ROUNDS rounds.
+#
+# Scale knobs (environment): PRESET (cpu-mini), STEPS per block (400), H local steps per round (25),
+# EVAL_BYTES of the test split scored at the end (32768), DATA directory, OUT, PORT, RESULT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PRESET=${PRESET:-cpu-mini}
+STEPS=${STEPS:-400}
+H=${H:-25}
+EVAL_BYTES=${EVAL_BYTES:-32768}
+DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
+OUT=${OUT:-runs/exp-six-workers-stack}
+PORT=${PORT:-18502}
+BT=".venv/bin/blocktrain"
+ROUNDS=$((STEPS / H))
+rm -rf "$OUT"; mkdir -p "$OUT/logs"
+
+echo "== single machine: blocktrain train --objective stack, $STEPS steps per block"
+t0=$(date +%s)
+OMP_NUM_THREADS=2 $BT train --preset "$PRESET" --objective stack --steps "$STEPS" --data "$DATA" --out "$OUT/single" \
+  --no-progress 2> "$OUT/logs/single.log"
+echo $(( $(date +%s) - t0 )) > "$OUT/single.wall_s"
+
+echo "== six workers, stack objective: $ROUNDS rounds x H=$H local steps per block, blocks in order"
+for i in 0 1 2 3 4 5; do $BT token add "w$i" --run-dir "$OUT/six" > "$OUT/w$i.token"; done
+OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/six" --preset "$PRESET" --objective stack --steps "$STEPS" \
+  --data "$DATA" --port "$PORT" --rounds "$ROUNDS" --round-seconds 300 --lease-seconds 120 --eval-every 2 \
+  --eval-bytes 8192 --threads 1 2> "$OUT/logs/coordinator.log" &
+COORD=$!
+trap 'kill $COORD 2>/dev/null || true' EXIT
+until curl -sf "http://127.0.0.1:$PORT/v1/status" > /dev/null; do sleep 0.5; done
+t0=$(date +%s)
+PIDS=()
+for i in 0 1 2 3 4 5; do
+  OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN=$(cat "$OUT/w$i.token") $BT worker --coordinator "http://127.0.0.1:$PORT" \
+    --local-steps "$H" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" \
+    --summary-json "$OUT/w$i.summary.json" 2> "$OUT/logs/w$i.log" &
+  PIDS+=($!)
+done
+for p in "${PIDS[@]}"; do wait "$p"; done
+echo $(( $(date +%s) - t0 )) > "$OUT/six.wall_s"
+sleep 3  # let the final evaluation land
+curl -sf "http://127.0.0.1:$PORT/v1/status" > "$OUT/six.status.json"
+kill $COORD; wait $COORD || true; trap - EXIT
+
+echo "== final CE of both models on the first $EVAL_BYTES test bytes (same command)"
+OMP_NUM_THREADS=2 $BT eval "$OUT/single" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
+  --json --no-progress > "$OUT/single.eval.json"
+OMP_NUM_THREADS=2 $BT eval "$OUT/six" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
+  --json --no-progress > "$OUT/six.eval.json"
+.venv/bin/python benchmarks/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
+  --out "${RESULT:-benchmarks/results/six-workers-stack.json}" \
+  --command "PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES flock /tmp/blocktrain-cpu.lock benchmarks/six_workers_stack.sh"

@@ -1,0 +1,64 @@
+"""The markdown table of ``bench quality``: one column per model, rows of CE, composition, cost and speed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MIB = 2**20
+
+
+def _fmt_list(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values)
+
+
+def format_table(r: dict[str, Any]) -> str:
+    """Rows for the E2E reference(s) and each objective measured."""
+    e = r["e2e"]
+    m = r.get("e2e_matched_flops")
+    objs: dict[str, Any] = r["objectives"]
+    n_blocks = r["config"]["model"]["n_blocks"]
+    cols = ["E2E, matched steps"] + (["E2E, matched FLOPs"] if m else []) + [f"{name} (B={n_blocks})" for name in objs]
+    rows: list[list[str]] = [["", *cols]]
+
+    def row(label: str, e2e: str, matched: str, per_obj: list[str]) -> None:
+        rows.append([label, e2e, *([matched] if m else []), *per_obj])
+
+    row("test CE (nats/byte)", f"{e['ce_nats_per_byte']:.4f}", f"{m['ce_nats_per_byte']:.4f}" if m else "",
+        [f"{o['ce_nats_per_byte']:.4f}" for o in objs.values()])
+    row("gap to E2E, matched steps", "", f"{m['ce_nats_per_byte'] - e['ce_nats_per_byte']:+.4f}" if m else "",
+        [f"{o['gap_nats_per_byte']:+.4f}" for o in objs.values()])
+    if m:
+        row("gap to E2E, matched FLOPs", "", "", [f"{o['gap_matched_flops_nats_per_byte']:+.4f}" for o in objs.values()])
+    row("single-block references", "", "", [
+        ("prefixes " + _fmt_list(o["prefix_ce"])) if "prefix_ce" in o else ("blocks alone " + _fmt_list(o["blocks_alone_ce"]))
+        for o in objs.values()
+    ])
+    row("compositional gain (best reference - composed)", "", "",
+        [f"{o['compositional_gain_nats_per_byte']:+.4f}" for o in objs.values()])
+    row("training steps", f"{e['train_steps']}", f"{m['steps']}" if m else "",
+        [f"{o['train_steps_per_block'][0]} per block" for o in objs.values()])
+    row("training PFLOPs (model FLOPs)", f"{e['train_flops'] / 1e15:.2f}", f"{m['train_flops'] / 1e15:.2f}" if m else "",
+        [f"{o['train_flops'] / 1e15:.2f} ({o['train_flops_over_e2e']:.2f}x E2E)" for o in objs.values()])
+    row(f"seconds per step ({r['precision']})", f"{e['seconds_per_step']:.3f}", f"{m['seconds_per_step']:.3f}" if m else "",
+        [f"{o['block_worker']['seconds_per_step']:.3f} (mean of blocks)" for o in objs.values()])
+    row("MFU (of the measured peak)", f"{e['mfu']:.1%}", "", [f"{o['block_worker']['mfu']:.1%}" for o in objs.values()])
+    row("train memory (MiB, peak RSS - base)", f"{e['train_mem_bytes'] / MIB:.1f}", "",
+        [f"{o['block_worker']['train_mem_bytes'] / MIB:.1f} per block worker" for o in objs.values()])
+    row("memory ratio (block worker / E2E)", "", "", [f"{o['memory_ratio_block_over_e2e']:.3f}" for o in objs.values()])
+    row("train wall (s)", f"{e['train_wall_s']:.0f}", "", [f"{o['train_wall_s_sequential']:.0f} (sum over blocks)" for o in objs.values()])
+    row("bytes scored", f"{e['bytes_scored']:,}", "", [f"{o['bytes_scored']:,}" for o in objs.values()])
+    width = [max(len(rw[i]) for rw in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(width[i]) for i, c in enumerate(rw)) + " |" for rw in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
+    peak = r["peak_flops"]
+    sweep = r["lr_sweep"]
+    notes = [
+        "",
+        f"Measured matmul peak: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s; MFU is against the "
+        f"{r['precision']} peak.",
+        f"Learning-rate sweep on validation (x{', x'.join(f'{f:g}' for f in sweep['factors'])} of the preset's lr): "
+        f"E2E {sweep['e2e_val_ce']} -> lr {sweep['e2e_lr']:g}"
+        + (f"; stack block 0 {sweep['stack_block0_val_prefix_ce']} -> lr {sweep['stack_lr']:g}" if "stack_lr" in sweep else "")
+        + ".",
+    ]
+    return "\n".join(lines + notes)

@@ -1,0 +1,165 @@
+"""``blocktrain bench speed``: seconds per step and MFU of the trainers, fp32 against bf16, side by side.
+
+Each measurement is a short real training run (``train-e2e`` / ``train-block``)
+in a fresh child process, one after another, so every one has the machine to
+itself. Seconds per step are read the same way for every run, from the
+cumulative bytes/s the trainer logs every ``log_every`` steps: the time between
+the first logged step and the last, divided by the steps between them, so
+start-up and the first steps' kernel set-up are left out. With
+``reference_commit`` the same commands also run on that commit's code (a
+temporary git worktree), which is how "today's fp32 path" is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blocktrain.bench.machine import machine_info, measure_peak_flops
+from blocktrain.data.dataset import DataDir
+from blocktrain.device import resolve_device
+from blocktrain.errors import BlockTrainError, ConfigError, RunError
+from blocktrain.train.metrics import read_jsonl
+
+log = logging.getLogger(__name__)
+
+# (name in the JSON, sub-command and its extra flags, metrics file)
+TRAINERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("e2e", ("train-e2e",), "e2e"),
+    ("block", ("train-block", "--block", "0", "--objective", "diffusion"), "block_0"),
+    ("stack_block", ("train-block", "--block", "0", "--objective", "stack"), "block_0"),
+)
+LOG_EVERY = 5  # steps between the logged rates the timing is read from
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    preset: str  # configuration preset to time
+    data: DataDir  # data directory
+    out: Path  # scratch directory for the runs (deleted and recreated)
+    steps: int = 30  # training steps per measurement (at least 3 x LOG_EVERY)
+    json_path: Path | None = None  # write the result JSON here
+    reference_commit: str | None = None  # also time this commit's trainers (fp32, its own code)
+    device: str = "auto"  # device of the new code's runs
+    command: str = ""  # the command line, recorded in the JSON
+
+    def __post_init__(self) -> None:
+        if self.steps < 3 * LOG_EVERY:
+            raise ConfigError(f"steps must be at least {3 * LOG_EVERY} to time steps after warm-up, got {self.steps}")
+
+
+def seconds_per_step(metrics: list[dict[str, Any]], bytes_per_step: int) -> float:
+    """Mean seconds per step between the first and the last logged step, from the cumulative bytes/s."""
+    pts = [(r["step"], r["step"] * bytes_per_step / r["bytes_per_s"]) for r in metrics if "bytes_per_s" in r and "event" not in r]
+    if len(pts) < 2:
+        raise RunError("fewer than two logged steps; time more steps")
+    (s0, t0), (s1, t1) = pts[0], pts[-1]
+    return (t1 - t0) / (s1 - s0)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    log.info("running: %s", shlex.join(cmd))
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        raise BlockTrainError(f"timed run failed (exit {rc}): {shlex.join(cmd)}")
+
+
+def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
+    from blocktrain.presets import get_preset
+
+    cfg = get_preset(opts.preset)
+    device = resolve_device(opts.device)
+    bytes_per_step = cfg.train.batch_size * cfg.model.context
+    if opts.out.exists():
+        shutil.rmtree(opts.out)
+    opts.out.mkdir(parents=True)
+    common = ["--preset", opts.preset, "--data", str(opts.data.root), "--steps", str(opts.steps), "--no-progress"]
+    new_flags = ["--log-every", str(LOG_EVERY), "--eval-bytes", "0", "--checkpoint-every", "1000000", "--device", opts.device]
+    peak = measure_peak_flops(device)
+    result: dict[str, Any] = {
+        "benchmark": "speed", "preset": opts.preset, "steps": opts.steps, "device": str(device),
+        "machine": machine_info(), "peak_flops": peak, "command": opts.command, "commands": {},
+    }
+    for name, sub, metrics_name in TRAINERS:
+        entry: dict[str, Any] = {}
+        for precision in ("fp32", "bf16"):
+            out = opts.out / f"{name}-{precision}"
+            cmd = [sys.executable, "-m", "blocktrain", *sub, "--out", str(out), *common, *new_flags, "--precision", precision]
+            _run(cmd)
+            metrics = read_jsonl(out / "metrics" / f"{metrics_name}.jsonl")
+            summary = next(r for r in reversed(metrics) if r.get("event") == "summary")
+            sps = seconds_per_step(metrics, bytes_per_step)
+            entry[f"{precision}_s_per_step"] = sps
+            entry[f"{precision}_median_s_per_step"] = summary["seconds_per_step"]
+            entry["flops_per_step"] = summary["flops_per_step"]
+            entry[f"{precision}_mfu_of_own_peak"] = summary["flops_per_step"] / sps / peak[precision]
+            entry[f"{precision}_train_mem_bytes"] = summary["train_mem_bytes"]
+            result["commands"][f"{name}.{precision}"] = "blocktrain " + shlex.join(cmd[3:])
+        entry["mfu"] = entry["flops_per_step"] / entry["bf16_s_per_step"] / peak["bf16"]
+        entry["bytes_per_s"] = bytes_per_step / entry["bf16_s_per_step"]
+        entry["speedup_bf16_over_fp32"] = entry["fp32_s_per_step"] / entry["bf16_s_per_step"]
+        result[name] = entry
+    if opts.reference_commit:
+        _time_reference(opts, result, common, bytes_per_step)
+    table = format_speed(result)
+    sys.stdout.write(table + "\n")
+    if opts.json_path:
+        opts.json_path.parent.mkdir(parents=True, exist_ok=True)
+        opts.json_path.write_text(json.dumps(result, indent=2) + "\n")
+        opts.json_path.with_suffix(".md").write_text(f"# Training speed: {opts.preset}\n\n```\n{opts.command}\n```\n\n{table}\n")
+    return result
+
+
+def _time_reference(opts: SpeedOptions, result: dict[str, Any], common: list[str], bytes_per_step: int) -> None:
+    """The same commands on ``reference_commit``'s code, in a temporary git worktree."""
+    commit = opts.reference_commit
+    assert commit is not None
+    repo = Path(__file__).resolve().parents[3]
+    with tempfile.TemporaryDirectory(prefix="blocktrain-ref-") as tmp:
+        tree = Path(tmp) / "tree"
+        _run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), commit])
+        try:
+            env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+            for name, sub, metrics_name in TRAINERS:
+                if "stack" in name:
+                    continue  # the reference commit has no stack objective
+                sub_old = tuple(a for a in sub if a not in ("--objective", "diffusion"))
+                out = opts.out / f"{name}-reference"
+                cmd = [sys.executable, "-m", "blocktrain", *sub_old, "--out", str(out), *common]
+                _run(cmd, env)
+                metrics = read_jsonl(out / "metrics" / f"{metrics_name}.jsonl")
+                sps = seconds_per_step(metrics, bytes_per_step)
+                result[name]["reference_fp32_s_per_step"] = sps
+                result[name]["speedup_over_reference"] = sps / result[name]["bf16_s_per_step"]
+                result["commands"][f"{name}.reference"] = f"(at {commit}) blocktrain " + shlex.join(cmd[3:])
+        finally:
+            subprocess.call(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)])
+    result["reference_commit"] = commit
+
+
+def format_speed(r: dict[str, Any]) -> str:
+    rows = [["trainer", "fp32 s/step", "bf16 s/step", "bf16 speed-up", "reference fp32 s/step", "speed-up over reference",
+             "GFLOP/step", "MFU (bf16 peak)"]]
+    for name, _sub, _m in TRAINERS:
+        e = r[name]
+        ref = e.get("reference_fp32_s_per_step")
+        rows.append([
+            name, f"{e['fp32_s_per_step']:.3f}", f"{e['bf16_s_per_step']:.3f}", f"{e['speedup_bf16_over_fp32']:.2f}x",
+            f"{ref:.3f}" if ref else "", f"{e['speedup_over_reference']:.2f}x" if ref else "",
+            f"{e['flops_per_step'] / 1e9:.1f}", f"{e['mfu']:.1%}",
+        ])
+    width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(width[i]) for i, c in enumerate(row)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
+    p = r["peak_flops"]
+    lines.append(f"\nMeasured matmul peak on {r['device']}: fp32 {p['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {p['bf16'] / 1e9:,.0f} GFLOP/s.")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The objective seam: what a block is trained on and how blocks compose.
+
+Every user of blocks (trainers, the worker, the coordinator's evaluation, the
+assembled model, serving stages) calls an :class:`Objective` instead of a
+particular loss or chain. An objective answers three questions:
+
+* **loss** -- the local loss of block k on a batch, given frozen copies of the
+  blocks before it (``frozen_inputs(k)`` of them; 0 for the diffusion objective);
+* **composition** -- the logits of a block sequence, folded block by block
+  through :meth:`Objective.step` from :meth:`Objective.initial_carry`, and the
+  logits of its single-block references (every prefix for ``stack``, every
+  block alone for ``diffusion``) to measure the compositional gain against;
+* **hand-off** -- the tensor that crosses from one block, or one stage, to the
+  next (``z`` for diffusion, the residual stream ``h`` for stack).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from blocktrain.config import RunConfig
+
+
+@dataclass(frozen=True)
+class LocalLoss:
+    loss: torch.Tensor  # scalar to minimise (fp32)
+    metrics: dict[str, float]  # extra figures for the metrics log
+
+
+class Objective(Protocol):
+    """One block objective; see the module docstring."""
+
+    name: str  # "diffusion" or "stack"
+    cfg: RunConfig
+    reference_name: str  # JSON key of the single-block references' CE: "prefix_ce" or "blocks_alone_ce"
+
+    def build_block(self, k: int) -> nn.Module:
+        """A freshly initialised block k (fp32, on CPU)."""
+
+    def frozen_inputs(self, k: int) -> int:
+        """How many earlier blocks block k trains on (frozen)."""
+
+    def freeze(self, block: nn.Module, dtype: torch.dtype) -> nn.Module:
+        """The forward-only copy of a finished block that later blocks' workers hold."""
+
+    def block_loss(
+        self, block: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        frozen: Sequence[nn.Module] = (),
+    ) -> LocalLoss:
+        """Local loss of block k on bytes x (b, t) with next bytes y (b, t)."""
+
+    def local_logits(
+        self, block: nn.Module, k: int, x: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = (),
+    ) -> torch.Tensor:
+        """Block k's own next-byte logits without the target: its prefix (stack) or itself on pure noise (diffusion)."""
+
+    def initial_carry(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor | None:
+        """What enters block 0 besides the bytes (z_0 = sigma_max eps, or nothing)."""
+
+    def step(
+        self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block k's share of a traversal: (the carry handed to block k+1, logits if wanted)."""
+
+    def reference_logits(self, blocks: Sequence[nn.Module], x: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:
+        """Logits of each single-block reference: prefix 0..k (stack) or block k alone (diffusion)."""
+
+    def train_flops_per_token(self, k: int) -> float:
+        """Training FLOPs per token of block k's step, frozen forward passes included."""
+
+
+@torch.no_grad()
+def compose_logits(
+    objective: Objective, blocks: Sequence[nn.Module], x: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """One traversal of all blocks: logits (b, t, 256) of the composed model at every position of x (b, t)."""
+    n = objective.cfg.model.n_blocks
+    if len(blocks) != n:
+        raise ValueError(f"composing needs all {n} blocks, got {len(blocks)}")
+    carry = objective.initial_carry(x, generator)
+    logits: torch.Tensor | None = None
+    for k, block in enumerate(blocks):
+        carry, logits = objective.step(block, k, x, carry, want_logits=k == n - 1, is_last=k == n - 1)
+    assert logits is not None
+    return logits
+
+
+def frozen_dtype(precision_is_bf16: bool) -> torch.dtype:
+    """Frozen copies are stored in bf16 when the worker computes in bf16, else fp32."""
+    return torch.bfloat16 if precision_is_bf16 else torch.float32

@@ -1,0 +1,71 @@
+"""Progress bars that stay readable when the output is a log file.
+
+On a terminal :func:`progress_bar` is an ordinary tqdm bar. When stderr is not a
+terminal (``blocktrain eval ... > log 2>&1``) every in-place redraw would become
+one more entry in the log, so the bar instead writes a logging line when it starts,
+at most one every :data:`NON_TTY_INTERVAL_S` seconds, and one summary line when it
+finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+log = logging.getLogger("blocktrain.progress")
+
+NON_TTY_INTERVAL_S = 30.0  # seconds between progress lines when the output is not a terminal
+
+
+class _NullFile:
+    """Where a logged bar's own drawing goes: nowhere (its lines go through logging)."""
+
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+class LoggedBar(tqdm):
+    """A tqdm bar that logs a line at most every ``interval`` seconds (and always at the end) instead of redrawing."""
+
+    def __init__(self, *args: Any, interval: float = NON_TTY_INTERVAL_S, **kwargs: Any) -> None:
+        self._interval = interval
+        self._last_line = float("-inf")  # time.monotonic() of the last line logged
+        self._closing = False
+        super().__init__(*args, file=_NullFile(), mininterval=interval, maxinterval=interval, **kwargs)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if msg == "":  # tqdm clearing a bar that is not kept: nothing was drawn, nothing to clear
+            return True
+        now = time.monotonic()
+        if not self._closing and now - self._last_line < self._interval:
+            return True  # e.g. set_postfix() forces a refresh on every step
+        self._last_line = now
+        log.info("%s", self.__str__() if msg is None else msg)
+        return True
+
+    def close(self) -> None:
+        self._closing = True  # the final display is always logged: the one-line summary
+        super().close()
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def progress_bar(*args: Any, **kwargs: Any) -> tqdm:
+    """``tqdm(*args, **kwargs)`` on a terminal; a :class:`LoggedBar` (a few log lines) when the output is not one."""
+    if kwargs.get("disable") or _is_terminal(kwargs.get("file") or sys.stderr):
+        return tqdm(*args, **kwargs)
+    for key in ("file", "dynamic_ncols", "mininterval", "maxinterval"):  # drawing options that do not apply
+        kwargs.pop(key, None)
+    return LoggedBar(*args, **kwargs)

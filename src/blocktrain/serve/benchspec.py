@@ -1,0 +1,95 @@
+"""The ``spec`` row of ``blocktrain bench serve``: speculative decoding on a stack run's pipeline.
+
+The stack run (``--stack-run``) is served by as many stages as the main
+comparison, on the same network; the entry stage drafts with its prefix model
+(blocks 0..hi of its span) and every traversal verifies a whole draft. Measured
+as the other rows: time to the full output, bytes written by the stages, and the
+generative CE of outputs for the same prompts, temperature and top-k under the
+main run's E2E model; plus the mean bytes per traversal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.config import Objective
+from blocktrain.errors import BlockTrainError
+from blocktrain.evaluate.assembled import E2EModel
+
+
+def spec_task(draft_min: int, draft_max: int) -> dict[str, Any]:
+    """The bench client's task for the spec row (timed once, plus one output per prompt for the quality)."""
+    return {"name": "spec", "mode": "spec", "repeat": 1, "draft_min": draft_min, "draft_max": draft_max}
+
+
+def spec_summary(task: dict[str, Any], generative_ce: float, baseline_seconds: float, output_bytes: int) -> dict[str, Any]:
+    """The spec row's keys of the result JSON, from the bench client's task result."""
+    traversals = float(task["traversals"])
+    return {
+        "spec_seconds": task["seconds"],
+        "spec_bytes_per_traversal": output_bytes / traversals,
+        "spec_wire_bytes": task["stage_bytes_out"],
+        "spec_generative_ce": generative_ce,
+        "speedup_spec_vs_baseline": baseline_seconds / task["seconds"],
+    }
+
+
+def check_stack_run(run: RunDir) -> None:
+    cfg = run.load_config()
+    if cfg.objective is not Objective.STACK:
+        raise BlockTrainError(f"--stack-run {run.root} is a {cfg.objective.value} run; spec needs a stack run "
+                              "(train one with 'blocktrain train --objective stack')")
+    if not run.has_blocks(cfg.model.n_blocks):
+        raise BlockTrainError(f"--stack-run {run.root} needs all {cfg.model.n_blocks} blocks; train them first")
+
+
+def run_spec_row(
+    args: argparse.Namespace, pipe: Any, stack_run: RunDir, base: dict[str, Any], prompts: list[bytes], e2e: E2EModel,
+    baseline_seconds: float,
+) -> dict[str, Any]:
+    """Serve ``stack_run`` over ``pipe`` (a :class:`blocktrain.serve.bench.Pipeline`), time spec, score its outputs."""
+    from blocktrain.serve.bench import generative_ce, repeat_fraction, split_blocks
+
+    check_stack_run(stack_run)
+    cfg = stack_run.load_config()
+    pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(stack_run.root)], threads=1)
+    try:
+        out = pipe.client({**base, "tasks": [spec_task(args.draft_min, args.draft_max)]}, timeout_s=3600)
+    finally:
+        pipe.stop()
+    task = out["tasks"]["spec"]
+    outs = [bytes(o) for o in task["quality_outputs"]]
+    ces = [generative_ce(e2e, p, o) for p, o in zip(prompts, outs, strict=True)]
+    quality: dict[str, Any] = {"generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
+               "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
+               "sample": outs[0].decode("utf-8", errors="replace")}
+    return {"task": task, "quality": quality, "stack_run": str(stack_run.root),
+            **spec_summary(task, quality["generative_ce"], baseline_seconds, int(base["output_bytes"]))}
+
+
+def run_spec(args: argparse.Namespace, pipe: Any, run: RunDir, baseline_seconds: float) -> dict[str, Any]:
+    """The spec row on the same prompts, temperature and top-k as the other rows; CE under ``run``'s E2E model."""
+    import numpy as np
+
+    from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.serve.bench import _prompts
+
+    data = resolve_data_dir(args.data).open("test").data
+    pairs = _prompts(np.asarray(data), args.prompts, args.prompt_bytes, args.output_bytes)
+    base = {"output_bytes": args.output_bytes, "temperature": args.temperature, "top_k": args.top_k, "seed": 0,
+            "prompts": [list(p) for p, _ in pairs]}
+    e2e = E2EModel.load(run, run.load_config())
+    return run_spec_row(args, pipe, RunDir(Path(args.stack_run)), base, [p for p, _ in pairs], e2e, baseline_seconds)
+
+
+def spec_markdown(r: dict[str, Any]) -> list[str]:
+    """The spec row of the markdown table, when the result has one."""
+    if "spec_seconds" not in r:
+        return []
+    n = r["output_bytes"]
+    return [f"| stack spec (speculative, {r['spec_bytes_per_traversal']:.2f} bytes/traversal) | {r['spec_seconds']:.3f} "
+            f"| {n / r['spec_seconds']:.1f} | {r['spec_wire_bytes']:,} | {r['spec_generative_ce']:.3f} |"]

@@ -1,0 +1,287 @@
+"""An OpenAI-style HTTP front door to a serving pipeline (``blocktrain gateway``).
+
+Existing clients (the ``openai`` package, curl, anything that speaks vLLM's or llama.cpp's server) reach a
+pipeline through ``GET /v1/models`` and ``POST /v1/completions`` (plain JSON, or server-sent events ending with
+``data: [DONE]`` when ``stream`` is true). Tokens are bytes: ``max_tokens`` and the usage counts are in bytes.
+The text is the continuation decoded as UTF-8 (invalid bytes replaced by U+FFFD); ``choices[0].raw_bytes`` holds
+the exact bytes, base64-encoded. Extra request fields: ``mode`` (spec, the default; ar; sweep; baseline),
+``top_k`` and ``sweeps``; without ``mode``, the pipeline's default (spec on a stack run, ar on diffusion blocks,
+baseline on the E2E reference). Errors are ``{"error": {"message", "type", "param", "code"}}`` with a 4xx for a bad
+request and a 5xx when the pipeline fails. Request bodies are capped in size, requests in time, and a bearer
+token, when set, is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from blocktrain.errors import ConfigError, ServeError
+from blocktrain.serve.client import PipelineClient
+from blocktrain.serve.gateway_backend import (
+    CompletionRequest,
+    PipelineBackend,
+    RequestError,
+    Utf8Stream,
+    parse_completion,
+    unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "BLOCKTRAIN_GATEWAY_TOKEN"  # bearer token HTTP clients must send, when --token is not given
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How ``blocktrain gateway`` serves; ConfigError on a bad value."""
+
+    pipeline: str  # HOST:PORT of the pipeline's entry stage
+    model_name: str | None = None  # model id reported and accepted; None: derived from the entry stage
+    token: str = ""  # bearer token HTTP clients must send; "" = none
+    pipeline_token: str | None = None  # token of the stages' HELLO; None: $BLOCKTRAIN_SERVE_TOKEN
+    max_tokens_cap: int = 4096  # bytes: the largest max_tokens accepted
+    max_body_bytes: int = 1 << 20  # bytes: the largest request body accepted
+    request_timeout_s: float = 120.0  # seconds: a request (body read, generation, whole stream) must end within this
+    max_connections: int = 256  # HTTP connections served at once; more are answered 503
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_cap < 1:
+            raise ConfigError(f"--max-tokens-cap must be >= 1 byte, got {self.max_tokens_cap}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"--max-body-kib must allow at least 1 KiB, got {self.max_body_bytes} bytes")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {self.request_timeout_s}")
+        if self.max_connections < 1:
+            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("--model-name must not be empty; omit it to name the model after the pipeline")
+
+
+def model_id(entry: dict[str, Any]) -> str:
+    """A model id from the entry stage's description, e.g. ``blocktrain-n4-d32-ctx32``."""
+    return f"{entry.get('family', 'pipeline')}-n{entry.get('n', 0)}-d{entry.get('d_model', 0)}-ctx{entry.get('context', 0)}"
+
+
+def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    kind = "authentication_error" if status == 401 else "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: RequestError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(error_body(exc.status, str(exc), exc.reason, exc.param), status_code=exc.status, headers=headers)
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+class Gateway:
+    """Request handling, independent of the HTTP framework's routing."""
+
+    def __init__(self, opts: GatewayOptions, client: PipelineClient | None = None) -> None:
+        self.opts = opts
+        self.backend = PipelineBackend(client or PipelineClient(opts.pipeline, timeout_s=opts.request_timeout_s,
+                                                                token=opts.pipeline_token))
+        self.created = int(time.time())
+
+    def authorize(self, request: Request) -> None:
+        if not self.opts.token:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.opts.token.encode()):
+            raise RequestError(401, "missing or wrong bearer token; send 'Authorization: Bearer <token>' with the "
+                                    "gateway's --token", "invalid_api_key")
+
+    async def read_json(self, request: Request) -> Any:
+        limit = self.opts.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length and (not length.isdigit() or int(length) > limit):
+            raise RequestError(413, f"the request body exceeds {limit} bytes; send a shorter prompt", "request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise RequestError(413, f"the request body exceeds {limit} bytes; send a shorter prompt",
+                                   "request_too_large")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(400, f"the request body is not valid JSON ({exc}); send a JSON object",
+                               "invalid_json") from exc
+
+    async def entry(self) -> dict[str, Any]:
+        try:
+            return await self.backend.entry()
+        except ServeError as exc:
+            raise unavailable(exc) from exc
+
+    async def models(self) -> dict[str, Any]:
+        entry = await self.entry()
+        card = {"id": self.opts.model_name or model_id(entry), "object": "model", "created": self.created,
+                "owned_by": "blocktrain", "context_length": int(entry.get("context", 0)),
+                "modes": list(self.backend.modes(entry))}
+        return {"object": "list", "data": [card]}
+
+    async def completion(self, request: Request) -> Response:
+        try:
+            body = await asyncio.wait_for(self.read_json(request), self.opts.request_timeout_s)
+        except TimeoutError:
+            raise RequestError(408, "the request body did not arrive in time", "request_timeout") from None
+        req = parse_completion(body, self.opts.max_tokens_cap)
+        entry = await self.entry()
+        name = self.opts.model_name or model_id(entry)
+        if req.model is not None and req.model != name:
+            raise RequestError(404, f"the model {req.model!r} does not exist; this gateway serves {name!r} "
+                                    "(GET /v1/models)", "model_not_found", "model")
+        req = self.backend.resolve(req, entry)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": name}
+        if req.stream:
+            return StreamingResponse(self.events(req, head), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            data, stats = await asyncio.wait_for(self.backend.generate(req), self.opts.request_timeout_s)
+        except TimeoutError:
+            raise RequestError(504, f"the pipeline did not finish within {self.opts.request_timeout_s:.0f}s; ask for "
+                                    "fewer bytes or raise the gateway's --timeout", "timeout") from None
+        except ServeError as exc:
+            raise unavailable(exc) from exc
+        choice = {"index": 0, "text": data.decode("utf-8", errors="replace"), "logprobs": None,
+                  "finish_reason": "length" if len(data) >= req.max_tokens else "stop",
+                  "raw_bytes": base64.b64encode(data).decode()}
+        return JSONResponse({**head, "choices": [choice], "usage": usage(req, len(data)),
+                             "blocktrain": {"mode": req.mode, "seed": req.seed, **stats}})
+
+    async def events(self, req: CompletionRequest, head: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The completion as server-sent events: a chunk per piece of bytes, a last chunk, usage, [DONE]."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.opts.request_timeout_s
+        text = Utf8Stream()
+        n_out = 0
+        chunks = self.backend.stream(req)
+
+        def chunk(piece: str, raw: bytes, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish,
+                      "raw_bytes": base64.b64encode(raw).decode()}
+            return sse({**head, "choices": [choice], **(extra or {})})
+
+        try:
+            while True:
+                try:
+                    data = await asyncio.wait_for(anext(chunks), max(deadline - loop.time(), 0.0))
+                except StopAsyncIteration:
+                    break
+                n_out += len(data)
+                yield chunk(text.feed(data), data, None)
+            yield chunk(text.finish(), b"", "length" if n_out >= req.max_tokens else "stop",
+                        {"blocktrain": {"mode": req.mode, "seed": req.seed}})
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(req, n_out)})
+            yield sse("[DONE]")
+        except TimeoutError:
+            yield sse(error_body(504, f"the pipeline did not finish within {self.opts.request_timeout_s:.0f}s", "timeout"))
+        except ServeError as exc:
+            err = unavailable(exc)
+            yield sse(error_body(err.status, str(err), err.reason))
+        finally:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+
+
+def usage(req: CompletionRequest, n_out: int) -> dict[str, int]:
+    return {"prompt_tokens": len(req.prompt), "completion_tokens": n_out, "total_tokens": len(req.prompt) + n_out}
+
+
+def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> FastAPI:
+    """The FastAPI app; ``client`` (unconnected) replaces the PipelineClient built from ``opts``."""
+    gw = Gateway(opts, client)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gw.backend.close()
+
+    app = FastAPI(title="BlockTrain gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        msg = f"{request.method} {request.url.path}: {exc.detail}; this gateway serves GET /v1/models and POST /v1/completions"
+        return JSONResponse(error_body(exc.status_code, msg, code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, f"internal gateway error ({type(exc).__name__}); see the gateway's log",
+                                       "internal_error"), status_code=500)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        return await gw.models()
+
+    @app.get("/v1/models/{name}")
+    async def get_model(request: Request, name: str) -> dict[str, Any]:
+        gw.authorize(request)
+        listed = (await gw.models())["data"][0]
+        if name != listed["id"]:
+            raise RequestError(404, f"the model {name!r} does not exist; this gateway serves {listed['id']!r}",
+                               "model_not_found", "model")
+        return dict(listed)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gw.authorize(request)
+        return await gw.completion(request)
+
+    return app
+
+
+def run_gateway(opts: GatewayOptions, host: str, port: int) -> None:
+    """Serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+    import uvicorn
+
+    if not opts.token and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("the gateway on %s:%d accepts requests without a token; set --token or $%s", host, port, TOKEN_ENV)
+    log.info("gateway on http://%s:%d/v1 in front of the pipeline at %s", host, port, opts.pipeline)
+    uvicorn.run(make_app(opts), host=host, port=port, log_level="info", timeout_keep_alive=30,
+                limit_concurrency=opts.max_connections)
+
+
+def gateway_from_args(args: argparse.Namespace) -> None:
+    """``blocktrain gateway`` flags -> a running gateway."""
+    from blocktrain.serve.links import parse_address
+
+    try:
+        host, port = parse_address(args.listen)
+        parse_address(args.pipeline)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; give --listen and --pipeline as HOST:PORT") from exc
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    opts = GatewayOptions(pipeline=args.pipeline, model_name=args.model_name, token=token.strip(),
+                          max_tokens_cap=args.max_tokens_cap, max_body_bytes=int(args.max_body_kib * 1024),
+                          request_timeout_s=args.timeout, max_connections=args.max_connections)
+    run_gateway(opts, host, port)

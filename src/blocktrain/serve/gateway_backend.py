@@ -1,0 +1,281 @@
+"""What the OpenAI-style gateway asks of a pipeline: a validated completion request, the modes, UTF-8 decoding.
+
+The gateway (``serve/gateway.py``) turns HTTP into a :class:`CompletionRequest` (every field checked here, with an
+OpenAI-shaped 4xx on a bad one) and asks a :class:`PipelineBackend` for the continuation as a stream of byte chunks.
+The backend is a thin adapter over :class:`blocktrain.serve.client.PipelineClient`: it uses the client's streaming
+iterators (``iter_spec``, ``iter_ar``, ``iter_baseline``) where the client has them, and otherwise its one-shot methods (the whole
+continuation as one chunk). A mode the client cannot run is refused with a 501, never answered with made-up text.
+
+Bytes cross HTTP twice: as text (bytes that are not valid UTF-8 replaced by U+FFFD, decoded incrementally so that
+a character split across two chunks is not replaced) and raw, base64-encoded, in ``raw_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import inspect
+import math
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from blocktrain.errors import ProtocolError, StageUnavailableError
+from blocktrain.serve.client import PipelineClient
+
+MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
+# modes each kind of pipeline runs (the entry stage's `family`), the default first
+FAMILY_MODES = {"stack": ("spec", "ar"), "blocktrain": ("ar", "sweep"), "e2e": ("baseline",)}
+DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
+SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
+MAX_SWEEPS = 16  # most sweeps one request may ask for
+# fields an OpenAI client may send that this gateway cannot honour unless they hold their neutral value
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
+    "stop": (None, [], ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+}
+
+
+class RequestError(ProtocolError):
+    """A request the gateway refuses, answered as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(status, message, reason=code)
+        self.param = param  # the request field at fault, or None
+
+
+def bad(message: str, param: str | None, code: str = "invalid_value") -> RequestError:
+    return RequestError(400, message, code, param)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One validated ``POST /v1/completions`` body."""
+
+    prompt: bytes  # the prompt, UTF-8 encoded
+    max_tokens: int  # bytes to generate
+    mode: str | None  # one of MODES; None: the pipeline's default (spec on a stack run)
+    temperature: float  # softmax temperature; 0 = greedy
+    top_p: float  # nucleus mass in (0, 1]; 1 = off (< 1 only where the mode's client method takes it)
+    top_k: int  # sample among the k most likely bytes; 0 = off
+    seed: int  # sampling seed in [0, 2**63)
+    stream: bool  # answer as server-sent events
+    include_usage: bool  # streaming: send a last chunk with the usage counts
+    sweeps: int  # mode sweep: traversals per continuation
+    model: str | None  # the model the client named, checked against the served one
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise bad(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}", "mode")
+        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.sweeps < 1:
+            raise bad("max_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0 and sweeps >= 1 are required", None)
+
+
+def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"{key} must be a finite number, got {value!r}", key, "invalid_type")
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, default: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{key} must be an integer, got {value!r}", key, "invalid_type")
+    return value
+
+
+def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
+    """A JSON body -> CompletionRequest; RequestError (400) names the first bad field and the fix."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_json")
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one prompt
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string (this model reads bytes: token-id lists and batches of prompts are not "
+                  "supported; send one request per prompt)", "prompt", "invalid_type")
+    try:
+        prompt_bytes = prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(f"prompt is not encodable as UTF-8 ({exc.reason}); remove lone surrogates", "prompt") from exc
+    for key, neutral in _NEUTRAL.items():
+        if key in body and body[key] not in neutral:
+            raise bad(f"{key}={body[key]!r} is not supported by this gateway; omit it", key, "unsupported_parameter")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model", "invalid_type")
+    mode = body.get("mode")
+    if mode is not None and mode not in MODES:
+        raise bad(f"unknown mode {mode!r}; use one of {', '.join(MODES)}", "mode")
+    max_tokens = _integer(body, "max_tokens", min(DEFAULT_MAX_TOKENS, max_tokens_cap))
+    if not 1 <= max_tokens <= max_tokens_cap:
+        raise bad(f"max_tokens counts bytes and must be in [1, {max_tokens_cap}], got {max_tokens}", "max_tokens")
+    temperature = _number(body, "temperature", 0.8)
+    if temperature < 0:
+        raise bad(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _integer(body, "top_k", 40)
+    if top_k < -1:
+        raise bad(f"top_k must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    seed = _integer(body, "seed", -1)
+    if "seed" in body and body["seed"] is not None and not 0 <= seed < SEED_LIMIT:
+        raise bad(f"seed must be in [0, 2**63), got {seed}", "seed")
+    sweeps = _integer(body, "sweeps", 1)
+    if not 1 <= sweeps <= MAX_SWEEPS or (sweeps != 1 and mode != "sweep"):
+        raise bad(f"sweeps must be in [1, {MAX_SWEEPS}] and is only for mode sweep, got {sweeps}", "sweeps")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream must be true or false", "stream", "invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise bad('stream_options must be {"include_usage": true|false}', "stream_options", "invalid_type")
+    return CompletionRequest(
+        prompt=prompt_bytes, max_tokens=max_tokens, mode=mode, temperature=temperature, top_p=top_p,
+        top_k=max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=bool(stream),
+        include_usage=bool(options.get("include_usage", False)), sweeps=sweeps, model=model,
+    )
+
+
+def check_fits(req: CompletionRequest, context: int) -> None:
+    """400 when the prompt (and, for modes that cannot slide, the continuation) exceed the model's context."""
+    p, n = max(len(req.prompt), 1), req.max_tokens  # an empty prompt is sent as b"\n"
+    if p > context:
+        raise bad(f"the prompt is {p} bytes and the model's context is {context} bytes; shorten the prompt",
+                  "prompt", "context_length_exceeded")
+    if req.mode in ("spec", "sweep") and p + n > context:
+        raise bad(f"mode {req.mode} keeps prompt and continuation in one window: prompt ({p}) + max_tokens ({n}) must "
+                  f"be at most the context ({context}); shorten them or use mode ar", "max_tokens", "context_length_exceeded")
+    if req.mode == "baseline" and p + n - 1 > context:
+        raise bad(f"mode baseline keeps one KV cache: prompt ({p}) + max_tokens ({n}) - 1 must be at most the "
+                  f"context ({context}); shorten them", "max_tokens", "context_length_exceeded")
+
+
+class Utf8Stream:
+    """Bytes in chunks -> text: invalid bytes become U+FFFD, a character split across chunks is kept whole."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, chunk: bytes) -> str:
+        return str(self._decoder.decode(chunk, final=False))
+
+    def finish(self) -> str:
+        """The text of bytes still held back (an incomplete character at the end becomes U+FFFD)."""
+        return str(self._decoder.decode(b"", final=True))
+
+
+async def _once(make: Callable[[], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    data = await make()
+    if data:
+        yield data
+
+
+def _takes_top_p(method: object) -> bool:
+    return callable(method) and "top_p" in inspect.signature(method).parameters
+
+
+class PipelineBackend:
+    """The pipeline behind the gateway: one PipelineClient, connected on first use and reopened by the client."""
+
+    def __init__(self, client: PipelineClient) -> None:
+        self.client = client
+        self._connected = False
+        self._lock = asyncio.Lock()
+
+    async def entry(self) -> dict[str, Any]:
+        """The entry stage's description (family, n, context, ...), connecting first if needed."""
+        if not self._connected:
+            async with self._lock:
+                if not self._connected:
+                    await self.client.connect()
+                    self._connected = True
+        return self.client.entry
+
+    async def close(self) -> None:
+        if self._connected:
+            await self.client.close()
+            self._connected = False
+
+    def _has(self, name: str) -> bool:
+        return callable(getattr(self.client, name, None))
+
+    def modes(self, entry: Mapping[str, Any]) -> tuple[str, ...]:
+        """Modes the pipeline described by ``entry`` runs, its default first."""
+        family = entry.get("family")
+        modes = FAMILY_MODES.get(str(family), MODES)
+        return (*modes, "ar") if family == "e2e" and self._has("iter_ar") else modes  # iter_ar runs the baseline there
+
+    def top_p_modes(self) -> tuple[str, ...]:
+        """Modes whose client method samples with top_p (the others sample with top_k alone)."""
+        extra = (m for m, name in (("ar", "iter_ar"), ("baseline", "iter_baseline"))
+                 if _takes_top_p(getattr(self.client, name, None)))
+        return ("spec", *extra)
+
+    def resolve(self, req: CompletionRequest, entry: Mapping[str, Any]) -> CompletionRequest:
+        """The request with its mode settled, checked against the pipeline (modes, client methods, context)."""
+        modes = self.modes(entry)
+        mode = req.mode or modes[0]
+        if mode not in modes:
+            raise bad(f"this pipeline serves a {entry.get('family')} run, which runs mode {' or '.join(modes)}, not "
+                      f"{mode}; omit mode or use one of those", "mode", "unsupported_mode")
+        if mode == "spec" and not (self._has("iter_spec") or self._has("generate_spec")):
+            raise RequestError(501, "mode spec needs PipelineClient.generate_spec/iter_spec, which this installation's "
+                                    "pipeline client lacks; use mode ar", "mode_unavailable", "mode")
+        if req.top_p < 1 and mode not in self.top_p_modes():
+            raise bad(f"top_p < 1 is not supported by mode {mode} here (only by {', '.join(self.top_p_modes())}); "
+                      "omit top_p", "top_p", "unsupported_parameter")
+        req = replace(req, mode=mode)
+        check_fits(req, int(entry.get("context", 0)))
+        return req
+
+    async def generate(self, req: CompletionRequest) -> tuple[bytes, dict[str, int]]:
+        """The whole continuation, plus the mode's counters (spec: traversals, drafted, accepted)."""
+        if req.mode == "spec" and self._has("generate_spec"):
+            res = await self.client.generate_spec(req.prompt, req.max_tokens, **self._sampling(req))  # type: ignore[attr-defined]
+            return bytes(res.data), {k: int(getattr(res, k)) for k in ("traversals", "drafted", "accepted")}
+        out = bytearray()
+        async for chunk in self.stream(req):
+            out += chunk
+        return bytes(out), {}
+
+    def stream(self, req: CompletionRequest) -> AsyncIterator[bytes]:
+        """The continuation (of a resolved request) as chunks of new bytes, as the pipeline produces them."""
+        c, p, n, kw = self.client, req.prompt, req.max_tokens, self._sampling(req)
+        for mode, name in (("spec", "iter_spec"), ("ar", "iter_ar"), ("baseline", "iter_baseline")):
+            if req.mode == mode and self._has(name):
+                return getattr(c, name)(p, n, **kw)  # type: ignore[no-any-return]
+        if req.mode == "spec":
+            return _once(lambda: self._spec_bytes(req))
+        if req.mode == "ar":
+            return _once(lambda: c.generate_ar(p, n, **kw))
+        if req.mode == "sweep":
+            return _once(lambda: c.sweep(p, n, sweeps=req.sweeps, **kw))
+        if req.mode == "baseline":
+            return _once(lambda: c.generate_baseline(p, n, **kw))
+        raise bad(f"mode {req.mode!r} is not resolved; call resolve() first", "mode")
+
+    async def _spec_bytes(self, req: CompletionRequest) -> bytes:
+        res = await self.client.generate_spec(req.prompt, req.max_tokens, **self._sampling(req))  # type: ignore[attr-defined]
+        return bytes(res.data)
+
+    def _sampling(self, req: CompletionRequest) -> dict[str, Any]:
+        kw: dict[str, Any] = {"temperature": req.temperature, "top_k": req.top_k, "seed": req.seed}
+        if req.mode in self.top_p_modes():
+            kw["top_p"] = req.top_p
+        return kw
+
+
+def unavailable(exc: Exception) -> RequestError:
+    """A pipeline failure as the 5xx the HTTP client sees."""
+    if isinstance(exc, StageUnavailableError):
+        return RequestError(503, f"the pipeline is unavailable: {exc}", "pipeline_unavailable")
+    return RequestError(502, f"the pipeline failed this request: {exc}", "pipeline_error")

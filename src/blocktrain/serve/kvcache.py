@@ -1,0 +1,157 @@
+"""Per-request KV caches of a stage, with rollback and eviction.
+
+A cached request holds, for every attention layer a stage runs, the keys and
+values (b, heads, t, d_head) of the positions 0..t-1 it has seen. A frame
+carries ``pos``, the number of positions its sender knows to be right; the
+stage first truncates the request's cache to ``pos`` (the rollback over
+rejected speculative positions, or over a retried frame) and then appends the
+frame's new positions.
+
+Caches are dropped on RELEASE (the request finished), after ``ttl_s`` without
+use, beyond ``max_requests`` requests (least recently used first) and beyond
+``max_bytes`` bytes of keys and values over all requests (least recently used
+first, the request just served last); each eviction logs a line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from blocktrain.errors import ConfigError
+from blocktrain.serve.wire import UnknownRequestError
+
+log = logging.getLogger(__name__)
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (b, heads, t, d_head) each
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Limits of a stage's KV caches."""
+
+    max_requests: int = 64  # requests cached at once (least recently used dropped first)
+    ttl_s: float = 600.0  # seconds: a request's cache unused this long is dropped
+    max_bytes: int = 256 * 2**20  # bytes of keys and values over all requests of this stage
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1:
+            raise ConfigError(f"max_requests must be >= 1, got {self.max_requests}")
+        if not (self.ttl_s > 0 and math.isfinite(self.ttl_s)):
+            raise ConfigError(f"the cache idle timeout must be a positive number of seconds, got {self.ttl_s!r}; set --cache-ttl")
+        if self.max_bytes < 1:
+            raise ConfigError(f"the KV cache cap must be at least 1 byte, got {self.max_bytes}; set --cache-mib")
+
+
+@dataclass
+class CacheEntry:
+    """One request's cache: ``pos`` positions of every layer named in ``kv``."""
+
+    pos: int = 0  # positions cached
+    kv: dict[str, KV] = field(default_factory=dict)  # layer name -> (keys, values)
+    used: float = field(default_factory=time.monotonic)  # time.monotonic() of the last use
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.kv.values() for t in pair)
+
+    def truncate(self, pos: int) -> None:
+        """Keep positions 0..pos-1 (pos <= self.pos)."""
+        if pos > self.pos:
+            raise UnknownRequestError(f"the cache holds {self.pos} positions, fewer than pos={pos}")
+        if pos < self.pos:
+            self.kv = {name: (k[:, :, :pos], v[:, :, :pos]) for name, (k, v) in self.kv.items()}
+            self.pos = pos
+
+
+class KVCache:
+    """Request id -> :class:`CacheEntry`, thread-safe (compute runs in a worker thread, RELEASE on the event loop)."""
+
+    def __init__(self, options: CacheOptions | None = None, name: str = "stage") -> None:
+        self.opts = options or CacheOptions()
+        self.name = name
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evictions = 0  # caches dropped by the limits (not by RELEASE)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._entries
+
+    def peek(self, rid: str) -> CacheEntry | None:
+        return self._entries.get(rid)
+
+    def positions(self, rid: str) -> int | None:
+        entry = self._entries.get(rid)
+        return None if entry is None else entry.pos
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes() for e in self._entries.values())
+
+    def checkout(self, rid: str, pos: int) -> CacheEntry:
+        """The request's cache truncated to ``pos`` (a fresh one for pos = 0); UnknownRequestError if it is missing."""
+        with self._lock:
+            entry = self._entries.get(rid)
+            if pos == 0:
+                return CacheEntry()
+            if entry is None:
+                raise UnknownRequestError(
+                    f"request {rid} has no KV cache at {self.name} (never prefilled, released or evicted); "
+                    "start it again with pos=0"
+                )
+            entry.truncate(pos)
+            return entry
+
+    def put(self, rid: str, entry: CacheEntry) -> None:
+        """Store (or refresh) the request's cache, then apply the limits."""
+        with self._lock:
+            entry.used = time.monotonic()
+            self._entries[rid] = entry
+            self._entries.move_to_end(rid)
+            self._evict_locked(keep_last=True)
+
+    def release(self, rid: str) -> bool:
+        with self._lock:
+            return self._entries.pop(rid, None) is not None
+
+    def expire_idle(self) -> int:
+        """Drop caches idle longer than ttl_s; returns how many."""
+        with self._lock:
+            return self._expire_locked()
+
+    def _expire_locked(self) -> int:
+        now = time.monotonic()
+        idle = [r for r, e in self._entries.items() if now - e.used > self.opts.ttl_s]
+        for rid in idle:
+            del self._entries[rid]
+            log.info("%s: dropped the KV cache of request %s, idle for more than %.0fs", self.name, rid, self.opts.ttl_s)
+        self.evictions += len(idle)
+        return len(idle)
+
+    def _evict_locked(self, keep_last: bool) -> None:
+        self._expire_locked()
+        while len(self._entries) > self.opts.max_requests:
+            rid, _ = self._entries.popitem(last=False)
+            self.evictions += 1
+            log.warning("%s: KV cache holds %d requests (max %d): dropped the least recently used request %s",
+                        self.name, len(self._entries) + 1, self.opts.max_requests, rid)
+        total = sum(e.nbytes() for e in self._entries.values())
+        while total > self.opts.max_bytes and self._entries:
+            rid, entry = next(iter(self._entries.items()))
+            if keep_last and len(self._entries) == 1:
+                log.warning("%s: request %s alone needs %d bytes of KV cache, over the cap of %d; dropped it "
+                            "(its next frame fails: raise --cache-mib)", self.name, rid, total, self.opts.max_bytes)
+            else:
+                log.warning("%s: KV caches hold %d bytes (cap %d): dropped the least recently used request %s",
+                            self.name, total, self.opts.max_bytes, rid)
+            del self._entries[rid]
+            self.evictions += 1
+            total -= entry.nbytes()

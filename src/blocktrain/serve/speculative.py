@@ -1,0 +1,133 @@
+"""Speculative sampling: the acceptance rule, the sampling filters it applies, and the adaptive draft length.
+
+Pure maths, no network. The rule is the one of Leviathan, Kalman & Matias
+(2023), "Fast Inference from Transformers via Speculative Decoding", Alg. 1,
+and Chen et al. (2023), "Accelerating Large Language Model Decoding with
+Speculative Sampling", Alg. 2: a draft model M_q proposes bytes
+x_1..x_n with x_i ~ q_i(.); the target model M_p scores all of them in one
+pass, giving p_1..p_{n+1}. For i = 1..n, keep x_i with probability
+min(1, p_i(x_i) / q_i(x_i)); at the first rejection emit one byte from
+norm(max(0, p_i - q_i)) and stop; if all n are kept, emit a bonus byte from
+p_{n+1}. Every emitted byte is then distributed exactly as a byte sampled from
+p (Leviathan et al. 2023, Appendix A.1).
+
+Both p and q are the *filtered* distributions: temperature, top-k and top-p
+are applied to the raw logits first (:func:`filtered_probs`), so the output
+follows the same filtered target as plain sampling. Temperature 0 makes both
+one-hot on their argmax, and the rule becomes "keep x_i iff it is argmax p_i;
+otherwise emit argmax p_i" (greedy decoding, byte for byte).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.errors import ConfigError
+
+RATE_DECAY = 0.5  # weight of the old acceptance rate in the running estimate (per traversal)
+MAX_RATE = 0.95  # cap of the acceptance-rate estimate (keeps r / (1 - r) finite)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits (n, V) -> the sampling distribution (n, V) in fp32 after temperature, top-k and top-p.
+
+    temperature <= 0: one-hot on the argmax. top_k = 0 keeps all bytes; top_p = 1 keeps all
+    (nucleus sampling, Holtzman et al. 2020: the smallest set of most likely bytes whose mass reaches top_p).
+    """
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the strictly more likely bytes
+        drop_sorted = before >= top_p  # the most likely byte always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs (n, V) -> (n,) int64."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one speculative step."""
+
+    accepted: int  # draft bytes kept (0..n)
+    next_byte: int  # the byte emitted after them: the correction at the first rejection, or the bonus byte
+
+    def emitted(self, draft: list[int]) -> list[int]:
+        """The bytes this step adds to the text: the kept draft prefix, then ``next_byte``."""
+        return [*draft[: self.accepted], self.next_byte]
+
+
+def accept_draft(draft: list[int], p: torch.Tensor, q: torch.Tensor, generator: torch.Generator) -> Verdict:
+    """The speculative-sampling rule (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
+
+    draft: x_1..x_n; p (n + 1, V): target distributions p_1..p_{n+1} (p_i is the target's
+    distribution of x_i, p_{n+1} that of the bonus byte); q (n, V): the draft distributions x_i was drawn from.
+    Both filtered already (:func:`filtered_probs`).
+    """
+    n = len(draft)
+    if p.shape[0] != n + 1 or q.shape[0] != n or p.shape[-1] != q.shape[-1]:
+        raise ValueError(f"need p (n+1, V) and q (n, V) for a draft of n={n}, got {tuple(p.shape)} and {tuple(q.shape)}")
+    for i, x in enumerate(draft):
+        p_x, q_x = float(p[i, x]), float(q[i, x])
+        u = float(torch.rand((), generator=generator))
+        if q_x <= 0.0 or u * q_x < p_x:  # u < min(1, p/q), without dividing by q
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0.0)  # norm(max(0, p_i - q_i))
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[i]  # total = 0 only by rounding (p = q): then p itself
+        return Verdict(i, int(sample_probs(dist.unsqueeze(0), generator)[0]))
+    return Verdict(n, int(sample_probs(p[n].unsqueeze(0), generator)[0]))
+
+
+def update_rate(rate: float, accepted: int, drafted: int) -> float:
+    """Running acceptance rate: RATE_DECAY * old + (1 - RATE_DECAY) * accepted / drafted (no change when nothing was drafted)."""
+    if drafted <= 0:
+        return rate
+    return RATE_DECAY * rate + (1.0 - RATE_DECAY) * accepted / drafted
+
+
+def next_draft_len(rate: float, draft_min: int, draft_max: int) -> int:
+    """Draft length for an acceptance rate r: the expected run of kept bytes r / (1 - r), plus one, within the bounds.
+
+    With independent acceptances at rate r a draft of n keeps E = r (1 - r^n) / (1 - r) bytes
+    (Leviathan et al. 2023, Eq. 1); beyond about r / (1 - r) + 1 more drafting buys little.
+    """
+    r = min(max(rate, 0.0), MAX_RATE)
+    return max(draft_min, min(draft_max, math.ceil(r / (1.0 - r) - 1e-9) + 1))  # 1e-9: 0.9 / 0.1 is 9.000000000000002
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Sampling and draft-length settings of one speculative generation."""
+
+    temperature: float = 0.8  # softmax temperature of p and q (0 = greedy)
+    top_k: int = 40  # sample among the k most likely bytes (0 = all)
+    top_p: float = 1.0  # nucleus mass kept (1 = all)
+    seed: int = 0  # seeds the draft draws (per traversal) and the acceptance draws
+    draft_min: int = 1  # bytes: the shortest draft
+    draft_max: int = 16  # bytes: the longest draft
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = all bytes), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 1 <= self.draft_min <= self.draft_max:
+            raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; "
+                              "set --draft-min/--draft-max")

@@ -1,0 +1,265 @@
+"""What one stage of a ``stack`` run computes: blocks ``lo..hi`` passing the residual stream h.
+
+Block 0 reads bytes, every later block reads h (b, t, d) from the block before
+(:mod:`blocktrain.model.stack`); the last block's head turns h into logits.
+The stack's layers are the same unconditioned :class:`TransformerLayer` as the
+E2E model's, so the per-request KV caches reuse
+:func:`~blocktrain.serve.compute.layer_cached` (:mod:`blocktrain.serve.kvcache`).
+
+Modes:
+
+* ``score``: teacher-forced logits (b, t, 256) at every position, one traversal,
+  no cache; each block runs its own ``forward`` so the logits are those of
+  :meth:`AssembledModel.log_probs` at the same precision.
+* ``ar``: with ``pos`` in the params, x (or h) holds the positions ``pos..``
+  of one sequence, the caches are truncated to ``pos`` and extended, and the
+  result is the logits (1, 256) of the last position; without ``pos``, x (b, t)
+  is run whole without a cache (the diffusion spans' stateless ``ar``).
+* ``spec`` (:mod:`blocktrain.serve.speculative`): the entry stage drafts
+  ``n_draft`` bytes with its own prefix model (blocks 0..hi and block hi's head,
+  KV-cached, no network), sampling each from q = filtered_probs(logits) with a
+  generator seeded by (seed, accepted length); the accepted tail plus the draft
+  then crosses the remaining stages once, and the last stage returns the raw
+  logits (n_draft + 1, 256) at the positions that predict each draft byte and the
+  bonus byte, with the draft and q carried along. The client runs the acceptance
+  rule. The entry and the last stage also cache their head layers (the entry keeps
+  them in step on every cached frame so that it can draft at any time).
+* ``sweep`` is refused: it is the diffusion objective's whole-continuation mode.
+
+Arithmetic runs under :func:`blocktrain.device.autocast` at the span's precision; h
+crosses the wire in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from blocktrain.config import VOCAB_SIZE, Precision, RunConfig
+from blocktrain.data.stream import mix_seed
+from blocktrain.device import autocast
+from blocktrain.errors import WireError
+from blocktrain.model.stack import StackBlock
+from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, _param, layer_cached
+from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
+from blocktrain.serve.speculative import filtered_probs, sample_probs
+from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
+
+MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
+DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)
+CPU = torch.device("cpu")
+
+
+def _number(params: dict[str, Any], name: str, default: float) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise WireError(f"parameter {name!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+class StackSpan:
+    """Blocks ``lo..hi`` of a stack run, with a KV cache per request id."""
+
+    family = "stack"
+
+    def __init__(
+        self, blocks: dict[int, StackBlock], cfg: RunConfig, precision: Precision = Precision.FP32,
+        cache: CacheOptions | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.lo, self.hi = min(blocks), max(blocks)
+        if sorted(blocks) != list(range(self.lo, self.hi + 1)):
+            raise ValueError(f"a stage holds a contiguous span of blocks, got {sorted(blocks)}")
+        self.blocks = {k: b.eval() for k, b in blocks.items()}
+        self.n_last = cfg.model.n_blocks - 1
+        self.precision = precision
+        self.cache = KVCache(cache, name=f"stack[{self.lo}-{self.hi}]")
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.model.n_blocks,
+                "context": self.cfg.model.context, "d_model": self.cfg.model.d_model,
+                "precision": self.precision.value, "cached_requests": len(self.cache),
+                "cache_evictions": self.cache.evictions}
+
+    def holds(self, index: int) -> bool:
+        return self.lo <= index <= self.hi
+
+    @property
+    def is_last(self) -> bool:
+        return self.hi == self.n_last
+
+    @property
+    def runs_head(self) -> bool:
+        """The last stage scores with its head; the entry drafts with block hi's head."""
+        return self.is_last or self.lo == 0
+
+    def release(self, request_id: str) -> bool:
+        return self.cache.release(request_id)
+
+    def expire_idle(self) -> int:
+        return self.cache.expire_idle()
+
+    def batch_key(self, frame: Frame) -> tuple[Any, ...]:
+        return (self.family, frame.request_id)  # cached steps run one request at a time
+
+    # --- validation ----------------------------------------------------------------
+    def validate(self, frame: Frame) -> None:
+        """Reject a frame this span cannot run (raises WireError with the reason)."""
+        if frame.mode is Mode.SWEEP:
+            raise WireError("sweep is a diffusion mode; this stage serves a stack run, which emits one byte per "
+                            "traversal: use --mode ar or --mode spec")
+        if frame.mode not in (Mode.SCORE, Mode.AR, Mode.SPEC):
+            raise WireError(f"this stage serves a stack run; mode {frame.mode} is not one of score/ar/spec")
+        key = "x" if self.lo == 0 else "h"
+        t = frame.tensors.get(key)
+        d = self.cfg.model.d_model
+        ok = t is not None and t.shape[0] >= 1 and t.shape[1] >= 1 and (
+            (t.dim() == 2 and t.dtype == torch.uint8) if key == "x" else (t.dim() == 3 and t.shape[2] == d))
+        if not ok or t is None:
+            what = "uint8 bytes of shape (b, t)" if key == "x" else f"h of shape (b, t, {d})"
+            raise WireError(f"frames at block {self.lo} need tensor {key!r}: {what} with b, t >= 1")
+        if t.shape[0] > MAX_ROWS_PER_FRAME:
+            raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
+        _param(frame.params, "seed", int, 0)
+        cached = frame.mode is Mode.SPEC or "pos" in frame.params
+        if not cached:
+            if t.shape[1] > self.cfg.model.context:
+                raise WireError(f"{t.shape[1]} positions exceed the model context of {self.cfg.model.context}")
+            return
+        pos = _param(frame.params, "pos", int, 0)
+        n_draft = self._validate_spec(frame) if frame.mode is Mode.SPEC else 0
+        if t.shape[0] != 1:
+            raise WireError("KV-cached frames (ar with pos, spec) carry one sequence: shape (1, t, ...)")
+        new = t.shape[1] + (n_draft if self.lo == 0 else 0)
+        if pos < 0 or pos + new > self.cfg.model.context:
+            raise WireError(f"positions {pos}..{pos + new - 1} exceed the context of {self.cfg.model.context}; "
+                            "start a new request (pos=0) with a shorter text or draft")
+        cached_now = self.cache.positions(frame.request_id)
+        if pos > 0 and cached_now is None:
+            raise UnknownRequestError(
+                f"request {frame.request_id} has no KV cache here (never prefilled, released or evicted); "
+                "start it again with pos=0"
+            )
+        if pos > 0 and cached_now is not None and cached_now < pos:
+            raise WireError(f"request {frame.request_id} has {cached_now} cached positions, the frame says pos={pos}")
+
+    def _validate_spec(self, frame: Frame) -> int:
+        n = _param(frame.params, "n_draft", int, 0)
+        if not 0 <= n <= MAX_DRAFT:
+            raise WireError(f"parameter 'n_draft' must be in 0..{MAX_DRAFT}, got {n}")
+        if _number(frame.params, "temperature", 0.0) < 0:
+            raise WireError("parameter 'temperature' must be >= 0")
+        if _param(frame.params, "top_k", int, 0) < 0:
+            raise WireError("parameter 'top_k' must be >= 0")
+        if not 0 < _number(frame.params, "top_p", 1.0) <= 1:
+            raise WireError("parameter 'top_p' must be in (0, 1]")
+        if self.lo > 0 and n > 0:
+            draft, q = frame.tensors.get("draft"), frame.tensors.get("q")
+            if draft is None or tuple(draft.shape) != (1, n) or q is None or tuple(q.shape) != (n, VOCAB_SIZE):
+                raise WireError(f"spec frames past the entry carry 'draft' (1, {n}) and 'q' ({n}, {VOCAB_SIZE})")
+            h = frame.tensors.get("h")
+            if h is not None and h.shape[1] <= n:
+                raise WireError(f"'h' must cover the accepted tail and the {n} draft positions")
+        return n
+
+    # --- compute -------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, frames: Sequence[Frame]) -> list[Frame]:
+        with autocast(self.precision, CPU):
+            return [self._run_one(f) for f in frames]
+
+    def _run_one(self, f: Frame) -> Frame:
+        if f.mode is Mode.SCORE or (f.mode is Mode.AR and "pos" not in f.params):
+            return self._run_stateless(f)
+        pos = int(f.params.get("pos", 0))
+        entry = self.cache.checkout(f.request_id, pos)
+        try:
+            if self.lo == 0 and f.mode is Mode.SPEC:
+                out = self._draft(f, entry, pos)
+            else:
+                inp = f.tensors["x"] if self.lo == 0 else f.tensors["h"].float()
+                h, logits = self.cached_step(entry, inp, pos)
+        except BaseException:
+            self.cache.release(f.request_id)  # a half-extended cache is wrong: the request starts again at pos=0
+            raise
+        self.cache.put(f.request_id, entry)
+        if self.lo == 0 and f.mode is Mode.SPEC:
+            return out
+        if not self.is_last:
+            return self._work(f, h, {k: v for k, v in f.tensors.items() if k in ("draft", "q")})
+        assert logits is not None
+        n = int(f.params.get("n_draft", 0)) if f.mode is Mode.SPEC else 0
+        return self._result(f, logits[0, -(n + 1):], f.tensors)
+
+    def _run_stateless(self, f: Frame) -> Frame:
+        h = f.tensors["x"] if self.lo == 0 else f.tensors["h"].float()
+        for k in range(self.lo, self.hi + 1):
+            h = self.blocks[k](h)
+        if not self.is_last:
+            return self._work(f, h.float(), {})
+        logits = self.blocks[self.hi].logits(h).float()
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params),
+                     {"logits": logits if f.mode is Mode.SCORE else logits[:, -1]})
+
+    def _work(self, f: Frame, h: torch.Tensor, extra: dict[str, torch.Tensor]) -> Frame:
+        return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h.float(), **extra})
+
+    def _result(self, f: Frame, logits: torch.Tensor, carried: dict[str, torch.Tensor]) -> Frame:
+        tensors = {"logits": logits.float()}
+        if f.mode is Mode.SPEC and int(f.params.get("n_draft", 0)) > 0:
+            tensors.update(draft=carried["draft"], q=carried["q"])
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), tensors)
+
+    def cached_step(self, entry: CacheEntry, inp: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run bytes x (1, t) (block 0) or h (1, t, d) at positions pos.. through the span, extending ``entry``.
+
+        Returns h (1, t, d) after block hi, and the head's logits (1, t, 256) where this stage runs a head.
+        """
+        t = inp.shape[1]
+        if self.lo == 0:
+            b0 = self.blocks[0]
+            assert b0.tok_emb is not None and b0.pos_emb is not None
+            h = (b0.tok_emb(inp.long()) + b0.pos_emb(torch.arange(pos, pos + t))).float()
+        else:
+            h = inp
+        for k in range(self.lo, self.hi + 1):
+            for j, layer in enumerate(self.blocks[k].layers):
+                h, entry.kv[f"{k}.{j}"] = layer_cached(layer, h, entry.kv.get(f"{k}.{j}"))  # type: ignore[arg-type]
+        logits = None
+        if self.runs_head:
+            block = self.blocks[self.hi]
+            g = h
+            for j, layer in enumerate(block.head_layers):
+                g, entry.kv[f"head.{j}"] = layer_cached(layer, g, entry.kv.get(f"head.{j}"))  # type: ignore[arg-type]
+            logits = block.head(block.ln_f(g)).float()
+        entry.pos = pos + t
+        return h, logits
+
+    def _draft(self, f: Frame, entry: CacheEntry, pos: int) -> Frame:
+        """Entry stage of a spec frame: draft n bytes with blocks 0..hi and block hi's head, then pass it all on."""
+        x = f.tensors["x"]
+        n = int(f.params.get("n_draft", 0))
+        temperature = float(f.params.get("temperature", 0.0))
+        top_k, top_p = int(f.params.get("top_k", 0)), float(f.params.get("top_p", 1.0))
+        accepted_len = pos + x.shape[1]
+        g = torch.Generator().manual_seed(mix_seed(int(f.params.get("seed", 0)), DRAFT_SEED + accepted_len))
+        h, logits = self.cached_step(entry, x, pos)
+        assert logits is not None
+        hs, last = [h], [logits[0, -1]]
+        draft: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(n):
+            q = filtered_probs(last[-1].unsqueeze(0), temperature, top_k, top_p)  # (1, 256)
+            draft.append(int(q.argmax()) if temperature <= 0 else int(sample_probs(q, g)[0]))
+            qs.append(q[0])
+            h, logits = self.cached_step(entry, torch.tensor([[draft[-1]]], dtype=torch.uint8), accepted_len + i)
+            assert logits is not None
+            hs.append(h)
+            last.append(logits[0, -1])
+        carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)} if n else {}
+        if self.is_last:  # one stage holds the whole model: the draft model is the target
+            return self._result(f, torch.stack(last), carried)
+        return self._work(f, torch.cat(hs, dim=1), carried)

@@ -1,0 +1,160 @@
+"""Training all B blocks of a run: which block may train when.
+
+* Blocks that train alone (``diffusion``) run as independent processes, up to
+  ``parallel`` at a time.
+* ``stack`` with the **progressive** schedule (the default): block k opens when
+  block k-1 has finished its step budget, so the blocks run one after another,
+  each in its own process, block k on frozen copies of the finished 0..k-1.
+* ``stack`` with the **concurrent** schedule: every block is open at once, in
+  one process. Training goes in rounds of ``round_steps`` steps per block;
+  every ``refresh_rounds`` rounds the frozen copies that later blocks read are
+  refreshed from the current earlier blocks. It exists to measure what
+  staleness costs (block k learns on features that are still moving); use it
+  only when blocks cannot wait for one another. Checkpoints fall on refresh
+  boundaries, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from blocktrain.checkpoint.blocks import block_save_meta
+from blocktrain.checkpoint.run import RunDir, load_model, load_optimizer_tensors, optimizer_tensors, save_model
+from blocktrain.checkpoint.safetensors_io import load_file, save_file
+from blocktrain.config import Objective, Precision, RunConfig, Schedule
+from blocktrain.data.dataset import DataDir
+from blocktrain.data.stream import TrainStream, block_stream, init_seed
+from blocktrain.device import autocast, resolve_device, resolve_precision
+from blocktrain.errors import BlockTrainError, CheckpointError
+from blocktrain.objectives import get_objective
+from blocktrain.objectives.base import frozen_dtype
+from blocktrain.train.metrics import JsonlWriter
+from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+
+log = logging.getLogger(__name__)
+
+
+def train_all_processes(cfg: RunConfig, train_block_cmd: Sequence[str], parallel: int) -> None:
+    """Run ``train_block_cmd + ["--block", k]`` for every block: in order for a progressive stack, else ``parallel`` at once."""
+    ordered = cfg.objective is Objective.STACK
+    if ordered and parallel > 1:
+        log.warning("the progressive schedule trains block k after block k-1 has finished; ignoring --parallel %d", parallel)
+    width = 1 if ordered else max(1, parallel)
+    pending = list(range(cfg.model.n_blocks))
+    running: list[tuple[int, subprocess.Popen[bytes]]] = []
+    failed: list[int] = []
+    while pending or running:
+        while pending and len(running) < width and not (ordered and failed):
+            k = pending.pop(0)
+            running.append((k, subprocess.Popen([*train_block_cmd, "--block", str(k)])))
+        if not running:
+            break
+        k, proc = running.pop(0)
+        if proc.wait() != 0:
+            failed.append(k)
+    if failed:
+        later = f"; blocks {pending} did not start, since they train on block {failed[0]}" if ordered and pending else ""
+        raise BlockTrainError(
+            f"training failed for blocks {failed}{later}; each one's error is printed above: fix its cause, then run "
+            "the same command again (every block resumes from its last checkpoint)"
+        )
+
+
+def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True) -> list[float]:
+    """Train every block of a stack at once (see the module docstring); returns each block's last loss."""
+    if cfg.objective is not Objective.STACK:
+        raise BlockTrainError("the concurrent schedule is for the stack objective; diffusion blocks never wait for each other")
+    tc = cfg.train
+    train = data.open("train")
+    run = RunDir(out)
+    cfg = run.init(cfg)
+    objective = get_objective(cfg)
+    device = resolve_device(tc.device)
+    precision = resolve_precision(tc.precision, device)
+    B = cfg.model.n_blocks
+    blocks: list[nn.Module] = []
+    for k in range(B):
+        torch.manual_seed(init_seed(tc.seed, k))
+        blocks.append(objective.build_block(k).to(device))
+    opts = [make_optimizer(b, tc) for b in blocks]
+    streams = [TrainStream(train.data, cfg.model.context, tc.batch_size, tc.seed, stream=block_stream(k)) for k in range(B)]
+    metrics = [JsonlWriter(run.metrics_path(f"block_{k}")) for k in range(B)]
+    period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
+    start = _resume(run, cfg, blocks, opts)
+    dtype = frozen_dtype(precision is Precision.BF16)
+    losses = [float("nan")] * B
+    t0 = time.perf_counter()
+    step = start
+    while step < tc.steps:
+        frozen = [objective.freeze(b, dtype) for b in blocks[:-1]]  # a refresh: snapshots of the current blocks
+        end = min(tc.steps, step + period)
+        for r0 in range(step, end, tc.round_steps):
+            for k in range(B):
+                for s in range(r0, min(end, r0 + tc.round_steps)):
+                    x, y = streams[k].batch(s)
+                    with autocast(precision, device):
+                        out_k = objective.block_loss(
+                            blocks[k], k, x.to(device), y.to(device), streams[k].generator(s, purpose=1), frozen[:k]
+                        )
+                    gnorm = optimizer_step(blocks[k], opts[k][0], out_k.loss, lr_at(s, tc), tc.grad_clip)
+                    losses[k] = float(out_k.loss.detach())
+                    if (s + 1) % tc.log_every == 0:
+                        metrics[k].write(step=s + 1, loss=losses[k], lr=lr_at(s, tc), grad_norm=gnorm)
+        step = end
+        _checkpoint(run, cfg, blocks, opts, step)
+        if progress:
+            log.info("concurrent: step %d of %d per block, losses %s (%.0f s)", step, tc.steps,
+                     ", ".join(f"{v:.3f}" for v in losses), time.perf_counter() - t0)
+    for k in range(B):
+        metrics[k].write(event="summary", name=f"block_{k}", steps=step, schedule="concurrent", final_loss=losses[k],
+                         wall_s=time.perf_counter() - t0)
+    return losses
+
+
+def _checkpoint(run: RunDir, cfg: RunConfig, blocks: list[nn.Module], opts: list[tuple[torch.optim.AdamW, dict[int, str]]],
+                step: int) -> None:
+    for k, (block, (opt, names)) in enumerate(zip(blocks, opts, strict=True)):
+        save_file(run.block_state_path(k), optimizer_tensors(opt, names), {"step": str(step), "name": f"block_{k}"})
+        save_model(run.block_path(k), block, cfg, step=step, **block_save_meta(cfg, k))
+
+
+def _resume(run: RunDir, cfg: RunConfig, blocks: list[nn.Module], opts: list[tuple[torch.optim.AdamW, dict[int, str]]]) -> int:
+    """Restore every block at the same step, or start at 0; mixed steps mean a run of another schedule."""
+    present = [k for k in range(len(blocks)) if run.block_path(k).exists()]
+    if not present:
+        return 0
+    if len(present) != len(blocks):
+        raise CheckpointError(
+            f"{run.root} holds checkpoints of blocks {present} only; a concurrent run checkpoints them together. "
+            "Resume it with the schedule that wrote it, or choose a new --out"
+        )
+    steps = set()
+    for k, (block, (opt, names)) in enumerate(zip(blocks, opts, strict=True)):
+        meta = {key: v for key, v in block_save_meta(cfg, k).items() if key != "kind"}
+        ckpt = load_model(run.block_path(k), block, cfg, "block", **meta)
+        if ckpt.step:
+            state, st_meta = load_file(run.block_state_path(k))
+            if int(st_meta.get("step", "-1")) != ckpt.step:
+                raise CheckpointError(f"{run.block_state_path(k)} does not match block {k}'s weights; delete both")
+            load_optimizer_tensors(opt, names, state)
+        steps.add(ckpt.step)
+    if len(steps) != 1:
+        raise CheckpointError(
+            f"{run.root} holds blocks at different steps {sorted(steps)}; a concurrent run checkpoints them together. "
+            "Resume it with the schedule that wrote it, or choose a new --out"
+        )
+    step = steps.pop()
+    log.info("concurrent: resuming at step %d of %d per block", step, cfg.train.steps)
+    return step
+
+
+def schedule_of(cfg: RunConfig) -> Schedule:
+    """The schedule a run trains with (diffusion blocks are always independent)."""
+    return cfg.train.schedule if cfg.objective is Objective.STACK else Schedule.PROGRESSIVE

@@ -1,0 +1,67 @@
+"""The one optimiser step that every trainer calls (block, E2E, worker, ablation harness).
+
+    set lr -> backward -> clip the global gradient norm -> AdamW step -> free gradients
+
+AdamW keeps fp32 master weights and fp32 moments whatever the forward
+precision; it is the fused implementation where this torch has one for the
+parameters' device (one kernel per step instead of one per tensor).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from blocktrain.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up then cosine decay to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices, not on biases, norms or embedding tables."""
+    return p.dim() >= 2 and "emb" not in name
+
+
+def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, dict[int, str]]:
+    """AdamW over the trainable parameters, plus the index -> parameter-name map that checkpoints use."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if _decays(n, p)]
+    no_decay = [p for n, p in named if not _decays(n, p)]
+    devices = {p.device.type for _, p in named}
+    fused = bool(named) and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for _, p in named)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        fused=fused or None,
+    )
+    order = [id(p) for p in decay + no_decay]
+    by_id = {id(p): n for n, p in named}
+    return opt, {i: by_id[pid] for i, pid in enumerate(order)}
+
+
+def optimizer_step(module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> float:
+    """One update of ``module`` from ``loss``; returns the global gradient norm before clipping."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss.backward()
+    gnorm = nn.utils.clip_grad_norm_(module.parameters(), grad_clip or float("inf"), foreach=True)
+    opt.step()
+    # Free the gradients now, not before the next backward: alive through the
+    # next forward they sit between its activations and fragment the heap.
+    opt.zero_grad(set_to_none=True)
+    return float(gnorm)
+
+
+def optimizer_bytes(module: nn.Module) -> int:
+    """AdamW keeps two fp32 moments per trainable parameter."""
+    return 2 * sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)

@@ -1,0 +1,244 @@
+"""User-facing CLI paths end to end, tiny and on loopback: bench quality, bench ingest, eval --blocks-alone,
+serving the E2E baseline, --next failover, and verified data directories."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.cli.main import main
+from blocktrain.data import dataset
+from blocktrain.data.dataset import open_data_dir
+from blocktrain.model.block import BlockDenoiser
+from blocktrain.presets import tiny
+from tests.conftest import write_data_dir
+from tests.serve_utils import free_ports
+
+SHAPE = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"  # tiny's model
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+LN256 = math.log(256)
+
+
+# --- bench quality ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quality(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, Path]:
+    """One tiny `bench quality --objective both` (about a minute: every block trains in its own process)."""
+    root = tmp_path_factory.mktemp("quality")
+    data = write_data_dir(root / "data")
+    out = root / "q.json"
+    assert main(["bench", "quality", "--preset", "tiny", "--data", str(data), "--steps", "4", "--no-lr-sweep",
+                 "--max-eval-bytes", "4096", "--eval-bytes", "0", "--objective", "both", "--out", str(root / "runs"),
+                 "--json", str(out), "--no-progress"]) == 0
+    return json.loads(out.read_text()), data, root
+
+
+def test_bench_quality_tiny_end_to_end(quality: tuple[dict[str, Any], Path, Path]) -> None:
+    q, data, root = quality
+    assert (q["benchmark"], q["preset"], q["objective"], q["primary_objective"]) == ("quality", "tiny", "both", "stack")
+    assert (root / "q.md").is_file()
+    n_test = (data / "wiki.test.tokens").stat().st_size
+    assert q["bytes_scored"] == min(4096, n_test - 1)
+    assert set(q["objectives"]) == {"stack", "diffusion"}
+    e2e, bt = q["e2e"], q["blocktrain"]
+    # CE of every model in (0, 6) nats/byte: 4 steps barely move off uniform (ln 256 = 5.55)
+    ces = [e2e["ce_nats_per_byte"], q["e2e_matched_flops"]["ce_nats_per_byte"], *q["blocks_alone_ce"]]
+    for name, ev in q["objectives"].items():
+        ces += [ev["ce_nats_per_byte"], *ev.get("prefix_ce", []), *ev.get("blocks_alone_ce", [])]
+        assert ev["bytes_scored"] == q["bytes_scored"], name
+        assert ev["train_steps_per_block"] == [4, 4, 4, 4], name
+    assert all(0.0 < c < 6.0 for c in ces), ces
+    # the stack's composed model is its last prefix; its gain is over the best prefix
+    assert bt["objective"] == "stack" and len(bt["prefix_ce"]) == 4
+    assert bt["prefix_ce"][-1] == pytest.approx(bt["ce_nats_per_byte"], abs=1e-12)
+    assert len(q["blocks_alone_ce"]) == 4  # the diffusion run's blocks alone
+    for gain, want in (
+        (q["gap_nats_per_byte"], bt["ce_nats_per_byte"] - e2e["ce_nats_per_byte"]),
+        (bt["compositional_gain_nats_per_byte"], min(bt["prefix_ce"]) - bt["ce_nats_per_byte"]),
+        (bt["gap_matched_flops_nats_per_byte"], bt["ce_nats_per_byte"] - q["e2e_matched_flops"]["ce_nats_per_byte"]),
+    ):
+        assert math.isfinite(gain) and gain == pytest.approx(want, abs=1e-12)
+    # memory: the block worker's peak over the E2E trainer's, both measured, both positive
+    worker = q["block_worker"]
+    assert q["memory_ratio_block_over_e2e"] > 0
+    assert q["memory_ratio_block_over_e2e"] == pytest.approx(worker["train_mem_bytes"] / e2e["train_mem_bytes"], rel=1e-9)
+    assert worker["train_mem_bytes"] == max(worker["train_mem_bytes_per_block"])
+    for analytic in (e2e["analytic"], worker["analytic"]):
+        assert analytic["total_state_bytes"] == 16 * analytic["params"]  # fp32 weights, grads, two AdamW moments
+    assert e2e["train_steps"] == 4 and e2e["train_flops"] == pytest.approx(4 * e2e["flops_per_step"])
+    assert 0 < e2e["mfu"] < 1 and 0 < worker["mfu"] < 1
+
+
+@pytest.mark.xfail(reason="bench quality appends the user's --steps after the matched-FLOPs E2E's own --steps, "
+                          "so the child trains the user's step count (src/blocktrain/bench/quality.py, _Bench.child)")
+def test_bench_quality_matched_flops_e2e_trains_the_steps_it_reports(quality: tuple[dict[str, Any], Path, Path]) -> None:
+    q, _, root = quality
+    matched = q["e2e_matched_flops"]
+    lines = RunDir(root / "runs" / "e2e-matched-flops").metrics_path("e2e").read_text().splitlines()
+    summary = [json.loads(x) for x in lines][-1]
+    assert matched["steps"] > 4 and summary["steps"] == matched["steps"]
+
+
+# --- bench ingest -------------------------------------------------------------------------------------------
+
+
+def test_bench_ingest_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "ingest.json"
+    assert main(["bench", "ingest", "--preset", "tiny", "--updates", "4", "--compress", "none",
+                 "--work-dir", str(tmp_path / "work"), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    cfg = tiny()
+    params = sum(p.numel() for p in BlockDenoiser(cfg.model, cfg.diffusion.sigma_data).parameters())
+    assert (r["preset"], r["updates"], r["compression"]) == ("tiny", 4, "none")
+    assert r["block_fp32_bytes"] == 4 * params
+    assert r["block_fp32_bytes"] < r["update_bytes"] < r["block_fp32_bytes"] + 64 * 1024  # tensors + header
+    kinds = {"sequential_fsync", "concurrent_fsync", "sequential_no_fsync", "concurrent_no_fsync"}
+    assert set(r["ingest_MBps"]) == set(r["ingest_over_copy"]) == kinds
+    assert 0 < r["plain_loopback_copy_MBps"] < 1e6
+    for k in kinds:
+        assert 0 < r["ingest_MBps"][k] < 1e5, k
+        assert r["ingest_over_copy"][k] == pytest.approx(r["ingest_MBps"][k] / r["plain_loopback_copy_MBps"], rel=1e-9)
+    assert r["concurrent_clients"] == 4  # one update per client
+
+
+# --- eval --blocks-alone ------------------------------------------------------------------------------------
+
+
+def _train_blocks(run: Path, data: Path, objective: str) -> None:
+    for k in range(4):
+        assert main(["train-block", "--preset", "tiny", "--objective", objective, "--steps", "2", "--out", str(run),
+                     "--data", str(data), "--block", str(k), "--eval-bytes", "0", "--no-progress"]) == 0
+
+
+def _floats(line: str) -> list[float]:
+    return [float(v) for v in line.split("  (")[0].split(maxsplit=2)[-1].split(", ")]
+
+
+@pytest.mark.parametrize("objective", ["stack", "diffusion"])
+def test_eval_blocks_alone_prints_the_objectives_references(
+    objective: str, tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    _train_blocks(run, data_dir, objective)
+    capsys.readouterr()
+    common = ["eval", str(run), "--data", str(data_dir), "--split", "valid", "--blocks-alone", "--no-progress"]
+    assert main([*common, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert main(common) == 0
+    text = capsys.readouterr().out.splitlines()
+    key, label = ("prefix_ce", "prefix CE") if objective == "stack" else ("blocks_alone_ce", "blocks alone")
+    other = "blocks_alone_ce" if objective == "stack" else "prefix_ce"
+    assert r["objective"] == objective and other not in r
+    refs = r[key]
+    assert len(refs) == 4 and all(0 < c < 2 * LN256 for c in refs)
+    assert r["compositional_gain_nats_per_byte"] == pytest.approx(min(refs) - r["ce_nats_per_byte"], abs=1e-12)
+    if objective == "stack":  # the composed stack is its last prefix
+        assert refs[-1] == pytest.approx(r["ce_nats_per_byte"], abs=1e-12)
+    printed = [ln for ln in text if ln.startswith(label)]
+    assert len(printed) == 1 and _floats(printed[0]) == pytest.approx(refs, abs=5e-5)  # printed to 4 decimals
+    assert any(ln.startswith("gain") for ln in text)
+
+
+# --- serving from the CLI -----------------------------------------------------------------------------------
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 60.0) -> None:
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode() if proc.stdout else "stage exited")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"stage on port {port} did not start")
+
+
+@contextmanager
+def _stages(*argvs: list[str]) -> Iterator[None]:
+    """Start `blocktrain serve` processes in order; each argv must hold --listen 127.0.0.1:PORT."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for argv in argvs:
+            proc = subprocess.Popen([sys.executable, "-m", "blocktrain", "serve", *argv],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
+            procs.append(proc)
+            _wait_port(int(argv[argv.index("--listen") + 1].rsplit(":", 1)[1]), proc)
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+def _generate(port: int, mode: str, n: int = 6) -> str:
+    r = subprocess.run([sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode,
+                        "--bytes", str(n), "--prompt", "abc", "--temperature", "0", "--timeout", "30"],
+                       capture_output=True, env=ENV, timeout=90)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout.decode()
+
+
+def test_serve_e2e_model_answers_generate_baseline() -> None:
+    """`serve --model e2e` (two stages of E2E layers) answers `generate --mode baseline` (KV cache)."""
+    p0, p1 = free_ports(2)
+    with _stages(["--model", "e2e", "--random", SHAPE, "--layers", "0-1", "--listen", f"127.0.0.1:{p0}",
+                  "--next", f"127.0.0.1:{p1}"],
+                 ["--model", "e2e", "--random", SHAPE, "--layers", "2-3", "--listen", f"127.0.0.1:{p1}"]):
+        first = _generate(p0, "baseline")
+        assert first.startswith("abc") and first.endswith("\n")
+        assert _generate(p0, "baseline") == first  # greedy: the same continuation twice
+        recomputed = _generate(p0, "ar")
+    assert recomputed == first  # the KV-cached baseline continues exactly as recomputing every prefix does
+
+
+def test_next_replicas_fail_over_from_a_dead_address() -> None:
+    """Stage 0 `--next DEAD,LIVE`: the dead replica is skipped and the pipeline answers as one whole stage does."""
+    dead, p0, p1, whole = free_ports(4)
+    with _stages(["--random", SHAPE, "--blocks", "2-3", "--listen", f"127.0.0.1:{p1}"],
+                 ["--random", SHAPE, "--blocks", "0-1", "--listen", f"127.0.0.1:{p0}",
+                  "--next", f"127.0.0.1:{dead},127.0.0.1:{p1}"],
+                 ["--random", SHAPE, "--blocks", "0-3", "--listen", f"127.0.0.1:{whole}"]):
+        got = _generate(p0, "ar")
+        want = _generate(whole, "ar")
+    assert got.startswith("abc") and got == want  # random weights are seeded per block: the same model
+
+
+# --- DataDir.open(verify=True) ------------------------------------------------------------------------------
+
+
+def test_open_verify_checks_the_published_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dd = open_data_dir(write_data_dir(tmp_path / "data"))
+    path = dd.path("valid")
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    caplog.set_level(logging.WARNING, logger="blocktrain.data.dataset")
+    monkeypatch.setitem(dataset.KNOWN_SHA256, path.name, got)
+    split = dd.open("valid", verify=True)
+    assert len(split) == path.stat().st_size and not caplog.records  # the published file: silent
+    monkeypatch.setitem(dataset.KNOWN_SHA256, path.name, "0" * 64)
+    dd.open("valid", verify=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path} has sha256 {got}, not the published {'0' * 64}; results will not be comparable"
+    ]
+    caplog.clear()
+    dd.open("valid")  # verify=False does not hash the file
+    assert not caplog.records

@@ -1,0 +1,168 @@
+"""The coordinator probed as a hostile (or unlucky) client would: refused bodies, bad tokens, aborted uploads."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sqlite3
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import httpx
+
+from blocktrain.coordinator.wire import Compression, pack_delta
+from blocktrain.data.dataset import DataDir
+from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F401
+from tests.test_distributed_helpers import (  # noqa: F401
+    ThreadServer,
+    cli,
+    corpus,
+    free_port,
+    get_status,
+    make_coordinator,
+    procs,
+    wait_for,
+)
+
+
+def _blob_files(a: Api) -> list[str]:
+    return sorted(p.name for p in a.c.store.blob_dir.iterdir())  # temp files (".x.tmp") included
+
+
+def test_refused_updates_leave_no_blob_behind(api: Api) -> None:  # noqa: F811
+    for name in ("a", "b", "evil"):
+        api.register(name, block=0)
+    sent = {}
+    for i, name in enumerate(("a", "b")):  # two accepted updates: the norm check is armed, 'evil' keeps it open
+        sent[name] = pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0, base_version=0, samples=4)
+        status, _ = api.push(name, 0, sent[name])
+        assert status == 202
+    before = _blob_files(api)
+    for i in range(20):  # a second, different delta for the same round
+        body = pack_delta(small_delta(api.c, seed=100 + i), Compression.BF16, block=0, base_version=0, samples=4)
+        status, doc = api.push("a", 0, body)
+        assert (status, doc["error"]) == (409, "duplicate")
+    for i in range(20):  # parsed and valid, but far above the recent norms
+        body = pack_delta(small_delta(api.c, scale=1.0, seed=200 + i), Compression.BF16, block=0, base_version=0,
+                          samples=4)
+        status, doc = api.push("evil", 0, body)
+        assert (status, doc["error"]) == (422, "norm")
+    assert _blob_files(api) == before
+    # an exact retry of an accepted body is still acknowledged as a duplicate, and names the stored blob
+    status, doc = api.push("a", 0, sent["a"])
+    assert status == 202 and doc["duplicate"] is True
+    assert _blob_files(api) == before
+    # an accepted update still stores its blob before its row
+    status, _ = api.push("evil", 0, pack_delta(small_delta(api.c, seed=7), Compression.BF16, block=0,
+                                               base_version=0, samples=4))
+    assert status == 202
+    for r in api.c.store.q("SELECT blob FROM updates"):
+        assert api.c.store.blob_path(r["blob"]).is_file()
+
+
+def _row_counts(db_path: Path) -> dict[str, int]:
+    con = sqlite3.connect(db_path)
+    try:
+        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return {t: con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
+    finally:
+        con.close()
+
+
+def test_unauthenticated_uploads_write_nothing_and_are_counted(api: Api, caplog) -> None:  # noqa: F811
+    api.register("a", block=0)
+    api.c.flush_bytes()
+    before = _row_counts(api.c.store.db_path)
+    assert "rejections" in before
+    body = b"\0" * 4096
+    caplog.set_level(logging.WARNING, logger="blocktrain")
+    t0 = time.monotonic()
+    for i in range(1000):
+        headers = {"Authorization": f"Bearer bt_forged{i}"} if i % 2 else {}
+        r = api.client.post("/v1/blocks/0/updates", content=body, headers=headers)
+        assert r.status_code == 401, r.text
+    elapsed = time.monotonic() - t0
+    api.c.flush_bytes()  # what the periodic tick would write
+    assert _row_counts(api.c.store.db_path) == before
+    assert api.client.get("/v1/status").json()["rejections"] == {"auth": 1000}
+    assert 'blocktrain_updates_rejected_total{reason="auth"} 1000' in api.client.get("/metrics").text
+    lines = [r for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert 1 <= len(lines) <= 1 + elapsed / 10.0  # rate-limited: one line per 10 s at most
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_upload_aborted_mid_body_is_counted_without_traceback(tmp_path: Path) -> None:
+    c = make_coordinator(tmp_path / "run", None, norm_k=0)
+    token = c.add_token("a")
+    body = pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, samples=4)
+    srv = ThreadServer(c, background=False)
+    records = _Records()
+    loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "blocktrain", "")]
+    for lg in loggers:  # after uvicorn configured its logging (in ThreadServer's constructor)
+        lg.addHandler(records)
+    try:
+        with srv:
+            h = {"Authorization": f"Bearer {token}"}
+            assert httpx.post(f"{srv.url}/v1/register", json={"block": 0}, headers=h, timeout=30).status_code == 200
+            head = (f"POST /v1/blocks/0/updates HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                    f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+                s.sendall(head + body[: len(body) // 2])
+                time.sleep(0.3)  # let the server read the first half
+            wait_for(lambda: get_status(srv.url)["rejections"].get("aborted") == 1, 30, "the abort to be counted")
+            # the coordinator carries on: the whole body is accepted afterwards
+            r = httpx.post(f"{srv.url}/v1/blocks/0/updates", content=body, headers=h, timeout=30)
+            assert r.status_code == 202, r.text
+            assert get_status(srv.url)["rejections"] == {"aborted": 1}
+    finally:
+        for lg in loggers:
+            lg.removeHandler(records)
+        c.close()
+    assert not [r for r in records.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+    assert any("closed the connection" in r.getMessage() for r in records.records)
+    row = c.store  # closed; read the stored rejection directly
+    con = sqlite3.connect(row.db_path)
+    assert con.execute("SELECT worker, reason FROM rejections").fetchall() == [("a", "aborted")]
+    con.close()
+
+
+def test_coordinator_ctrl_c_message_is_its_own(tmp_path: Path, procs) -> None:  # noqa: F811
+    run, port = tmp_path / "run", free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = cli("coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port), "--no-eval",
+            "--threads", "1", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs.append(p)
+    wait_for(lambda: get_status(url), 120, "the coordinator")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    text = err.decode()
+    assert p.returncode == 130, text
+    assert "checkpoint" not in text
+    assert "coordinator stopped" in text and str(run) in text
+
+
+def test_worker_round_prints_no_autograd_warning(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    from blocktrain.worker.loop import Worker, WorkerOptions
+
+    c = make_coordinator(tmp_path / "run", None, rounds=1, norm_k=0)
+    token = c.add_token("w")
+    try:
+        with ThreadServer(c) as srv, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opts = WorkerOptions(url=srv.url, token=token, block=0, local_steps=2, progress=False, give_up_s=30)
+            summary = Worker(opts, corpus).run()
+    finally:
+        c.close()
+    assert summary.rounds_pushed == 1
+    assert not [w for w in caught if "requires_grad" in str(w.message)]

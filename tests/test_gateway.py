@@ -1,0 +1,334 @@
+"""The OpenAI-style gateway: the openai client against a loopback pipeline, errors, tokens, UTF-8 across chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from blocktrain.cli.main import main
+from blocktrain.config import Objective
+from blocktrain.evaluate.generate import generate
+from blocktrain.model.stack import StackBlock
+from blocktrain.presets import tiny
+from blocktrain.serve import gateway as gateway_mod
+from blocktrain.serve.client import PipelineClient
+from blocktrain.serve.gateway import GatewayOptions, make_app
+from blocktrain.serve.gateway_backend import RequestError, Utf8Stream, parse_completion
+from blocktrain.serve.stackspan import StackSpan
+from tests.serve_utils import SPANS, block_spans, free_ports, local_models, ring, tiny_models
+
+TEXT = "añ€😀 ok"  # 1-, 2-, 3- and 4-byte characters
+
+
+@contextmanager
+def serve_app(opts: GatewayOptions, client: Any = None) -> Iterator[str]:
+    """Run the gateway app with uvicorn on loopback in a thread; yields its base URL."""
+    port = free_ports(1)[0]
+    server = uvicorn.Server(uvicorn.Config(make_app(opts, client), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+class FakeClient:
+    """Stands in for PipelineClient: an entry description and an ``iter_ar`` yielding fixed chunks."""
+
+    def __init__(self, chunks: list[bytes], *, context: int = 64, delays_s: tuple[float, ...] = (),
+                 family: str = "blocktrain") -> None:
+        self.chunks = chunks
+        self.family = family
+        self.context = context
+        self.delays_s = delays_s  # seconds before each chunk (none: no wait)
+        self.entry: dict[str, Any] = {}
+        self.calls: list[tuple[bytes, int, dict[str, Any]]] = []
+
+    async def connect(self) -> None:
+        self.entry = {"family": self.family, "n": 4, "d_model": 32, "context": self.context}
+
+    async def close(self) -> None:
+        self.entry = {}
+
+    async def iter_ar(self, prompt: bytes, n_new: int, **kw: Any) -> AsyncIterator[bytes]:
+        self.calls.append((prompt, n_new, kw))
+        for i, c in enumerate(self.chunks):
+            await asyncio.sleep(self.delays_s[i] if i < len(self.delays_s) else 0.0)
+            yield c
+
+
+def opts(**kw: Any) -> GatewayOptions:
+    return GatewayOptions(pipeline="127.0.0.1:1", **kw)
+
+
+# --- UTF-8 across chunks ----------------------------------------------------------------------------------
+def test_utf8_stream_keeps_characters_split_across_chunks() -> None:
+    data = TEXT.encode()
+    for size in range(1, 5):  # every way of cutting the bytes into chunks of `size`
+        for start in range(size):
+            pieces = [data[:start]] + [data[i : i + size] for i in range(start, len(data), size)]
+            dec = Utf8Stream()
+            assert "".join(dec.feed(p) for p in pieces) + dec.finish() == TEXT
+    dec = Utf8Stream()
+    assert dec.feed(b"a\xe2\x82") == "a"  # the euro sign's third byte has not come yet
+    assert dec.feed(b"\xac") == "€"
+
+
+def test_utf8_stream_replaces_invalid_bytes() -> None:
+    dec = Utf8Stream()
+    assert dec.feed(b"x\xff") == "x\ufffd"
+    assert dec.feed(b"\xe2\x82") == ""
+    assert dec.feed(b"y") == "\ufffdy"  # a broken sequence is replaced once the next byte shows it broken
+    assert dec.feed(b"\xf0\x9f") == ""
+    assert dec.finish() == "\ufffd"  # an incomplete character at the end
+
+
+# --- request validation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a", "mode": "beam"}, "mode"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 65}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "a", "temperature": -0.1}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": [65, 66]}, "prompt"),
+    ({"prompt": 7}, "prompt"),
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    ({"prompt": "a", "seed": -1}, "seed"),
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "stop": ["\n"]}, "stop"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "sweeps": 2, "mode": "ar"}, "sweeps"),
+])
+def test_parse_completion_rejects_bad_parameters(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_completion(body, max_tokens_cap=64)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_parse_completion_defaults() -> None:
+    req = parse_completion({"prompt": ["é"], "seed": 3}, max_tokens_cap=64)
+    assert (req.prompt, req.max_tokens, req.mode, req.temperature, req.top_p, req.top_k, req.seed, req.stream) == (
+        "é".encode(), 16, None, 0.8, 1.0, 40, 3, False)  # mode None: the pipeline's default
+    assert parse_completion({"prompt": "a", "top_k": -1}, 64).top_k == 0
+
+
+# --- HTTP: errors, token, streaming with a fake pipeline -------------------------------------------------
+def test_http_errors_have_the_openai_shape() -> None:
+    fake = FakeClient([b"abc"], context=16)
+    with serve_app(opts(max_tokens_cap=8, max_body_bytes=2048), fake) as url, httpx.Client(base_url=url) as http:
+        cases = [
+            ({"prompt": "a", "mode": "beam"}, 400, "mode"),
+            ({"prompt": "a", "max_tokens": 9}, 400, "max_tokens"),
+            ({"prompt": "a", "temperature": -1}, 400, "temperature"),
+            ({"prompt": "a", "top_p": 1.01}, 400, "top_p"),
+            ({"prompt": [1, 2]}, 400, "prompt"),
+            ({"prompt": "x" * 17, "mode": "ar"}, 400, "prompt"),  # longer than the context of 16
+            ({"prompt": "x" * 12, "mode": "sweep", "max_tokens": 5}, 400, "max_tokens"),  # 12 + 5 > 16
+            ({"prompt": "a", "mode": "ar", "model": "gpt-4"}, 404, "model"),
+            ({"prompt": "a", "mode": "spec"}, 400, "mode"),  # diffusion blocks cannot draft
+            ({"prompt": "a", "mode": "baseline"}, 400, "mode"),  # nor run the E2E baseline
+            ({"prompt": "a", "top_p": 0.9}, 400, "top_p"),  # the fake iter_ar samples without top_p
+        ]
+        for body, status, param in cases:
+            r = http.post("/v1/completions", json=body)
+            err = r.json()["error"]
+            assert (r.status_code, err["param"]) == (status, param), (body, r.text)
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            assert err["type"] == ("invalid_request_error" if status < 500 else "server_error")
+        r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "invalid_json")
+        r = http.post("/v1/completions", json={"prompt": "x" * 3000})
+        assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+        r = http.get("/v1/nothing")
+        assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+        r = http.post("/v1/completions", json={"prompt": "a", "model": "blocktrain-n4-d32-ctx16"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
+        assert r.json()["blocktrain"]["mode"] == "ar"  # the default on diffusion blocks
+    assert len(fake.calls) == 1  # no refused request reached the pipeline
+
+
+def test_spec_without_client_support_is_refused() -> None:
+    fake = FakeClient([b"xy"], family="stack")
+    with serve_app(opts(), fake) as url, httpx.Client(base_url=url) as http:
+        r = http.post("/v1/completions", json={"prompt": "a"})  # spec: the default on a stack run
+        assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (501, "mode_unavailable", "mode")
+        assert "generate_spec" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json={"prompt": "a", "mode": "sweep"})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "unsupported_mode")
+        assert http.post("/v1/completions", json={"prompt": "a", "mode": "ar"}).json()["choices"][0]["text"] == "xy"
+        assert http.get("/v1/models").json()["data"][0]["modes"] == ["spec", "ar"]
+    assert len(fake.calls) == 1
+
+
+def test_bearer_token_is_checked_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[tuple[bytes, bytes]] = []
+    real = gateway_mod.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(gateway_mod.hmac, "compare_digest", spy)
+    with serve_app(opts(token="s3cret"), FakeClient([b"hi"])) as url, httpx.Client(base_url=url) as http:
+        body = {"prompt": "a", "mode": "ar"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            r = http.post("/v1/completions", json=body, headers=headers)
+            assert (r.status_code, r.json()["error"]["type"]) == (401, "authentication_error")
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert http.get("/v1/models").status_code == 401
+        assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=20)
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=20)
+        assert [m.id for m in good.models.list()] == ["blocktrain-n4-d32-ctx64"]
+    assert (b"wrong", b"s3cret") in compared and (b"s3cret", b"s3cret") in compared
+
+
+def test_stream_keeps_characters_split_across_chunks() -> None:
+    data = TEXT.encode() + b"\xff!"
+    chunks = [data[:2], data[2:4], data[4:7], data[7:9], data[9:]]  # ñ, € and 😀 each cut in two
+    fake = FakeClient(chunks)
+    with serve_app(opts(), fake) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=20)
+        events = list(client.completions.create(model="blocktrain-n4-d32-ctx64", prompt="p", max_tokens=len(data),
+                                                stream=True, seed=5, extra_body={"mode": "ar", "top_k": 7},
+                                                stream_options={"include_usage": True}))
+    texts = [e.choices[0].text for e in events if e.choices]
+    assert "".join(texts) == TEXT + "\ufffd!"  # only the invalid byte is replaced
+    assert texts == ["a", "ñ", "€", "", "😀 ok\ufffd!", ""]  # a character is sent once all its bytes came
+    raw = b"".join(base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in events if e.choices)
+    assert raw == data
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
+    assert events[-2].model_extra["blocktrain"] == {"mode": "ar", "seed": 5}
+    assert events[-1].usage is not None and events[-1].choices == []
+    assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (1, len(data))
+    assert fake.calls == [(b"p", len(data), {"temperature": 0.8, "top_k": 7, "seed": 5})]
+
+
+def test_unreachable_pipeline_is_a_503() -> None:
+    dead = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
+    with serve_app(GatewayOptions(pipeline=dead)) as url, httpx.Client(base_url=url, timeout=30) as http:
+        for r in (http.get("/v1/models"), http.post("/v1/completions", json={"prompt": "a"})):
+            err = r.json()["error"]
+            assert (r.status_code, err["type"], err["code"]) == (503, "server_error", "pipeline_unavailable")
+            assert dead in err["message"]
+
+
+def test_request_time_is_bounded() -> None:
+    fake = FakeClient([b"a", b"b"], delays_s=(0.0, 30.0))  # the second chunk would come after 30 s
+    with serve_app(opts(request_timeout_s=1.5), fake) as url, httpx.Client(base_url=url, timeout=20) as http:
+        t0 = time.monotonic()
+        r = http.post("/v1/completions", json={"prompt": "a", "mode": "ar"})
+        assert (r.status_code, r.json()["error"]["code"]) == (504, "timeout")
+        r = http.post("/v1/completions", json={"prompt": "a", "mode": "ar", "stream": True})
+        assert time.monotonic() - t0 < 20
+    lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert r.status_code == 200 and len(lines) == 2  # the stream had begun: the first chunk, then the error
+    assert '"raw_bytes": "YQ=="' in lines[0] and '"code": "timeout"' in lines[1]
+
+
+# --- the real openai client against a loopback pipeline --------------------------------------------------
+def test_openai_client_against_a_pipeline() -> None:
+    cfg, blocks, e2e = tiny_models(seed=0)
+    assembled, _ = local_models(cfg, blocks, e2e)
+    prompt, n = "The game", 12
+    ref = generate(assembled, prompt.encode(), n, temperature=0.8, top_k=40, seed=4)
+    with ring(block_spans(cfg, blocks, SPANS)) as stages:
+        pipeline = f"127.0.0.1:{stages[0].address[1]}"
+        with serve_app(GatewayOptions(pipeline=pipeline, request_timeout_s=60)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            (model,) = client.models.list().data
+            assert model.id == "blocktrain-n4-d32-ctx32"
+            done = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8, seed=4)
+            stream = list(client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8,
+                                                    seed=4, stream=True, extra_body={"mode": "ar"}))
+            with pytest.raises(openai.BadRequestError) as info:  # 9 + 24 > 32: sweep cannot slide its window
+                client.completions.create(model=model.id, prompt=prompt + "!", max_tokens=24, extra_body={"mode": "sweep"})
+            assert info.value.status_code == 400 and "context" in info.value.message
+            with pytest.raises(openai.BadRequestError) as info:  # diffusion blocks cannot draft
+                client.completions.create(model=model.id, prompt=prompt, max_tokens=n, extra_body={"mode": "spec"})
+            assert "mode" in info.value.message
+            swept = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, seed=2,
+                                              extra_body={"mode": "sweep", "sweeps": 2})
+
+        async def direct_sweep(addr):  # type: ignore[no-untyped-def]
+            async with PipelineClient(addr, timeout_s=30) as c:
+                return await c.sweep(prompt.encode(), 8, sweeps=2, temperature=0.8, top_k=40, seed=2)
+
+        swept_ref = asyncio.run(direct_sweep(stages[0].address))
+    assert base64.b64decode(swept.choices[0].model_extra["raw_bytes"]) == swept_ref and len(swept_ref) == 8
+    choice = done.choices[0]
+    assert done.model_extra["blocktrain"] == {"mode": "ar", "seed": 4}  # ar: the default on diffusion blocks
+    assert base64.b64decode(choice.model_extra["raw_bytes"]) == ref
+    assert choice.text == ref.decode("utf-8", errors="replace") and choice.finish_reason == "length"
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
+        8, n, 8 + n)
+    assert b"".join(base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in stream) == ref
+    assert "".join(e.choices[0].text for e in stream) == choice.text
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_openai_client_spec_on_a_stack_pipeline() -> None:
+    cfg = dataclasses.replace(tiny(), objective=Objective.STACK)
+    torch.manual_seed(0)
+    blocks = {k: StackBlock(cfg.model, k).eval() for k in range(cfg.model.n_blocks)}  # random weights
+    spans = [StackSpan({k: blocks[k] for k in range(lo, hi + 1)}, cfg) for lo, hi in ((0, 1), (2, 3))]
+    prompt, n = "Sega", 20
+    sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
+
+    async def direct(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            return await c.generate_spec(prompt.encode(), n, **sampling)
+
+    with ring(spans) as stages:
+        ref = asyncio.run(direct(stages[0].address))
+        with serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}", request_timeout_s=60)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            model = client.models.list().data[0]
+            assert model.model_extra["modes"] == ["spec", "ar"]
+            done = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8, top_p=0.9,
+                                             seed=3, extra_body={"top_k": 40})  # mode spec: the default here
+            stream = list(client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8,
+                                                    top_p=0.9, seed=3, stream=True, extra_body={"top_k": 40}))
+            with pytest.raises(openai.BadRequestError) as info:  # 4 + 29 > 32: spec cannot slide its window
+                client.completions.create(model=model.id, prompt=prompt, max_tokens=29)
+            assert info.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert len(ref.data) == n and base64.b64decode(done.choices[0].model_extra["raw_bytes"]) == ref.data
+    assert done.model_extra["blocktrain"] == {"mode": "spec", "seed": 3, "traversals": ref.traversals,
+                                              "drafted": ref.drafted, "accepted": ref.accepted}
+    pieces = [base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in stream]
+    assert b"".join(pieces) == ref.data and len([p for p in pieces if p]) == ref.traversals  # a chunk per traversal
+    assert "".join(e.choices[0].text for e in stream) == ref.data.decode("utf-8", errors="replace")
+
+
+def test_cli_gateway_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[tuple[GatewayOptions, str, int]] = []
+    monkeypatch.setattr(gateway_mod, "run_gateway", lambda o, host, port: seen.append((o, host, port)))
+    monkeypatch.setenv(gateway_mod.TOKEN_ENV, "from-env")
+    assert main(["gateway", "--pipeline", "10.0.0.1:7000", "--listen", "0.0.0.0:8100", "--max-tokens-cap", "64"]) == 0
+    assert seen == [(GatewayOptions(pipeline="10.0.0.1:7000", token="from-env", max_tokens_cap=64), "0.0.0.0", 8100)]
+    assert main(["gateway", "--pipeline", "nowhere"]) == 2
+    assert "HOST:PORT" in capsys.readouterr().err
+    assert main(["gateway", "--pipeline", "h:1", "--max-tokens-cap", "0"]) == 2
+    assert "--max-tokens-cap" in capsys.readouterr().err

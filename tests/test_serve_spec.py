@@ -1,0 +1,302 @@
+"""Speculative decoding: the acceptance rule's distribution, greedy equality with local generation, rollback."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.errors import ConfigError, ServeError, WireError
+from blocktrain.evaluate.generate import generate
+from blocktrain.serve.benchclient import draft_settings, timed_output
+from blocktrain.serve.benchspec import spec_markdown, spec_summary, spec_task
+from blocktrain.serve.client import PipelineClient, generate_remote
+from blocktrain.serve.kvcache import CacheEntry
+from blocktrain.serve.loading import load_stack_span
+from blocktrain.serve.speculative import SpecOptions, accept_draft, filtered_probs, next_draft_len, update_rate
+from blocktrain.serve.stackspan import StackSpan
+from blocktrain.serve.wire import Frame, FrameKind, Mode
+from tests.serve_utils import SPANS, block_spans, ring, tiny_models
+from tests.test_serve_stack import local, spans, train_stack_run
+
+CHI2_7DOF_99_99 = 29.88  # the 0.9999 quantile of chi-square with 7 degrees of freedom
+
+
+@pytest.fixture(scope="module")
+def stack_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_stack_run(tmp_path_factory.mktemp("spec"), steps=30)
+
+
+# --- the acceptance rule ----------------------------------------------------------------
+def chi_square(samples: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=p.numel()).double()
+    expected = p.double() * samples.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def first_bytes(p: torch.Tensor, q: torch.Tensor, draws: int, seed: int) -> torch.Tensor:
+    """The first byte speculative sampling emits, x ~ q drafted and judged against p, over ``draws`` trials."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.multinomial(q.expand(draws, -1), 1, replacement=True, generator=g).squeeze(-1)
+    pp, qq = torch.stack([p, p]), q.unsqueeze(0)  # p_1 for the draft byte, p_2 for the bonus (not read here)
+    out = [accept_draft([int(x)], pp, qq, g).emitted([int(x)])[0] for x in drafts]
+    return torch.tensor(out)
+
+
+def test_acceptance_rule_samples_from_p() -> None:
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(8, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(8, generator=g) * 1.5, -1)
+    out = first_bytes(p, q, 20_000, seed=1)
+    assert chi_square(out, p) < CHI2_7DOF_99_99
+    drafts_alone = torch.multinomial(q.expand(20_000, -1), 1, replacement=True, generator=g).squeeze(-1)
+    assert chi_square(drafts_alone, p) > 10 * CHI2_7DOF_99_99  # the draft's own distribution fails the same test
+
+
+def test_acceptance_rule_greedy_and_bonus() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits_p = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    p = filtered_probs(logits_p, 0.0)
+    q = filtered_probs(torch.tensor([[0.0, 3.0, 1.0], [0.0, 4.0, 1.0]]), 0.0)
+    v = accept_draft([1, 1], p, q, g)
+    assert (v.accepted, v.next_byte, v.emitted([1, 1])) == (1, 0, [1, 0])  # keep argmax, reject, emit argmax p
+    v = accept_draft([1, 0], p, filtered_probs(logits_p[:2], 0.0), g)
+    assert (v.accepted, v.next_byte) == (2, 2)  # all kept: bonus argmax of p_3
+
+
+def test_filters_top_k_top_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.allclose(filtered_probs(logits, 1.0, top_p=0.7), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    assert torch.allclose(filtered_probs(logits, 1.0, top_k=3), torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    assert torch.allclose(filtered_probs(logits, 1.0, top_p=0.4), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_draft_length_follows_acceptance() -> None:
+    assert next_draft_len(0.0, 1, 16) == 1
+    assert next_draft_len(0.5, 1, 16) == 2
+    assert next_draft_len(0.9, 1, 16) == 10
+    assert next_draft_len(1.0, 1, 16) == 16 and next_draft_len(1.0, 1, 8) == 8 and next_draft_len(0.0, 3, 8) == 3
+    assert update_rate(0.5, 4, 4) == 0.75 and update_rate(0.5, 0, 0) == 0.5
+    with pytest.raises(ConfigError):
+        SpecOptions(draft_min=4, draft_max=2)
+
+
+# --- over the pipeline ------------------------------------------------------------------
+def wait_released(stages: list, timeout_s: float = 5.0) -> list[int]:  # type: ignore[type-arg]
+    """Cached requests per stage, once RELEASE (sent without a reply) has reached every stage or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while any(len(s.server.span.cache) for s in stages) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [len(s.server.span.cache) for s in stages]
+
+
+@pytest.mark.parametrize("draft", [1, 4, 16])
+def test_greedy_spec_equals_local_greedy(stack_run: Path, draft: int) -> None:
+    prompt, n = b"The game began", 18  # 14 + 18 = the context of 32
+
+    async def run(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            res = await c.generate_spec(prompt, n, temperature=0.0, draft_min=draft, draft_max=draft)
+            chunks = [b async for b in c.iter_spec(prompt, n, temperature=0.0, draft_min=draft, draft_max=draft)]
+            return res, chunks
+
+    layout = ((0, 0), (1, 2), (3, 3)) if draft == 16 else ((0, 1), (2, 3))  # three stages: a middle one passes q on
+    with ring(spans(stack_run, layout=layout)) as stages:
+        res, chunks = asyncio.run(run(stages[0].address))
+        left = wait_released(stages)
+    assert res.data == generate(local(stack_run), prompt, n, temperature=0.0)
+    assert b"".join(chunks) == res.data and len(chunks) == res.traversals
+    assert len(res.data) == res.accepted + res.traversals  # each traversal: the kept drafts and one more byte
+    assert res.drafted >= res.accepted and (draft != 4 or res.traversals < n)  # blocks 0-1 draft well enough to gain
+    assert left == [0] * len(layout)  # released
+
+
+def test_spec_with_the_whole_model_as_draft_accepts_everything(stack_run: Path) -> None:
+    """One stage holding all blocks drafts with the target itself: p = q, so every draft byte is kept."""
+    whole = load_stack_span(RunDir(stack_run), 0, 3)
+
+    async def run(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            return await c.generate_spec(b"Sega", 20, temperature=0.8, top_k=40, top_p=0.9, seed=3, draft_max=8)
+
+    with ring([whole]) as stages:
+        res = asyncio.run(run(stages[0].address))
+    assert len(res.data) == 20 and res.accepted == res.drafted > 0
+    # the draft grows with the acceptance rate: 4 (+1), then 8 (+1), then the 5 (+1) left; a fixed 4 would take 4
+    assert (res.traversals, res.drafted) == (3, 17)
+
+
+def test_rejection_rolls_back_every_stage_cache(stack_run: Path) -> None:
+    """After a rejection at draft position m = 3 of 8, the next frame (pos = accepted length) leaves each stage's
+    cache equal to a fresh prefill of the accepted text plus the correction byte."""
+    n, m, word = 8, 3, b"The game"
+
+    async def run(addr, stages):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            rid = c.new_id()
+            params = {"pos": 0, "n_draft": n, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 5}
+            x = torch.tensor([list(word)], dtype=torch.uint8)
+            reply = await c.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
+            draft = reply.tensors["draft"][0].tolist()
+            held = [s.server.span.cache.positions(rid) for s in stages]
+            correction = (draft[m] + 1) % 256  # the client rejected draft byte m and drew another byte
+            params.update(pos=len(word) + m, n_draft=0)
+            x = torch.tensor([[correction]], dtype=torch.uint8)
+            await c.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
+            return rid, word + bytes(draft[:m]) + bytes([correction]), held
+
+    with ring(spans(stack_run)) as stages:
+        rid, text, held = asyncio.run(run(stages[0].address, stages))
+        entries = [s.server.span.cache.peek(rid) for s in stages]
+        fresh = [CacheEntry(), CacheEntry()]
+        first, last = spans(stack_run)
+        with torch.inference_mode():
+            h, _ = first.cached_step(fresh[0], torch.tensor([list(text)], dtype=torch.uint8), 0)
+            last.cached_step(fresh[1], h, 0)
+    assert held == [len(word) + n] * 2  # every drafted position was cached before the rollback
+    for got, want in zip(entries, fresh, strict=True):
+        assert got is not None and got.pos == want.pos == len(text) == len(word) + m + 1
+        assert sorted(got.kv) == sorted(want.kv) and len(want.kv) >= 2
+        for name, (k, v) in want.kv.items():
+            assert got.kv[name][0].shape == k.shape == (1, 2, len(text), 16)
+            assert torch.allclose(got.kv[name][0], k, atol=1e-5) and torch.allclose(got.kv[name][1], v, atol=1e-5)
+
+
+def test_spec_refused_on_diffusion_pipeline() -> None:
+    cfg, blocks, _ = tiny_models(seed=0)
+    span = block_spans(cfg, blocks, SPANS)[0]
+    with pytest.raises(WireError, match=r"spec .* needs a stack run"):
+        span.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, tensors={"x": torch.zeros(1, 4, dtype=torch.uint8)}))
+
+    async def run(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            return await c.generate_spec(b"abc", 4)
+
+    with ring(block_spans(cfg, blocks, SPANS)) as stages, pytest.raises(ServeError, match="spec needs a pipeline serving a stack"):
+        asyncio.run(run(stages[0].address))
+
+
+def test_spec_frame_validation(stack_run: Path) -> None:
+    first, last = spans(stack_run)
+    x = torch.zeros(1, 4, dtype=torch.uint8)
+    with pytest.raises(WireError, match="n_draft"):
+        first.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, params={"n_draft": 65}, tensors={"x": x}))
+    with pytest.raises(WireError, match="context"):
+        first.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, params={"n_draft": 30}, tensors={"x": x}))
+    with pytest.raises(WireError, match="top_p"):
+        first.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, params={"top_p": 0.0}, tensors={"x": x}))
+    h = torch.zeros(1, 6, 32)
+    with pytest.raises(WireError, match="carry 'draft'"):
+        last.validate(Frame(FrameKind.WORK, "r", Mode.SPEC, 2, params={"n_draft": 2}, tensors={"h": h}))
+    assert isinstance(first, StackSpan)
+
+
+def test_generate_remote_spec_and_streaming_ar(stack_run: Path) -> None:
+    """`blocktrain generate --pipeline --mode spec` and PipelineClient.iter_ar (one byte per yield, top_p)."""
+    model = local(stack_run)
+
+    async def stream(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            plain = [b async for b in c.iter_ar(b"Sega", 6, temperature=0.7, top_k=20, seed=2)]
+            nucleus = [b async for b in c.iter_ar(b"Sega", 6, temperature=0.7, top_k=0, seed=2, top_p=0.5)]
+            return plain, nucleus
+
+    with ring(spans(stack_run)) as stages:
+        host, port = stages[0].address
+        args = argparse.Namespace(pipeline=f"{host}:{port}", mode="spec", bytes=10, temperature=0.0, top_k=0, seed=1,
+                                  draft_min=2, draft_max=4)
+        assert generate_remote(args, b"Sega") == generate(model, b"Sega", 10, temperature=0.0)
+        plain, nucleus = asyncio.run(stream(stages[0].address))
+    assert [len(b) for b in plain] == [1] * 6
+    assert b"".join(plain) == generate(model, b"Sega", 6, temperature=0.7, top_k=20, seed=2)
+    assert len(b"".join(nucleus)) == 6
+
+
+def test_bench_spec_row_helpers(stack_run: Path) -> None:
+    """The bench client's spec task reports traversals; the summary turns them into the result JSON's spec keys."""
+    task = spec_task(2, 8)
+    assert draft_settings(task) == {"draft_min": 2, "draft_max": 8} and draft_settings({"mode": "ar"}) == {}
+
+    async def run(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            return await timed_output(c, task, b"Sega", 12, 0, temperature=0.0, top_k=0)
+
+    with ring(spans(stack_run)) as stages:
+        text, traversals = asyncio.run(run(stages[0].address))
+    assert text == generate(local(stack_run), b"Sega", 12, temperature=0.0) and traversals is not None
+    assert 1 <= traversals <= 12
+    row = spec_summary({"seconds": 2.0, "traversals": traversals, "stage_bytes_out": 5000}, 1.5, 8.0, 12)
+    assert row == {"spec_seconds": 2.0, "spec_bytes_per_traversal": 12 / traversals, "spec_wire_bytes": 5000,
+                   "spec_generative_ce": 1.5, "speedup_spec_vs_baseline": 4.0}
+    md = spec_markdown({"output_bytes": 12, **row})
+    assert len(md) == 1 and md[0].startswith("| stack spec") and "| 2.000 | 6.0 | 5,000 | 1.500 |" in md[0]
+    assert spec_markdown({"output_bytes": 12}) == []
+
+
+def test_spec_recovers_from_an_evicted_cache(stack_run: Path) -> None:
+    """A last stage whose KV cap (1 byte) drops every cache after its frame: the client prefills again, same text."""
+    first = spans(stack_run)[0]
+    last = spans(stack_run, max_bytes=1)[1]
+    prompt = b"The game began"
+
+    async def run(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            spec = await c.generate_spec(prompt, 12, temperature=0.0, draft_min=3, draft_max=3)
+            ar = await c.generate_ar(prompt, 6, temperature=0.8, top_k=40, seed=1)
+            return spec, ar
+
+    with ring([first, last]) as stages:
+        spec, ar = asyncio.run(run(stages[0].address))
+        evicted = stages[1].server.span.cache.evictions
+    model = local(stack_run)
+    assert spec.data == generate(model, prompt, 12, temperature=0.0)
+    assert ar == generate(model, prompt, 6, temperature=0.8, top_k=40, seed=1)
+    assert evicted >= spec.traversals + 6  # every frame's cache was dropped at the last stage
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 60) -> None:
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "stage exited"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"stage on port {port} did not start within {seconds}s")
+
+
+def test_cli_serve_stack_run_and_generate_spec(stack_run: Path) -> None:
+    """`blocktrain serve --run STACK --blocks 0-3` serves a stack span; `generate --mode spec` equals local greedy."""
+    from tests.serve_utils import free_ports
+
+    (port,) = free_ports(1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "blocktrain", "serve", "--run", str(stack_run), "--blocks", "0-3", "--listen",
+         f"127.0.0.1:{port}", "--cache-mib", "4", "--cache-ttl", "30"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env)
+    try:
+        wait_port(port, serve)
+        r = subprocess.run(
+            [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", "spec",
+             "--bytes", "10", "--prompt", "Sega", "--temperature", "0", "--draft-min", "2", "--draft-max", "4"],
+            capture_output=True, env=env, timeout=60)
+        assert r.returncode == 0, r.stderr.decode()
+        assert r.stdout == b"Sega" + generate(local(stack_run), b"Sega", 10, temperature=0.0) + b"\n"
+        r = subprocess.run(
+            [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", "sweep",
+             "--bytes", "4", "--prompt", "Sega"], capture_output=True, env=env, timeout=60)
+        assert r.returncode != 0 and b"sweep is a diffusion mode" in r.stderr
+    finally:
+        serve.terminate()
+        serve.wait(10)
