@@ -9,6 +9,7 @@ from typing import Any
 Row = dict[str, Any]
 DEFAULT_LR = {"cpu-mini": 2e-3, "cpu-small": 1e-3}  # the presets' learning rates
 DEFAULT_LAYERS = 2  # cpu-mini's L/B
+NO_SIGMA = ("features", "stack", "library-stack")  # recipes whose blocks get pure noise or no z: no sigma range
 
 
 def _e2e_key(r: Row) -> tuple[int, float]:
@@ -48,7 +49,7 @@ def _row_line(r: Row, e2e: dict[tuple[int, float], float]) -> str:
     e2e_ce = e2e.get(_e2e_key(r), float("nan"))
     alone = ", ".join(f"{a:.3f}" for a in r.get("blocks_alone_ce", [])) or "-"
     gain = f"{r['compositional_gain']:+.3f}" if "compositional_gain" in r else "-"
-    rng = f"[{r['sigma_min']:g}, {r['sigma_max']:g}]" if r["recipe"] not in ("e2e", "ensemble", "features", "stack", "library-stack") else "-"
+    rng = f"[{r['sigma_min']:g}, {r['sigma_max']:g}]" if r["recipe"] not in ("e2e", "ensemble", *NO_SIGMA) else "-"
     gap = "-" if r["recipe"] == "e2e" else f"{r['ce'] - e2e_ce:+.3f}"
     return (
         f"| {_label(r)} | {rng} | {r.get('block_steps', r['steps'])} | {e2e_ce:.3f} | {r['ce']:.3f} | {gap} | "
@@ -128,7 +129,7 @@ def _schedule_table(rows: list[Row]) -> list[str]:
 
 def _snapshot_table(rows: list[Row]) -> list[str]:
     """Chain-aware training as the protocol would run it: all blocks at once, stale snapshots."""
-    chain_aware = [r for r in rows if r["recipe"] in ("chain", "boost", "features", "stack", "library-stack")]
+    chain_aware = [r for r in rows if r["recipe"] in ("chain", "boost", *NO_SIGMA)]
     if not any(r.get("refresh_rounds") for r in chain_aware):
         return []
     out = [
@@ -149,7 +150,7 @@ def _snapshot_table(rows: list[Row]) -> list[str]:
         when = f"{rr} ({r['round_steps']})" if rr else "sequential"
         if r.get("catchup_steps"):
             when += f", last {r['catchup_steps']} steps sequential"
-        rng = "-" if r["recipe"] in ("features", "stack", "library-stack") else f"[{r['sigma_min']:g}, {r['sigma_max']:g}]"
+        rng = "-" if r["recipe"] in NO_SIGMA else f"[{r['sigma_min']:g}, {r['sigma_max']:g}]"
         out.append(
             f"| {r['recipe']} | {rng} | {when} | {r['ce']:.3f} | {r['compositional_gain']:+.3f} | "
             f"{_fmt(r.get('snapshot_mib_per_refresh'), '.2f')} | {_fmt(r.get('snapshot_mib_per_round'), '.2f')} | `{r['command']}` |"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from blocktrain.data.stream import init_seed
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_logits
 from blocktrain.model.block import BlockDenoiser
@@ -80,6 +81,12 @@ def test_library_stack_recipe_trains_the_library_objective() -> None:
     x = torch.from_numpy(data[: 2 * 16].reshape(2, 16).copy())
     refs = obj.reference_logits(blocks, x, torch.Generator())
     assert len(refs) == 4 and refs[-1].shape == (2, 16, 256)
+    for k, blk in enumerate(blocks):  # each block starts from the harness's seeded init and moved off it
+        torch.manual_seed(init_seed(ablation_recipes.HARNESS_SEED, k))
+        init = obj.build_block(k)
+        pairs = list(zip(init.state_dict().values(), blk.state_dict().values(), strict=True))
+        assert any(not torch.equal(a, b) for a, b in pairs)  # two AdamW steps moved the weights
+        assert all(a.shape == b.shape for a, b in pairs)
 
 
 def test_variant_rejects_unknown_recipe() -> None:

@@ -84,8 +84,6 @@ def test_bench_quality_tiny_end_to_end(quality: tuple[dict[str, Any], Path, Path
     assert 0 < e2e["mfu"] < 1 and 0 < worker["mfu"] < 1
 
 
-@pytest.mark.xfail(reason="bench quality appends the user's --steps after the matched-FLOPs E2E's own --steps, "
-                          "so the child trains the user's step count (src/blocktrain/bench/quality.py, _Bench.child)")
 def test_bench_quality_matched_flops_e2e_trains_the_steps_it_reports(quality: tuple[dict[str, Any], Path, Path]) -> None:
     q, _, root = quality
     matched = q["e2e_matched_flops"]

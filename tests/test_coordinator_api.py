@@ -12,11 +12,11 @@ import torch
 from fastapi.testclient import TestClient
 
 from blocktrain.checkpoint.safetensors_io import unpack
-from blocktrain.coordinator.aggregate import Aggregation, OuterOptimizer
 from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.service import Coordinator
-from blocktrain.coordinator.wire import Compression, pack_delta
+from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
 from blocktrain.data.dataset import DataDir
+from blocktrain.protocol.delta import Compression, pack_delta
 from tests.test_distributed_helpers import FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
 
 
@@ -328,7 +328,7 @@ def test_adaptive_deadline_follows_observed_arrivals(tmp_path: Path) -> None:
 
 
 def test_int8_encoding_error_is_bounded() -> None:
-    from blocktrain.coordinator.wire import decode_delta, encode_delta
+    from blocktrain.protocol.delta import decode_delta, encode_delta
 
     d = {"w": torch.randn(64, 64), "b": torch.zeros(5)}
     back = decode_delta(encode_delta(d, Compression.INT8), Compression.INT8)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from blocktrain.coordinator.wire import Compression, pack_delta
 from blocktrain.data.dataset import DataDir
+from blocktrain.protocol.delta import Compression, pack_delta
 from tests.test_distributed_helpers import ThreadServer, corpus, make_coordinator  # noqa: F401
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)

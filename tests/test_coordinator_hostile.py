@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from blocktrain.coordinator.wire import Compression, pack_delta
 from blocktrain.data.dataset import DataDir
+from blocktrain.protocol.delta import Compression, pack_delta
 from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F401
 from tests.test_distributed_helpers import (  # noqa: F401
     ThreadServer,

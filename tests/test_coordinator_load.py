@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from blocktrain.coordinator.wire import Compression, pack_delta
+from blocktrain.protocol.delta import Compression, pack_delta
 from tests.test_distributed_helpers import ThreadServer, make_coordinator
 
 N_WORKERS = 50

@@ -26,7 +26,6 @@ from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings
-from blocktrain.coordinator.wire import Compression, decode_delta, load_trainable, pack_delta
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.diffusion.loss import block_loss
@@ -35,6 +34,8 @@ from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import Compression, decode_delta, pack_delta
+from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerOptions, WorkerSummary
 from tests.test_distributed_helpers import (  # noqa: F401

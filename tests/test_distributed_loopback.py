@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from blocktrain.checkpoint.safetensors_io import unpack
-from blocktrain.coordinator.wire import Compression, decode_delta, load_trainable, trainable_state
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import Compression, decode_delta
+from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.loop import lr_at, make_optimizer
 from tests.test_distributed_helpers import add_token, cli, corpus, free_port, get_status, procs, wait_for  # noqa: F401
 

@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from blocktrain.bench.netns import Topology, netns_available
+from blocktrain.bench.serve import scale_shape
+from blocktrain.bench.serve_pipeline import split_blocks, split_layers
+from blocktrain.bench.serve_quality import generative_ce, repeat_fraction
 from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
-from blocktrain.serve.bench import generative_ce, repeat_fraction, scale_shape, split_blocks, split_layers
 from blocktrain.serve.loading import parse_shape, parse_span
-from blocktrain.serve.netns import Topology, netns_available
 from tests.serve_utils import free_ports
 
 

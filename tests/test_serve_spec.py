@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from blocktrain.bench.serve_client import draft_settings, timed_output
+from blocktrain.bench.serve_spec import spec_markdown, spec_summary, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.errors import ConfigError, ServeError, WireError
 from blocktrain.evaluate.generate import generate
-from blocktrain.serve.benchclient import draft_settings, timed_output
-from blocktrain.serve.benchspec import spec_markdown, spec_summary, spec_task
 from blocktrain.serve.client import PipelineClient, generate_remote
 from blocktrain.serve.kvcache import CacheEntry
 from blocktrain.serve.loading import load_stack_span

@@ -27,9 +27,10 @@ import httpx
 import torch
 
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.wire import Compression, block_schema, pack_delta
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.weights import block_schema
 
 log = logging.getLogger(__name__)
 

@@ -92,20 +92,21 @@ class _Bench:
         self.cfg = opts.cfg
         self.base = [sys.executable, "-m", "blocktrain"]
 
-    def child(self, *args: str) -> None:
-        cmd = [*self.base, *args, *self.o.child_args]
+    def child(self, command: list[str], extra: tuple[str, ...]) -> None:
+        """Run ``blocktrain COMMAND`` with the user's run flags, then the arm's own (``extra`` wins: argparse keeps the last)."""
+        cmd = [*self.base, *command, *self.o.child_args, *extra]
         log.info("running: %s", shlex.join(cmd))
         rc = subprocess.call(cmd)
         if rc != 0:
             raise BlockTrainError(f"child training failed (exit {rc}): {shlex.join(cmd)}")
 
     def e2e(self, out: Path, *extra: str) -> dict[str, Any]:
-        self.child("train-e2e", "--out", str(out), *extra)
+        self.child(["train-e2e", "--out", str(out)], extra)
         return _summary(RunDir(out), "e2e")
 
     def blocks(self, out: Path, objective: Objective, ks: range, *extra: str) -> list[dict[str, Any]]:
         for k in ks:
-            self.child("train-block", "--objective", objective.value, "--block", str(k), "--out", str(out), *extra)
+            self.child(["train-block", "--objective", objective.value, "--block", str(k), "--out", str(out)], extra)
         return [_summary(RunDir(out), f"block_{k}") for k in ks]
 
     def sweep(self, name: str, train: Any, key: str) -> tuple[float, dict[str, float], dict[float, Path]]:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import enum
-import functools
-import inspect
-import re
-from dataclasses import MISSING, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
+from blocktrain.cli.fields import arg_type as _arg_type
+from blocktrain.cli.fields import field_comments as _field_comments
 from blocktrain.config import DiffusionConfig, ModelConfig, Objective, RunConfig, StackConfig, TrainConfig
 from blocktrain.presets import PRESETS, get_preset
 
@@ -28,16 +27,6 @@ _EXTRA: tuple[tuple[str, type, str, str], ...] = (
 )
 
 
-@functools.cache
-def _field_comments(cls: type) -> dict[str, str]:
-    """Unit comments of a dataclass's fields, read from its source: ``name: type = default  # comment``."""
-    try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^=\n]+=[^#\n]*#\s*(.+)$", src, re.M)}
-
-
 def _run_flags() -> list[tuple[str, type, str, str]]:
     out = [(section, cls, f.name, "--" + f.name.replace("_", "-")) for section, cls in _SECTIONS for f in fields(cls)]
     return [*out, *_EXTRA]
@@ -45,15 +34,6 @@ def _run_flags() -> list[tuple[str, type, str, str]]:
 
 def _dest(section: str, name: str) -> str:
     return f"cfg__{section}__{name}"
-
-
-def _arg_type(cls: type, name: str) -> dict[str, Any]:
-    f = next(f for f in fields(cls) if f.name == name)
-    default = f.default if f.default is not MISSING else None
-    if isinstance(default, enum.Enum):
-        enum_cls = type(default)
-        return {"type": enum_cls, "choices": list(enum_cls), "metavar": "{" + ",".join(e.value for e in enum_cls) + "}"}
-    return {"type": type(default) if default is not None else str, "metavar": name.upper()}
 
 
 def add_run_args(p: argparse.ArgumentParser, *, need_out: bool = True, skip: tuple[str, ...] = ()) -> None:

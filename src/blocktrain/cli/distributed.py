@@ -14,17 +14,29 @@ from pathlib import Path
 from types import FrameType
 
 from blocktrain.cli.common import add_run_args, config_from_args
+from blocktrain.cli.fields import add_field_flags, field_values
 from blocktrain.config import Precision
+from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.errors import BlockTrainError
 
 log = logging.getLogger("blocktrain")
 
+NESTEROV_OUTER_LR = 0.7  # eta of the outer step under --outer nesterov when --outer-lr is not given
+_SETTINGS = "settings"  # destination prefix of the CoordinatorSettings flags
+_SETTINGS_NOTES = {"outer_lr": f"; {NESTEROV_OUTER_LR} under --outer nesterov unless given"}
+
+
+def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
+    """The coordinator settings given as flags (one per field); the dataclass defaults for the rest."""
+    values = field_values(args, CoordinatorSettings, prefix=_SETTINGS)
+    if "outer_lr" not in values and values.get("outer") is OuterOptimizer.NESTEROV:
+        values["outer_lr"] = NESTEROV_OUTER_LR
+    return CoordinatorSettings(**values)
+
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    from blocktrain.coordinator.aggregate import Aggregation, OuterOptimizer
     from blocktrain.coordinator.app import run_server
     from blocktrain.coordinator.service import Coordinator
-    from blocktrain.coordinator.settings import CoordinatorSettings
     from blocktrain.data.dataset import resolve_data_dir
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -33,25 +45,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    settings = CoordinatorSettings(
-        round_seconds=args.round_seconds,
-        adaptive_deadline=args.adaptive_deadline,
-        lease_seconds=args.lease_seconds,
-        rounds=args.rounds,
-        min_updates=args.min_updates,
-        max_body_bytes=args.max_body_bytes,
-        norm_k=args.norm_k,
-        aggregation=Aggregation(args.aggregation),
-        trim_fraction=args.trim_fraction,
-        outer=OuterOptimizer(args.outer),
-        outer_lr=args.outer_lr if args.outer_lr is not None else (0.7 if args.outer == "nesterov" else 1.0),
-        outer_momentum=args.outer_momentum,
-        gate_tolerance=args.gate_tolerance,
-        eval_every=args.eval_every,
-        eval_bytes=args.eval_bytes,
-        fsync=not args.no_fsync,
-    )
-    data = None if args.no_eval and args.gate_tolerance is None else resolve_data_dir(args.data)
+    settings = settings_from_args(args)
+    data = None if args.no_eval and settings.gate_tolerance is None else resolve_data_dir(args.data)
     c = Coordinator(Path(args.run_dir), config_from_args(args), settings, data)
     try:
         run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
@@ -69,8 +64,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from blocktrain.coordinator.wire import Compression
     from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.protocol.delta import Compression
     from blocktrain.worker.loop import Worker, WorkerOptions
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is too chatty
@@ -150,25 +145,10 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--run-dir", required=True, help="run directory holding the coordinator state")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8470, help="port to listen on")
-    s.add_argument("--round-seconds", type=float, default=60.0, help="round deadline, in seconds")
-    s.add_argument("--adaptive-deadline", action="store_true", help="adapt deadlines to observed arrival times")
-    s.add_argument("--lease-seconds", type=float, default=30.0, help="a worker silent this long leaves the round")
-    s.add_argument("--rounds", type=int, default=0, help="rounds per block, then the run finishes (0 = forever)")
-    s.add_argument("--min-updates", type=int, default=1, help="a round needs this many deltas to close by quorum")
-    s.add_argument("--max-body-bytes", type=int, default=0, help="cap on an update (0 = 2x the block's fp32 size)")
-    s.add_argument("--norm-k", type=float, default=10.0, help="reject updates above k x the median norm (0 = off)")
-    s.add_argument("--aggregation", default="mean", choices=["mean", "median", "trimmed_mean"])
-    s.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed mean: fraction cut at each end")
-    s.add_argument("--outer", default="average", choices=["average", "nesterov"], help="outer step")
-    s.add_argument("--outer-lr", type=float, default=None, help="outer learning rate (1.0 average, 0.7 nesterov)")
-    s.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum")
-    s.add_argument("--gate-tolerance", type=float, default=None, help="reject updates raising held-out loss more")
-    s.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (0 = never)")
-    s.add_argument("--eval-bytes", type=int, default=4096, help="validation bytes per evaluation")
+    # One flag per CoordinatorSettings field (--round-seconds, --no-fsync, ...): a new setting needs no edit here.
+    add_field_flags(s, CoordinatorSettings, prefix=_SETTINGS, notes=_SETTINGS_NOTES)
     s.add_argument("--no-eval", action="store_true", help="no evaluation (no data directory needed)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
-    s.add_argument("--no-fsync", action="store_true",
-                   help="skip fsync: state survives a killed process but not a power loss (faster ingest)")
     s.add_argument("--tls-cert", default=None, help="TLS certificate (PEM)")
     s.add_argument("--tls-key", default=None, help="TLS private key (PEM)")
     s.set_defaults(fn=cmd_coordinator)

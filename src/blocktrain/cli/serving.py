@@ -4,16 +4,68 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import enum
 import logging
 import os
 import signal
+import typing
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from blocktrain.cli.fields import arg_type, field_comments, flag_name
 
 if TYPE_CHECKING:
-    from blocktrain.serve.stage import StageOptions
+    from blocktrain.bench.serve_options import ServeBenchOptions
+    from blocktrain.serve.stage_options import StageOptions
 
 log = logging.getLogger(__name__)
+
+# StageOptions fields set by explicit flags: unit-converting (ms, MiB), parsed (--next) or secret (--token-file).
+# Every other field gets a flag derived from its declaration (see _add_option_flags).
+STAGE_EXPLICIT = {
+    "next_stages": "--next", "link_delay_s": "--delay-ms", "max_frame_bytes": "--max-frame-mib",
+    "batch_window_s": "--batch-window-ms", "conn_buffer_bytes": "--conn-buffer-mib", "buffer_bytes": "--buffer-mib",
+    "token": "--token-file",
+}
+STAGE_ALIASES = {"request_timeout_s": ("--timeout",)}  # flag names kept from before the flags were derived
+STAGE_PREFIX, BENCH_PREFIX = "stage__", "bench__"  # argparse dests of derived flags: prefix + field name
+
+
+def _add_option_flags(
+    p: argparse.ArgumentParser, cls: type, prefix: str, *, skip: typing.Collection[str] = (),
+    aliases: typing.Mapping[str, tuple[str, ...]] | None = None, types: typing.Mapping[str, typing.Callable[[str], Any]] | None = None,
+) -> None:
+    """One flag per field of the option dataclass ``cls`` (but ``skip``): ``--kebab-name``, help from its unit comment.
+
+    A field in seconds (``x_s``) is also reachable as ``--x``; ``aliases`` adds other names, ``types`` parsers
+    for fields whose default's type cannot parse a flag. Unset flags stay None: the dataclass default applies.
+    """
+    comments = field_comments(cls)
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        names = [flag_name(f.name)]
+        if f.name.endswith("_s"):
+            names.append(flag_name(f.name.removesuffix("_s")))
+        names += (aliases or {}).get(f.name, ())
+        kw = {"type": types[f.name], "metavar": f.name.upper()} if types and f.name in types else arg_type(cls, f.name)
+        help_ = comments.get(f.name, f.name)
+        if f.default is not MISSING and f.default is not None:
+            help_ += f" (default: {f.default.value if isinstance(f.default, enum.Enum) else f.default})"
+        p.add_argument(*names, dest=prefix + f.name, default=None, help=help_.replace("%", "%%"), **kw)
+
+
+def _given_options(args: argparse.Namespace, cls: type, prefix: str) -> dict[str, Any]:
+    """The fields of ``cls`` whose derived flags were given, by field name."""
+    return {f.name: v for f in fields(cls) if (v := getattr(args, prefix + f.name, None)) is not None}
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,4, got {text!r}") from None
 
 
 def read_token(args: argparse.Namespace) -> str:
@@ -33,21 +85,38 @@ def read_token(args: argparse.Namespace) -> str:
 
 
 def stage_options(args: argparse.Namespace, next_stages: tuple[tuple[str, int], ...] = ()) -> StageOptions:
-    """`blocktrain serve` flags -> StageOptions (ConfigError on a bad value)."""
-    from blocktrain.serve.stage import StageOptions
-    from blocktrain.serve.wire import SMALL_FRAME_BYTES
+    """`blocktrain serve` flags -> StageOptions (ConfigError on a bad value); unset flags keep the field defaults."""
+    from blocktrain.serve.limits import SMALL_FRAME_BYTES
+    from blocktrain.serve.stage_options import StageOptions
 
-    max_frame = int(args.max_frame_mib * 2**20)
+    given = _given_options(args, StageOptions, STAGE_PREFIX)
+    default = StageOptions()
+    max_frame = int(args.max_frame_mib * 2**20) if args.max_frame_mib is not None else default.max_frame_bytes
     conn_buffer = int(args.conn_buffer_mib * 2**20) if args.conn_buffer_mib is not None else max_frame
-    small = args.max_connections * SMALL_FRAME_BYTES
+    small = given.get("max_connections", default.max_connections) * SMALL_FRAME_BYTES
+    if args.delay_ms is not None:
+        given["link_delay_s"] = args.delay_ms / 1000.0
+    if args.batch_window_ms is not None:
+        given["batch_window_s"] = args.batch_window_ms / 1000.0
     return StageOptions(
-        next_stages=next_stages, link_delay_s=args.delay_ms / 1000.0, max_frame_bytes=max_frame,
-        max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000.0, request_timeout_s=args.timeout,
-        retries=args.retries, idle_timeout_s=args.idle_timeout, read_timeout_s=args.read_timeout,
-        write_timeout_s=args.write_timeout, max_connections=args.max_connections, conn_buffer_bytes=conn_buffer,
+        **given, next_stages=next_stages, max_frame_bytes=max_frame, conn_buffer_bytes=conn_buffer,
         buffer_bytes=int(args.buffer_mib * 2**20) if args.buffer_mib is not None else 4 * conn_buffer + small,
         token=read_token(args),
     )
+
+
+def next_stages(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
+    """--next A,B -> the next stage and its replicas (ValueError on a bad address)."""
+    from blocktrain.serve.links import parse_address
+
+    return tuple(parse_address(a) for a in args.next.split(",")) if args.next else ()
+
+
+def bench_options(args: argparse.Namespace) -> ServeBenchOptions:
+    """`blocktrain bench serve` flags -> ServeBenchOptions (ConfigError on a bad value); unset flags keep the defaults."""
+    from blocktrain.bench.serve_options import ServeBenchOptions
+
+    return ServeBenchOptions(**_given_options(args, ServeBenchOptions, BENCH_PREFIX))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -78,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lo, hi = parse_span(span_text)
     try:
         host, port = parse_address(args.listen)
-        nxt = tuple(parse_address(a) for a in args.next.split(",")) if args.next else ()
+        nxt = next_stages(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     precision = Precision(args.precision)
@@ -116,9 +185,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from blocktrain.serve.bench import run_serve_bench
+    from blocktrain.bench.serve import run_serve_bench
 
-    run_serve_bench(args)
+    run_serve_bench(bench_options(args))
     return 0
 
 
@@ -131,6 +200,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the serve sub-command (and 'bench serve') to the parser."""
+    from blocktrain.bench.serve_options import ServeBenchOptions
+    from blocktrain.serve.stage_options import StageOptions
+
     s = sub.add_parser("serve", help="serve a span of blocks (or E2E layers) as one pipeline stage")
     s.add_argument("--run", default=None, help="run directory with the trained weights")
     s.add_argument("--model", default="blocktrain", choices=["blocktrain", "e2e"], help="blocks, or the E2E baseline")
@@ -144,25 +216,18 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
                    help="random weights of a logical shape, e.g. d_model=2048,n_heads=16,n_layers=16,n_blocks=4")
     s.add_argument("--seed", type=int, default=0, help="seed of --random weights")
     s.add_argument("--threads", type=int, default=1, help="torch threads of this process")
-    s.add_argument("--delay-ms", type=float, default=0.0, help="inject this one-way delay on the forward link")
-    s.add_argument("--max-frame-mib", type=float, default=64.0, help="largest frame accepted or sent")
-    s.add_argument("--max-batch", type=int, default=16, help="frames run together at most")
-    s.add_argument("--batch-window-ms", type=float, default=0.0, help="wait for more frames before a batch")
-    s.add_argument("--timeout", type=float, default=60.0, help="entry stage: seconds before a request fails")
-    s.add_argument("--retries", type=int, default=1, help="entry stage: re-runs after a downstream failure")
-    s.add_argument("--idle-timeout", type=float, default=300.0,
-                   help="seconds: close a connection on which no frame starts and nothing is in flight")
-    s.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds: a frame whose first byte arrived must be complete within this")
-    s.add_argument("--write-timeout", type=float, default=30.0,
-                   help="seconds: close a connection whose peer reads nothing of a pending write for this long")
-    s.add_argument("--max-connections", type=int, default=256,
-                   help="inbound connections held at once; more are refused with an ERROR")
+    s.add_argument("--delay-ms", type=float, default=None,
+                   help=f"inject this one-way delay on the forward link (default: {StageOptions.link_delay_s * 1000:g})")
+    s.add_argument("--max-frame-mib", type=float, default=None,
+                   help=f"largest frame accepted or sent (default: {StageOptions.max_frame_bytes / 2**20:g})")
+    s.add_argument("--batch-window-ms", type=float, default=None,
+                   help=f"wait for more frames before a batch (default: {StageOptions.batch_window_s * 1000:g})")
     s.add_argument("--conn-buffer-mib", type=float, default=None,
                    help="largest frame one connection may have buffered (default: --max-frame-mib)")
     s.add_argument("--buffer-mib", type=float, default=None,
                    help="frames buffered at once over all connections, 64 KiB per connection of it kept for small "
                         "frames (default: 4 x --conn-buffer-mib + 64 KiB x --max-connections)")
+    _add_option_flags(s, StageOptions, STAGE_PREFIX, skip=STAGE_EXPLICIT, aliases=STAGE_ALIASES)
     s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="arithmetic of this stage's blocks (bf16: autocast). fp32 by default: stages compute on "
                         "the CPU, where one-row decode matmuls gain nothing from bf16, and fp32 keeps a pipeline's "
@@ -176,27 +241,9 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
                         "$BLOCKTRAIN_SERVE_TOKEN; none: no authentication)")
     s.set_defaults(fn=cmd_serve)
 
-    b = bench.add_parser("serve", help="sweep vs ar vs the AR baseline over three stages (netns or loopback)")
-    b.add_argument("--run", default="runs/bench-quality-cpu-small", help="run with trained blocks and E2E model")
-    b.add_argument("--data", default=None, help="data directory (prompts and teacher-forced CE from its test split)")
-    b.add_argument("--json", default=None, help="write the result JSON here")
-    b.add_argument("--hop-delay-ms", type=float, default=25.0, help="one-way delay per hop")
-    b.add_argument("--output-bytes", type=int, default=128, help="bytes per output")
-    b.add_argument("--prompt-bytes", type=int, default=128, help="bytes of each prompt")
-    b.add_argument("--prompts", type=int, default=4, help="prompts for the generative CE")
-    b.add_argument("--sweeps", default="1,2,4", help="k values of sweep to measure")
-    b.add_argument("--temperature", type=float, default=0.8)
-    b.add_argument("--top-k", type=int, default=40)
-    b.add_argument("--tf-bytes", type=int, default=16384, help="test bytes for the teacher-forced CE")
-    b.add_argument("--network", default="auto", choices=["auto", "netns", "loopback"])
-    b.add_argument("--scale", default="auto", help="scale run shape (auto, off, or NAME=INT,...)")
-    b.add_argument("--scale-budget-gib", type=float, default=None, help="memory for the scale run's weights")
-    b.add_argument("--scale-output-bytes", type=int, default=None, help="bytes per output at scale (default: same)")
-    b.add_argument("--base-port", type=int, default=47100)
-    b.add_argument("--stack-run", default=None,
-                   help="a trained stack run: adds the spec row (speculative decoding over the same stages and prompts)")
-    b.add_argument("--draft-min", type=int, default=1, help="spec row: shortest draft, bytes")
-    b.add_argument("--draft-max", type=int, default=16, help="spec row: longest draft, bytes")
+    b = bench.add_parser("serve", help="sweep vs ar vs the AR baseline over three stages (netns or loopback); "
+                         "run it alone on the machine")
+    _add_option_flags(b, ServeBenchOptions, BENCH_PREFIX, types={"sweeps": _int_tuple})
     b.set_defaults(fn=cmd_bench_serve)
 
     g = sub.add_parser("gateway", help="an OpenAI-style HTTP API (/v1/completions, /v1/models) in front of a pipeline")

@@ -14,26 +14,17 @@ g = -Delta_bar,
 * ``nesterov``:  m <- mu m + g;  step = -eta (g + mu m)
 
 The published step is rounded to bfloat16, and both coordinator and workers
-compute W_{v+1} = W_v + float32(step_bf16), so they hold bit-identical weights
-while the pull costs half the block's fp32 size.
+compute W_{v+1} = W_v + float32(step_bf16)
+(:func:`blocktrain.protocol.weights.apply_step`), so they hold bit-identical
+weights while the pull costs half the block's fp32 size. The choices
+(:class:`.settings.Aggregation`, :class:`.settings.OuterOptimizer`) are settings.
 """
 
 from __future__ import annotations
 
-import enum
-
 import torch
 
-
-class Aggregation(enum.Enum):
-    MEAN = "mean"  # sample-weighted mean
-    MEDIAN = "median"  # coordinate-wise median (robust)
-    TRIMMED_MEAN = "trimmed_mean"  # coordinate-wise trimmed mean (robust)
-
-
-class OuterOptimizer(enum.Enum):
-    AVERAGE = "average"  # W <- W + eta * Delta_bar
-    NESTEROV = "nesterov"  # DiLoCo outer Nesterov momentum
+from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
 
 
 def aggregate(
@@ -95,7 +86,3 @@ def outer_step(
         step[n] = (-lr * (g + momentum * m)).to(torch.bfloat16)
     return step, new_buf
 
-
-def apply_step(weights: dict[str, torch.Tensor], step: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """W_{v+1} = W_v + float32(step); the same code runs on both sides of the wire."""
-    return {n: (w + step[n].float()).contiguous() for n, w in weights.items()}

@@ -18,7 +18,6 @@ finished block is then served as a frozen input of the later blocks
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -34,21 +33,15 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import pack, save_file, tensors_sha256, unpack
 from blocktrain.config import Objective as ObjectiveKind
 from blocktrain.config import RunConfig, Schedule
-from blocktrain.coordinator.aggregate import aggregate, apply_step, outer_step
+from blocktrain.coordinator.aggregate import aggregate, outer_step
 from blocktrain.coordinator.evaluation import Evaluator
-from blocktrain.coordinator.settings import (
-    BlockState,
-    CloseReason,
-    CoordinatorSettings,
-    RoundState,
-    UpdateState,
-    WorkerState,
-)
+from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.wire import Compression, block_schema, decode_delta, trainable_state
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
+from blocktrain.protocol.delta import Compression, decode_delta
+from blocktrain.protocol.weights import apply_step, block_schema, trainable_state
 
 log = logging.getLogger(__name__)
 
@@ -118,21 +111,18 @@ class BlockRounds:
             s.set_meta("config", self.cfg.to_json())
         now = self.clock()
         for k in range(self.n_blocks):
-            row = s.q1("SELECT * FROM versions WHERE block=? ORDER BY version DESC LIMIT 1", k)
+            row = s.latest_version(k)
             if row is None:
                 torch.manual_seed(self.cfg.train.seed * 1009 + k)  # same init as 'blocktrain train-block'
                 w = trainable_state(self.objective.build_block(k))
                 payload = self._weights_payload(k, 0, w)
                 digest = s.put_blob(payload)
                 initial = BlockState.OPEN if k == 0 or not self.progressive else BlockState.WAITING
-                with s.tx() as db:
-                    db.execute(
-                        "INSERT INTO versions(block, version, weights_blob, weights_sha, created) VALUES(?,?,?,?,?)",
-                        (k, 0, digest, tensors_sha256(w), now),
-                    )
+                with s.tx():
+                    s.add_version(k, 0, digest, tensors_sha256(w), now)
                     if initial is BlockState.OPEN:
-                        self._open_round(db, k, 0, now, self.settings.round_seconds)
-                    self._store_state(db, k, initial, now)
+                        s.open_round(k, 0, now, now + self.settings.round_seconds)
+                    s.set_block_state(k, initial, now)
                 self.state[k] = initial
                 self._set_weights(k, 0, w, payload)
                 self._save_checkpoint(k)
@@ -143,29 +133,24 @@ class BlockRounds:
             self._set_weights(k, v, w, payload)
             if row["momentum_blob"]:
                 self.momentum[k] = unpack(s.get_blob(row["momentum_blob"]), source="momentum")[0]
-            for r in s.q(
-                "SELECT norm FROM updates WHERE block=? ORDER BY id DESC LIMIT ?", k, self.settings.norm_history
-            ):
-                self.norms[k].appendleft(float(r["norm"]))
+            for norm in s.recent_norms(k, self.settings.norm_history):  # newest first
+                self.norms[k].appendleft(norm)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
 
     def _resumed_state(self, k: int, v: int, now: float) -> BlockState:
         """The stored state of block k; derived from its rounds for a store written before states existed."""
-        row = self.store.q1("SELECT state FROM block_states WHERE block=?", k)
-        if row is not None:
-            return BlockState(row["state"])
-        rnd = self.store.q1("SELECT state FROM rounds WHERE block=? AND version=?", k, v)
+        stored = self.store.block_state(k)
+        if stored is not None:
+            return stored
+        rnd = self.store.round(k, v)
         if rnd is None:
             state = BlockState.WAITING
         else:
             state = BlockState.FINISHED if rnd["state"] == RoundState.FINISHED.value else BlockState.OPEN
-        with self.store.tx() as db:
-            self._store_state(db, k, state, now)
+        with self.store.tx():
+            self.store.set_block_state(k, state, now)
         return state
-
-    def _store_state(self, db: Any, k: int, state: BlockState, now: float) -> None:
-        db.execute("INSERT OR REPLACE INTO block_states(block, state, changed) VALUES(?,?,?)", (k, state.value, now))
 
     def _weights_payload(self, k: int, v: int, w: dict[str, torch.Tensor]) -> bytes:
         return pack(w, {"kind": "weights", "block_index": str(k), "version": str(v), "config": self.cfg.to_json()})
@@ -183,21 +168,13 @@ class BlockRounds:
         extra = {"target_embedding": self.E} if self.E is not None else {}
         save_file(self.run.block_path(k), {**self.weights[k], **extra}, meta)
 
-    def _open_round(self, db: Any, k: int, v: int, now: float, seconds: float) -> None:
-        db.execute(
-            "INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
-            (k, v, RoundState.OPEN.value, now, now + seconds),
-        )
-
     # --- replicas ---------------------------------------------------------------
-
-    def _live(self, now: float) -> dict[int, set[str]]:
+    def live_replicas(self, now: float) -> dict[int, set[str]]:
+        """Block -> names of the active workers on it that hold a lease at ``now``."""
         live: dict[int, set[str]] = {k: set() for k in range(self.n_blocks)}
-        for r in self.store.q(
-            "SELECT name, block FROM workers WHERE state=? AND lease_until>=?", WorkerState.ACTIVE.value, now
-        ):
-            if r["block"] is not None and 0 <= r["block"] < self.n_blocks:
-                live[int(r["block"])].add(r["name"])
+        for name, block in self.store.live_workers(now):
+            if block is not None and 0 <= block < self.n_blocks:
+                live[int(block)].add(name)
         return live
 
 
@@ -219,12 +196,12 @@ class BlockRounds:
                 404, f"block {k} has no step from version {from_version}; pull the full weights instead", "no_step"
             )
         with self.lock:
-            row = self.store.q1("SELECT step_blob FROM versions WHERE block=? AND version=?", k, from_version + 1)
-            if row is None or not row["step_blob"]:
+            digest = self.store.step_blob(k, from_version + 1)
+            if digest is None:
                 raise ProtocolError(
                     404, f"block {k} has no step from version {from_version}; pull the full weights instead", "no_step"
                 )
-            return self.store.get_blob(row["step_blob"])
+            return self.store.get_blob(digest)
 
     def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:
         """(version, weights sha256, safetensors) of finished block k, the frozen input of later blocks."""
@@ -269,14 +246,12 @@ class BlockRounds:
 
     # --- rounds ------------------------------------------------------------------
     def _check_quorum(self, now: float) -> list[int]:
-        live = self._live(now)
+        live = self.live_replicas(now)
         closed = []
         for k in range(self.n_blocks):
             v = self.version[k]
-            reported = {
-                r["worker"] for r in self.store.q("SELECT worker FROM updates WHERE block=? AND version=?", k, v)
-            }
-            rnd = self.store.q1("SELECT state FROM rounds WHERE block=? AND version=?", k, v)
+            reported = self.store.reporters(k, v)
+            rnd = self.store.round(k, v)
             enough = len(reported) >= self.settings.min_updates
             if rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported:
                 self._close_round(k, CloseReason.QUORUM, now)
@@ -287,23 +262,19 @@ class BlockRounds:
     def _close_due_rounds(self, now: float) -> None:
         """Close rounds past their deadline; extend those that received nothing."""
         for k in range(self.n_blocks):
-            rnd = self.store.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, self.version[k])
+            rnd = self.store.round(k, self.version[k])
             if rnd is None or rnd["state"] != RoundState.OPEN.value or float(rnd["deadline"]) > now:
                 continue
             if int(rnd["n_updates"]) > 0:
                 self._close_round(k, CloseReason.DEADLINE, now)
             else:  # nobody delivered: keep the round open for another period
-                with self.store.tx() as db:
-                    db.execute(
-                        "UPDATE rounds SET deadline=? WHERE block=? AND version=?",
-                        (now + self.settings.round_seconds, k, self.version[k]),
-                    )
+                with self.store.tx():
+                    self.store.extend_round(k, self.version[k], now + self.settings.round_seconds)
 
     def _close_round(self, k: int, reason: CloseReason, now: float) -> None:
         s = self.store
         v = self.version[k]
-        rows = s.q("SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v,
-                   UpdateState.ACCEPTED.value)
+        rows = s.accepted_updates(k, v)
         deltas, samples = [], []
         for r in rows:
             tensors, _ = unpack(s.get_blob(r["blob"]), source=f"update {r['id']}")
@@ -325,32 +296,20 @@ class BlockRounds:
         changed: dict[int, BlockState] = {}
         if cfg.adaptive_deadline:
             seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * slowest))
-        with s.tx() as db:
-            db.execute(
-                "INSERT INTO versions(block, version, weights_blob, step_blob, momentum_blob, weights_sha, created) "
-                "VALUES(?,?,?,?,?,?,?)",
-                (k, v + 1, w_digest, step_digest, m_digest, sha, now),
-            )
-            db.execute(
-                "UPDATE rounds SET state=?, closed=?, close_reason=? WHERE block=? AND version=?",
-                (RoundState.CLOSED.value, now, reason.value, k, v),
-            )
-            db.execute("UPDATE updates SET state=? WHERE block=? AND version=?", (UpdateState.APPLIED.value, k, v))
+        with s.tx():
+            s.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
+            s.close_round(k, v, now, reason)  # its updates are applied
             if cfg.rounds and v + 1 >= cfg.rounds:
-                db.execute(
-                    "INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
-                    (k, v + 1, RoundState.FINISHED.value, now, now),
-                )
+                s.finish_round(k, v + 1, now)
                 changed[k] = BlockState.FINISHED
                 nxt = k + 1
                 if self.progressive and nxt < self.n_blocks and self.state[nxt] is BlockState.WAITING:
-                    self._open_round(db, nxt, self.version[nxt], now, cfg.round_seconds)
+                    s.open_round(nxt, self.version[nxt], now, now + cfg.round_seconds)
                     changed[nxt] = BlockState.OPEN
                 for j, state in changed.items():
-                    self._store_state(db, j, state, now)
+                    s.set_block_state(j, state, now)
             else:
-                self._open_round(db, k, v + 1, now, seconds)
-            s.add_counter("rounds_closed", 1)
+                s.open_round(k, v + 1, now, now + seconds)
         self._set_weights(k, v + 1, w, payload)
         self.momentum[k] = buf
         self._save_checkpoint(k)
@@ -367,18 +326,15 @@ class BlockRounds:
             return None
         with self.lock:
             epoch = min(self.version.values())
-            last = self.store.q1("SELECT epoch FROM evals ORDER BY id DESC LIMIT 1")
-            due = last is None or epoch >= int(last["epoch"]) + max(every, 1) or (force and epoch != int(last["epoch"]))
+            last = self.store.last_eval_epoch()
+            due = last is None or epoch >= last + max(every, 1) or (force and epoch != last)
             if not due:
                 return None
             versions = dict(self.version)
             snapshot = {k: self.weights[k] for k in range(self.n_blocks)}
         ce, n = self.evaluator.evaluate(snapshot, self.E)
-        with self.lock, self.store.tx() as db:
-            db.execute(
-                "INSERT INTO evals(epoch, versions, ce, bytes, at) VALUES(?,?,?,?,?)",
-                (epoch, json.dumps(versions), ce, n, self.clock()),
-            )
+        with self.lock, self.store.tx():
+            self.store.record_eval(epoch, versions, ce, n, self.clock())
         log.info("eval at epoch %d (versions %s): CE %.4f nats/byte on %d bytes", epoch, versions, ce, n)
         return ce
 

@@ -17,7 +17,6 @@ from torch import nn
 from blocktrain.config import Objective as ObjectiveKind
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings
-from blocktrain.coordinator.wire import load_trainable
 from blocktrain.data.dataset import ByteSplit, DataDir
 from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.errors import ConfigError
@@ -25,6 +24,7 @@ from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
+from blocktrain.protocol.weights import load_trainable
 
 GATE_STREAM = 7_777  # stream id of the gate's held-out batch
 

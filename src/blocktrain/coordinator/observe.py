@@ -15,11 +15,11 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
     with c.lock:
         now = c.clock()
         s = c.store
-        live = c._live(now)
+        live = c.live_replicas(now)
         blocks = []
         for k in range(c.n_blocks):
             v = c.version[k]
-            rnd = s.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+            rnd = s.round(k, v)
             state = c.state[k]
             blocks.append({
                 "block": k,
@@ -47,7 +47,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "updates_accepted": int(r["accepted"]),
                 "updates_rejected": int(r["rejected"]),
             }
-            for r in s.q("SELECT * FROM workers ORDER BY name")
+            for r in s.workers()
         ]
         rounds = [
             {
@@ -59,13 +59,12 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "close_reason": r["close_reason"],
                 "updates": int(r["n_updates"]),
             }
-            for r in s.q("SELECT * FROM rounds WHERE state=? ORDER BY closed DESC LIMIT ?",
-                         RoundState.CLOSED.value, recent_rounds)
+            for r in s.closed_rounds(recent_rounds)
         ]
         evals = [
             {"epoch": int(r["epoch"]), "versions": json.loads(r["versions"]), "ce_nats_per_byte": float(r["ce"]),
              "bytes": int(r["bytes"]), "at": float(r["at"])}
-            for r in s.q("SELECT * FROM evals ORDER BY id")
+            for r in s.evals()
         ]
         counters = s.counters()
     rejections = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}

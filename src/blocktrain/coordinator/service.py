@@ -20,15 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from blocktrain.config import RunConfig
+from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.blocks import BlockRounds
-from blocktrain.coordinator.settings import (
-    BlockState,
-    CoordinatorSettings,
-    RoundState,
-    UpdateState,
-    WorkerState,
-)
-from blocktrain.coordinator.store import StagedBlob, hash_token
+from blocktrain.coordinator.settings import BlockState, CoordinatorSettings, RoundState
+from blocktrain.coordinator.store import hash_token
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import mix_seed
@@ -104,7 +99,7 @@ class Coordinator(BlockRounds):
             )
         with self.lock:
             now = self.clock()
-            row = self.store.q1("SELECT * FROM workers WHERE name=?", name)
+            row = self.store.worker(name)
             if block is None and row is not None and row["block"] is not None and not self._should_move(int(row["block"])):
                 k = int(row["block"])  # a returning worker keeps its block (stack: while it is open)
             elif block is None:
@@ -112,13 +107,8 @@ class Coordinator(BlockRounds):
             else:
                 k = block
             lease = now + self.settings.lease_seconds
-            with self.store.tx() as db:
-                db.execute(
-                    "INSERT INTO workers(name, block, pinned, state, registered, lease_until) VALUES(?,?,?,?,?,?) "
-                    "ON CONFLICT(name) DO UPDATE SET block=excluded.block, pinned=excluded.pinned, "
-                    "state=excluded.state, lease_until=excluded.lease_until",
-                    (name, k, int(block is not None), WorkerState.ACTIVE.value, now, lease),
-                )
+            with self.store.tx():
+                self.store.register_worker(name, k, block is not None, now, lease)
             state = self.state[k]
             message = self.state_message(k)
             log.info("worker %s registered on block %d (%s)%s", name, k, state.value, f": {message}" if message else "")
@@ -135,7 +125,7 @@ class Coordinator(BlockRounds):
 
     def _least_replicated(self, name: str, now: float) -> int:
         """The block with the fewest live replicas other than ``name`` (stack: among the open blocks, if any)."""
-        live = self._live(now)
+        live = self.live_replicas(now)
         live = {b: {w for w in names if w != name} for b, names in live.items()}
         candidates = (self.open_blocks() if self.progressive else []) or list(range(self.n_blocks))
         return min(candidates, key=lambda b: (len(live[b]), b))
@@ -145,7 +135,7 @@ class Coordinator(BlockRounds):
         return self.progressive and self.state[k] is not BlockState.OPEN and bool(self.open_blocks())
 
     def _worker(self, name: str) -> Any:
-        row = self.store.q1("SELECT * FROM workers WHERE name=?", name)
+        row = self.store.worker(name)
         if row is None or row["block"] is None:
             raise ProtocolError(409, f"worker {name!r} is not registered; POST /v1/register first", "not_registered")
         return row
@@ -154,18 +144,15 @@ class Coordinator(BlockRounds):
         with self.lock:
             self._worker(name)
             now = self.clock()
-            with self.store.tx() as db:
-                db.execute(
-                    "UPDATE workers SET lease_until=?, state=? WHERE name=?",
-                    (now + self.settings.lease_seconds, WorkerState.ACTIVE.value, name),
-                )
+            with self.store.tx():
+                self.store.renew_lease(name, now + self.settings.lease_seconds)
             return {"lease_seconds": self.settings.lease_seconds}
 
     def leave(self, name: str) -> None:
         with self.lock:
             self._worker(name)
-            with self.store.tx() as db:
-                db.execute("UPDATE workers SET state=?, lease_until=0 WHERE name=?", (WorkerState.LEFT.value, name))
+            with self.store.tx():
+                self.store.worker_left(name)
             log.info("worker %s left", name)
             self._check_quorum(self.clock())
 
@@ -177,25 +164,19 @@ class Coordinator(BlockRounds):
             k = int(row["block"])
             if not row["pinned"] and self._should_move(k):
                 old, k = k, self._least_replicated(name, now)  # its block is waiting or finished: move it
-                with self.store.tx() as db:
-                    db.execute("UPDATE workers SET block=? WHERE name=?", (k, name))
+                with self.store.tx():
+                    self.store.move_worker(name, k)
                 log.info("worker %s moved from block %d (%s) to open block %d", name, old, self.state[old].value, k)
             v = self.version[k]
-            rnd = self.store.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+            rnd = self.store.round(k, v)
             block_state = self.state[k]
             state = RoundState(rnd["state"]) if rnd is not None else RoundState.FINISHED
             stream = mix_seed(int(row["id"]), k, v)
-            submitted = self.store.q1("SELECT 1 FROM updates WHERE block=? AND version=? AND worker=?", k, v, name)
-            with self.store.tx() as db:
-                db.execute(
-                    "UPDATE workers SET lease_until=?, state=? WHERE name=?",
-                    (now + self.settings.lease_seconds, WorkerState.ACTIVE.value, name),
-                )
+            submitted = self.store.update_blob(k, v, name)
+            with self.store.tx():
+                self.store.renew_lease(name, now + self.settings.lease_seconds)
                 if state is RoundState.OPEN:
-                    db.execute(
-                        "INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)",
-                        (name, k, v, self.cfg.train.seed, stream),
-                    )
+                    self.store.record_seed(name, k, v, self.cfg.train.seed, stream)
             return {
                 "block": k,
                 "version": v,
@@ -250,27 +231,21 @@ class Coordinator(BlockRounds):
         with self.lock:
             self._check_version(k, upd.base_version)
             v = upd.base_version
-            prior = self.store.q1("SELECT blob FROM updates WHERE block=? AND version=? AND worker=?", k, v, name)
+            prior = self.store.update_blob(k, v, name)
             if prior is not None:
-                if prior["blob"] == digest:
+                if prior == digest:
                     return {"accepted": True, "duplicate": True, "block": k, "version": v}
                 raise ProtocolError(
                     409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate"
                 )
             self._check_norm(k, upd.norm)
-            rnd = self.store.q1("SELECT opened FROM rounds WHERE block=? AND version=?", k, v)
+            rnd = self.store.round(k, v)
             opened = float(rnd["opened"]) if rnd is not None else arrived
             self.store.commit_blob(staged)  # durable before the row that names it
-            with self.store.tx() as db:
-                db.execute(
-                    "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, "
-                    "state) VALUES(?,?,?,?,?,?,?,?,?,?)",
-                    (k, v, name, upd.samples, upd.norm, upd.compression.value, digest, arrived, arrived - opened,
-                     UpdateState.ACCEPTED.value),
-                )
-                db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
-                db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (name,))
-                self.store.add_counter("updates_accepted", 1)
+            with self.store.tx():
+                self.store.record_update(k, v, name, samples=upd.samples, norm=upd.norm,
+                                         compression=upd.compression.value, blob=digest, arrived=arrived,
+                                         arrival_s=arrived - opened)
             self.norms[k].append(upd.norm)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
             closed = self._check_quorum(self.clock())
@@ -279,7 +254,7 @@ class Coordinator(BlockRounds):
     def _check_version(self, k: int, base: int) -> None:
         with self.lock:
             v = self.version[k]
-            rnd = self.store.q1("SELECT state FROM rounds WHERE block=? AND version=?", k, v)
+            rnd = self.store.round(k, v)
             if base != v:
                 raise ProtocolError(
                     409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
@@ -328,13 +303,8 @@ class Coordinator(BlockRounds):
             return
         log.warning("rejected update from %s for block %s: %d %s: %s", name, k, exc.status, exc.reason, exc)
         block = k if k is not None and 0 <= k < self.n_blocks else None  # a bogus index is not stored
-        with self.lock, self.store.tx() as db:
-            db.execute(
-                "INSERT INTO rejections(worker, block, status, reason, message, at) VALUES(?,?,?,?,?,?)",
-                (name, block, exc.status, exc.reason, str(exc), self.clock()),
-            )
-            self.store.add_counter(f"rejected:{exc.reason}", 1)
-            db.execute("UPDATE workers SET rejected=rejected+1 WHERE name=?", (name,))
+        with self.lock, self.store.tx():
+            self.store.record_rejection(name, block, exc.status, exc.reason, str(exc), self.clock())
 
     def _record_unauthenticated(self, k: int | None, exc: ProtocolError) -> None:
         with self._unauth_lock:
@@ -357,14 +327,12 @@ class Coordinator(BlockRounds):
         """Lapse expired leases, close rounds at quorum or deadline, flush byte counters."""
         with self.lock:
             now = self.clock()
-            lapsed = self.store.q(
-                "SELECT name FROM workers WHERE state=? AND lease_until<?", WorkerState.ACTIVE.value, now
-            )
+            lapsed = self.store.expired_leases(now)
             if lapsed:
-                with self.store.tx() as db:
-                    for r in lapsed:
-                        db.execute("UPDATE workers SET state=? WHERE name=?", (WorkerState.LAPSED.value, r["name"]))
-                        log.warning("worker %s: lease lapsed; it leaves the round", r["name"])
+                with self.store.tx():
+                    for lapsed_name in lapsed:
+                        self.store.lapse_worker(lapsed_name)
+                        log.warning("worker %s: lease lapsed; it leaves the round", lapsed_name)
             self._check_quorum(now)
             self._close_due_rounds(now)
             self.flush_bytes()
@@ -381,15 +349,9 @@ class Coordinator(BlockRounds):
             pending, self._pending_bytes = self._pending_bytes, {}
         if not pending:
             return
-        with self.lock, self.store.tx() as db:
+        with self.lock, self.store.tx():
             for name, (n_in, n_out) in pending.items():
-                self.store.add_counter("bytes_in", n_in)
-                self.store.add_counter("bytes_out", n_out)
-                if name is not None:
-                    db.execute(
-                        "UPDATE workers SET bytes_in=bytes_in+?, bytes_out=bytes_out+? WHERE name=?",
-                        (n_in, n_out, name),
-                    )
+                self.store.add_bytes(name, n_in, n_out)
 
     def close(self) -> None:
         self.flush_bytes()

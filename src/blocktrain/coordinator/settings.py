@@ -1,12 +1,22 @@
-"""Coordinator settings and the lifecycles of workers, rounds and updates."""
+"""Coordinator settings (aggregation and outer step included) and the lifecycles of workers, rounds and updates."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from blocktrain.coordinator.aggregate import Aggregation, OuterOptimizer
 from blocktrain.errors import ConfigError
+
+
+class Aggregation(enum.Enum):
+    MEAN = "mean"  # sample-weighted mean
+    MEDIAN = "median"  # coordinate-wise median (robust)
+    TRIMMED_MEAN = "trimmed_mean"  # coordinate-wise trimmed mean (robust)
+
+
+class OuterOptimizer(enum.Enum):
+    AVERAGE = "average"  # W <- W + eta * Delta_bar
+    NESTEROV = "nesterov"  # DiLoCo outer Nesterov momentum
 
 
 class WorkerState(enum.Enum):

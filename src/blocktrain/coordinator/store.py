@@ -1,4 +1,4 @@
-"""Durable coordinator state: SQLite (stdlib) plus content-addressed safetensors blobs.
+"""Durable coordinator state: SQLite (stdlib) plus content-addressed safetensors blobs (:mod:`.blobs`).
 
 Layout inside the run directory::
 
@@ -11,22 +11,27 @@ crash every committed row points at a complete file. Nothing accepted is lost:
 an update is acknowledged only after its row is committed. An update body is
 first staged in a temp file and named only once it is accepted, so refused
 updates leave nothing behind.
+
+Every SQL statement of the coordinator is here, behind a :class:`Store` method
+named by what it does (``record_update``, ``open_round``, ``live_workers``, ...).
+Write methods begin no transaction: the caller groups them in :meth:`Store.tx`.
+``q``/``q1`` remain for read-only audits (tests).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import json
 import secrets
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
-from blocktrain.errors import CheckpointError, RunError
+from blocktrain.coordinator.blobs import BlobStore
+from blocktrain.coordinator.settings import BlockState, CloseReason, RoundState, UpdateState, WorkerState
+from blocktrain.errors import RunError
 
 SCHEMA_VERSION = "1"
 
@@ -64,26 +69,16 @@ CREATE TABLE IF NOT EXISTS block_states(block INTEGER PRIMARY KEY, state TEXT NO
 """
 
 
-@dataclass
-class StagedBlob:
-    """A blob written to a temp file but not yet named (see :meth:`Store.stage_blob`)."""
-
-    digest: str
-    tmp: Path | None  # None: nothing to rename (already stored, committed or discarded)
-
-
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class Store:
-    """SQLite connection + blob directory. Not thread-safe: the caller holds a lock."""
+class Store(BlobStore):
+    """SQLite connection + blob directory (:class:`.blobs.BlobStore`). Not thread-safe: the caller holds a lock."""
 
     def __init__(self, root: Path, fsync: bool = True) -> None:
-        self.fsync = fsync  # False: survives process crashes (kill -9) but not power loss
         self.root = Path(root) / "coordinator"
-        self.blob_dir = self.root / "blobs"
-        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(self.root / "blobs", fsync)
         self.db_path = self.root / "state.sqlite3"
         self.db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
         self.db.row_factory = sqlite3.Row
@@ -133,67 +128,6 @@ class Store:
     def counters(self) -> dict[str, int]:
         return {r["key"]: int(r["value"]) for r in self.q("SELECT key, value FROM counters")}
 
-    # --- blobs ------------------------------------------------------------
-    def put_blob(self, payload: bytes) -> str:
-        """Write ``payload`` under its sha256 (idempotent); return the digest."""
-        digest = hashlib.sha256(payload).hexdigest()
-        path = self.blob_path(digest)
-        if not path.exists():
-            if self.fsync:
-                atomic_write_bytes(path, payload)
-            else:  # temp file + rename: atomic, and in the page cache once written (safe from kill -9)
-                tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-                tmp.write_bytes(payload)
-                os.replace(tmp, path)
-        return digest
-
-    def stage_blob(self, payload: bytes) -> StagedBlob:
-        """Write ``payload`` to a temp file in the blob directory (fsynced); it is named only by :meth:`commit_blob`.
-
-        Lets the slow write happen outside the caller's lock, while a blob that is then refused
-        (:meth:`discard_blob`) never appears under a name. Named blobs are never deleted, so a digest
-        that is already stored needs no temp file.
-        """
-        digest = hashlib.sha256(payload).hexdigest()
-        if self.blob_path(digest).exists():
-            return StagedBlob(digest, None)
-        tmp = self.blob_dir / f".{digest}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(payload)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return StagedBlob(digest, tmp)
-
-    def commit_blob(self, staged: StagedBlob) -> str:
-        """Name a staged blob by its digest (atomic rename); return the digest."""
-        if staged.tmp is not None:
-            os.replace(staged.tmp, self.blob_path(staged.digest))
-            staged.tmp = None
-        return staged.digest
-
-    def discard_blob(self, staged: StagedBlob) -> None:
-        """Delete a staged blob that was not committed (no-op after :meth:`commit_blob`)."""
-        if staged.tmp is not None:
-            staged.tmp.unlink(missing_ok=True)
-            staged.tmp = None
-
-    def blob_path(self, digest: str) -> Path:
-        return self.blob_dir / f"{digest}.safetensors"
-
-    def get_blob(self, digest: str) -> bytes:
-        path = self.blob_path(digest)
-        if not path.is_file():
-            raise CheckpointError(f"blob {digest} is missing from {self.blob_dir}; the coordinator state is damaged")
-        payload = path.read_bytes()
-        if hashlib.sha256(payload).hexdigest() != digest:
-            raise CheckpointError(f"blob {path} does not match its sha256 name; the coordinator state is damaged")
-        return payload
-
     # --- tokens -----------------------------------------------------------
     def add_token(self, name: str, now: float) -> str:
         """Create (or replace) the bearer token of worker ``name``; return it (shown once)."""
@@ -205,3 +139,182 @@ class Store:
 
     def token_hashes(self) -> list[tuple[str, str]]:
         return [(r["name"], r["hash"]) for r in self.q("SELECT name, hash FROM tokens ORDER BY name")]
+
+    # --- workers ----------------------------------------------------------
+    def worker(self, name: str) -> sqlite3.Row | None:
+        """The row of worker ``name`` (None if it never registered)."""
+        return self.q1("SELECT * FROM workers WHERE name=?", name)
+
+    def workers(self) -> list[sqlite3.Row]:
+        """Every worker's row, by name."""
+        return self.q("SELECT * FROM workers ORDER BY name")
+
+    def register_worker(self, name: str, block: int, pinned: bool, now: float, lease_until: float) -> None:
+        """Add worker ``name``, or re-register it (block, pin, active, lease; its first ``registered`` time is kept)."""
+        self.db.execute(
+            "INSERT INTO workers(name, block, pinned, state, registered, lease_until) VALUES(?,?,?,?,?,?) "
+            "ON CONFLICT(name) DO UPDATE SET block=excluded.block, pinned=excluded.pinned, "
+            "state=excluded.state, lease_until=excluded.lease_until",
+            (name, block, int(pinned), WorkerState.ACTIVE.value, now, lease_until),
+        )
+
+    def renew_lease(self, name: str, lease_until: float) -> None:
+        """Worker ``name`` is active and holds its lease until ``lease_until``."""
+        self.db.execute(
+            "UPDATE workers SET lease_until=?, state=? WHERE name=?", (lease_until, WorkerState.ACTIVE.value, name)
+        )
+
+    def worker_left(self, name: str) -> None:
+        """Worker ``name`` gave its lease back."""
+        self.db.execute("UPDATE workers SET state=?, lease_until=0 WHERE name=?", (WorkerState.LEFT.value, name))
+
+    def move_worker(self, name: str, block: int) -> None:
+        self.db.execute("UPDATE workers SET block=? WHERE name=?", (block, name))
+
+    def expired_leases(self, now: float) -> list[str]:
+        """Names of the active workers whose lease ended before ``now``."""
+        rows = self.q("SELECT name FROM workers WHERE state=? AND lease_until<?", WorkerState.ACTIVE.value, now)
+        return [str(r["name"]) for r in rows]
+
+    def lapse_worker(self, name: str) -> None:
+        self.db.execute("UPDATE workers SET state=? WHERE name=?", (WorkerState.LAPSED.value, name))
+
+    def live_workers(self, now: float) -> list[tuple[str, int | None]]:
+        """(name, block) of every active worker that holds a lease at ``now``."""
+        rows = self.q("SELECT name, block FROM workers WHERE state=? AND lease_until>=?", WorkerState.ACTIVE.value, now)
+        return [(str(r["name"]), r["block"]) for r in rows]
+
+    def add_bytes(self, name: str | None, n_in: int, n_out: int) -> None:
+        """Count body bytes received and sent, in total and (``name`` not None) for that worker."""
+        self.add_counter("bytes_in", n_in)
+        self.add_counter("bytes_out", n_out)
+        if name is not None:
+            self.db.execute(
+                "UPDATE workers SET bytes_in=bytes_in+?, bytes_out=bytes_out+? WHERE name=?", (n_in, n_out, name)
+            )
+
+    # --- versions and block states -----------------------------------------
+    def latest_version(self, k: int) -> sqlite3.Row | None:
+        """The newest ``versions`` row of block k (None before its first)."""
+        return self.q1("SELECT * FROM versions WHERE block=? ORDER BY version DESC LIMIT 1", k)
+
+    def add_version(self, k: int, v: int, weights_blob: str, weights_sha: str, created: float, *,
+                    step_blob: str | None = None, momentum_blob: str | None = None) -> None:
+        """Publish version v of block k (its weights, and the step and momentum that made it)."""
+        self.db.execute(
+            "INSERT INTO versions(block, version, weights_blob, step_blob, momentum_blob, weights_sha, created) "
+            "VALUES(?,?,?,?,?,?,?)",
+            (k, v, weights_blob, step_blob, momentum_blob, weights_sha, created),
+        )
+
+    def step_blob(self, k: int, v: int) -> str | None:
+        """Digest of the published step that made version v of block k (None for v = 0 or unknown)."""
+        row = self.q1("SELECT step_blob FROM versions WHERE block=? AND version=?", k, v)
+        return None if row is None or not row["step_blob"] else str(row["step_blob"])
+
+    def block_state(self, k: int) -> BlockState | None:
+        """The stored state of block k (None in a store written before block states existed)."""
+        row = self.q1("SELECT state FROM block_states WHERE block=?", k)
+        return None if row is None else BlockState(row["state"])
+
+    def set_block_state(self, k: int, state: BlockState, now: float) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO block_states(block, state, changed) VALUES(?,?,?)", (k, state.value, now)
+        )
+
+    # --- rounds -------------------------------------------------------------
+    def round(self, k: int, v: int) -> sqlite3.Row | None:
+        """The round of block k at version v (None if it was never opened)."""
+        return self.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+
+    def open_round(self, k: int, v: int, opened: float, deadline: float) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
+            (k, v, RoundState.OPEN.value, opened, deadline),
+        )
+
+    def extend_round(self, k: int, v: int, deadline: float) -> None:
+        self.db.execute("UPDATE rounds SET deadline=? WHERE block=? AND version=?", (deadline, k, v))
+
+    def close_round(self, k: int, v: int, now: float, reason: CloseReason) -> None:
+        """Close round v of block k: its updates are applied, and the round is counted."""
+        self.db.execute(
+            "UPDATE rounds SET state=?, closed=?, close_reason=? WHERE block=? AND version=?",
+            (RoundState.CLOSED.value, now, reason.value, k, v),
+        )
+        self.db.execute("UPDATE updates SET state=? WHERE block=? AND version=?", (UpdateState.APPLIED.value, k, v))
+        self.add_counter("rounds_closed", 1)
+
+    def finish_round(self, k: int, v: int, now: float) -> None:
+        """Version v is block k's last: its round is ``finished`` and takes no updates."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
+            (k, v, RoundState.FINISHED.value, now, now),
+        )
+
+    def closed_rounds(self, limit: int) -> list[sqlite3.Row]:
+        """The ``limit`` most recently closed rounds, newest first."""
+        return self.q("SELECT * FROM rounds WHERE state=? ORDER BY closed DESC LIMIT ?", RoundState.CLOSED.value, limit)
+
+    # --- updates, seeds, rejections -------------------------------------------
+    def update_blob(self, k: int, v: int, worker: str) -> str | None:
+        """Digest of ``worker``'s update for block k version v (None if it sent none)."""
+        row = self.q1("SELECT blob FROM updates WHERE block=? AND version=? AND worker=?", k, v, worker)
+        return None if row is None else str(row["blob"])
+
+    def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
+                      arrived: float, arrival_s: float) -> None:
+        """Store an accepted update and count it in its round, for its worker and in total."""
+        self.db.execute(
+            "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, state) "
+            "VALUES(?,?,?,?,?,?,?,?,?,?)",
+            (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value),
+        )
+        self.db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
+        self.db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (worker,))
+        self.add_counter("updates_accepted", 1)
+
+    def reporters(self, k: int, v: int) -> set[str]:
+        """Workers that sent an update for block k version v."""
+        return {str(r["worker"]) for r in self.q("SELECT worker FROM updates WHERE block=? AND version=?", k, v)}
+
+    def accepted_updates(self, k: int, v: int) -> list[sqlite3.Row]:
+        """The accepted, not yet applied updates of block k version v, in arrival order."""
+        return self.q(
+            "SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v, UpdateState.ACCEPTED.value
+        )
+
+    def recent_norms(self, k: int, n: int) -> list[float]:
+        """Norms of the ``n`` latest updates of block k, newest first."""
+        return [float(r["norm"]) for r in self.q("SELECT norm FROM updates WHERE block=? ORDER BY id DESC LIMIT ?", k, n)]
+
+    def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:
+        """Remember the data stream handed to ``worker`` for block k version v (the first one is kept)."""
+        self.db.execute(
+            "INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)",
+            (worker, k, v, seed, stream),
+        )
+
+    def record_rejection(self, worker: str, block: int | None, status: int, reason: str, message: str, at: float) -> None:
+        """Store a refused update of an authenticated worker and count it, by reason and for that worker."""
+        self.db.execute(
+            "INSERT INTO rejections(worker, block, status, reason, message, at) VALUES(?,?,?,?,?,?)",
+            (worker, block, status, reason, message, at),
+        )
+        self.add_counter(f"rejected:{reason}", 1)
+        self.db.execute("UPDATE workers SET rejected=rejected+1 WHERE name=?", (worker,))
+
+    # --- evaluations --------------------------------------------------------------
+    def last_eval_epoch(self) -> int | None:
+        row = self.q1("SELECT epoch FROM evals ORDER BY id DESC LIMIT 1")
+        return None if row is None else int(row["epoch"])
+
+    def record_eval(self, epoch: int, versions: dict[int, int], ce: float, n_bytes: int, at: float) -> None:
+        self.db.execute(
+            "INSERT INTO evals(epoch, versions, ce, bytes, at) VALUES(?,?,?,?,?)",
+            (epoch, json.dumps(versions), ce, n_bytes, at),
+        )
+
+    def evals(self) -> list[sqlite3.Row]:
+        """Every evaluation, oldest first (``versions`` is JSON)."""
+        return self.q("SELECT * FROM evals ORDER BY id")

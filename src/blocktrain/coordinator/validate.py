@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.checkpoint.safetensors_io import unpack
-from blocktrain.coordinator.wire import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.errors import CheckpointError, ProtocolError
+from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 
 MAX_SAMPLES = 1 << 30  # an update claiming more samples than this is rejected
 

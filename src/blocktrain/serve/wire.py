@@ -37,14 +37,22 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import pack, unpack
 from blocktrain.errors import CheckpointError, FramingError, WireError
+from blocktrain.serve.limits import (  # re-exported: the wire's size limits
+    DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES,
+)
+from blocktrain.serve.limits import (
+    MAX_HEADER_BYTES as MAX_HEADER_BYTES,
+)
+from blocktrain.serve.limits import (
+    MAX_HELLO_BYTES as MAX_HELLO_BYTES,
+)
+from blocktrain.serve.limits import (
+    SMALL_FRAME_BYTES as SMALL_FRAME_BYTES,
+)
 
 MAGIC = b"BTW1"
 PREFIX = struct.Struct(">4sII")  # magic, header length, payload length
 WIRE_VERSION = 1
-MAX_HEADER_BYTES = 64 * 1024  # JSON headers are small; anything larger is an attack or a bug
-DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024  # header + payload cap; `--max-frame-mib` changes it
-MAX_HELLO_BYTES = 4096  # bytes: the largest frame a stage reads before the connection is authenticated
-SMALL_FRAME_BYTES = 64 * 1024  # bytes: a stage sets this much buffer aside per connection for frames this small
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, tensors_sha256, unpack
-from blocktrain.coordinator.wire import block_schema, load_trainable
 from blocktrain.errors import CheckpointError
 from blocktrain.objectives import Objective
+from blocktrain.protocol.weights import block_schema, load_trainable
 from blocktrain.worker.client import CoordinatorClient
 
 log = logging.getLogger(__name__)

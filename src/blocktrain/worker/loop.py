@@ -28,20 +28,14 @@ from tqdm import tqdm
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack
 from blocktrain.config import Precision, RunConfig
-from blocktrain.coordinator.aggregate import apply_step
-from blocktrain.coordinator.wire import (
-    Compression,
-    block_schema,
-    load_trainable,
-    pack_delta,
-    trainable_state,
-)
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import autocast, resolve_device, resolve_precision
 from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
+from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.client import CoordinatorClient
 from blocktrain.worker.frozen import FrozenInputs

@@ -10,11 +10,13 @@ main run's E2E model; plus the mean bytes per traversal.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any
 
+from blocktrain.bench.serve_options import ServeBenchOptions
+from blocktrain.bench.serve_pipeline import Pipeline, split_blocks
+from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Objective
 from blocktrain.errors import BlockTrainError
@@ -48,17 +50,15 @@ def check_stack_run(run: RunDir) -> None:
 
 
 def run_spec_row(
-    args: argparse.Namespace, pipe: Any, stack_run: RunDir, base: dict[str, Any], prompts: list[bytes], e2e: E2EModel,
+    opts: ServeBenchOptions, pipe: Pipeline, stack_run: RunDir, base: dict[str, Any], prompts: list[bytes], e2e: E2EModel,
     baseline_seconds: float,
 ) -> dict[str, Any]:
-    """Serve ``stack_run`` over ``pipe`` (a :class:`blocktrain.serve.bench.Pipeline`), time spec, score its outputs."""
-    from blocktrain.serve.bench import generative_ce, repeat_fraction, split_blocks
-
+    """Serve ``stack_run`` over ``pipe``, time spec, score its outputs."""
     check_stack_run(stack_run)
     cfg = stack_run.load_config()
     pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(stack_run.root)], threads=1)
     try:
-        out = pipe.client({**base, "tasks": [spec_task(args.draft_min, args.draft_max)]}, timeout_s=3600)
+        out = pipe.client({**base, "tasks": [spec_task(opts.draft_min, opts.draft_max)]}, timeout_s=3600)
     finally:
         pipe.stop()
     task = out["tasks"]["spec"]
@@ -71,19 +71,18 @@ def run_spec_row(
             **spec_summary(task, quality["generative_ce"], baseline_seconds, int(base["output_bytes"]))}
 
 
-def run_spec(args: argparse.Namespace, pipe: Any, run: RunDir, baseline_seconds: float) -> dict[str, Any]:
+def run_spec(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir, stack_run: Path, baseline_seconds: float) -> dict[str, Any]:
     """The spec row on the same prompts, temperature and top-k as the other rows; CE under ``run``'s E2E model."""
     import numpy as np
 
     from blocktrain.data.dataset import resolve_data_dir
-    from blocktrain.serve.bench import _prompts
 
-    data = resolve_data_dir(args.data).open("test").data
-    pairs = _prompts(np.asarray(data), args.prompts, args.prompt_bytes, args.output_bytes)
-    base = {"output_bytes": args.output_bytes, "temperature": args.temperature, "top_k": args.top_k, "seed": 0,
+    data = resolve_data_dir(opts.data).open("test").data
+    pairs = prompt_pairs(np.asarray(data), opts.prompts, opts.prompt_bytes, opts.output_bytes)
+    base = {"output_bytes": opts.output_bytes, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
             "prompts": [list(p) for p, _ in pairs]}
     e2e = E2EModel.load(run, run.load_config())
-    return run_spec_row(args, pipe, RunDir(Path(args.stack_run)), base, [p for p, _ in pairs], e2e, baseline_seconds)
+    return run_spec_row(opts, pipe, RunDir(stack_run), base, [p for p, _ in pairs], e2e, baseline_seconds)
 
 
 def spec_markdown(r: dict[str, Any]) -> list[str]:

@@ -1,6 +1,6 @@
 """The client half of ``blocktrain bench serve``: runs beside stage 0 (in its namespace).
 
-``python -m blocktrain.serve.benchclient PLAN.json OUT.json`` waits for every
+``python -m blocktrain.bench.serve_client PLAN.json OUT.json`` waits for every
 stage, warms the ring up, then for each task times one output (``repeat``
 times) with the traffic counters of every stage read before and after, and
 generates one output per prompt (concurrently) for the quality numbers.
@@ -26,7 +26,7 @@ from blocktrain.evaluate.scoring import score_split
 from blocktrain.serve.client import PipelineClient, generate_with
 from blocktrain.serve.wire import Frame, FrameKind, encode
 
-log = logging.getLogger("blocktrain.benchclient")
+log = logging.getLogger(__name__)
 
 
 async def wait_ready(addrs: list[tuple[str, int]], deadline_s: float) -> None:

@@ -1,0 +1,238 @@
+"""``blocktrain bench serve``: BlockTrain sweep and ar against the AR baseline over three stages.
+
+Setup: three stage processes in three network namespaces joined by veth in a
+ring (see :mod:`blocktrain.bench.netns`), 25 ms one way per hop: netem where the
+kernel has it, else injected by the stages on their forward link. Without
+namespaces (not root, no ``ip``) everything runs on loopback with the injected
+delay. The client runs beside stage 0, so one traversal crosses three hops.
+
+Measured per mode: time to a full output, bytes/s, bytes written by the stages
+(frames, acks and results; application bytes, not TCP/IP headers). Quality:
+generative CE of the outputs under the E2E model and teacher-forced CE.
+Then a scale run with random weights of the largest shape that fits.
+
+The times are only meaningful when the benchmark runs alone on the machine
+(nothing else on its cores); it takes no lock itself, so make sure of that.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from blocktrain.bench.machine import machine_info
+from blocktrain.bench.netns import Topology, netns_available
+from blocktrain.bench.serve_options import Network, ServeBenchOptions
+from blocktrain.bench.serve_pipeline import Pipeline, split_blocks, split_layers
+from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction, traversal_compute_s
+from blocktrain.bench.serve_report import render_markdown, summarise
+from blocktrain.bench.serve_spec import run_spec
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.data.dataset import resolve_data_dir
+from blocktrain.errors import BlockTrainError, ConfigError, ServeError
+from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.evaluate.scoring import score_split
+from blocktrain.serve.loading import parse_shape
+
+log = logging.getLogger(__name__)
+
+
+def _mode_tasks(sweeps: list[int]) -> list[dict[str, Any]]:
+    tasks = [{"name": f"sweep_k{k}", "mode": "sweep", "sweeps": k, "repeat": 5} for k in sweeps]
+    return [*tasks, {"name": "ar", "mode": "ar", "repeat": 1}]
+
+
+def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) -> dict[str, Any]:
+    cfg = run.load_config()
+    data = resolve_data_dir(opts.data).open("test").data
+    pairs = prompt_pairs(np.asarray(data), opts.prompts, opts.prompt_bytes, opts.output_bytes)
+    sweeps = list(opts.sweeps)
+    base = {"output_bytes": opts.output_bytes, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
+            "prompts": [list(p) for p, _ in pairs]}
+    test_path = str(resolve_data_dir(opts.data).open("test").path)
+    pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(run.root)], threads=1)
+    try:
+        bt = pipe.client({**base, "tasks": _mode_tasks(sweeps), "teacher_forced_path": test_path,
+                          "teacher_forced_bytes": opts.tf_bytes}, timeout_s=3600)
+    finally:
+        pipe.stop()
+    pipe.start("e2e", split_layers(cfg.model.n_layers), ["--run", str(run.root)], threads=1)
+    try:
+        bl = pipe.client({**base, "tasks": [{"name": "baseline", "mode": "baseline", "repeat": 1}]}, timeout_s=3600)
+    finally:
+        pipe.stop()
+
+    e2e = E2EModel.load(run, cfg)
+    assembled = AssembledModel.load(run, cfg)
+    tasks = {**bt["tasks"], **bl["tasks"]}
+    quality: dict[str, Any] = {}
+    for name, res in tasks.items():
+        outs = [bytes(o) for o in res["quality_outputs"]]
+        ces = [generative_ce(e2e, p, o) for (p, _), o in zip(pairs, outs, strict=True)]
+        quality[name] = {
+            "generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
+            "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
+            "sample": outs[0].decode("utf-8", errors="replace"),
+        }
+    reference = statistics.mean(generative_ce(e2e, p, c) for p, c in pairs)
+    torch.set_num_threads(1)
+    tf_local = score_split(lambda x: assembled.log_probs(x, seed=0), data, cfg.model.context,
+                           max_bytes=opts.tf_bytes, batch_size=8).ce_nats_per_byte
+    tf_e2e = score_split(e2e.log_probs, data, cfg.model.context, max_bytes=opts.tf_bytes, batch_size=8).ce_nats_per_byte
+    compute_s = traversal_compute_s(cfg, assembled, opts.prompt_bytes + opts.output_bytes)
+    return {"tasks": tasks, "quality": quality, "reference_continuation_ce": reference,
+            "teacher_forced": {"blocktrain_pipeline_score": bt.get("teacher_forced_ce_pipeline"),
+                               "blocktrain_local": tf_local, "e2e_local": tf_e2e, "bytes": opts.tf_bytes,
+                               "pipeline_seconds": bt.get("teacher_forced_seconds")},
+            "traversal_compute_s": compute_s, "model": {"run": str(run.root), **cfg.to_dict()["model"]}}
+
+
+def scale_shape(budget_bytes: float) -> str:
+    """Largest d (multiple of 256, L=16, B=4, heads of 128) whose block stack fits ``budget_bytes`` in fp32."""
+    best = 256
+    for d in range(256, 16385, 256):
+        params = 16 * (16 * d * d) + 4 * (3 * d * d + 2 * 256 * d + 256 * d)
+        if 4 * params <= budget_bytes:
+            best = d
+    return f"d_model={best},n_heads={best // 128},n_layers=16,n_blocks=4,context=256"
+
+
+def run_scale(opts: ServeBenchOptions, pipe: Pipeline) -> dict[str, Any]:
+    avail = _mem_available()
+    fraction = None if opts.scale_budget_gib else opts.scale_memory_fraction
+    budget = opts.scale_budget_gib * 2**30 if opts.scale_budget_gib else opts.scale_memory_fraction * avail
+    shape = scale_shape(budget) if opts.scale == "auto" else opts.scale
+    cfg = parse_shape(shape)
+    m = cfg.model
+    n_out = opts.scale_output_bytes or opts.output_bytes
+    p_len = max(1, min(32, m.context - n_out))
+    from blocktrain.model.block import BlockDenoiser
+    from blocktrain.model.e2e import E2ETransformer
+
+    with torch.device("meta"):
+        bt_params = m.n_blocks * sum(p.numel() for p in BlockDenoiser(m, 0.5).parameters())
+        e2e_params = sum(p.numel() for p in E2ETransformer(m).parameters())
+    log.info("scale run: %s, blocks %.2fB params, E2E %.2fB params", shape, bt_params / 1e9, e2e_params / 1e9)
+    prompt = list(b"\n = Valkyria Chronicles III = \n \n Senjo no Valkyria"[:p_len])
+    base = {"output_bytes": n_out, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
+            "prompts": [prompt], "ready_s": 900, "timeout_s": 1800}
+    src = ["--random", shape, "--seed", "0"]
+    pipe.start("blocktrain", split_blocks(m.n_blocks), src, threads=2)
+    try:
+        bt = pipe.client({**base, "tasks": [{"name": "sweep_k1", "mode": "sweep", "repeat": 2, "quality": False}]},
+                         timeout_s=3600)
+    finally:
+        pipe.stop()
+    pipe.start("e2e", split_layers(m.n_layers), src, threads=2)
+    try:
+        bl = pipe.client({**base, "tasks": [{"name": "baseline", "mode": "baseline", "repeat": 1, "quality": False}]},
+                         timeout_s=3600)
+    finally:
+        pipe.stop()
+    sweep_s, base_s = bt["tasks"]["sweep_k1"]["seconds"], bl["tasks"]["baseline"]["seconds"]
+    flops = 2.0 * bt_params * (p_len + n_out)  # one evaluation of every block at every position
+    return {
+        "logical_shape": shape, "blocktrain_params": bt_params, "e2e_params": e2e_params,
+        "weights_bytes_fp32": 4 * bt_params, "memory_available_bytes": avail, "weights_budget_bytes": budget,
+        "weights_budget_fraction": fraction, "prompt_bytes": p_len,
+        "output_bytes": n_out, "stage_threads": 2,
+        "sweep_seconds": sweep_s, "ar_baseline_seconds": base_s, "speedup_sweep_vs_baseline": base_s / sweep_s,
+        "sweep": bt["tasks"]["sweep_k1"], "baseline": bl["tasks"]["baseline"],
+        "sweep_flops": flops, "sweep_flops_per_s": flops / sweep_s, "ar_mode": "not run at scale (one full traversal "
+        "of all positions per byte: ~output_bytes x the sweep time)",
+        "paper_shape": paper_shape(opts, p_len + n_out, flops / sweep_s),
+    }
+
+
+def paper_shape(opts: ServeBenchOptions, positions: int, flops_per_s: float) -> dict[str, float]:
+    """The paper's model (``opts.paper_params``) in fp16 over three stages, on machines like this one.
+
+    ``positions``: prompt + output bytes of one sweep; ``flops_per_s``: the sweep's measured FLOP rate.
+    Machine memory: ``opts.machine_memory_gib``, else this machine's (/proc/meminfo).
+    """
+    paper = opts.paper_params
+    machine = opts.machine_memory_gib * 2**30 if opts.machine_memory_gib else _mem_total()
+    return {
+        "params": paper, "weights_bytes_fp16": 2 * paper, "per_stage_bytes_fp16": 2 * paper / 3,
+        "machine_memory_bytes": machine, "machines_like_this_for_fp16_weights": math.ceil(2 * paper / machine),
+        "sweep_seconds_at_measured_flops": 2 * paper * positions / flops_per_s,
+    }
+
+
+def _mem_available() -> int:
+    """Bytes of memory available now (MemAvailable of /proc/meminfo)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    raise ConfigError("cannot read MemAvailable from /proc/meminfo; give the scale run's memory with --scale-budget-gib "
+                      "and the machine's with --machine-memory-gib")
+
+
+def _mem_total() -> int:
+    """Bytes of memory of this machine (from :func:`blocktrain.bench.machine.machine_info`)."""
+    mem = machine_info()["memory_bytes"]
+    if not mem:
+        raise ConfigError("cannot read this machine's memory from /proc/meminfo; set --machine-memory-gib")
+    return int(mem)
+
+
+def run_serve_bench(opts: ServeBenchOptions) -> dict[str, Any]:
+    run = RunDir(opts.run)
+    cfg = run.load_config()
+    if not run.has_blocks(cfg.model.n_blocks) or not run.has_e2e():
+        raise BlockTrainError(f"{run.root} needs all {cfg.model.n_blocks} blocks and the E2E model; "
+                              "train them with 'blocktrain bench quality'")
+    use_ns = opts.network is Network.NETNS or (opts.network is Network.AUTO and netns_available())
+    if opts.network is Network.NETNS and not netns_available():
+        raise ServeError("network namespaces are unavailable (need root and 'ip netns'); use --network loopback")
+    t0 = time.time()
+    with ExitStack() as stack:
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bt-serve-bench-")))
+        topo = Topology(opts.hop_delay_ms).setup() if use_ns else None
+        if topo is not None:
+            stack.callback(topo.teardown)
+        pipe = Pipeline(topo, opts.hop_delay_ms, opts.base_port, log_dir)
+        stack.callback(pipe.stop)
+        main = run_main_comparison(opts, pipe, run)
+        result = summarise(opts, main, topo)
+        if opts.stack_run is not None:
+            result["spec"] = run_spec(opts, pipe, run, opts.stack_run, result["ar_baseline_seconds"])  # bench.serve_spec
+            result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec"))})
+        _finish(opts, result, t0)  # written now too, in case the scale run is interrupted
+        if opts.scale != "off":
+            result["scale"] = run_scale(opts, pipe)
+    return _finish(opts, result, t0, echo=True)
+
+
+def _finish(opts: ServeBenchOptions, result: dict[str, Any], t0: float, echo: bool = False) -> dict[str, Any]:
+    result["wall_seconds"] = time.time() - t0
+    result["machine"] = machine_info()
+    result["commands"] = {
+        "bench": shlex.join(["blocktrain", *sys.argv[1:]]),
+        "stage": "blocktrain serve --run RUN --blocks 0-1 --listen 0.0.0.0:47100 --next HOST1:47101 [--delay-ms 25]",
+        "client": "blocktrain generate --pipeline 127.0.0.1:47100 --mode sweep --bytes 128",
+    }
+    text = json.dumps(result, indent=2)
+    if opts.json is not None:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(text + "\n")
+        opts.json.with_suffix(".md").write_text(render_markdown(result))
+    if echo:
+        sys.stdout.write(text + "\n")
+    return result

@@ -1,0 +1,63 @@
+"""Quality and compute measures of ``blocktrain bench serve``: generative CE, repeats, traversal time, prompts."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from blocktrain.config import RunConfig
+from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+
+
+def generative_ce(e2e: E2EModel, prompt: bytes, output: bytes) -> float:
+    """CE (nats/byte) of ``output`` under the E2E model, given ``prompt``."""
+    seq = (prompt + output)[-(e2e.context + 1) :]
+    x = torch.tensor(list(seq[:-1]), dtype=torch.uint8).unsqueeze(0)
+    y = torch.tensor(list(seq[1:]), dtype=torch.long)
+    logp = e2e.log_probs(x)[0, 0]
+    n = len(output)
+    return float(-logp[-n:].gather(-1, y[-n:].unsqueeze(-1)).mean())
+
+
+def repeat_fraction(text: bytes, n: int = 4) -> float:
+    """Fraction of n-grams of ``text`` that already occurred earlier in it (1.0 = all repeats)."""
+    seen, rep, total = set(), 0, 0
+    for i in range(len(text) - n + 1):
+        g = text[i : i + n]
+        rep += g in seen
+        seen.add(g)
+        total += 1
+    return rep / max(total, 1)
+
+
+def traversal_compute_s(cfg: RunConfig, model: AssembledModel, t: int, repeat: int = 5) -> float:
+    """Median wall time of one traversal of the block stack on (1, t) bytes, one thread (as a stage)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randint(0, 256, (1, t), dtype=torch.uint8)
+        times = []
+        for i in range(repeat + 1):
+            t0 = time.perf_counter()
+            model.log_probs(x, seed=i)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def prompt_pairs(data: np.ndarray, k: int, p_len: int, n: int) -> list[tuple[bytes, bytes]]:
+    """k (prompt, true continuation) pairs starting at line starts spread over the split."""
+    out = []
+    for j in range(k):
+        start = int(len(data) * (j + 0.5) / (k + 1))
+        while start < len(data) - 1 and data[start - 1] != 10:
+            start += 1
+        seg = bytes(data[start : start + p_len + n])
+        out.append((seg[:p_len], seg[p_len:]))
+    return out
+
+

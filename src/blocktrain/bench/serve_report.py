@@ -1,0 +1,120 @@
+"""The result of ``blocktrain bench serve``: its summary keys and the markdown table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from blocktrain.bench.netns import Topology
+from blocktrain.bench.serve_options import ServeBenchOptions
+from blocktrain.bench.serve_spec import spec_markdown
+
+
+def summarise(opts: ServeBenchOptions, main: dict[str, Any], topo: Topology | None) -> dict[str, Any]:
+    t, q = main["tasks"], main["quality"]
+    n, hops = opts.output_bytes, 3
+    sweep, ar, base = t["sweep_k1"], t["ar"], t["baseline"]
+    floor = hops * opts.hop_delay_ms / 1000 + main["traversal_compute_s"]
+    return {
+        "hop_delay_ms": opts.hop_delay_ms, "hops_per_traversal": hops, "output_bytes": n,
+        "prompt_bytes": opts.prompt_bytes, "temperature": opts.temperature, "top_k": opts.top_k,
+        "network": {"namespaces": topo is not None,
+                    "delay": "netem" if topo is not None and topo.netem else "injected on each stage's forward link",
+                    "client": "in stage 0's namespace, over its loopback (no delay)"},
+        "sweep_seconds": sweep["seconds"], "ar_seconds": ar["seconds"], "ar_baseline_seconds": base["seconds"],
+        "sweep_bytes_per_s": n / sweep["seconds"], "ar_bytes_per_s": n / ar["seconds"],
+        "ar_baseline_bytes_per_s": n / base["seconds"],
+        "sweep_wire_bytes": sweep["stage_bytes_out"], "ar_wire_bytes": ar["stage_bytes_out"],
+        "ar_baseline_wire_bytes": base["stage_bytes_out"],
+        "speedup_sweep_vs_baseline": base["seconds"] / sweep["seconds"],
+        "speedup_sweep_vs_ar": ar["seconds"] / sweep["seconds"],
+        "floor_seconds": floor, "floor_compute_seconds": main["traversal_compute_s"],
+        "sweep_over_floor": sweep["seconds"] / floor,
+        "sweep_generative_ce": q["sweep_k1"]["generative_ce"], "ar_generative_ce": q["ar"]["generative_ce"],
+        "baseline_generative_ce": q["baseline"]["generative_ce"],
+        "reference_continuation_ce": main["reference_continuation_ce"],
+        "sweeps": {name: {"seconds": t[name]["seconds"], "wire_bytes": t[name]["stage_bytes_out"],
+                          "generative_ce": q[name]["generative_ce"],
+                          "repeat_4gram_fraction": q[name]["repeat_4gram_fraction"]}
+                   for name in t if name.startswith("sweep_")},
+        "quality": q, "teacher_forced_ce": main["teacher_forced"], "model": main["model"],
+        "timings": {k: {"seconds_all": v["seconds_all"], "client_bytes_out": v["client_bytes_out"]}
+                    for k, v in t.items()},
+    }
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    """A short human-readable summary of a serve.json result."""
+    n = r["output_bytes"]
+    sweeps = sorted(r["sweeps"].items(), key=lambda kv: int(kv[0].split("_k")[1]))
+    rows = [(f"BlockTrain sweep (k={name.split('_k')[1]})", v["seconds"], v["wire_bytes"], v["generative_ce"])
+            for name, v in sweeps]
+    rows += [
+        ("BlockTrain ar", r["ar_seconds"], r["ar_wire_bytes"], r["ar_generative_ce"]),
+        ("AR baseline (E2E, KV cache)", r["ar_baseline_seconds"], r["ar_baseline_wire_bytes"],
+         r["baseline_generative_ce"]),
+    ]
+    net = r["network"]
+    lines = [
+        "# Pipelined serving benchmark",
+        "",
+        f"Three stages, {r['hop_delay_ms']:.0f} ms one way per hop ({net['delay']}; namespaces: {net['namespaces']}),"
+        f" {r['hops_per_traversal']} hops per traversal, client beside stage 0. Output: {n} bytes after a "
+        f"{r['prompt_bytes']}-byte prompt, temperature {r['temperature']}, top-k {r['top_k']}.",
+        "",
+        "| mode | time to full output (s) | bytes/s | bytes written by stages | generative CE (nats/byte) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {a} | {s:.3f} | {n / s:.1f} | {w:,} | {ce:.3f} |" for a, s, w, ce in rows]
+    lines += spec_markdown(r)
+    tf = r["teacher_forced_ce"]
+    lines += [
+        "",
+        f"- Speedup of sweep over the AR baseline: **{r['speedup_sweep_vs_baseline']:.1f}x**; over BlockTrain ar: "
+        f"{r['speedup_sweep_vs_ar']:.1f}x.",
+        f"- Floor: {r['hops_per_traversal']} x {r['hop_delay_ms']:.0f} ms + one pass of block compute "
+        f"({r['floor_compute_seconds']:.3f} s) = {r['floor_seconds']:.3f} s; sweep takes "
+        f"{r['sweep_over_floor']:.2f}x the floor.",
+        f"- Reference: the true test continuations score {r['reference_continuation_ce']:.3f} nats/byte under the E2E "
+        "model. Generative CE is measured under the E2E model, which favours the baseline's own samples.",
+        f"- Teacher-forced CE on {tf['bytes']:,} test bytes: BlockTrain through the pipeline (score) "
+        f"{tf['blocktrain_pipeline_score']:.4f}, BlockTrain local {tf['blocktrain_local']:.4f}, "
+        f"E2E {tf['e2e_local']:.4f} nats/byte.",
+    ]
+    caveats: list[str] = []
+    if "scale" in r:
+        s = r["scale"]
+        paper = s["paper_shape"]
+        lines += [
+            "",
+            f"Scale run (random weights), logical shape `{s['logical_shape']}`: {s['blocktrain_params'] / 1e9:.2f}B "
+            f"block parameters ({s['weights_bytes_fp32'] / 2**30:.1f} GiB fp32) over three stages, E2E "
+            f"{s['e2e_params'] / 1e9:.2f}B. {s['output_bytes']} bytes after a {s['prompt_bytes']}-byte prompt: sweep "
+            f"{s['sweep_seconds']:.1f} s, AR baseline {s['ar_baseline_seconds']:.1f} s "
+            f"(**{s['speedup_sweep_vs_baseline']:.1f}x**). The paper's {paper['params'] / 1e9:.1f}B fp16 shape needs "
+            f"{paper['weights_bytes_fp16'] / 1e9:.0f} GB of weights "
+            f"({paper['per_stage_bytes_fp16'] / 1e9:.0f} GB per stage), at least "
+            f"{paper['machines_like_this_for_fp16_weights']} machines of {paper['machine_memory_bytes'] / 2**30:.0f} GiB "
+            f"like this one, and one sweep would take about {paper['sweep_seconds_at_measured_flops']:.0f} s at the FLOP "
+            "rate measured here.",
+        ]
+        budget = (f"{s['weights_budget_fraction']:.0%} of the available memory" if s["weights_budget_fraction"] is not None
+                  else f"{s['weights_budget_bytes'] / 2**30:.1f} GiB (--scale-budget-gib)")
+        caveats.append(f"- The scale run budgets {budget} for the block weights (headroom for the other processes "
+                       "of the machine), random weights, two threads per stage; ar mode was not run at scale.")
+    lines += [
+        "",
+        "Caveats:",
+        "- Where the kernel lacks netem (as here), the delay is injected per frame by each stage on its forward link:",
+        "  propagation delay is modelled, TCP window growth over a long-RTT path is not.",
+        "- Bytes are application bytes written by the stages (frames, custody ACKs, results), not TCP/IP headers.",
+        f"- Sweep text is {'worse' if r['sweep_generative_ce'] > r['ar_generative_ce'] else 'not worse'} than ar "
+        f"({r['sweep_generative_ce']:.2f} vs {r['ar_generative_ce']:.2f} nats/byte generative CE; baseline "
+        f"{r['baseline_generative_ce']:.2f}); best sweep k: {min(r['sweeps'], key=lambda k: r['sweeps'][k]['generative_ce'])}.",
+        *caveats,
+        "",
+        "Command: `" + r["commands"]["bench"] + "`",
+        "",
+    ]
+    return "\n".join(lines)
+
+

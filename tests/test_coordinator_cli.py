@@ -1,0 +1,96 @@
+"""The coordinator's flags are derived from CoordinatorSettings: one flag per field, values reach the settings."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blocktrain.cli.distributed import NESTEROV_OUTER_LR, settings_from_args
+from blocktrain.cli.fields import field_comments, flag_name
+from blocktrain.cli.main import build_parser
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
+
+
+def _coordinator_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["coordinator"]  # type: ignore[no-any-return]
+
+
+def _parse(tmp_path: Path, *flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["coordinator", "--run-dir", str(tmp_path / "run"), *flags])
+
+
+def _other_value(name: str, default: Any) -> tuple[list[str], Any]:
+    """Flags that set field ``name`` to a valid value different from its default, and that value."""
+    if isinstance(default, bool):
+        return [flag_name(name) if not default else "--no-" + name.replace("_", "-")], not default
+    if isinstance(default, enum.Enum):
+        other = next(e for e in type(default) if e is not default)
+        return [flag_name(name), other.value], other
+    if default is None:  # gate_tolerance: off by default
+        return [flag_name(name), "0.25"], 0.25
+    if isinstance(default, int):
+        return [flag_name(name), str(default + 1)], default + 1
+    value = default / 2 if default else 0.25
+    return [flag_name(name), repr(value)], value
+
+
+def test_every_setting_has_a_flag_with_its_unit_comment() -> None:
+    parser = _coordinator_parser()
+    by_flag = {opt: a for a in parser._actions for opt in a.option_strings}
+    comments = field_comments(CoordinatorSettings)
+    for f in fields(CoordinatorSettings):
+        action = by_flag.get(flag_name(f.name))
+        assert action is not None, f"CoordinatorSettings.{f.name} has no {flag_name(f.name)} flag"
+        assert comments.get(f.name), f"CoordinatorSettings.{f.name} has no unit comment"
+        assert action.help is not None and action.help.startswith(comments[f.name].replace("%", "%%"))
+        assert action.default is None  # "not given": the dataclass default applies, never a copy of it
+
+
+def test_defaults_are_the_dataclass_defaults(tmp_path: Path) -> None:
+    assert settings_from_args(_parse(tmp_path)) == CoordinatorSettings()
+
+
+def test_each_flag_value_reaches_the_settings(tmp_path: Path) -> None:
+    for f in fields(CoordinatorSettings):
+        flags, value = _other_value(f.name, f.default)
+        assert value != f.default
+        settings = settings_from_args(_parse(tmp_path, *flags))
+        assert getattr(settings, f.name) == value, f.name
+        # every other field keeps its default (outer_lr follows --outer nesterov, see below)
+        changed = {f.name, "outer_lr"} if f.name == "outer" else {f.name}
+        for g in fields(CoordinatorSettings):
+            if g.name not in changed:
+                assert getattr(settings, g.name) == g.default, (f.name, g.name)
+
+
+def test_all_flags_at_once_and_old_flag_names(tmp_path: Path) -> None:
+    """The flag names of the hand-written parser this replaced all still parse to the same settings."""
+    args = _parse(
+        tmp_path, "--round-seconds", "5", "--adaptive-deadline", "--lease-seconds", "7", "--rounds", "3",
+        "--min-updates", "2", "--max-body-bytes", "100", "--norm-k", "0", "--aggregation", "trimmed_mean",
+        "--trim-fraction", "0.1", "--outer", "nesterov", "--outer-momentum", "0.5", "--gate-tolerance", "0.1",
+        "--eval-every", "0", "--eval-bytes", "10", "--no-fsync",
+    )
+    assert settings_from_args(args) == CoordinatorSettings(
+        round_seconds=5.0, adaptive_deadline=True, lease_seconds=7.0, rounds=3, min_updates=2, max_body_bytes=100,
+        norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.NESTEROV,
+        outer_lr=NESTEROV_OUTER_LR, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
+    )
+    assert NESTEROV_OUTER_LR == 0.7
+    # an explicit --outer-lr wins over the Nesterov default; the run's own eval flags stay apart
+    args = _parse(tmp_path, "--outer", "nesterov", "--outer-lr", "0.3", "--eval-bytes", "12")
+    settings = settings_from_args(args)
+    assert (settings.outer, settings.outer_lr, settings.eval_bytes) == (OuterOptimizer.NESTEROV, 0.3, 12)
+
+
+def test_bad_values_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, "--aggregation", "mode")
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, "--rounds", "1.5")
