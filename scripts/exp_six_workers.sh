@@ -5,7 +5,10 @@
 #   flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh
 #
 # Scale knobs (environment): PRESET (cpu-mini), STEPS per block (400), H local steps per
-# round (25), EVAL_BYTES of the test split scored at the end (32768), DATA directory.
+# round (25), EVAL_BYTES of the test split scored at the end (32768), DATA directory, and
+# OBJECTIVE (diffusion; or stack: the coordinator opens block k when block k-1 has finished its
+# rounds, unpinned workers move to the open block and download the finished blocks they read once,
+# cached under $OUT/frozen-cache; the result goes to six-workers-stack.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=${PRESET:-cpu-mini}
@@ -13,7 +16,9 @@ STEPS=${STEPS:-400}
 H=${H:-25}
 EVAL_BYTES=${EVAL_BYTES:-32768}
 DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
-OUT=${OUT:-runs/exp-six-workers}
+OBJECTIVE=${OBJECTIVE:-diffusion}
+SUFFIX=$([ "$OBJECTIVE" = diffusion ] && echo "" || echo "-$OBJECTIVE")
+OUT=${OUT:-runs/exp-six-workers$SUFFIX}
 PORT=${PORT:-18501}
 BT=".venv/bin/blocktrain"
 ROUNDS=$((STEPS / H))
@@ -21,13 +26,13 @@ rm -rf "$OUT"; mkdir -p "$OUT/logs"
 
 echo "== single machine: blocktrain train, $STEPS steps per block"
 t0=$(date +%s)
-OMP_NUM_THREADS=2 $BT train --preset "$PRESET" --steps "$STEPS" --data "$DATA" --out "$OUT/single" --no-progress \
+OMP_NUM_THREADS=2 $BT train --preset "$PRESET" --objective "$OBJECTIVE" --steps "$STEPS" --data "$DATA" --out "$OUT/single" --no-progress \
   2> "$OUT/logs/single.log"
 echo $(( $(date +%s) - t0 )) > "$OUT/single.wall_s"
 
 echo "== six workers: $ROUNDS rounds x H=$H local steps"
 for i in 0 1 2 3 4 5; do $BT token add "w$i" --run-dir "$OUT/six" > "$OUT/w$i.token"; done
-OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/six" --preset "$PRESET" --steps "$STEPS" --data "$DATA" \
+OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/six" --preset "$PRESET" --objective "$OBJECTIVE" --steps "$STEPS" --data "$DATA" \
   --port "$PORT" --rounds "$ROUNDS" --round-seconds 300 --lease-seconds 120 --eval-every 2 --eval-bytes 8192 \
   --threads 1 2> "$OUT/logs/coordinator.log" &
 COORD=$!
@@ -37,7 +42,7 @@ t0=$(date +%s)
 PIDS=()
 for i in 0 1 2 3 4 5; do
   OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN=$(cat "$OUT/w$i.token") $BT worker --coordinator "http://127.0.0.1:$PORT" \
-    --local-steps "$H" --data "$DATA" --threads 1 --no-progress --summary-json "$OUT/w$i.summary.json" \
+    --local-steps "$H" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" --summary-json "$OUT/w$i.summary.json" \
     2> "$OUT/logs/w$i.log" &
   PIDS+=($!)
 done
@@ -53,5 +58,5 @@ OMP_NUM_THREADS=2 $BT eval "$OUT/single" --model blocktrain --split test --data 
 OMP_NUM_THREADS=2 $BT eval "$OUT/six" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
   --json --no-progress > "$OUT/six.eval.json"
 .venv/bin/python benchmarks/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
-  --out "${RESULT:-benchmarks/results/six-workers.json}" \
-  --command "PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"
+  --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
+  --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"

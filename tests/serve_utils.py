@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -75,3 +77,16 @@ def local_models(
     cfg: RunConfig, blocks: Sequence[BlockDenoiser], e2e: E2ETransformer
 ) -> tuple[AssembledModel, E2EModel]:
     return AssembledModel(list(blocks), cfg), E2EModel(e2e, cfg)
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 120.0) -> None:
+    """Wait until a `blocktrain serve` subprocess listens on 127.0.0.1:port (fails at once if it exited)."""
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "stage exited"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"stage on port {port} did not start within {seconds}s")

@@ -290,7 +290,7 @@ def test_worker_pinned_to_a_waiting_block_waits_then_trains(tmp_path: Path, corp
 
 
 def test_cli_stack_run_trains_every_block_in_order(tmp_path: Path, corpus: DataDir, procs) -> None:  # noqa: F811
-    """The commands of benchmarks/six_workers_stack.sh: one unpinned worker follows the open block 0 -> 3."""
+    """The commands of OBJECTIVE=stack scripts/exp_six_workers.sh: one unpinned worker follows the open block 0 -> 3."""
     run, port, cache = tmp_path / "run", free_port(), tmp_path / "cache"
     url = f"http://127.0.0.1:{port}"
     token = add_token(run, "w")

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
 from blocktrain.serve.loading import parse_shape, parse_span
-from tests.serve_utils import free_ports
+from tests.serve_utils import free_ports, wait_port
 
 
 def test_span_splits() -> None:
@@ -58,18 +56,6 @@ def test_quality_helpers() -> None:
     assert generative_ce(model, prompt, out) == pytest.approx(manual, rel=1e-5)
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 60) -> None:
-    t_end = time.monotonic() + seconds
-    while time.monotonic() < t_end:
-        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "stage exited"
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("stage did not start")
-
-
 def test_cli_serve_and_generate_pipeline(tmp_path: Path) -> None:
     """`blocktrain serve` (random tiny weights, one stage) answers `blocktrain generate --pipeline`."""
     (port,) = free_ports(1)
@@ -79,7 +65,7 @@ def test_cli_serve_and_generate_pipeline(tmp_path: Path) -> None:
         [sys.executable, "-m", "blocktrain", "serve", "--random", shape, "--blocks", "0-3",
          "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_port(port, serve)
+        wait_port(port, serve)
         for mode in ("sweep", "ar"):
             r = subprocess.run(
                 [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from blocktrain.serve.loading import load_stack_span
 from blocktrain.serve.speculative import SpecOptions, accept_draft, filtered_probs, next_draft_len, update_rate
 from blocktrain.serve.stackspan import StackSpan
 from blocktrain.serve.wire import Frame, FrameKind, Mode
-from tests.serve_utils import SPANS, block_spans, ring, tiny_models
+from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run
 
 CHI2_7DOF_99_99 = 29.88  # the 0.9999 quantile of chi-square with 7 degrees of freedom
@@ -261,18 +260,6 @@ def test_spec_recovers_from_an_evicted_cache(stack_run: Path) -> None:
     assert spec.data == generate(model, prompt, 12, temperature=0.0)
     assert ar == generate(model, prompt, 6, temperature=0.8, top_k=40, seed=1)
     assert evicted >= spec.traversals + 6  # every frame's cache was dropped at the last stage
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 60) -> None:
-    t_end = time.monotonic() + seconds
-    while time.monotonic() < t_end:
-        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else "stage exited"
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"stage on port {port} did not start within {seconds}s")
 
 
 def test_cli_serve_stack_run_and_generate_spec(stack_run: Path) -> None:

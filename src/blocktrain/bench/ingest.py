@@ -114,7 +114,8 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "blocktrain", "coordinator", "--run-dir", str(run), "--preset", preset, "--port",
+        [sys.executable, "-m", "blocktrain", "coordinator", "--run-dir", str(run), "--preset", preset,
+         "--objective", "diffusion", "--port",  # the updates below are diffusion blocks
          str(port), "--no-eval", "--norm-k", "0", "--round-seconds", "3600", "--threads", "1",
          "--min-updates", str(updates + 1),  # the round stays open: time the intake, not the aggregation
          *([] if fsync else ["--no-fsync"])],

@@ -33,7 +33,7 @@ def format_table(r: dict[str, Any]) -> str:
         ("prefixes " + _fmt_list(o["prefix_ce"])) if "prefix_ce" in o else ("blocks alone " + _fmt_list(o["blocks_alone_ce"]))
         for o in objs.values()
     ])
-    row("compositional gain (best reference - composed)", "", "",
+    row("compositional gain (first prefix or best block alone - composed)", "", "",
         [f"{o['compositional_gain_nats_per_byte']:+.4f}" for o in objs.values()])
     row("training steps", f"{e['train_steps']}", f"{m['steps']}" if m else "",
         [f"{o['train_steps_per_block'][0]} per block" for o in objs.values()])

@@ -129,18 +129,17 @@ def run_scale(opts: ServeBenchOptions, pipe: Pipeline) -> dict[str, Any]:
     base = {"output_bytes": n_out, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
             "prompts": [prompt], "ready_s": 900, "timeout_s": 1800}
     src = ["--random", shape, "--seed", "0"]
-    pipe.start("blocktrain", split_blocks(m.n_blocks), src, threads=2)
-    try:
-        bt = pipe.client({**base, "tasks": [{"name": "sweep_k1", "mode": "sweep", "repeat": 2, "quality": False}]},
-                         timeout_s=3600)
-    finally:
-        pipe.stop()
-    pipe.start("e2e", split_layers(m.n_layers), src, threads=2)
-    try:
-        bl = pipe.client({**base, "tasks": [{"name": "baseline", "mode": "baseline", "repeat": 1, "quality": False}]},
-                         timeout_s=3600)
-    finally:
-        pipe.stop()
+
+    def timed(family: str, spans: list[tuple[int, int]], task: dict[str, Any]) -> dict[str, Any]:
+        """One task on a freshly started pipeline of ``family``, stopped afterwards."""
+        pipe.start(family, spans, src, threads=2)
+        try:
+            return pipe.client({**base, "tasks": [task]}, timeout_s=3600)
+        finally:
+            pipe.stop()
+
+    bt = timed("blocktrain", split_blocks(m.n_blocks), {"name": "sweep_k1", "mode": "sweep", "repeat": 2, "quality": False})
+    bl = timed("e2e", split_layers(m.n_layers), {"name": "baseline", "mode": "baseline", "repeat": 1, "quality": False})
     sweep_s, base_s = bt["tasks"]["sweep_k1"]["seconds"], bl["tasks"]["baseline"]["seconds"]
     flops = 2.0 * bt_params * (p_len + n_out)  # one evaluation of every block at every position
     return {
@@ -213,7 +212,7 @@ def run_serve_bench(opts: ServeBenchOptions) -> dict[str, Any]:
         result = summarise(opts, main, topo)
         if opts.stack_run is not None:
             result["spec"] = run_spec(opts, pipe, run, opts.stack_run, result["ar_baseline_seconds"])  # bench.serve_spec
-            result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec"))})
+            result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec", "stack_ar_"))})
         _finish(opts, result, t0)  # written now too, in case the scale run is interrupted
         if opts.scale != "off":
             result["scale"] = run_scale(opts, pipe)

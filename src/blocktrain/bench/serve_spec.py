@@ -57,18 +57,29 @@ def run_spec_row(
     check_stack_run(stack_run)
     cfg = stack_run.load_config()
     pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(stack_run.root)], threads=1)
+    ar_task = {"name": "stack_ar", "mode": "ar", "repeat": 1}  # the same model, one traversal per byte
     try:
-        out = pipe.client({**base, "tasks": [spec_task(opts.draft_min, opts.draft_max)]}, timeout_s=3600)
+        out = pipe.client({**base, "tasks": [spec_task(opts.draft_min, opts.draft_max), ar_task]}, timeout_s=3600)
     finally:
         pipe.stop()
     task = out["tasks"]["spec"]
+    quality = _quality(e2e, prompts, out["tasks"]["spec"])
+    ar_quality = _quality(e2e, prompts, out["tasks"]["stack_ar"])
+    return {"task": task, "quality": quality, "stack_run": str(stack_run.root),
+            "stack_ar": {"task": out["tasks"]["stack_ar"], "quality": ar_quality},
+            "stack_ar_seconds": out["tasks"]["stack_ar"]["seconds"],
+            "stack_ar_generative_ce": ar_quality["generative_ce"],
+            "spec_minus_stack_ar_generative_ce": quality["generative_ce"] - ar_quality["generative_ce"],
+            **spec_summary(task, quality["generative_ce"], baseline_seconds, int(base["output_bytes"]))}
+
+
+def _quality(e2e: E2EModel, prompts: list[bytes], task: dict[str, Any]) -> dict[str, Any]:
+    """Generative CE (under the E2E model) and repetition of a task's outputs, one per prompt."""
     outs = [bytes(o) for o in task["quality_outputs"]]
     ces = [generative_ce(e2e, p, o) for p, o in zip(prompts, outs, strict=True)]
-    quality: dict[str, Any] = {"generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
-               "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
-               "sample": outs[0].decode("utf-8", errors="replace")}
-    return {"task": task, "quality": quality, "stack_run": str(stack_run.root),
-            **spec_summary(task, quality["generative_ce"], baseline_seconds, int(base["output_bytes"]))}
+    return {"generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
+            "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
+            "sample": outs[0].decode("utf-8", errors="replace")}
 
 
 def run_spec(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir, stack_run: Path, baseline_seconds: float) -> dict[str, Any]:
@@ -90,5 +101,10 @@ def spec_markdown(r: dict[str, Any]) -> list[str]:
     if "spec_seconds" not in r:
         return []
     n = r["output_bytes"]
-    return [f"| stack spec (speculative, {r['spec_bytes_per_traversal']:.2f} bytes/traversal) | {r['spec_seconds']:.3f} "
+    rows = [f"| stack spec (speculative, {r['spec_bytes_per_traversal']:.2f} bytes/traversal) | {r['spec_seconds']:.3f} "
             f"| {n / r['spec_seconds']:.1f} | {r['spec_wire_bytes']:,} | {r['spec_generative_ce']:.3f} |"]
+    if "stack_ar_seconds" in r:  # ar on the same stack model: the CE spec must match
+        ar = r["stack_ar"]["task"]
+        rows.append(f"| stack ar (same model as spec) | {r['stack_ar_seconds']:.3f} | {n / r['stack_ar_seconds']:.1f} "
+                    f"| {ar['stage_bytes_out']:,} | {r['stack_ar_generative_ce']:.3f} |")
+    return rows

@@ -38,6 +38,7 @@ from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import Store
 from blocktrain.data.dataset import DataDir
+from blocktrain.data.stream import init_seed
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.protocol.delta import Compression, decode_delta
@@ -113,7 +114,7 @@ class BlockRounds:
         for k in range(self.n_blocks):
             row = s.latest_version(k)
             if row is None:
-                torch.manual_seed(self.cfg.train.seed * 1009 + k)  # same init as 'blocktrain train-block'
+                torch.manual_seed(init_seed(self.cfg.train.seed, k))  # same init as 'blocktrain train-block'
                 w = trainable_state(self.objective.build_block(k))
                 payload = self._weights_payload(k, 0, w)
                 digest = s.put_blob(payload)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from blocktrain.data.stream import mix_seed
+from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
 from blocktrain.serve.decoding import SpecResult, iter_ar, sample_byte, spec_steps
 from blocktrain.serve.links import Address, Conn, Counters, open_conn, parse_address
@@ -250,7 +250,7 @@ class PipelineClient:
         if len(p) + n_new - 1 > context:
             raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
         rid = self.new_id()
-        g = torch.Generator().manual_seed(mix_seed(seed, 7))
+        g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
         x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
         pos = 0
         try:

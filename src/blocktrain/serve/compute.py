@@ -1,7 +1,7 @@
 """What one stage computes: a contiguous span of blocks, or of E2E layers with KV caches.
 
 :class:`BlockSpan` holds blocks ``lo..hi`` of a BlockTrain model and runs each
-block's solver steps with :func:`blocktrain.diffusion.sampler.block_steps`.
+block's share of the chain with :func:`blocktrain.diffusion.sampler.chain_step`.
 Frames that arrive together are batched: sequences are right-padded to the
 longest, which is exact because every block is causal (padding sits after the
 positions that are read back).
@@ -26,11 +26,11 @@ import torch
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from blocktrain.config import VOCAB_SIZE, ModelConfig, Precision, Readout, RunConfig
+from blocktrain.config import VOCAB_SIZE, ModelConfig, Precision, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.device import autocast
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import block_steps, initial_noise
+from blocktrain.diffusion.sampler import chain_step, initial_noise
 from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
@@ -168,9 +168,7 @@ class BlockSpan:
             z[r0 : r0 + r, :t] = zi
         logits = torch.empty(0)
         for k in range(frames[0].sigma_index, self.hi + 1):
-            z, logits = block_steps(self.blocks[k], k, x, z, self.partition, self.cfg.diffusion, k == self.n_last)
-            if k == self.n_last and self.cfg.diffusion.readout is Readout.SIGMA_MIN:
-                logits = self.blocks[k](x, z, torch.tensor(self.cfg.diffusion.sigma_min))
+            z, logits = chain_step(self.blocks[k], k, x, z, self.partition, self.cfg.diffusion, k == self.n_last)
             for f, r0, r in zip(frames, offsets, rows, strict=True):
                 if f.mode is Mode.SWEEP:
                     self._update_estimate(f, k, x[r0 : r0 + r], logits[r0 : r0 + r])

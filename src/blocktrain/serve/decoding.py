@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from blocktrain.data.stream import mix_seed
+from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import ServeError
 from blocktrain.evaluate.generate import sample_from_logits
 from blocktrain.serve.speculative import SpecOptions, accept_draft, filtered_probs, next_draft_len, sample_probs, update_rate
@@ -105,7 +105,7 @@ async def iter_ar(
         return
     context = int(client.entry.get("context", 0))
     out = bytearray(prompt or b"\n")
-    g = torch.Generator().manual_seed(mix_seed(seed, 7))
+    g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
     if family != "stack":  # diffusion blocks: stateless, the whole window every time
         for i in range(n_new):
             ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
@@ -139,7 +139,7 @@ async def spec_steps(
         raise ServeError(f"spec generates 1 to {context - 1} bytes (the model context is {context}), got {n_new}")
     text = bytearray((prompt or b"\n")[-(context - n_new):])
     start, cached, rate = len(text), 0, INITIAL_RATE
-    g = torch.Generator().manual_seed(mix_seed(opts.seed, 7))
+    g = torch.Generator().manual_seed(mix_seed(opts.seed, GENERATE_SAMPLER))
     rid = client.new_id()
     t0 = time.perf_counter()
     try:

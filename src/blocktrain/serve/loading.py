@@ -51,7 +51,8 @@ def parse_shape(text: str, base: str = "cpu-small") -> RunConfig:
         if key not in ModelConfig.__dataclass_fields__ or not value.isdigit():
             raise ConfigError(f"shape field {part!r} must be NAME=INT with NAME a ModelConfig field")
         changes[key] = int(value)
-    return replace(cfg, name="random", model=replace(cfg.model, **changes))
+    # Random-weight spans are diffusion blocks (the serving bench's scale run measures sweep).
+    return replace(cfg, name="random", objective=Objective.DIFFUSION, model=replace(cfg.model, **changes))
 
 
 def _check_span(lo: int, hi: int, n: int, what: str) -> None:
