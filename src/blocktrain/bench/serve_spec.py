@@ -104,7 +104,7 @@ def spec_markdown(r: dict[str, Any]) -> list[str]:
     rows = [f"| stack spec (speculative, {r['spec_bytes_per_traversal']:.2f} bytes/traversal) | {r['spec_seconds']:.3f} "
             f"| {n / r['spec_seconds']:.1f} | {r['spec_wire_bytes']:,} | {r['spec_generative_ce']:.3f} |"]
     if "stack_ar_seconds" in r:  # ar on the same stack model: the CE spec must match
-        ar = r["stack_ar"]["task"]
+        ar = r["spec"]["stack_ar"]["task"]
         rows.append(f"| stack ar (same model as spec) | {r['stack_ar_seconds']:.3f} | {n / r['stack_ar_seconds']:.1f} "
                     f"| {ar['stage_bytes_out']:,} | {r['stack_ar_generative_ce']:.3f} |")
     return rows
