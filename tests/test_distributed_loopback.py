@@ -28,7 +28,7 @@ from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
-from blocktrain.train.loop import lr_at, make_optimizer
+from blocktrain.train.step import lr_at, make_optimizer
 from tests.test_distributed_helpers import add_token, cli, corpus, free_port, get_status, procs, wait_for  # noqa: F401
 
 TIMEOUT = 120  # seconds for any one phase on a busy 2-core machine

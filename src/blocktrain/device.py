@@ -66,12 +66,3 @@ def autocast(precision: Precision, device: torch.device) -> Iterator[None]:
             yield
     else:
         yield
-
-
-def module_device(module: torch.nn.Module) -> torch.device:
-    """The device of a module's first parameter or buffer (cpu for an empty module)."""
-    for p in module.parameters():
-        return p.device
-    for b in module.buffers():
-        return b.device
-    return torch.device("cpu")

@@ -28,7 +28,7 @@ from blocktrain.train.memory import peak_rss_bytes
 from blocktrain.train.metrics import JsonlWriter
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_bytes, optimizer_step
 
-__all__ = ["TrainSummary", "lr_at", "make_optimizer", "optimizer_bytes", "run_training"]
+__all__ = ["TrainSummary", "run_training"]
 
 log = logging.getLogger(__name__)
 
