@@ -88,7 +88,52 @@ def render(jsonl: Path, eval_bytes: int, small_jsonl: Path) -> str:
     ]
     out += [_row_line(r, e2e) for r in rows]
     out += _schedule_table(rows) + _snapshot_table(rows) + _small_table(small_jsonl, eval_bytes)
+    out += _stack_section(jsonl.parent)
     return "\n".join(out) + "\n"
+
+
+def _load(path: Path) -> Row | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _stack_section(results: Path) -> list[str]:
+    """The stack objective's rows (issue 11), from the result files of bench quality and the stack benchmarks."""
+    out = ["", "## The stack objective (issue 11)", "",
+           "Whole test split unless noted. Gain = first prefix (block 0 with its own head) minus the composed stack.",
+           "E2E rows: matched steps, and matched training FLOPs (frozen forward passes of the stack counted).", "",
+           "| run | E2E matched steps | E2E matched FLOPs | stack composed | prefixes | gain | gap at matched FLOPs "
+           "| stack FLOPs / E2E | worker memory / E2E | command |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ("quality-cpu-small", "quality-cpu-small-long"):
+        r = _load(results / f"{name}.json")
+        if r is None or "stack" not in r.get("objectives", {}):
+            continue
+        st, m = r["objectives"]["stack"], r.get("e2e_matched_flops")
+        steps = "-" if r.get("e2e_is_matched_flops") else f"{r['e2e']['ce_nats_per_byte']:.3f}"
+        out.append(f"| {r['preset']}, {st['train_steps_per_block'][0]} steps/block | {steps} | "
+                   f"{_fmt(m['ce_nats_per_byte'] if m else None)} | {st['ce_nats_per_byte']:.3f} | "
+                   f"{', '.join(f'{c:.3f}' for c in st['prefix_ce'])} | {st['prefix_ce'][0] - st['ce_nats_per_byte']:+.3f} | "
+                   f"{_fmt(st.get('gap_matched_flops_nats_per_byte'), '+.3f')} | {st['train_flops_over_e2e']:.2f} | "
+                   f"{st['memory_ratio_block_over_e2e']:.3f} | `{r['command']}` |")
+    heads = _load(results / "stack-head-layers-cpu-mini.json")
+    if heads is not None:
+        out += ["", f"Local head depth ({heads['preset']}, test split, {heads['rows'][0]['bytes_scored']:,} bytes):", "",
+                "| head layers | composed CE | prefixes | gain | params of block 0 | command |", "|---|---|---|---|---|---|"]
+        out += [f"| {h['head_layers']} | {h['ce_nats_per_byte']:.3f} | {', '.join(f'{c:.3f}' for c in h['prefix_ce'])} | "
+                f"{h['compositional_gain_nats_per_byte']:+.3f} | {h['params_per_block'][0]:,} | `{heads['command']}` |"
+                for h in heads["rows"]]
+    recipe = _load(results / "e2e-recipe-cpu-mini.json")
+    if recipe is not None:
+        out += ["", f"Why the E2E reference learned less per byte ({recipe['preset']}, 400 steps, validation CE, first "
+                f"128 KiB): one recipe change per row; `stack0` is the stack's block 0 alone. `{recipe['command']}`", "",
+                "| row | model | CE |", "|---|---|---|"]
+        out += [f"| {x['row']} | {x['variant']} | {x['val_ce']:.3f} |" for x in recipe["rows"]]
+    six = _load(results / "six-workers-stack.json")
+    if six is not None:
+        out += ["", f"Six workers against single-machine `train` at equal steps ({six['preset']}, first "
+                f"{six['eval_bytes']:,} test bytes): single {six['single_machine_ce_nats_per_byte']:.3f}, six workers "
+                f"{six['six_worker_ce_nats_per_byte']:.3f}, gap {six['ce_gap_nats_per_byte']:+.3f} (`{six['command']}`)."]
+    return out
 
 
 def _small_table(jsonl: Path, eval_bytes: int) -> list[str]:

@@ -57,6 +57,8 @@ OMP_NUM_THREADS=2 $BT eval "$OUT/single" --model blocktrain --split test --data 
   --json --no-progress > "$OUT/single.eval.json"
 OMP_NUM_THREADS=2 $BT eval "$OUT/six" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
   --json --no-progress > "$OUT/six.eval.json"
+TARGET=$([ "$OBJECTIVE" = stack ] && echo 0.02 || echo 0.03)  # issue 11 asks 0.02 of the stack, issue 3 asked 0.03
 .venv/bin/python benchmarks/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
+  --objective "$OBJECTIVE" --target-gap "$TARGET" \
   --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
   --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"

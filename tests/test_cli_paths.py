@@ -90,6 +90,41 @@ def test_bench_quality_matched_flops_e2e_trains_the_steps_it_reports(quality: tu
     assert matched["steps"] > 4 and summary["steps"] == matched["steps"]
 
 
+def test_bench_quality_rederive_recomputes_the_gain(quality: tuple[dict[str, Any], Path, Path], tmp_path: Path) -> None:
+    """--rederive recomputes derived figures from the stored CEs (an old file: the stack's gain against its best prefix)."""
+    q, _, _ = quality
+    old = json.loads(json.dumps(q))
+    old["objectives"]["stack"]["compositional_gain_nats_per_byte"] = 0.0
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps(old))
+    assert main(["bench", "quality", "--rederive", str(src), "--json", str(tmp_path / "new.json")]) == 0
+    new = json.loads((tmp_path / "new.json").read_text())
+    st = new["objectives"]["stack"]
+    assert st["compositional_gain_nats_per_byte"] == pytest.approx(st["prefix_ce"][0] - st["ce_nats_per_byte"], abs=1e-12)
+    assert new["blocktrain"] == st and st["ce_nats_per_byte"] == q["objectives"]["stack"]["ce_nats_per_byte"]
+    assert "compositional gain" in (tmp_path / "new.md").read_text()
+
+
+def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
+    """--no-matched-steps (the long budget): the stack first, then one E2E run at its training FLOPs, reported as ``e2e``."""
+    data = write_data_dir(tmp_path / "data")
+    out = tmp_path / "q.json"
+    # the lr sweep needs the matched-steps E2E: refused before anything trains
+    assert main(["bench", "quality", "--preset", "tiny", "--data", str(data), "--no-matched-steps", "--objective", "stack",
+                 "--out", str(tmp_path / "refused")]) == 2
+    assert not (tmp_path / "refused").exists()
+    assert main(["bench", "quality", "--preset", "tiny", "--data", str(data), "--steps", "3", "--no-lr-sweep",
+                 "--no-matched-steps", "--max-eval-bytes", "1024", "--eval-bytes", "0", "--objective", "stack",
+                 "--out", str(tmp_path / "runs"), "--json", str(out), "--no-progress"]) == 0
+    q = json.loads(out.read_text())
+    assert q["e2e_is_matched_flops"] and not (tmp_path / "runs" / "e2e-lr0.003").exists()
+    m, e2e, st = q["e2e_matched_flops"], q["e2e"], q["objectives"]["stack"]
+    assert e2e["train_steps"] == m["steps"] and e2e["ce_nats_per_byte"] == m["ce_nats_per_byte"]
+    assert e2e["train_flops"] == pytest.approx(m["train_flops"], rel=1e-9)  # the analytic FLOPs are the trainer's
+    assert m["train_flops"] == pytest.approx(st["train_flops"], rel=0.5 / m["steps"] + 1e-9)  # rounded to whole steps
+    assert st["gap_nats_per_byte"] == pytest.approx(st["gap_matched_flops_nats_per_byte"], abs=1e-12)
+
+
 # --- bench ingest -------------------------------------------------------------------------------------------
 
 

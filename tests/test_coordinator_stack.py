@@ -205,31 +205,54 @@ def test_stack_worker_downloads_frozen_block_once_and_trains_on_it(tmp_path: Pat
     _, sha0, payload0 = c.frozen_bytes(0)
     assert [p.name for p in cache.iterdir()] == [f"block0-v2-{sha0}.safetensors"]
     assert (cache / f"block0-v2-{sha0}.safetensors").read_bytes() == payload0
-    # audit: round 0 of block 1, replayed from the recorded stream on the frozen block 0, gives the worker's delta
-    seed = c.store.q1("SELECT * FROM seeds WHERE worker='w1' AND block=1 AND version=0")
-    upd = c.store.q1("SELECT blob FROM updates WHERE worker='w1' AND block=1 AND version=0")
-    got = decode_delta(unpack(c.store.get_blob(upd["blob"]))[0], Compression.NONE)
-    obj = get_objective(STACK)
-    b0, b1 = obj.build_block(0), obj.build_block(1)
-    load_trainable(b0, c.weights[0])
-    load_trainable(b1, w0)
-    frozen = [obj.freeze(b0, torch.float32)]
-    opt, _ = make_optimizer(b1, STACK.train)
-    schedule = replace(STACK.train, steps=4)
-    stream = TrainStream(corpus.open("train").data, STACK.model.context, STACK.train.batch_size, seed["seed"],
-                         stream=seed["stream"])
-    b1.train()
-    for i in range(2):
-        out = obj.block_loss(b1, 1, *stream.batch(i), stream.generator(i, purpose=1), frozen)
-        optimizer_step(b1, opt, out.loss, lr_at(i, schedule), STACK.train.grad_clip)
-    for n, p in b1.named_parameters():
-        torch.testing.assert_close(p.detach() - w0[n], got[n], rtol=1e-4, atol=1e-5)
+    audit_round(c, "w1", 1, 0, w0, corpus)  # round 0 of block 1, replayed on the frozen block 0
     # a second worker on block 2 shares the cache: block 0 comes from disk, only block 1 is downloaded
     s2 = run_worker(c, "w2", 2, cache, corpus)
     assert (s2.rounds_pushed, s2.frozen_downloads) == (2, 1)
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [f"block0-v2-{sha0}.safetensors", f"block1-v2-{c.weights_sha[1]}.safetensors"])
     assert c.state[2] is BlockState.FINISHED and c.state[3] is BlockState.OPEN
+    c.close()
+
+
+def audit_round(c: Coordinator, worker: str, k: int, v: int, before: dict[str, torch.Tensor], data: DataDir,
+                H: int = 2) -> None:
+    """Replay ``worker``'s round v of block k from its recorded stream, on the frozen blocks 0..k-1, with the
+    block's schedule at steps v*H.. (fresh AdamW moments, as the worker's first round on the block), and compare
+    with the delta it sent (fp32 both: tolerance of a last-bit difference through Adam's sqrt(v))."""
+    seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version={v}")
+    upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version={v}")
+    got = decode_delta(unpack(c.store.get_blob(upd["blob"]))[0], Compression.NONE)
+    obj = get_objective(STACK)
+    frozen = []
+    for j in range(k):
+        bj = obj.build_block(j)
+        load_trainable(bj, c.weights[j])
+        frozen.append(obj.freeze(bj, torch.float32))
+    block = obj.build_block(k)
+    load_trainable(block, before)
+    opt, _ = make_optimizer(block, STACK.train)
+    schedule = replace(STACK.train, steps=c.settings.rounds * H)
+    stream = TrainStream(data.open("train").data, STACK.model.context, STACK.train.batch_size, seed["seed"],
+                         stream=seed["stream"])
+    block.train()
+    for i in range(H):
+        out = obj.block_loss(block, k, *stream.batch(i), stream.generator(i, purpose=1), frozen)
+        optimizer_step(block, opt, out.loss, lr_at(v * H + i, schedule), STACK.train.grad_clip)
+    for n, p in block.named_parameters():
+        torch.testing.assert_close(p.detach() - before[n], got[n], rtol=1e-4, atol=1e-5)
+
+
+def test_moved_worker_trains_the_next_block_on_that_blocks_schedule(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """An unpinned worker that finished block 0 moves to block 1 and starts it at the top of block 1's lr schedule
+    (its lr follows the block's rounds, not the steps the worker did before)."""
+    c = stack_coordinator(tmp_path / "run", rounds=1, round_seconds=60, lease_seconds=60)
+    before = {n: t.clone() for n, t in c.weights[1].items()}
+    token = c.add_token("w")
+    with ThreadServer(c, background=False) as srv:
+        s = Worker(replace(worker_opts(srv.url, token, 0, tmp_path / "cache"), block=None), corpus).run()
+    assert s.rounds_pushed == 4 and [c.state[k] for k in range(4)] == [BlockState.FINISHED] * 4
+    audit_round(c, "w", 1, 0, before, corpus)
     c.close()
 
 

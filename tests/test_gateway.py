@@ -145,8 +145,10 @@ def test_http_errors_have_the_openai_shape() -> None:
             ({"prompt": "x" * 17, "mode": "ar"}, 400, "prompt"),  # longer than the context of 16
             ({"prompt": "x" * 12, "mode": "sweep", "max_tokens": 5}, 400, "max_tokens"),  # 12 + 5 > 16
             ({"prompt": "a", "mode": "ar", "model": "gpt-4"}, 404, "model"),
-            ({"prompt": "a", "mode": "spec"}, 400, "mode"),  # diffusion blocks cannot draft
             ({"prompt": "a", "mode": "baseline"}, 400, "mode"),  # nor run the E2E baseline
+            ({"prompt": "a", "draft_min": 2}, 400, "draft_min"),  # the default here is ar: no draft
+            ({"prompt": "a", "mode": "spec", "draft_min": 3, "draft_max": 2}, 400, "draft_max"),
+            ({"prompt": "a", "mode": "spec", "draft_max": 65}, 400, "draft_max"),
             ({"prompt": "a", "top_p": 0.9}, 400, "top_p"),  # the fake iter_ar samples without top_p
         ]
         for body, status, param in cases:
@@ -266,9 +268,8 @@ def test_openai_client_against_a_pipeline() -> None:
             with pytest.raises(openai.BadRequestError) as info:  # 9 + 24 > 32: sweep cannot slide its window
                 client.completions.create(model=model.id, prompt=prompt + "!", max_tokens=24, extra_body={"mode": "sweep"})
             assert info.value.status_code == 400 and "context" in info.value.message
-            with pytest.raises(openai.BadRequestError) as info:  # diffusion blocks cannot draft
-                client.completions.create(model=model.id, prompt=prompt, max_tokens=n, extra_body={"mode": "spec"})
-            assert "mode" in info.value.message
+            specd = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.0,
+                                              extra_body={"mode": "spec", "draft_max": 4})  # block 0 alone drafts
             swept = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, seed=2,
                                               extra_body={"mode": "sweep", "sweeps": 2})
 
@@ -278,6 +279,9 @@ def test_openai_client_against_a_pipeline() -> None:
 
         swept_ref = asyncio.run(direct_sweep(stages[0].address))
     assert base64.b64decode(swept.choices[0].model_extra["raw_bytes"]) == swept_ref and len(swept_ref) == 8
+    spec_info = specd.model_extra["blocktrain"]
+    assert spec_info["mode"] == "spec" and len(base64.b64decode(specd.choices[0].model_extra["raw_bytes"])) == n
+    assert spec_info["traversals"] + spec_info["accepted"] == n and spec_info["drafted"] <= 4 * spec_info["traversals"]
     choice = done.choices[0]
     assert done.model_extra["blocktrain"] == {"mode": "ar", "seed": 4}  # ar: the default on diffusion blocks
     assert base64.b64decode(choice.model_extra["raw_bytes"]) == ref
@@ -297,12 +301,13 @@ def test_openai_client_spec_on_a_stack_pipeline() -> None:
     prompt, n = "Sega", 20
     sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}
 
-    async def direct(addr):  # type: ignore[no-untyped-def]
+    async def direct(addr, **draft):  # type: ignore[no-untyped-def]
         async with PipelineClient(addr, timeout_s=30) as c:
-            return await c.generate_spec(prompt.encode(), n, **sampling)
+            return await c.generate_spec(prompt.encode(), n, **sampling, **draft)
 
     with ring(spans) as stages:
         ref = asyncio.run(direct(stages[0].address))
+        ref2 = asyncio.run(direct(stages[0].address, draft_min=2, draft_max=2))
         with serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}", request_timeout_s=60)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
             model = client.models.list().data[0]
@@ -311,12 +316,16 @@ def test_openai_client_spec_on_a_stack_pipeline() -> None:
                                              seed=3, extra_body={"top_k": 40})  # mode spec: the default here
             stream = list(client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8,
                                                     top_p=0.9, seed=3, stream=True, extra_body={"top_k": 40}))
+            fixed = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8, top_p=0.9,
+                                              seed=3, extra_body={"top_k": 40, "draft_min": 2, "draft_max": 2})
             with pytest.raises(openai.BadRequestError) as info:  # 4 + 29 > 32: spec cannot slide its window
                 client.completions.create(model=model.id, prompt=prompt, max_tokens=29)
             assert info.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
     assert len(ref.data) == n and base64.b64decode(done.choices[0].model_extra["raw_bytes"]) == ref.data
     assert done.model_extra["blocktrain"] == {"mode": "spec", "seed": 3, "traversals": ref.traversals,
                                               "drafted": ref.drafted, "accepted": ref.accepted}
+    assert fixed.model_extra["blocktrain"]["drafted"] == ref2.drafted <= 2 * ref2.traversals  # drafts of at most 2 bytes
+    assert base64.b64decode(fixed.choices[0].model_extra["raw_bytes"]) == ref2.data
     pieces = [base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in stream]
     assert b"".join(pieces) == ref.data and len([p for p in pieces if p]) == ref.traversals  # a chunk per traversal
     assert "".join(e.choices[0].text for e in stream) == ref.data.decode("utf-8", errors="replace")

@@ -16,8 +16,13 @@ import torch
 from blocktrain.bench.serve_client import draft_settings, timed_output
 from blocktrain.bench.serve_spec import spec_markdown, spec_summary, spec_task
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.errors import ConfigError, ServeError, WireError
+from blocktrain.config import RunConfig
+from blocktrain.data.stream import mix_seed
+from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.diffusion.sampler import chain_step, position_noise
+from blocktrain.errors import ConfigError, WireError
 from blocktrain.evaluate.generate import generate
+from blocktrain.model.block import BlockDenoiser
 from blocktrain.serve.client import PipelineClient, generate_remote
 from blocktrain.serve.kvcache import CacheEntry
 from blocktrain.serve.loading import load_stack_span
@@ -170,18 +175,53 @@ def test_rejection_rolls_back_every_stage_cache(stack_run: Path) -> None:
             assert torch.allclose(got.kv[name][0], k, atol=1e-5) and torch.allclose(got.kv[name][1], v, atol=1e-5)
 
 
-def test_spec_refused_on_diffusion_pipeline() -> None:
+def fixed_noise_greedy(cfg: RunConfig, blocks: list[BlockDenoiser], prompt: bytes, n: int, seed: int) -> bytes:
+    """Local greedy AR generation with the diffusion chain, the noise a function of (seed, position) only."""
+    part = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
+    eps = position_noise(1, cfg.model.context, cfg.model.context, cfg.model.d_model,
+                         torch.Generator().manual_seed(mix_seed(seed, 0)))  # (1, context, d)
+    text = bytearray(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            x = torch.tensor([list(text)], dtype=torch.uint8)
+            z = cfg.diffusion.sigma_max * eps[:, : len(text)]
+            for k, block in enumerate(blocks):
+                z, logits = chain_step(block.eval(), k, x, z, part, cfg.diffusion, k == len(blocks) - 1)
+            text.append(int(logits[0, -1].argmax()))
+    return bytes(text[len(prompt):])
+
+
+@pytest.mark.parametrize("draft", [1, 4, 16])
+def test_greedy_spec_on_diffusion_blocks_equals_local_greedy(draft: int) -> None:
+    """Diffusion stages draft with block 0 alone; the verified text equals the chain's own greedy text."""
     cfg, blocks, _ = tiny_models(seed=0)
-    span = block_spans(cfg, blocks, SPANS)[0]
-    with pytest.raises(WireError, match=r"spec .* needs a stack run"):
-        span.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, tensors={"x": torch.zeros(1, 4, dtype=torch.uint8)}))
+    prompt, n, seed = b"The game", 20, 7
 
     async def run(addr):  # type: ignore[no-untyped-def]
         async with PipelineClient(addr, timeout_s=30) as c:
-            return await c.generate_spec(b"abc", 4)
+            return await c.generate_spec(prompt, n, temperature=0.0, seed=seed, draft_min=draft, draft_max=draft)
 
-    with ring(block_spans(cfg, blocks, SPANS)) as stages, pytest.raises(ServeError, match="spec needs a pipeline serving a stack"):
-        asyncio.run(run(stages[0].address))
+    with ring(block_spans(cfg, blocks, SPANS)) as stages:
+        res = asyncio.run(run(stages[0].address))
+    assert res.data == fixed_noise_greedy(cfg, blocks, prompt, n, seed)
+    assert len(res.data) == res.accepted + res.traversals and res.drafted >= res.accepted
+    assert res.drafted >= res.traversals - 1  # every traversal but possibly the last drafts at least one byte
+
+
+def test_diffusion_spec_frame_validation() -> None:
+    cfg, blocks, _ = tiny_models(seed=0)
+    first, middle, _ = block_spans(cfg, blocks, SPANS)
+    x = torch.zeros(1, 4, dtype=torch.uint8)
+    with pytest.raises(WireError, match="context"):
+        first.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, params={"n_draft": 29}, tensors={"x": x}))
+    with pytest.raises(WireError, match="one sequence"):
+        first.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, tensors={"x": torch.zeros(2, 4, dtype=torch.uint8)}))
+    with pytest.raises(WireError, match="starts at block 0"):
+        middle.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, 2, tensors={"x": x}))
+    z = torch.zeros(1, 4, 32)
+    with pytest.raises(WireError, match="carry 'draft'"):
+        middle.validate(Frame(FrameKind.WORK, "r", Mode.SPEC, 2, params={"n_draft": 2}, tensors={"x": x, "z": z}))
+    first.validate(Frame(FrameKind.SUBMIT, "r", Mode.SPEC, params={"n_draft": 28}, tensors={"x": x}))  # 4 + 28 = 32
 
 
 def test_spec_frame_validation(stack_run: Path) -> None:

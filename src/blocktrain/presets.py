@@ -65,9 +65,16 @@ def cpu_small() -> RunConfig:
 
 
 def cpu_small_long() -> RunConfig:
-    """The cpu-small shape at 4x the steps (2,400 per side): the budget at which depth starts to matter."""
+    """The cpu-small shape at 4x the steps (2,400 per side): the budget at which depth starts to matter.
+
+    lr 2e-3 is what the cpu-small sweep chose for both the E2E and stack block 0
+    (benchmarks/results/quality-cpu-small.md); the 4x warm-up is the one E2E
+    recipe change that helped on cpu-mini (benchmarks/results/e2e-recipe-cpu-mini.json),
+    applied to every arm.
+    """
     base = cpu_small()
-    return replace(base, name="cpu-small-long", train=replace(base.train, steps=2400, checkpoint_every=200))
+    train = replace(base.train, steps=2400, lr=2e-3, warmup_steps=4 * base.train.warmup_steps, checkpoint_every=200)
+    return replace(base, name="cpu-small-long", train=train)
 
 
 def paper() -> RunConfig:

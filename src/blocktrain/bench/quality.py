@@ -36,8 +36,9 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import BlockTrainError, ConfigError, RunError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
-from blocktrain.evaluate.report import evaluate_model
+from blocktrain.evaluate.report import compositional_gain, evaluate_model
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives import get_objective
 from blocktrain.train.metrics import read_jsonl
 
@@ -60,6 +61,7 @@ class QualityOptions:
     progress: bool = True  # progress bars
     lr_sweep: bool = True  # sweep E2E's and stack block 0's lr over LR_FACTORS on validation
     matched_flops: bool = True  # also train the E2E at the stack's training FLOPs
+    matched_steps: bool = True  # train the E2E at matched steps; off, the E2E runs once, at matched FLOPs
     command: str = ""  # the command line, recorded in the JSON
 
     def __post_init__(self) -> None:
@@ -67,6 +69,10 @@ class QualityOptions:
             raise ConfigError(f"objective must be diffusion, stack or both, got {self.objective!r}")
         if self.chains < 1:
             raise ConfigError(f"chains must be >= 1, got {self.chains}")
+        if not self.matched_steps and not self.matched_flops:
+            raise ConfigError("--no-matched-steps and --no-matched-flops leave no E2E reference; drop one of them")
+        if not self.matched_steps and self.lr_sweep:
+            raise ConfigError("the lr sweep trains the E2E at matched steps; pass --no-lr-sweep with --no-matched-steps")
 
     @property
     def objectives(self) -> list[Objective]:
@@ -140,11 +146,16 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     steps = cfg.train.steps
     tokens = cfg.train.batch_size * cfg.model.context
 
-    lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, "--lr", repr(lr)), "val_ce")
-    e2e_dir = e2e_dirs[lr_e2e]
-    e2e_sum = _summary(RunDir(e2e_dir), "e2e")
+    sweeps: dict[str, Any] = {"factors": list(LR_FACTORS) if opts.lr_sweep else [1.0]}
+    if opts.matched_steps:
+        lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, "--lr", repr(lr)), "val_ce")
+        e2e_dir = e2e_dirs[lr_e2e]
+        e2e_flops_step = float(_summary(RunDir(e2e_dir), "e2e")["flops_per_step"])
+        sweeps.update(e2e_val_ce=e2e_scores, e2e_lr=lr_e2e)
+    else:
+        lr_e2e = cfg.train.lr
+        e2e_flops_step = train_flops_per_token(E2ETransformer(cfg.model), cfg.model.d_model, cfg.model.context) * tokens
     sections: dict[str, dict[str, Any]] = {}
-    sweeps: dict[str, Any] = {"factors": list(LR_FACTORS), "e2e_val_ce": e2e_scores, "e2e_lr": lr_e2e}
     for objective in opts.objectives:
         if objective is Objective.STACK:
             lr_s, s_scores, s_dirs = bench.sweep(
@@ -161,7 +172,6 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
 
     primary = opts.objectives[0]
     flops_primary = sum(s["flops_per_step"] * s["steps"] for s in sections[primary.value]["summaries"])
-    e2e_flops_step = float(e2e_sum["flops_per_step"])
     matched: dict[str, Any] | None = None
     if opts.matched_flops:
         m_steps = max(1, round(flops_primary / e2e_flops_step))
@@ -174,9 +184,14 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     def score(model: AssembledModel | E2EModel, **kw: Any) -> dict[str, Any]:
         return evaluate_model(model, test, max_bytes=opts.max_eval_bytes, progress=opts.progress, **kw)
 
-    e2e_eval = score(E2EModel.load(RunDir(e2e_dir), precision=precision))
     if matched is not None:
         matched["eval"] = score(E2EModel.load(RunDir(Path(matched["run_dir"])), precision=precision))
+    if opts.matched_steps:
+        e2e_eval = score(E2EModel.load(RunDir(e2e_dir), precision=precision))
+    else:  # the one E2E run is the matched-FLOPs run; ``e2e`` reports it (its ``train_steps`` say so)
+        assert matched is not None
+        e2e_dir, e2e_eval = Path(matched["run_dir"]), matched["eval"]
+    e2e_sum = _summary(RunDir(e2e_dir), "e2e")
     for name, sec in sections.items():
         model = AssembledModel.load(RunDir(Path(sec["run_dir"])), precision=precision)
         sec["eval"] = score(model, chains=opts.chains if name == "diffusion" else 1, blocks_alone=True)
@@ -189,12 +204,37 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     table = format_table(result)
     sys.stdout.write(table + "\n")
     if opts.json_path:
-        path = opts.json_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        path.with_suffix(".md").write_text(f"# Quality benchmark: {cfg.name}\n\n```\n{result['command']}\n```\n\n{table}\n")
-        log.info("wrote %s and %s", path, path.with_suffix(".md"))
+        write_result(result, opts.json_path, cfg.name)
     return result
+
+
+def rederive(result: dict[str, Any]) -> dict[str, Any]:
+    """Recompute a result's derived figures (compositional gains, gaps) from its measured CEs; trains and scores nothing.
+
+    For result files written before a derived figure's definition changed (the stack's gain is now
+    against its first prefix); the measured CEs are untouched.
+    """
+    e2e_ce = result["e2e"]["ce_nats_per_byte"]
+    matched = result.get("e2e_matched_flops")
+    for name, sec in result["objectives"].items():
+        refs = sec.get("prefix_ce") or sec["blocks_alone_ce"]
+        sec["compositional_gain_nats_per_byte"] = compositional_gain(sec["ce_nats_per_byte"], refs, stack=name == "stack")
+        sec["gap_nats_per_byte"] = sec["ce_nats_per_byte"] - e2e_ce
+        if matched is not None:
+            sec["gap_matched_flops_nats_per_byte"] = sec["ce_nats_per_byte"] - matched["ce_nats_per_byte"]
+    primary = result["objectives"][result["primary_objective"]]
+    result["rederived"] = "derived figures recomputed from the measured CEs by `blocktrain bench quality --rederive`"
+    result["blocktrain"] = primary
+    result["gap_nats_per_byte"] = primary["gap_nats_per_byte"]
+    return result
+
+
+def write_result(result: dict[str, Any], path: Path, name: str) -> None:
+    """The result JSON at ``path`` and its markdown table beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    path.with_suffix(".md").write_text(f"# Quality benchmark: {name}\n\n```\n{result['command']}\n```\n\n{format_table(result)}\n")
+    log.info("wrote %s and %s", path, path.with_suffix(".md"))
 
 
 def _assemble(
@@ -254,6 +294,7 @@ def _assemble(
         "split": "test",
         "bytes_scored": e2e_eval["bytes_scored"],
         "lr_sweep": sweeps,
+        "e2e_is_matched_flops": not opts.matched_steps,  # true: ``e2e`` is the matched-FLOPs run, not matched steps
         "e2e": {
             **e2e_eval,
             "train_wall_s": e2e_sum["wall_s"],

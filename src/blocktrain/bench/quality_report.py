@@ -14,10 +14,12 @@ def _fmt_list(values: list[float]) -> str:
 def format_table(r: dict[str, Any]) -> str:
     """Rows for the E2E reference(s) and each objective measured."""
     e = r["e2e"]
-    m = r.get("e2e_matched_flops")
+    only_matched = bool(r.get("e2e_is_matched_flops"))  # the one E2E run is at matched FLOPs: one column, not two
+    m = None if only_matched else r.get("e2e_matched_flops")
     objs: dict[str, Any] = r["objectives"]
     n_blocks = r["config"]["model"]["n_blocks"]
-    cols = ["E2E, matched steps"] + (["E2E, matched FLOPs"] if m else []) + [f"{name} (B={n_blocks})" for name in objs]
+    cols = ["E2E, matched FLOPs" if only_matched else "E2E, matched steps"] + (["E2E, matched FLOPs"] if m else [])
+    cols += [f"{name} (B={n_blocks})" for name in objs]
     rows: list[list[str]] = [["", *cols]]
 
     def row(label: str, e2e: str, matched: str, per_obj: list[str]) -> None:
@@ -25,8 +27,8 @@ def format_table(r: dict[str, Any]) -> str:
 
     row("test CE (nats/byte)", f"{e['ce_nats_per_byte']:.4f}", f"{m['ce_nats_per_byte']:.4f}" if m else "",
         [f"{o['ce_nats_per_byte']:.4f}" for o in objs.values()])
-    row("gap to E2E, matched steps", "", f"{m['ce_nats_per_byte'] - e['ce_nats_per_byte']:+.4f}" if m else "",
-        [f"{o['gap_nats_per_byte']:+.4f}" for o in objs.values()])
+    row("gap to E2E, matched FLOPs" if only_matched else "gap to E2E, matched steps", "",
+        f"{m['ce_nats_per_byte'] - e['ce_nats_per_byte']:+.4f}" if m else "", [f"{o['gap_nats_per_byte']:+.4f}" for o in objs.values()])
     if m:
         row("gap to E2E, matched FLOPs", "", "", [f"{o['gap_matched_flops_nats_per_byte']:+.4f}" for o in objs.values()])
     row("single-block references", "", "", [
@@ -52,13 +54,22 @@ def format_table(r: dict[str, Any]) -> str:
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
     peak = r["peak_flops"]
     sweep = r["lr_sweep"]
+    lr_note = (
+        f"No learning-rate sweep: every arm trains at lr {r['config']['train']['lr']:g}."
+        if "e2e_lr" not in sweep else
+        f"Learning-rate sweep on validation (x{', x'.join(f'{f:g}' for f in sweep['factors'])} of the preset's lr): "
+        f"E2E {sweep['e2e_val_ce']} -> lr {sweep['e2e_lr']:g}"
+        + (f"; stack block 0 {sweep['stack_block0_val_prefix_ce']} -> lr {sweep['stack_lr']:g}" if "stack_lr" in sweep else "")
+        + "."
+    )
     notes = [
         "",
         f"Measured matmul peak: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s; MFU is against the "
         f"{r['precision']} peak.",
-        f"Learning-rate sweep on validation (x{', x'.join(f'{f:g}' for f in sweep['factors'])} of the preset's lr): "
-        f"E2E {sweep['e2e_val_ce']} -> lr {sweep['e2e_lr']:g}"
-        + (f"; stack block 0 {sweep['stack_block0_val_prefix_ce']} -> lr {sweep['stack_lr']:g}" if "stack_lr" in sweep else "")
-        + ".",
+        lr_note,
     ]
+    mfus = [e["mfu"], *(o["block_worker"]["mfu"] for o in objs.values())]
+    if any(u > 1.0 for u in mfus):  # the peak was measured while something else had the cores
+        notes.append("MFU above 100%: the machine was shared while this ran, so its peak, seconds-per-step, MFU and wall "
+                     "rows are not valid; the CE rows do not depend on load.")
     return "\n".join(lines + notes)

@@ -38,7 +38,7 @@ from blocktrain.bench.serve_options import Network, ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction, traversal_compute_s
 from blocktrain.bench.serve_report import render_markdown, summarise
-from blocktrain.bench.serve_spec import run_spec
+from blocktrain.bench.serve_spec import run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.errors import BlockTrainError, ConfigError, ServeError
@@ -49,9 +49,10 @@ from blocktrain.serve.loading import parse_shape
 log = logging.getLogger(__name__)
 
 
-def _mode_tasks(sweeps: list[int]) -> list[dict[str, Any]]:
+def _mode_tasks(sweeps: list[int], draft_min: int, draft_max: int) -> list[dict[str, Any]]:
     tasks = [{"name": f"sweep_k{k}", "mode": "sweep", "sweeps": k, "repeat": 5} for k in sweeps]
-    return [*tasks, {"name": "ar", "mode": "ar", "repeat": 1}]
+    spec = {**spec_task(draft_min, draft_max), "name": "diffusion_spec"}  # block 0 alone drafts, the chain verifies
+    return [*tasks, {"name": "ar", "mode": "ar", "repeat": 1}, spec]
 
 
 def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
     test_path = str(resolve_data_dir(opts.data).open("test").path)
     pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(run.root)], threads=1)
     try:
-        bt = pipe.client({**base, "tasks": _mode_tasks(sweeps), "teacher_forced_path": test_path,
+        bt = pipe.client({**base, "tasks": _mode_tasks(sweeps, opts.draft_min, opts.draft_max), "teacher_forced_path": test_path,
                           "teacher_forced_bytes": opts.tf_bytes}, timeout_s=3600)
     finally:
         pipe.stop()

@@ -36,10 +36,21 @@ def summarise(opts: ServeBenchOptions, main: dict[str, Any], topo: Topology | No
                           "generative_ce": q[name]["generative_ce"],
                           "repeat_4gram_fraction": q[name]["repeat_4gram_fraction"]}
                    for name in t if name.startswith("sweep_")},
+        **_diffusion_spec(t, q, n, base["seconds"]),
         "quality": q, "teacher_forced_ce": main["teacher_forced"], "model": main["model"],
         "timings": {k: {"seconds_all": v["seconds_all"], "client_bytes_out": v["client_bytes_out"]}
                     for k, v in t.items()},
     }
+
+
+def _diffusion_spec(t: dict[str, Any], q: dict[str, Any], n: int, baseline_s: float) -> dict[str, Any]:
+    """The diffusion run's spec row (block 0 alone drafts), where the main comparison ran it."""
+    if "diffusion_spec" not in t:
+        return {}
+    s = t["diffusion_spec"]
+    return {"diffusion_spec_seconds": s["seconds"], "diffusion_spec_bytes_per_traversal": n / float(s["traversals"]),
+            "diffusion_spec_wire_bytes": s["stage_bytes_out"], "diffusion_spec_generative_ce": q["diffusion_spec"]["generative_ce"],
+            "speedup_diffusion_spec_vs_baseline": baseline_s / s["seconds"]}
 
 
 def render_markdown(r: dict[str, Any]) -> str:
@@ -48,8 +59,11 @@ def render_markdown(r: dict[str, Any]) -> str:
     sweeps = sorted(r["sweeps"].items(), key=lambda kv: int(kv[0].split("_k")[1]))
     rows = [(f"BlockTrain sweep (k={name.split('_k')[1]})", v["seconds"], v["wire_bytes"], v["generative_ce"])
             for name, v in sweeps]
+    rows += [("BlockTrain ar", r["ar_seconds"], r["ar_wire_bytes"], r["ar_generative_ce"])]
+    if "diffusion_spec_seconds" in r:
+        rows.append((f"BlockTrain spec (block 0 drafts, {r['diffusion_spec_bytes_per_traversal']:.2f} bytes/traversal)",
+                     r["diffusion_spec_seconds"], r["diffusion_spec_wire_bytes"], r["diffusion_spec_generative_ce"]))
     rows += [
-        ("BlockTrain ar", r["ar_seconds"], r["ar_wire_bytes"], r["ar_generative_ce"]),
         ("AR baseline (E2E, KV cache)", r["ar_baseline_seconds"], r["ar_baseline_wire_bytes"],
          r["baseline_generative_ce"]),
     ]

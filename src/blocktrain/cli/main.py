@@ -116,9 +116,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from blocktrain.bench.quality import QualityOptions, run_quality_bench
+    from blocktrain.bench.quality import QualityOptions, rederive, run_quality_bench, write_result
     from blocktrain.data.dataset import resolve_data_dir
 
+    if args.rederive:  # derived figures only: no training, no data
+        src = Path(args.rederive)
+        result = rederive(json.loads(src.read_text()))
+        write_result(result, Path(args.json) if args.json else src, str(result["preset"]))
+        return 0
     cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
     child = forward_run_args(args)
@@ -128,7 +133,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"), child_args=tuple(child),
         objective=args.bench_objective, json_path=Path(args.json) if args.json else None, chains=args.chains,
         max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, progress=not args.no_progress,
-        lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops,
+        lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops, matched_steps=not args.no_matched_steps,
         command="blocktrain " + shlex.join(sys.argv[1:]),
     )
     run_quality_bench(opts)
@@ -218,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="auto", choices=["auto", "blocktrain", "e2e"])
     s.add_argument("--pipeline", default=None, help="HOST:PORT of the first serving stage")
     s.add_argument("--mode", default="ar", choices=["ar", "sweep", "spec", "baseline"],
-                   help="serving mode with --pipeline (spec: speculative decoding, stack runs)")
+                   help="serving mode with --pipeline (spec: speculative decoding)")
     s.add_argument("--draft-min", type=int, default=1, help="--mode spec: shortest draft, bytes")
     s.add_argument("--draft-max", type=int, default=16, help="--mode spec: longest draft, bytes")
     s.add_argument("--sweeps", type=int, default=1, help="k sweeps of --mode sweep")
@@ -244,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--fresh", action="store_true", help="delete the bench directory first")
     q.add_argument("--no-lr-sweep", action="store_true", help="skip the lr sweep (x0.5, x1, x2) of E2E and stack block 0")
     q.add_argument("--no-matched-flops", action="store_true", help="skip the E2E run at the stack's training FLOPs")
+    q.add_argument("--rederive", metavar="JSON",
+                   help="recompute the derived figures (gains, gaps) and the table of an earlier result from its "
+                        "measured CEs, writing it back (or to --json); trains nothing")
+    q.add_argument("--no-matched-steps", action="store_true",
+                   help="train the E2E once, at matched FLOPs only (the long budget); needs --no-lr-sweep")
     q.set_defaults(fn=cmd_bench_quality)
 
     q = bsub.add_parser("machine", help="dense matmul peak of this device in fp32 and bf16")

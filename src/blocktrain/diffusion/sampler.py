@@ -32,6 +32,18 @@ def initial_noise(
     return sigma_max * torch.randn(*shape, dim, generator=generator)
 
 
+def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """eps (b, t, dim) for positions 0..t-1, drawn for the whole context (b, context, dim) and cut to t.
+
+    A position's noise then does not depend on the length of the text it belongs to:
+    speculative decoding scores a text plus its draft in one traversal and needs the
+    chain's p at position j to be what a text one byte past j would get.
+    """
+    if not 1 <= t <= context:
+        raise ValueError(f"need 1 <= t <= context, got t={t}, context={context}")
+    return torch.randn(b, context, dim, generator=generator)[:, :t]
+
+
 def block_steps(
     block: BlockDenoiser,
     k: int,

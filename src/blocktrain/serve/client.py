@@ -5,7 +5,7 @@ entry stage batches those that arrive together. ``generate_ar`` and
 ``generate_baseline`` reproduce :func:`blocktrain.evaluate.generate.generate`
 (same seeds, same sampling), so a pipeline and a local model give the same text;
 on a stack run's pipeline ``generate_ar`` keeps a KV cache per request in every
-stage. ``generate_spec``/``iter_spec`` run speculative decoding on a stack run
+stage. ``generate_spec``/``iter_spec`` run speculative decoding on a stack or diffusion run
 (the loop runs here, see :mod:`blocktrain.serve.decoding`); ``iter_ar`` and
 ``iter_spec`` yield bytes as they are accepted, for streaming.
 

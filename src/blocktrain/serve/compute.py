@@ -30,10 +30,11 @@ from blocktrain.config import VOCAB_SIZE, ModelConfig, Precision, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.device import autocast
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import chain_step, initial_noise
+from blocktrain.diffusion.sampler import chain_step, initial_noise, position_noise
 from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
+from blocktrain.serve.speculative import SpecParams, validate_carried_draft
 from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
 
 log = logging.getLogger(__name__)
@@ -90,15 +91,14 @@ class BlockSpan:
         return False
 
     def batch_key(self, frame: Frame) -> tuple[Any, ...]:
+        if frame.mode is Mode.SPEC:
+            return (self.family, frame.sigma_index, frame.request_id)  # spec frames carry a draft: one at a time
         return (self.family, frame.sigma_index)
 
     def validate(self, frame: Frame) -> None:
         """Reject a frame this span cannot run (raises WireError with the reason)."""
-        if frame.mode is Mode.SPEC:
-            raise WireError("spec (speculative decoding) needs a stack run, whose every prefix is a language model "
-                            "that can draft; this stage serves diffusion blocks: use --mode ar or sweep")
-        if frame.mode not in (Mode.SCORE, Mode.SWEEP, Mode.AR):
-            raise WireError(f"this stage serves BlockTrain blocks; mode {frame.mode} is not one of score/sweep/ar")
+        if frame.mode not in (Mode.SCORE, Mode.SWEEP, Mode.AR, Mode.SPEC):
+            raise WireError(f"this stage serves BlockTrain blocks; mode {frame.mode} is not one of score/sweep/ar/spec")
         x = frame.tensors.get("x")
         if x is None or x.dim() != 2 or x.dtype != torch.uint8 or x.shape[0] < 1 or x.shape[1] < 1:
             raise WireError("frames need tensor 'x': uint8 bytes of shape (b, t) with b, t >= 1")
@@ -122,6 +122,8 @@ class BlockSpan:
             if t != expected:
                 raise WireError(f"sweep frame holds {t} bytes, expected {expected}")
             t = prompt_len + n_new
+        if frame.mode is Mode.SPEC:
+            t = self._validate_spec(frame)
         if t > self.cfg.model.context:
             raise WireError(
                 f"{t} positions exceed the model context of {self.cfg.model.context}; shorten the prompt or the output"
@@ -129,6 +131,21 @@ class BlockSpan:
         z = frame.tensors.get("z")
         if frame.sigma_index > 0 and (z is None or tuple(z.shape) != (*x.shape, self.cfg.model.d_model)):
             raise WireError(f"a frame at sigma index {frame.sigma_index} needs 'z' of shape (b, t, d_model)")
+
+    def _validate_spec(self, frame: Frame) -> int:
+        """A spec frame: one sequence; the entry (no z yet) drafts, later stages get the draft and q. Returns its length."""
+        n = SpecParams.read(frame.params).n_draft
+        x = frame.tensors["x"]
+        if x.shape[0] != 1:
+            raise WireError("spec frames carry one sequence: x of shape (1, t)")
+        if "z" not in frame.tensors:
+            if frame.sigma_index != 0 or self.lo != 0:
+                raise WireError("a spec request starts at block 0, whose stage drafts with block 0 alone")
+            return x.shape[1] + n
+        validate_carried_draft(frame.tensors, n)
+        if x.shape[1] <= n:
+            raise WireError(f"'x' must cover the accepted text and the {n} draft positions")
+        return x.shape[1]
 
     # --- compute -----------------------------------------------------------
     def _start(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +173,8 @@ class BlockSpan:
             return self._run(frames)
 
     def _run(self, frames: Sequence[Frame]) -> list[Frame]:
+        if frames[0].mode is Mode.SPEC:
+            return [self._run_spec(f) for f in frames]
         starts = [self._start(f) for f in frames]
         rows = [x.shape[0] for x, _ in starts]
         lens = [x.shape[1] for x, _ in starts]
@@ -176,6 +195,46 @@ class BlockSpan:
         for f, r0, r, t in zip(frames, offsets, rows, lens, strict=True):
             outs.append(self._output(f, x[r0 : r0 + r, :t], z[r0 : r0 + r, :t], logits[r0 : r0 + r, :t]))
         return outs
+
+    def _run_spec(self, f: Frame) -> Frame:
+        """Speculative decoding on diffusion blocks: the entry drafts with block 0 alone, the chain verifies.
+
+        The noise of a spec request is a function of (seed, position) only
+        (:func:`~blocktrain.diffusion.sampler.position_noise`), so the chain's p at a
+        draft position is the p the one-byte-longer text gets: the accepted text is
+        distributed as autoregressive sampling from the chain under that noise.
+        Block 0 alone drafts from the chain's own first evaluation, at the same noise.
+        """
+        sp = SpecParams.read(f.params)
+        n, d = sp.n_draft, self.cfg.model.d_model
+        carried = {k: v for k, v in f.tensors.items() if k in ("draft", "q")}
+        if "z" in f.tensors:
+            x, z = f.tensors["x"].clone(), f.tensors["z"].float()
+        else:
+            x = f.tensors["x"]
+            g_noise = torch.Generator().manual_seed(mix_seed(sp.seed, 0))
+            eps = position_noise(1, x.shape[1] + n, self.cfg.model.context, d, g_noise)  # (1, t + n, d)
+            s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
+            g = sp.draft_generator(x.shape[1])
+            draft: list[int] = []
+            qs: list[torch.Tensor] = []
+            for _ in range(n):
+                t = x.shape[1]
+                logits = self.blocks[0](x, s0 * eps[:, :t], torch.tensor(s0))  # (1, t, 256)
+                byte, q = sp.draft_byte(logits[0, -1].float(), g)
+                draft.append(byte)
+                qs.append(q)
+                x = torch.cat([x, torch.tensor([[byte]], dtype=torch.uint8)], dim=1)
+            if n:
+                carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)}
+            z = self.cfg.diffusion.sigma_max * eps
+        logits = torch.empty(0)
+        for k in range(f.sigma_index, self.hi + 1):
+            z, logits = chain_step(self.blocks[k], k, x, z, self.partition, self.cfg.diffusion, k == self.n_last)
+        if not self.is_last:
+            return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"x": x, "z": z, **carried})
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params),
+                     {"logits": logits[0, -(n + 1):].float(), **carried})
 
     def _update_estimate(self, f: Frame, k: int, x: torch.Tensor, logits: torch.Tensor) -> None:
         """Generated positions take the running estimate: byte p+1 is read off the logits at p."""

@@ -17,6 +17,9 @@ are overwritten by the next frame. The draft length follows the running
 acceptance rate within ``draft_min..draft_max``
 (:func:`~blocktrain.serve.speculative.next_draft_len`), and never runs past the
 requested bytes or the model context. A RELEASE frame drops the caches at the end.
+Diffusion stages keep no cache: there ``pos`` is always 0 and ``x`` the whole
+accepted text, and the entry stage drafts with block 0 alone
+(:meth:`blocktrain.serve.compute.BlockSpan._run_spec`).
 
 The text never slides past the model context in ``spec``: the prompt is cut from
 the left to ``context - n_new`` bytes. KV-cached ``ar`` on a stack slides like
@@ -131,9 +134,10 @@ async def spec_steps(
 ) -> AsyncIterator[bytes]:
     """Speculative decoding over the pipeline: yields the bytes each traversal adds, updating ``stats``."""
     family = client.entry.get("family")
-    if family != "stack":
-        raise ServeError(f"spec needs a pipeline serving a stack run (its entry stage drafts with its prefix model); "
-                         f"this one serves {family!r}: use --mode ar" + (" or sweep" if family == "blocktrain" else ""))
+    if family not in ("stack", "blocktrain"):
+        raise ServeError(f"spec needs a pipeline of BlockTrain blocks (its entry stage drafts with its first blocks); "
+                         f"this one serves {family!r}: use --mode baseline")
+    stateless = family == "blocktrain"  # diffusion stages keep no cache: every traversal sends the whole text
     context = int(client.entry.get("context", 0))
     if not 1 <= n_new < context:
         raise ServeError(f"spec generates 1 to {context - 1} bytes (the model context is {context}), got {n_new}")
@@ -154,7 +158,7 @@ async def spec_steps(
             q = reply.tensors["q"].float() if n else torch.empty(0, p.shape[-1])  # (n, 256)
             verdict = accept_draft(draft, p, q, g)
             new = bytes(verdict.emitted(draft)[:remaining])
-            cached = len(text) + verdict.accepted  # text + kept draft are cached right; the next byte is not
+            cached = 0 if stateless else len(text) + verdict.accepted  # text + kept draft are cached right; the next byte is not
             text += new
             rate = update_rate(rate, verdict.accepted, n)
             stats.traversals += 1
@@ -164,4 +168,5 @@ async def spec_steps(
             stats.seconds = time.perf_counter() - t0
             yield new
     finally:
-        await _release(client, rid, Mode.SPEC)
+        if not stateless:  # diffusion stages hold nothing to release
+            await _release(client, rid, Mode.SPEC)

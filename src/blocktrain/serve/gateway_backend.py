@@ -23,10 +23,11 @@ from typing import Any
 
 from blocktrain.errors import ProtocolError, StageUnavailableError
 from blocktrain.serve.client import PipelineClient
+from blocktrain.serve.speculative import MAX_DRAFT
 
 MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
 # modes each kind of pipeline runs (the entry stage's `family`), the default first
-FAMILY_MODES = {"stack": ("spec", "ar"), "blocktrain": ("ar", "sweep"), "e2e": ("baseline",)}
+FAMILY_MODES = {"stack": ("spec", "ar"), "blocktrain": ("ar", "sweep", "spec"), "e2e": ("baseline",)}
 DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 MAX_SWEEPS = 16  # most sweeps one request may ask for
@@ -65,6 +66,7 @@ class CompletionRequest:
     include_usage: bool  # streaming: send a last chunk with the usage counts
     sweeps: int  # mode sweep: traversals per continuation
     model: str | None  # the model the client named, checked against the served one
+    draft: tuple[int, int] | None = None  # mode spec: (draft_min, draft_max) bytes; None: the client's defaults
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -132,6 +134,7 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     sweeps = _integer(body, "sweeps", 1)
     if not 1 <= sweeps <= MAX_SWEEPS or (sweeps != 1 and mode != "sweep"):
         raise bad(f"sweeps must be in [1, {MAX_SWEEPS}] and is only for mode sweep, got {sweeps}", "sweeps")
+    draft = _draft_bounds(body, mode)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream must be true or false", "stream", "invalid_type")
@@ -141,8 +144,20 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     return CompletionRequest(
         prompt=prompt_bytes, max_tokens=max_tokens, mode=mode, temperature=temperature, top_p=top_p,
         top_k=max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=bool(stream),
-        include_usage=bool(options.get("include_usage", False)), sweeps=sweeps, model=model,
+        include_usage=bool(options.get("include_usage", False)), sweeps=sweeps, model=model, draft=draft,
     )
+
+
+def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
+    """``draft_min`` / ``draft_max`` (mode spec only): the bounds of the adaptive draft length, in bytes."""
+    if body.get("draft_min") is None and body.get("draft_max") is None:
+        return None
+    if mode not in ("spec", None):
+        raise bad(f"draft_min and draft_max are only for mode spec, not {mode}", "draft_min")
+    lo, hi = _integer(body, "draft_min", 1), _integer(body, "draft_max", max(16, _integer(body, "draft_min", 1)))
+    if not 1 <= lo <= hi <= MAX_DRAFT:
+        raise bad(f"need 1 <= draft_min <= draft_max <= {MAX_DRAFT}, got {lo} and {hi}", "draft_min" if lo < 1 else "draft_max")
+    return lo, hi
 
 
 def check_fits(req: CompletionRequest, context: int) -> None:
@@ -233,6 +248,9 @@ class PipelineBackend:
         if req.top_p < 1 and mode not in self.top_p_modes():
             raise bad(f"top_p < 1 is not supported by mode {mode} here (only by {', '.join(self.top_p_modes())}); "
                       "omit top_p", "top_p", "unsupported_parameter")
+        if req.draft is not None and mode != "spec":
+            raise bad(f"draft_min and draft_max are only for mode spec; this request runs mode {mode}", "draft_min",
+                      "unsupported_parameter")
         req = replace(req, mode=mode)
         check_fits(req, int(entry.get("context", 0)))
         return req
@@ -271,6 +289,8 @@ class PipelineBackend:
         kw: dict[str, Any] = {"temperature": req.temperature, "top_k": req.top_k, "seed": req.seed}
         if req.mode in self.top_p_modes():
             kw["top_p"] = req.top_p
+        if req.mode == "spec" and req.draft is not None:
+            kw["draft_min"], kw["draft_max"] = req.draft
         return kw
 
 

@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from blocktrain.errors import ConfigError
+from blocktrain.config import VOCAB_SIZE
+from blocktrain.data.stream import mix_seed
+from blocktrain.errors import ConfigError, WireError
 
+MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
+DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)
 RATE_DECAY = 0.5  # weight of the old acceptance rate in the running estimate (per traversal)
 MAX_RATE = 0.95  # cap of the acceptance-rate estimate (keeps r / (1 - r) finite)
 
@@ -131,3 +136,65 @@ class SpecOptions:
         if not 1 <= self.draft_min <= self.draft_max:
             raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; "
                               "set --draft-min/--draft-max")
+
+
+# --- the spec frame's parameters, as every serving span reads them ----------------------------
+def _number(params: dict[str, Any], name: str, default: float) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise WireError(f"parameter {name!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _int(params: dict[str, Any], name: str, default: int) -> int:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"parameter {name!r} must be an int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """What a spec frame asks of the entry stage: draft ``n_draft`` bytes under these sampling filters."""
+
+    n_draft: int  # bytes to draft, 0..MAX_DRAFT
+    temperature: float  # >= 0; 0 drafts the argmax
+    top_k: int  # >= 0; 0 keeps every byte
+    top_p: float  # in (0, 1]
+    seed: int  # the request seed
+
+    @classmethod
+    def read(cls, params: dict[str, Any]) -> SpecParams:
+        """Validate a frame's params (raises WireError with the reason)."""
+        n = _int(params, "n_draft", 0)
+        if not 0 <= n <= MAX_DRAFT:
+            raise WireError(f"parameter 'n_draft' must be in 0..{MAX_DRAFT}, got {n}")
+        temperature = _number(params, "temperature", 0.0)
+        if temperature < 0:
+            raise WireError("parameter 'temperature' must be >= 0")
+        top_k = _int(params, "top_k", 0)
+        if top_k < 0:
+            raise WireError("parameter 'top_k' must be >= 0")
+        top_p = _number(params, "top_p", 1.0)
+        if not 0 < top_p <= 1:
+            raise WireError("parameter 'top_p' must be in (0, 1]")
+        return cls(n, temperature, top_k, top_p, _int(params, "seed", 0))
+
+    def draft_generator(self, accepted_len: int) -> torch.Generator:
+        """The draft's draws, seeded by the request seed and the length of the accepted text."""
+        return torch.Generator().manual_seed(mix_seed(self.seed, DRAFT_SEED + accepted_len))
+
+    def draft_byte(self, logits: torch.Tensor, g: torch.Generator) -> tuple[int, torch.Tensor]:
+        """One draft byte from raw logits (256,): (the byte, q (256,) it was drawn from)."""
+        q = filtered_probs(logits.unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
+        x = int(q.argmax()) if self.temperature <= 0 else int(sample_probs(q, g)[0])
+        return x, q[0]
+
+
+def validate_carried_draft(tensors: dict[str, torch.Tensor], n: int) -> None:
+    """Spec frames past the entry stage carry the draft (1, n) and q (n, 256) on to the client."""
+    if n == 0:
+        return
+    draft, q = tensors.get("draft"), tensors.get("q")
+    if draft is None or tuple(draft.shape) != (1, n) or q is None or tuple(q.shape) != (n, VOCAB_SIZE):
+        raise WireError(f"spec frames past the entry carry 'draft' (1, {n}) and 'q' ({n}, {VOCAB_SIZE})")

@@ -32,32 +32,21 @@ crosses the wire in fp32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from blocktrain.config import VOCAB_SIZE, Precision, RunConfig
-from blocktrain.data.stream import mix_seed
+from blocktrain.config import Precision, RunConfig
 from blocktrain.device import autocast
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
 from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, _param, layer_cached
 from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
-from blocktrain.serve.speculative import filtered_probs, sample_probs
+from blocktrain.serve.speculative import SpecParams, validate_carried_draft
 from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
 
-MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
-DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)
 CPU = torch.device("cpu")
-
-
-def _number(params: dict[str, Any], name: str, default: float) -> float:
-    value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise WireError(f"parameter {name!r} must be a finite number, got {value!r}")
-    return float(value)
 
 
 class StackSpan:
@@ -147,21 +136,11 @@ class StackSpan:
             raise WireError(f"request {frame.request_id} has {cached_now} cached positions, the frame says pos={pos}")
 
     def _validate_spec(self, frame: Frame) -> int:
-        n = _param(frame.params, "n_draft", int, 0)
-        if not 0 <= n <= MAX_DRAFT:
-            raise WireError(f"parameter 'n_draft' must be in 0..{MAX_DRAFT}, got {n}")
-        if _number(frame.params, "temperature", 0.0) < 0:
-            raise WireError("parameter 'temperature' must be >= 0")
-        if _param(frame.params, "top_k", int, 0) < 0:
-            raise WireError("parameter 'top_k' must be >= 0")
-        if not 0 < _number(frame.params, "top_p", 1.0) <= 1:
-            raise WireError("parameter 'top_p' must be in (0, 1]")
-        if self.lo > 0 and n > 0:
-            draft, q = frame.tensors.get("draft"), frame.tensors.get("q")
-            if draft is None or tuple(draft.shape) != (1, n) or q is None or tuple(q.shape) != (n, VOCAB_SIZE):
-                raise WireError(f"spec frames past the entry carry 'draft' (1, {n}) and 'q' ({n}, {VOCAB_SIZE})")
+        n = SpecParams.read(frame.params).n_draft
+        if self.lo > 0:
+            validate_carried_draft(frame.tensors, n)
             h = frame.tensors.get("h")
-            if h is not None and h.shape[1] <= n:
+            if n > 0 and h is not None and h.shape[1] <= n:
                 raise WireError(f"'h' must cover the accepted tail and the {n} draft positions")
         return n
 
@@ -241,20 +220,19 @@ class StackSpan:
     def _draft(self, f: Frame, entry: CacheEntry, pos: int) -> Frame:
         """Entry stage of a spec frame: draft n bytes with blocks 0..hi and block hi's head, then pass it all on."""
         x = f.tensors["x"]
-        n = int(f.params.get("n_draft", 0))
-        temperature = float(f.params.get("temperature", 0.0))
-        top_k, top_p = int(f.params.get("top_k", 0)), float(f.params.get("top_p", 1.0))
+        sp = SpecParams.read(f.params)
+        n = sp.n_draft
         accepted_len = pos + x.shape[1]
-        g = torch.Generator().manual_seed(mix_seed(int(f.params.get("seed", 0)), DRAFT_SEED + accepted_len))
+        g = sp.draft_generator(accepted_len)
         h, logits = self.cached_step(entry, x, pos)
         assert logits is not None
         hs, last = [h], [logits[0, -1]]
         draft: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(n):
-            q = filtered_probs(last[-1].unsqueeze(0), temperature, top_k, top_p)  # (1, 256)
-            draft.append(int(q.argmax()) if temperature <= 0 else int(sample_probs(q, g)[0]))
-            qs.append(q[0])
+            byte, q = sp.draft_byte(last[-1], g)
+            draft.append(byte)
+            qs.append(q)
             h, logits = self.cached_step(entry, torch.tensor([[draft[-1]]], dtype=torch.uint8), accepted_len + i)
             assert logits is not None
             hs.append(h)

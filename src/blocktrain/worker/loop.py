@@ -167,7 +167,8 @@ class Worker:
                 if self.abandon.is_set():
                     return False
                 self._beat()
-                lr = lr_at(min(self.summary.local_steps, self.schedule.steps - 1), self.schedule)
+                # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
+                lr = lr_at(min(max(self.base_version, 0) * H + i, self.schedule.steps - 1), self.schedule)
                 x, y = stream.batch(i)
                 with autocast(self.precision, self.device):
                     out = self.objective.block_loss(self.block, self.k, x.to(self.device), y.to(self.device),
