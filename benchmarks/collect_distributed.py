@@ -92,6 +92,7 @@ def three_hosts(args: argparse.Namespace) -> dict[str, Any]:
     moved = status["bytes_in"] + status["bytes_out"]
     return {
         "preset": args.preset,
+        "objective": args.objective,
         "ce_start": evals[0]["ce_nats_per_byte"],
         "ce_end": evals[-1]["ce_nats_per_byte"],
         "ce_over_rounds": [{"epoch": e["epoch"], "ce_nats_per_byte": e["ce_nats_per_byte"]} for e in evals],

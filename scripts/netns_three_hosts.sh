@@ -19,12 +19,14 @@ if [ "$(id -u)" != 0 ]; then echo "SKIP: needs root for 'ip netns' and 'tc' (run
 for t in ip tc; do command -v "$t" > /dev/null || { echo "SKIP: '$t' not found (install iproute2)"; exit 0; }; done
 
 PRESET=${PRESET:-cpu-mini}
+OBJECTIVE=${OBJECTIVE:-diffusion}  # or stack: blocks open in turn, the four workers follow the open block
+SUFFIX=$([ "$OBJECTIVE" = diffusion ] && echo "" || echo "-$OBJECTIVE")
 H=${H:-25}
 ROUNDS=${ROUNDS:-12}
 RTT_MS=${RTT_MS:-40}
 RATE_MBIT=${RATE_MBIT:-50}
 DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
-OUT=${OUT:-runs/exp-three-hosts}
+OUT=${OUT:-runs/exp-three-hosts$SUFFIX}
 NS_C=bt-coord; NS_1=bt-host1; NS_2=bt-host2
 PY=$(pwd)/.venv/bin/python
 BT="$PY -m blocktrain"
@@ -77,7 +79,7 @@ run() {
     ip netns exec $NS_C "$PY" benchmarks/delay_relay.py --listen 10.77.1.1:8470 --listen 10.77.2.1:8470 \
       --target "127.0.0.1:$CPORT" --delay-ms "$((RTT_MS / 2))" 2> "$OUT/logs/relay.log" &
   fi
-  ip netns exec $NS_C env OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/run" --preset "$PRESET" \
+  ip netns exec $NS_C env OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/run" --preset "$PRESET" --objective "$OBJECTIVE" \
     --steps $((ROUNDS * H)) --data "$DATA" --host $LISTEN --port $CPORT --rounds "$ROUNDS" --round-seconds 300 \
     --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 2> "$OUT/logs/coordinator.log" &
   until ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > /dev/null; do sleep 0.5; done
@@ -91,7 +93,7 @@ run() {
     h=$(( i % 2 + 1 ))
     ip netns exec "bt-host$h" env OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN="$(cat "$OUT/w$i.token")" $BT worker \
       --coordinator "http://10.77.$h.1:8470" --local-steps "$H" --data "$DATA" --threads 1 --no-progress \
-      --summary-json "$OUT/w$i.summary.json" 2> "$OUT/logs/w$i.log" &
+      --frozen-cache "$OUT/frozen-cache-host$h" --summary-json "$OUT/w$i.summary.json" 2> "$OUT/logs/w$i.log" &
     PIDS+=($!)
   done
   for p in "${PIDS[@]}"; do wait "$p"; done
@@ -99,8 +101,8 @@ run() {
   sleep 3
   ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > "$OUT/status.json"
   "$PY" benchmarks/collect_distributed.py three-hosts "$OUT" --preset "$PRESET" --h "$H" --rounds "$ROUNDS" \
-    --out "${RESULT:-benchmarks/results/three-hosts.json}" \
-    --command "PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
+    --objective "$OBJECTIVE" --out "${RESULT:-benchmarks/results/three-hosts$SUFFIX.json}" \
+    --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
 }
 
 case "${1:-run}" in

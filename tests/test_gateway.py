@@ -278,9 +278,16 @@ def test_openai_client_against_a_pipeline() -> None:
                 return await c.sweep(prompt.encode(), 8, sweeps=2, temperature=0.8, top_k=40, seed=2)
 
         swept_ref = asyncio.run(direct_sweep(stages[0].address))
+
+        async def direct_spec(addr, seed):  # type: ignore[no-untyped-def]
+            async with PipelineClient(addr, timeout_s=30) as c:
+                return await c.generate_spec(prompt.encode(), n, temperature=0.0, top_k=40, seed=seed, draft_max=4)
+
+        spec_ref = asyncio.run(direct_spec(stages[0].address, specd.model_extra["blocktrain"]["seed"]))
     assert base64.b64decode(swept.choices[0].model_extra["raw_bytes"]) == swept_ref and len(swept_ref) == 8
     spec_info = specd.model_extra["blocktrain"]
-    assert spec_info["mode"] == "spec" and len(base64.b64decode(specd.choices[0].model_extra["raw_bytes"])) == n
+    assert spec_info["mode"] == "spec" and base64.b64decode(specd.choices[0].model_extra["raw_bytes"]) == spec_ref.data
+    assert len(spec_ref.data) == n and spec_info["traversals"] == spec_ref.traversals
     assert spec_info["traversals"] + spec_info["accepted"] == n and spec_info["drafted"] <= 4 * spec_info["traversals"]
     choice = done.choices[0]
     assert done.model_extra["blocktrain"] == {"mode": "ar", "seed": 4}  # ar: the default on diffusion blocks

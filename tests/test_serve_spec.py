@@ -208,6 +208,38 @@ def test_greedy_spec_on_diffusion_blocks_equals_local_greedy(draft: int) -> None
     assert res.drafted >= res.traversals - 1  # every traversal but possibly the last drafts at least one byte
 
 
+def test_diffusion_spec_drafts_with_block_zero_and_scores_every_draft_position() -> None:
+    """One spec frame through a stage holding every diffusion block, against a local recomputation: q_i is block 0
+    alone (its first chain evaluation, at sigma_max on the request's per-position noise) filtered at temperature 0.9,
+    each draft byte is drawn from it, and logits row i is the whole chain's at the text plus draft bytes < i."""
+    cfg, blocks, _ = tiny_models(seed=0)
+    whole = block_spans(cfg, blocks, ((0, 3),))[0]
+    prompt, n, seed, temp = list(b"The game"), 5, 11, 0.9
+    frame = Frame(FrameKind.SUBMIT, "r", Mode.SPEC, params={"n_draft": n, "temperature": temp, "top_k": 0, "top_p": 1.0,
+                                                            "seed": seed}, tensors={"x": torch.tensor([prompt], dtype=torch.uint8)})
+    whole.validate(frame)
+    (out,) = whole.run([frame])
+    draft, q, logits = out.tensors["draft"][0].tolist(), out.tensors["q"], out.tensors["logits"]
+    assert (out.kind, tuple(q.shape), tuple(logits.shape)) == (FrameKind.RESULT, (n, 256), (n + 1, 256))
+    ctx, sigma_max = cfg.model.context, cfg.diffusion.sigma_max
+    eps = position_noise(1, ctx, ctx, cfg.model.d_model, torch.Generator().manual_seed(mix_seed(seed, 0)))
+    part = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
+    text = list(prompt)
+    with torch.inference_mode():
+        for i in range(n + 1):
+            x, z = torch.tensor([text], dtype=torch.uint8), sigma_max * eps[:, : len(text)]
+            if i < n:
+                alone = blocks[0].eval()(x, z, torch.tensor(sigma_max))[0, -1]
+                torch.testing.assert_close(q[i], filtered_probs(alone.unsqueeze(0), temp)[0], rtol=1e-5, atol=1e-6)
+                assert q[i, draft[i]] > 0
+            for k, block in enumerate(blocks):
+                z, chain = chain_step(block.eval(), k, x, z, part, cfg.diffusion, k == len(blocks) - 1)
+            torch.testing.assert_close(logits[i], chain[0, -1].float(), rtol=1e-4, atol=1e-4)
+            if i < n:
+                text.append(draft[i])
+    assert len(set(draft)) > 1  # sampled at temperature 0.9 from an untrained block: not one repeated byte
+
+
 def test_diffusion_spec_frame_validation() -> None:
     cfg, blocks, _ = tiny_models(seed=0)
     first, middle, _ = block_spans(cfg, blocks, SPANS)

@@ -277,7 +277,7 @@ class PipelineClient:
         self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
         seed: int = 0, draft_min: int = 1, draft_max: int = 16,
     ) -> AsyncIterator[bytes]:
-        """Speculative decoding (stack pipelines): yields the bytes each traversal accepts (see serve.decoding)."""
+        """Speculative decoding: yields the bytes each traversal accepts (see serve.decoding)."""
         opts = SpecOptions(temperature, top_k, top_p, seed, draft_min, draft_max)
         return spec_steps(self, prompt, n_new, opts, SpecResult(b""))
 

@@ -129,8 +129,8 @@ class BlockSpan:
                 f"{t} positions exceed the model context of {self.cfg.model.context}; shorten the prompt or the output"
             )
         z = frame.tensors.get("z")
-        if frame.sigma_index > 0 and (z is None or tuple(z.shape) != (*x.shape, self.cfg.model.d_model)):
-            raise WireError(f"a frame at sigma index {frame.sigma_index} needs 'z' of shape (b, t, d_model)")
+        if (frame.sigma_index > 0 or z is not None) and (z is None or tuple(z.shape) != (*x.shape, self.cfg.model.d_model)):
+            raise WireError(f"a frame at sigma index {frame.sigma_index} needs 'z' of shape (b, t, d_model) matching 'x'")
 
     def _validate_spec(self, frame: Frame) -> int:
         """A spec frame: one sequence; the entry (no z yet) drafts, later stages get the draft and q. Returns its length."""

@@ -153,10 +153,13 @@ def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
     if body.get("draft_min") is None and body.get("draft_max") is None:
         return None
     if mode not in ("spec", None):
-        raise bad(f"draft_min and draft_max are only for mode spec, not {mode}", "draft_min")
-    lo, hi = _integer(body, "draft_min", 1), _integer(body, "draft_max", max(16, _integer(body, "draft_min", 1)))
-    if not 1 <= lo <= hi <= MAX_DRAFT:
-        raise bad(f"need 1 <= draft_min <= draft_max <= {MAX_DRAFT}, got {lo} and {hi}", "draft_min" if lo < 1 else "draft_max")
+        raise bad(f"draft_min and draft_max are only for mode spec, not {mode}", "draft_min", "unsupported_parameter")
+    lo = _integer(body, "draft_min", 1)
+    hi = _integer(body, "draft_max", max(16, lo))
+    if not 1 <= lo <= MAX_DRAFT:
+        raise bad(f"draft_min must be in [1, {MAX_DRAFT}], got {lo}", "draft_min")
+    if not lo <= hi <= MAX_DRAFT:
+        raise bad(f"draft_max must be in [draft_min = {lo}, {MAX_DRAFT}], got {hi}", "draft_max")
     return lo, hi
 
 
