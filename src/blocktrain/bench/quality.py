@@ -233,7 +233,9 @@ def write_result(result: dict[str, Any], path: Path, name: str) -> None:
     """The result JSON at ``path`` and its markdown table beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    path.with_suffix(".md").write_text(f"# Quality benchmark: {name}\n\n```\n{result['command']}\n```\n\n{format_table(result)}\n")
+    redo = f"Derived figures recomputed with `blocktrain bench quality --rederive {path}`.\n\n" if "rederived" in result else ""
+    path.with_suffix(".md").write_text(
+        f"# Quality benchmark: {name}\n\n```\n{result['command']}\n```\n\n{redo}{format_table(result)}\n")
     log.info("wrote %s and %s", path, path.with_suffix(".md"))
 
 
