@@ -35,7 +35,7 @@ from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
 from blocktrain.serve.speculative import SpecParams, validate_carried_draft
-from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,6 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator:
         kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
-
-
-def _param(params: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    value = params.get(name, default)
-    if value is None or not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise WireError(f"parameter {name!r} must be a {kind.__name__}, got {value!r}")
-    return value
 
 
 class BlockSpan:
@@ -105,17 +98,17 @@ class BlockSpan:
         if x.shape[0] > MAX_ROWS_PER_FRAME:
             raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {x.shape[0]}; split the request")
         t = x.shape[1]
-        _param(frame.params, "seed", int, 0)
+        frame_param(frame.params, "seed", int, 0)
         if frame.mode is Mode.SWEEP:
-            if _param(frame.params, "sweep_index", int, 0) < 0:
+            if frame_param(frame.params, "sweep_index", int, 0) < 0:
                 raise WireError("parameter 'sweep_index' must be >= 0")
-            if _param(frame.params, "estimate", str, "sample") not in ("sample", "greedy"):
+            if frame_param(frame.params, "estimate", str, "sample") not in ("sample", "greedy"):
                 raise WireError("parameter 'estimate' must be 'sample' or 'greedy'")
-            n_new = _param(frame.params, "n_new", int)
-            prompt_len = _param(frame.params, "prompt_len", int)
-            sweeps = _param(frame.params, "sweeps", int, 1)
-            _param(frame.params, "top_k", int, 0)
-            _param(frame.params, "temperature", (int, float), 0.0)  # type: ignore[arg-type]
+            n_new = frame_param(frame.params, "n_new", int)
+            prompt_len = frame_param(frame.params, "prompt_len", int)
+            sweeps = frame_param(frame.params, "sweeps", int, 1)
+            frame_param(frame.params, "top_k", int, 0)
+            frame_param(frame.params, "temperature", (int, float), 0.0)  # type: ignore[arg-type]
             if n_new < 1 or sweeps < 1 or prompt_len < 1:
                 raise WireError("sweep needs n_new >= 1, sweeps >= 1 and a prompt of at least 1 byte")
             expected = prompt_len if "z" not in frame.tensors and frame.kind is FrameKind.SUBMIT else prompt_len + n_new
@@ -345,7 +338,7 @@ class E2ESpan:
     def validate(self, frame: Frame) -> None:
         if frame.mode is not Mode.BASELINE:
             raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline'")
-        pos = _param(frame.params, "pos", int, 0)
+        pos = frame_param(frame.params, "pos", int, 0)
         key = "x" if self.lo == 0 else "h"
         t = frame.tensors.get(key)
         if t is None or t.shape[0] != 1 or t.shape[1] < 1:

@@ -29,6 +29,7 @@ import torch
 from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, WireError
+from blocktrain.serve.wire import frame_number, frame_param
 
 MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
 DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)
@@ -139,20 +140,6 @@ class SpecOptions:
 
 
 # --- the spec frame's parameters, as every serving span reads them ----------------------------
-def _number(params: dict[str, Any], name: str, default: float) -> float:
-    value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise WireError(f"parameter {name!r} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _int(params: dict[str, Any], name: str, default: int) -> int:
-    value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise WireError(f"parameter {name!r} must be an int, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class SpecParams:
     """What a spec frame asks of the entry stage: draft ``n_draft`` bytes under these sampling filters."""
@@ -166,19 +153,19 @@ class SpecParams:
     @classmethod
     def read(cls, params: dict[str, Any]) -> SpecParams:
         """Validate a frame's params (raises WireError with the reason)."""
-        n = _int(params, "n_draft", 0)
+        n = frame_param(params, "n_draft", int, 0)
         if not 0 <= n <= MAX_DRAFT:
             raise WireError(f"parameter 'n_draft' must be in 0..{MAX_DRAFT}, got {n}")
-        temperature = _number(params, "temperature", 0.0)
+        temperature = frame_number(params, "temperature", 0.0)
         if temperature < 0:
             raise WireError("parameter 'temperature' must be >= 0")
-        top_k = _int(params, "top_k", 0)
+        top_k = frame_param(params, "top_k", int, 0)
         if top_k < 0:
             raise WireError("parameter 'top_k' must be >= 0")
-        top_p = _number(params, "top_p", 1.0)
+        top_p = frame_number(params, "top_p", 1.0)
         if not 0 < top_p <= 1:
             raise WireError("parameter 'top_p' must be in (0, 1]")
-        return cls(n, temperature, top_k, top_p, _int(params, "seed", 0))
+        return cls(n, temperature, top_k, top_p, frame_param(params, "seed", int, 0))
 
     def draft_generator(self, accepted_len: int) -> torch.Generator:
         """The draft's draws, seeded by the request seed and the length of the accepted text."""

@@ -41,10 +41,10 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.device import autocast
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
-from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, _param, layer_cached
+from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, layer_cached
 from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.speculative import SpecParams, validate_carried_draft
-from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
 CPU = torch.device("cpu")
 
@@ -112,13 +112,13 @@ class StackSpan:
             raise WireError(f"frames at block {self.lo} need tensor {key!r}: {what} with b, t >= 1")
         if t.shape[0] > MAX_ROWS_PER_FRAME:
             raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
-        _param(frame.params, "seed", int, 0)
+        frame_param(frame.params, "seed", int, 0)
         cached = frame.mode is Mode.SPEC or "pos" in frame.params
         if not cached:
             if t.shape[1] > self.cfg.model.context:
                 raise WireError(f"{t.shape[1]} positions exceed the model context of {self.cfg.model.context}")
             return
-        pos = _param(frame.params, "pos", int, 0)
+        pos = frame_param(frame.params, "pos", int, 0)
         n_draft = self._validate_spec(frame) if frame.mode is Mode.SPEC else 0
         if t.shape[0] != 1:
             raise WireError("KV-cached frames (ar with pos, spec) carry one sequence: shape (1, t, ...)")

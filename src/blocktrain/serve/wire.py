@@ -28,6 +28,7 @@ import asyncio
 import enum
 import hmac
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -55,6 +56,22 @@ PREFIX = struct.Struct(">4sII")  # magic, header length, payload length
 WIRE_VERSION = 1
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
+
+
+def frame_param(params: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
+    """A frame parameter of type ``kind`` (bool is not an int here), else WireError naming it."""
+    value = params.get(name, default)
+    if value is None or not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise WireError(f"parameter {name!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def frame_number(params: dict[str, Any], name: str, default: float) -> float:
+    """A finite int or float frame parameter, as a float, else WireError naming it."""
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise WireError(f"parameter {name!r} must be a finite number, got {value!r}")
+    return float(value)
 
 class FrameKind(enum.Enum):
     """What a frame is for."""
