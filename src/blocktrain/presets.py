@@ -77,6 +77,23 @@ def cpu_small_long() -> RunConfig:
     return replace(base, name="cpu-small-long", train=train)
 
 
+def depth_proxy() -> RunConfig:
+    """A cheap stand-in for cpu-small-long's depth problem (issue 18): a narrow, short-context model trained long.
+
+    d=64, T=64 and 2,000 steps per block saturate the 2-layer first prefix the
+    way 2,400 steps saturate cpu-small's, at about a twentieth of the cost. The
+    proof that it shows the long-budget pattern (gain < 0.05, gap at matched
+    FLOPs > 0.05) is its baseline row in benchmarks/results/depth-ablation.md.
+    """
+    return RunConfig(
+        name="depth-proxy",
+        objective=Objective.STACK,
+        model=ModelConfig(d_model=64, n_heads=2, n_layers=8, n_blocks=4, context=64),
+        diffusion=recipe(),
+        train=TrainConfig(steps=2000, batch_size=16, lr=2e-3, warmup_steps=100, checkpoint_every=500, eval_bytes=32768),
+    )
+
+
 def paper() -> RunConfig:
     """GPU scale, as in the paper's byte-level WikiText runs."""
     return RunConfig(
@@ -95,6 +112,7 @@ PRESETS: dict[str, Callable[[], RunConfig]] = {
     "cpu-mini": cpu_mini,
     "cpu-small": cpu_small,
     "cpu-small-long": cpu_small_long,
+    "depth-proxy": depth_proxy,
     "paper": paper,
 }
 
