@@ -64,6 +64,22 @@ class Schedule(enum.Enum):
     CONCURRENT = "concurrent"  # every block trains at once; frozen copies refreshed every R rounds
 
 
+class StackHead(enum.Enum):
+    """How block k > 0 of a ``stack`` turns its residual stream into logits (issue 18, lever 1)."""
+
+    PRIVATE = "private"  # its own head, trained from scratch
+    SHARED = "shared"  # a frozen copy of block 0's head: one logit space, fixed once block 0 has finished
+    RESIDUAL = "residual"  # block k-1's head, frozen, plus a zero-initialised head of its own (boosting in one logit space)
+
+
+class StackInit(enum.Enum):
+    """How block k > 0 of a ``stack`` is initialised (issue 18, lever 4)."""
+
+    FRESH = "fresh"  # random, like block 0
+    COPY = "copy"  # block k-1's layers and head (progressive stacking, Gong et al. 2019)
+    IDENTITY = "identity"  # residual branches zeroed and block k-1's head: prefix k starts equal to prefix k-1
+
+
 class Solver(enum.Enum):
     """ODE solver used along the chain."""
 
@@ -195,9 +211,23 @@ class StackConfig:
     """The ``stack`` objective: every block has a private next-byte head."""
 
     head_layers: int = 0  # private Transformer layers in each block's local head, before LayerNorm + Linear(d, 256)
+    aux_layers: int = 0  # extra Transformer layers in the heads of blocks 0..B-2 only: a training-time decoder, not in the composed model
+    head: StackHead = StackHead.PRIVATE  # block k > 0's head: private, a frozen copy of block 0's, or residual on block k-1's
+    init: StackInit = StackInit.FRESH  # block k > 0's initial weights: fresh, a copy of block k-1, or identity branches
+    step_ratio: float = 1.0  # steps of block k+1 over block k's, rescaled to the FLOPs of train.steps per block
 
     def __post_init__(self) -> None:
         _check(0 <= self.head_layers <= 8, "head_layers", f"must be in [0, 8], got {self.head_layers}")
+        _check(0 <= self.aux_layers <= 8, "aux_layers", f"must be in [0, 8], got {self.aux_layers}")
+        _check(isinstance(self.head, StackHead), "head", f"must be a StackHead, got {self.head!r}")
+        _check(isinstance(self.init, StackInit), "init", f"must be a StackInit, got {self.init!r}")
+        _check(
+            self.aux_layers == 0 or self.head is StackHead.PRIVATE, "aux_layers",
+            f"a training-time decoder needs private heads; with head={self.head.value} block 0's decoder would enter "
+            "every later prefix. Pass --aux-layers 0 or --head private",
+        )
+        _check(0.25 <= self.step_ratio <= 4.0 and math.isfinite(self.step_ratio), "step_ratio",
+               f"must be in [0.25, 4], got {self.step_ratio}")
 
 
 @dataclass(frozen=True)
@@ -270,6 +300,8 @@ _ENUMS: dict[str, type[enum.Enum]] = {
     "readout": Readout,
     "loss_weighting": LossWeighting,
     "solver": Solver,
+    "head": StackHead,
+    "init": StackInit,
 }
 
 

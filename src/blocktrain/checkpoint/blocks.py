@@ -38,9 +38,10 @@ def load_block(run: RunDir, cfg: RunConfig, k: int, *, finished: bool = False) -
     if cfg.objective is Objective.DIFFUSION:
         expect.pop("objective")  # diffusion checkpoints written before objectives existed carry no such field
     ckpt = load_model(path, block, cfg, "block", **expect)
-    if finished and ckpt.step < cfg.train.steps:
+    steps = get_objective(cfg).block_steps(k)
+    if finished and ckpt.step < steps:
         raise RunError(
-            f"block {k} of {run.root} is at step {ckpt.step} of {cfg.train.steps}; under the progressive schedule "
+            f"block {k} of {run.root} is at step {ckpt.step} of {steps}; under the progressive schedule "
             f"block {k + 1} trains only after blocks 0..{k} have finished: run "
             f"'blocktrain train-block --out {run.root} --block {k}' first (or 'blocktrain train', which orders them)"
         )

@@ -1,12 +1,14 @@
-"""One block of the residual-stream stack: L/B causal layers and a private next-byte head.
+"""One block of the residual-stream stack: L/B causal layers and a next-byte head.
 
 Block k of B (greedy layer-wise training with deep supervision; Bengio et al.
 2007, Lee et al. 2015, Belilovsky et al. 2019)::
 
     k = 0:  h_1     = Layers_0(ByteEmb(x) + PosEmb)
     k > 0:  h_{k+1} = Layers_k(h_k)                   (h_k from block k-1, detached)
-    head:   logits_k = W_k LN_k(HeadLayers_k(h_{k+1}))
+    head:   logits_k = W_k LN_k(HeadLayers_k(h_{k+1})) [+ logits of block k-1's frozen head on h_{k+1}]
 
+The bracketed term is the ``residual`` head (boosting in one logit space:
+W_k starts at zero, so prefix k starts as block k-1's head read on h_{k+1}).
 The composed model is blocks 0..B-1 in order plus the last block's head, and
 every prefix 0..k with block k's head is a byte-level language model of its own.
 """
@@ -22,10 +24,47 @@ from blocktrain.config import VOCAB_SIZE, ModelConfig
 from blocktrain.model.layers import TransformerLayer, init_weights
 
 
-class StackBlock(nn.Module):
-    """Block ``k``: reads bytes (k = 0) or the residual stream h_k (k > 0), returns h_{k+1}."""
+class FrozenHead(nn.Module):
+    """A forward-only copy of an earlier block's head (its own frozen head included): h (b, t, d) -> logits (b, t, 256)."""
 
-    def __init__(self, cfg: ModelConfig, k: int, head_layers: int = 0) -> None:
+    def __init__(self, d: int, n_heads: int, mlp_ratio: int, layers: int, prev: FrozenHead | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(d, n_heads, mlp_ratio, conditioned=False) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB_SIZE)
+        self.prev = prev
+        self.requires_grad_(False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = h
+        for layer in self.layers:
+            out = layer(out)
+        logits = self.head(self.ln_f(out))
+        return logits if self.prev is None else logits + self.prev(h)
+
+    @torch.no_grad()
+    def load_from(self, block: StackBlock) -> None:
+        """Copy ``block``'s head (its layers, LayerNorm, Linear and own frozen head) into this one."""
+        for mine, theirs in ((self.layers, block.head_layers), (self.ln_f, block.ln_f), (self.head, block.head)):
+            for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
+                p.copy_(q.float())
+        if self.prev is not None:
+            assert block.prev_head is not None
+            for p, q in zip(self.prev.parameters(), block.prev_head.parameters(), strict=True):
+                p.copy_(q.float())
+
+
+class StackBlock(nn.Module):
+    """Block ``k``: reads bytes (k = 0) or the residual stream h_k (k > 0), returns h_{k+1}.
+
+    ``prev_head`` (residual heads): the frozen head of block k-1, added to this block's logits.
+    ``frozen_head``: the head's own parameters take no gradient (a shared head, copied from block 0).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, k: int, head_layers: int = 0, *, prev_head: FrozenHead | None = None,
+        frozen_head: bool = False,
+    ) -> None:
         super().__init__()
         if not 0 <= k < cfg.n_blocks:
             raise ValueError(f"block index {k} is outside 0..{cfg.n_blocks - 1}")
@@ -43,6 +82,13 @@ class StackBlock(nn.Module):
         self.ln_f: nn.Module = nn.LayerNorm(d)
         self.head: nn.Module = nn.Linear(d, VOCAB_SIZE)
         init_weights(self)
+        self.prev_head = prev_head
+        if prev_head is not None:  # boosting: this block's own head starts at zero
+            assert isinstance(self.head, nn.Linear)
+            nn.init.zeros_(self.head.weight)
+        if frozen_head:
+            for m in (self.head_layers, self.ln_f, self.head):
+                m.requires_grad_(False)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """x (b, t) bytes -> h_0 (b, t, d) in fp32 (block 0 only)."""
@@ -63,14 +109,39 @@ class StackBlock(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Block k's local head on h_{k+1} (b, t, d) -> next-byte logits (b, t, 256)."""
+        out = h
         for layer in self.head_layers:
-            h = layer(h)
-        return self.head(self.ln_f(h))
+            out = layer(out)
+        logits = self.head(self.ln_f(out))
+        return logits if self.prev_head is None else logits + self.prev_head(h)
 
     def trunk_modules(self) -> list[nn.Module]:
         """What a later block's worker needs of this block: everything but the local head."""
         mods: list[nn.Module] = [m for m in (self.tok_emb, self.pos_emb) if m is not None]
         return [*mods, self.layers]
+
+    @torch.no_grad()
+    def zero_branches(self) -> None:
+        """Zero every layer's output projections: the block then passes h_k through unchanged (h_{k+1} = h_k)."""
+        for layer in self.layers:
+            for m in (layer.attn.proj, layer.mlp.out):
+                nn.init.zeros_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    @torch.no_grad()
+    def copy_from(self, other: StackBlock, *, layers: bool, head: bool) -> None:
+        """Copy ``other``'s layers and/or its head (where the shapes agree) into this block."""
+        pairs: list[tuple[nn.Module, nn.Module]] = []
+        if layers:
+            pairs.append((self.layers, other.layers))
+        if head:
+            pairs += [(self.ln_f, other.ln_f), (self.head, other.head)]
+            if len(self.head_layers) == len(other.head_layers):
+                pairs.append((self.head_layers, other.head_layers))
+        for mine, theirs in pairs:
+            for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
+                p.copy_(q.float())
 
 
 def frozen_copy(block: StackBlock, dtype: torch.dtype = torch.bfloat16) -> StackBlock:
@@ -80,12 +151,14 @@ def frozen_copy(block: StackBlock, dtype: torch.dtype = torch.bfloat16) -> Stack
     bf16 autocast a matmul casts its fp32 weights to bf16 anyway, so the copy
     computes exactly what the block computes). Embedding tables, LayerNorms and
     the residual stream stay fp32. The local head is dropped: a later block
-    never uses it. Run a bf16 copy under bf16 autocast.
+    never uses it (a later block that needs it holds its own copy). Run a bf16
+    copy under bf16 autocast.
     """
     frozen = copy.deepcopy(block)
     frozen.head_layers = nn.ModuleList()  # the head is not part of a frozen copy
     frozen.ln_f = nn.Identity()
     frozen.head = nn.Identity()
+    frozen.prev_head = None
     for m in frozen.modules():
         if isinstance(m, nn.Linear):
             m.to(dtype)

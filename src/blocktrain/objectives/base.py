@@ -45,6 +45,15 @@ class Objective(Protocol):
     def frozen_inputs(self, k: int) -> int:
         """How many earlier blocks block k trains on (frozen)."""
 
+    def block_steps(self, k: int) -> int:
+        """Optimiser steps block k trains for (train.steps unless the objective splits the budget unequally)."""
+
+    def inherit(self, block: nn.Module, k: int, earlier: Sequence[nn.Module], *, at_init: bool) -> None:
+        """Copy into block k what it takes from the whole earlier blocks 0..k-1 (warm start, frozen heads)."""
+
+    def inherits(self) -> bool:
+        """Whether :meth:`inherit` takes anything, so block k's trainer needs the earlier blocks whole."""
+
     def freeze(self, block: nn.Module, dtype: torch.dtype) -> nn.Module:
         """The forward-only copy of a finished block that later blocks' workers hold."""
 

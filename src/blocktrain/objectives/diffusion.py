@@ -35,6 +35,15 @@ class DiffusionObjective:
     def build_block(self, k: int) -> BlockDenoiser:
         return BlockDenoiser(self.cfg.model, self.cfg.diffusion.sigma_data)
 
+    def block_steps(self, k: int) -> int:
+        return self.cfg.train.steps
+
+    def inherit(self, block: nn.Module, k: int, earlier: Sequence[nn.Module], *, at_init: bool) -> None:
+        """Diffusion blocks take nothing from one another."""
+
+    def inherits(self) -> bool:
+        return False
+
     def frozen_inputs(self, k: int) -> int:
         return 0  # a diffusion block never sees another block while it trains
 

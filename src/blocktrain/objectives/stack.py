@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, StackHead, StackInit
 from blocktrain.diffusion.loss import lm_loss
 from blocktrain.model.flops import forward_flops_per_token, train_flops_per_token
-from blocktrain.model.stack import StackBlock, frozen_copy
+from blocktrain.model.stack import FrozenHead, StackBlock, frozen_copy
 from blocktrain.objectives.base import LocalLoss
 
 
@@ -28,11 +28,71 @@ class StackObjective:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
 
+    def head_layers(self, k: int) -> int:
+        """Layers in block k's head: the private ones, plus the training-time decoder on every block but the last."""
+        sc = self.cfg.stack
+        if sc.head is StackHead.SHARED and k > 0:
+            return self.head_layers(0)  # a copy of block 0's head
+        return sc.head_layers + (sc.aux_layers if k < self.cfg.model.n_blocks - 1 else 0)
+
+    def _prev_head(self, k: int) -> FrozenHead | None:
+        """The frozen head chain a residual head adds to: block k-1's head, with its own chain."""
+        if self.cfg.stack.head is not StackHead.RESIDUAL or k == 0:
+            return None
+        m = self.cfg.model
+        return FrozenHead(m.d_model, m.n_heads, m.mlp_ratio, self.head_layers(k - 1), self._prev_head(k - 1))
+
     def build_block(self, k: int) -> StackBlock:
-        return StackBlock(self.cfg.model, k, self.cfg.stack.head_layers)
+        shared = self.cfg.stack.head is StackHead.SHARED and k > 0
+        return StackBlock(self.cfg.model, k, self.head_layers(k), prev_head=self._prev_head(k), frozen_head=shared)
 
     def frozen_inputs(self, k: int) -> int:
         return k
+
+    def block_steps(self, k: int) -> int:
+        """Optimiser steps of block k: train.steps, or a geometric split (ratio r = stack.step_ratio) of the same FLOPs.
+
+        steps_k = round(c r^k S) with c = sum_j F_j / sum_j r^j F_j, F_j block j's training FLOPs per token,
+        so that sum_k steps_k F_k = S sum_k F_k: the equal split's FLOPs, frozen forward passes included.
+        """
+        S, r = self.cfg.train.steps, self.cfg.stack.step_ratio
+        if r == 1.0:
+            return S
+        F = [self.train_flops_per_token(j) for j in range(self.cfg.model.n_blocks)]
+        c = sum(F) / sum(r**j * f for j, f in enumerate(F))
+        return max(1, round(c * r**k * S))
+
+    @torch.no_grad()
+    def inherit(self, block: nn.Module, k: int, earlier: Sequence[nn.Module], *, at_init: bool) -> None:
+        """Give block k what it takes from the finished blocks 0..k-1 (``earlier``, whole, heads included).
+
+        At initialisation: ``stack.init`` (a copy of block k-1, or zeroed branches and block k-1's head).
+        At initialisation and at every refresh (concurrent schedule): the frozen head a shared or residual
+        head reads (block 0's, or block k-1's).
+        """
+        assert isinstance(block, StackBlock)
+        if k == 0:
+            return
+        if len(earlier) != k:
+            raise ValueError(f"block {k} inherits from blocks 0..{k - 1}; got {len(earlier)} blocks")
+        prev = earlier[k - 1]
+        assert isinstance(prev, StackBlock)
+        sc = self.cfg.stack
+        if at_init and sc.init is not StackInit.FRESH:
+            block.copy_from(prev, layers=sc.init is StackInit.COPY, head=sc.head is StackHead.PRIVATE)
+            if sc.init is StackInit.IDENTITY:
+                block.zero_branches()
+        if sc.head is StackHead.SHARED:
+            first = earlier[0]
+            assert isinstance(first, StackBlock)
+            block.copy_from(first, layers=False, head=True)
+        elif sc.head is StackHead.RESIDUAL:
+            assert block.prev_head is not None
+            block.prev_head.load_from(prev)
+
+    def inherits(self) -> bool:
+        """Whether block k > 0 takes anything from the earlier blocks' whole weights (see :meth:`inherit`)."""
+        return self.cfg.stack.init is not StackInit.FRESH or self.cfg.stack.head is not StackHead.PRIVATE
 
     def freeze(self, block: nn.Module, dtype: torch.dtype) -> StackBlock:
         assert isinstance(block, StackBlock)
@@ -89,4 +149,9 @@ class StackObjective:
             blocks = [self.build_block(j) for j in range(k + 1)]
         # frozen trunks run forward only (their heads are not part of a frozen copy)
         frozen = sum(forward_flops_per_token(b.layers, m.d_model, m.context) for b in blocks[:k])
-        return frozen + train_flops_per_token(blocks[k], m.d_model, m.context)
+        # a frozen head (shared or residual) runs forward and backward to its input, but computes no weight gradient
+        own = blocks[k]
+        head_fixed = not next(own.head.parameters()).requires_grad
+        fixed = [mod for mod in (own.prev_head, *([own.head_layers, own.head] if head_fixed else [])) if mod is not None]
+        no_wgrad = sum(forward_flops_per_token(mod, m.d_model, m.context) for mod in fixed)
+        return frozen + train_flops_per_token(own, m.d_model, m.context) - no_wgrad

@@ -45,8 +45,16 @@ def train_block(
     warm_runtime()
     baseline = rss_bytes()  # frozen copies count towards the worker's training memory
     dtype = frozen_dtype(precision is Precision.BF16)
-    frozen = [objective.freeze(load_block(run, cfg, j, finished=True), dtype).to(device) for j in range(objective.frozen_inputs(k))]
-    block = objective.build_block(k).to(device)
+    earlier = [load_block(run, cfg, j, finished=True) for j in range(objective.frozen_inputs(k))]
+    frozen = [objective.freeze(b, dtype).to(device) for b in earlier]
+    block = objective.build_block(k)
+    objective.inherit(block, k, earlier, at_init=True)  # warm start and frozen heads (stack variants); a resume overwrites it
+    del earlier  # only the frozen copies stay
+    block = block.to(device)
+    steps = objective.block_steps(k)
+    if steps != cfg.train.steps:
+        log.info("block %d trains %d steps (stack.step_ratio %g of %d per block)", k, steps, cfg.stack.step_ratio, cfg.train.steps)
+        cfg = cfg.with_train(steps=steps)
 
     def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = tstream.batch(step)

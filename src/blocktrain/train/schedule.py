@@ -79,10 +79,14 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     device = resolve_device(tc.device)
     precision = resolve_precision(tc.precision, device)
     B = cfg.model.n_blocks
+    if any(objective.block_steps(k) != tc.steps for k in range(B)):
+        raise BlockTrainError("the concurrent schedule trains every block for train.steps steps; pass --step-ratio 1")
     blocks: list[nn.Module] = []
     for k in range(B):
         torch.manual_seed(init_seed(tc.seed, k))
-        blocks.append(objective.build_block(k).to(device))
+        block = objective.build_block(k)
+        objective.inherit(block, k, blocks, at_init=True)  # from the earlier blocks' initial weights
+        blocks.append(block.to(device))
     opts = [make_optimizer(b, tc) for b in blocks]
     streams = [TrainStream(train.data, cfg.model.context, tc.batch_size, tc.seed, stream=block_stream(k)) for k in range(B)]
     metrics = [JsonlWriter(run.metrics_path(f"block_{k}")) for k in range(B)]
@@ -94,6 +98,8 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     step = start
     while step < tc.steps:
         frozen = [objective.freeze(b, dtype) for b in blocks[:-1]]  # a refresh: snapshots of the current blocks
+        for k in range(1, B):  # frozen heads (shared or residual) follow the same refresh
+            objective.inherit(blocks[k], k, blocks[:k], at_init=False)
         end = min(tc.steps, step + period)
         for r0 in range(step, end, tc.round_steps):
             for k in range(B):

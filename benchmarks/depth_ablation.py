@@ -1,0 +1,171 @@
+"""Depth ablation of the stack objective (issue 18): one row per lever setting, against the E2E at matched FLOPs.
+
+Each row trains a whole stack with the library's own commands (``blocktrain
+train --objective stack`` plus the row's ``StackConfig`` flags), scores the
+composed model and every prefix on the same test bytes (``blocktrain eval
+--blocks-alone``), then trains the E2E reference at the row's training FLOPs
+(frozen forward passes included, as a decentralised worker pays them) with
+``blocktrain train-e2e --steps N`` and scores it on those bytes. E2E runs are
+deterministic, so one whose step count is within ``--e2e-share`` of the row's
+is reused; the row records the E2E's own FLOPs ratio either way.
+
+    python benchmarks/depth_ablation.py --preset depth-proxy --rows baseline,init-identity \\
+        --jsonl benchmarks/results/depth-ablation.jsonl
+
+Winners are chosen on validation (the last block's ``val_prefix_ce``, the composed
+model on the first ``eval_bytes`` validation bytes); test figures are reported.
+Appends one JSON line per row; prints the table of every row in the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.flops import train_flops_per_token
+from blocktrain.presets import get_preset
+
+# row name -> (lever, extra run flags). Rows that lose stay in the table.
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "baseline": ("none", []),
+    "head-shared": ("1 one logit space", ["--head", "shared"]),
+    "head-residual": ("1 one logit space", ["--head", "residual"]),
+    "aux-1": ("2 training-time decoder", ["--aux-layers", "1"]),
+    "aux-2": ("2 training-time decoder", ["--aux-layers", "2"]),
+    "init-copy": ("4 warm start", ["--init", "copy"]),
+    "init-identity": ("4 warm start", ["--init", "identity"]),
+    "steps-front": ("5 budget", ["--step-ratio", "0.7"]),
+    "steps-back": ("5 budget", ["--step-ratio", "1.4"]),
+    "identity+residual": ("4+1", ["--init", "identity", "--head", "residual"]),
+    "identity+front": ("4+5", ["--init", "identity", "--step-ratio", "0.7"]),
+    "identity+back": ("4+5", ["--init", "identity", "--step-ratio", "1.4"]),
+    "identity+aux-1": ("4+2", ["--init", "identity", "--aux-layers", "1"]),
+}
+
+
+def _run(cmd: list[str]) -> str:
+    print("+", shlex.join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+
+
+def _summaries(run: Path, name: str) -> dict[str, Any]:
+    lines = [json.loads(x) for x in (run / "metrics" / f"{name}.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in lines if r.get("event") == "summary"][-1]
+
+
+def _eval(run: Path, model: str, data: str, max_bytes: int, blocks_alone: bool) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "blocktrain", "eval", str(run), "--model", model, "--split", "test", "--data", data,
+           "--max-bytes", str(max_bytes), "--json", "--no-progress", *(["--blocks-alone"] if blocks_alone else [])]
+    return json.loads(_run(cmd))
+
+
+class E2ECache:
+    """E2E references by step count, trained once each (they are deterministic)."""
+
+    def __init__(self, out: Path, common: list[str], data: str, max_bytes: int, share: float) -> None:
+        self.out, self.common, self.data, self.max_bytes, self.share = out, common, data, max_bytes, share
+
+    def get(self, steps: int) -> tuple[int, dict[str, Any]]:
+        for run in sorted(self.out.glob("e2e-*")):
+            have = int(run.name.split("-")[1])
+            if abs(have - steps) <= self.share * steps and (run / "eval.json").exists():
+                return have, json.loads((run / "eval.json").read_text())
+        run = self.out / f"e2e-{steps}"
+        t0 = time.perf_counter()
+        _run([sys.executable, "-m", "blocktrain", "train-e2e", *self.common, "--steps", str(steps), "--out", str(run)])
+        summary = _summaries(run, "e2e")
+        ev = _eval(run, "e2e", self.data, self.max_bytes, blocks_alone=False)
+        ev.update(train_wall_s=time.perf_counter() - t0, train_mem_bytes=summary["train_mem_bytes"],
+                  train_flops=summary["flops_per_step"] * summary["steps"], steps=summary["steps"])
+        (run / "eval.json").write_text(json.dumps(ev, indent=2))
+        return steps, ev
+
+
+def measure(name: str, args: argparse.Namespace, e2e: E2ECache) -> dict[str, Any]:
+    lever, flags = ROWS[name]
+    common = ["--preset", args.preset, "--data", args.data, "--no-progress", *args.extra]
+    run = Path(args.out) / name
+    t0 = time.perf_counter()
+    _run([sys.executable, "-m", "blocktrain", "train", *common, "--objective", "stack", *flags, "--out", str(run)])
+    wall = time.perf_counter() - t0
+    cfg = get_preset(args.preset)
+    n = cfg.model.n_blocks
+    sums = [_summaries(run, f"block_{k}") for k in range(n)]
+    ev = _eval(run, "blocktrain", args.data, args.max_bytes, blocks_alone=True)
+    flops = sum(s["flops_per_step"] * s["steps"] for s in sums)
+    tokens = cfg.train.batch_size * cfg.model.context
+    e2e_step = train_flops_per_token(E2ETransformer(cfg.model), cfg.model.d_model, cfg.model.context) * tokens
+    want = max(1, round(flops / e2e_step))
+    got, ref = e2e.get(want)
+    prefix = ev["prefix_ce"]
+    mem = max(s["train_mem_bytes"] for s in sums)
+    return {
+        "row": name, "lever": lever, "flags": flags, "preset": args.preset,
+        "ce_nats_per_byte": ev["ce_nats_per_byte"], "prefix_ce": prefix,
+        "gain_nats_per_byte": prefix[0] - ev["ce_nats_per_byte"],
+        "val_composed_ce": sums[-1]["eval"].get("val_prefix_ce"),
+        "val_prefix_ce": [s["eval"].get("val_prefix_ce") for s in sums],
+        "e2e_matched_flops_ce": ref["ce_nats_per_byte"], "e2e_steps": got, "e2e_steps_exact": want,
+        "gap_matched_flops_nats_per_byte": ev["ce_nats_per_byte"] - ref["ce_nats_per_byte"],
+        "train_flops": flops, "train_flops_over_e2e_step": flops / e2e_step, "e2e_flops_over_row": got / (flops / e2e_step),
+        "steps_per_block": [s["steps"] for s in sums],
+        "worker_mem_bytes": mem, "e2e_mem_bytes": ref["train_mem_bytes"], "memory_ratio": mem / ref["train_mem_bytes"],
+        "stack_train_wall_s": wall, "stack_wall_s_per_block": [s["wall_s"] for s in sums],
+        "e2e_train_wall_s": ref["train_wall_s"], "bytes_scored": ev["bytes_scored"],
+        "command": "python " + shlex.join(["benchmarks/depth_ablation.py", "--preset", args.preset, "--rows", name,
+                                           "--max-bytes", str(args.max_bytes), *(["--extra", *args.extra] if args.extra else [])]),
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"| row | lever | prefix CE (test) | composed | gain | E2E matched FLOPs | gap | FLOPs / E2E step | "
+            f"val composed | worker mem ratio | stack wall s |\n|{'---|' * 11}")
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['row']} | {r['lever']} | {', '.join(f'{c:.3f}' for c in r['prefix_ce'])} | {r['ce_nats_per_byte']:.3f} | "
+            f"{r['gain_nats_per_byte']:+.3f} | {r['e2e_matched_flops_ce']:.3f} ({r['e2e_steps']} steps) | "
+            f"{r['gap_matched_flops_nats_per_byte']:+.3f} | {r['train_flops_over_e2e_step']:.0f} | "
+            f"{r['val_composed_ce']:.3f} | {r['memory_ratio']:.3f} | {r['stack_train_wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="depth-proxy")
+    ap.add_argument("--rows", default="baseline", help=f"comma-separated rows: {', '.join(ROWS)}")
+    ap.add_argument("--data", default="../shared/data/wikitext/wikitext-2-v1-tokens")
+    ap.add_argument("--out", default="runs/depth-ablation", help="run directories go here")
+    ap.add_argument("--max-bytes", type=int, default=262144, help="score the first N test bytes (the same for every arm)")
+    ap.add_argument("--e2e-share", type=float, default=0.02, help="reuse an E2E run within this fraction of the steps")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="run flags for every arm (a recipe change)")
+    ap.add_argument("--jsonl", type=Path, default=None, help="append rows here; the table shows every row in the file")
+    args = ap.parse_args()
+    unknown = [r for r in args.rows.split(",") if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    e2e = E2ECache(Path(args.out), ["--preset", args.preset, "--data", args.data, "--no-progress", *args.extra],
+                   args.data, args.max_bytes, args.e2e_share)
+    rows = []
+    for name in args.rows.split(","):
+        row = measure(name, args, e2e)
+        rows.append(row)
+        if args.jsonl:
+            args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    if args.jsonl:
+        rows = [json.loads(x) for x in args.jsonl.read_text().splitlines() if x.strip()]
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
