@@ -28,9 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from blocktrain.cli.common import add_run_args, config_from_args
+from blocktrain.config import RunConfig
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
-from blocktrain.presets import get_preset
+from blocktrain.objectives import get_objective
 
 # row name -> (lever, extra run flags). Rows that lose stay in the table.
 ROWS: dict[str, tuple[str, list[str]]] = {
@@ -39,6 +41,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "head-residual": ("1 one logit space", ["--head", "residual"]),
     "aux-1": ("2 training-time decoder", ["--aux-layers", "1"]),
     "aux-2": ("2 training-time decoder", ["--aux-layers", "2"]),
+    "dense-embed": ("3 dense inputs", ["--dense", "embed"]),
+    "dense-all": ("3 dense inputs", ["--dense", "all"]),
     "init-copy": ("4 warm start", ["--init", "copy"]),
     "init-identity": ("4 warm start", ["--init", "identity"]),
     "steps-front": ("5 budget", ["--step-ratio", "0.7"]),
@@ -47,6 +51,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "identity+front": ("4+5", ["--init", "identity", "--step-ratio", "0.7"]),
     "identity+back": ("4+5", ["--init", "identity", "--step-ratio", "1.4"]),
     "identity+aux-1": ("4+2", ["--init", "identity", "--aux-layers", "1"]),
+    "baseline-concurrent": ("schedule", ["--schedule", "concurrent", "--round-steps", "50"]),
 }
 
 
@@ -95,33 +100,47 @@ def measure(name: str, args: argparse.Namespace, e2e: E2ECache) -> dict[str, Any
     t0 = time.perf_counter()
     _run([sys.executable, "-m", "blocktrain", "train", *common, "--objective", "stack", *flags, "--out", str(run)])
     wall = time.perf_counter() - t0
-    cfg = get_preset(args.preset)
+    cfg = _config([*common, "--objective", "stack", *flags])
     n = cfg.model.n_blocks
     sums = [_summaries(run, f"block_{k}") for k in range(n)]
     ev = _eval(run, "blocktrain", args.data, args.max_bytes, blocks_alone=True)
-    flops = sum(s["flops_per_step"] * s["steps"] for s in sums)
     tokens = cfg.train.batch_size * cfg.model.context
+    obj = get_objective(cfg)  # the concurrent schedule's summaries carry no FLOPs: the same formula the trainers use
+    flops = sum(obj.train_flops_per_token(k) * tokens * s["steps"] for k, s in enumerate(sums))
     e2e_step = train_flops_per_token(E2ETransformer(cfg.model), cfg.model.d_model, cfg.model.context) * tokens
     want = max(1, round(flops / e2e_step))
     got, ref = e2e.get(want)
     prefix = ev["prefix_ce"]
-    mem = max(s["train_mem_bytes"] for s in sums)
+    mems = [s["train_mem_bytes"] for s in sums if "train_mem_bytes" in s]  # none under the concurrent schedule
+    mem: int | None = max(mems) if len(mems) == n else None
     return {
         "row": name, "lever": lever, "flags": flags, "preset": args.preset,
         "ce_nats_per_byte": ev["ce_nats_per_byte"], "prefix_ce": prefix,
         "gain_nats_per_byte": prefix[0] - ev["ce_nats_per_byte"],
-        "val_composed_ce": sums[-1]["eval"].get("val_prefix_ce"),
-        "val_prefix_ce": [s["eval"].get("val_prefix_ce") for s in sums],
+        "val_composed_ce": sums[-1].get("eval", {}).get("val_prefix_ce"),
+        "val_prefix_ce": [s.get("eval", {}).get("val_prefix_ce") for s in sums],
         "e2e_matched_flops_ce": ref["ce_nats_per_byte"], "e2e_steps": got, "e2e_steps_exact": want,
         "gap_matched_flops_nats_per_byte": ev["ce_nats_per_byte"] - ref["ce_nats_per_byte"],
         "train_flops": flops, "train_flops_over_e2e_step": flops / e2e_step, "e2e_flops_over_row": got / (flops / e2e_step),
         "steps_per_block": [s["steps"] for s in sums],
-        "worker_mem_bytes": mem, "e2e_mem_bytes": ref["train_mem_bytes"], "memory_ratio": mem / ref["train_mem_bytes"],
+        "worker_mem_bytes": mem, "e2e_mem_bytes": ref["train_mem_bytes"],
+        "memory_ratio": mem / ref["train_mem_bytes"] if mem is not None else None,
         "stack_train_wall_s": wall, "stack_wall_s_per_block": [s["wall_s"] for s in sums],
         "e2e_train_wall_s": ref["train_wall_s"], "bytes_scored": ev["bytes_scored"],
         "command": "python " + shlex.join(["benchmarks/depth_ablation.py", "--preset", args.preset, "--rows", name,
                                            "--max-bytes", str(args.max_bytes), *(["--extra", *args.extra] if args.extra else [])]),
     }
+
+
+def _f(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _config(run_flags: list[str]) -> RunConfig:
+    """The run config the trainers build from these flags (the CLI's own parser)."""
+    p = argparse.ArgumentParser()
+    add_run_args(p, need_out=False)
+    return config_from_args(p.parse_args(run_flags))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -133,7 +152,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['row']} | {r['lever']} | {', '.join(f'{c:.3f}' for c in r['prefix_ce'])} | {r['ce_nats_per_byte']:.3f} | "
             f"{r['gain_nats_per_byte']:+.3f} | {r['e2e_matched_flops_ce']:.3f} ({r['e2e_steps']} steps) | "
             f"{r['gap_matched_flops_nats_per_byte']:+.3f} | {r['train_flops_over_e2e_step']:.0f} | "
-            f"{r['val_composed_ce']:.3f} | {r['memory_ratio']:.3f} | {r['stack_train_wall_s']:.0f} |")
+            f"{_f(r['val_composed_ce'])} | {_f(r['memory_ratio'])} | {r['stack_train_wall_s']:.0f} |")
     return "\n".join(lines)
 
 

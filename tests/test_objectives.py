@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from blocktrain import device
 from blocktrain.bench.machine import measure_peak_flops
 from blocktrain.bench.speed import seconds_per_step
 from blocktrain.checkpoint.run import RunDir
@@ -62,7 +63,10 @@ def test_diffusion_objective_keeps_its_numbers(tmp_path: Path, data_dir: Path) -
     assert lp == pytest.approx(PINNED_CHAIN_LP, rel=1e-5)
 
 
-def test_bf16_training_matches_fp32_closely_and_checkpoints_stay_fp32(tmp_path: Path, data_dir: Path) -> None:
+def test_bf16_training_matches_fp32_closely_and_checkpoints_stay_fp32(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(device, "bf16_supported", lambda device_type: True)  # exercise bf16 even where it is emulated
     dd = open_data_dir(data_dir)
     base = tiny().with_train(steps=8, eval_bytes=0, log_every=1)
     runs = {}
@@ -155,3 +159,16 @@ def test_objective_is_part_of_the_architecture_and_old_configs_load_as_diffusion
         TrainConfig(device="tpu")
     with pytest.raises(ConfigError):
         RunConfig.from_dict({**cfg.to_dict(), "objective": "boosting"})
+
+
+def test_bf16_is_used_on_a_cpu_only_where_it_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU emulates bf16 matmuls about 60x slower than fp32: training falls back to fp32 there."""
+    cpu = torch.device("cpu")
+    for avx512_bf16, amx, native in ((False, False, False), (True, False, True), (False, True, True)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        device.bf16_supported.cache_clear()
+        assert device.bf16_supported("cpu") is native
+        assert device.resolve_precision(Precision.BF16, cpu) is (Precision.BF16 if native else Precision.FP32)
+        assert device.resolve_precision(Precision.FP32, cpu) is Precision.FP32
+    device.bf16_supported.cache_clear()

@@ -12,7 +12,7 @@ from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Objective, Precision, RunConfig, Schedule
 from blocktrain.data.dataset import open_data_dir
-from blocktrain.device import autocast
+from blocktrain.device import autocast, resolve_precision
 from blocktrain.errors import CheckpointError, RunError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.report import evaluate_model
@@ -121,7 +121,7 @@ def test_stack_trains_composes_and_reports_every_prefix(tmp_path: Path, data_dir
     run = tmp_path / "run"
     for k in range(cfg.model.n_blocks):
         s = train_block(cfg, dd, run, k, progress=False)
-        assert s.precision == "bf16" and "val_prefix_ce" in s.eval
+        assert s.precision == resolve_precision(Precision.BF16, CPU).value and "val_prefix_ce" in s.eval
         assert s.flops_per_step > 0 and s.seconds_per_step > 0
     model = AssembledModel.load(RunDir(run))
     r = evaluate_model(model, dd.open("test"), blocks_alone=True)

@@ -11,7 +11,7 @@ import torch
 
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.config import Objective, Precision, RunConfig, Schedule, StackConfig, StackHead, StackInit
+from blocktrain.config import Objective, Precision, RunConfig, Schedule, StackConfig, StackDense, StackHead, StackInit
 from blocktrain.data.dataset import open_data_dir
 from blocktrain.errors import BlockTrainError, ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
@@ -29,6 +29,8 @@ VARIANTS = {
     "init-identity": StackConfig(init=StackInit.IDENTITY),
     "identity+residual": StackConfig(init=StackInit.IDENTITY, head=StackHead.RESIDUAL),
     "steps-front": StackConfig(step_ratio=0.7),
+    "dense-embed": StackConfig(dense=StackDense.EMBED),
+    "dense-all": StackConfig(dense=StackDense.ALL),
 }
 
 
@@ -159,7 +161,38 @@ def test_bad_combinations_are_refused_with_a_fix() -> None:
         StackConfig(step_ratio=float("nan"))
 
 
-@pytest.mark.parametrize("name", ["init-identity", "head-residual", "steps-front"])
+def test_dense_inputs_start_as_the_plain_stack_and_learn_their_mix() -> None:
+    """alpha starts one-hot on h_k: the same weights give the plain stack's logits; the mix then takes gradient."""
+    for dense in (StackDense.EMBED, StackDense.ALL):
+        cfg = variant_cfg(StackConfig(dense=dense))
+        plain_cfg = variant_cfg(StackConfig())
+        obj, plain = get_objective(cfg), get_objective(plain_cfg)
+        torch.manual_seed(0)
+        blocks = [obj.build_block(k) for k in range(4)]
+        same = [plain.build_block(k) for k in range(4)]
+        for a, b in zip(same, blocks, strict=True):
+            a.load_state_dict({n: t for n, t in b.state_dict().items() if n != "mix"})
+        x = torch.randint(0, 256, (2, 16), dtype=torch.uint8)
+        for r, q in zip(obj.reference_logits(blocks, x, torch.Generator()),
+                        plain.reference_logits(same, x, torch.Generator()), strict=True):
+            torch.testing.assert_close(r, q, rtol=0, atol=1e-6)
+        frozen = [obj.freeze(b, torch.float32) for b in blocks[:3]]
+        obj.block_loss(blocks[3], 3, x, torch.randint(0, 256, (2, 16)), torch.Generator(), frozen).loss.backward()
+        mix = blocks[3].mix
+        assert mix is not None and mix.shape == ((2,) if dense is StackDense.EMBED else (4,)) and mix.grad is not None
+
+
+def test_serving_refuses_a_dense_stack_with_a_fix(tmp_path: Path, data_dir: Path) -> None:
+    from blocktrain.serve.loading import load_run_span
+
+    cfg = variant_cfg(StackConfig(dense=StackDense.ALL), steps=1, eval_bytes=0)
+    for k in range(cfg.model.n_blocks):
+        train_block(cfg, open_data_dir(data_dir), tmp_path / "run", k, progress=False)
+    with pytest.raises(ConfigError, match="--dense off"):
+        load_run_span(RunDir(tmp_path / "run"), 0, 3)
+
+
+@pytest.mark.parametrize("name", ["init-identity", "head-residual", "steps-front", "dense-all"])
 def test_progressive_variant_trains_round_trips_and_composes(name: str, tmp_path: Path, data_dir: Path) -> None:
     cfg = variant_cfg(VARIANTS[name], steps=8, eval_bytes=0, checkpoint_every=4)
     dd = open_data_dir(data_dir)

@@ -72,6 +72,14 @@ class StackHead(enum.Enum):
     RESIDUAL = "residual"  # block k-1's head, frozen, plus a zero-initialised head of its own (boosting in one logit space)
 
 
+class StackDense(enum.Enum):
+    """What block k > 0 of a ``stack`` reads (issue 18, lever 3; a depth-weighted average as in DenseFormer)."""
+
+    OFF = "off"  # h_k, the output of block k-1
+    EMBED = "embed"  # a learned mix of the embeddings h_0 and h_k
+    ALL = "all"  # a learned mix of h_0 and every earlier block's output h_1..h_k
+
+
 class StackInit(enum.Enum):
     """How block k > 0 of a ``stack`` is initialised (issue 18, lever 4)."""
 
@@ -214,6 +222,7 @@ class StackConfig:
     aux_layers: int = 0  # extra Transformer layers in the heads of blocks 0..B-2 only: a training-time decoder, not in the composed model
     head: StackHead = StackHead.PRIVATE  # block k > 0's head: private, a frozen copy of block 0's, or residual on block k-1's
     init: StackInit = StackInit.FRESH  # block k > 0's initial weights: fresh, a copy of block k-1, or identity branches
+    dense: StackDense = StackDense.OFF  # block k > 0's input: h_k, or a learned mix with the embeddings or every earlier output
     step_ratio: float = 1.0  # steps of block k+1 over block k's, rescaled to the FLOPs of train.steps per block
 
     def __post_init__(self) -> None:
@@ -221,10 +230,16 @@ class StackConfig:
         _check(0 <= self.aux_layers <= 8, "aux_layers", f"must be in [0, 8], got {self.aux_layers}")
         _check(isinstance(self.head, StackHead), "head", f"must be a StackHead, got {self.head!r}")
         _check(isinstance(self.init, StackInit), "init", f"must be a StackInit, got {self.init!r}")
+        _check(isinstance(self.dense, StackDense), "dense", f"must be a StackDense, got {self.dense!r}")
         _check(
             self.aux_layers == 0 or self.head is StackHead.PRIVATE, "aux_layers",
             f"a training-time decoder needs private heads; with head={self.head.value} block 0's decoder would enter "
             "every later prefix. Pass --aux-layers 0 or --head private",
+        )
+        _check(
+            self.head_layers == 0 or self.head is not StackHead.RESIDUAL, "head_layers",
+            "a residual head adds block k-1's frozen head, which serving runs position by position; "
+            "pass --head-layers 0 with --head residual",
         )
         _check(0.25 <= self.step_ratio <= 4.0 and math.isfinite(self.step_ratio), "step_ratio",
                f"must be in [0.25, 4], got {self.step_ratio}")
@@ -302,6 +317,7 @@ _ENUMS: dict[str, type[enum.Enum]] = {
     "solver": Solver,
     "head": StackHead,
     "init": StackInit,
+    "dense": StackDense,
 }
 
 

@@ -41,6 +41,7 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import init_seed
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
+from blocktrain.objectives.base import whole_blocks
 from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import apply_step, block_schema, trainable_state
 
@@ -138,6 +139,8 @@ class BlockRounds:
                 self.norms[k].appendleft(norm)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
+            if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
+                self._warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
 
     def _resumed_state(self, k: int, v: int, now: float) -> BlockState:
         """The stored state of block k; derived from its rounds for a store written before states existed."""
@@ -167,7 +170,25 @@ class BlockRounds:
         """Mirror the current weights as an ordinary block checkpoint, so 'blocktrain eval RUN' works."""
         meta = {**block_save_meta(self.cfg, k), "config": self.cfg.to_json(), "step": str(self.version[k])}
         extra = {"target_embedding": self.E} if self.E is not None else {}
+        if self.objective.inherits():  # what block k takes from blocks 0..k-1 (frozen heads) is part of its checkpoint
+            whole = whole_blocks(self.objective, [self.weights[j] for j in range(k + 1)])[k]
+            extra.update({n: t.detach().clone() for n, t in whole.state_dict().items() if n not in self.weights[k]})
         save_file(self.run.block_path(k), {**self.weights[k], **extra}, meta)
+
+    def _warm_start(self, k: int) -> None:
+        """Re-initialise waiting block k from the finished blocks before it (``stack.init``), as version 0."""
+        whole = whole_blocks(self.objective, [self.weights[j] for j in range(k + 1)])
+        self.objective.inherit(whole[k], k, whole[:k], at_init=True)
+        w = trainable_state(whole[k])
+        if all(torch.equal(w[n], self.weights[k][n]) for n in w):
+            return
+        payload = self._weights_payload(k, 0, w)
+        digest = self.store.put_blob(payload)
+        with self.store.tx():
+            self.store.replace_weights(k, 0, digest, tensors_sha256(w))
+        self._set_weights(k, 0, w, payload)
+        self._save_checkpoint(k)
+        log.info("block %d: warm-started from block %d (%s)", k, k - 1, self.cfg.stack.init.value)
 
     # --- replicas ---------------------------------------------------------------
     def live_replicas(self, now: float) -> dict[int, set[str]]:
@@ -295,6 +316,7 @@ class BlockRounds:
         slowest = max(float(r["arrival_s"]) for r in rows)
         seconds = cfg.round_seconds
         changed: dict[int, BlockState] = {}
+        warm: int | None = None  # the block that opens now and starts from this one (stack.init)
         if cfg.adaptive_deadline:
             seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * slowest))
         with s.tx():
@@ -305,6 +327,7 @@ class BlockRounds:
                 changed[k] = BlockState.FINISHED
                 nxt = k + 1
                 if self.progressive and nxt < self.n_blocks and self.state[nxt] is BlockState.WAITING:
+                    warm = nxt if self.objective.inherits() and self.version[nxt] == 0 else None
                     s.open_round(nxt, self.version[nxt], now, now + cfg.round_seconds)
                     changed[nxt] = BlockState.OPEN
                 for j, state in changed.items():
@@ -314,6 +337,8 @@ class BlockRounds:
         self._set_weights(k, v + 1, w, payload)
         self.momentum[k] = buf
         self._save_checkpoint(k)
+        if warm is not None:
+            self._warm_start(warm)
         log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, len(rows), v + 1)
         for j, state in changed.items():
             self.state[j] = state

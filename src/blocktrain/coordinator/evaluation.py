@@ -24,6 +24,7 @@ from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
+from blocktrain.objectives.base import whole_blocks
 from blocktrain.protocol.weights import load_trainable
 
 GATE_STREAM = 7_777  # stream id of the gate's held-out batch
@@ -70,6 +71,8 @@ class Evaluator:
                 self._gate_blocks[key] = self.objective.build_block(k)
             block = self._gate_blocks[key]
             load_trainable(block, weights)
+            if self.objective.inherits():  # the frozen heads a stack variant reads from the earlier blocks
+                self.objective.inherit(block, k, whole_blocks(self.objective, [w for _, w in frozen]), at_init=False)
             block.eval()
             inputs = [self._frozen_copy(j, sha, w) for j, (sha, w) in enumerate(frozen)]
             stream = TrainStream(
@@ -84,13 +87,10 @@ class Evaluator:
     def evaluate(self, weights: dict[int, dict[str, torch.Tensor]], E: torch.Tensor | None) -> tuple[float, int]:
         """CE (nats/byte) of the assembled model on the first eval_bytes of validation."""
         assert self.valid is not None
-        blocks = []
-        for k in range(self.cfg.model.n_blocks):
-            b = self.objective.build_block(k)
-            load_trainable(b, weights[k])
+        blocks = whole_blocks(self.objective, [weights[k] for k in range(self.cfg.model.n_blocks)])
+        for b in blocks:
             if isinstance(b, BlockDenoiser) and E is not None:
                 b.E.copy_(E)
-            blocks.append(b)
         model = AssembledModel(blocks, self.cfg)
         seed = self.cfg.train.seed
 

@@ -207,6 +207,11 @@ class Store(BlobStore):
             (k, v, weights_blob, step_blob, momentum_blob, weights_sha, created),
         )
 
+    def replace_weights(self, k: int, v: int, weights_blob: str, weights_sha: str) -> None:
+        """Replace the weights of version v of block k, which no round has used yet (a warm start at opening)."""
+        self.db.execute("UPDATE versions SET weights_blob=?, weights_sha=? WHERE block=? AND version=?",
+                        (weights_blob, weights_sha, k, v))
+
     def step_blob(self, k: int, v: int) -> str | None:
         """Digest of the published step that made version v of block k (None for v = 0 or unknown)."""
         row = self.q1("SELECT step_blob FROM versions WHERE block=? AND version=?", k, v)

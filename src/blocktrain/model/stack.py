@@ -5,6 +5,7 @@ Block k of B (greedy layer-wise training with deep supervision; Bengio et al.
 
     k = 0:  h_1     = Layers_0(ByteEmb(x) + PosEmb)
     k > 0:  h_{k+1} = Layers_k(h_k)                   (h_k from block k-1, detached)
+            h_{k+1} = Layers_k(sum_j alpha_kj h_j)     (dense inputs: a learned mix of h_0 and earlier outputs)
     head:   logits_k = W_k LN_k(HeadLayers_k(h_{k+1})) [+ logits of block k-1's frozen head on h_{k+1}]
 
 The bracketed term is the ``residual`` head (boosting in one logit space:
@@ -59,11 +60,13 @@ class StackBlock(nn.Module):
 
     ``prev_head`` (residual heads): the frozen head of block k-1, added to this block's logits.
     ``frozen_head``: the head's own parameters take no gradient (a shared head, copied from block 0).
+    ``dense_inputs``: block k > 0 reads a mix of that many stream states (b, t, m, d), the last one h_k;
+    the weights alpha start at (0, ..., 0, 1), so the block starts as a plain stack block.
     """
 
     def __init__(
         self, cfg: ModelConfig, k: int, head_layers: int = 0, *, prev_head: FrozenHead | None = None,
-        frozen_head: bool = False,
+        frozen_head: bool = False, dense_inputs: int = 0,
     ) -> None:
         super().__init__()
         if not 0 <= k < cfg.n_blocks:
@@ -82,6 +85,7 @@ class StackBlock(nn.Module):
         self.ln_f: nn.Module = nn.LayerNorm(d)
         self.head: nn.Module = nn.Linear(d, VOCAB_SIZE)
         init_weights(self)
+        self.mix = nn.Parameter(torch.eye(dense_inputs)[-1]) if dense_inputs and k > 0 else None  # alpha_k (m,)
         self.prev_head = prev_head
         if prev_head is not None:  # boosting: this block's own head starts at zero
             assert isinstance(self.head, nn.Linear)
@@ -101,8 +105,15 @@ class StackBlock(nn.Module):
         return (self.tok_emb(x.long()) + self.pos_emb(pos)).float()
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Bytes (b, t) for block 0, else h_k (b, t, d) -> h_{k+1} (b, t, d)."""
-        h = self.embed(inp) if self.k == 0 else inp.float()
+        """Bytes (b, t) for block 0, else h_k (b, t, d) or stream states (b, t, m, d) -> h_{k+1} (b, t, d)."""
+        if self.k == 0:
+            h = self.embed(inp)
+        elif self.mix is not None:
+            if inp.dim() != 4 or inp.shape[2] != self.mix.shape[0]:
+                raise ValueError(f"block {self.k} mixes {self.mix.shape[0]} stream states (b, t, m, d); got {tuple(inp.shape)}")
+            h = torch.einsum("btmd,m->btd", inp.float(), self.mix)  # (b, t, m, d) -> (b, t, d)
+        else:
+            h = inp.float()
         for layer in self.layers:
             h = layer(h)
         return h

@@ -16,7 +16,7 @@ particular loss or chain. An objective answers three questions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +53,9 @@ class Objective(Protocol):
 
     def inherits(self) -> bool:
         """Whether :meth:`inherit` takes anything, so block k's trainer needs the earlier blocks whole."""
+
+    def serving_blocker(self) -> str | None:
+        """Why a pipeline of stages cannot serve this objective's runs (a message saying what to do), or None."""
 
     def freeze(self, block: nn.Module, dtype: torch.dtype) -> nn.Module:
         """The forward-only copy of a finished block that later blocks' workers hold."""
@@ -102,3 +105,18 @@ def compose_logits(
 def frozen_dtype(precision_is_bf16: bool) -> torch.dtype:
     """Frozen copies are stored in bf16 when the worker computes in bf16, else fp32."""
     return torch.bfloat16 if precision_is_bf16 else torch.float32
+
+
+@torch.no_grad()
+def whole_blocks(objective: Objective, states: Sequence[Mapping[str, torch.Tensor]]) -> list[nn.Module]:
+    """Blocks 0..n-1 rebuilt from their trainable weights (fp32, CPU), each completed by what it inherits
+    from the blocks before it (:meth:`Objective.inherit`: a stack variant's frozen heads)."""
+    blocks: list[nn.Module] = []
+    for k, state in enumerate(states):
+        block = objective.build_block(k)
+        params = dict(block.named_parameters())
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+        objective.inherit(block, k, blocks, at_init=False)
+        blocks.append(block)
+    return blocks

@@ -44,6 +44,9 @@ class DiffusionObjective:
     def inherits(self) -> bool:
         return False
 
+    def serving_blocker(self) -> str | None:
+        return None
+
     def frozen_inputs(self, k: int) -> int:
         return 0  # a diffusion block never sees another block while it trains
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig, StackHead, StackInit
+from blocktrain.config import RunConfig, StackDense, StackHead, StackInit
 from blocktrain.diffusion.loss import lm_loss
 from blocktrain.model.flops import forward_flops_per_token, train_flops_per_token
 from blocktrain.model.stack import FrozenHead, StackBlock, frozen_copy
@@ -42,9 +42,25 @@ class StackObjective:
         m = self.cfg.model
         return FrozenHead(m.d_model, m.n_heads, m.mlp_ratio, self.head_layers(k - 1), self._prev_head(k - 1))
 
+    def dense_inputs(self, k: int) -> int:
+        """Stream states block k mixes: 0 (it reads h_k), 2 (h_0 and h_k) or k + 1 (h_0..h_k)."""
+        dense = self.cfg.stack.dense
+        return 0 if dense is StackDense.OFF or k == 0 else 2 if dense is StackDense.EMBED else k + 1
+
     def build_block(self, k: int) -> StackBlock:
         shared = self.cfg.stack.head is StackHead.SHARED and k > 0
-        return StackBlock(self.cfg.model, k, self.head_layers(k), prev_head=self._prev_head(k), frozen_head=shared)
+        return StackBlock(self.cfg.model, k, self.head_layers(k), prev_head=self._prev_head(k), frozen_head=shared,
+                          dense_inputs=self.dense_inputs(k))
+
+    def _pick(self, states: torch.Tensor) -> torch.Tensor:
+        """What the next block reads of the stream states (b, t, m, d) so far: all, or h_0 and the last."""
+        return states[:, :, [0, -1]] if self.cfg.stack.dense is StackDense.EMBED else states
+
+    def serving_blocker(self) -> str | None:
+        if self.cfg.stack.dense is not StackDense.OFF:
+            return ("a stack with dense inputs hands every earlier stream state to the next block, and serving stages "
+                    "pass h alone; serve a run trained with --dense off")
+        return None
 
     def frozen_inputs(self, k: int) -> int:
         return k
@@ -103,10 +119,18 @@ class StackObjective:
         """h_k (b, t, d) for block k > 0 from frozen blocks 0..k-1, or the bytes x for block 0."""
         if len(frozen) != k:
             raise ValueError(f"block {k} trains on frozen copies of blocks 0..{k - 1}; got {len(frozen)} blocks")
-        h = x
-        for block in frozen:
-            h = block(h)
-        return h.float() if k else x
+        if k == 0:
+            return x
+        if self.cfg.stack.dense is StackDense.OFF:
+            h = x
+            for block in frozen:
+                h = block(h)
+            return h.float()
+        carry: torch.Tensor | None = None
+        for j, block in enumerate(frozen):
+            carry, _ = self.step(block, j, x, carry, want_logits=False, is_last=False)
+        assert carry is not None
+        return self._pick(carry)
 
     def block_loss(
         self, block: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
@@ -130,8 +154,18 @@ class StackObjective:
         self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert isinstance(block, StackBlock)
-        h = block(x if k == 0 else carry)
-        return h, block.logits(h) if want_logits else None
+        if self.cfg.stack.dense is StackDense.OFF:
+            h = block(x if k == 0 else carry)
+            return h, block.logits(h) if want_logits else None
+        # dense inputs: the carry is every stream state so far, h_0..h_{k+1} (b, t, k + 2, d)
+        if k == 0:
+            h = block(x)
+            states = torch.stack([block.embed(x), h], dim=2)  # (b, t, 2, d)
+        else:
+            assert carry is not None
+            h = block(self._pick(carry))
+            states = torch.cat([carry, h.unsqueeze(2)], dim=2)  # (b, t, k + 1, d) -> (b, t, k + 2, d)
+        return states, block.logits(h) if want_logits else None
 
     @torch.no_grad()
     def reference_logits(self, blocks: Sequence[nn.Module], x: torch.Tensor, generator: torch.Generator) -> list[torch.Tensor]:

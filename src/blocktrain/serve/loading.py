@@ -23,6 +23,7 @@ from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import TransformerLayer
 from blocktrain.model.stack import StackBlock
+from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.serve.compute import BlockSpan, E2ESpan
 from blocktrain.serve.kvcache import CacheOptions
@@ -65,6 +66,9 @@ def load_run_span(
 ) -> BlockSpan | StackSpan:
     """Blocks lo..hi of a run: a :class:`StackSpan` when its objective is ``stack``, else a :class:`BlockSpan`."""
     cfg = run.load_config()
+    blocker = get_objective(cfg).serving_blocker()
+    if blocker is not None:
+        raise ConfigError(f"{run.root} cannot be served: {blocker}")
     if cfg.objective is Objective.STACK:
         return load_stack_span(run, lo, hi, precision, cache)
     return load_block_span(run, lo, hi, precision)

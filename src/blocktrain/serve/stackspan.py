@@ -214,6 +214,8 @@ class StackSpan:
             for j, layer in enumerate(block.head_layers):
                 g, entry.kv[f"head.{j}"] = layer_cached(layer, g, entry.kv.get(f"head.{j}"))  # type: ignore[arg-type]
             logits = block.head(block.ln_f(g)).float()
+            if block.prev_head is not None:  # a residual head: position-wise (no layers), so nothing to cache
+                logits = logits + block.prev_head(h).float()
         entry.pos = pos + t
         return h, logits
 

@@ -23,7 +23,8 @@ from torch import nn
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, tensors_sha256, unpack
 from blocktrain.errors import CheckpointError
 from blocktrain.objectives import Objective
-from blocktrain.protocol.weights import block_schema, load_trainable
+from blocktrain.objectives.base import whole_blocks
+from blocktrain.protocol.weights import block_schema
 from blocktrain.worker.client import CoordinatorClient
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class FrozenInputs:
         self.dtype = dtype  # bf16 copies when the worker computes in bf16
         self.key: FrozenKey = ()
         self.modules: list[nn.Module] = []
+        self.whole: list[nn.Module] = []  # the earlier blocks whole (fp32, CPU), kept only for Objective.inherit
         self.downloads = 0  # frozen blocks downloaded from the coordinator (cache hits excluded)
 
     def ensure(self, refs: Sequence[dict[str, Any]]) -> list[nn.Module]:
@@ -50,13 +52,16 @@ class FrozenInputs:
         key: FrozenKey = tuple((int(r["block"]), int(r["version"]), str(r["weights_sha"])) for r in refs)
         if key == self.key and len(self.modules) == len(key):
             return self.modules
-        modules = []
+        states = []
         for j, v, sha in key:
-            block = self.objective.build_block(j)
-            weights = self._weights(j, v, sha, block_schema(block))
-            load_trainable(block, weights)
-            modules.append(self.objective.freeze(block, self.dtype).to(self.device))
+            with torch.device("meta"):
+                shapes = block_schema(self.objective.build_block(j))
+            states.append(self._weights(j, v, sha, shapes))
             log.info("frozen input: block %d version %d (sha %s...)", j, v, sha[:12])
+        whole = whole_blocks(self.objective, states)  # with what each inherits from the ones before it
+        modules = [self.objective.freeze(block, self.dtype).to(self.device) for block in whole]
+        # a stack variant's block reads frozen heads of the earlier blocks (Objective.inherit): keep them whole
+        self.whole = whole if self.objective.inherits() else []
         self.key, self.modules = key, modules
         return modules
 

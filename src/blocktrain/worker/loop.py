@@ -156,6 +156,8 @@ class Worker:
     def _train_round(self, work: dict[str, Any]) -> bool:
         """H local steps on this round's stream; False if abandoned."""
         frozen = self._frozen(work)
+        if self.objective.inherits():  # frozen heads from the earlier blocks (stack variants); trainable weights untouched
+            self.objective.inherit(self.block, self.k, self.frozen.whole, at_init=False)
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, int(work["seed"]),
                              stream=int(work["stream"]))
         H = self.opts.local_steps
