@@ -48,11 +48,26 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "steps-front": ("5 budget", ["--step-ratio", "0.7"]),
     "steps-back": ("5 budget", ["--step-ratio", "1.4"]),
     "identity+residual": ("4+1", ["--init", "identity", "--head", "residual"]),
-    "identity+front": ("4+5", ["--init", "identity", "--step-ratio", "0.7"]),
-    "identity+back": ("4+5", ["--init", "identity", "--step-ratio", "1.4"]),
-    "identity+aux-1": ("4+2", ["--init", "identity", "--aux-layers", "1"]),
+    "copy+front": ("4+5", ["--init", "copy", "--step-ratio", "0.7"]),
+    "copy+back": ("4+5", ["--init", "copy", "--step-ratio", "1.4"]),
+    "copy+aux-1": ("4+2", ["--init", "copy", "--aux-layers", "1"]),
+    "copy+dense-all": ("4+3", ["--init", "copy", "--dense", "all"]),
     "baseline-concurrent": ("schedule", ["--schedule", "concurrent", "--round-steps", "50"]),
+    "copy-concurrent": ("4, schedule", ["--init", "copy", "--schedule", "concurrent", "--round-steps", "50"]),
 }
+# Every row names each lever's setting, so a preset's defaults never change what a row measures.
+_DEFAULTS = {"--head": "private", "--aux-layers": "0", "--dense": "off", "--init": "fresh", "--step-ratio": "1.0",
+             "--schedule": "progressive"}
+
+
+def row_flags(name: str) -> list[str]:
+    """The row's run flags: its own settings, then the baseline's for every lever it leaves alone."""
+    flags = list(ROWS[name][1])
+    for flag, value in _DEFAULTS.items():
+        if flag not in flags:
+            flags += [flag, value]
+    return flags
+
 
 
 def _run(cmd: list[str]) -> str:
@@ -94,7 +109,7 @@ class E2ECache:
 
 
 def measure(name: str, args: argparse.Namespace, e2e: E2ECache) -> dict[str, Any]:
-    lever, flags = ROWS[name]
+    lever, flags = ROWS[name][0], row_flags(name)
     common = ["--preset", args.preset, "--data", args.data, "--no-progress", *args.extra]
     run = Path(args.out) / name
     t0 = time.perf_counter()

@@ -65,8 +65,9 @@ class AssembledModel:
         m = self.cfg.model
         if self.cfg.objective is Objective.STACK:  # every trunk, then the last block's head
             last = self.blocks[-1]
+            prev = getattr(last, "prev_head", None)  # a residual head's frozen chain runs too
             path = nn.ModuleList([*(b.get_submodule("layers") for b in self.blocks), last.get_submodule("head_layers"),
-                                  last.get_submodule("head")])
+                                  last.get_submodule("head"), *([prev] if prev is not None else [])])
             return forward_flops_per_token(path, m.d_model, m.context)
         params = sum(p.numel() for p in self.blocks[0].parameters())
         return 2.0 * params * evaluations_per_traversal(self.cfg.diffusion, m.n_blocks)
