@@ -171,6 +171,24 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sweep_e2e_lr(args: argparse.Namespace, steps: int, lrs: list[float]) -> list[dict[str, Any]]:
+    """The E2E reference at ``steps`` for each lr: validation CE (its own end-of-run eval) and test CE."""
+    out = []
+    for lr in lrs:
+        run = Path(args.out) / f"e2e-sweep-{steps}-lr{lr:g}"
+        _run([sys.executable, "-m", "blocktrain", "train-e2e", "--preset", args.preset, "--data", args.data, "--no-progress",
+              *args.extra, "--steps", str(steps), "--lr", repr(lr), "--out", str(run)])
+        summary = _summaries(run, "e2e")
+        ev = _eval(run, "e2e", args.data, args.max_bytes, blocks_alone=False)
+        out.append({"lr": lr, "steps": steps, "val_ce": summary["eval"].get("val_ce"), "test_ce": ev["ce_nats_per_byte"],
+                    "bytes_scored": ev["bytes_scored"],
+                    "command": "python " + shlex.join(["benchmarks/depth_ablation.py", "--preset", args.preset,
+                                                       "--sweep-e2e-lr", ",".join(f"{x:g}" for x in lrs),
+                                                       "--sweep-steps", str(steps), "--max-bytes", str(args.max_bytes)])})
+        print(f"E2E {steps} steps, lr {lr:g}: val {out[-1]['val_ce']:.4f}, test {out[-1]['test_ce']:.4f}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="depth-proxy")
@@ -181,7 +199,15 @@ def main() -> int:
     ap.add_argument("--e2e-share", type=float, default=0.02, help="reuse an E2E run within this fraction of the steps")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="run flags for every arm (a recipe change)")
     ap.add_argument("--jsonl", type=Path, default=None, help="append rows here; the table shows every row in the file")
+    ap.add_argument("--sweep-e2e-lr", default=None, help="instead of rows: the E2E at --sweep-steps for each of these lrs")
+    ap.add_argument("--sweep-steps", type=int, default=0, help="E2E steps of the lr sweep (a row's matched-FLOPs steps)")
     args = ap.parse_args()
+    if args.sweep_e2e_lr:
+        res = sweep_e2e_lr(args, args.sweep_steps, [float(x) for x in args.sweep_e2e_lr.split(",")])
+        if args.jsonl:
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps({"e2e_lr_sweep": res}) + "\n")
+        return 0
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
@@ -196,7 +222,7 @@ def main() -> int:
             with args.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     if args.jsonl:
-        rows = [json.loads(x) for x in args.jsonl.read_text().splitlines() if x.strip()]
+        rows = [r for r in (json.loads(x) for x in args.jsonl.read_text().splitlines() if x.strip()) if "row" in r]
     print(table(rows))
     return 0
 

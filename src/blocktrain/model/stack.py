@@ -135,6 +135,7 @@ class StackBlock(nn.Module):
     def zero_branches(self) -> None:
         """Zero every layer's output projections: the block then passes h_k through unchanged (h_{k+1} = h_k)."""
         for layer in self.layers:
+            assert isinstance(layer, TransformerLayer)
             for m in (layer.attn.proj, layer.mlp.out):
                 nn.init.zeros_(m.weight)
                 if m.bias is not None:
