@@ -3,9 +3,11 @@ worker, the loss gate and the mirrored checkpoints carry the frozen heads it rea
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from blocktrain.checkpoint.run import RunDir
@@ -15,6 +17,7 @@ from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
+from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.model.stack import StackBlock
 from blocktrain.objectives import get_objective
@@ -23,57 +26,93 @@ from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
-from blocktrain.worker.loop import Worker
-from tests.test_coordinator_stack import worker_opts
-from tests.test_distributed_helpers import ThreadServer, corpus  # noqa: F401
+from blocktrain.worker.loop import Worker, WorkerSummary
+from tests.test_coordinator_stack import finish_block, worker_opts
+from tests.test_distributed_helpers import ThreadServer, corpus, wait_for  # noqa: F401
 
 VARIANT = replace(get_preset("tiny"), objective=Objective.STACK,
                   stack=StackConfig(init=StackInit.IDENTITY, head=StackHead.RESIDUAL))
 H = 2  # local steps per round
 
 
+def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torch.Tensor], data: DataDir) -> None:
+    """Version 0 of block k is the fresh block warm-started from block k-1's final weights, and ``worker``'s round
+    on it equals a local replay on the frozen blocks with the frozen head of block k-1 (fp32 both)."""
+    obj = get_objective(VARIANT)
+    v0 = unpack(c.store.get_blob(c.store.q1(f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")
+                                 ["weights_blob"]))[0]
+    earlier = whole_blocks(obj, [c.weights[j] for j in range(k)])
+    expect = obj.build_block(k)
+    load_trainable(expect, fresh)
+    obj.inherit(expect, k, earlier, at_init=True)
+    assert all(torch.equal(v0[n], t) for n, t in trainable_state(expect).items())
+    upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version=0")
+    seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version=0")
+    got = decode_delta(unpack(c.store.get_blob(upd["blob"]))[0], Compression.NONE)
+    frozen = [obj.freeze(b, torch.float32) for b in earlier]
+    block = obj.build_block(k)
+    load_trainable(block, v0)
+    obj.inherit(block, k, earlier, at_init=False)
+    opt, _ = make_optimizer(block, VARIANT.train)
+    stream = TrainStream(data.open("train").data, VARIANT.model.context, VARIANT.train.batch_size, seed["seed"],
+                         stream=seed["stream"])
+    block.train()
+    for i in range(H):
+        out = obj.block_loss(block, k, *stream.batch(i), stream.generator(i, purpose=1), frozen)
+        optimizer_step(block, opt, out.loss, lr_at(i, replace(VARIANT.train, steps=H)), VARIANT.train.grad_clip)
+    for n, p in block.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.detach() - v0[n], got[n], rtol=1e-4, atol=1e-5)
+
+
+def coordinator(run: Path, data: DataDir) -> Coordinator:
+    return Coordinator(run, VARIANT, CoordinatorSettings(rounds=1, round_seconds=60, lease_seconds=60, fsync=False,
+                                                         gate_tolerance=5.0, eval_bytes=512), data)
+
+
 def test_variant_run_warm_starts_and_replays_exactly(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
-    c = Coordinator(tmp_path / "run", VARIANT, CoordinatorSettings(rounds=1, round_seconds=60, lease_seconds=60,
-                                                                  fsync=False, gate_tolerance=5.0, eval_bytes=512), corpus)
+    c = coordinator(tmp_path / "run", corpus)
     obj = get_objective(VARIANT)
     fresh = {k: {n: t.clone() for n, t in c.weights[k].items()} for k in range(4)}
     token = c.add_token("w")
     with ThreadServer(c, background=False) as srv:
         s = Worker(replace(worker_opts(srv.url, token, 0, tmp_path / "cache"), block=None), corpus).run()
     assert s.rounds_pushed == 4 and [c.state[k] for k in range(4)] == [BlockState.FINISHED] * 4
-    finals = [c.weights[k] for k in range(4)]
     for k in range(1, 4):
-        # version 0 of block k is the fresh block warm-started from block k-1's final weights
-        v0 = unpack(c.store.get_blob(c.store.q1(f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")
-                                     ["weights_blob"]))[0]
-        earlier = whole_blocks(obj, finals[:k])
-        expect = obj.build_block(k)
-        load_trainable(expect, fresh[k])
-        obj.inherit(expect, k, earlier, at_init=True)
-        assert all(torch.equal(v0[n], t) for n, t in trainable_state(expect).items())
-        # the worker's round on it, replayed locally on the frozen blocks with the frozen head of block k-1
-        upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='w' AND block={k} AND version=0")
-        seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='w' AND block={k} AND version=0")
-        got = decode_delta(unpack(c.store.get_blob(upd["blob"]))[0], Compression.NONE)
-        frozen = [obj.freeze(b, torch.float32) for b in earlier]
-        block = obj.build_block(k)
-        load_trainable(block, v0)
-        obj.inherit(block, k, earlier, at_init=False)
-        opt, _ = make_optimizer(block, VARIANT.train)
-        stream = TrainStream(corpus.open("train").data, VARIANT.model.context, VARIANT.train.batch_size, seed["seed"],
-                             stream=seed["stream"])
-        block.train()
-        for i in range(H):
-            out = obj.block_loss(block, k, *stream.batch(i), stream.generator(i, purpose=1), frozen)
-            optimizer_step(block, opt, out.loss, lr_at(i, replace(VARIANT.train, steps=H)), VARIANT.train.grad_clip)
-        for n, p in block.named_parameters():
-            if p.requires_grad:
-                torch.testing.assert_close(p.detach() - v0[n], got[n], rtol=1e-4, atol=1e-5)
+        replay_round_zero(c, "w", k, fresh[k], corpus)
     # the mirrored checkpoints hold the frozen heads: the run composes as the coordinator's blocks do
     model = AssembledModel.load(RunDir(tmp_path / "run"), precision=Precision.FP32)
-    local = AssembledModel(whole_blocks(obj, finals), VARIANT, Precision.FP32)
+    local = AssembledModel(whole_blocks(obj, [c.weights[k] for k in range(4)]), VARIANT, Precision.FP32)
     x = torch.randint(0, 256, (2, 16), dtype=torch.uint8)
     assert torch.equal(model.reference_log_probs(x), local.reference_log_probs(x))
     b3 = model.blocks[3]
     assert isinstance(b3, StackBlock) and b3.prev_head is not None
     c.close()
+
+
+def test_a_worker_waiting_on_a_block_trains_its_warm_start_not_the_stale_version_0(
+    tmp_path: Path, corpus: DataDir  # noqa: F811
+) -> None:
+    """Version 0 of a waiting block is replaced as it opens; the pinned worker that pulled the old one pulls again."""
+    c = coordinator(tmp_path / "run", corpus)
+    fresh = {n: t.clone() for n, t in c.weights[1].items()}
+    token = c.add_token("w1")
+    result: dict[str, WorkerSummary] = {}
+    with ThreadServer(c, background=False) as srv:
+        worker = Worker(worker_opts(srv.url, token, 1, tmp_path / "cache"), corpus)
+        thread = threading.Thread(target=lambda: result.update(summary=worker.run()), daemon=True)
+        thread.start()
+        wait_for(lambda: getattr(worker, "base_version", -1) == 0, 30, "w1 to pull block 1's version 0")
+        stale = worker.base_sha
+        finish_block(c, 0, "seed")  # block 1 opens, warm-started
+        assert c.weights_sha[1] != stale
+        thread.join(60)
+    assert result["summary"].rounds_pushed == 1
+    replay_round_zero(c, "w1", 1, fresh, corpus)
+    c.close()
+
+
+def test_the_coordinator_refuses_a_step_split(tmp_path: Path) -> None:
+    cfg = replace(VARIANT, stack=replace(VARIANT.stack, step_ratio=0.7))
+    with pytest.raises(ConfigError, match="--step-ratio 1"):
+        Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=1, fsync=False))

@@ -301,7 +301,9 @@ class RunConfig:
     def architecture_key(self) -> str:
         """JSON of the fields that must agree between blocks of one model: shapes, objective and its settings."""
         d = self.to_dict()
-        own = d["diffusion"] if self.objective is Objective.DIFFUSION else d["stack"]
+        # a stack's init and step split are how its blocks were trained, not what they are: never part of the key
+        recipe = ("init", "step_ratio")
+        own = d["diffusion"] if self.objective is Objective.DIFFUSION else {k: v for k, v in d["stack"].items() if k not in recipe}
         return json.dumps({"model": d["model"], "objective": self.objective.value, self.objective.value: own}, sort_keys=True)
 
     def with_train(self, **changes: Any) -> RunConfig:

@@ -61,6 +61,11 @@ def progressive_schedule(cfg: RunConfig, settings: CoordinatorSettings) -> bool:
         raise ConfigError(
             "a stack run opens block k only when block k-1 has finished its rounds; pass --rounds N (N > 0)"
         )
+    if cfg.stack.step_ratio != 1.0:
+        raise ConfigError(
+            f"the coordinator gives every block --rounds {settings.rounds} rounds; a step split across blocks "
+            f"(step_ratio {cfg.stack.step_ratio:g}) is for 'blocktrain train'. Pass --step-ratio 1"
+        )
     return True
 
 class BlockRounds:
@@ -181,6 +186,7 @@ class BlockRounds:
         self.objective.inherit(whole[k], k, whole[:k], at_init=True)
         w = trainable_state(whole[k])
         if all(torch.equal(w[n], self.weights[k][n]) for n in w):
+            self._save_checkpoint(k)  # its frozen heads now come from the finished blocks
             return
         payload = self._weights_payload(k, 0, w)
         digest = self.store.put_blob(payload)

@@ -111,7 +111,8 @@ class StackBlock(nn.Module):
         elif self.mix is not None:
             if inp.dim() != 4 or inp.shape[2] != self.mix.shape[0]:
                 raise ValueError(f"block {self.k} mixes {self.mix.shape[0]} stream states (b, t, m, d); got {tuple(inp.shape)}")
-            h = torch.einsum("btmd,m->btd", inp.float(), self.mix)  # (b, t, m, d) -> (b, t, d)
+            with torch.autocast(inp.device.type, enabled=False):  # the residual stream stays fp32
+                h = torch.einsum("btmd,m->btd", inp.float(), self.mix.float())  # (b, t, m, d) -> (b, t, d)
         else:
             h = inp.float()
         for layer in self.layers:

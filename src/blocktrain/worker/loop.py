@@ -110,6 +110,7 @@ class Worker:
         self.opt, _ = make_optimizer(self.block, self.cfg.train)
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
+        self.base_sha = ""  # sha256 of the base weights: the coordinator's weights_sha for the same version
         self.summary.block = self.k
         log.info("registered as %s on block %d (preset %s, %s objective)", reg["worker"], self.k, self.cfg.name,
                  self.cfg.objective.value)
@@ -141,6 +142,7 @@ class Worker:
     def _set_base(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.base = weights
         self.base_version = version
+        self.base_sha = tensors_sha256(weights)
         load_trainable(self.block, weights)
 
     # --- training ----------------------------------------------------------------
@@ -245,8 +247,8 @@ class Worker:
                     log.info("reassigned from block %d to %d", self.k, work["block"])
                     self._register()
                     continue
-                if int(work["version"]) != self.base_version:
-                    self._sync(work)
+                if int(work["version"]) != self.base_version or str(work["weights_sha"]) != self.base_sha:
+                    self._sync(work)  # a new version, or version 0 replaced by a warm start as the block opened
                     continue
                 if work.get("block_state") == "waiting" and not waiting:
                     log.info("%s", work.get("message") or f"block {self.k} is waiting for earlier blocks to finish")
