@@ -143,7 +143,8 @@ def measure(name: str, args: argparse.Namespace, e2e: E2ECache) -> dict[str, Any
         "stack_train_wall_s": wall, "stack_wall_s_per_block": [s["wall_s"] for s in sums],
         "e2e_train_wall_s": ref["train_wall_s"], "bytes_scored": ev["bytes_scored"],
         "command": "python " + shlex.join(["benchmarks/depth_ablation.py", "--preset", args.preset, "--rows", name,
-                                           "--max-bytes", str(args.max_bytes), *(["--extra", *args.extra] if args.extra else [])]),
+                                           "--max-bytes", str(args.max_bytes), "--e2e-share", f"{args.e2e_share:g}",
+                                           *(["--extra", *args.extra] if args.extra else [])]),
     }
 
 
@@ -201,7 +202,13 @@ def main() -> int:
     ap.add_argument("--jsonl", type=Path, default=None, help="append rows here; the table shows every row in the file")
     ap.add_argument("--sweep-e2e-lr", default=None, help="instead of rows: the E2E at --sweep-steps for each of these lrs")
     ap.add_argument("--sweep-steps", type=int, default=0, help="E2E steps of the lr sweep (a row's matched-FLOPs steps)")
+    ap.add_argument("--table-only", action="store_true", help="print the table of the rows in --jsonl; train nothing")
     args = ap.parse_args()
+    if args.table_only:
+        if not args.jsonl or not args.jsonl.is_file():
+            ap.error("--table-only reads the rows of an existing --jsonl file")
+        print(table([r for r in (json.loads(x) for x in args.jsonl.read_text().splitlines() if x.strip()) if "row" in r]))
+        return 0
     if args.sweep_e2e_lr:
         res = sweep_e2e_lr(args, args.sweep_steps, [float(x) for x in args.sweep_e2e_lr.split(",")])
         if args.jsonl:

@@ -69,7 +69,7 @@ def finish_block(c: Coordinator, k: int, name: str) -> None:
     """Close every round of block k with one small update from worker ``name`` (pinned to k)."""
     c.add_token(name)
     c.register(name, k)
-    for v in range(c.settings.rounds):
+    for v in range(c.block_rounds(k)):
         c.submit(name, k, pack_delta(delta_for(c, k, seed=v), Compression.BF16, block=k, base_version=v, samples=4))
     c.leave(name)
 

@@ -7,7 +7,6 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 import torch
 
 from blocktrain.checkpoint.run import RunDir
@@ -17,7 +16,6 @@ from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.model.stack import StackBlock
 from blocktrain.objectives import get_objective
@@ -112,7 +110,12 @@ def test_a_worker_waiting_on_a_block_trains_its_warm_start_not_the_stale_version
     c.close()
 
 
-def test_the_coordinator_refuses_a_step_split(tmp_path: Path) -> None:
-    cfg = replace(VARIANT, stack=replace(VARIANT.stack, step_ratio=0.7))
-    with pytest.raises(ConfigError, match="--step-ratio 1"):
-        Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=1, fsync=False))
+def test_a_step_split_gives_each_block_its_rounds(tmp_path: Path) -> None:
+    cfg = replace(VARIANT, stack=replace(VARIANT.stack, step_ratio=0.5), train=replace(VARIANT.train, steps=40))
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=8, fsync=False))
+    obj = get_objective(cfg)
+    rounds = [c.block_rounds(k) for k in range(4)]
+    assert rounds == [round(8 * obj.block_steps(k) / 40) for k in range(4)] and rounds[0] > rounds[3] >= 1
+    finish_block(c, 0, "seed")  # one update per round of block 0's own count
+    assert c.version[0] == rounds[0] and c.state[0] is BlockState.FINISHED and c.state[1] is BlockState.OPEN
+    c.close()

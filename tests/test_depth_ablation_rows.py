@@ -28,5 +28,5 @@ def test_every_row_builds_its_config_whatever_the_presets_recipe(name: str) -> N
 
 def test_the_stack_presets_carry_the_ablations_winner() -> None:
     for name in ("cpu-mini", "cpu-small", "cpu-small-long", "depth-proxy", "paper"):
-        assert get_preset(name).stack.init is StackInit.COPY
+        assert get_preset(name).stack.init is StackInit.COPY and get_preset(name).stack.step_ratio == 0.7
     assert get_preset("tiny").stack.init is StackInit.FRESH  # the test suite's preset keeps the dataclass default

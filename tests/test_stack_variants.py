@@ -29,6 +29,7 @@ VARIANTS = {
     "init-identity": StackConfig(init=StackInit.IDENTITY),
     "identity+residual": StackConfig(init=StackInit.IDENTITY, head=StackHead.RESIDUAL),
     "steps-front": StackConfig(step_ratio=0.7),
+    "copy+front": StackConfig(init=StackInit.COPY, step_ratio=0.7),  # the stack presets' recipe
     "dense-embed": StackConfig(dense=StackDense.EMBED),
     "dense-all": StackConfig(dense=StackDense.ALL),
 }
@@ -192,7 +193,7 @@ def test_serving_refuses_a_dense_stack_with_a_fix(tmp_path: Path, data_dir: Path
         load_run_span(RunDir(tmp_path / "run"), 0, 3)
 
 
-@pytest.mark.parametrize("name", ["init-identity", "head-residual", "steps-front", "dense-all"])
+@pytest.mark.parametrize("name", ["init-identity", "head-residual", "copy+front", "dense-all"])
 def test_progressive_variant_trains_round_trips_and_composes(name: str, tmp_path: Path, data_dir: Path) -> None:
     cfg = variant_cfg(VARIANTS[name], steps=8, eval_bytes=0, checkpoint_every=4)
     dd = open_data_dir(data_dir)

@@ -61,11 +61,6 @@ def progressive_schedule(cfg: RunConfig, settings: CoordinatorSettings) -> bool:
         raise ConfigError(
             "a stack run opens block k only when block k-1 has finished its rounds; pass --rounds N (N > 0)"
         )
-    if cfg.stack.step_ratio != 1.0:
-        raise ConfigError(
-            f"the coordinator gives every block --rounds {settings.rounds} rounds; a step split across blocks "
-            f"(step_ratio {cfg.stack.step_ratio:g}) is for 'blocktrain train'. Pass --step-ratio 1"
-        )
     return True
 
 class BlockRounds:
@@ -206,9 +201,15 @@ class BlockRounds:
         return live
 
 
-    def finished(self) -> bool:
+    def block_rounds(self, k: int) -> int:
+        """Rounds of block k: --rounds, split across blocks as the objective splits its steps (0: no limit)."""
         r = self.settings.rounds
-        return r > 0 and all(self.version[k] >= r for k in range(self.n_blocks))
+        if r <= 0 or self.cfg.train.steps <= 0:
+            return r
+        return max(1, round(r * self.objective.block_steps(k) / self.cfg.train.steps))
+
+    def finished(self) -> bool:
+        return self.settings.rounds > 0 and all(self.version[k] >= self.block_rounds(k) for k in range(self.n_blocks))
 
     # --- weights ---------------------------------------------------------------
     def weights_bytes(self, k: int) -> tuple[int, bytes]:
@@ -239,7 +240,7 @@ class BlockRounds:
             if state is not BlockState.FINISHED:
                 raise ProtocolError(
                     409, f"block {k} is {state.value}, not finished; only a finished block is served as a frozen input "
-                    f"(it finishes after {self.settings.rounds} rounds); wait and retry, see GET /v1/status", "not_finished",
+                    f"(it finishes after {self.block_rounds(k)} rounds); wait and retry, see GET /v1/status", "not_finished",
                 )
             v, sha = self.version[k], self.weights_sha[k]
             if k not in self._frozen_payload:
@@ -259,8 +260,9 @@ class BlockRounds:
         """What a worker on block k should know about its state ('' while it is open)."""
         state = self.state[k]
         if state is BlockState.WAITING:
-            return (f"block {k} is waiting: it opens once blocks 0..{k - 1} have finished their {self.settings.rounds} "
-                    f"rounds; this worker waits until then (omit --block to be assigned an open block)")
+            rounds = ", ".join(str(self.block_rounds(j)) for j in range(k))
+            return (f"block {k} is waiting: it opens once blocks 0..{k - 1} have finished their rounds ({rounds}); "
+                    f"this worker waits until then (omit --block to be assigned an open block)")
         if state is BlockState.FINISHED:
             return f"block {k} has finished its rounds; it takes no more updates"
         return ""
@@ -328,7 +330,7 @@ class BlockRounds:
         with s.tx():
             s.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
             s.close_round(k, v, now, reason)  # its updates are applied
-            if cfg.rounds and v + 1 >= cfg.rounds:
+            if cfg.rounds and v + 1 >= self.block_rounds(k):
                 s.finish_round(k, v + 1, now)
                 changed[k] = BlockState.FINISHED
                 nxt = k + 1

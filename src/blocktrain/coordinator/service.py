@@ -119,7 +119,7 @@ class Coordinator(BlockRounds):
                 "message": message,
                 "config": self.cfg.to_json(),
                 "lease_seconds": self.settings.lease_seconds,
-                "rounds": self.settings.rounds,
+                "rounds": self.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
                 "n_blocks": self.n_blocks,
             }
 
