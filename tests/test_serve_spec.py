@@ -37,7 +37,7 @@ CHI2_7DOF_99_99 = 29.88  # the 0.9999 quantile of chi-square with 7 degrees of f
 
 @pytest.fixture(scope="module")
 def stack_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return train_stack_run(tmp_path_factory.mktemp("spec"), steps=30)
+    return train_stack_run(tmp_path_factory.mktemp("spec"), steps=80)
 
 
 # --- the acceptance rule ----------------------------------------------------------------

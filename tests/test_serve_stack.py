@@ -32,7 +32,8 @@ BF16_TOL = 0.1  # bf16 autocast: cached single-position steps round differently 
 
 
 def train_stack_run(root: Path, steps: int = 30, head_layers: int = 0) -> Path:
-    cfg = replace(tiny(), objective=Objective.STACK).with_train(steps=steps, eval_bytes=0)
+    # fp32 pinned: the fixture's model (and whether its prefixes draft well) must not depend on the CPU's bf16
+    cfg = replace(tiny(), objective=Objective.STACK).with_train(steps=steps, eval_bytes=0, precision=Precision.FP32)
     cfg = replace(cfg, stack=replace(cfg.stack, head_layers=head_layers))
     data = open_data_dir(write_data_dir(root / "data"))
     for k in range(cfg.model.n_blocks):
