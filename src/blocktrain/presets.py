@@ -36,7 +36,8 @@ def stack_recipe() -> StackConfig:
 
     The winner of issue 18's ablation on validation (benchmarks/results/depth-ablation.md, depth-proxy preset,
     test figures): composed CE 1.701 -> 1.533, gain over the first prefix +0.088 -> +0.118, gap to the E2E at
-    matched FLOPs +0.075 -> -0.092. Copy alone: 1.605 (gain +0.184); the step split alone: 1.604 (gain +0.048).
+    matched FLOPs +0.075 -> -0.092 at the shared lr 2e-3 (+0.036 against the E2E at the best lr found, 8e-3).
+    Copy alone: 1.605 (gain +0.184); the step split alone: 1.604 (gain +0.048).
     The dataclass defaults stay ``fresh`` and 1.0, which is what runs written before it used.
     """
     return StackConfig(init=StackInit.COPY, step_ratio=0.7)
