@@ -263,6 +263,10 @@ async def serve_forever(c: Coordinator, host: str, port: int, cert: str | None, 
     server = uvicorn.Server(config)
     log.info("coordinator listening on %s://%s:%d", "https" if cert else "http", host, port)
     await server.serve()
+    if getattr(server, "_captured_signals", None):
+        # Stopped by a signal. uvicorn re-raises it after shutdown, but asyncio.run's own SIGINT handler can
+        # miss it once the task has finished, and the run would then end as if nothing had stopped it.
+        raise KeyboardInterrupt
 
 
 def run_server(c: Coordinator, host: str, port: int, cert: str | None = None, key: str | None = None) -> None:
