@@ -46,13 +46,12 @@ class FrozenHead(nn.Module):
     @torch.no_grad()
     def load_from(self, block: StackBlock) -> None:
         """Copy ``block``'s head (its layers, LayerNorm, Linear and own frozen head) into this one."""
-        for mine, theirs in ((self.layers, block.head_layers), (self.ln_f, block.ln_f), (self.head, block.head)):
-            for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
-                p.copy_(q.float())
+        pairs: list[tuple[nn.Module, nn.Module]] = [(self.layers, block.head_layers), (self.ln_f, block.ln_f),
+                                                    (self.head, block.head)]
         if self.prev is not None:
             assert block.prev_head is not None
-            for p, q in zip(self.prev.parameters(), block.prev_head.parameters(), strict=True):
-                p.copy_(q.float())
+            pairs.append((self.prev, block.prev_head))
+        copy_parameters(pairs)
 
 
 class StackBlock(nn.Module):
@@ -152,9 +151,15 @@ class StackBlock(nn.Module):
             pairs += [(self.ln_f, other.ln_f), (self.head, other.head)]
             if len(self.head_layers) == len(other.head_layers):
                 pairs.append((self.head_layers, other.head_layers))
-        for mine, theirs in pairs:
-            for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
-                p.copy_(q.float())
+        copy_parameters(pairs)
+
+
+@torch.no_grad()
+def copy_parameters(pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Copy each source module's parameters into its destination (same structure), as fp32."""
+    for mine, theirs in pairs:
+        for p, q in zip(mine.parameters(), theirs.parameters(), strict=True):
+            p.copy_(q.float())
 
 
 def frozen_copy(block: StackBlock, dtype: torch.dtype = torch.bfloat16) -> StackBlock:
