@@ -161,7 +161,8 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--precision", default=None, choices=[p.value for p in Precision],
                    help="forward/backward arithmetic (default: the run's, bf16 where the device supports it)")
     s.add_argument("--device", default="auto", help="where to train: auto (cuda if available), cpu, cuda or cuda:N")
-    s.add_argument("--compress", default="bf16", choices=["bf16", "int8", "none"], help="delta encoding")
+    s.add_argument("--compress", default="int8", choices=["bf16", "int8", "none"],
+                   help="delta encoding; lossy ones carry the quantisation residual into the next push (error feedback)")
     s.add_argument("--frozen-cache", default="~/.cache/blocktrain/frozen",
                    help="directory for the finished earlier blocks a stack block reads (downloaded once, hash-checked)")
     s.add_argument("--data", default=None, help="data directory")

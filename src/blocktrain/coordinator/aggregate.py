@@ -13,18 +13,28 @@ g = -Delta_bar,
 * ``average``:   step = eta * Delta_bar (eta = 1: plain averaging)
 * ``nesterov``:  m <- mu m + g;  step = -eta (g + mu m)
 
-The published step is rounded to bfloat16, and both coordinator and workers
-compute W_{v+1} = W_v + float32(step_bf16)
+The published step is encoded like a delta (:mod:`blocktrain.protocol.delta`:
+int8 by default, with the coordinator's own error feedback), and both
+coordinator and workers compute W_{v+1} = W_v + decode(step)
 (:func:`blocktrain.protocol.weights.apply_step`), so they hold bit-identical
-weights while the pull costs half the block's fp32 size. The choices
-(:class:`.settings.Aggregation`, :class:`.settings.OuterOptimizer`) are settings.
+weights while the pull costs a quarter of the block's fp32 size. The choices
+(:class:`.settings.Aggregation`, :class:`.settings.OuterOptimizer`, the step's
+encoding) are settings. :func:`next_version` is one whole round close, pure: the
+coordinator and its in-process reference (:mod:`.simulate`) both call it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta
+from blocktrain.protocol.weights import apply_step
+
+MOMENTUM_PREFIX = "momentum/"  # durable outer state: momentum buffer tensor names
+RESIDUAL_PREFIX = "residual/"  # durable outer state: the step encoder's error-feedback residual
 
 
 def aggregate(
@@ -74,15 +84,65 @@ def outer_step(
     momentum: float,
     buf: dict[str, torch.Tensor] | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """Return (bf16 step to publish, new momentum buffer)."""
+    """Return (float32 step, new momentum buffer): DiLoCo's outer step (Douillard et al. 2023, Alg. 1)."""
     if method is OuterOptimizer.AVERAGE:
-        return {n: (lr * d).to(torch.bfloat16) for n, d in delta_bar.items()}, None
+        return {n: lr * d for n, d in delta_bar.items()}, None
     new_buf: dict[str, torch.Tensor] = {}
     step: dict[str, torch.Tensor] = {}
     for n, d in delta_bar.items():
         g = -d
         m = g.clone() if buf is None else momentum * buf[n] + g
         new_buf[n] = m
-        step[n] = (-lr * (g + momentum * m)).to(torch.bfloat16)
+        step[n] = -lr * (g + momentum * m)
     return step, new_buf
+
+
+@dataclass
+class OuterState:
+    """What the outer step carries from one round of a block to the next (persisted with each version)."""
+
+    momentum: dict[str, torch.Tensor] | None = None  # Nesterov buffer m (None: none yet, or plain averaging)
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)  # the step encoder's error-feedback residual
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat, prefixed tensors for a safetensors blob (empty: nothing to persist)."""
+        out = {MOMENTUM_PREFIX + n: t for n, t in (self.momentum or {}).items()}
+        out.update({RESIDUAL_PREFIX + n: t for n, t in self.residual.items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> OuterState:
+        """Inverse of :meth:`tensors`; a blob of unprefixed names is a momentum buffer (format before residuals)."""
+        if not any(n.startswith((MOMENTUM_PREFIX, RESIDUAL_PREFIX)) for n in tensors):
+            return cls(momentum=dict(tensors) or None)
+        m = {n[len(MOMENTUM_PREFIX):]: t for n, t in tensors.items() if n.startswith(MOMENTUM_PREFIX)}
+        r = {n[len(RESIDUAL_PREFIX):]: t for n, t in tensors.items() if n.startswith(RESIDUAL_PREFIX)}
+        return cls(momentum=m or None, residual=r)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    weights: dict[str, torch.Tensor]  # W_{v+1}
+    step: dict[str, torch.Tensor]  # the encoded step as published (wire tensors)
+    state: OuterState  # carried to the next round
+
+
+def next_version(
+    weights: dict[str, torch.Tensor],
+    deltas: list[dict[str, torch.Tensor]],
+    samples: list[int],
+    settings: CoordinatorSettings,
+    state: OuterState,
+) -> RoundResult:
+    """Close one round: aggregate, outer step, encode the step with error feedback, apply it.
+
+    W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step.
+    """
+    delta_bar = aggregate(deltas, samples, settings.aggregation, settings.trim_fraction)
+    step, buf = outer_step(delta_bar, settings.outer, settings.outer_lr, settings.outer_momentum, state.momentum)
+    codec = ErrorFeedback(settings.step_compression, state.residual)
+    wire = codec.encode(step)
+    new = apply_step(weights, decode_delta(wire, settings.step_compression))
+    lossless = settings.step_compression is Compression.NONE
+    return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual))
 

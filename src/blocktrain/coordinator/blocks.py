@@ -33,7 +33,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import pack, save_file, tensors_sha256, unpack
 from blocktrain.config import Objective as ObjectiveKind
 from blocktrain.config import RunConfig, Schedule
-from blocktrain.coordinator.aggregate import aggregate, outer_step
+from blocktrain.coordinator.aggregate import OuterState, next_version
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import Store
@@ -43,7 +43,7 @@ from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import whole_blocks
 from blocktrain.protocol.delta import Compression, decode_delta
-from blocktrain.protocol.weights import apply_step, block_schema, trainable_state
+from blocktrain.protocol.weights import block_schema, trainable_state
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class BlockRounds:
         self.weights_payload: dict[int, bytes] = {}
         self.weights_sha: dict[int, str] = {}
         self.version: dict[int, int] = {}
-        self.momentum: dict[int, dict[str, torch.Tensor] | None] = {}
+        self.outer: dict[int, OuterState] = {}  # momentum and step residual carried between rounds
         self.norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in range(self.n_blocks)}
         self.state: dict[int, BlockState] = {}
         self._frozen_payload: dict[int, bytes] = {}  # finished block -> its frozen download (built once)
@@ -134,7 +134,7 @@ class BlockRounds:
             w, _ = unpack(payload, source=f"block {k} version {v}")
             self._set_weights(k, v, w, payload)
             if row["momentum_blob"]:
-                self.momentum[k] = unpack(s.get_blob(row["momentum_blob"]), source="momentum")[0]
+                self.outer[k] = OuterState.from_tensors(unpack(s.get_blob(row["momentum_blob"]), source="outer state")[0])
             for norm in s.recent_norms(k, self.settings.norm_history):  # newest first
                 self.norms[k].appendleft(norm)
             self.state[k] = self._resumed_state(k, v, now)
@@ -164,7 +164,7 @@ class BlockRounds:
         self.version[k] = v
         self.weights_payload[k] = payload
         self.weights_sha[k] = tensors_sha256(w)
-        self.momentum.setdefault(k, None)
+        self.outer.setdefault(k, OuterState())
 
     def _save_checkpoint(self, k: int) -> None:
         """Mirror the current weights as an ordinary block checkpoint, so 'blocktrain eval RUN' works."""
@@ -311,16 +311,17 @@ class BlockRounds:
             deltas.append(decode_delta(tensors, Compression(r["compression"])))
             samples.append(int(r["samples"]))
         cfg = self.settings
-        delta_bar = aggregate(deltas, samples, cfg.aggregation, cfg.trim_fraction)
-        step, buf = outer_step(delta_bar, cfg.outer, cfg.outer_lr, cfg.outer_momentum, self.momentum.get(k))
-        w = apply_step(self.weights[k], step)
+        result = next_version(self.weights[k], deltas, samples, cfg, self.outer.get(k) or OuterState())
+        w = result.weights
         payload = self._weights_payload(k, v + 1, w)
         w_digest = s.put_blob(payload)
         sha = tensors_sha256(w)
         step_digest = s.put_blob(
-            pack(step, {"kind": "step", "block_index": str(k), "from_version": str(v), "weights_sha": sha})
+            pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v), "weights_sha": sha,
+                               "compression": cfg.step_compression.value})
         )
-        m_digest = s.put_blob(pack(buf, {"kind": "momentum", "block_index": str(k)})) if buf is not None else None
+        carried = result.state.tensors()
+        m_digest = s.put_blob(pack(carried, {"kind": "outer_state", "block_index": str(k)})) if carried else None
         slowest = max(float(r["arrival_s"]) for r in rows)
         seconds = cfg.round_seconds
         changed: dict[int, BlockState] = {}
@@ -343,7 +344,7 @@ class BlockRounds:
             else:
                 s.open_round(k, v + 1, now, now + seconds)
         self._set_weights(k, v + 1, w, payload)
-        self.momentum[k] = buf
+        self.outer[k] = result.state
         self._save_checkpoint(k)
         if warm is not None:
             self._warm_start(warm)

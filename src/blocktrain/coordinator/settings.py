@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from blocktrain.errors import ConfigError
+from blocktrain.protocol.delta import Compression
 
 
 class Aggregation(enum.Enum):
@@ -65,6 +66,7 @@ class CoordinatorSettings:
     outer: OuterOptimizer = OuterOptimizer.AVERAGE  # outer step
     outer_lr: float = 1.0  # eta of the outer step
     outer_momentum: float = 0.9  # mu of Nesterov
+    step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
     gate_tolerance: float | None = None  # reject if block loss on a held-out batch rises by more (nats)
     gate_batch: int = 8  # sequences in the gate's held-out batch
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)

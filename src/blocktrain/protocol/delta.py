@@ -5,7 +5,13 @@ A delta is ``Delta = W_local - W_v`` against the published version v, encoded as
 * ``none``: float32 tensors, one per parameter;
 * ``bf16``: bfloat16 tensors (half the bytes; the default);
 * ``int8``: int8 tensors q with a float32 scalar ``NAME@scale`` s each,
-  Delta ~= s * q with s = max|Delta| / 127.
+  Delta ~= s * q with s = max|Delta| / 127 (the default: a quarter of the bytes).
+
+A lossy encoding carries *error feedback* (:class:`ErrorFeedback`; Seide et al.
+2014, Karimireddy et al. 2019, "EF-SGD" eq. 4): the sender keeps the residual
+e_t = (Delta_t + e_{t-1}) - decode(encode(Delta_t + e_{t-1})) and adds it to its
+next update, so nothing the quantiser drops is lost, only delayed. The same codec
+and feedback encode the coordinator's published outer step.
 
 Only trainable parameters travel (:func:`blocktrain.protocol.weights.block_schema`).
 Everything is a safetensors payload made by :func:`blocktrain.checkpoint.pack`
@@ -78,6 +84,30 @@ def decode_delta(tensors: dict[str, torch.Tensor], compression: Compression) -> 
     }
 
 
+class ErrorFeedback:
+    """The sender's quantisation residual e, carried from one encoded update to the next.
+
+    ``encode(Delta)`` sends q = encode(Delta + e) and keeps e <- (Delta + e) - decode(q)
+    exactly (float32). ``reset()`` drops e, e.g. when the sender moves to another block.
+    Durable senders persist :attr:`residual` with their other state.
+    """
+
+    def __init__(self, compression: Compression, residual: dict[str, torch.Tensor] | None = None) -> None:
+        self.compression = compression
+        self.residual: dict[str, torch.Tensor] = dict(residual or {})
+
+    def encode(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Wire tensors for ``delta`` plus the carried residual; updates the residual."""
+        corrected = {n: d.float() + self.residual[n] if n in self.residual else d.float() for n, d in delta.items()}
+        wire = encode_delta(corrected, self.compression)
+        sent = decode_delta(wire, self.compression)
+        self.residual = {n: (corrected[n] - sent[n]).contiguous() for n in corrected}
+        return wire
+
+    def reset(self) -> None:
+        self.residual = {}
+
+
 def delta_norm(delta: dict[str, torch.Tensor]) -> float:
     """Global L2 norm ||Delta||_2 over all tensors."""
     return math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
@@ -90,8 +120,9 @@ def pack_delta(
     block: int,
     base_version: int,
     samples: int,
+    feedback: ErrorFeedback | None = None,
 ) -> bytes:
-    """A worker's update as safetensors bytes."""
+    """A worker's update as safetensors bytes (with ``feedback``: plus its carried residual, which it updates)."""
     meta = {
         "kind": "delta",
         "block_index": str(block),
@@ -99,4 +130,7 @@ def pack_delta(
         "samples": str(samples),
         "compression": compression.value,
     }
-    return pack(encode_delta(delta, compression), meta)
+    if feedback is not None and feedback.compression is not compression:
+        raise ValueError(f"error feedback for {feedback.compression.value} cannot encode {compression.value}")
+    wire = feedback.encode(delta) if feedback is not None else encode_delta(delta, compression)
+    return pack(wire, meta)

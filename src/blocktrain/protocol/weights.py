@@ -2,9 +2,9 @@
 
 Only *trainable* parameters travel; the frozen target embedding E is rebuilt
 from ``embed_seed`` on each side and never sent. The coordinator publishes the
-outer step rounded to bfloat16, and both coordinator and workers compute
-``W_{v+1} = W_v + float32(step_bf16)`` with :func:`apply_step`, so they hold
-bit-identical weights.
+encoded outer step (:mod:`blocktrain.protocol.delta`), and both coordinator and
+workers compute ``W_{v+1} = W_v + decode(step)`` with :func:`apply_step` on the
+decoded float32 step, so they hold bit-identical weights.
 """
 
 from __future__ import annotations
@@ -32,5 +32,5 @@ def block_schema(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def apply_step(weights: dict[str, torch.Tensor], step: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """W_{v+1} = W_v + float32(step); the same code runs on both sides of the wire."""
+    """W_{v+1} = W_v + step (the decoded float32 step); the same code runs on both sides of the wire."""
     return {n: (w + step[n].float()).contiguous() for n, w in weights.items()}

@@ -34,7 +34,7 @@ from blocktrain.device import autocast, resolve_device, resolve_precision
 from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
-from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.client import CoordinatorClient
@@ -49,7 +49,7 @@ class WorkerOptions:
     token: str  # bearer token of this worker
     block: int | None = None  # pin to block K (else the coordinator assigns one)
     local_steps: int = 50  # H: optimiser steps per round
-    compression: Compression = Compression.BF16  # delta encoding on the wire
+    compression: Compression = Compression.INT8  # delta encoding on the wire (lossy ones carry error feedback)
     progress: bool = True  # per-round progress bar
     poll_s: float = 0.5  # wait between polls while a round is closing
     give_up_s: float = 600.0  # stop retrying an unreachable coordinator after this long
@@ -108,6 +108,7 @@ class Worker:
         self.block = self.objective.build_block(self.k).to(self.device)
         self.shapes = block_schema(self.block)
         self.opt, _ = make_optimizer(self.block, self.cfg.train)
+        self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
         self.base_sha = ""  # sha256 of the base weights: the coordinator's weights_sha for the same version
@@ -126,13 +127,17 @@ class Worker:
         if self.base is not None and v == self.base_version + 1:
             try:
                 tensors, meta = unpack(self.client.step(self.k, self.base_version), source="step")
-                if set(tensors) == set(self.shapes):
-                    new = apply_step(self.base, tensors)
+                encoding = Compression(meta.get("compression", Compression.BF16.value))
+                schema = wire_schema(self.shapes, encoding)
+                if {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()} == {
+                    n: (spec.shape, spec.dtype) for n, spec in schema.items()
+                }:
+                    new = apply_step(self.base, decode_delta(tensors, encoding))
                     if tensors_sha256(new) == sha:
                         self._set_base(new, v)
                         return
                 log.warning("block %d: step to v%d does not reproduce the published weights; pulling them", self.k, v)
-            except (ProtocolError, CheckpointError) as exc:
+            except (ProtocolError, CheckpointError, ValueError) as exc:
                 log.warning("block %d: could not apply the step to v%d (%s); pulling full weights", self.k, v, exc)
         tensors, meta = unpack(self.client.weights(self.k), source="weights")
         if meta.get("block_index") != str(self.k) or {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
@@ -204,7 +209,7 @@ class Worker:
         delta = {n: local[n] - self.base[n] for n in self.base}
         samples = self.opts.local_steps * self.cfg.train.batch_size
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
-                             samples=samples)
+                             samples=samples, feedback=self.feedback)
         try:
             self.client.push(self.k, payload)
             self.summary.rounds_pushed += 1

@@ -1,0 +1,152 @@
+"""The coordinator's rounds in one process: the local reference of decentralised training.
+
+M replicas of block k train DiLoCo-style (Douillard et al. 2023, Alg. 1) exactly as
+M workers would against a coordinator, without HTTP, storage or processes:
+
+* every replica starts round v from the published W_v and takes H AdamW steps on
+  the stream the coordinator hands worker i for (k, v) (``mix_seed(i, k, v)``), with
+  the block's lr schedule over ``rounds x H`` steps; its AdamW state persists
+  across rounds (:mod:`blocktrain.worker.loop`);
+* it pushes Delta_i = W_i - W_v encoded with error feedback
+  (:func:`blocktrain.protocol.delta.pack_delta`);
+* the round closes with :func:`.aggregate.next_version`, the function the
+  coordinator calls, and the replicas apply the decoded published step.
+
+Bytes are the real payloads' sizes (safetensors, headers included). Used by the
+averaging study (``benchmarks/averaging_study.py``) and by tests that compare the
+distributed run with this reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from blocktrain.checkpoint.safetensors_io import pack, unpack
+from blocktrain.config import RunConfig
+from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.validate import parse_update
+from blocktrain.data.dataset import ByteSplit
+from blocktrain.data.stream import TrainStream, init_seed, mix_seed
+from blocktrain.device import autocast, resolve_precision
+from blocktrain.errors import ConfigError
+from blocktrain.objectives import get_objective
+from blocktrain.progress import progress_bar
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
+from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
+from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+
+log = logging.getLogger(__name__)
+
+# An update a replica may rewrite before it is pushed: (replica index, round, honest delta) -> delta to push.
+Tamper = Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LocalRounds:
+    workers: int = 6  # M: replicas of the block
+    local_steps: int = 25  # H: inner steps per round
+    steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
+    compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
+    batch_size: int = 0  # sequences per inner step (0: the run config's)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
+            raise ConfigError("workers and local_steps must be >= 1 and batch_size >= 0")
+        if self.steps < self.local_steps or self.steps % self.local_steps:
+            raise ConfigError(f"steps ({self.steps}) must be a positive multiple of local_steps ({self.local_steps})")
+
+    @property
+    def rounds(self) -> int:
+        return self.steps // self.local_steps
+
+
+@dataclass
+class LocalRun:
+    block: nn.Module  # replica 0's module holding the final published weights
+    weights: dict[str, torch.Tensor]  # final published W
+    push_bytes: list[int] = field(default_factory=list)  # every pushed payload's size
+    pull_bytes: list[int] = field(default_factory=list)  # every published step payload's size (one per round)
+    wall_s: float = 0.0  # seconds of the whole simulation
+
+    def bytes_per_worker_round(self) -> float:
+        """Mean bytes one replica moves per round: its push plus the step it pulls."""
+        rounds = len(self.pull_bytes)
+        return sum(self.push_bytes) / max(1, len(self.push_bytes)) + sum(self.pull_bytes) / max(1, rounds)
+
+
+def run_local_rounds(
+    cfg: RunConfig,
+    settings: CoordinatorSettings,
+    opts: LocalRounds,
+    train: ByteSplit,
+    *,
+    k: int = 0,
+    frozen: Sequence[nn.Module] = (),
+    tamper: Tamper | None = None,
+    progress: bool = False,
+) -> LocalRun:
+    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring."""
+    objective = get_objective(cfg)
+    if len(frozen) != objective.frozen_inputs(k):
+        raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
+    tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)
+    schedule = replace(tc, steps=opts.rounds * opts.local_steps)  # the worker's: rounds x H
+    torch.manual_seed(init_seed(cfg.train.seed, k))  # the coordinator's version 0
+    replicas = [objective.build_block(k)]
+    W = trainable_state(replicas[0])
+    shapes = block_schema(replicas[0])
+    for _ in range(opts.workers - 1):
+        replicas.append(objective.build_block(k))
+    optimisers = [make_optimizer(r, tc)[0] for r in replicas]
+    feedback = [ErrorFeedback(opts.compression) for _ in replicas]
+    state = OuterState()
+    precision = resolve_precision(tc.precision, torch.device("cpu"))
+    run = LocalRun(replicas[0], W)
+    t0 = time.perf_counter()
+    bar = progress_bar(total=opts.rounds, desc=f"block {k} x{opts.workers} H={opts.local_steps}", unit="round",
+                       disable=not progress, dynamic_ncols=True)
+    for v in range(opts.rounds):
+        deltas, samples = [], []
+        for i, (block, opt) in enumerate(zip(replicas, optimisers, strict=True)):
+            load_trainable(block, W)
+            block.train()
+            stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
+                                 stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
+            for j in range(opts.local_steps):
+                x, y = stream.batch(j)
+                with autocast(precision, x.device):
+                    out = objective.block_loss(block, k, x, y, stream.generator(j, purpose=1), frozen)
+                optimizer_step(block, opt, out.loss, lr_at(v * opts.local_steps + j, schedule), tc.grad_clip)
+            local = trainable_state(block)
+            delta = {n: local[n] - W[n] for n in W}
+            if tamper is not None:
+                delta = tamper(i, v, delta)
+            body = pack_delta(delta, opts.compression, block=k, base_version=v,
+                              samples=opts.local_steps * tc.batch_size, feedback=feedback[i])
+            run.push_bytes.append(len(body))
+            parsed = parse_update(body, k, shapes)  # what the coordinator decodes
+            deltas.append(parsed.delta)
+            samples.append(parsed.samples)
+        result = next_version(W, deltas, samples, settings, state)
+        step_body = pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v),
+                                       "compression": settings.step_compression.value})
+        run.pull_bytes.append(len(step_body))
+        published, _ = unpack(step_body, source="step")
+        decoded = decode_delta(published, settings.step_compression)
+        W = {n: (w + decoded[n]).contiguous() for n, w in W.items()}
+        if any(not torch.equal(W[n], result.weights[n]) for n in W):  # pragma: no cover - would break exactness
+            raise AssertionError("the decoded published step does not reproduce the coordinator's weights")
+        state = result.state
+        bar.update(1)
+    bar.close()
+    load_trainable(replicas[0], W)
+    run.weights = W
+    run.wall_s = time.perf_counter() - t0
+    return run
