@@ -83,7 +83,7 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
                        batch_size=cfg.train.batch_size * spec["batch_x"])
     data = resolve_data_dir(args.data)
     torch.set_num_threads(args.threads)
-    run = run_local_rounds(cfg, settings, opts, data.open("train"), progress=not args.no_progress)
+    run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress)
     objective = get_objective(cfg)
     run.block.eval()
 
@@ -94,6 +94,7 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
         score = score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=args.eval_bytes)
     fp32 = sum(4 * w.numel() for w in run.weights.values())
     per_round = run.bytes_per_worker_round()
+    raw = run.bytes_per_worker_round(wire=False)
     return {
         "row": name, "preset": cfg.name, "block": 0, "workers": spec["workers"], "h": h, "rounds": opts.rounds,
         "steps_per_worker": args.steps, "batch_size": opts.batch_size,
@@ -103,6 +104,7 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
         "ce_nats_per_byte": score.ce_nats_per_byte, "eval_split": "test", "eval_bytes": score.bytes_scored,
         "block_fp32_bytes": fp32, "bytes_per_worker_round": per_round,
         "round_traffic_over_block_fp32": per_round / fp32 if spec["workers"] > 1 else None,
+        "raw_round_traffic_over_block_fp32": raw / fp32 if spec["workers"] > 1 else None,  # safetensors, not deflated
         "bytes_per_worker_total": per_round * opts.rounds, "wall_s": run.wall_s,
         "command": f"{command} --rows {name}",
     }
@@ -112,17 +114,26 @@ def _f(x: float | None, fmt: str = ".4f") -> str:
     return "—" if x is None else format(x, fmt)
 
 
+def _traffic(r: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(raw, deflated) round traffic over the block's fp32 size; rows measured before deflate hold raw only."""
+    if "raw_round_traffic_over_block_fp32" in r:
+        return r["raw_round_traffic_over_block_fp32"], r["round_traffic_over_block_fp32"]
+    return r["round_traffic_over_block_fp32"], None
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     ref = next((r["ce_nats_per_byte"] for r in rows if r["row"] == "ref-b96"), None)
-    head = ("| row | M | H | outer | lr | mu | push/step | CE (test) | gap to batch-96 | traffic / block fp32 per round "
-            "| MB per worker | wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| row | M | H | outer | lr | mu | push/step | CE (test) | gap to batch-96 "
+            "| round traffic / block fp32: raw | deflated | MB per worker | wall s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         gap = None if ref is None else r["ce_nats_per_byte"] - ref
+        raw, wire = _traffic(r)
         lines.append(
             f"| {r['row']} | {r['workers']} | {r['h']} | {r['outer']} | {r['outer_lr']} | {_f(r['outer_momentum'], '.1f')} "
             f"| {r['push']}/{r['step']} | {r['ce_nats_per_byte']:.4f} | {_f(gap, '+.4f')} "
-            f"| {_f(r['round_traffic_over_block_fp32'], '.3f')} | {r['bytes_per_worker_total'] / 1e6:.1f} | {r['wall_s']:.0f} |"
+            f"| {_f(raw, '.3f')} | {_f(wire, '.3f')} | {r['bytes_per_worker_total'] / 1e6:.1f} | {r['wall_s']:.0f} |"
         )
     return "\n".join(lines)
 

@@ -25,13 +25,14 @@ def traffic(out: Path, status: dict[str, Any]) -> dict[str, Any]:
         summary = _load(summary_path) if summary_path.exists() else {}
         pushed = max(1, int(summary.get("rounds_pushed", w["updates_accepted"])))
         push = w["bytes_in"] / pushed  # the delta bodies (+ tiny JSON requests)
-        # pulls: one full fp32 weights download at start, then one bf16 step per closed round (+ JSON polls)
+        # pulls: one full fp32 weights download at start, then one encoded step per closed round (+ JSON polls)
         pull = (w["bytes_out"] - block) / max(1, pushed - 1)
         per_worker.append({
             "worker": w["name"],
             "block": w["block"],
             "rounds_pushed": summary.get("rounds_pushed"),
             "rounds_stale": summary.get("rounds_stale"),
+            "rounds_cut": summary.get("rounds_cut"),  # pushed early, before H steps, because the deadline was near
             "bytes_in": w["bytes_in"],
             "bytes_out": w["bytes_out"],
             "push_bytes_per_round": push,

@@ -10,12 +10,14 @@ Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
     POST /v1/leave                   give the lease back (clean shutdown)
     GET  /v1/work                    block, version, data stream, deadline
     GET  /v1/blocks/{k}/weights      safetensors: the current weights of block k
-    GET  /v1/blocks/{k}/steps/{v}    safetensors: the bf16 step from version v to v+1
+    GET  /v1/blocks/{k}/steps/{v}    safetensors: the encoded step from version v to v+1 (deflated on the
+                                     wire when the client accepts it)
     GET  /v1/blocks/{k}/frozen       safetensors: the final weights of finished block k (409 before),
                                      the frozen input of later stack blocks; headers X-Block-Version, X-Weights-Sha
-    POST /v1/blocks/{k}/updates      safetensors body: a delta against the current version
+    POST /v1/blocks/{k}/updates      safetensors body: a delta against the current version (may be sent
+                                     with Content-Encoding: deflate; inflated under the body cap)
 
-Every byte of request and response bodies is counted, per worker and in total.
+Every byte of request and response bodies is counted as it crosses the wire, per worker and in total.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from blocktrain.coordinator.dashboard import DASHBOARD_HTML
 from blocktrain.coordinator.observe import prometheus, status
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.transport import DEFLATE, accepts_deflate, decode_body, deflate
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +158,7 @@ def _background(c: Coordinator, stop: threading.Event) -> list[threading.Thread]
 
 def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     """The ASGI app; ``background=False`` leaves ticking to the caller (tests)."""
+    deflated: dict[tuple[int, int], bytes] = {}  # (block, from version) -> the deflated step, the newest few
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -222,7 +226,16 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     async def step(request: Request, k: int, v: int) -> Response:
         auth(request)
         payload = await run_in_threadpool(c.step_bytes, k, v)
-        return Response(payload, media_type=SAFETENSORS)
+        if not accepts_deflate(request.headers.get("accept-encoding")):
+            return Response(payload, media_type=SAFETENSORS)
+        key = (k, v)
+        body = deflated.get(key)
+        if body is None:  # every replica of the block pulls the same step: deflate it once
+            body = await run_in_threadpool(deflate, payload)
+            deflated[key] = body
+            while len(deflated) > 4 * c.n_blocks:
+                deflated.pop(next(iter(deflated)))
+        return Response(body, media_type=SAFETENSORS, headers={"Content-Encoding": DEFLATE})
 
     @app.get("/v1/blocks/{k}/frozen", response_class=Response,
              responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors: finished block k"}})
@@ -241,7 +254,8 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         name = None
         try:
             name = auth(request)
-            body = await _read_capped(request, c.max_body_bytes)
+            body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes),
+                                           request.headers.get("content-encoding"), c.max_body_bytes)
         except ProtocolError as exc:
             if name is None:  # no valid token: counted in memory only, no lock, nothing written
                 c.record_rejection(None, k, exc)

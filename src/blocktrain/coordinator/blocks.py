@@ -19,6 +19,7 @@ finished block is then served as a frozen input of the later blocks
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -322,12 +323,13 @@ class BlockRounds:
         )
         carried = result.state.tensors()
         m_digest = s.put_blob(pack(carried, {"kind": "outer_state", "block_index": str(k)})) if carried else None
-        slowest = max(float(r["arrival_s"]) for r in rows)
+        arrivals = sorted(float(r["arrival_s"]) for r in rows)
+        paced = arrivals[max(0, math.ceil(cfg.deadline_quantile * len(arrivals)) - 1)]  # 1.0: the slowest
         seconds = cfg.round_seconds
         changed: dict[int, BlockState] = {}
         warm: int | None = None  # the block that opens now and starts from this one (stack.init)
         if cfg.adaptive_deadline:
-            seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * slowest))
+            seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * paced))
         with s.tx():
             s.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
             s.close_round(k, v, now, reason)  # its updates are applied

@@ -16,14 +16,15 @@ th{background:#f3f3f3}
 <p id="summary">loading&hellip;</p>
 <h2>Blocks</h2>
 <table id="blocks"><thead><tr><th>block</th><th>version</th><th>round</th><th>updates</th>
-<th>live replicas</th><th>deadline in (s)</th><th>state</th></tr></thead><tbody></tbody></table>
+<th>live replicas</th><th>deadline in (s)</th><th>state</th><th>outer step</th></tr></thead><tbody></tbody></table>
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th>worker</th><th>block</th><th>state</th><th>live</th><th>accepted</th>
 <th>rejected</th><th>bytes in</th><th>bytes out</th></tr></thead><tbody></tbody></table>
 <h2>Validation CE (nats/byte)</h2>
 <svg id="ce" width="520" height="220" viewBox="0 0 520 220" role="img" aria-label="CE curve"></svg>
 <h2>Recent rounds</h2>
-<table id="rounds"><thead><tr><th>block</th><th>version</th><th>closed by</th><th>updates</th></tr></thead>
+<table id="rounds"><thead><tr><th>block</th><th>version</th><th>closed by</th><th>accepted</th><th>rejected</th>
+<th>push bytes</th><th>step bytes</th></tr></thead>
 <tbody></tbody></table>
 <script>
 function cell(v){const td=document.createElement('td');td.textContent=v;return td;}
@@ -56,10 +57,13 @@ async function refresh(){
       `latest CE ${s.latest_eval_ce===null?'n/a':s.latest_eval_ce.toFixed(4)}`+
       (s.finished?' (finished)':'');
     fill('blocks', s.blocks.map(b=>[b.block,b.version,b.round_state,b.updates_in_round,b.live_replicas,
-                                    b.deadline_in.toFixed(1),b.state]));
+                                    b.deadline_in.toFixed(1),b.state,
+                                    `${b.outer.method} lr ${b.outer.lr}`+(b.outer.momentum===null?'':` mu ${b.outer.momentum}`)+
+                                    `, ${b.outer.step_encoding} step, ${b.outer.aggregation}`]));
     fill('workers', s.workers.map(w=>[w.name,w.block,w.state,w.live,w.updates_accepted,w.updates_rejected,
                                       w.bytes_in,w.bytes_out]));
-    fill('rounds', s.rounds.slice(0,20).map(r=>[r.block,r.version,r.close_reason,r.updates]));
+    fill('rounds', s.rounds.slice(0,20).map(r=>[r.block,r.version,r.close_reason,r.updates,
+      Object.entries(r.rejected).map(([k,n])=>`${k} ${n}`).join(', ')||'0',r.push_bytes,r.step_bytes]));
     curve(s.evals);
     document.body.dataset.refreshed=String(Date.now());
   }catch(e){document.getElementById('summary').textContent='status unavailable: '+e;}

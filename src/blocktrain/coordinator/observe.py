@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from blocktrain.coordinator.service import Coordinator
-from blocktrain.coordinator.settings import BlockState, RoundState, WorkerState
+from blocktrain.coordinator.settings import BlockState, OuterOptimizer, RoundState, WorkerState
 
 
 def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
@@ -17,6 +17,10 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         s = c.store
         live = c.live_replicas(now)
         blocks = []
+        st = c.settings
+        outer = {"method": st.outer.value, "lr": st.outer_lr,
+                 "momentum": st.outer_momentum if st.outer is OuterOptimizer.NESTEROV else None,
+                 "step_encoding": st.step_compression.value, "aggregation": st.aggregation.value}
         for k in range(c.n_blocks):
             v = c.version[k]
             rnd = s.round(k, v)
@@ -33,6 +37,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
                 "updates_in_round": int(rnd["n_updates"]) if rnd is not None else 0,
                 "live_replicas": len(live[k]),
+                "outer": outer,  # the outer step in use on this block
             })
         workers = [
             {
@@ -57,7 +62,9 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "opened": float(r["opened"]),
                 "closed": None if r["closed"] is None else float(r["closed"]),
                 "close_reason": r["close_reason"],
-                "updates": int(r["n_updates"]),
+                "updates": int(r["n_updates"]),  # accepted and applied
+                # refused while the round was open, by reason; the accepted updates' and the published step's bytes
+                **s.round_traffic(int(r["block"]), int(r["version"]), float(r["opened"]), float(r["closed"])),
             }
             for r in s.closed_rounds(recent_rounds)
         ]

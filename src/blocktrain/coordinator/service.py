@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.blocks import BlockRounds
+from blocktrain.coordinator.defences import check_gate, check_norm
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import hash_token
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
@@ -266,31 +266,13 @@ class Coordinator(BlockRounds):
                 raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", "finished")
 
     def _check_norm(self, k: int, norm: float) -> None:
-        hist = self.norms[k]
-        if self.settings.norm_k <= 0 or len(hist) < self.settings.norm_min_history:
-            return
-        med = statistics.median(hist)
-        if norm > self.settings.norm_k * med:
-            raise ProtocolError(
-                422,
-                f"update norm {norm:.4g} exceeds {self.settings.norm_k:g} x the median {med:.4g} of recent updates "
-                f"of block {k}; check the worker's learning rate and data",
-                "norm",
-            )
+        check_norm(k, norm, self.norms[k], self.settings)
 
     def _gate(self, k: int, upd: ParsedUpdate) -> None:
         with self.lock:
             base = self.weights[k]
             frozen = [(self.weights_sha[j], self.weights[j]) for j in range(self.objective.frozen_inputs(k))]
-        before = self.evaluator.gate_loss(k, base, frozen)
-        after = self.evaluator.gate_loss(k, {n: w + upd.delta[n] for n, w in base.items()}, frozen)
-        tol = self.settings.gate_tolerance or 0.0
-        if after > before + tol:
-            raise ProtocolError(
-                422,
-                f"the update makes block {k}'s held-out loss worse ({before:.4f} -> {after:.4f}, tolerance {tol:g})",
-                "gate",
-            )
+        check_gate(self.evaluator, k, base, upd.delta, frozen, self.settings.gate_tolerance or 0.0)
 
     def record_rejection(self, name: str | None, k: int | None, exc: ProtocolError) -> None:
         """Log and count a refused update; durably (a ``rejections`` row) only for an authenticated worker.

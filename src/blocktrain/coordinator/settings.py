@@ -53,7 +53,8 @@ class CoordinatorSettings:
     round_seconds: float = 60.0  # deadline of a round after it opens, in seconds
     min_round_seconds: float = 2.0  # lower bound of an adaptive deadline
     adaptive_deadline: bool = False  # deadline <- clamp(slack * slowest arrival of the last round)
-    deadline_slack: float = 2.0  # multiple of the last round's slowest arrival
+    deadline_slack: float = 2.0  # multiple of the last round's arrival quantile
+    deadline_quantile: float = 1.0  # which arrival the adaptive deadline scales: 1 = the slowest, 0.5 = the median
     lease_seconds: float = 30.0  # a worker without a heartbeat this long leaves the round
     rounds: int = 0  # rounds per block before the run finishes (0 = never)
     min_updates: int = 1  # a round closes by quorum only with at least this many deltas (deadline: 1)
@@ -77,6 +78,8 @@ class CoordinatorSettings:
     def __post_init__(self) -> None:
         if self.round_seconds <= 0 or self.min_round_seconds <= 0:
             raise ConfigError("round_seconds and min_round_seconds must be positive")
+        if not 0 < self.deadline_quantile <= 1 or self.deadline_slack <= 0:
+            raise ConfigError("deadline_quantile must be in (0, 1] and deadline_slack > 0")
         if self.lease_seconds <= 0:
             raise ConfigError(f"lease_seconds must be positive, got {self.lease_seconds}")
         if self.rounds < 0 or self.max_body_bytes < 0 or self.eval_every < 0 or self.eval_bytes < 0:

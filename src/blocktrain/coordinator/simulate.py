@@ -8,20 +8,25 @@ M workers would against a coordinator, without HTTP, storage or processes:
   the block's lr schedule over ``rounds x H`` steps; its AdamW state persists
   across rounds (:mod:`blocktrain.worker.loop`);
 * it pushes Delta_i = W_i - W_v encoded with error feedback
-  (:func:`blocktrain.protocol.delta.pack_delta`);
+  (:func:`blocktrain.protocol.delta.pack_delta`), which is parsed and checked by
+  the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
+  bound, and the loss gate when ``gate_tolerance`` is set);
 * the round closes with :func:`.aggregate.next_version`, the function the
   coordinator calls, and the replicas apply the decoded published step.
 
-Bytes are the real payloads' sizes (safetensors, headers included). Used by the
+Bytes are the real payloads' sizes (safetensors, headers included), deflated as the
+worker and the coordinator send them (:mod:`blocktrain.protocol.transport`), and raw. Used by the
 averaging study (``benchmarks/averaging_study.py``) and by tests that compare the
 distributed run with this reference.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,22 +35,43 @@ from torch import nn
 from blocktrain.checkpoint.safetensors_io import pack, unpack
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.defences import check_gate, check_norm
+from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import parse_update
-from blocktrain.data.dataset import ByteSplit
+from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, init_seed, mix_seed
 from blocktrain.device import autocast, resolve_precision
-from blocktrain.errors import ConfigError
+from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
-from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
+from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 
 log = logging.getLogger(__name__)
 
-# An update a replica may rewrite before it is pushed: (replica index, round, honest delta) -> delta to push.
-Tamper = Callable[[int, int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+class Poison(enum.Enum):
+    """What a hostile replica pushes instead of its honest update (the hostile-peer study, issue 19)."""
+
+    SCALED_RANDOM = "scaled_random"  # Gaussian noise with 100x the honest update's norm
+    SIGN_FLIP = "sign_flip"  # -Delta: undoes its own training
+    SHUFFLED_LABELS = "shuffled_labels"  # trained honestly, on targets shuffled within each batch
+
+
+RANDOM_SCALE = 100.0  # ||poison|| / ||honest Delta|| of a scaled random update
+
+
+def poison_delta(kind: Poison, delta: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The update a hostile replica pushes in place of ``delta`` (shuffled labels poison the data instead)."""
+    if kind is Poison.SIGN_FLIP:
+        return {n: -d for n, d in delta.items()}
+    if kind is Poison.SCALED_RANDOM:
+        noise = {n: torch.randn(d.shape, generator=generator) for n, d in delta.items()}
+        scale = RANDOM_SCALE * delta_norm(delta) / max(delta_norm(noise), 1e-30)
+        return {n: scale * z for n, z in noise.items()}
+    return delta
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,7 @@ class LocalRounds:
     steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
     compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
     batch_size: int = 0  # sequences per inner step (0: the run config's)
+    poison: Poison | None = None  # the last replica is hostile and pushes this (None: every replica is honest)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
@@ -67,32 +94,46 @@ class LocalRounds:
         return self.steps // self.local_steps
 
 
+@dataclass(frozen=True)
+class UpdateRecord:
+    replica: int  # index of the replica that pushed it
+    round: int  # the version it was against
+    norm: float  # ||Delta|| as the coordinator decoded it
+    poisoned: bool  # pushed by the hostile replica
+    outcome: str  # "accepted", or the rejection reason ("norm", "gate", ...)
+    gate: tuple[float, float] | None = None  # held-out loss (before, after) when the gate ran
+
+
 @dataclass
 class LocalRun:
     block: nn.Module  # replica 0's module holding the final published weights
     weights: dict[str, torch.Tensor]  # final published W
-    push_bytes: list[int] = field(default_factory=list)  # every pushed payload's size
-    pull_bytes: list[int] = field(default_factory=list)  # every published step payload's size (one per round)
+    push_bytes: list[int] = field(default_factory=list)  # every pushed payload's size on the wire (deflated)
+    pull_bytes: list[int] = field(default_factory=list)  # every published step's size on the wire (deflated)
+    raw_push_bytes: list[int] = field(default_factory=list)  # the same payloads as safetensors, before deflate
+    raw_pull_bytes: list[int] = field(default_factory=list)
+    updates: list[UpdateRecord] = field(default_factory=list)  # every pushed update and what became of it
+    skipped_rounds: int = 0  # rounds in which every update was refused (the coordinator would wait on)
     wall_s: float = 0.0  # seconds of the whole simulation
 
-    def bytes_per_worker_round(self) -> float:
-        """Mean bytes one replica moves per round: its push plus the step it pulls."""
-        rounds = len(self.pull_bytes)
-        return sum(self.push_bytes) / max(1, len(self.push_bytes)) + sum(self.pull_bytes) / max(1, rounds)
+    def bytes_per_worker_round(self, wire: bool = True) -> float:
+        """Mean bytes one replica moves per round: its push plus the step it pulls (on the wire, or raw)."""
+        push, pull = (self.push_bytes, self.pull_bytes) if wire else (self.raw_push_bytes, self.raw_pull_bytes)
+        return sum(push) / max(1, len(push)) + sum(pull) / max(1, len(pull))
 
 
 def run_local_rounds(
     cfg: RunConfig,
     settings: CoordinatorSettings,
     opts: LocalRounds,
-    train: ByteSplit,
+    data: DataDir,
     *,
     k: int = 0,
     frozen: Sequence[nn.Module] = (),
-    tamper: Tamper | None = None,
     progress: bool = False,
 ) -> LocalRun:
-    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring."""
+    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring.
+    """
     objective = get_objective(cfg)
     if len(frozen) != objective.frozen_inputs(k):
         raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
@@ -107,6 +148,10 @@ def run_local_rounds(
     optimisers = [make_optimizer(r, tc)[0] for r in replicas]
     feedback = [ErrorFeedback(opts.compression) for _ in replicas]
     state = OuterState()
+    train = data.open("train")
+    evaluator = Evaluator(cfg, settings, data) if settings.gate_tolerance is not None else None
+    norms: deque[float] = deque(maxlen=settings.norm_history)
+    frozen_weights = [("", trainable_state(b)) for b in frozen]
     precision = resolve_precision(tc.precision, torch.device("cpu"))
     run = LocalRun(replicas[0], W)
     t0 = time.perf_counter()
@@ -119,25 +164,44 @@ def run_local_rounds(
             block.train()
             stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
                                  stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
+            hostile = opts.poison is not None and i == opts.workers - 1
             for j in range(opts.local_steps):
                 x, y = stream.batch(j)
+                if hostile and opts.poison is Poison.SHUFFLED_LABELS:
+                    perm = torch.randperm(y.numel(), generator=stream.generator(j, purpose=2))
+                    y = y.reshape(-1)[perm].reshape(y.shape)  # (b*t,) -> (b, t): targets shuffled across the batch
                 with autocast(precision, x.device):
                     out = objective.block_loss(block, k, x, y, stream.generator(j, purpose=1), frozen)
                 optimizer_step(block, opt, out.loss, lr_at(v * opts.local_steps + j, schedule), tc.grad_clip)
             local = trainable_state(block)
-            delta = {n: local[n] - W[n] for n in W}
-            if tamper is not None:
-                delta = tamper(i, v, delta)
+            honest = {n: local[n] - W[n] for n in W}
+            delta = poison_delta(opts.poison, honest, stream.generator(0, purpose=3)) if hostile and opts.poison else honest
             body = pack_delta(delta, opts.compression, block=k, base_version=v,
                               samples=opts.local_steps * tc.batch_size, feedback=feedback[i])
-            run.push_bytes.append(len(body))
+            run.raw_push_bytes.append(len(body))
+            run.push_bytes.append(len(deflate(body)))
             parsed = parse_update(body, k, shapes)  # what the coordinator decodes
+            gate: tuple[float, float] | None = None
+            try:
+                if evaluator is not None:
+                    gate = check_gate(evaluator, k, W, parsed.delta, frozen_weights, settings.gate_tolerance or 0.0)
+                check_norm(k, parsed.norm, norms, settings)
+            except ProtocolError as exc:
+                run.updates.append(UpdateRecord(i, v, parsed.norm, hostile, exc.reason or "refused"))
+                continue
+            run.updates.append(UpdateRecord(i, v, parsed.norm, hostile, "accepted", gate))
+            norms.append(parsed.norm)
             deltas.append(parsed.delta)
             samples.append(parsed.samples)
+        if not deltas:  # the coordinator keeps such a round open; the replicas train it again
+            run.skipped_rounds += 1
+            bar.update(1)
+            continue
         result = next_version(W, deltas, samples, settings, state)
         step_body = pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v),
                                        "compression": settings.step_compression.value})
-        run.pull_bytes.append(len(step_body))
+        run.raw_pull_bytes.append(len(step_body))
+        run.pull_bytes.append(len(deflate(step_body)))
         published, _ = unpack(step_body, source="step")
         decoded = decode_delta(published, settings.step_compression)
         W = {n: (w + decoded[n]).contiguous() for n, w in W.items()}

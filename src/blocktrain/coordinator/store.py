@@ -279,6 +279,17 @@ class Store(BlobStore):
         self.db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (worker,))
         self.add_counter("updates_accepted", 1)
 
+    def round_traffic(self, k: int, v: int, opened: float, closed: float) -> dict[str, Any]:
+        """What one round of block k moved and refused: its updates' body bytes, the step's bytes, refusals by reason."""
+        push = sum(self.blob_path(str(r["blob"])).stat().st_size if self.blob_path(str(r["blob"])).is_file() else 0
+                   for r in self.q("SELECT blob FROM updates WHERE block=? AND version=?", k, v))
+        step = self.step_blob(k, v + 1)  # the step the round published, stored with the version it made
+        step_bytes = self.blob_path(step).stat().st_size if step is not None and self.blob_path(step).is_file() else 0
+        rejected = {str(r["reason"]): int(r["n"]) for r in self.q(
+            "SELECT reason, COUNT(*) AS n FROM rejections WHERE block=? AND at>=? AND at<=? GROUP BY reason",
+            k, opened, closed)}
+        return {"push_bytes": push, "step_bytes": step_bytes, "rejected": rejected}
+
     def reporters(self, k: int, v: int) -> set[str]:
         """Workers that sent an update for block k version v."""
         return {str(r["worker"]) for r in self.q("SELECT worker FROM updates WHERE block=? AND version=?", k, v)}

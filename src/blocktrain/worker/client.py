@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.transport import DEFLATE, deflate
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class CoordinatorClient:
         give_up_s: float = 600.0,
         verify: bool | str = True,
         stop: threading.Event | None = None,
+        deflate_pushes: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.base_delay = base_delay
@@ -47,24 +49,26 @@ class CoordinatorClient:
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
         )
-        self.bytes_sent = 0  # request body bytes
-        self.bytes_received = 0  # response body bytes
+        self.deflate_pushes = deflate_pushes  # send update bodies with Content-Encoding: deflate
+        self.bytes_sent = 0  # request body bytes, as sent on the wire
+        self.bytes_received = 0  # response body bytes, as received on the wire (before any decoding)
 
     def close(self) -> None:
         self.http.close()
 
     def request(self, method: str, path: str, *, content: bytes | None = None, json: Any = None,
-                retry: bool = True) -> httpx.Response:
+                retry: bool = True, encoding: str | None = None) -> httpx.Response:
         start = time.monotonic()
         attempt = 0
         while True:
             try:
-                resp = self.http.request(
-                    method, path, content=content, json=json,
-                    headers={"Content-Type": "application/octet-stream"} if content is not None else None,
-                )
+                headers = {"Content-Type": "application/octet-stream"} if content is not None else {}
+                if encoding is not None:
+                    headers["Content-Encoding"] = encoding
+                resp = self.http.request(method, path, content=content, json=json, headers=headers or None)
                 self.bytes_sent += len(resp.request.content) if resp.request.content else 0
-                self.bytes_received += len(resp.content)
+                resp.read()
+                self.bytes_received += resp.num_bytes_downloaded
                 if resp.status_code < 500:
                     if resp.status_code >= 400:
                         raise _protocol_error(resp)
@@ -106,6 +110,10 @@ class CoordinatorClient:
         return self.request("GET", f"/v1/blocks/{k}/frozen").content
 
     def push(self, k: int, payload: bytes) -> dict[str, Any]:
+        """Send an update (safetensors bytes), deflated on the wire unless ``deflate_pushes`` is off."""
+        if self.deflate_pushes:
+            return dict(self.request("POST", f"/v1/blocks/{k}/updates", content=deflate(payload),
+                                     encoding=DEFLATE).json())
         return dict(self.request("POST", f"/v1/blocks/{k}/updates", content=payload).json())
 
 

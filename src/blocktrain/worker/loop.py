@@ -10,6 +10,12 @@ A ``stack`` block k reads frozen copies of the finished blocks 0..k-1: the
 worker fetches them once per published version, caches and verifies them
 (:mod:`.frozen`), and waits while its block is still ``waiting``.
 
+Deadlines: a worker stops its local steps when the round's deadline is near (a
+margin of twice its slowest push) and pushes what it has, weighted by the samples
+behind it, so a slow peer contributes on time instead of arriving stale. An update
+that arrives after its round closed anyway is refused (409 ``stale``), counted in
+``rounds_stale``, and the worker pulls the new version.
+
 Shutdown: the first SIGINT/SIGTERM finishes the current round (trains, pushes)
 and then leaves; a second one abandons the round at once and leaves.
 """
@@ -77,6 +83,7 @@ class WorkerSummary:
     bytes_received: int = 0  # response body bytes
     block: int = -1  # the block trained last
     frozen_downloads: int = 0  # frozen earlier blocks downloaded (each block version once; cache hits excluded)
+    rounds_cut: int = 0  # rounds pushed with fewer than H steps because the deadline was near
 
 
 class Worker:
@@ -90,6 +97,8 @@ class Worker:
                                         verify=opts.verify_tls)
         self.summary = WorkerSummary()
         self._last_beat = 0.0
+        self._slowest_push: float = 0.0  # seconds, for the margin kept before a deadline
+        self.steps_done = 0  # local steps of the current round
 
     # --- set-up ---------------------------------------------------------------
     def _setup(self, reg: dict[str, Any]) -> None:
@@ -168,6 +177,11 @@ class Worker:
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, int(work["seed"]),
                              stream=int(work["stream"]))
         H = self.opts.local_steps
+        # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
+        # its update counts, weighted by the samples behind it, instead of arriving stale.
+        deadline_in = float(work.get("deadline_in", 0.0))
+        stop_at = time.monotonic() + deadline_in - self._push_margin() if deadline_in > 0 else float("inf")
+        self.steps_done = 0
         self.block.train()
         bar = tqdm(total=H, desc=f"block {self.k} v{self.base_version}", unit="step", disable=not self.opts.progress,
                    dynamic_ncols=True, leave=False)
@@ -175,6 +189,11 @@ class Worker:
             for i in range(H):
                 if self.abandon.is_set():
                     return False
+                if i > 0 and time.monotonic() > stop_at:
+                    self.summary.rounds_cut += 1
+                    log.info("block %d v%d: the deadline is near; pushing after %d of %d steps",
+                             self.k, self.base_version, i, H)
+                    break
                 self._beat()
                 # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
                 lr = lr_at(min(max(self.base_version, 0) * H + i, self.schedule.steps - 1), self.schedule)
@@ -184,11 +203,16 @@ class Worker:
                                                     stream.generator(i, purpose=1), frozen)
                 optimizer_step(self.block, self.opt, out.loss, lr, self.cfg.train.grad_clip)
                 self.summary.local_steps += 1
+                self.steps_done = i + 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", lr=f"{lr:.2e}")
         finally:
             bar.close()
         return True
+
+    def _push_margin(self) -> float:
+        """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
+        return max(0.5, 2.0 * self._slowest_push)
 
     def _frozen(self, work: dict[str, Any]) -> list[torch.nn.Module]:
         """The verified frozen copies of the blocks this block reads (fetched once per published version)."""
@@ -207,11 +231,13 @@ class Worker:
         assert self.base is not None
         local = trainable_state(self.block)
         delta = {n: local[n] - self.base[n] for n in self.base}
-        samples = self.opts.local_steps * self.cfg.train.batch_size
+        samples = self.steps_done * self.cfg.train.batch_size
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
                              samples=samples, feedback=self.feedback)
+        t0 = time.monotonic()
         try:
             self.client.push(self.k, payload)
+            self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
             self.summary.rounds_pushed += 1
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
                      self.k, len(payload), self.base_version, self.summary.local_steps)

@@ -1,0 +1,132 @@
+"""One hostile worker out of six on real training (issue 19): what each defence catches, and the final CE.
+
+Each run trains block 0 of a ``stack`` run with six replicas through the coordinator's
+own round (:func:`blocktrain.coordinator.simulate.run_local_rounds`): the same
+parsing, norm bound and loss gate (:mod:`blocktrain.coordinator.defences`), the same
+aggregation and outer step. The last replica is hostile in every run but ``honest``:
+
+* ``scaled_random``: Gaussian noise at 100x its honest update's norm;
+* ``sign_flip``: minus its honest update;
+* ``shuffled_labels``: trained on targets shuffled within each batch.
+
+It scores block 0's own CE on the first ``--eval-bytes`` test bytes. The slow-worker
+run needs real processes and deadlines: ``scripts/exp_slow_worker.sh``, merged here
+with ``--merge``.
+
+    flock /tmp/blocktrain-cpu.lock python benchmarks/hostile_peers.py --preset cpu-mini \\
+        --outer nesterov --outer-lr 0.7 --outer-momentum 0.9 --gate-tolerance 0.0 \\
+        --out benchmarks/results/hostile-peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, Poison, run_local_rounds
+from blocktrain.data.dataset import resolve_data_dir
+from blocktrain.evaluate.scoring import score_split
+from blocktrain.objectives import get_objective
+from blocktrain.presets import get_preset
+
+KINDS = ["honest", *(p.value for p in Poison)]
+
+
+def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = get_preset(args.preset)
+    settings = CoordinatorSettings(outer=OuterOptimizer(args.outer), outer_lr=args.outer_lr,
+                                   outer_momentum=args.outer_momentum, gate_tolerance=args.gate_tolerance)
+    opts = LocalRounds(workers=6, local_steps=args.h, steps=args.steps,
+                       poison=None if kind == "honest" else Poison(kind))
+    data = resolve_data_dir(args.data)
+    run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress)
+    objective = get_objective(cfg)
+    run.block.eval()
+
+    def log_probs(x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(objective.local_logits(run.block, 0, x, torch.Generator()).float(), dim=-1)[None]
+
+    with torch.no_grad():
+        ce = score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=args.eval_bytes).ce_nats_per_byte
+    bad = [u for u in run.updates if u.poisoned]
+    good = [u for u in run.updates if not u.poisoned]
+    caught: dict[str, int] = {}
+    for u in bad:
+        if u.outcome != "accepted":
+            caught[u.outcome] = caught.get(u.outcome, 0) + 1
+    honest_gate = [u.gate[1] - u.gate[0] for u in good if u.gate is not None]
+    return {
+        "kind": kind,
+        "final_ce_nats_per_byte": ce,
+        "poisoned_updates": len(bad),
+        "poisoned_caught": sum(caught.values()),
+        "poisoned_caught_by": caught,
+        "poisoned_accepted_within_norm_bound": sum(1 for u in bad if u.outcome == "accepted"),
+        "poisoned_accepted_rounds": sorted({u.round for u in bad if u.outcome == "accepted"}),
+        "honest_updates": len(good),
+        "honest_rejected": sum(1 for u in good if u.outcome != "accepted"),
+        "honest_gate_change_max": max(honest_gate) if honest_gate else None,
+        "skipped_rounds": run.skipped_rounds,
+        "wall_s": run.wall_s,
+        "command": (f"python benchmarks/hostile_peers.py --preset {args.preset} --steps {args.steps} --h {args.h} "
+                    f"--outer {args.outer} --outer-lr {args.outer_lr} --outer-momentum {args.outer_momentum} "
+                    f"--gate-tolerance {args.gate_tolerance} --eval-bytes {args.eval_bytes} --kinds {kind}"),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cpu-mini")
+    ap.add_argument("--steps", type=int, default=400, help="inner steps per replica")
+    ap.add_argument("--h", type=int, default=25, help="H: inner steps per round")
+    ap.add_argument("--outer", default="nesterov", choices=[o.value for o in OuterOptimizer])
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--gate-tolerance", type=float, default=0.0, help="nats the held-out loss may rise")
+    ap.add_argument("--eval-bytes", type=int, default=32768)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, required=True, help="hostile-peers.json (runs of other kinds are kept)")
+    ap.add_argument("--merge", type=Path, default=None, help="a run (JSON) to add as is, e.g. the slow worker's")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": []}
+    runs = {r["kind"]: r for r in doc["runs"]}
+    if args.merge:
+        extra = json.loads(args.merge.read_text())
+        runs[extra["kind"]] = extra
+    else:
+        for kind in args.kinds.split(","):
+            if kind not in KINDS:
+                ap.error(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
+            print("+", kind, file=sys.stderr, flush=True)
+            runs[kind] = run_kind(kind, args)
+    honest = runs.get("honest", {}).get("final_ce_nats_per_byte")
+    for r in runs.values():
+        r["honest_ce_nats_per_byte"] = r.get("honest_ce_nats_per_byte", honest)
+    doc["runs"] = list(runs.values())
+    doc["what"] = ("six replicas of block 0 (stack, first prefix), the last one hostile; defences: the norm bound "
+                   "and the loss gate of blocktrain.coordinator.defences; CE on the first eval bytes of the test split")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print("| kind | final CE | honest CE | diff | poisoned | caught | accepted within bound | honest rejected |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in doc["runs"]:
+        h = r.get("honest_ce_nats_per_byte")
+        diff = "—" if h is None else f"{r['final_ce_nats_per_byte'] - h:+.4f}"
+        print(f"| {r['kind']} | {r['final_ce_nats_per_byte']:.4f} | {h if h is None else f'{h:.4f}'} | {diff} "
+              f"| {r.get('poisoned_updates', '—')} | {r.get('poisoned_caught', '—')} "
+              f"| {r.get('poisoned_accepted_within_norm_bound', '—')} | {r.get('honest_rejected', '—')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The outer step, error feedback, the published int8 step and the hostile-update defences (issue 19)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, Poison, poison_delta, run_local_rounds
+from blocktrain.data.dataset import DataDir
+from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
+from tests.test_distributed_helpers import corpus, make_coordinator  # noqa: F401
+
+
+def _t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_nesterov_step_equals_a_hand_computed_reference() -> None:
+    """Three rounds of DiLoCo's outer Nesterov (g = -Delta_bar; m <- mu m + g; W <- W - eta (g + mu m)), by hand."""
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.5, outer_momentum=0.9,
+                            step_compression=Compression.NONE)
+    W = {"w": _t(1.0, -2.0)}
+    rounds = [([_t(0.2, 0.0), _t(0.4, -0.2)], [1, 3]), ([_t(-0.1, 0.1)], [2]), ([_t(0.0, 0.3), _t(0.0, 0.1)], [1, 1])]
+    # round 1: Delta_bar = (0.25*0.2 + 0.75*0.4, 0.75*-0.2) = (0.35, -0.15); g = (-0.35, 0.15); m = g
+    #          step = -0.5 (g + 0.9 g) = 0.95 * (0.35, -0.15) = (0.3325, -0.1425)
+    # round 2: g = (0.1, -0.1); m = 0.9 (-0.35, 0.15) + g = (-0.215, 0.035)
+    #          step = -0.5 (g + 0.9 m) = -0.5 (0.1 - 0.1935, -0.1 + 0.0315) = (0.04675, 0.03425)
+    # round 3: g = (0.0, -0.2); m = 0.9 (-0.215, 0.035) + g = (-0.1935, -0.1685)
+    #          step = -0.5 (g + 0.9 m) = -0.5 (-0.17415, -0.35165) = (0.087075, 0.175825)
+    want = [_t(1.3325, -2.1425), _t(1.37925, -2.10825), _t(1.466325, -1.932425)]
+    state = OuterState()
+    for (deltas, samples), expected in zip(rounds, want, strict=True):
+        res = next_version(W, [{"w": d} for d in deltas], samples, s, state)
+        W, state = res.weights, res.state
+        torch.testing.assert_close(W["w"], expected, rtol=0, atol=1e-6)
+    assert state.momentum is not None
+    torch.testing.assert_close(state.momentum["w"], _t(-0.1935, -0.1685), rtol=0, atol=1e-6)
+
+
+def test_plain_average_is_the_sample_weighted_mean() -> None:
+    s = CoordinatorSettings(step_compression=Compression.NONE)
+    res = next_version({"w": _t(0.0, 0.0)}, [{"w": _t(1.0, 0.0)}, {"w": _t(0.0, 1.0)}], [1, 3], s, OuterState())
+    assert torch.equal(res.weights["w"], _t(0.25, 0.75)) and res.state.momentum is None
+
+
+def test_error_feedback_carries_the_residual_exactly() -> None:
+    g = torch.Generator().manual_seed(0)
+    ef = ErrorFeedback(Compression.INT8)
+    sent_total = torch.zeros(64, dtype=torch.float64)
+    true_total = torch.zeros(64, dtype=torch.float64)
+    for step in range(20):
+        delta = {"w": torch.randn(64, generator=g) * (1 + step)}
+        corrected = delta["w"] + ef.residual.get("w", torch.zeros(64))
+        wire = ef.encode(delta)
+        sent = decode_delta(wire, Compression.INT8)["w"]
+        assert torch.equal(ef.residual["w"], corrected - sent)  # e_t = (Delta_t + e_{t-1}) - decode(q_t), bit for bit
+        sent_total += sent.double()
+        true_total += delta["w"].double()
+    # nothing is lost, only delayed: what was sent plus what is held back is what was meant
+    torch.testing.assert_close(sent_total + ef.residual["w"].double(), true_total, rtol=0, atol=1e-4)
+    # without feedback the int8 error accumulates; with it the total error is one quantisation step
+    assert float((sent_total - true_total).abs().max()) <= float(ef.residual["w"].abs().max()) + 1e-4
+
+
+def test_pack_delta_with_feedback_refuses_another_encoding() -> None:
+    with pytest.raises(ValueError, match="int8"):
+        pack_delta({"w": _t(1.0)}, Compression.BF16, block=0, base_version=0, samples=1,
+                   feedback=ErrorFeedback(Compression.INT8))
+
+
+def test_int8_published_step_reproduces_the_weights_and_keeps_its_residual() -> None:
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, outer_momentum=0.9)
+    assert s.step_compression is Compression.INT8  # the default transport
+    g = torch.Generator().manual_seed(1)
+    W = {"a": torch.randn(8, 8, generator=g), "b": torch.randn(5, generator=g)}
+    delta = {n: 1e-2 * torch.randn(w.shape, generator=g) for n, w in W.items()}
+    res = next_version(W, [delta], [4], s, OuterState())
+    assert {n: t.dtype for n, t in res.step.items()} == {"a": torch.int8, "a@scale": torch.float32,
+                                                           "b": torch.int8, "b@scale": torch.float32}
+    decoded = decode_delta(res.step, Compression.INT8)
+    for n, w in W.items():
+        assert torch.equal(res.weights[n], w + decoded[n])  # the workers apply the same decoded step
+        exact = 0.7 * 1.9 * delta[n]  # the first Nesterov step, unquantised
+        torch.testing.assert_close(res.state.residual[n], exact - decoded[n], rtol=0, atol=1e-7)
+
+
+def test_outer_state_round_trips_and_reads_the_momentum_only_format() -> None:
+    st = OuterState(momentum={"w": _t(1.0, 2.0)}, residual={"w": _t(0.5, 0.0)})
+    back = OuterState.from_tensors(st.tensors())
+    assert back.momentum is not None and torch.equal(back.momentum["w"], _t(1.0, 2.0))
+    assert torch.equal(back.residual["w"], _t(0.5, 0.0))
+    legacy = OuterState.from_tensors({"w": _t(3.0)})  # a momentum blob written before residuals existed
+    assert legacy.momentum is not None and torch.equal(legacy.momentum["w"], _t(3.0)) and legacy.residual == {}
+    assert OuterState().tensors() == {}
+
+
+def test_poison_kinds() -> None:
+    g = torch.Generator().manual_seed(0)
+    d = {"w": _t(3.0, 4.0)}
+    assert torch.equal(poison_delta(Poison.SIGN_FLIP, d, g)["w"], _t(-3.0, -4.0))
+    assert abs(delta_norm(poison_delta(Poison.SCALED_RANDOM, d, g)) - 500.0) < 1e-3
+    assert poison_delta(Poison.SHUFFLED_LABELS, d, g) is d  # poisons the data, not the delta
+
+
+@pytest.mark.parametrize("kind", list(Poison))
+def test_a_poisoned_update_of_each_kind_is_refused_with_a_reason(kind: Poison, corpus: DataDir) -> None:  # noqa: F811
+    """Three replicas of tiny's block 0, the last one hostile: its updates are refused or bounded, no honest one is.
+
+    In round 0, during warm-up, a sign-flipped update can still lower the held-out loss of the fresh
+    initialisation, and shuffled labels teach the byte frequencies that a model this young has not
+    learnt yet: such updates pass the gate with an honest norm, so the norm bound limits what they do.
+    """
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, gate_tolerance=0.0, norm_min_history=2)
+    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=5, steps=20, poison=kind), corpus)
+    honest = [u for u in run.updates if not u.poisoned]
+    bad = [u for u in run.updates if u.poisoned]
+    assert len(bad) == 4 and len(honest) == 8
+    assert all(u.outcome == "accepted" for u in honest), [u.outcome for u in honest]
+    want = {"gate"} if kind is not Poison.SCALED_RANDOM else {"gate", "norm"}
+    if kind is not Poison.SHUFFLED_LABELS:
+        assert {u.outcome for u in bad if u.round > 0} <= want, [u.outcome for u in bad]
+    limit = s.norm_k * max(u.norm for u in honest)
+    assert all(u.outcome in want or u.norm <= limit for u in bad), [(u.outcome, u.norm) for u in bad]
+
+
+def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Through the coordinator: a 100x random update after two honest ones is refused as ``norm`` in /v1/status."""
+    from blocktrain.errors import ProtocolError
+
+    c = make_coordinator(tmp_path / "run", corpus, norm_k=10.0, norm_min_history=2, eval_every=0)
+    for name in ("a", "b", "c"):
+        c.register(name, 0)
+    g = torch.Generator().manual_seed(0)
+    honest = [{n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()} for _ in range(2)]
+    for name, d in zip(("a", "b"), honest, strict=True):
+        c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, samples=4))
+    bad = poison_delta(Poison.SCALED_RANDOM, honest[0], g)
+    with pytest.raises(ProtocolError) as exc:
+        c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, samples=4))
+    assert exc.value.reason == "norm"
+    from blocktrain.coordinator.observe import status
+
+    assert status(c)["rejections"] == {"norm": 1}
+    body = pack_delta(honest[1], Compression.INT8, block=0, base_version=0, samples=4)
+    c.submit("c", 0, body)  # the quorum closes the round
+    st = status(c)
+    assert st["blocks"][0]["outer"] == {"method": "average", "lr": 1.0, "momentum": None, "step_encoding": "int8",
+                                        "aggregation": "mean"}
+    rnd = next(r for r in st["rounds"] if r["block"] == 0 and r["version"] == 0)
+    assert rnd["updates"] == 3 and rnd["rejected"] == {"norm": 1}
+    assert rnd["push_bytes"] == 3 * len(body)  # three int8 bodies of the same schema
+    assert 0 < rnd["step_bytes"] < 0.3 * st["block_fp32_bytes"]  # the int8 step: a quarter of fp32, plus a header
+    c.close()

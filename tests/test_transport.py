@@ -1,0 +1,85 @@
+"""Deflate on the wire (issue 19): exact bytes, bounded inflation, and the coordinator's routes."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from blocktrain.checkpoint.safetensors_io import unpack
+from blocktrain.coordinator.app import create_app
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.errors import ProtocolError
+from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.transport import accepts_deflate, decode_body, deflate, inflate
+from tests.test_distributed_helpers import make_coordinator
+
+
+def test_deflate_round_trips_exact_bytes() -> None:
+    payload = bytes(range(256)) * 100
+    body = deflate(payload)
+    assert body == zlib.compress(payload, 1)  # RFC 1950 zlib data, as HTTP's "deflate" means
+    assert inflate(body, len(payload)) == payload
+    assert decode_body(body, "Deflate", len(payload)) == payload and decode_body(payload, None, 0) == payload
+
+
+def test_inflation_is_bounded_and_refuses_bad_data() -> None:
+    bomb = deflate(b"\0" * 50_000_000)  # about 50 KB that would expand to 50 MB
+    with pytest.raises(ProtocolError) as exc:
+        inflate(bomb, cap=1_000_000)
+    assert exc.value.status == 413
+    with pytest.raises(ProtocolError) as exc:
+        inflate(deflate(b"x" * 1000)[:-5], cap=10_000)
+    assert exc.value.status == 400
+    with pytest.raises(ProtocolError) as exc:
+        inflate(b"not zlib at all", cap=10_000)
+    assert exc.value.status == 400
+    with pytest.raises(ProtocolError) as exc:
+        decode_body(b"x", "br", 10)
+    assert exc.value.status == 415
+
+
+def test_accept_encoding() -> None:
+    assert accepts_deflate("gzip, deflate") and accepts_deflate("*") and accepts_deflate("deflate;q=0.5")
+    assert not accepts_deflate(None) and not accepts_deflate("gzip") and not accepts_deflate("deflate;q=0")
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+    c = make_coordinator(tmp_path / "run", None, round_seconds=30, lease_seconds=10)
+    yield c
+    c.close()
+
+
+def test_deflated_push_and_pull_through_the_coordinator(coordinator: Coordinator) -> None:
+    c = coordinator
+    token = c.add_token("a")
+    h = {"Authorization": f"Bearer {token}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=h).status_code == 200
+        g = torch.Generator().manual_seed(0)
+        delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()}
+        payload = pack_delta(delta, Compression.INT8, block=0, base_version=0, samples=4)
+        wire = deflate(payload)
+        r = client.post("/v1/blocks/0/updates", content=wire, headers={**h, "Content-Encoding": "deflate"})
+        assert r.status_code == 202, r.text
+        assert c.version[0] == 1
+        # the coordinator stored the decoded safetensors body, byte for byte
+        row = c.store.q("SELECT blob FROM updates WHERE block=0 AND version=0")
+        assert c.store.get_blob(str(row[0]["blob"])) == payload
+        # the step comes deflated to a client that accepts it, and decodes to the published safetensors
+        plain = client.get("/v1/blocks/0/steps/0", headers={**h, "Accept-Encoding": "identity"})
+        assert "content-encoding" not in plain.headers
+        packed = client.get("/v1/blocks/0/steps/0", headers={**h, "Accept-Encoding": "gzip, deflate"})
+        assert packed.headers["content-encoding"] == "deflate"
+        assert packed.content == plain.content  # httpx decodes it
+        assert packed.num_bytes_downloaded < 0.95 * len(plain.content)
+        step, meta = unpack(packed.content)
+        assert meta["compression"] == "int8" and all(t.dtype in (torch.int8, torch.float32) for t in step.values())
+        # an encoding the coordinator does not speak is refused and counted
+        r = client.post("/v1/blocks/0/updates", content=wire, headers={**h, "Content-Encoding": "br"})
+        assert r.status_code == 415
