@@ -58,7 +58,14 @@ def arg_type(cls: type, name: str) -> dict[str, Any]:
             return {"type": annotated, "choices": list(annotated),
                     "metavar": "{" + ",".join(e.value for e in annotated) + "}"}
         return {"type": annotated or str, "metavar": name.upper()}
+    if isinstance(default, tuple):  # a tuple of strings: comma-separated on the command line
+        return {"type": comma_list, "metavar": "A,B,..."}
     return {"type": type(default), "metavar": name.upper()}
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``'*.txt, *.md'`` -> ``('*.txt', '*.md')``."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def flag_name(name: str) -> str:
@@ -78,6 +85,8 @@ def add_field_flags(p: argparse.ArgumentParser, cls: type, *, prefix: str, notes
     comments = field_comments(cls)
     for f in fields(cls):
         shown = f.default.value if isinstance(f.default, enum.Enum) else f.default
+        if isinstance(shown, tuple):
+            shown = ",".join(shown)
         help_ = comments.get(f.name, f.name) + (notes or {}).get(f.name, "")
         if f.default is not MISSING and f.default is not None:  # None: off unless given
             help_ += f" (default: {shown})"

@@ -167,6 +167,24 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from blocktrain.cli.fields import field_values
+    from blocktrain.data.prepare import PrepareOptions, prepare
+
+    values = field_values(args, PrepareOptions, prefix="prepare")
+    opts = PrepareOptions(**values)
+    done = prepare(Path(args.src), Path(args.out), opts)
+    m = done.manifest
+    for split in ("train", "valid", "test"):
+        info = m["splits"][split]
+        sys.stdout.write(f"{split:5s} {info['documents']:>9,d} documents {info['bytes']:>14,d} bytes  {info['sha256'][:12]}\n")
+    if m["binary_files_skipped"]:
+        sys.stdout.write(f"skipped {m['binary_files_skipped']} binary files\n")
+    sys.stdout.write(f"dataset {args.out} fingerprint {done.fingerprint}\n"
+                     f"train on it: blocktrain train --data {args.out}\n")
+    return 0
+
+
 class ExactParser(argparse.ArgumentParser):
     """A parser that takes only whole option names: no prefix matching, so ``--blocks`` is never ``--blocks-alone``.
 
@@ -182,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = ExactParser(prog="blocktrain", description=__doc__)  # its sub-parsers are ExactParsers too
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("prepare", help="turn a text file, a folder of files or a JSONL dump into a dataset directory")
+    s.add_argument("src", help="a text file, a directory (read recursively), a .jsonl file or a WikiText directory")
+    s.add_argument("--out", required=True, help="the dataset directory to write (new or empty)")
+    from blocktrain.cli.fields import add_field_flags
+    from blocktrain.data.prepare import PrepareOptions
+
+    add_field_flags(s, PrepareOptions, prefix="prepare")
+    s.set_defaults(fn=cmd_prepare)
 
     s = sub.add_parser("train-block", help="train one block alone")
     add_run_args(s)

@@ -1,4 +1,4 @@
-"""Locate a WikiText data directory and open its splits as uint8 memory maps.
+"""Locate a data directory (prepared by ``blocktrain prepare``, or WikiText) and open its splits as uint8 memory maps.
 
 Byte-level modelling means a split's file *is* its uint8 array: each split is
 memory-mapped read-only straight from disk, never copied into RAM.
@@ -13,11 +13,13 @@ Resolution order (first hit wins):
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +28,11 @@ from blocktrain.errors import DataError
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "valid", "test")
-FLAVOURS = ("raw", "tokens")  # file suffixes, preferred first
+FLAVOURS = ("raw", "tokens")  # WikiText file suffixes, preferred first
+PREPARED = "bin"  # the flavour of a prepared directory: {train,valid,test}.bin + manifest.json
+MANIFEST = "manifest.json"  # a prepared directory's manifest
+DATASET_FORMAT = "blocktrain-dataset"  # manifest "format"
+DATASET_VERSION = 1  # manifest "version"
 
 # Published digests of the official files (see PROVENANCE of the shared data).
 KNOWN_SHA256 = {
@@ -53,7 +59,19 @@ def sha256_file(path: Path) -> str:
 
 def expected_files_message(root: Path) -> str:
     names = ", ".join(f"wiki.{s}.{{raw,tokens}}" for s in SPLITS)
-    return f"{root} must hold {names} (WikiText-2/103, raw or tokenized)"
+    return (f"{root} must be a directory made by 'blocktrain prepare' ({MANIFEST} and train/valid/test.bin) "
+            f"or hold {names} (WikiText-2/103, raw or tokenized)")
+
+
+def fingerprint_of(split_sha: dict[str, str]) -> str:
+    """One digest naming a dataset: sha256 of "blocktrain-dataset-v1" and each split's name and sha256."""
+    h = hashlib.sha256(f"{DATASET_FORMAT}-v{DATASET_VERSION}".encode())
+    for s in SPLITS:
+        h.update(f"\n{s}:{split_sha[s]}".encode())
+    return h.hexdigest()
+
+
+_FINGERPRINTS: dict[tuple[str, int, int], str] = {}  # (split path, size, mtime_ns) -> sha256, per process
 
 
 @dataclass(frozen=True)
@@ -73,10 +91,46 @@ class DataDir:
     """A validated data directory."""
 
     root: Path  # the directory
-    flavour: str  # "raw" or "tokens"
+    flavour: str  # "bin" (prepared), "raw" or "tokens" (WikiText)
 
     def path(self, split: str) -> Path:
+        if self.flavour == PREPARED:
+            return self.root / f"{split}.bin"
         return self.root / f"wiki.{split}.{self.flavour}"
+
+    def manifest(self) -> dict[str, Any] | None:
+        """A prepared directory's manifest (None for WikiText)."""
+        if self.flavour != PREPARED:
+            return None
+        try:
+            doc = json.loads((self.root / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{self.root / MANIFEST} cannot be read ({exc}); run 'blocktrain prepare' again") from None
+        if doc.get("format") != DATASET_FORMAT or doc.get("version") != DATASET_VERSION:
+            raise DataError(f"{self.root / MANIFEST} is not a version-{DATASET_VERSION} {DATASET_FORMAT} manifest; "
+                            "prepare the data with this BlockTrain")
+        return dict(doc)
+
+    def fingerprint(self) -> str:
+        """The dataset's fingerprint: the manifest's, or for WikiText the same digest over its split files."""
+        doc = self.manifest()
+        if doc is not None:
+            return str(doc["fingerprint"])
+        shas = {}
+        for s in SPLITS:
+            path = self.path(s)
+            if not path.is_file():
+                raise DataError(f"split {s!r} is missing: {path} not found; a fingerprint needs all three splits")
+            st = path.stat()
+            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+            if key not in _FINGERPRINTS:
+                _FINGERPRINTS[key] = sha256_file(path)
+            shas[s] = _FINGERPRINTS[key]
+        return fingerprint_of(shas)
+
+    def describe(self) -> str:
+        """A short name for messages: the directory and its fingerprint's head."""
+        return f"{self.root} (fingerprint {self.fingerprint()[:12]})"
 
     def open(self, split: str, verify: bool = False) -> ByteSplit:
         if split not in SPLITS:
@@ -89,9 +143,13 @@ class DataDir:
             raise DataError(f"split {split!r} at {path} is empty; re-copy or re-download the data")
         with path.open("rb") as f:
             head = f.read(1 << 16)
-        if b"\x00" in head:
+        if self.flavour != PREPARED and b"\x00" in head:
             raise DataError(f"split {split!r} at {path} holds NUL bytes and is not WikiText text; the file is corrupt")
-        if verify:
+        if verify and self.flavour == PREPARED:
+            listed = str((self.manifest() or {}).get("splits", {}).get(split, {}).get("sha256"))
+            if sha256_file(path) != listed:
+                raise DataError(f"{path} does not match the sha256 in its manifest; run 'blocktrain prepare' again")
+        elif verify:
             want = KNOWN_SHA256.get(path.name)
             got = sha256_file(path)
             if want is not None and got != want:
@@ -101,6 +159,8 @@ class DataDir:
 
 
 def find_flavour(root: Path) -> str | None:
+    if (root / MANIFEST).is_file() and all((root / f"{s}.bin").is_file() for s in SPLITS):
+        return PREPARED
     for flavour in FLAVOURS:
         if all((root / f"wiki.{s}.{flavour}").is_file() for s in SPLITS):
             return flavour
@@ -115,7 +175,7 @@ def open_data_dir(root: Path) -> DataDir:
         raise DataError(f"data directory {root} does not exist; {expected_files_message(root)}")
     flavour = find_flavour(root)
     if flavour is None:
-        raise DataError(f"no WikiText split found in {root}; {expected_files_message(root)}")
+        raise DataError(f"no dataset found in {root}; {expected_files_message(root)}")
     return DataDir(root=root, flavour=flavour)
 
 

@@ -1,0 +1,348 @@
+"""``blocktrain prepare``: any text a user has -> ``train.bin``, ``valid.bin``, ``test.bin`` and ``manifest.json``.
+
+Sources (:func:`iter_documents`):
+
+* one text file: each paragraph (lines up to a blank line) is a document, keyed by
+  its ordinal in the file;
+* a directory: every file matching ``include`` (recursive, sorted), each file one
+  document keyed by its relative path; binary files (a NUL byte in the first
+  8 KiB, git's test) are skipped and counted;
+* a JSONL file: the string ``field`` of each line is a document, keyed by line number;
+* a WikiText directory (``wiki.{train,valid,test}.{raw,tokens}``): its own splits,
+  copied byte for byte, so its committed numbers do not move.
+
+A document goes to one split by a hash of its key: u = sha256(key) / 2^256, test
+if u < f_test, valid if u < f_test + f_valid, else train. Splits are raw bytes
+(documents joined by newlines), memory-mapped as today. The manifest names the
+source, the per-split document and byte counts and sha256, and one dataset
+**fingerprint** = sha256 over the three splits' digests. Nothing in it depends on
+time or machine, so the same source gives byte-identical output.
+
+Everything is written into a temporary directory beside ``out`` and renamed into
+place at the end: a failure leaves no partial output. Memory stays flat: files
+are streamed in 1 MiB chunks and only the hashes and counts are kept.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from blocktrain.data.dataset import DATASET_FORMAT, DATASET_VERSION, MANIFEST, SPLITS, find_flavour, fingerprint_of
+from blocktrain.errors import DataError
+from blocktrain.progress import progress_bar
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20  # bytes read at a time
+BINARY_PROBE = 8192  # bytes inspected for a NUL to call a file binary
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    include: tuple[str, ...] = ("*.txt", "*.md", "*.rst", "*.py")  # globs of a directory's files (basename)
+    field: str = "text"  # JSONL: the key holding each document's text
+    valid_fraction: float = 0.01  # share of documents in valid
+    test_fraction: float = 0.01  # share of documents in test
+    min_split_bytes: int = 1025  # a split must hold one context window plus its target (bytes)
+    progress: bool = True  # progress bar over the source's bytes
+
+    def __post_init__(self) -> None:
+        if not (0 < self.valid_fraction < 1 and 0 < self.test_fraction < 1
+                and self.valid_fraction + self.test_fraction < 1):
+            raise DataError("valid and test fractions must be in (0, 1) and sum to less than 1, e.g. 0.01 and 0.01")
+        if not self.include:
+            raise DataError("--include needs at least one glob, e.g. '*.txt'")
+        if self.min_split_bytes < 2:
+            raise DataError("min_split_bytes must be >= 2")
+
+
+@dataclass
+class SplitWriter:
+    """One split's output file, its sha256 and counts, written as documents arrive."""
+
+    name: str
+    f: BinaryIO
+    sha: Any = field(default_factory=hashlib.sha256)
+    documents: int = 0
+    size: int = 0  # bytes written
+
+    def write(self, data: bytes) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+
+def split_of(key: str, opts: PrepareOptions) -> str:
+    """The split of the document keyed ``key``: u = sha256(key) / 2^256 against the fractions."""
+    u = int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()[:8], "big") / 2**64
+    if u < opts.test_fraction:
+        return "test"
+    if u < opts.test_fraction + opts.valid_fraction:
+        return "valid"
+    return "train"
+
+
+def source_kind(src: Path) -> str:
+    if src.is_dir():
+        return "wikitext" if find_flavour(src) is not None else "directory"
+    if not src.is_file():
+        raise DataError(f"source {src} does not exist; pass a text file, a JSONL file or a directory")
+    return "jsonl" if src.suffix.lower() in (".jsonl", ".ndjson") else "text"
+
+
+def _is_binary(path: Path) -> bool:
+    with path.open("rb") as f:
+        return b"\0" in f.read(BINARY_PROBE)
+
+
+def directory_files(src: Path, include: tuple[str, ...]) -> list[Path]:
+    """Files under ``src`` whose name matches one glob, sorted by relative path (deterministic)."""
+    out = []
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if any(fnmatch.fnmatch(name, g) for g in include):
+                out.append(Path(root) / name)
+    return sorted(out, key=lambda p: p.relative_to(src).as_posix())
+
+
+class Prepared:
+    """The outcome of one prepare: counts per split, skipped files and the manifest written."""
+
+    def __init__(self, manifest: dict[str, Any], out: Path) -> None:
+        self.manifest = manifest
+        self.out = out
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest["fingerprint"])
+
+
+def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Prepared:
+    """Prepare ``src`` into ``out``; see the module docstring. Raises DataError with what to do."""
+    src, out = src.expanduser(), out.expanduser()
+    kind = source_kind(src)
+    if out.exists() and any(out.iterdir()):
+        _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        writers = {s: SplitWriter(s, (tmp / f"{s}.bin").open("wb")) for s in SPLITS}
+        try:
+            skipped = _fill(kind, src, writers, opts)
+        finally:
+            for w in writers.values():
+                w.f.close()
+        total = sum(w.documents for w in writers.values())
+        if total == 0 or sum(w.size for w in writers.values()) == 0:
+            raise DataError(f"source {src} holds no text" + (f" ({skipped} binary files skipped)" if skipped else "")
+                            + "; point prepare at text files" + (", or widen --include" if kind == "directory" else ""))
+        for w in writers.values():
+            if w.size < opts.min_split_bytes:
+                raise DataError(
+                    f"split {w.name!r} would hold {w.size} bytes ({w.documents} documents), less than one context "
+                    f"window ({opts.min_split_bytes} bytes); add text, or raise --{w.name}-fraction"
+                    if w.name != "train" else
+                    f"split 'train' would hold {w.size} bytes, less than one context window; add text"
+                )
+        shas = {s: w.sha.hexdigest() for s, w in writers.items()}
+        manifest = {
+            "format": DATASET_FORMAT,
+            "version": DATASET_VERSION,
+            "source": {"path": str(src), "kind": kind, "include": list(opts.include) if kind == "directory" else None,
+                       "field": opts.field if kind == "jsonl" else None},
+            "split_rule": {"valid_fraction": opts.valid_fraction, "test_fraction": opts.test_fraction,
+                           "hash": "sha256(document key)"} if kind != "wikitext" else {"wikitext": "official splits"},
+            "splits": {s: {"file": f"{s}.bin", "documents": w.documents, "bytes": w.size, "sha256": shas[s]}
+                       for s, w in writers.items()},
+            "binary_files_skipped": skipped,
+            "fingerprint": fingerprint_of(shas),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        _install(tmp, out, manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Prepared(manifest, out)
+
+
+def _check_out(out: Path) -> None:
+    """``out`` may be empty or hold a prepared dataset (replaced only by the identical one)."""
+    if not (out / MANIFEST).is_file():
+        raise DataError(f"output directory {out} is not empty and holds no {MANIFEST}; choose an empty or new directory")
+
+
+def _install(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
+    if out.exists() and any(out.iterdir()):
+        old = json.loads((out / MANIFEST).read_text())
+        if old.get("fingerprint") != manifest["fingerprint"]:
+            raise DataError(
+                f"output directory {out} already holds another dataset (fingerprint {str(old.get('fingerprint'))[:12]}, "
+                f"this one {manifest['fingerprint'][:12]}); choose another --out or delete it first"
+            )
+        shutil.rmtree(tmp)  # the same dataset is already there, byte for byte
+        log.info("%s already holds this dataset (fingerprint %s)", out, manifest["fingerprint"][:12])
+        return
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+
+
+def _fill(kind: str, src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> int:
+    """Stream the source's documents into the split writers; returns the binary files skipped."""
+    if kind == "wikitext":
+        flavour = find_flavour(src)
+        for s in SPLITS:
+            path = src / f"wiki.{s}.{flavour}"
+            if not path.is_file():
+                raise DataError(f"WikiText directory {src} lacks {path.name}; all three splits are needed")
+            writers[s].documents = 1
+            _copy(path, writers[s], opts, desc=path.name)
+        return 0
+    if kind == "directory":
+        return _fill_directory(src, writers, opts)
+    if kind == "jsonl":
+        _fill_jsonl(src, writers, opts)
+        return 0
+    if _is_binary(src):
+        raise DataError(f"{src} looks binary (a NUL byte in its first {BINARY_PROBE} bytes); prepare reads text")
+    _fill_text(src, writers, opts)
+    return 0
+
+
+def _copy(path: Path, w: SplitWriter, opts: PrepareOptions, desc: str) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as f, progress_bar(total=size, desc=desc, unit="B", unit_scale=True,
+                                             disable=not opts.progress, dynamic_ncols=True) as bar:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            w.write(chunk)
+            bar.update(len(chunk))
+
+
+def _append_document(w: SplitWriter, chunks: Iterator[bytes]) -> None:
+    """One document: its bytes, then a newline separating it from the next one (if it lacks one)."""
+    last = b""
+    for chunk in chunks:
+        if chunk:
+            w.write(chunk)
+            last = chunk
+    if last and not last.endswith(b"\n"):
+        w.write(b"\n")
+    w.documents += 1
+
+
+def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> int:
+    files = directory_files(src, opts.include)
+    unreadable, skipped = [], 0
+    total = 0
+    for p in files:
+        try:
+            total += p.stat().st_size
+        except OSError:
+            unreadable.append(p)
+    if unreadable:
+        raise DataError(_unreadable_message(src, unreadable))
+    bar = progress_bar(total=total, desc=f"prepare {src.name}", unit="B", unit_scale=True, disable=not opts.progress,
+                       dynamic_ncols=True)
+    try:
+        for p in files:
+            rel = p.relative_to(src).as_posix()
+            try:
+                if _is_binary(p):
+                    skipped += 1
+                    bar.update(p.stat().st_size)
+                    continue
+                if p.stat().st_size == 0:
+                    continue
+                w = writers[split_of(rel, opts)]
+                with p.open("rb") as f:
+                    _append_document(w, iter(lambda f=f: f.read(CHUNK), b""))  # type: ignore[misc]
+                bar.update(p.stat().st_size)
+            except OSError:
+                unreadable.append(p)
+    finally:
+        bar.close()
+    if unreadable:
+        raise DataError(_unreadable_message(src, unreadable))
+    return skipped
+
+
+def _unreadable_message(src: Path, paths: list[Path]) -> str:
+    names = ", ".join(p.relative_to(src).as_posix() for p in paths[:10])
+    more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
+    return f"cannot read {len(paths)} file(s) under {src}: {names}{more}; fix their permissions or --include fewer"
+
+
+def _fill_jsonl(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> None:
+    bar = progress_bar(total=src.stat().st_size, desc=f"prepare {src.name}", unit="B", unit_scale=True,
+                       disable=not opts.progress, dynamic_ncols=True)
+    try:
+        with src.open("rb") as f:
+            for n, line in enumerate(f, start=1):
+                bar.update(len(line))
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                    raise DataError(f"{src} line {n} is not valid JSON ({exc}); fix or remove that line") from None
+                text = doc.get(opts.field) if isinstance(doc, dict) else None
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"{src} line {n} has no string field {opts.field!r}"
+                        + (f" (its keys: {', '.join(sorted(doc)[:8])})" if isinstance(doc, dict) else "")
+                        + "; pass --field NAME"
+                    )
+                if text:
+                    _append_document(writers[split_of(f"line:{n}", opts)],
+                                     iter([text.encode("utf-8", "surrogatepass")]))
+    finally:
+        bar.close()
+
+
+BLANK = re.compile(rb"\n(?:[ \t\r]*\n)+")  # the end of a paragraph: a newline, then blank lines
+
+
+def _fill_text(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> None:
+    """Paragraphs of one text file (runs of lines up to a blank line), each keyed by its ordinal, streamed."""
+    bar = progress_bar(total=src.stat().st_size, desc=f"prepare {src.name}", unit="B", unit_scale=True,
+                       disable=not opts.progress, dynamic_ncols=True)
+    index = 0  # ordinal of the current paragraph
+    current: SplitWriter | None = None  # its split, chosen as it starts
+    tail = b""  # bytes after the last newline seen: a separator may continue in the next chunk
+    try:
+        with src.open("rb") as f:
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                bar.update(len(chunk))
+                buf = tail + chunk
+                pos = 0
+                for m in BLANK.finditer(buf):
+                    if m.end() == len(buf):  # it may go on in the next chunk
+                        break
+                    current = current or writers[split_of(f"paragraph:{index}", opts)]
+                    current.write(buf[pos:m.end()])
+                    current.documents += 1
+                    current, index, pos = None, index + 1, m.end()
+                cut = buf.rfind(b"\n", pos)
+                cut = pos if cut < 0 else cut
+                if cut > pos:
+                    current = current or writers[split_of(f"paragraph:{index}", opts)]
+                    current.write(buf[pos:cut])
+                tail = buf[cut:]
+            if tail.strip() or current is not None:
+                current = current or writers[split_of(f"paragraph:{index}", opts)]
+                current.write(tail if tail.endswith(b"\n") else tail + b"\n")
+                current.documents += 1
+    finally:
+        bar.close()
