@@ -256,9 +256,12 @@ class RunConfig:
     # Runs written before the objective existed are diffusion runs, hence this default; presets name it.
     objective: Objective = Objective.DIFFUSION  # block objective
     stack: StackConfig = field(default_factory=StackConfig)  # local heads (stack objective)
+    dataset: str = ""  # sha256 fingerprint of the dataset the run trains on ("" = not recorded)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "name", "must be a non-empty string")
+        _check(self.dataset == "" or (len(self.dataset) == 64 and all(c in "0123456789abcdef" for c in self.dataset)),
+               "dataset", "must be a 64-hex-digit fingerprint or empty")
         _check(isinstance(self.objective, Objective), "objective", f"must be an Objective, got {self.objective!r}")
 
     # --- serialisation -------------------------------------------------
@@ -285,6 +288,7 @@ class RunConfig:
                 train=_build(TrainConfig, data["train"]),
                 objective=Objective(data.get("objective", Objective.DIFFUSION.value)),
                 stack=_build(StackConfig, data.get("stack", {})),
+                dataset=str(data.get("dataset", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ConfigError):
@@ -305,6 +309,10 @@ class RunConfig:
         recipe = ("init", "step_ratio")
         own = d["diffusion"] if self.objective is Objective.DIFFUSION else {k: v for k, v in d["stack"].items() if k not in recipe}
         return json.dumps({"model": d["model"], "objective": self.objective.value, self.objective.value: own}, sort_keys=True)
+
+    def with_dataset(self, fingerprint: str) -> RunConfig:
+        """This config recording the dataset it trains on."""
+        return replace(self, dataset=fingerprint)
 
     def with_train(self, **changes: Any) -> RunConfig:
         return replace(self, train=replace(self.train, **changes))

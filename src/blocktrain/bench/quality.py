@@ -294,6 +294,7 @@ def _assemble(
         "precision": precision,
         "data_dir": str(opts.data.root),
         "data_flavour": opts.data.flavour,
+        "dataset_fingerprint": opts.data.fingerprint(),
         "split": "test",
         "bytes_scored": e2e_eval["bytes_scored"],
         "lr_sweep": sweeps,

@@ -51,15 +51,26 @@ class RunDir:
         """Create the run, or check that an existing run has the same architecture."""
         if self.config_path.exists():
             existing = self.load_config()
+            if existing.dataset and cfg.dataset and existing.dataset != cfg.dataset:
+                raise ConfigError(
+                    f"{self.root} trains on dataset {existing.dataset[:12]}, but --data names dataset "
+                    f"{cfg.dataset[:12]}; pass the run's own data, or choose a new --out directory"
+                )
             if existing.architecture_key() != cfg.architecture_key():
                 raise ConfigError(
                     f"{self.root} already holds a run with another model/diffusion config "
                     f"(preset {existing.name!r}); choose a new --out directory"
                 )
+            if existing.dataset != cfg.dataset and not existing.dataset:  # a run from before fingerprints: record it
+                existing = existing.with_dataset(cfg.dataset)
+                self._write(existing)
             return existing if existing.train == cfg.train else cfg
+        self._write(cfg)
+        return cfg
+
+    def _write(self, cfg: RunConfig) -> None:
         payload = json.dumps({"format_version": RUN_FORMAT_VERSION, "config": cfg.to_dict()}, indent=2)
         atomic_write_bytes(self.config_path, payload.encode())
-        return cfg
 
     def load_config(self) -> RunConfig:
         if not self.config_path.is_file():

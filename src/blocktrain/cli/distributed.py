@@ -46,8 +46,15 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
-    data = None if args.no_eval and settings.gate_tolerance is None else resolve_data_dir(args.data)
-    c = Coordinator(Path(args.run_dir), config_from_args(args), settings, data)
+    needs_data = not args.no_eval or settings.gate_tolerance is not None
+    data = resolve_data_dir(args.data) if needs_data or args.data or os.environ.get("BLOCKTRAIN_DATA") else None
+    cfg = config_from_args(args)
+    if data is not None:  # its fingerprint is published, and workers holding other data are refused
+        cfg = cfg.with_dataset(data.fingerprint())
+        log.info("dataset %s", data.describe())
+    else:
+        log.warning("no --data: workers' datasets are not checked against the run's")
+    c = Coordinator(Path(args.run_dir), cfg, settings, data if needs_data else None)
     try:
         run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
     except KeyboardInterrupt:

@@ -20,8 +20,9 @@ def cmd_train_block(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.block import train_block
 
-    cfg = config_from_args(args)
-    s = train_block(cfg, resolve_data_dir(args.data), Path(args.out), args.block, progress=not args.no_progress)
+    data = resolve_data_dir(args.data)
+    cfg = config_from_args(args).with_dataset(data.fingerprint())
+    s = train_block(cfg, data, Path(args.out), args.block, progress=not args.no_progress)
     log.info("block %d: %d steps in %.1fs, train memory %.1f MiB", args.block, s.steps, s.wall_s, s.train_mem_bytes / 2**20)
     return 0
 
@@ -30,8 +31,9 @@ def cmd_train_e2e(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.e2e import train_e2e
 
-    cfg = config_from_args(args)
-    s = train_e2e(cfg, resolve_data_dir(args.data), Path(args.out), progress=not args.no_progress)
+    data = resolve_data_dir(args.data)
+    cfg = config_from_args(args).with_dataset(data.fingerprint())
+    s = train_e2e(cfg, data, Path(args.out), progress=not args.no_progress)
     log.info("e2e: %d steps in %.1fs, train memory %.1f MiB", s.steps, s.wall_s, s.train_mem_bytes / 2**20)
     return 0
 
@@ -46,9 +48,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.schedule import schedule_of, train_all_processes, train_concurrent
 
-    cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
     data.open("train")
+    cfg = config_from_args(args).with_dataset(data.fingerprint())
     RunDir(Path(args.out)).init(cfg)  # a run of another config is refused once, here, not once per block
     if schedule_of(cfg) is Schedule.CONCURRENT:
         train_concurrent(cfg, data, Path(args.out), progress=not args.no_progress)
@@ -71,12 +73,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from blocktrain.evaluate.report import evaluate_model
 
     precision = resolve_precision(Precision(args.precision), torch.device("cpu"))
-    model = load_model_from_run(RunDir(Path(args.run)), args.model, precision)
-    data = resolve_data_dir(args.data).open(args.split)
+    run = RunDir(Path(args.run))
+    model = load_model_from_run(run, args.model, precision)
+    data_dir = resolve_data_dir(args.data)
+    data = data_dir.open(args.split)
+    trained_on, scoring = run.load_config().dataset, data_dir.fingerprint()
+    if trained_on and trained_on != scoring:
+        log.warning("%s trained on dataset %s but is scored on %s (%s); its CE is not comparable with the run's own",
+                    args.run, trained_on[:12], data_dir.root, scoring[:12])
     result = evaluate_model(
         model, data, chains=args.chains, max_bytes=args.max_bytes, blocks_alone=args.blocks_alone,
         progress=not args.no_progress, batch_size=args.batch_size,
     )
+    result["dataset_fingerprint"] = scoring
+    result["trained_on_dataset"] = trained_on or None
     if args.json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -124,8 +134,8 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         result = rederive(json.loads(src.read_text()))
         write_result(result, Path(args.json) if args.json else src, str(result["preset"]))
         return 0
-    cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
+    cfg = config_from_args(args).with_dataset(data.fingerprint())
     child = forward_run_args(args)
     if args.data is None:
         child += ["--data", str(data.root)]

@@ -5,7 +5,8 @@ Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
     GET  /                           dashboard (HTML)
     GET  /v1/status                  status document
     GET  /metrics                    Prometheus text
-    POST /v1/register                {"block": K|null} -> assignment and config
+    POST /v1/register                {"block": K|null, "dataset": fingerprint} -> assignment and config
+                                     (409 "dataset" when the worker's data is not the run's)
     POST /v1/heartbeat               renew the lease
     POST /v1/leave                   give the lease back (clean shutdown)
     GET  /v1/work                    block, version, data stream, deadline
@@ -31,7 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -55,6 +56,7 @@ SAFETENSORS = "application/octet-stream"
 class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     block: int | None = None  # pin this worker to block K (else: the block with the fewest live replicas)
+    dataset: str | None = Field(default=None, max_length=64)  # sha256 fingerprint of the worker's dataset
 
 
 def _bearer(request: Request) -> str | None:
@@ -199,7 +201,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     @app.post("/v1/register")
     async def register(request: Request, body: RegisterRequest) -> dict[str, Any]:
         name = auth(request)
-        return await run_in_threadpool(c.register, name, body.block)
+        return await run_in_threadpool(c.register, name, body.block, body.dataset)
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:

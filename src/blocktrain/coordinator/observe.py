@@ -80,6 +80,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
     return {
         "preset": c.cfg.name,
         "objective": c.cfg.objective.value,
+        "dataset": c.cfg.dataset or None,  # the fingerprint every worker's data must have
         "n_blocks": c.n_blocks,
         "block_fp32_bytes": c.block_fp32_bytes,
         "finished": c.finished(),

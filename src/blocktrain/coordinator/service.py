@@ -92,10 +92,20 @@ class Coordinator(BlockRounds):
             self._reload_tokens()
             return token
 
-    def register(self, name: str, block: int | None) -> dict[str, Any]:
+    def register(self, name: str, block: int | None, dataset: str | None = None) -> dict[str, Any]:
+        """Assign ``name`` a block; ``dataset`` is the fingerprint of the worker's data (checked against the run's)."""
         if block is not None and not 0 <= block < self.n_blocks:
             raise ProtocolError(
                 422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", "block"
+            )
+        if self.cfg.dataset and dataset != self.cfg.dataset:
+            have = f"dataset {dataset[:12]}" if dataset else "no dataset fingerprint"
+            raise ProtocolError(
+                409,
+                f"worker {name!r} has {have}, but this run trains on dataset {self.cfg.dataset[:12]} "
+                f"(fingerprint {self.cfg.dataset}); point --data at the same prepared directory as the coordinator's "
+                "(compare 'fingerprint' in its manifest.json)",
+                "dataset",
             )
         with self.lock:
             now = self.clock()

@@ -51,6 +51,7 @@ BINARY_PROBE = 8192  # bytes inspected for a NUL to call a file binary
 @dataclass(frozen=True)
 class PrepareOptions:
     include: tuple[str, ...] = ("*.txt", "*.md", "*.rst", "*.py")  # globs of a directory's files (basename)
+    exclude: tuple[str, ...] = ()  # globs of relative paths (files or folders) to leave out, e.g. site-packages
     field: str = "text"  # JSONL: the key holding each document's text
     valid_fraction: float = 0.01  # share of documents in valid
     test_fraction: float = 0.01  # share of documents in test
@@ -106,15 +107,23 @@ def _is_binary(path: Path) -> bool:
         return b"\0" in f.read(BINARY_PROBE)
 
 
-def directory_files(src: Path, include: tuple[str, ...]) -> list[Path]:
-    """Files under ``src`` whose name matches one glob, sorted by relative path (deterministic)."""
+def directory_files(src: Path, include: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[tuple[str, Path]]:
+    """(relative path, path) of the files under ``src`` whose name matches an ``include`` glob and whose relative
+    path (or any folder on it) matches no ``exclude`` glob; hidden folders are skipped. Sorted by relative path."""
+
+    def excluded(rel: str, name: str) -> bool:
+        return any(fnmatch.fnmatch(rel, g) or fnmatch.fnmatch(name, g) for g in exclude)
+
+    top = str(src)
     out = []
-    for root, dirs, files in os.walk(src):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    for root, dirs, files in os.walk(top):
+        base = root[len(top):].lstrip(os.sep).replace(os.sep, "/")
+        prefix = base + "/" if base else ""
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not excluded(prefix + d, d))
         for name in files:
-            if any(fnmatch.fnmatch(name, g) for g in include):
-                out.append(Path(root) / name)
-    return sorted(out, key=lambda p: p.relative_to(src).as_posix())
+            if any(fnmatch.fnmatch(name, g) for g in include) and not excluded(prefix + name, name):
+                out.append((prefix + name, Path(root) / name))
+    return sorted(out)
 
 
 class Prepared:
@@ -161,6 +170,7 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
             "format": DATASET_FORMAT,
             "version": DATASET_VERSION,
             "source": {"path": str(src), "kind": kind, "include": list(opts.include) if kind == "directory" else None,
+                       "exclude": list(opts.exclude) if kind == "directory" else None,
                        "field": opts.field if kind == "jsonl" else None},
             "split_rule": {"valid_fraction": opts.valid_fraction, "test_fraction": opts.test_fraction,
                            "hash": "sha256(document key)"} if kind != "wikitext" else {"wikitext": "official splits"},
@@ -243,34 +253,39 @@ def _append_document(w: SplitWriter, chunks: Iterator[bytes]) -> None:
 
 
 def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> int:
-    files = directory_files(src, opts.include)
-    unreadable, skipped = [], 0
-    total = 0
-    for p in files:
+    files = directory_files(src, opts.include, opts.exclude)
+    sizes: dict[str, int] = {}
+    unreadable: list[str] = []
+    for rel, p in files:
         try:
-            total += p.stat().st_size
+            sizes[rel] = os.stat(p).st_size
         except OSError:
-            unreadable.append(p)
+            unreadable.append(rel)
     if unreadable:
         raise DataError(_unreadable_message(src, unreadable))
-    bar = progress_bar(total=total, desc=f"prepare {src.name}", unit="B", unit_scale=True, disable=not opts.progress,
-                       dynamic_ncols=True)
+    skipped = 0
+    bar = progress_bar(total=sum(sizes.values()), desc=f"prepare {src.name}", unit="B", unit_scale=True,
+                       disable=not opts.progress, dynamic_ncols=True)
     try:
-        for p in files:
-            rel = p.relative_to(src).as_posix()
+        for rel, p in files:
             try:
-                if _is_binary(p):
-                    skipped += 1
-                    bar.update(p.stat().st_size)
-                    continue
-                if p.stat().st_size == 0:
-                    continue
-                w = writers[split_of(rel, opts)]
-                with p.open("rb") as f:
-                    _append_document(w, iter(lambda f=f: f.read(CHUNK), b""))  # type: ignore[misc]
-                bar.update(p.stat().st_size)
+                with open(p, "rb") as f:
+                    head = f.read(BINARY_PROBE)
+                    if b"\0" in head:  # binary: skipped and counted
+                        skipped += 1
+                    elif head:
+                        w = writers[split_of(rel, opts)]
+                        w.write(head)
+                        last = head
+                        for chunk in iter(lambda f=f: f.read(CHUNK), b""):  # type: ignore[misc]
+                            w.write(chunk)
+                            last = chunk
+                        if not last.endswith(b"\n"):
+                            w.write(b"\n")
+                        w.documents += 1
             except OSError:
-                unreadable.append(p)
+                unreadable.append(rel)
+            bar.update(sizes[rel])
     finally:
         bar.close()
     if unreadable:
@@ -278,8 +293,8 @@ def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOpt
     return skipped
 
 
-def _unreadable_message(src: Path, paths: list[Path]) -> str:
-    names = ", ".join(p.relative_to(src).as_posix() for p in paths[:10])
+def _unreadable_message(src: Path, paths: list[str]) -> str:
+    names = ", ".join(paths[:10])
     more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
     return f"cannot read {len(paths)} file(s) under {src}: {names}{more}; fix their permissions or --include fewer"
 
@@ -326,16 +341,20 @@ def _fill_text(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions)
             for chunk in iter(lambda: f.read(CHUNK), b""):
                 bar.update(len(chunk))
                 buf = tail + chunk
+                content_end = len(buf.rstrip(b" \t\r\n"))  # a separator reaching past this may go on
                 pos = 0
+                cut = -1
                 for m in BLANK.finditer(buf):
-                    if m.end() == len(buf):  # it may go on in the next chunk
+                    if m.end() > content_end:  # more blank lines may follow in the next chunk: keep it whole
+                        cut = m.start()
                         break
                     current = current or writers[split_of(f"paragraph:{index}", opts)]
                     current.write(buf[pos:m.end()])
                     current.documents += 1
                     current, index, pos = None, index + 1, m.end()
-                cut = buf.rfind(b"\n", pos)
-                cut = pos if cut < 0 else cut
+                if cut < 0:
+                    cut = buf.rfind(b"\n", pos)
+                    cut = pos if cut < 0 else cut
                 if cut > pos:
                     current = current or writers[split_of(f"paragraph:{index}", opts)]
                     current.write(buf[pos:cut])

@@ -87,8 +87,8 @@ class CoordinatorClient:
                 raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
 
     # --- protocol calls --------------------------------------------------------
-    def register(self, block: int | None) -> dict[str, Any]:
-        return dict(self.request("POST", "/v1/register", json={"block": block}).json())
+    def register(self, block: int | None, dataset: str | None = None) -> dict[str, Any]:
+        return dict(self.request("POST", "/v1/register", json={"block": block, "dataset": dataset}).json())
 
     def work(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/work").json())

@@ -128,7 +128,7 @@ class Worker:
             log.info("%s", reg["message"])
 
     def _register(self) -> None:
-        self._setup(self.client.register(self.opts.block))
+        self._setup(self.client.register(self.opts.block, self.data.fingerprint()))
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: dict[str, Any]) -> None:

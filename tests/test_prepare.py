@@ -1,0 +1,200 @@
+"""``blocktrain prepare`` and the dataset fingerprint (issue 22): small corpora made here, nothing fetched."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from blocktrain.cli.main import main as cli
+from blocktrain.data.dataset import MANIFEST, SPLITS, fingerprint_of, open_data_dir, sha256_file
+from blocktrain.data.prepare import PrepareOptions, prepare, split_of
+from blocktrain.errors import DataError
+
+SMALL = PrepareOptions(valid_fraction=0.2, test_fraction=0.2, min_split_bytes=64, progress=False)
+
+
+def _paragraphs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "river", "song", "city", "album"]
+    return [f"paragraph {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) + ".\n"
+            for i in range(n)]
+
+
+def _text_file(path: Path, n: int = 200) -> list[str]:
+    paras = _paragraphs(n)
+    path.write_text("\n".join(paras))  # paragraphs separated by one blank line
+    return paras
+
+
+def _splits(out: Path) -> dict[str, bytes]:
+    return {s: (out / f"{s}.bin").read_bytes() for s in SPLITS}
+
+
+def test_text_file_paragraphs_go_whole_to_one_split_by_their_hash(tmp_path: Path) -> None:
+    paras = _text_file(tmp_path / "book.txt")
+    done = prepare(tmp_path / "book.txt", tmp_path / "out", SMALL)
+    splits = _splits(tmp_path / "out")
+    for i, p in enumerate(paras):
+        want = split_of(f"paragraph:{i}", SMALL)
+        assert p.encode() in splits[want], i  # whole, in the split its key hashes to
+        assert all(p.encode() not in splits[s] for s in SPLITS if s != want)
+    m = done.manifest
+    assert sum(m["splits"][s]["documents"] for s in SPLITS) == len(paras)
+    assert all(m["splits"][s]["sha256"] == sha256_file(tmp_path / "out" / f"{s}.bin") for s in SPLITS)
+    assert m["fingerprint"] == fingerprint_of({s: m["splits"][s]["sha256"] for s in SPLITS})
+    assert 0 < m["splits"]["test"]["documents"] < m["splits"]["train"]["documents"]
+
+
+def test_rerun_is_byte_identical_and_a_large_file_streams_across_chunks(tmp_path: Path) -> None:
+    from blocktrain.data import prepare as mod
+
+    _text_file(tmp_path / "a.txt", 400)
+    prepare(tmp_path / "a.txt", tmp_path / "one", SMALL)
+    (tmp_path / "b.txt").write_text((tmp_path / "a.txt").read_text().replace("\n\n", "\n \n\t\n\n"))
+    prepare(tmp_path / "b.txt", tmp_path / "b-one", SMALL)
+    chunk = mod.CHUNK
+    try:
+        for size in (1, 2, 7, 97):  # paragraph separators now straddle chunk boundaries
+            mod.CHUNK = size
+            for src, ref in (("a.txt", "one"), ("b.txt", "b-one")):
+                out = tmp_path / f"{ref}-{size}"
+                prepare(tmp_path / src, out, SMALL)
+                for name in ("train.bin", "valid.bin", "test.bin"):
+                    assert (tmp_path / ref / name).read_bytes() == (out / name).read_bytes(), (src, size)
+    finally:
+        mod.CHUNK = chunk
+    prepare(tmp_path / "a.txt", tmp_path / "two", SMALL)
+    one = json.loads((tmp_path / "one" / MANIFEST).read_text())
+    two = json.loads((tmp_path / "two" / MANIFEST).read_text())
+    assert one == two
+    again = prepare(tmp_path / "a.txt", tmp_path / "one", SMALL)  # the same dataset into the same place: fine
+    assert again.fingerprint == one["fingerprint"]
+
+
+def test_directory_include_exclude_and_binary_files(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "pkg" / "sub").mkdir(parents=True)
+    (src / "skip").mkdir()
+    paras = _paragraphs(60)
+    for i, p in enumerate(paras):
+        (src / ("pkg" if i % 2 else "pkg/sub") / f"f{i}.py").write_text(p * 3)
+    (src / "skip" / "x.py").write_text("never read\n")
+    (src / "notes.bin").write_bytes(b"\0\1\2" * 100)
+    (src / "image.py").write_bytes(b"\x89PNG\0\0" * 10)  # matches the glob, but is binary
+    done = prepare(src, tmp_path / "out", PrepareOptions(include=("*.py",), exclude=("skip",), valid_fraction=0.2,
+                                                         test_fraction=0.2, min_split_bytes=64, progress=False))
+    m = done.manifest
+    assert m["binary_files_skipped"] == 1 and m["source"]["kind"] == "directory"
+    assert sum(m["splits"][s]["documents"] for s in SPLITS) == 60
+    joined = b"".join(_splits(tmp_path / "out").values())
+    assert b"never read" not in joined and b"PNG" not in joined
+    rel = "pkg/f1.py"
+    assert (paras[1] * 3).encode() in _splits(tmp_path / "out")[split_of(rel, SMALL)]
+
+
+def test_jsonl_field_and_its_errors(tmp_path: Path) -> None:
+    rows = [{"text": p, "id": i} for i, p in enumerate(_paragraphs(80))]
+    src = tmp_path / "dump.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    done = prepare(src, tmp_path / "out", SMALL)
+    assert sum(done.manifest["splits"][s]["documents"] for s in SPLITS) == 80
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok " * 50}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(DataError, match="line 2 has no string field 'text'.*body"):
+        prepare(bad, tmp_path / "out2", SMALL)
+    bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
+    with pytest.raises(DataError, match="line 2 is not valid JSON"):
+        prepare(bad, tmp_path / "out3", SMALL)
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+    assert not list(tmp_path.glob(".*partial*"))  # nothing partial left behind
+
+
+def test_wikitext_layout_is_copied_byte_for_byte_and_keeps_its_fingerprint(tmp_path: Path) -> None:
+    from tests.test_distributed_helpers import write_corpus
+
+    wiki = write_corpus(tmp_path / "wiki")
+    done = prepare(wiki.root, tmp_path / "out", PrepareOptions(progress=False))
+    for s in SPLITS:
+        assert (tmp_path / "out" / f"{s}.bin").read_bytes() == wiki.path(s).read_bytes()
+    prepared = open_data_dir(tmp_path / "out")
+    assert prepared.flavour == "bin"
+    assert prepared.fingerprint() == done.fingerprint == wiki.fingerprint()  # the same bytes, the same dataset
+    assert len(prepared.open("train")) == len(wiki.open("train"))
+    prepared.open("test", verify=True)
+
+
+def test_errors_exit_2_with_no_partial_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    assert cli(["prepare", str(empty), "--out", str(tmp_path / "o1"), "--no-progress"]) == 2
+    assert "holds no text" in capsys.readouterr().err
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("just one short paragraph\n")
+    assert cli(["prepare", str(tiny), "--out", str(tmp_path / "o2"), "--no-progress"]) == 2
+    assert "less than one context window" in capsys.readouterr().err
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "ok.txt").write_text("x" * 100)
+    (src / "gone.txt").symlink_to(tmp_path / "nowhere")
+    assert cli(["prepare", str(src), "--out", str(tmp_path / "o3"), "--no-progress"]) == 2
+    assert "gone.txt" in capsys.readouterr().err  # the unreadable file is named
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("keep me")
+    _text_file(tmp_path / "book.txt")
+    assert cli(["prepare", str(tmp_path / "book.txt"), "--out", str(busy), "--no-progress"]) == 2
+    assert "not empty" in capsys.readouterr().err and (busy / "mine.txt").read_text() == "keep me"
+    _text_file(tmp_path / "other.txt", 300)
+    ok = ["--valid-fraction", "0.2", "--test-fraction", "0.2", "--no-progress"]
+    assert cli(["prepare", str(tmp_path / "book.txt"), "--out", str(tmp_path / "ds"), *ok]) == 0
+    assert cli(["prepare", str(tmp_path / "other.txt"), "--out", str(tmp_path / "ds"), *ok]) == 2
+    assert "already holds another dataset" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_run_dir_refuses_another_dataset(tmp_path: Path) -> None:
+    from blocktrain.checkpoint.run import RunDir
+    from blocktrain.errors import ConfigError
+    from blocktrain.presets import get_preset
+
+    cfg = get_preset("tiny")
+    run = RunDir(tmp_path / "run")
+    run.init(cfg.with_dataset("a" * 64))
+    assert run.load_config().dataset == "a" * 64
+    with pytest.raises(ConfigError, match="trains on dataset aaaaaaaaaaaa"):
+        run.init(cfg.with_dataset("b" * 64))
+    with pytest.raises(Exception, match="fingerprint"):
+        cfg.with_dataset("not hex")
+
+
+def test_coordinator_refuses_every_worker_with_another_dataset(tmp_path: Path) -> None:
+    from blocktrain.coordinator.service import Coordinator
+    from blocktrain.coordinator.settings import CoordinatorSettings
+    from blocktrain.errors import ProtocolError
+    from blocktrain.presets import get_preset
+    from blocktrain.protocol.delta import Compression, pack_delta
+
+    fp = "c" * 64
+    c = Coordinator(tmp_path / "run", get_preset("tiny").with_dataset(fp), CoordinatorSettings(), None)
+    try:
+        for other in ("d" * 64, None, ""):
+            with pytest.raises(ProtocolError) as exc:
+                c.register("stranger", 0, other)
+            assert exc.value.status == 409 and exc.value.reason == "dataset"
+            assert fp[:12] in str(exc.value)
+        # never registered, so nothing it sends is taken
+        with pytest.raises(ProtocolError):
+            c.submit("stranger", 0, pack_delta({n: __import__("torch").zeros(s) for n, s in c.shapes.items()},
+                                               Compression.INT8, block=0, base_version=0, samples=1))
+        assert c.store.counters().get("updates_accepted", 0) == 0
+        assert c.register("friend", 0, fp)["block"] == 0
+        from blocktrain.coordinator.observe import status
+
+        assert status(c)["dataset"] == fp
+    finally:
+        c.close()
