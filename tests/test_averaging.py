@@ -156,3 +156,35 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     assert rnd["push_bytes"] == 3 * len(body)  # three int8 bodies of the same schema
     assert 0 < rnd["step_bytes"] < 0.3 * st["block_fp32_bytes"]  # the int8 step: a quarter of fp32, plus a header
     c.close()
+
+
+def test_workers_over_http_match_the_in_process_reference(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Two real workers through the HTTP coordinator land on the weights of :func:`run_local_rounds`.
+
+    Same streams, inner AdamW, int8 pushes with error feedback (deflated on the wire), Nesterov outer
+    step and int8 published step: the distributed run is the local reference, to float32 rounding.
+    """
+    import threading
+
+    from blocktrain.worker.loop import Worker, WorkerOptions
+    from tests.test_distributed_helpers import ThreadServer
+
+    knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0}
+    c = make_coordinator(tmp_path / "run", corpus, **knobs)
+    tokens = [c.add_token(f"w{i}") for i in range(2)]
+    with ThreadServer(c) as srv:
+        workers = [Worker(WorkerOptions(url=srv.url, token=t, block=0, local_steps=3, progress=False,
+                                        frozen_cache=tmp_path / "frozen"), corpus) for t in tokens]
+        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+    assert c.version[0] == 3 and all(w.summary.rounds_pushed == 3 for w in workers)
+    got = {n: t.clone() for n, t in c.weights[0].items()}
+    c.close()
+    ref = run_local_rounds(get_preset("tiny"), CoordinatorSettings(**knobs),
+                           LocalRounds(workers=2, local_steps=3, steps=9), corpus)
+    for n, w in ref.weights.items():
+        torch.testing.assert_close(got[n], w, rtol=0, atol=1e-6, msg=n)
