@@ -103,7 +103,7 @@ def test_jsonl_field_and_its_errors(tmp_path: Path) -> None:
     assert sum(done.manifest["splits"][s]["documents"] for s in SPLITS) == 80
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok " * 50}) + "\n" + json.dumps({"body": "no text"}) + "\n")
-    with pytest.raises(DataError, match="line 2 has no string field 'text'.*body"):
+    with pytest.raises(DataError, match=r"line 2 has no string field .text.*body"):
         prepare(bad, tmp_path / "out2", SMALL)
     bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
     with pytest.raises(DataError, match="line 2 is not valid JSON"):
