@@ -198,3 +198,33 @@ def test_coordinator_refuses_every_worker_with_another_dataset(tmp_path: Path) -
         assert status(c)["dataset"] == fp
     finally:
         c.close()
+
+
+def test_train_and_eval_on_a_prepared_directory_record_and_check_its_fingerprint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train-block and eval take a prepared directory; the fingerprint lands in run.json and the eval JSON,
+    and scoring on other data warns."""
+    from blocktrain.checkpoint.run import RunDir
+
+    _text_file(tmp_path / "a.txt", 600)
+    _text_file(tmp_path / "b.txt", 500)
+    ok = ["--valid-fraction", "0.1", "--test-fraction", "0.1", "--no-progress"]
+    assert cli(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "A"), *ok]) == 0
+    assert cli(["prepare", str(tmp_path / "b.txt"), "--out", str(tmp_path / "B"), *ok]) == 0
+    fp_a = open_data_dir(tmp_path / "A").fingerprint()
+    run = tmp_path / "run"
+    assert cli(["train-block", "--preset", "tiny", "--objective", "stack", "--blocks", "1", "--block", "0",
+                "--steps", "2", "--out", str(run), "--data", str(tmp_path / "A"), "--no-progress"]) == 0
+    assert RunDir(run).load_config().dataset == fp_a
+    capsys.readouterr()
+    args = ["eval", str(run), "--split", "test", "--max-bytes", "2000", "--json", "--no-progress"]
+    assert cli([*args, "--data", str(tmp_path / "A")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dataset_fingerprint"] == doc["trained_on_dataset"] == fp_a
+    caplog.clear()
+    assert cli([*args, "--data", str(tmp_path / "B")]) == 0
+    assert "is not comparable" in caplog.text
+    # training the same run on other data is refused, with exit 2
+    assert cli(["train-block", "--preset", "tiny", "--objective", "stack", "--blocks", "1", "--block", "0",
+                "--steps", "3", "--out", str(run), "--data", str(tmp_path / "B"), "--no-progress"]) == 2
