@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from blocktrain.config import RunConfig
+from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
@@ -122,13 +123,13 @@ def _traffic(r: dict[str, Any]) -> tuple[float | None, float | None]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    ref = next((r["ce_nats_per_byte"] for r in rows if r["row"] == "ref-b96"), None)
+    ref = next((r["ce_nats_per_byte"] for r in rows if r["row"] == "ref-b96"), None)  # the stack's block 0
     head = ("| row | M | H | outer | lr | mu | push/step | CE (test) | gap to batch-96 "
             "| round traffic / block fp32: raw | deflated | MB per worker | wall s |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        gap = None if ref is None else r["ce_nats_per_byte"] - ref
+        gap = None if ref is None or "/" in r["row"] else r["ce_nats_per_byte"] - ref
         raw, wire = _traffic(r)
         lines.append(
             f"| {r['row']} | {r['workers']} | {r['h']} | {r['outer']} | {r['outer_lr']} | {_f(r['outer_momentum'], '.1f')} "
@@ -149,7 +150,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[str, list[tuple[float, float, int]]] = {}
     for r in rows:
-        if r["workers"] < 2 or r["outer"] != "nesterov":
+        if r["workers"] < 2 or r["outer"] != "nesterov" or "/" in r["row"]:
             continue
         key = f"nesterov lr {r['outer_lr']} mu {r['outer_momentum']}, {r['push']}"
         series.setdefault(key, []).append((r["bytes_per_worker_total"] / 1e6, r["ce_nats_per_byte"] - ref, r["h"]))
@@ -176,6 +177,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu-mini")
+    ap.add_argument("--objective", default=None, choices=["stack", "diffusion"],
+                    help="train this objective's block 0 (default: the preset's); rows are named OBJECTIVE/ROW")
     ap.add_argument("--steps", type=int, default=400, help="inner steps per replica, whatever H")
     ap.add_argument("--data", default=None, help="data directory (default: $BLOCKTRAIN_DATA)")
     ap.add_argument("--eval-bytes", type=int, default=32768, help="test bytes scored")
@@ -191,19 +194,25 @@ def main() -> int:
         lr, mu = (float(x) for x in args.around.split(","))
         add_rows(lr, mu)
     cfg = get_preset(args.preset)
+    tag = ""
+    if args.objective and args.objective != cfg.objective.value:
+        cfg = replace(cfg, objective=Objective(args.objective))
+        tag = f"{args.objective}/"
     done = {r["row"]: r for r in _read(args.jsonl)}
     names = list(ROWS) if args.rows == "all" else args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)} (--around LR,MU adds more)")
     command = (f"python benchmarks/averaging_study.py --preset {args.preset} --steps {args.steps} "
-               f"--eval-bytes {args.eval_bytes} --jsonl {args.jsonl}" + (f" --around {args.around}" if args.around else ""))
+               f"--eval-bytes {args.eval_bytes} --jsonl {args.jsonl}" + (f" --around {args.around}" if args.around else "")
+               + (f" --objective {args.objective}" if args.objective else ""))
     if not args.table_only:
         for name in names:
-            if name in done:
+            if tag + name in done:
                 continue
-            print("+", name, file=sys.stderr, flush=True)
+            print("+", tag + name, file=sys.stderr, flush=True)
             row = measure(name, cfg, args, command)
+            row["row"], row["objective"] = tag + name, cfg.objective.value
             args.jsonl.parent.mkdir(parents=True, exist_ok=True)
             with args.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
