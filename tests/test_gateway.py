@@ -169,6 +169,33 @@ def test_http_errors_have_the_openai_shape() -> None:
     assert len(fake.calls) == 1  # no refused request reached the pipeline
 
 
+def test_hostile_numbers_and_nesting_get_a_400_never_a_500() -> None:
+    """Numbers of hundreds or thousands of digits, 1e400, deep nesting: all 400 with the OpenAI error shape."""
+    fake = FakeClient([b"abc"], context=16)
+    with serve_app(opts(max_tokens_cap=8, max_body_bytes=300_000), fake) as url, httpx.Client(base_url=url) as http:
+        bodies = [
+            b'{"prompt": "a", "temperature": 1' + b"0" * 400 + b"}",  # an int beyond float range
+            b'{"prompt": "a", "max_tokens": 1' + b"0" * 400 + b"}",
+            b'{"prompt": "a", "seed": 1' + b"0" * 5000 + b"}",  # past Python's int digit limit
+            b'{"prompt": "a", "temperature": 1e400}',  # parses to inf
+            b'{"prompt": "a", "top_k": ' + b"9" * 300 + b"}",
+            b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nested far past the recursion limit
+        ]
+        for body in bodies:
+            r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (body[:60], r.status_code, r.text[:200])
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert len(r.json()["error"]["message"]) < 500  # the value is not echoed back in full
+    assert fake.calls == []
+
+
+def test_tiny_temperatures_sample_greedily_and_huge_top_k_keeps_every_byte() -> None:
+    req = parse_completion({"prompt": "a", "temperature": 1e-300}, 64)
+    assert req.temperature == 0.0  # greedy, instead of logits / 1e-300 overflowing to inf and nan
+    assert parse_completion({"prompt": "a", "temperature": 0.5}, 64).temperature == 0.5
+    assert parse_completion({"prompt": "a", "top_k": 10_000}, 64).top_k == 0  # >= 256 bytes: off
+
+
 def test_spec_without_client_support_is_refused() -> None:
     fake = FakeClient([b"xy"], family="stack")
     with serve_app(opts(), fake) as url, httpx.Client(base_url=url) as http:

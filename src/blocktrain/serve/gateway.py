@@ -125,6 +125,12 @@ class Gateway:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(400, f"the request body is not valid JSON ({exc}); send a JSON object",
                                "invalid_json") from exc
+        except ValueError:  # an integer literal past Python's digit limit
+            raise RequestError(400, "the request body holds a number too long to read; send ordinary numbers",
+                               "invalid_json") from None
+        except RecursionError:  # nesting deeper than the parser's recursion limit
+            raise RequestError(400, "the request body is nested too deeply; send a flat JSON object",
+                               "invalid_json") from None
 
     async def entry(self) -> dict[str, Any]:
         try:

@@ -31,6 +31,8 @@ FAMILY_MODES = {"stack": ("spec", "ar"), "blocktrain": ("ar", "sweep", "spec"), 
 DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 MAX_SWEEPS = 16  # most sweeps one request may ask for
+MIN_TEMPERATURE = 1e-3  # a temperature below this samples greedily: fp32 logits / T would overflow the softmax
+VOCAB = 256  # bytes: a top_k of this or more keeps every byte
 # fields an OpenAI client may send that this gateway cannot honour unless they hold their neutral value
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
@@ -79,9 +81,23 @@ def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad(f"{key} must be a finite number, got {value!r}", key, "invalid_type")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad(f"{key} must be a finite number, got {_show(value)}", key, "invalid_type")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float range
+        raise bad(f"{key} must be a finite number, got {_show(value)}", key, "invalid_type") from None
+    if not math.isfinite(number):
+        raise bad(f"{key} must be a finite number, got {_show(value)}", key, "invalid_type")
+    return number
+
+
+def _show(value: Any) -> str:
+    """A short, safe rendering of a client's value for an error message (huge integers by their size)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _integer(body: Mapping[str, Any], key: str, default: int) -> int:
@@ -89,7 +105,9 @@ def _integer(body: Mapping[str, Any], key: str, default: int) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad(f"{key} must be an integer, got {value!r}", key, "invalid_type")
+        raise bad(f"{key} must be an integer, got {_show(value)}", key, "invalid_type")
+    if value.bit_length() > 64:
+        raise bad(f"{key} is out of range: {_show(value)}", key)
     return value
 
 
@@ -122,6 +140,8 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     temperature = _number(body, "temperature", 0.8)
     if temperature < 0:
         raise bad(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # greedy: what any temperature this small samples anyway, without overflow
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
@@ -143,7 +163,7 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
         raise bad('stream_options must be {"include_usage": true|false}', "stream_options", "invalid_type")
     return CompletionRequest(
         prompt=prompt_bytes, max_tokens=max_tokens, mode=mode, temperature=temperature, top_p=top_p,
-        top_k=max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=bool(stream),
+        top_k=0 if top_k >= VOCAB else max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)), sweeps=sweeps, model=model, draft=draft,
     )
 
