@@ -255,6 +255,34 @@ def test_stream_keeps_characters_split_across_chunks() -> None:
     assert fake.calls == [(b"p", len(data), {"temperature": 0.8, "top_k": 7, "seed": 5})]
 
 
+def test_chat_completions_with_the_openai_client() -> None:
+    """``/v1/chat/completions``: the transcript prompt, a chat-shaped answer, and chat chunks when streaming."""
+    data = TEXT.encode()
+    fake = FakeClient([data[:3], data[3:]])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    with serve_app(opts(), fake) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=20)
+        done = client.chat.completions.create(model="blocktrain-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
+                                              max_tokens=len(data), seed=2, extra_body={"mode": "ar"})
+        assert done.object == "chat.completion" and done.id.startswith("chatcmpl-")
+        assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == TEXT
+        assert done.choices[0].finish_reason == "length" and done.usage is not None
+        events = list(client.chat.completions.create(model="blocktrain-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
+                                                     max_completion_tokens=len(data), seed=2, stream=True,
+                                                     extra_body={"mode": "ar"}))
+        assert all(e.object == "chat.completion.chunk" for e in events)
+        assert events[0].choices[0].delta.role == "assistant"
+        assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == TEXT
+        assert events[-1].choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="blocktrain-n4-d32-ctx64", messages=[])
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="blocktrain-n4-d32-ctx64",
+                                           messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item]
+    prompt = b"System: Be brief.\nUser: Hi\nAssistant:"
+    assert [c[0] for c in fake.calls] == [prompt, prompt]
+
+
 def test_unreachable_pipeline_is_a_503() -> None:
     dead = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     with serve_app(GatewayOptions(pipeline=dead)) as url, httpx.Client(base_url=url, timeout=30) as http:

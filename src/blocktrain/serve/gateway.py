@@ -1,8 +1,10 @@
 """An OpenAI-style HTTP front door to a serving pipeline (``blocktrain gateway``).
 
 Existing clients (the ``openai`` package, curl, anything that speaks vLLM's or llama.cpp's server) reach a
-pipeline through ``GET /v1/models`` and ``POST /v1/completions`` (plain JSON, or server-sent events ending with
-``data: [DONE]`` when ``stream`` is true). Tokens are bytes: ``max_tokens`` and the usage counts are in bytes.
+pipeline through ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain JSON, or
+server-sent events ending with ``data: [DONE]`` when ``stream`` is true). A chat is sent to the model as a plain
+transcript, one ``Role: content`` line per message and then ``Assistant:`` (:func:`.gateway_backend.chat_prompt`);
+the answer comes back as ``choices[0].message`` (or ``delta`` chunks). Tokens are bytes: ``max_tokens`` and the usage counts are in bytes.
 The text is the continuation decoded as UTF-8 (invalid bytes replaced by U+FFFD); ``choices[0].raw_bytes`` holds
 the exact bytes, base64-encoded. Extra request fields: ``mode`` (spec, the default; ar; sweep; baseline),
 ``top_k`` and ``sweeps``; without ``mode``, the pipeline's default (spec on a stack run, ar on diffusion blocks,
@@ -38,6 +40,7 @@ from blocktrain.serve.gateway_backend import (
     PipelineBackend,
     RequestError,
     Utf8Stream,
+    parse_chat,
     parse_completion,
     unavailable,
 )
@@ -145,21 +148,25 @@ class Gateway:
                 "modes": list(self.backend.modes(entry))}
         return {"object": "list", "data": [card]}
 
-    async def completion(self, request: Request) -> Response:
+    async def completion(self, request: Request, chat: bool = False) -> Response:
+        """``/v1/completions``, or ``/v1/chat/completions`` with ``chat`` (the same generation, chat-shaped)."""
         try:
             body = await asyncio.wait_for(self.read_json(request), self.opts.request_timeout_s)
         except TimeoutError:
             raise RequestError(408, "the request body did not arrive in time", "request_timeout") from None
-        req = parse_completion(body, self.opts.max_tokens_cap)
+        req = (parse_chat if chat else parse_completion)(body, self.opts.max_tokens_cap)
         entry = await self.entry()
         name = self.opts.model_name or model_id(entry)
         if req.model is not None and req.model != name:
             raise RequestError(404, f"the model {req.model!r} does not exist; this gateway serves {name!r} "
                                     "(GET /v1/models)", "model_not_found", "model")
         req = self.backend.resolve(req, entry)
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": name}
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": name}
         if req.stream:
-            return StreamingResponse(self.events(req, head), media_type="text/event-stream",
+            if chat:
+                head["object"] = "chat.completion.chunk"
+            return StreamingResponse(self.events(req, head, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
             data, stats = await asyncio.wait_for(self.backend.generate(req), self.opts.request_timeout_s)
@@ -168,14 +175,19 @@ class Gateway:
                                     "fewer bytes or raise the gateway's --timeout", "timeout") from None
         except ServeError as exc:
             raise unavailable(exc) from exc
-        choice = {"index": 0, "text": data.decode("utf-8", errors="replace"), "logprobs": None,
-                  "finish_reason": "length" if len(data) >= req.max_tokens else "stop",
-                  "raw_bytes": base64.b64encode(data).decode()}
+        text = data.decode("utf-8", errors="replace")
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": "length" if len(data) >= req.max_tokens else "stop",
+                                  "raw_bytes": base64.b64encode(data).decode()}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return JSONResponse({**head, "choices": [choice], "usage": usage(req, len(data)),
                              "blocktrain": {"mode": req.mode, "seed": req.seed, **stats}})
 
-    async def events(self, req: CompletionRequest, head: dict[str, Any]) -> AsyncIterator[bytes]:
-        """The completion as server-sent events: a chunk per piece of bytes, a last chunk, usage, [DONE]."""
+    async def events(self, req: CompletionRequest, head: dict[str, Any], chat: bool = False) -> AsyncIterator[bytes]:
+        """The completion as server-sent events: a chunk per piece of bytes, a last chunk, usage, [DONE].
+
+        Chat chunks carry ``delta`` ({"role": "assistant"} first, then {"content": piece}) instead of ``text``.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.opts.request_timeout_s
         text = Utf8Stream()
@@ -183,11 +195,15 @@ class Gateway:
         chunks = self.backend.stream(req)
 
         def chunk(piece: str, raw: bytes, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish,
-                      "raw_bytes": base64.b64encode(raw).decode()}
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+                                      "raw_bytes": base64.b64encode(raw).decode()}
+            choice.update({"delta": {"content": piece} if piece or finish is None else {}} if chat else {"text": piece})
             return sse({**head, "choices": [choice], **(extra or {})})
 
         try:
+            if chat:
+                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
             while True:
                 try:
                     data = await asyncio.wait_for(anext(chunks), max(deadline - loop.time(), 0.0))
@@ -235,7 +251,8 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
-        msg = f"{request.method} {request.url.path}: {exc.detail}; this gateway serves GET /v1/models and POST /v1/completions"
+        msg = (f"{request.method} {request.url.path}: {exc.detail}; this gateway serves GET /v1/models, "
+               "POST /v1/completions and POST /v1/chat/completions")
         return JSONResponse(error_body(exc.status_code, msg, code), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -262,6 +279,11 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
     async def completions(request: Request) -> Response:
         gw.authorize(request)
         return await gw.completion(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        gw.authorize(request)
+        return await gw.completion(request, chat=True)
 
     return app
 

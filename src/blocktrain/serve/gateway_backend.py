@@ -168,6 +168,45 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     )
 
 
+MAX_MESSAGES = 256  # most messages one chat request may carry
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def chat_prompt(messages: list[dict[str, str]]) -> str:
+    """The prompt a byte-level LM continues for a chat: one ``Role: content`` line per message, then
+    ``Assistant:``. The model was not tuned on chats; this plain transcript is what it has seen most like one."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nAssistant:"
+
+
+def parse_chat(body: Any, max_tokens_cap: int) -> CompletionRequest:
+    """A ``/v1/chat/completions`` body -> the CompletionRequest of its transcript (:func:`chat_prompt`)."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_json")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise bad(f"messages must be a list of 1 to {MAX_MESSAGES} messages", "messages", "invalid_type")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise bad(f"messages[{i}] must be an object with a role in {', '.join(CHAT_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text parts are readable by a byte model
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages", "invalid_type")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
+        clean.append({"role": str(m["role"]), "content": content})
+    fields = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens")}
+    if body.get("max_completion_tokens") is not None:
+        fields["max_tokens"] = body["max_completion_tokens"]
+    return parse_completion({**fields, "prompt": chat_prompt(clean)}, max_tokens_cap)
+
+
 def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
     """``draft_min`` / ``draft_max`` (mode spec only): the bounds of the adaptive draft length, in bytes."""
     if body.get("draft_min") is None and body.get("draft_max") is None:
