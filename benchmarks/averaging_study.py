@@ -79,7 +79,8 @@ def add_rows(lr: float, mu: float) -> None:
 def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -> dict[str, Any]:
     spec = ROWS[name]
     h = spec["h"] or args.steps
-    settings = CoordinatorSettings(**spec["outer"], step_compression=spec["transport"]["step"])
+    settings = CoordinatorSettings(**spec["outer"], step_compression=spec["transport"]["step"],
+                                   gate_tolerance=args.gate_tolerance)
     opts = LocalRounds(workers=spec["workers"], local_steps=h, steps=args.steps, compression=spec["transport"]["push"],
                        batch_size=cfg.train.batch_size * spec["batch_x"])
     data = resolve_data_dir(args.data)
@@ -107,6 +108,8 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
         "round_traffic_over_block_fp32": per_round / fp32 if spec["workers"] > 1 else None,
         "raw_round_traffic_over_block_fp32": raw / fp32 if spec["workers"] > 1 else None,  # safetensors, not deflated
         "bytes_per_worker_total": per_round * opts.rounds, "wall_s": run.wall_s,
+        "gate_tolerance": args.gate_tolerance,  # None: no loss gate
+        "updates": len(run.updates), "rejected": sum(1 for u in run.updates if u.outcome != "accepted"),
         "command": f"{command} --rows {name}",
     }
 
@@ -185,6 +188,8 @@ def main() -> int:
     ap.add_argument("--rows", default="all", help="comma-separated row names, or all")
     ap.add_argument("--around", default=None, help="LR,MU: add the H sweep, int8 and M=1 rows of this outer step")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gate-tolerance", type=float, default=None,
+                    help="run the coordinator's loss gate with this tolerance (nats); the rows count what it refused")
     ap.add_argument("--jsonl", type=Path, required=True, help="append rows here; rows already in it are skipped")
     ap.add_argument("--plot", type=Path, default=None, help="write the frontier PNG here")
     ap.add_argument("--table-only", action="store_true")
@@ -205,7 +210,8 @@ def main() -> int:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)} (--around LR,MU adds more)")
     command = (f"python benchmarks/averaging_study.py --preset {args.preset} --steps {args.steps} "
                f"--eval-bytes {args.eval_bytes} --jsonl {args.jsonl}" + (f" --around {args.around}" if args.around else "")
-               + (f" --objective {args.objective}" if args.objective else ""))
+               + (f" --objective {args.objective}" if args.objective else "")
+               + (f" --gate-tolerance {args.gate_tolerance}" if args.gate_tolerance is not None else ""))
     if not args.table_only:
         for name in names:
             if tag + name in done:

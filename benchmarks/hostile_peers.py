@@ -95,11 +95,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True, help="hostile-peers.json (runs of other kinds are kept)")
     ap.add_argument("--merge", type=Path, default=None, help="a run (JSON) to add as is, e.g. the slow worker's")
+    ap.add_argument("--honest-from", default=None, metavar="JSONL:ROW",
+                    help="take the honest run from this averaging-study row (same settings, gate on) instead of rerunning it")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": []}
     runs = {r["kind"]: r for r in doc["runs"]}
+    if args.honest_from:
+        path, _, name = args.honest_from.partition(":")
+        row = next(json.loads(x) for x in Path(path).read_text().splitlines() if x.strip() and json.loads(x)["row"] == name)
+        if row.get("gate_tolerance") != args.gate_tolerance or row["h"] != args.h or row["outer_lr"] != args.outer_lr:
+            ap.error(f"row {name} was not run with these settings (gate, H, outer lr)")
+        runs["honest"] = {"kind": "honest", "final_ce_nats_per_byte": row["ce_nats_per_byte"], "poisoned_updates": 0,
+                          "poisoned_caught": 0, "honest_updates": row["updates"], "honest_rejected": row["rejected"],
+                          "command": row["command"], "from": args.honest_from}
     if args.merge:
         extra = json.loads(args.merge.read_text())
         runs[extra["kind"]] = extra
