@@ -34,8 +34,6 @@ from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.evaluate.scoring import score_split
-from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression
 
@@ -86,14 +84,7 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
     data = resolve_data_dir(args.data)
     torch.set_num_threads(args.threads)
     run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress)
-    objective = get_objective(cfg)
-    run.block.eval()
-
-    def log_probs(x: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(objective.local_logits(run.block, 0, x, torch.Generator()).float(), dim=-1)[None]
-
-    with torch.no_grad():
-        score = score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=args.eval_bytes)
+    ce = run.test_ce(cfg, data, args.eval_bytes)
     fp32 = sum(4 * w.numel() for w in run.weights.values())
     per_round = run.bytes_per_worker_round()
     raw = run.bytes_per_worker_round(wire=False)
@@ -103,7 +94,7 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
         "outer": settings.outer.value, "outer_lr": settings.outer_lr,
         "outer_momentum": settings.outer_momentum if settings.outer is OuterOptimizer.NESTEROV else None,
         "push": opts.compression.value, "step": settings.step_compression.value,
-        "ce_nats_per_byte": score.ce_nats_per_byte, "eval_split": "test", "eval_bytes": score.bytes_scored,
+        "ce_nats_per_byte": ce, "eval_split": "test", "eval_bytes": args.eval_bytes,
         "block_fp32_bytes": fp32, "bytes_per_worker_round": per_round,
         "round_traffic_over_block_fp32": per_round / fp32 if spec["workers"] > 1 else None,
         "raw_round_traffic_over_block_fp32": raw / fp32 if spec["workers"] > 1 else None,  # safetensors, not deflated

@@ -31,8 +31,6 @@ import torch
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, Poison, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.evaluate.scoring import score_split
-from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 
 KINDS = ["honest", *(p.value for p in Poison)]
@@ -46,14 +44,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                        poison=None if kind == "honest" else Poison(kind))
     data = resolve_data_dir(args.data)
     run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress)
-    objective = get_objective(cfg)
-    run.block.eval()
-
-    def log_probs(x: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(objective.local_logits(run.block, 0, x, torch.Generator()).float(), dim=-1)[None]
-
-    with torch.no_grad():
-        ce = score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=args.eval_bytes).ce_nats_per_byte
+    ce = run.test_ce(cfg, data, args.eval_bytes)
     bad = [u for u in run.updates if u.poisoned]
     good = [u for u in run.updates if not u.poisoned]
     caught: dict[str, int] = {}

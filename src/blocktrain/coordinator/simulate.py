@@ -43,6 +43,7 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, init_seed, mix_seed
 from blocktrain.device import autocast, resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
@@ -115,6 +116,20 @@ class LocalRun:
     updates: list[UpdateRecord] = field(default_factory=list)  # every pushed update and what became of it
     skipped_rounds: int = 0  # rounds in which every update was refused (the coordinator would wait on)
     wall_s: float = 0.0  # seconds of the whole simulation
+
+    def test_ce(self, cfg: RunConfig, data: DataDir, max_bytes: int, k: int = 0,
+                frozen: Sequence[nn.Module] = ()) -> float:
+        """CE (nats/byte) of the trained block's own next-byte prediction (``Objective.local_logits``: a stack's
+        prefix 0..k, a diffusion block alone) on the first ``max_bytes`` test bytes."""
+        objective = get_objective(cfg)
+        self.block.eval()
+
+        def log_probs(x: torch.Tensor) -> torch.Tensor:
+            logits = objective.local_logits(self.block, k, x, torch.Generator().manual_seed(0), frozen)
+            return torch.log_softmax(logits.float(), dim=-1)[None]  # (1, b, t, 256)
+
+        with torch.no_grad():
+            return score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=max_bytes).ce_nats_per_byte
 
     def bytes_per_worker_round(self, wire: bool = True) -> float:
         """Mean bytes one replica moves per round: its push plus the step it pulls (on the wire, or raw)."""
