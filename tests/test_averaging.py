@@ -43,7 +43,7 @@ def test_nesterov_step_equals_a_hand_computed_reference() -> None:
 
 
 def test_plain_average_is_the_sample_weighted_mean() -> None:
-    s = CoordinatorSettings(step_compression=Compression.NONE)
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, step_compression=Compression.NONE)
     res = next_version({"w": _t(0.0, 0.0)}, [{"w": _t(1.0, 0.0)}, {"w": _t(0.0, 1.0)}], [1, 3], s, OuterState())
     assert torch.equal(res.weights["w"], _t(0.25, 0.75)) and res.state.momentum is None
 
@@ -149,8 +149,8 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     body = pack_delta(honest[1], Compression.INT8, block=0, base_version=0, samples=4)
     c.submit("c", 0, body)  # the quorum closes the round
     st = status(c)
-    assert st["blocks"][0]["outer"] == {"method": "average", "lr": 1.0, "momentum": None, "step_encoding": "int8",
-                                        "aggregation": "mean"}
+    assert st["blocks"][0]["outer"] == {"method": "nesterov", "lr": 1.0, "momentum": 0.9, "step_encoding": "int8",
+                                        "aggregation": "mean"}  # the defaults
     rnd = next(r for r in st["rounds"] if r["block"] == 0 and r["version"] == 0)
     assert rnd["updates"] == 3 and rnd["rejected"] == {"norm": 1}
     assert rnd["push_bytes"] == 3 * len(body)  # three int8 bodies of the same schema

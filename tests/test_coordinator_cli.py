@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from blocktrain.cli.distributed import NESTEROV_OUTER_LR, settings_from_args
+from blocktrain.cli.distributed import settings_from_args
 from blocktrain.cli.fields import field_comments, flag_name
 from blocktrain.cli.main import build_parser
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
@@ -62,10 +62,9 @@ def test_each_flag_value_reaches_the_settings(tmp_path: Path) -> None:
         assert value != f.default
         settings = settings_from_args(_parse(tmp_path, *flags))
         assert getattr(settings, f.name) == value, f.name
-        # every other field keeps its default (outer_lr follows --outer nesterov, see below)
-        changed = {f.name, "outer_lr"} if f.name == "outer" else {f.name}
+        # every other field keeps its default
         for g in fields(CoordinatorSettings):
-            if g.name not in changed:
+            if g.name != f.name:
                 assert getattr(settings, g.name) == g.default, (f.name, g.name)
 
 
@@ -74,16 +73,18 @@ def test_all_flags_at_once_and_old_flag_names(tmp_path: Path) -> None:
     args = _parse(
         tmp_path, "--round-seconds", "5", "--adaptive-deadline", "--lease-seconds", "7", "--rounds", "3",
         "--min-updates", "2", "--max-body-bytes", "100", "--norm-k", "0", "--aggregation", "trimmed_mean",
-        "--trim-fraction", "0.1", "--outer", "nesterov", "--outer-momentum", "0.5", "--gate-tolerance", "0.1",
+        "--trim-fraction", "0.1", "--outer", "average", "--outer-momentum", "0.5", "--gate-tolerance", "0.1",
         "--eval-every", "0", "--eval-bytes", "10", "--no-fsync",
     )
     assert settings_from_args(args) == CoordinatorSettings(
         round_seconds=5.0, adaptive_deadline=True, lease_seconds=7.0, rounds=3, min_updates=2, max_body_bytes=100,
-        norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.NESTEROV,
-        outer_lr=NESTEROV_OUTER_LR, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
+        norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.AVERAGE,
+        outer_lr=1.0, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
     )
-    assert NESTEROV_OUTER_LR == 0.7
-    # an explicit --outer-lr wins over the Nesterov default; the run's own eval flags stay apart
+    # the default outer step is the averaging study's: Nesterov, eta 1.0, mu 0.9
+    default = settings_from_args(_parse(tmp_path))
+    assert (default.outer, default.outer_lr, default.outer_momentum) == (OuterOptimizer.NESTEROV, 1.0, 0.9)
+    # an explicit --outer-lr wins; the run's own eval flags stay apart
     args = _parse(tmp_path, "--outer", "nesterov", "--outer-lr", "0.3", "--eval-bytes", "12")
     settings = settings_from_args(args)
     assert (settings.outer, settings.outer_lr, settings.eval_bytes) == (OuterOptimizer.NESTEROV, 0.3, 12)

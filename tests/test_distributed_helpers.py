@@ -105,7 +105,9 @@ class ThreadServer:
 
 
 def cli(*args: str, **kw: Any) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # no BLOCKTRAIN_DATA from the developer's shell: a coordinator would take it as its dataset
+    env = {k: v for k, v in os.environ.items() if k != "BLOCKTRAIN_DATA"}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return subprocess.Popen([sys.executable, "-m", "blocktrain", *args], env=env, **kw)
 
 

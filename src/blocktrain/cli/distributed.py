@@ -16,22 +16,17 @@ from types import FrameType
 from blocktrain.cli.common import add_run_args, config_from_args
 from blocktrain.cli.fields import add_field_flags, field_values
 from blocktrain.config import Precision
-from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import BlockTrainError
 
 log = logging.getLogger("blocktrain")
 
-NESTEROV_OUTER_LR = 0.7  # eta of the outer step under --outer nesterov when --outer-lr is not given
 _SETTINGS = "settings"  # destination prefix of the CoordinatorSettings flags
-_SETTINGS_NOTES = {"outer_lr": f"; {NESTEROV_OUTER_LR} under --outer nesterov unless given"}
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     """The coordinator settings given as flags (one per field); the dataclass defaults for the rest."""
-    values = field_values(args, CoordinatorSettings, prefix=_SETTINGS)
-    if "outer_lr" not in values and values.get("outer") is OuterOptimizer.NESTEROV:
-        values["outer_lr"] = NESTEROV_OUTER_LR
-    return CoordinatorSettings(**values)
+    return CoordinatorSettings(**field_values(args, CoordinatorSettings, prefix=_SETTINGS))
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -153,7 +148,7 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8470, help="port to listen on")
     # One flag per CoordinatorSettings field (--round-seconds, --no-fsync, ...): a new setting needs no edit here.
-    add_field_flags(s, CoordinatorSettings, prefix=_SETTINGS, notes=_SETTINGS_NOTES)
+    add_field_flags(s, CoordinatorSettings, prefix=_SETTINGS)
     s.add_argument("--no-eval", action="store_true", help="no evaluation (no data directory needed)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
     s.add_argument("--tls-cert", default=None, help="TLS certificate (PEM)")

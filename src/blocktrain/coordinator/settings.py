@@ -64,8 +64,8 @@ class CoordinatorSettings:
     norm_min_history: int = 2  # the norm check starts once this many norms are known
     aggregation: Aggregation = Aggregation.MEAN  # how one round's deltas are combined
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
-    outer: OuterOptimizer = OuterOptimizer.AVERAGE  # outer step
-    outer_lr: float = 1.0  # eta of the outer step
+    outer: OuterOptimizer = OuterOptimizer.NESTEROV  # outer step (benchmarks/results/averaging-study.md)
+    outer_lr: float = 1.0  # eta of the outer step (1 with --outer average: the plain mean)
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
     gate_tolerance: float | None = None  # reject if block loss on a held-out batch rises by more (nats)
