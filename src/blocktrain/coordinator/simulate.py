@@ -147,8 +147,7 @@ def run_local_rounds(
     frozen: Sequence[nn.Module] = (),
     progress: bool = False,
 ) -> LocalRun:
-    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring.
-    """
+    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring."""
     objective = get_objective(cfg)
     if len(frozen) != objective.frozen_inputs(k):
         raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
@@ -208,7 +207,7 @@ def run_local_rounds(
             norms.append(parsed.norm)
             deltas.append(parsed.delta)
             samples.append(parsed.samples)
-        if not deltas:  # the coordinator keeps such a round open; the replicas train it again
+        if not deltas:  # every update refused: W stays, and the next round trains from it again
             run.skipped_rounds += 1
             bar.update(1)
             continue
