@@ -159,7 +159,7 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://10.0.0.1:8470")
     s.add_argument("--token", default=None, help="bearer token (or $BLOCKTRAIN_TOKEN)")
     s.add_argument("--block", type=int, default=None, help="train block K (else the coordinator assigns one)")
-    s.add_argument("--local-steps", type=int, default=50, help="H: local optimiser steps per round")
+    s.add_argument("--local-steps", type=int, default=25, help="H: local optimiser steps per round")
     s.add_argument("--precision", default=None, choices=[p.value for p in Precision],
                    help="forward/backward arithmetic (default: the run's, bf16 where the device supports it)")
     s.add_argument("--device", default="auto", help="where to train: auto (cuda if available), cpu, cuda or cuda:N")

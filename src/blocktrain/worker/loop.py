@@ -54,7 +54,7 @@ class WorkerOptions:
     url: str  # coordinator base URL
     token: str  # bearer token of this worker
     block: int | None = None  # pin to block K (else the coordinator assigns one)
-    local_steps: int = 50  # H: optimiser steps per round
+    local_steps: int = 25  # H: optimiser steps per round (the averaging study's best, benchmarks/results/averaging-study.md)
     compression: Compression = Compression.INT8  # delta encoding on the wire (lossy ones carry error feedback)
     progress: bool = True  # per-round progress bar
     poll_s: float = 0.5  # wait between polls while a round is closing
