@@ -52,7 +52,7 @@ def test_missing_and_empty_splits_are_clear(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"does not exist.*wiki\.train"):
         open_data_dir(tmp_path / "nope")
     (tmp_path / "d").mkdir()
-    with pytest.raises(DataError, match=r"no WikiText split.*wiki\.\{?train"):
+    with pytest.raises(DataError, match=r"no dataset found.*wiki\.\{?train"):
         open_data_dir(tmp_path / "d")
     (tmp_path / "d" / "wiki.train.raw").write_bytes(b"")
     (tmp_path / "d" / "wiki.valid.raw").write_bytes(b"hello world")
