@@ -41,9 +41,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
+    cfg = config_from_args(args)
     needs_data = not args.no_eval or settings.gate_tolerance is not None
     data = resolve_data_dir(args.data) if needs_data or args.data or os.environ.get("BLOCKTRAIN_DATA") else None
-    cfg = config_from_args(args)
     if data is not None:  # its fingerprint is published, and workers holding other data are refused
         cfg = cfg.with_dataset(data.fingerprint())
         log.info("dataset %s", data.describe())

@@ -20,8 +20,9 @@ def cmd_train_block(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.block import train_block
 
+    cfg = config_from_args(args)  # a bad preset or flag fails before any data is looked for
     data = resolve_data_dir(args.data)
-    cfg = config_from_args(args).with_dataset(data.fingerprint())
+    cfg = cfg.with_dataset(data.fingerprint())
     s = train_block(cfg, data, Path(args.out), args.block, progress=not args.no_progress)
     log.info("block %d: %d steps in %.1fs, train memory %.1f MiB", args.block, s.steps, s.wall_s, s.train_mem_bytes / 2**20)
     return 0
@@ -31,8 +32,9 @@ def cmd_train_e2e(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.e2e import train_e2e
 
+    cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
-    cfg = config_from_args(args).with_dataset(data.fingerprint())
+    cfg = cfg.with_dataset(data.fingerprint())
     s = train_e2e(cfg, data, Path(args.out), progress=not args.no_progress)
     log.info("e2e: %d steps in %.1fs, train memory %.1f MiB", s.steps, s.wall_s, s.train_mem_bytes / 2**20)
     return 0
@@ -48,9 +50,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.schedule import schedule_of, train_all_processes, train_concurrent
 
+    cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
     data.open("train")
-    cfg = config_from_args(args).with_dataset(data.fingerprint())
+    cfg = cfg.with_dataset(data.fingerprint())
     RunDir(Path(args.out)).init(cfg)  # a run of another config is refused once, here, not once per block
     if schedule_of(cfg) is Schedule.CONCURRENT:
         train_concurrent(cfg, data, Path(args.out), progress=not args.no_progress)
@@ -134,8 +137,9 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         result = rederive(json.loads(src.read_text()))
         write_result(result, Path(args.json) if args.json else src, str(result["preset"]))
         return 0
+    cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
-    cfg = config_from_args(args).with_dataset(data.fingerprint())
+    cfg = cfg.with_dataset(data.fingerprint())
     child = forward_run_args(args)
     if args.data is None:
         child += ["--data", str(data.root)]
