@@ -62,6 +62,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "poisoned_accepted_rounds": sorted({u.round for u in bad if u.outcome == "accepted"}),
         "honest_updates": len(good),
         "honest_rejected": sum(1 for u in good if u.outcome != "accepted"),
+        "honest_rejected_by": {r: sum(1 for u in good if u.outcome == r) for r in {u.outcome for u in good} - {"accepted"}},
         "honest_gate_change_max": max(honest_gate) if honest_gate else None,
         "skipped_rounds": run.skipped_rounds,
         "wall_s": run.wall_s,
