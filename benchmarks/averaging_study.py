@@ -91,7 +91,7 @@ def measure(name: str, cfg: RunConfig, args: argparse.Namespace, command: str) -
     return {
         "row": name, "preset": cfg.name, "block": 0, "workers": spec["workers"], "h": h, "rounds": opts.rounds,
         "steps_per_worker": args.steps, "batch_size": opts.batch_size,
-        "outer": settings.outer.value, "outer_lr": settings.outer_lr,
+        "outer": spec["outer"]["outer"].value, "outer_lr": settings.outer_lr,
         "outer_momentum": settings.outer_momentum if settings.outer is OuterOptimizer.NESTEROV else None,
         "push": opts.compression.value, "step": settings.step_compression.value,
         "ce_nats_per_byte": ce, "eval_split": "test", "eval_bytes": args.eval_bytes,

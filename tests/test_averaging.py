@@ -99,6 +99,23 @@ def test_outer_state_round_trips_and_reads_the_momentum_only_format() -> None:
     assert OuterState().tensors() == {}
 
 
+def test_the_objective_chooses_the_default_outer_step(tmp_path: Path) -> None:
+    """Nesterov for a stack, the plain average for diffusion blocks (averaging-study.md); a chosen one wins."""
+    from dataclasses import replace
+
+    from blocktrain.config import Objective, Schedule
+    from blocktrain.coordinator.service import Coordinator
+
+    tiny = get_preset("tiny").with_train(schedule=Schedule.PROGRESSIVE)
+    for objective, want in ((Objective.STACK, OuterOptimizer.NESTEROV), (Objective.DIFFUSION, OuterOptimizer.AVERAGE)):
+        cfg = replace(tiny, objective=objective)
+        c = Coordinator(tmp_path / objective.value, cfg, CoordinatorSettings(rounds=2), None)
+        assert c.settings.outer is want
+        c.close()
+    chosen = CoordinatorSettings(outer=OuterOptimizer.AVERAGE).for_objective("nesterov")
+    assert chosen.outer is OuterOptimizer.AVERAGE
+
+
 def test_poison_kinds() -> None:
     g = torch.Generator().manual_seed(0)
     d = {"w": _t(3.0, 4.0)}
@@ -149,8 +166,8 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     body = pack_delta(honest[1], Compression.INT8, block=0, base_version=0, samples=4)
     c.submit("c", 0, body)  # the quorum closes the round
     st = status(c)
-    assert st["blocks"][0]["outer"] == {"method": "nesterov", "lr": 1.0, "momentum": 0.9, "step_encoding": "int8",
-                                        "aggregation": "mean"}  # the defaults
+    assert st["blocks"][0]["outer"] == {"method": "average", "lr": 1.0, "momentum": None, "step_encoding": "int8",
+                                        "aggregation": "mean"}  # the defaults of a diffusion run (tiny)
     rnd = next(r for r in st["rounds"] if r["block"] == 0 and r["version"] == 0)
     assert rnd["updates"] == 3 and rnd["rejected"] == {"norm": 1}
     assert rnd["push_bytes"] == 3 * len(body)  # three int8 bodies of the same schema

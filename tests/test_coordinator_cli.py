@@ -32,6 +32,8 @@ def _other_value(name: str, default: Any) -> tuple[list[str], Any]:
     if isinstance(default, enum.Enum):
         other = next(e for e in type(default) if e is not default)
         return [flag_name(name), other.value], other
+    if default is None and name == "outer":  # None: the objective's outer step
+        return [flag_name(name), "average"], OuterOptimizer.AVERAGE
     if default is None:  # gate_tolerance: off by default
         return [flag_name(name), "0.25"], 0.25
     if isinstance(default, int):
@@ -81,9 +83,11 @@ def test_all_flags_at_once_and_old_flag_names(tmp_path: Path) -> None:
         norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.AVERAGE,
         outer_lr=1.0, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
     )
-    # the default outer step is the averaging study's: Nesterov, eta 1.0, mu 0.9
+    # by default the objective chooses the outer step (the averaging study's: Nesterov for a stack), eta 1.0, mu 0.9
     default = settings_from_args(_parse(tmp_path))
-    assert (default.outer, default.outer_lr, default.outer_momentum) == (OuterOptimizer.NESTEROV, 1.0, 0.9)
+    assert (default.outer, default.outer_lr, default.outer_momentum) == (None, 1.0, 0.9)
+    assert default.for_objective("nesterov").outer is OuterOptimizer.NESTEROV
+    assert settings_from_args(_parse(tmp_path, "--outer", "average")).for_objective("nesterov").outer is OuterOptimizer.AVERAGE
     # an explicit --outer-lr wins; the run's own eval flags stay apart
     args = _parse(tmp_path, "--outer", "nesterov", "--outer-lr", "0.3", "--eval-bytes", "12")
     settings = settings_from_args(args)

@@ -138,6 +138,8 @@ def next_version(
 
     W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step.
     """
+    if settings.outer is None:
+        raise ValueError("no outer step chosen; resolve it with CoordinatorSettings.for_objective(objective.outer_step())")
     delta_bar = aggregate(deltas, samples, settings.aggregation, settings.trim_fraction)
     step, buf = outer_step(delta_bar, settings.outer, settings.outer_lr, settings.outer_momentum, state.momentum)
     codec = ErrorFeedback(settings.step_compression, state.residual)

@@ -77,7 +77,7 @@ class BlockRounds:
     ) -> None:
         self.run = RunDir(run_dir)
         self.cfg = self.run.init(cfg)
-        self.settings = settings
+        self.settings = settings.for_objective(get_objective(self.cfg).outer_step())
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
         self.lock = threading.RLock()

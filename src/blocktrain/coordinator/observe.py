@@ -18,7 +18,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         live = c.live_replicas(now)
         blocks = []
         st = c.settings
-        outer = {"method": st.outer.value, "lr": st.outer_lr,
+        outer = {"method": st.outer.value if st.outer else None, "lr": st.outer_lr,
                  "momentum": st.outer_momentum if st.outer is OuterOptimizer.NESTEROV else None,
                  "step_encoding": st.step_compression.value, "aggregation": st.aggregation.value}
         for k in range(c.n_blocks):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.delta import Compression
@@ -64,7 +64,7 @@ class CoordinatorSettings:
     norm_min_history: int = 2  # the norm check starts once this many norms are known
     aggregation: Aggregation = Aggregation.MEAN  # how one round's deltas are combined
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
-    outer: OuterOptimizer = OuterOptimizer.NESTEROV  # outer step (benchmarks/results/averaging-study.md)
+    outer: OuterOptimizer | None = None  # outer step (None: the objective's; benchmarks/results/averaging-study.md)
     outer_lr: float = 1.0  # eta of the outer step (1 with --outer average: the plain mean)
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
@@ -74,6 +74,10 @@ class CoordinatorSettings:
     eval_bytes: int = 4096  # validation bytes scored per evaluation
     tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
     fsync: bool = True  # fsync every blob and SQLite commit (False: safe from process crashes, not power loss)
+
+    def for_objective(self, default_outer: str) -> CoordinatorSettings:
+        """These settings with the objective's outer step where none was chosen (``Objective.outer_step``)."""
+        return self if self.outer is not None else replace(self, outer=OuterOptimizer(default_outer))
 
     def __post_init__(self) -> None:
         if self.round_seconds <= 0 or self.min_round_seconds <= 0:

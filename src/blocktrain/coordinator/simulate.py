@@ -149,6 +149,7 @@ def run_local_rounds(
 ) -> LocalRun:
     """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring."""
     objective = get_objective(cfg)
+    settings = settings.for_objective(objective.outer_step())
     if len(frozen) != objective.frozen_inputs(k):
         raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
     tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)

@@ -57,6 +57,10 @@ class Objective(Protocol):
     def serving_blocker(self) -> str | None:
         """Why a pipeline of stages cannot serve this objective's runs (a message saying what to do), or None."""
 
+    def outer_step(self) -> str:
+        """The outer step decentralised training uses unless told otherwise: "nesterov" or "average"
+        (measured per objective in benchmarks/results/averaging-study.md)."""
+
     def freeze(self, block: nn.Module, dtype: torch.dtype) -> nn.Module:
         """The forward-only copy of a finished block that later blocks' workers hold."""
 
