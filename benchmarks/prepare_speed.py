@@ -7,7 +7,8 @@ Two sources, each at about 30 MB and at ten times that (the same bytes repeated)
 * ``text``: one text file, WikiText-2's train split repeated.
 
 Each measurement runs in a fresh process, which reports the seconds spent in
-:func:`blocktrain.data.prepare.prepare` and its peak resident memory.
+:func:`blocktrain.data.prepare.prepare` and its peak resident memory (``VmHWM``, which a new program image starts
+afresh; ``ru_maxrss`` would carry the parent's peak across the fork).
 ``prepare`` is single-threaded: one core.
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/prepare_speed.py --json benchmarks/results/prepare-speed.json
@@ -29,7 +30,7 @@ from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.prepare import directory_files
 
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from blocktrain.data.prepare import PrepareOptions, prepare
 src, out, include, exclude = sys.argv[1], sys.argv[2], tuple(sys.argv[3].split(",")), tuple(filter(None, sys.argv[4].split(",")))
@@ -37,7 +38,8 @@ t0 = time.perf_counter()
 done = prepare(Path(src), Path(out), PrepareOptions(include=include, exclude=exclude, progress=False))
 wall = time.perf_counter() - t0
 size = sum(v["bytes"] for v in done.manifest["splits"].values())
-print(json.dumps({"seconds": wall, "bytes_out": size, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))  # kB, this image's own
+print(json.dumps({"seconds": wall, "bytes_out": size, "peak_rss_mib": hwm / 1024}))
 """
 
 
@@ -69,8 +71,13 @@ def main() -> int:
         small_txt, big_txt = t / "small.txt", t / "big.txt"
         unit = train.read_bytes()
         copies = max(1, round(30e6 / len(unit)))
-        small_txt.write_bytes(unit * copies)
-        big_txt.write_bytes(unit * copies * args.repeat)
+        with small_txt.open("wb") as f:  # written piece by piece: the parent stays small, whatever the size
+            for _ in range(copies):
+                f.write(unit)
+        with big_txt.open("wb") as f:
+            for _ in range(copies * args.repeat):
+                f.write(unit)
+        del unit
         cases = [("directory", "30 MB", stdlib, "*.py", "site-packages,__pycache__"),
                  ("directory", f"{args.repeat}x", big, "*.py", ""),
                  ("text", "30 MB", small_txt, "*", ""),
