@@ -189,3 +189,17 @@ def test_eval_into_a_log_file_prints_few_lines(run_dir: Path, data_dir: Path, tm
     lines = [x for x in re.split(r"[\r\n]+", text) if x.strip()]  # a redraw in place is a line in a log
     assert len(lines) < 50, text
     assert "100%" in text  # each bar still reports its end
+
+
+def test_token_add_prints_a_token_the_store_keeps_hashed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from blocktrain.coordinator.store import Store
+
+    assert main(["token", "add", "w0", "--run-dir", str(tmp_path / "run")]) == 0
+    token = capsys.readouterr().out.strip()
+    store = Store(tmp_path / "run")
+    try:
+        hashes = store.token_hashes()
+    finally:
+        store.close()
+    assert token.startswith("bt_") and len(hashes) == 1 and hashes[0][0] == "w0"
+    assert token not in str(hashes) and hashlib.sha256(token.encode()).hexdigest() in str(hashes)

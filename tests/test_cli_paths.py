@@ -71,11 +71,11 @@ def test_bench_quality_tiny_end_to_end(quality: tuple[dict[str, Any], Path, Path
         (bt["gap_matched_flops_nats_per_byte"], bt["ce_nats_per_byte"] - q["e2e_matched_flops"]["ce_nats_per_byte"]),
     ):
         assert math.isfinite(gain) and gain == pytest.approx(want, abs=1e-12)
-    # memory: the block worker's peak over the E2E trainer's, both measured, both positive
+    # tiny trains every arm in the bench's own process: no arm has a peak memory of its own, so none is reported
     worker = q["block_worker"]
-    assert q["memory_ratio_block_over_e2e"] > 0
-    assert q["memory_ratio_block_over_e2e"] == pytest.approx(worker["train_mem_bytes"] / e2e["train_mem_bytes"], rel=1e-9)
-    assert worker["train_mem_bytes"] == max(worker["train_mem_bytes_per_block"])
+    assert q["arms_isolated"] is False and q["test_bytes_limit"] == 4096
+    assert q["memory_ratio_block_over_e2e"] is None and worker["train_mem_bytes"] is None and e2e["train_mem_bytes"] is None
+    assert "train memory" not in (root / "q.md").read_text() and "one process" in (root / "q.md").read_text()
     for analytic in (e2e["analytic"], worker["analytic"]):
         assert analytic["total_state_bytes"] == 16 * analytic["params"]  # fp32 weights, grads, two AdamW moments
     assert e2e["train_steps"] == 4 and e2e["train_flops"] == pytest.approx(4 * e2e["flops_per_step"])
@@ -106,7 +106,10 @@ def test_bench_quality_rederive_recomputes_the_gain(quality: tuple[dict[str, Any
 
 
 def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
-    """--no-matched-steps (the long budget): the stack first, then one E2E run at its training FLOPs, reported as ``e2e``."""
+    """--no-matched-steps (the long budget): the stack first, then one E2E run at its training FLOPs, reported as ``e2e``.
+
+    With ``--isolate yes`` every arm trains in its own child process, so each reports its own peak memory.
+    """
     data = write_data_dir(tmp_path / "data")
     out = tmp_path / "q.json"
     # the lr sweep needs the matched-steps E2E: refused before anything trains
@@ -115,7 +118,7 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
     assert not (tmp_path / "refused").exists()
     assert main(["bench", "quality", "--preset", "tiny", "--data", str(data), "--steps", "3", "--no-lr-sweep",
                  "--no-matched-steps", "--max-eval-bytes", "1024", "--eval-bytes", "0", "--objective", "stack",
-                 "--out", str(tmp_path / "runs"), "--json", str(out), "--no-progress"]) == 0
+                 "--out", str(tmp_path / "runs"), "--json", str(out), "--no-progress", "--isolate", "yes"]) == 0
     q = json.loads(out.read_text())
     assert q["e2e_is_matched_flops"] and not (tmp_path / "runs" / "e2e-lr0.003").exists()
     m, e2e, st = q["e2e_matched_flops"], q["e2e"], q["objectives"]["stack"]
@@ -123,6 +126,11 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
     assert e2e["train_flops"] == pytest.approx(m["train_flops"], rel=1e-9)  # the analytic FLOPs are the trainer's
     assert m["train_flops"] == pytest.approx(st["train_flops"], rel=0.5 / m["steps"] + 1e-9)  # rounded to whole steps
     assert st["gap_nats_per_byte"] == pytest.approx(st["gap_matched_flops_nats_per_byte"], abs=1e-12)
+    # memory: the block worker's peak over the E2E trainer's, both measured in their own processes, both positive
+    worker = q["block_worker"]
+    assert q["arms_isolated"] is True and q["memory_ratio_block_over_e2e"] > 0
+    assert q["memory_ratio_block_over_e2e"] == pytest.approx(worker["train_mem_bytes"] / e2e["train_mem_bytes"], rel=1e-9)
+    assert worker["train_mem_bytes"] == max(worker["train_mem_bytes_per_block"])
 
 
 # --- bench ingest -------------------------------------------------------------------------------------------

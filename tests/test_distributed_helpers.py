@@ -112,9 +112,14 @@ def cli(*args: str, **kw: Any) -> subprocess.Popen[bytes]:
 
 
 def add_token(run: Path, name: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "blocktrain", "token", "add", name, "--run-dir", str(run)],
-                         check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return out.stdout.decode().strip()
+    """What ``blocktrain token add NAME --run-dir RUN`` does, in this process (the CLI itself has its own test)."""
+    from blocktrain.coordinator.store import Store
+
+    store = Store(run)
+    try:
+        return store.add_token(name, time.time())
+    finally:
+        store.close()
 
 
 def wait_for(pred: Any, timeout: float, what: str, every: float = 0.2) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -149,6 +150,7 @@ def test_paper_extrapolation_takes_its_numbers_from_the_options_or_this_machine(
     assert shape["machines_like_this_for_fp16_weights"] == math.ceil(2 * 75.8e9 / here)
 
 
-def test_bench_records_its_command_without_a_lock() -> None:
+def test_bench_records_its_command_without_a_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/blocktrain", "bench", "serve", "--json", "serve.json"])
     result = _finish(ServeBenchOptions(), {}, time.time())
-    assert result["commands"]["bench"].startswith("blocktrain ") and "flock" not in result["commands"]["bench"]
+    assert result["commands"]["bench"] == "blocktrain bench serve --json serve.json"

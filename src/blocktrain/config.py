@@ -185,6 +185,7 @@ class TrainConfig:
     log_every: int = 10  # steps between JSONL metric lines
     eval_bytes: int = 65536  # validation bytes scored at each periodic eval (0 = off)
     eval_every: int = 0  # steps between periodic validation evals (0 = only at the end)
+    test_bytes: int = 0  # test bytes the benchmarks score, from the split's start (0 = the whole split)
     precision: Precision = Precision.BF16  # forward/backward arithmetic (falls back to fp32 where bf16 is unsupported)
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
     schedule: Schedule = Schedule.PROGRESSIVE  # stack objective: when block k may train
@@ -203,6 +204,7 @@ class TrainConfig:
         _check(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
         _check(self.eval_bytes >= 0, "eval_bytes", f"must be >= 0, got {self.eval_bytes}")
         _check(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _check(self.test_bytes >= 0, "test_bytes", f"must be >= 0, got {self.test_bytes}")
         _check(isinstance(self.precision, Precision), "precision", f"must be a Precision, got {self.precision!r}")
         _check(isinstance(self.schedule, Schedule), "schedule", f"must be a Schedule, got {self.schedule!r}")
         _check(

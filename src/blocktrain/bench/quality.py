@@ -1,7 +1,8 @@
 """``blocktrain bench quality``: the E2E reference against block objectives, scored on the same test bytes.
 
 Arms, each trained in a fresh child process so its peak RSS is its own (memory
-is peak RSS minus the RSS just before the model is built):
+is peak RSS minus the RSS just before the model is built), or all in this process
+with ``isolate=False`` (torch starts once; the memory rows are then not per arm):
 
 * **E2E at matched steps** -- as many steps as each block gets. With the
   learning-rate sweep, E2E runs at the preset's lr x0.5, x1 and x2 and the
@@ -42,6 +43,7 @@ from blocktrain.evaluate.report import compositional_gain, evaluate_model
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives import get_objective
+from blocktrain.progress import progress_bar
 from blocktrain.train.metrics import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -58,13 +60,14 @@ class QualityOptions:
     objective: str = "both"  # "diffusion", "stack" or "both"
     json_path: Path | None = None  # write the result JSON (and a .md table beside it) here
     chains: int = 2  # K of the diffusion chain-mixture row
-    max_eval_bytes: int | None = None  # score only the first N test bytes (None: the whole split)
+    max_eval_bytes: int | None = None  # score only the first N test bytes (None: the preset's test_bytes, 0 = whole split)
     fresh: bool = False  # delete ``out`` first
     progress: bool = True  # progress bars
     lr_sweep: bool = True  # sweep E2E's and stack block 0's lr over LR_FACTORS on validation
     matched_flops: bool = True  # also train the E2E at the stack's training FLOPs
     matched_steps: bool = True  # train the E2E at matched steps; off, the E2E runs once, at matched FLOPs
     command: str = ""  # the command line, recorded in the JSON
+    isolate: bool = True  # a child process per arm (its peak memory its own); False: every arm in this process
 
     def __post_init__(self) -> None:
         if self.objective not in ("diffusion", "stack", "both"):
@@ -73,12 +76,28 @@ class QualityOptions:
             raise ConfigError(f"chains must be >= 1, got {self.chains}")
         if not self.matched_steps and not self.matched_flops:
             raise ConfigError("--no-matched-steps and --no-matched-flops leave no E2E reference; drop one of them")
+        if self.max_eval_bytes is not None and self.max_eval_bytes < 0:
+            raise ConfigError(f"max_eval_bytes must be >= 0, got {self.max_eval_bytes}")
         if not self.matched_steps and self.lr_sweep:
             raise ConfigError("the lr sweep trains the E2E at matched steps; pass --no-lr-sweep with --no-matched-steps")
 
     @property
     def objectives(self) -> list[Objective]:
         return [Objective.STACK, Objective.DIFFUSION] if self.objective == "both" else [Objective(self.objective)]
+
+    @property
+    def test_bytes(self) -> int | None:
+        """Test bytes to score: the first N, or None for the whole split."""
+        n = self.cfg.train.test_bytes if self.max_eval_bytes is None else self.max_eval_bytes
+        return n or None
+
+    @property
+    def e2e_flops_step(self) -> float:
+        """Training FLOPs of one E2E step: the E2E trainer's own formula (train/e2e.py), on a model that allocates nothing."""
+        m = self.cfg.model
+        with torch.device("meta"):
+            per_token = train_flops_per_token(E2ETransformer(m), m.d_model, m.context)
+        return per_token * self.cfg.train.batch_size * m.context
 
 
 def _summary(run: RunDir, name: str) -> dict[str, Any]:
@@ -95,26 +114,48 @@ def _analytic(module: Any) -> dict[str, int]:
 
 
 class _Bench:
-    def __init__(self, opts: QualityOptions) -> None:
+    """Runs the arms (``blocktrain train-e2e`` / ``train-block``), in child processes or in this one, with a progress
+    bar over the planned training FLOPs (so its remaining-time estimate weighs an E2E step and a block step right)."""
+
+    def __init__(self, opts: QualityOptions, planned_flops: float) -> None:
         self.o = opts
         self.cfg = opts.cfg
         self.base = [sys.executable, "-m", "blocktrain"]
+        self.arms = 0
+        self.bar = progress_bar(total=planned_flops / 1e9, unit="GFLOP", desc="bench quality: training",
+                                disable=not opts.progress, bar_format=_BAR)
 
-    def child(self, command: list[str], extra: tuple[str, ...]) -> None:
+    def child(self, command: list[str], extra: tuple[str, ...], flops: float) -> None:
         """Run ``blocktrain COMMAND`` with the user's run flags, then the arm's own (``extra`` wins: argparse keeps the last)."""
-        cmd = [*self.base, *command, *self.o.child_args, *extra]
-        log.info("running: %s", shlex.join(cmd))
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            raise BlockTrainError(f"child training failed (exit {rc}): {shlex.join(cmd)}")
+        argv = [*command, *self.o.child_args, *extra]
+        t0 = time.perf_counter()
+        if self.o.isolate:
+            cmd = [*self.base, *argv]
+            log.info("running: %s", shlex.join(cmd))
+            rc = subprocess.call(cmd)
+        else:
+            from blocktrain.cli.main import main  # the same entry point a child runs, without a new interpreter
 
-    def e2e(self, out: Path, *extra: str) -> dict[str, Any]:
-        self.child(["train-e2e", "--out", str(out)], extra)
+            log.info("running in process: blocktrain %s", shlex.join(argv))
+            rc = main(argv)
+        if rc != 0:
+            raise BlockTrainError(f"child training failed (exit {rc}): blocktrain {shlex.join(argv)}")
+        self.arms += 1
+        self.bar.update(flops / 1e9)
+        left = self.bar.format_dict
+        rate = left["n"] / max(left["elapsed"], 1e-9)
+        eta = (left["total"] - left["n"]) / rate if rate > 0 else float("nan")
+        log.info("arm %d done in %.1f s: blocktrain %s; about %.0f s of training left", self.arms,
+                 time.perf_counter() - t0, " ".join(command), eta)
+
+    def e2e(self, out: Path, steps: int, *extra: str) -> dict[str, Any]:
+        self.child(["train-e2e", "--out", str(out)], extra, self.o.e2e_flops_step * steps)
         return _summary(RunDir(out), "e2e")
 
     def blocks(self, out: Path, objective: Objective, ks: range, *extra: str) -> list[dict[str, Any]]:
         for k in ks:
-            self.child(["train-block", "--objective", objective.value, "--block", str(k), "--out", str(out)], extra)
+            self.child(["train-block", "--objective", objective.value, "--block", str(k), "--out", str(out)], extra,
+                       _block_flops(self.cfg, objective, k))
         return [_summary(RunDir(out), f"block_{k}") for k in ks]
 
     def sweep(self, name: str, train: Any, key: str) -> tuple[float, dict[str, float], dict[float, Path]]:
@@ -132,6 +173,26 @@ class _Bench:
         return best, scores, dirs
 
 
+_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} GFLOP [{elapsed}<{remaining}]"
+
+
+def _block_flops(cfg: RunConfig, objective: Objective, k: int) -> float:
+    """Training FLOPs of block k's arm: steps x tokens per step x the objective's FLOPs per token."""
+    obj = get_objective(replace(cfg, objective=objective))
+    return obj.train_flops_per_token(k) * cfg.train.batch_size * cfg.model.context * cfg.train.steps
+
+
+def _planned_flops(opts: QualityOptions) -> float:
+    """Training FLOPs of every arm the bench will run (the matched-FLOPs E2E equals the primary objective's blocks)."""
+    cfg, n_lr = opts.cfg, len(LR_FACTORS) if opts.lr_sweep else 1
+    total = n_lr * opts.e2e_flops_step * cfg.train.steps if opts.matched_steps else 0.0
+    for i, objective in enumerate(opts.objectives):
+        blocks = [_block_flops(cfg, objective, k) for k in range(cfg.model.n_blocks)]
+        sweep_extra = (n_lr - 1) * blocks[0] if objective is Objective.STACK else 0.0
+        total += sum(blocks) + sweep_extra + (sum(blocks) if i == 0 and opts.matched_flops else 0.0)
+    return total
+
+
 def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     cfg = opts.cfg
     test = opts.data.open("test")
@@ -140,7 +201,6 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
             raise RunError(f"{opts.out} exists; pass --fresh to delete it or choose another --out")
         shutil.rmtree(opts.out)
     opts.out.mkdir(parents=True)
-    bench = _Bench(opts)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     peak = measure_peak_flops(device)
@@ -148,12 +208,15 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     steps = cfg.train.steps
     tokens = cfg.train.batch_size * cfg.model.context
 
-    with torch.device("meta"):  # the E2E trainer's own FLOPs formula (train/e2e.py), without allocating the model
-        e2e_flops_step = train_flops_per_token(E2ETransformer(cfg.model), cfg.model.d_model, cfg.model.context) * tokens
+    e2e_flops_step = opts.e2e_flops_step
+    bench = _Bench(opts, _planned_flops(opts))
+    log.info("bench quality: %s, objective %s, %s, scoring %s test bytes", cfg.name, opts.objective,
+             "a child process per arm" if opts.isolate else "every arm in this process",
+             f"the first {opts.test_bytes:,}" if opts.test_bytes else "all")
     sweeps: dict[str, Any] = {"factors": list(LR_FACTORS) if opts.lr_sweep else [1.0]}
     lr_e2e = cfg.train.lr
     if opts.matched_steps:
-        lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, "--lr", repr(lr)), "val_ce")
+        lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, steps, "--lr", repr(lr)), "val_ce")
         e2e_dir = e2e_dirs[lr_e2e]
         sweeps.update(e2e_val_ce=e2e_scores, e2e_lr=lr_e2e)
     sections: dict[str, dict[str, Any]] = {}
@@ -177,13 +240,15 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     if opts.matched_flops:
         m_steps = max(1, round(flops_primary / e2e_flops_step))
         m_dir = opts.out / "e2e-matched-flops"
-        m_sum = bench.e2e(m_dir, "--lr", repr(lr_e2e), "--steps", str(m_steps))
+        m_sum = bench.e2e(m_dir, m_steps, "--lr", repr(lr_e2e), "--steps", str(m_steps))
         matched = {"run_dir": str(m_dir), "steps": m_steps, "train_flops": e2e_flops_step * m_steps, "lr": lr_e2e,
                    "summary": m_sum}
+    bench.bar.close()
     train_wall = time.perf_counter() - t0
+    log.info("bench quality: %d arms trained in %.0f s; scoring", bench.arms, train_wall)
 
     def score(model: AssembledModel | E2EModel, **kw: Any) -> dict[str, Any]:
-        return evaluate_model(model, test, max_bytes=opts.max_eval_bytes, progress=opts.progress, **kw)
+        return evaluate_model(model, test, max_bytes=opts.test_bytes, progress=opts.progress, **kw)
 
     if matched is not None:
         matched["eval"] = score(E2EModel.load(RunDir(Path(matched["run_dir"])), precision=precision))
@@ -202,6 +267,8 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     result = _assemble(opts, sections, e2e_eval, e2e_sum, matched, sweeps, peak, precision.value, tokens, steps)
     result["e2e"]["run_dir"] = str(e2e_dir)
     result.update(bench_wall_s=time.perf_counter() - t0, train_wall_s=train_wall)
+    log.info("bench quality: done in %.0f s (training %.0f s, scoring %.0f s)", result["bench_wall_s"], train_wall,
+             result["bench_wall_s"] - train_wall)
     table = format_table(result)
     sys.stdout.write(table + "\n")
     if opts.json_path:
@@ -257,7 +324,7 @@ def _assemble(
         sums, ev = sec["summaries"], sec["eval"]
         obj = get_objective(replace(cfg, objective=Objective(name)))
         ref_key = obj.reference_name
-        mem = max(s["train_mem_bytes"] for s in sums)
+        mem = max(s["train_mem_bytes"] for s in sums) if opts.isolate else None  # one process: no arm's own peak
         sps = [s["seconds_per_step"] for s in sums]
         entry: dict[str, Any] = {
             **ev,
@@ -271,14 +338,14 @@ def _assemble(
             "train_steps_per_block": [s["steps"] for s in sums],
             "block_worker": {
                 "train_mem_bytes": mem,  # frozen copies of the earlier blocks included (stack)
-                "train_mem_bytes_per_block": [s["train_mem_bytes"] for s in sums],
+                "train_mem_bytes_per_block": [s["train_mem_bytes"] for s in sums] if opts.isolate else None,
                 "seconds_per_step": sum(sps) / len(sps),
                 "seconds_per_step_per_block": sps,
                 "mfu": sum(s["achieved_flops"] for s in sums) / len(sums) / peak_p,
                 "mfu_per_block": [s["achieved_flops"] / peak_p for s in sums],
                 "analytic": _analytic(obj.build_block(cfg.model.n_blocks - 1)),  # the largest stack block: a local head
             },
-            "memory_ratio_block_over_e2e": mem / max(1, e2e_sum["train_mem_bytes"]),
+            "memory_ratio_block_over_e2e": None if mem is None else mem / max(1, e2e_sum["train_mem_bytes"]),
         }
         per_objective[name] = entry
     primary = per_objective[opts.objectives[0].value]
@@ -296,13 +363,15 @@ def _assemble(
         "data_flavour": opts.data.flavour,
         "dataset_fingerprint": opts.data.fingerprint(),
         "split": "test",
+        "test_bytes_limit": opts.test_bytes,  # None: the whole split
+        "arms_isolated": opts.isolate,  # False: every arm trained in one process, so memory rows are not per arm
         "bytes_scored": e2e_eval["bytes_scored"],
         "lr_sweep": sweeps,
         "e2e_is_matched_flops": not opts.matched_steps,  # true: ``e2e`` is the matched-FLOPs run, not matched steps
         "e2e": {
             **e2e_eval,
             "train_wall_s": e2e_sum["wall_s"],
-            "train_mem_bytes": e2e_sum["train_mem_bytes"],
+            "train_mem_bytes": e2e_sum["train_mem_bytes"] if opts.isolate else None,
             "train_steps": e2e_sum["steps"],
             "train_flops": e2e_train_flops,
             "seconds_per_step": e2e_sum["seconds_per_step"],

@@ -44,9 +44,10 @@ def format_table(r: dict[str, Any]) -> str:
     row(f"seconds per step ({r['precision']})", f"{e['seconds_per_step']:.3f}", f"{m['seconds_per_step']:.3f}" if m else "",
         [f"{o['block_worker']['seconds_per_step']:.3f} (mean of blocks)" for o in objs.values()])
     row("MFU (of the measured peak)", f"{e['mfu']:.1%}", "", [f"{o['block_worker']['mfu']:.1%}" for o in objs.values()])
-    row("train memory (MiB, peak RSS - base)", f"{e['train_mem_bytes'] / MIB:.1f}", "",
-        [f"{o['block_worker']['train_mem_bytes'] / MIB:.1f} per block worker" for o in objs.values()])
-    row("memory ratio (block worker / E2E)", "", "", [f"{o['memory_ratio_block_over_e2e']:.3f}" for o in objs.values()])
+    if r.get("arms_isolated", True):  # arms trained in one process share its peak RSS: no per-arm memory to show
+        row("train memory (MiB, peak RSS - base)", f"{e['train_mem_bytes'] / MIB:.1f}", "",
+            [f"{o['block_worker']['train_mem_bytes'] / MIB:.1f} per block worker" for o in objs.values()])
+        row("memory ratio (block worker / E2E)", "", "", [f"{o['memory_ratio_block_over_e2e']:.3f}" for o in objs.values()])
     row("train wall (s)", f"{e['train_wall_s']:.0f}", "", [f"{o['train_wall_s_sequential']:.0f} (sum over blocks)" for o in objs.values()])
     row("bytes scored", f"{e['bytes_scored']:,}", "", [f"{o['bytes_scored']:,}" for o in objs.values()])
     width = [max(len(rw[i]) for rw in rows) for i in range(len(rows[0]))]
@@ -68,6 +69,10 @@ def format_table(r: dict[str, Any]) -> str:
         f"{r['precision']} peak.",
         lr_note,
     ]
+    if r.get("test_bytes_limit"):
+        notes.append(f"Scored on the first {r['test_bytes_limit']:,} bytes of the test split (the preset's test_bytes).")
+    if not r.get("arms_isolated", True):
+        notes.append("Every arm trained in this one process (--isolate no): no per-arm memory rows.")
     mfus = [e["mfu"], *(o["block_worker"]["mfu"] for o in objs.values())]
     if any(u > 1.0 for u in mfus):  # the peak was measured while something else had the cores
         notes.append("MFU above 100%: the machine was shared while this ran, so its peak, seconds-per-step, MFU and wall "

@@ -149,6 +149,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, progress=not args.no_progress,
         lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops, matched_steps=not args.no_matched_steps,
         command="blocktrain " + shlex.join(sys.argv[1:]),
+        isolate=args.isolate == "yes" or (args.isolate == "auto" and cfg.name != "tiny"),
     )
     run_quality_bench(opts)
     return 0
@@ -286,7 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default=None, help="bench directory (default runs/bench-quality-PRESET)")
     q.add_argument("--json", default=None, help="write the result JSON here (and a .md table beside it)")
     q.add_argument("--chains", type=int, default=2, help="K for the diffusion K-chain mixture row")
-    q.add_argument("--max-eval-bytes", type=int, default=None, help="score only the first N test bytes")
+    q.add_argument("--max-eval-bytes", type=int, default=None,
+                   help="score only the first N test bytes (default: the preset's --test-bytes; 0: the whole split)")
+    q.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
+                   help="train each arm in a child process, so its peak memory is its own (yes), or every arm in this "
+                        "process, paying torch's start-up once (no); auto: no for the tiny preset, yes otherwise")
     q.add_argument("--fresh", action="store_true", help="delete the bench directory first")
     q.add_argument("--no-lr-sweep", action="store_true", help="skip the lr sweep (x0.5, x1, x2) of E2E and stack block 0")
     q.add_argument("--no-matched-flops", action="store_true", help="skip the E2E run at the stack's training FLOPs")
