@@ -84,7 +84,7 @@ def main() -> int:
     result.update(machine=machine_info(), targets_s=TARGETS_S,
                   script="python benchmarks/readme_timings.py [--only NAME] --json benchmarks/results/readme-timings.json")
     cmds = result["commands"]
-    rows = []
+    rows: list[tuple[str, Any, float | None]] = []
     if "tiny" in cmds:
         rows.append(("PRESET=tiny bash scripts/main.sh, bench phase", cmds["tiny"]["phases_s"].get("bench quality"),
                      TARGETS_S["tiny_bench"]))
