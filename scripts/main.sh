@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: train the E2E reference, a 4-block stack and a 4-block diffusion chain on WikiText-2 (lr sweep,
 # matched steps and matched FLOPs), score them on the test split, and generate a sample from the stack and the E2E.
-# PRESET=cpu-mini (the default), tiny (the quick check), cpu-small (the committed benchmark), paper (GPU).
+# PRESET=cpu-quick (the default), tiny (the quick check), cpu-mini, cpu-small (the committed benchmark), paper (GPU).
 # The durations of each, measured on a fresh clone, are in benchmarks/results/readme-timings.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ phase() {  # phase NAME COMMAND... : run one phase and print one summary line, i
 }
 phase "setup" bash scripts/setup.sh
 . .venv/bin/activate
-PRESET=${PRESET:-cpu-mini}
+PRESET=${PRESET:-cpu-quick}
 # Data: --data/BLOCKTRAIN_DATA if set; else the project's read-only copy when present; else cache/download.
 if [ -z "${BLOCKTRAIN_DATA:-}" ] && [ -d ../shared/data/wikitext/wikitext-2-v1-tokens ]; then
   export BLOCKTRAIN_DATA=$(cd ../shared/data/wikitext/wikitext-2-v1-tokens && pwd)

@@ -249,17 +249,18 @@ class PipelineClient:
         p = prompt or b"\n"
         if len(p) + n_new - 1 > context:
             raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
+        from blocktrain.serve.decoding import call_cached  # decoding imports this module
+
         rid = self.new_id()
         g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
-        x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
-        pos = 0
+        text = bytearray(p)
+        pos = 0  # positions the stages hold; a stage that lost them (evicted) gets the whole text again
         try:
             for _ in range(n_new):
-                f = Frame(FrameKind.SUBMIT, rid, Mode.BASELINE, params={"pos": pos}, tensors={"x": x})
-                logits = (await self.call(f)).tensors["logits"]
-                pos += x.shape[1]
+                logits = (await call_cached(self, rid, Mode.BASELINE, {}, bytes(text), pos)).tensors["logits"]
+                pos = len(text)
                 byte = sample_byte(logits[0], temperature, top_k, top_p, g)
-                x = torch.tensor([[byte]], dtype=torch.uint8)
+                text.append(byte)
                 yield bytes([byte])
         finally:
             if self.conn is not None and not self.conn.closed:

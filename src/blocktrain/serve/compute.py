@@ -35,7 +35,7 @@ from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
 from blocktrain.serve.speculative import SpecParams, validate_carried_draft
-from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.wire import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,11 @@ class E2ESpan:
 
     def _run_one(self, f: Frame) -> Frame:
         pos = int(f.params.get("pos", 0))
-        past = {} if pos == 0 else self.cache[f.request_id][1]
+        cached = None if pos == 0 else self.cache.get(f.request_id)
+        if pos > 0 and (cached is None or cached[0] != pos):  # evicted since validate(): the client prefills again
+            return f.reply_error(ErrorCode.UNKNOWN_REQUEST, f"request {f.request_id} lost its KV cache here (evicted); "
+                                                            "start it again with pos=0")
+        past = {} if cached is None else cached[1]
         if self.embed is not None:
             x = f.tensors["x"].long()
             tok, posemb = self.embed

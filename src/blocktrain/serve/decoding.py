@@ -75,7 +75,7 @@ def sample_byte(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return int(sample_probs(filtered_probs(logp.unsqueeze(0), temperature, top_k, top_p), g)[0])
 
 
-async def _call_cached(client: PipelineClient, rid: str, mode: Mode, params: dict[str, Any], text: bytes, pos: int) -> Frame:
+async def call_cached(client: PipelineClient, rid: str, mode: Mode, params: dict[str, Any], text: bytes, pos: int) -> Frame:
     """Send text[pos:] at ``pos``; when a stage lost the request's cache (evicted, restarted), prefill text afresh."""
     def frame(p: int) -> Frame:
         return Frame(FrameKind.SUBMIT, rid, mode, params={**params, "pos": p},
@@ -121,7 +121,7 @@ async def iter_ar(
         for i in range(n_new):
             window = bytes(out[-context:])  # the whole text until it outgrows the context, then a fresh prefill
             pos = cached if len(out) <= context else 0
-            logits = (await _call_cached(client, rid, Mode.AR, {"seed": mix_seed(seed, i)}, window, pos)).tensors["logits"]
+            logits = (await call_cached(client, rid, Mode.AR, {"seed": mix_seed(seed, i)}, window, pos)).tensors["logits"]
             cached = len(window)
             out.append(sample_byte(logits[0], temperature, top_k, top_p, g))
             yield bytes(out[-1:])
@@ -152,7 +152,7 @@ async def spec_steps(
             n = max(0, min(next_draft_len(rate, opts.draft_min, opts.draft_max), remaining - 1, context - len(text)))
             params = {"n_draft": n, "temperature": float(opts.temperature), "top_k": opts.top_k,
                       "top_p": float(opts.top_p), "seed": opts.seed}
-            reply = await _call_cached(client, rid, Mode.SPEC, params, bytes(text), cached)
+            reply = await call_cached(client, rid, Mode.SPEC, params, bytes(text), cached)
             p = filtered_probs(reply.tensors["logits"], opts.temperature, opts.top_k, opts.top_p)  # (n + 1, 256)
             draft = reply.tensors["draft"][0].tolist() if n else []
             q = reply.tensors["q"].float() if n else torch.empty(0, p.shape[-1])  # (n, 256)

@@ -26,24 +26,29 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from blocktrain.data.stream import GATEWAY_CHOICE, mix_seed
 from blocktrain.errors import ConfigError, ServeError
 from blocktrain.serve.client import PipelineClient
 from blocktrain.serve.gateway_backend import (
+    CHAT_TEMPLATE,
     CompletionRequest,
     PipelineBackend,
     RequestError,
     Utf8Stream,
+    detokenize_body,
     parse_chat,
     parse_completion,
+    tokenize_body,
     unavailable,
 )
+from blocktrain.serve.gateway_logprobs import Logprobs, StopScanner, token_str
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +153,16 @@ class Gateway:
                 "modes": list(self.backend.modes(entry))}
         return {"object": "list", "data": [card]}
 
-    async def completion(self, request: Request, chat: bool = False) -> Response:
-        """``/v1/completions``, or ``/v1/chat/completions`` with ``chat`` (the same generation, chat-shaped)."""
+    async def body(self, request: Request) -> Any:
+        """The request's JSON body, read within the request's time limit."""
         try:
-            body = await asyncio.wait_for(self.read_json(request), self.opts.request_timeout_s)
+            return await asyncio.wait_for(self.read_json(request), self.opts.request_timeout_s)
         except TimeoutError:
             raise RequestError(408, "the request body did not arrive in time", "request_timeout") from None
+
+    async def completion(self, request: Request, chat: bool = False) -> Response:
+        """``/v1/completions``, or ``/v1/chat/completions`` with ``chat`` (the same generation, chat-shaped)."""
+        body = await self.body(request)
         req = (parse_chat if chat else parse_completion)(body, self.opts.max_tokens_cap)
         entry = await self.entry()
         name = self.opts.model_name or model_id(entry)
@@ -169,50 +178,77 @@ class Gateway:
             return StreamingResponse(self.events(req, head, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            data, stats = await asyncio.wait_for(self.backend.generate(req), self.opts.request_timeout_s)
+            choices, stats, n_out = await asyncio.wait_for(self.choices(req, entry, chat), self.opts.request_timeout_s)
         except TimeoutError:
             raise RequestError(504, f"the pipeline did not finish within {self.opts.request_timeout_s:.0f}s; ask for "
                                     "fewer bytes or raise the gateway's --timeout", "timeout") from None
         except ServeError as exc:
             raise unavailable(exc) from exc
-        text = data.decode("utf-8", errors="replace")
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": "length" if len(data) >= req.max_tokens else "stop",
-                                  "raw_bytes": base64.b64encode(data).decode()}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return JSONResponse({**head, "choices": [choice], "usage": usage(req, len(data)),
+        return JSONResponse({**head, "choices": choices, "usage": usage(req, n_out),
                              "blocktrain": {"mode": req.mode, "seed": req.seed, **stats}})
 
-    async def events(self, req: CompletionRequest, head: dict[str, Any], chat: bool = False) -> AsyncIterator[bytes]:
-        """The completion as server-sent events: a chunk per piece of bytes, a last chunk, usage, [DONE].
+    async def choices(self, req: CompletionRequest, entry: dict[str, Any], chat: bool
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+        """The ``n`` choices of a whole answer, the first choice's counters, and the bytes generated in all."""
+        out: list[dict[str, Any]] = []
+        stats: dict[str, Any] = {}
+        n_out = 0
+        for i in range(req.n):
+            r = choice_request(req, i)
+            data, counters, finish = await self.backend.complete(r)
+            stats = stats or counters
+            n_out += len(data)
+            shown = req.prompt + data if req.echo else data
+            choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish,
+                                      "raw_bytes": base64.b64encode(shown).decode()}
+            if req.logprobs is not None:
+                lp = await self.backend.log_probs(req.prompt + data, int(entry.get("context", 0)), r.seed)
+                choice["logprobs"] = Logprobs.of(req.prompt + data, lp, req.logprobs,
+                                                 skip=0 if req.echo else len(req.prompt)).to_dict()
+            text = shown.decode("utf-8", errors="replace")
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            out.append(choice)
+        if req.n > 1:
+            stats["seeds"] = [choice_request(req, i).seed for i in range(req.n)]
+        return out, stats, n_out
 
-        Chat chunks carry ``delta`` ({"role": "assistant"} first, then {"content": piece}) instead of ``text``.
+    async def events(self, req: CompletionRequest, head: dict[str, Any], chat: bool = False) -> AsyncIterator[bytes]:
+        """The completion as server-sent events: per choice, a chunk per piece of bytes and a last chunk; then usage
+        and [DONE]. Chat chunks carry ``delta`` ({"role": "assistant"} first, then {"content": piece}) instead of
+        ``text``. With ``n`` > 1 the choices stream one after another, each chunk naming its ``index``.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.opts.request_timeout_s
-        text = Utf8Stream()
         n_out = 0
-        chunks = self.backend.stream(req)
 
-        def chunk(piece: str, raw: bytes, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+        def chunk(i: int, piece: str, raw: bytes, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
+            choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish,
                                       "raw_bytes": base64.b64encode(raw).decode()}
             choice.update({"delta": {"content": piece} if piece or finish is None else {}} if chat else {"text": piece})
             return sse({**head, "choices": [choice], **(extra or {})})
 
         try:
-            if chat:
-                yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
-            while True:
+            for i in range(req.n):
+                r = choice_request(req, i)
+                text, scan, got = Utf8Stream(), StopScanner(r.stop), 0
+                pieces = self.backend.pieces(r, scan)
+                if chat:
+                    yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
                 try:
-                    data = await asyncio.wait_for(anext(chunks), max(deadline - loop.time(), 0.0))
-                except StopAsyncIteration:
-                    break
-                n_out += len(data)
-                yield chunk(text.feed(data), data, None)
-            yield chunk(text.finish(), b"", "length" if n_out >= req.max_tokens else "stop",
-                        {"blocktrain": {"mode": req.mode, "seed": req.seed}})
+                    while True:
+                        try:
+                            data = await asyncio.wait_for(anext(pieces), max(deadline - loop.time(), 0.0))
+                        except StopAsyncIteration:
+                            break
+                        got += len(data)
+                        yield chunk(i, text.feed(data), data, None)
+                finally:
+                    with contextlib.suppress(Exception):
+                        await pieces.aclose()  # type: ignore[attr-defined]
+                n_out += got
+                finish = "stop" if scan.stopped or got < r.max_tokens else "length"
+                yield chunk(i, text.finish(), b"", finish, {"blocktrain": {"mode": r.mode, "seed": r.seed}})
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(req, n_out)})
             yield sse("[DONE]")
@@ -221,11 +257,11 @@ class Gateway:
         except ServeError as exc:
             err = unavailable(exc)
             yield sse(error_body(err.status, str(err), err.reason))
-        finally:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    await close()
+
+
+def choice_request(req: CompletionRequest, i: int) -> CompletionRequest:
+    """The request of choice ``i``: choice 0 is the request itself, choice i > 0 samples with its own seed."""
+    return req if i == 0 else replace(req, seed=mix_seed(req.seed, GATEWAY_CHOICE, i))
 
 
 def usage(req: CompletionRequest, n_out: int) -> dict[str, int]:
@@ -252,7 +288,8 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
         msg = (f"{request.method} {request.url.path}: {exc.detail}; this gateway serves GET /v1/models, "
-               "POST /v1/completions and POST /v1/chat/completions")
+               "POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize and "
+               "GET /tokenizer_info")
         return JSONResponse(error_body(exc.status_code, msg, code), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -284,6 +321,31 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
     async def chat_completions(request: Request) -> Response:
         gw.authorize(request)
         return await gw.completion(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        body = await gw.body(request)
+        data = tokenize_body(body)
+        entry = await gw.entry()
+        strs = [token_str(b) for b in data] if isinstance(body, dict) and body.get("return_token_strs") else None
+        return {"count": len(data), "max_model_len": int(entry.get("context", 0)), "tokens": list(data),
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        return {"prompt": detokenize_body(await gw.body(request)).decode("utf-8", errors="replace")}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        gw.authorize(request)
+        entry = await gw.entry()
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": 256, "model_max_length": int(entry.get("context", 0)),
+                "bos_token": None, "eos_token": None, "pad_token": None, "unk_token": None,
+                "token_ids": "each byte of the UTF-8 text is one token, its id the byte's value (0-255)",
+                "token_strs": "a byte below 0x80 is its character; any other byte is 'bytes:\\xNN'",
+                "chat_template": CHAT_TEMPLATE}
 
     return app
 

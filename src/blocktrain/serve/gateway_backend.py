@@ -23,6 +23,7 @@ from typing import Any
 
 from blocktrain.errors import ProtocolError, StageUnavailableError
 from blocktrain.serve.client import PipelineClient
+from blocktrain.serve.gateway_logprobs import MAX_LOGPROBS, MAX_SCORED_BYTES, MAX_TOKEN_IDS, StopScanner, byte_log_probs
 from blocktrain.serve.speculative import MAX_DRAFT
 
 MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
@@ -35,10 +36,12 @@ MIN_TEMPERATURE = 1e-3  # a temperature below this samples greedily: fp32 logits
 VOCAB = 256  # bytes: a top_k of this or more keeps every byte
 # fields an OpenAI client may send that this gateway cannot honour unless they hold their neutral value
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "suffix": (None, ""),
-    "stop": (None, [], ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
 }
+MAX_N = 8  # the most choices one request may ask for
+MAX_STOPS = 4  # the most stop sequences (OpenAI's limit)
+MAX_STOP_BYTES = 64  # the longest stop sequence, in bytes
 
 
 class RequestError(ProtocolError):
@@ -69,12 +72,19 @@ class CompletionRequest:
     sweeps: int  # mode sweep: traversals per continuation
     model: str | None  # the model the client named, checked against the served one
     draft: tuple[int, int] | None = None  # mode spec: (draft_min, draft_max) bytes; None: the client's defaults
+    echo: bool = False  # return the prompt before the continuation (with its log-probs when logprobs is set)
+    logprobs: int | None = None  # alternatives per position in the answer's log-probs; None: no log-probs
+    n: int = 1  # choices, sampled with seeds derived from ``seed`` (choice 0 uses ``seed`` itself)
+    stop: tuple[bytes, ...] = ()  # the continuation ends before the first of these (UTF-8) byte sequences
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
             raise bad(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}", "mode")
-        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.sweeps < 1:
-            raise bad("max_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k >= 0 and sweeps >= 1 are required", None)
+        if self.max_tokens < 0 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.sweeps < 1:
+            raise bad("max_tokens >= 0, temperature >= 0, 0 < top_p <= 1, top_k >= 0 and sweeps >= 1 are required", None)
+        if self.max_tokens == 0 and not self.echo:
+            raise bad("max_tokens 0 only scores the prompt, which needs echo: true; ask for at least 1 byte",
+                      "max_tokens")
 
 
 def _number(body: Mapping[str, Any], key: str, default: float) -> float:
@@ -115,16 +125,7 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     """A JSON body -> CompletionRequest; RequestError (400) names the first bad field and the fix."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_json")
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]  # a batch of one prompt
-    if not isinstance(prompt, str):
-        raise bad("prompt must be a string (this model reads bytes: token-id lists and batches of prompts are not "
-                  "supported; send one request per prompt)", "prompt", "invalid_type")
-    try:
-        prompt_bytes = prompt.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise bad(f"prompt is not encodable as UTF-8 ({exc.reason}); remove lone surrogates", "prompt") from exc
+    prompt_bytes = _prompt(body.get("prompt", ""))
     for key, neutral in _NEUTRAL.items():
         if key in body and body[key] not in neutral:
             raise bad(f"{key}={body[key]!r} is not supported by this gateway; omit it", key, "unsupported_parameter")
@@ -134,9 +135,19 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     mode = body.get("mode")
     if mode is not None and mode not in MODES:
         raise bad(f"unknown mode {mode!r}; use one of {', '.join(MODES)}", "mode")
+    echo = body.get("echo", False)
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("echo must be true or false", "echo", "invalid_type")
+    logprobs = None if body.get("logprobs") is None else _integer(body, "logprobs", 0)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per byte), got {logprobs}", "logprobs")
+    n = _integer(body, "n", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"n must be in [1, {MAX_N}], got {n}; send more requests for more choices", "n")
     max_tokens = _integer(body, "max_tokens", min(DEFAULT_MAX_TOKENS, max_tokens_cap))
-    if not 1 <= max_tokens <= max_tokens_cap:
-        raise bad(f"max_tokens counts bytes and must be in [1, {max_tokens_cap}], got {max_tokens}", "max_tokens")
+    if not (0 if echo else 1) <= max_tokens <= max_tokens_cap:
+        raise bad(f"max_tokens counts bytes and must be in [1, {max_tokens_cap}] (0 with echo: score the prompt), "
+                  f"got {max_tokens}", "max_tokens")
     temperature = _number(body, "temperature", 0.8)
     if temperature < 0:
         raise bad(f"temperature must be >= 0 (0 = greedy), got {temperature}", "temperature")
@@ -161,15 +172,57 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise bad('stream_options must be {"include_usage": true|false}', "stream_options", "invalid_type")
+    if stream and (echo or logprobs is not None):
+        raise bad("echo and logprobs are answered whole: send them without stream", "stream", "unsupported_parameter")
     return CompletionRequest(
         prompt=prompt_bytes, max_tokens=max_tokens, mode=mode, temperature=temperature, top_p=top_p,
         top_k=0 if top_k >= VOCAB else max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)), sweeps=sweeps, model=model, draft=draft,
+        echo=bool(echo), logprobs=logprobs, n=n, stop=_stops(body.get("stop")),
     )
+
+
+def _prompt(prompt: Any) -> bytes:
+    """``prompt`` as bytes: a string (UTF-8), a list of token ids 0-255 (one byte each), or a batch of one of them."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, list):
+        if len(prompt) > MAX_TOKEN_IDS or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB
+                                                  for t in prompt):
+            raise bad(f"a prompt of token ids must hold at most {MAX_TOKEN_IDS} integers in [0, 255] (each byte is a "
+                      "token); batches of several prompts are not supported, send one request per prompt", "prompt")
+        return bytes(prompt)
+    if not isinstance(prompt, str):
+        raise bad("prompt must be a string or a list of token ids in [0, 255] (batches of several prompts are not "
+                  "supported; send one request per prompt)", "prompt", "invalid_type")
+    try:
+        return prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad(f"prompt is not encodable as UTF-8 ({exc.reason}); remove lone surrogates", "prompt") from exc
+
+
+def _stops(stop: Any) -> tuple[bytes, ...]:
+    """``stop``: None, a string or a list of up to MAX_STOPS non-empty strings -> their UTF-8 bytes."""
+    if stop is None or stop == "":
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or len(items) > MAX_STOPS or not all(isinstance(x, str) and x for x in items):
+        raise bad(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings", "stop", "invalid_type")
+    try:
+        out = tuple(x.encode("utf-8") for x in items)
+    except UnicodeEncodeError as exc:
+        raise bad(f"stop is not encodable as UTF-8 ({exc.reason})", "stop") from exc
+    if max(len(x) for x in out) > MAX_STOP_BYTES:
+        raise bad(f"a stop sequence may be at most {MAX_STOP_BYTES} bytes", "stop")
+    return out
 
 
 MAX_MESSAGES = 256  # most messages one chat request may carry
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+CHAT_TEMPLATE = ("one line 'Role: content' per message (the role capitalised: System, User, Assistant, ...), "
+                 "joined by newlines, then a last line 'Assistant:' that the model continues")
 
 
 def chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -181,6 +234,20 @@ def chat_prompt(messages: list[dict[str, str]]) -> str:
 
 def parse_chat(body: Any, max_tokens_cap: int) -> CompletionRequest:
     """A ``/v1/chat/completions`` body -> the CompletionRequest of its transcript (:func:`chat_prompt`)."""
+    clean = chat_messages(body)
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise bad("log-probs are served by /v1/completions (logprobs, echo); omit logprobs and top_logprobs here",
+                  "logprobs", "unsupported_parameter")
+    if body.get("echo") not in (None, False):
+        raise bad("echo is a /v1/completions parameter; omit it here", "echo", "unsupported_parameter")
+    fields = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
+    if body.get("max_completion_tokens") is not None:
+        fields["max_tokens"] = body["max_completion_tokens"]
+    return parse_completion({**fields, "prompt": chat_prompt(clean)}, max_tokens_cap)
+
+
+def chat_messages(body: Any) -> list[dict[str, str]]:
+    """The ``messages`` of a chat body, checked: roles known, contents text (text parts joined)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", None, "invalid_json")
     messages = body.get("messages")
@@ -201,10 +268,28 @@ def parse_chat(body: Any, max_tokens_cap: int) -> CompletionRequest:
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
         clean.append({"role": str(m["role"]), "content": content})
-    fields = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens")}
-    if body.get("max_completion_tokens") is not None:
-        fields["max_tokens"] = body["max_completion_tokens"]
-    return parse_completion({**fields, "prompt": chat_prompt(clean)}, max_tokens_cap)
+    return clean
+
+
+def tokenize_body(body: Any) -> bytes:
+    """``POST /tokenize`` (vLLM's shape): ``{"prompt": str | [ids]}`` or ``{"messages": [...]}`` -> the bytes."""
+    if isinstance(body, dict) and "messages" in body:
+        return chat_prompt(chat_messages(body)).encode("utf-8", errors="replace")
+    if not isinstance(body, dict) or "prompt" not in body:
+        raise bad('send {"prompt": "text"} or {"messages": [...]}', "prompt", "invalid_type")
+    return _prompt(body["prompt"])
+
+
+def detokenize_body(body: Any) -> bytes:
+    """``POST /detokenize`` (vLLM's shape): ``{"tokens": [ids 0-255]}`` -> the bytes."""
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list):
+        raise bad('send {"tokens": [ids]}, each id a byte in [0, 255]', "tokens", "invalid_type")
+    try:
+        return _prompt(tokens) if tokens else b""
+    except RequestError:
+        raise bad(f"tokens must be at most {MAX_TOKEN_IDS} integers in [0, 255] (each byte is a token)",
+                  "tokens") from None
 
 
 def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
@@ -223,8 +308,16 @@ def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
 
 
 def check_fits(req: CompletionRequest, context: int) -> None:
-    """400 when the prompt (and, for modes that cannot slide, the continuation) exceed the model's context."""
+    """400 when the prompt (and, for modes that cannot slide, the continuation) exceed the model's context.
+
+    Scoring alone (``max_tokens`` 0) slides its windows over a prompt of any length up to MAX_SCORED_BYTES.
+    """
     p, n = max(len(req.prompt), 1), req.max_tokens  # an empty prompt is sent as b"\n"
+    if req.logprobs is not None and len(req.prompt) + n > MAX_SCORED_BYTES:
+        raise bad(f"log-probs are served for at most {MAX_SCORED_BYTES} bytes of prompt and continuation, got "
+                  f"{len(req.prompt)} + {n}; split the text", "prompt", "context_length_exceeded")
+    if n == 0:
+        return
     if p > context:
         raise bad(f"the prompt is {p} bytes and the model's context is {context} bytes; shorten the prompt",
                   "prompt", "context_length_exceeded")
@@ -316,6 +409,40 @@ class PipelineBackend:
         req = replace(req, mode=mode)
         check_fits(req, int(entry.get("context", 0)))
         return req
+
+    async def complete(self, req: CompletionRequest) -> tuple[bytes, dict[str, int], str]:
+        """One choice: (the continuation, cut before a stop sequence; the mode's counters; the finish reason)."""
+        if req.max_tokens == 0:
+            return b"", {}, "length"
+        if not req.stop:
+            data, stats = await self.generate(req)
+            return data, stats, "length" if len(data) >= req.max_tokens else "stop"
+        out, scan = bytearray(), StopScanner(req.stop)
+        async for piece in self.pieces(req, scan):
+            out += piece
+        return bytes(out), {}, "stop" if scan.stopped else "length"
+
+    async def pieces(self, req: CompletionRequest, scan: StopScanner) -> AsyncIterator[bytes]:
+        """The continuation's chunks with stop sequences cut (``scan.stopped`` tells whether one was met)."""
+        chunks = self.stream(req)
+        try:
+            async for chunk in chunks:
+                piece = scan.feed(chunk)
+                if piece:
+                    yield piece
+                if scan.stopped:
+                    return
+            tail = scan.finish()
+            if tail:
+                yield tail
+        finally:
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def log_probs(self, data: bytes, context: int, seed: int) -> Any:
+        """Log-probs (len(data), 256) of each byte of ``data`` given the bytes before it (row 0: NaN)."""
+        return await byte_log_probs(data, context, lambda x: self.client.score(x, seed=seed))
 
     async def generate(self, req: CompletionRequest) -> tuple[bytes, dict[str, int]]:
         """The whole continuation, plus the mode's counters (spec: traversals, drafted, accepted)."""

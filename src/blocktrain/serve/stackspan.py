@@ -44,7 +44,7 @@ from blocktrain.model.stack import StackBlock
 from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, layer_cached
 from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.speculative import SpecParams, validate_carried_draft
-from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.wire import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
 CPU = torch.device("cpu")
 
@@ -154,7 +154,10 @@ class StackSpan:
         if f.mode is Mode.SCORE or (f.mode is Mode.AR and "pos" not in f.params):
             return self._run_stateless(f)
         pos = int(f.params.get("pos", 0))
-        entry = self.cache.checkout(f.request_id, pos)
+        try:
+            entry = self.cache.checkout(f.request_id, pos)
+        except UnknownRequestError as exc:  # evicted since validate(): the client prefills it again (pos=0)
+            return f.reply_error(ErrorCode.UNKNOWN_REQUEST, str(exc))
         try:
             if self.lo == 0 and f.mode is Mode.SPEC:
                 out = self._draft(f, entry, pos)

@@ -1,0 +1,128 @@
+"""Bytes as tokens for OpenAI-style clients: log-probs (``echo``/``logprobs``), stop sequences, tokenizer endpoints.
+
+Each byte is one token, id 0-255. A token's string is the character for an ASCII byte and ``bytes:\\xNN`` for any
+other byte (a byte above 0x7f is not a character on its own), so every token has its own string. Log-probs are the
+model's, at temperature 1, whatever the request samples at: the pipeline scores the text teacher-forced, in the
+same windows as ``blocktrain eval`` (:func:`blocktrain.data.dataset.eval_windows`: every byte after the first is
+scored once, with at least half a context of history), so a served score equals the local one.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from blocktrain.data.dataset import eval_windows
+
+MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (vLLM's limit)
+MAX_TOKEN_IDS = 1 << 20  # the most token ids one /tokenize answer or /detokenize request may hold
+MAX_SCORED_BYTES = 1 << 16  # the most bytes (prompt and continuation) one request may have scored
+WINDOWS_PER_CALL = 32  # windows sent to the pipeline in one score call
+ScoreFn = Callable[[torch.Tensor], Awaitable[torch.Tensor]]  # bytes (b, t) uint8 -> logits (b, t, 256)
+
+
+def token_str(byte: int) -> str:
+    """The token string of one byte: itself if ASCII, else ``bytes:\\xNN`` (unique per byte)."""
+    return chr(byte) if byte < 0x80 else f"bytes:\\x{byte:02x}"
+
+
+def text_offsets(data: bytes) -> list[int]:
+    """For each byte of ``data``, the offset in characters of ``data.decode("utf-8", "replace")`` where it starts
+    (the bytes of one character share their character's offset)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, chars = [], 0
+    for b in data:
+        offsets.append(chars)
+        chars += len(decoder.decode(bytes([b])))
+    return offsets
+
+
+async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Tensor:
+    """Log-probs (n, 256) of the byte at each position of ``data`` given the bytes before it; row 0 is NaN.
+
+    Windows of ``context`` bytes as :func:`eval_windows` lays them out (row i is predicted in the one window
+    that scores target i); windows of the same length go to the pipeline as one batch.
+    """
+    n = len(data)
+    out = torch.full((n, 256), float("nan"))
+    if n < 2:
+        return out
+    arr = torch.tensor(list(data), dtype=torch.uint8)
+    windows = eval_windows(n, context)
+    length = windows[0][1]  # every window has the same length
+    for i in range(0, len(windows), WINDOWS_PER_CALL):
+        batch = windows[i : i + WINDOWS_PER_CALL]
+        x = torch.stack([arr[s : s + length] for s, _, _ in batch])  # (w, length): inputs of each window
+        lp = torch.log_softmax((await score(x)).float(), dim=-1)  # (w, length, 256)
+        for j, (start, _, first) in enumerate(batch):
+            out[start + first + 1 : start + length + 1] = lp[j, first:]  # position p predicts byte start + p + 1
+    return out
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """The OpenAI Completions ``logprobs`` object for ``data[skip:]``, scored with ``data[:skip]`` as history."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, data: bytes, lp: torch.Tensor, top: int, skip: int = 0) -> Logprobs:
+        """``lp`` from :func:`byte_log_probs`; ``top`` alternatives per position (the token itself is always listed)."""
+        offsets = text_offsets(data)
+        base = offsets[skip] if skip < len(offsets) else 0
+        tokens: list[str] = []
+        chosen: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        where: list[int] = []
+        for i in range(skip, len(data)):
+            b = data[i]
+            tokens.append(token_str(b))
+            where.append(offsets[i] - base)
+            if i == 0:  # the first byte has no history: OpenAI's null
+                chosen.append(None)
+                tops.append(None)
+                continue
+            row = lp[i]
+            chosen.append(float(row[b]))
+            best = torch.topk(row, top).indices.tolist() if top > 0 else []
+            tops.append({token_str(t): float(row[t]) for t in [*best, b]})
+        return cls(tokens, chosen, tops, where)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
+class StopScanner:
+    """Bytes in chunks -> the bytes to emit, cut before the first stop sequence; bytes that could begin a stop
+    sequence are held back until they cannot."""
+
+    def __init__(self, stops: tuple[bytes, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = b""
+        self.stopped = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.stopped:
+            return b""
+        self.pending += chunk
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.pending = self.pending[: min(hits)], b""
+            return out
+        keep = min(self.hold, len(self.pending))
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return out
+
+    def finish(self) -> bytes:
+        out, self.pending = self.pending, b""
+        return b"" if self.stopped else out

@@ -1,0 +1,207 @@
+"""The gateway's scoring and sampling extras: echo and logprobs equal to local eval, n, stop sequences, token ids,
+the tokenizer endpoints, and no request lost for lack of KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.cli.main import main
+from blocktrain.config import Objective
+from blocktrain.data.dataset import eval_windows
+from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.evaluate.generate import generate
+from blocktrain.evaluate.scoring import score_split
+from blocktrain.model.stack import StackBlock
+from blocktrain.presets import tiny
+from blocktrain.serve.client import PipelineClient
+from blocktrain.serve.gateway import GatewayOptions
+from blocktrain.serve.gateway_backend import RequestError, parse_chat, parse_completion
+from blocktrain.serve.gateway_logprobs import StopScanner, text_offsets, token_str
+from blocktrain.serve.kvcache import CacheOptions
+from blocktrain.serve.loading import load_stack_span
+from blocktrain.serve.stackspan import StackSpan
+from tests.conftest import write_data_dir
+from tests.serve_utils import e2e_spans, ring, tiny_models
+from tests.test_gateway import serve_app
+
+TEXT = (" = Valkyria Chronicles III = \n Senjo no Valkyria 3 : Unrecorded Chronicles is a tactical role playing "
+        "video game developed by Sega . añ€ \n")  # > 4 contexts of 32 bytes, with multi-byte characters
+
+
+def test_stop_scanner_cuts_before_the_first_stop_across_chunks() -> None:
+    scan = StopScanner((b"END", b"\n\n"))
+    out = b"".join(scan.feed(c) for c in (b"abc E", b"N", b"D more"))
+    assert out == b"abc " and scan.stopped and scan.finish() == b""
+    scan = StopScanner((b"xyz",))
+    held = [scan.feed(c) for c in (b"aax", b"y", b"b")]
+    assert held == [b"a", b"", b"axy"] and not scan.stopped  # "xy" held until "b" proves it no stop
+    assert scan.feed(b"c") + scan.finish() == b"bc"
+
+
+def test_token_strings_are_unique_and_offsets_count_characters() -> None:
+    assert len({token_str(b) for b in range(256)}) == 256 and token_str(0x41) == "A" and token_str(0xE2) == "bytes:\\xe2"
+    data = "añ€z".encode()
+    assert text_offsets(data) == [0, 1, 1, 2, 2, 2, 3]  # the bytes of one character share its offset
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
+    ({"prompt": "a", "n": 9}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop": "x" * 65}, "stop"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [97, 256]}, "prompt"),
+    ({"prompt": [97, True]}, "prompt"),
+    ({"prompt": [[97], [98]]}, "prompt"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logprobs": 1, "stream": True}, "stream"),
+])
+def test_scoring_parameters_out_of_range_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_completion(body, 64)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_token_id_prompts_and_chat_refusing_logprobs() -> None:
+    assert parse_completion({"prompt": [104, 105, 255]}, 64).prompt == b"hi\xff"
+    assert parse_completion({"prompt": [[104, 105]]}, 64).prompt == b"hi"
+    req = parse_completion({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 0, "n": 2, "stop": "\n"}, 64)
+    assert (req.echo, req.max_tokens, req.logprobs, req.n, req.stop) == (True, 0, 0, 2, (b"\n",))
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stop": ["User:"], "n": 2}, 64)
+    assert chat.stop == (b"User:",) and chat.n == 2
+    with pytest.raises(RequestError) as info:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 64)
+    assert info.value.param == "logprobs"
+
+
+@pytest.fixture(scope="module")
+def stack_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny stack checkpoint: 4 blocks, 3 steps each, trained in this process."""
+    root = tmp_path_factory.mktemp("stack")
+    data = write_data_dir(root / "data")
+    for k in range(4):
+        assert main(["train-block", "--preset", "tiny", "--objective", "stack", "--block", str(k), "--steps", "3",
+                     "--out", str(root / "run"), "--data", str(data), "--no-progress", "--eval-bytes", "0"]) == 0
+    return root / "run"
+
+
+def test_echo_logprobs_equal_local_eval(stack_run: Path) -> None:
+    """``echo`` + ``logprobs`` with max_tokens 0 (and 1) score the prompt as ``blocktrain eval`` scores it."""
+    run = RunDir(stack_run)
+    model = AssembledModel.load(run)
+    data = TEXT.encode()
+    ctx = model.context
+    spans = [load_stack_span(run, 0, 1), load_stack_span(run, 2, 3)]
+    with ring(spans) as stages, serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        scored = client.completions.create(model=client.models.list().data[0].id, prompt=TEXT, max_tokens=0,
+                                           echo=True, logprobs=3)
+        plus_one = client.completions.create(model=client.models.list().data[0].id, prompt=list(data), max_tokens=1,
+                                             echo=True, logprobs=0, temperature=0)
+        greedy = httpx.post(f"{url}/v1/completions", json={"prompt": TEXT[:20], "max_tokens": 5, "temperature": 0,
+                                                           "logprobs": 2}, timeout=60).json()
+    lp = scored.choices[0].logprobs
+    assert lp is not None and scored.choices[0].text == TEXT
+    assert lp.tokens == [token_str(b) for b in data] and lp.text_offset == text_offsets(data)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    served = np.array(lp.token_logprobs[1:], dtype=np.float64)
+    # the local eval over the same bytes: its mean CE equals the served log-probs' mean
+    local = score_split(lambda x: model.log_probs(x), np.frombuffer(data, dtype=np.uint8), ctx)
+    assert -served.mean() == pytest.approx(local.ce_nats_per_byte, abs=1e-4)
+    # and byte by byte, in each eval window, against the local model's own teacher-forced log-probs
+    for start, length, first in eval_windows(len(data), ctx):
+        x = torch.tensor(list(data[start : start + length + 1]))
+        want = model.log_probs(x[None, :-1])[0, 0].gather(-1, x[1:, None].long())[:, 0]  # (length,)
+        got = torch.tensor(served[start + first : start + length])  # served[i] is byte i + 1
+        torch.testing.assert_close(got, want[first:].double(), atol=1e-4, rtol=0)
+    for i, top in enumerate(lp.top_logprobs[1:], start=1):
+        assert len(top) in (3, 4) and top[lp.tokens[i]] == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+    # max_tokens 1 with echo: every prompt byte's log-prob, then the generated byte's
+    lp1 = plus_one.choices[0].logprobs
+    assert lp1 is not None and len(lp1.tokens) == len(data) + 1
+    assert lp1.token_logprobs[1 : len(data)] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    # without echo: only the generated bytes; greedy picks each position's most likely byte
+    g = greedy["choices"][0]["logprobs"]
+    assert len(g["tokens"]) == 5 and g["text_offset"][0] == 0
+    for tok, chosen, top in zip(g["tokens"], g["token_logprobs"], g["top_logprobs"], strict=True):
+        assert chosen == pytest.approx(max(top.values()), abs=1e-6) and top[tok] == chosen
+
+
+def test_n_stop_and_tokenizer_endpoints(stack_run: Path) -> None:
+    run = RunDir(stack_run)
+    spans = [load_stack_span(run, 0, 3)]
+    with ring(spans) as stages, serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}")) as url:
+        def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            r = httpx.post(f"{url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        base = {"prompt": "Sega", "max_tokens": 12, "temperature": 1.0, "seed": 5, "mode": "ar"}
+        one = post("/v1/completions", base)["choices"][0]["text"]
+        three = post("/v1/completions", {**base, "n": 3})
+        assert [c["index"] for c in three["choices"]] == [0, 1, 2] and three["choices"][0]["text"] == one
+        assert len(set(three["blocktrain"]["seeds"])) == 3 and three["blocktrain"]["seeds"][0] == 5
+        assert three["usage"]["completion_tokens"] == sum(len(c["text"].encode()) for c in three["choices"])
+        stop = one[3:5]  # a stop sequence the first choice meets
+        cut = post("/v1/completions", {**base, "stop": [stop, "\u2603"]})["choices"][0]
+        assert cut["text"] == one[: one.index(stop)] and cut["finish_reason"] == "stop"
+        streamed = httpx.post(f"{url}/v1/completions", json={**base, "stop": stop, "stream": True, "n": 2}, timeout=60)
+        texts: dict[int, str] = {0: "", 1: ""}
+        for line in streamed.text.splitlines():
+            if line.startswith("data: {"):
+                import json
+
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c.get("text", "")
+        assert texts[0] == cut["text"]
+        tok = post("/tokenize", {"prompt": "añ", "return_token_strs": True})
+        assert tok == {"count": 3, "max_model_len": 32, "tokens": [97, 0xC3, 0xB1],
+                       "token_strs": ["a", "bytes:\\xc3", "bytes:\\xb1"]}
+        assert post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})["tokens"] == list(b"User: hi\nAssistant:")
+        assert post("/detokenize", {"tokens": [97, 0xC3, 0xB1]}) == {"prompt": "añ"}
+        info = httpx.get(f"{url}/tokenizer_info", timeout=10).json()
+        assert info["vocab_size"] == 256 and info["model_max_length"] == 32
+        bad = httpx.post(f"{url}/detokenize", json={"tokens": [300]}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+@pytest.mark.parametrize("family", ["stack", "e2e"])
+def test_no_request_fails_for_lack_of_kv_cache(family: str) -> None:
+    """Twelve requests at once through stages that cache one request each: evicted requests prefill again, and
+    every continuation equals the local model's."""
+    if family == "stack":
+        cfg = dataclasses.replace(tiny(), objective=Objective.STACK)
+        torch.manual_seed(0)
+        blocks = {k: StackBlock(cfg.model, k).eval() for k in range(cfg.model.n_blocks)}
+        spans: list[Any] = [StackSpan({k: blocks[k] for k in range(lo, hi + 1)}, cfg, cache=CacheOptions(max_requests=1))
+                            for lo, hi in ((0, 1), (2, 3))]
+        local: Any = AssembledModel([blocks[k] for k in range(4)], cfg)
+    else:
+        cfg, _, e2e = tiny_models()
+        spans = e2e_spans(e2e, [(0, 1), (2, 3)])
+        for s in spans:
+            s.max_cached = 1
+        local = E2EModel(e2e, cfg)
+    prompts = [f"p{i} Sega".encode() for i in range(12)]
+
+    async def all_at_once(addr: Any) -> list[bytes]:
+        async with PipelineClient(addr, timeout_s=60) as c:
+            return list(await asyncio.gather(*(c.generate_ar(p, 10, temperature=0.0, top_k=0, seed=0) for p in prompts)))
+
+    with ring(spans) as stages:
+        got = asyncio.run(all_at_once(stages[0].address))
+    for p, g in zip(prompts, got, strict=True):
+        assert g == generate(local, p, 10, temperature=0.0, top_k=0, seed=0)[len(p):], p
