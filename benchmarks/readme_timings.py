@@ -3,10 +3,12 @@
     python benchmarks/readme_timings.py --json benchmarks/results/readme-timings.json            # all three
     python benchmarks/readme_timings.py --only tiny --only test --json benchmarks/results/readme-timings.json
 
-Each command runs in its own fresh ``git clone`` of HEAD (no ``.venv``: installation included), placed beside this
-checkout so that ``../shared/data`` resolves as it does here. Output is streamed to a log beside the JSON and the
-phases ``scripts/main.sh`` prints (``== NAME: done in N s``) are parsed into the result. An existing JSON is
-updated: commands not run this time keep their earlier entry. Run it with the machine to itself.
+``tiny`` and ``main`` each run in a fresh ``git clone`` of HEAD (no ``.venv``: installation included), placed
+beside this checkout so that ``../shared/data`` resolves as it does here; ``test`` runs in the clone ``tiny``
+installed, as a newcomer runs the tests after a first job (in a fresh clone of its own when ``tiny`` is not
+timed). Output is streamed to a log beside the JSON, and the phases ``scripts/main.sh`` prints
+(``== NAME: done in N s``) are parsed into the result. An existing JSON is updated: commands not run this time
+keep their earlier entry. Run it with the machine to itself.
 """
 
 from __future__ import annotations
@@ -30,21 +32,20 @@ from blocktrain.bench.machine import machine_info  # noqa: E402
 
 log = logging.getLogger("readme_timings")
 
-COMMANDS = {  # name -> (environment, command): the README's two commands, and the tiny quick check
+COMMANDS = {  # name -> (environment, command): the README's two commands and the tiny quick check, in run order
     "tiny": ({"PRESET": "tiny"}, ["bash", "scripts/main.sh"]),
-    "main": ({}, ["bash", "scripts/main.sh"]),
     "test": ({}, ["bash", "scripts/test.sh"]),
+    "main": ({}, ["bash", "scripts/main.sh"]),
 }
 TARGETS_S = {"tiny_bench": 60.0, "main": 900.0, "test": 240.0}  # issue 21's limits
 PHASE = re.compile(r"^== (.+): done in (\d+) s")
 
 
-def time_one(name: str, log_path: Path) -> dict[str, Any]:
+def time_one(name: str, log_path: Path, clone: Path, keep: bool = False) -> dict[str, Any]:
+    """Run command ``name`` in ``clone`` (cloned fresh from HEAD unless it exists); ``keep`` the clone after."""
     env_extra, cmd = COMMANDS[name]
-    clone = ROOT.parent / f"readme-timing-{name}"
-    if clone.exists():
-        shutil.rmtree(clone)
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    if not clone.exists():
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True,
                             check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if k not in ("BLOCKTRAIN_DATA", "VIRTUAL_ENV", "PYTHONPATH")}
@@ -58,13 +59,15 @@ def time_one(name: str, log_path: Path) -> dict[str, Any]:
         assert proc.stdout is not None
         for line in proc.stdout:
             out.write(line)
+            out.flush()
             m = PHASE.match(line)
             if m:
                 phases[m.group(1).split(" (")[0]] = int(m.group(2))
                 log.info("%s: %s", name, line.strip())
         rc = proc.wait()
     wall = time.perf_counter() - t0
-    shutil.rmtree(clone, ignore_errors=True)
+    if not keep:
+        shutil.rmtree(clone, ignore_errors=True)
     tail = log_path.read_text().splitlines()[-3:]
     log.info("%s: exit %d in %.0f s", name, rc, wall)
     return {"command": shown, "commit": commit, "exit_code": rc, "wall_s": round(wall, 1), "phases_s": phases,
@@ -79,8 +82,15 @@ def main() -> int:
     args = ap.parse_args()
     result: dict[str, Any] = json.loads(args.json.read_text()) if args.json.exists() else {}
     result.setdefault("commands", {})
-    for name in args.only or list(COMMANDS):
-        result["commands"][name] = time_one(name, args.json.with_name(f"readme-timing-{name}.log"))
+    names = args.only or list(COMMANDS)
+    first = ROOT.parent / "readme-timing-first"
+    for stale in (first, ROOT.parent / "readme-timing-main"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for name in [n for n in COMMANDS if n in names]:  # tiny, then test in its clone, then main in a fresh one
+        clone = ROOT.parent / "readme-timing-main" if name == "main" else first
+        result["commands"][name] = time_one(name, args.json.with_name(f"readme-timing-{name}.log"), clone,
+                                            keep=name == "tiny" and "test" in names)
+        result["commands"][name]["fresh_clone"] = name != "test" or "tiny" not in names
     result.update(machine=machine_info(), targets_s=TARGETS_S,
                   script="python benchmarks/readme_timings.py [--only NAME] --json benchmarks/results/readme-timings.json")
     cmds = result["commands"]

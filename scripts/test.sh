@@ -11,5 +11,12 @@ fi
 echo "== ruff"; ruff check src tests benchmarks
 echo "== mypy"; mypy
 echo "== pytest"
-export BLOCKTRAIN_TEST_THREADS=${BLOCKTRAIN_TEST_THREADS:-2}
-pytest -q -p no:cacheprovider "$@"
+# One pytest worker per core (pytest-xdist), each test on one torch thread; every test has a 300 s timeout
+# (pytest-timeout, pyproject.toml). PYTEST_WORKERS=0 runs the tests in this one process.
+WORKERS=${PYTEST_WORKERS:-auto}
+export BLOCKTRAIN_TEST_THREADS=${BLOCKTRAIN_TEST_THREADS:-1}
+if [ "$WORKERS" = 0 ]; then
+  pytest -q -p no:cacheprovider "$@"
+else
+  pytest -q -p no:cacheprovider -n "$WORKERS" --dist worksteal "$@"
+fi

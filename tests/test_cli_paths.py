@@ -3,7 +3,9 @@ serving the E2E baseline, --next failover, and verified data directories."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
@@ -12,11 +14,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from blocktrain.bench.quality import QualityOptions, _Bench
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
 from blocktrain.data import dataset
@@ -106,10 +110,7 @@ def test_bench_quality_rederive_recomputes_the_gain(quality: tuple[dict[str, Any
 
 
 def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
-    """--no-matched-steps (the long budget): the stack first, then one E2E run at its training FLOPs, reported as ``e2e``.
-
-    With ``--isolate yes`` every arm trains in its own child process, so each reports its own peak memory.
-    """
+    """--no-matched-steps (the long budget): the stack first, then one E2E run at its training FLOPs, reported as ``e2e``."""
     data = write_data_dir(tmp_path / "data")
     out = tmp_path / "q.json"
     # the lr sweep needs the matched-steps E2E: refused before anything trains
@@ -118,7 +119,7 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
     assert not (tmp_path / "refused").exists()
     assert main(["bench", "quality", "--preset", "tiny", "--data", str(data), "--steps", "3", "--no-lr-sweep",
                  "--no-matched-steps", "--max-eval-bytes", "1024", "--eval-bytes", "0", "--objective", "stack",
-                 "--out", str(tmp_path / "runs"), "--json", str(out), "--no-progress", "--isolate", "yes"]) == 0
+                 "--out", str(tmp_path / "runs"), "--json", str(out), "--no-progress"]) == 0
     q = json.loads(out.read_text())
     assert q["e2e_is_matched_flops"] and not (tmp_path / "runs" / "e2e-lr0.003").exists()
     m, e2e, st = q["e2e_matched_flops"], q["e2e"], q["objectives"]["stack"]
@@ -126,11 +127,19 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
     assert e2e["train_flops"] == pytest.approx(m["train_flops"], rel=1e-9)  # the analytic FLOPs are the trainer's
     assert m["train_flops"] == pytest.approx(st["train_flops"], rel=0.5 / m["steps"] + 1e-9)  # rounded to whole steps
     assert st["gap_nats_per_byte"] == pytest.approx(st["gap_matched_flops_nats_per_byte"], abs=1e-12)
-    # memory: the block worker's peak over the E2E trainer's, both measured in their own processes, both positive
-    worker = q["block_worker"]
-    assert q["arms_isolated"] is True and q["memory_ratio_block_over_e2e"] > 0
-    assert q["memory_ratio_block_over_e2e"] == pytest.approx(worker["train_mem_bytes"] / e2e["train_mem_bytes"], rel=1e-9)
-    assert worker["train_mem_bytes"] == max(worker["train_mem_bytes_per_block"])
+
+
+def test_an_isolated_arm_trains_in_its_own_process_and_reports_its_memory(tmp_path: Path) -> None:
+    """``--isolate yes`` (every preset but tiny): the arm is a child process, so its peak memory is its own."""
+    data = write_data_dir(tmp_path / "data")
+    cfg = replace(tiny(), train=replace(tiny().train, steps=2, eval_bytes=0))
+    opts = QualityOptions(cfg=cfg, data=open_data_dir(data), out=tmp_path / "q", progress=True, isolate=True,
+                          child_args=("--preset", "tiny", "--data", str(data), "--steps", "2", "--eval-bytes", "0",
+                                      "--no-progress"))
+    bench = _Bench(opts, planned_flops=opts.e2e_flops_step * 2)
+    summary = bench.e2e(tmp_path / "q" / "e2e", 2)
+    assert summary["steps"] == 2 and summary["train_mem_bytes"] > 0 and bench.arms == 1
+    assert bench.bar.n == pytest.approx(opts.e2e_flops_step * 2 / 1e9)  # the progress bar counts the arm's FLOPs
 
 
 # --- bench ingest -------------------------------------------------------------------------------------------
@@ -216,11 +225,13 @@ def _stages(*argvs: list[str]) -> Iterator[None]:
 
 
 def _generate(port: int, mode: str, n: int = 6) -> str:
-    r = subprocess.run([sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode,
-                        "--bytes", str(n), "--prompt", "abc", "--temperature", "0", "--timeout", "30"],
-                       capture_output=True, env=ENV, timeout=90)
-    assert r.returncode == 0, r.stderr.decode()
-    return r.stdout.decode()
+    """`blocktrain generate --pipeline` in this process (the stages are the processes under test)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode, "--bytes", str(n), "--prompt", "abc",
+                   "--temperature", "0", "--timeout", "30"])
+    assert rc == 0
+    return out.getvalue()
 
 
 def test_serve_e2e_model_answers_generate_baseline() -> None:
@@ -269,3 +280,19 @@ def test_open_verify_checks_the_published_digest(
     caplog.clear()
     dd.open("valid")  # verify=False does not hash the file
     assert not caplog.records
+
+
+def test_serve_random_builds_a_stack_that_drafts_for_itself() -> None:
+    """`serve --random SHAPE --objective stack`: a stack stage with random weights, so spec mode runs (greedy spec
+    equals greedy ar); without --objective the blocks stay diffusion blocks (the scale run's)."""
+    from blocktrain.config import Objective
+    from blocktrain.serve.loading import parse_shape, random_run_span
+    from blocktrain.serve.stackspan import StackSpan
+
+    assert isinstance(random_run_span(parse_shape(SHAPE, objective=Objective.STACK), 0, 1), StackSpan)
+    assert random_run_span(parse_shape(SHAPE), 0, 1).family != "stack"
+    (port,) = free_ports(1)
+    with _stages(["--random", SHAPE, "--objective", "stack", "--blocks", "0-3", "--listen", f"127.0.0.1:{port}"]):
+        spec = _generate(port, "spec", n=8)
+        ar = _generate(port, "ar", n=8)
+    assert spec.startswith("abc") and spec == ar

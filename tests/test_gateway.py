@@ -110,12 +110,12 @@ def test_utf8_stream_replaces_invalid_bytes() -> None:
     ({"prompt": "a", "temperature": -0.1}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
-    ({"prompt": [65, 66]}, "prompt"),
+    ({"prompt": [65, 256]}, "prompt"),
     ({"prompt": 7}, "prompt"),
     ({"prompt": "a", "top_k": -2}, "top_k"),
     ({"prompt": "a", "seed": -1}, "seed"),
-    ({"prompt": "a", "n": 2}, "n"),
-    ({"prompt": "a", "stop": ["\n"]}, "stop"),
+    ({"prompt": "a", "n": 9}, "n"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "sweeps": 2, "mode": "ar"}, "sweeps"),
 ])
@@ -141,8 +141,8 @@ def test_http_errors_have_the_openai_shape() -> None:
             ({"prompt": "a", "max_tokens": 9}, 400, "max_tokens"),
             ({"prompt": "a", "temperature": -1}, 400, "temperature"),
             ({"prompt": "a", "top_p": 1.01}, 400, "top_p"),
-            ({"prompt": [1, 2]}, 400, "prompt"),
-            ({"prompt": "x" * 17, "mode": "ar"}, 400, "prompt"),  # longer than the context of 16
+            ({"prompt": [1, 999]}, 400, "prompt"),  # token ids are bytes
+            ({"prompt": "x" * 17, "mode": "sweep", "max_tokens": 1}, 400, "prompt"),  # longer than the context of 16
             ({"prompt": "x" * 12, "mode": "sweep", "max_tokens": 5}, 400, "max_tokens"),  # 12 + 5 > 16
             ({"prompt": "a", "mode": "ar", "model": "gpt-4"}, 404, "model"),
             ({"prompt": "a", "mode": "baseline"}, 400, "mode"),  # nor run the E2E baseline

@@ -16,6 +16,7 @@ from blocktrain.bench.netns import Topology, netns_available
 from blocktrain.bench.serve import scale_shape
 from blocktrain.bench.serve_pipeline import split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, repeat_fraction
+from blocktrain.cli.main import main
 from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
@@ -56,7 +57,7 @@ def test_quality_helpers() -> None:
     assert generative_ce(model, prompt, out) == pytest.approx(manual, rel=1e-5)
 
 
-def test_cli_serve_and_generate_pipeline(tmp_path: Path) -> None:
+def test_cli_serve_and_generate_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`blocktrain serve` (random tiny weights, one stage) answers `blocktrain generate --pipeline`."""
     (port,) = free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -66,15 +67,12 @@ def test_cli_serve_and_generate_pipeline(tmp_path: Path) -> None:
          "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         wait_port(port, serve)
-        for mode in ("sweep", "ar"):
-            r = subprocess.run(
-                [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode,
-                 "--bytes", "8", "--prompt", "abc", "--sweeps", "2"], capture_output=True, env=env, timeout=60)
-            assert r.returncode == 0, r.stderr.decode()
-            assert r.stdout.startswith(b"abc")
-        r = subprocess.run([sys.executable, "-m", "blocktrain", "generate", "--pipeline", "127.0.0.1:1",
-                            "--bytes", "4"], capture_output=True, env=env, timeout=60)
-        assert r.returncode == 2 and b"cannot reach the entry stage" in r.stderr
+        for mode in ("sweep", "ar"):  # the client runs in this process; the stage is the process under test
+            assert main(["generate", "--pipeline", f"127.0.0.1:{port}", "--mode", mode, "--bytes", "8", "--prompt", "abc",
+                         "--sweeps", "2"]) == 0
+            assert capsys.readouterr().out.startswith("abc")
+        assert main(["generate", "--pipeline", "127.0.0.1:1", "--bytes", "4"]) == 2
+        assert "cannot reach the entry stage" in capsys.readouterr().err
     finally:
         serve.terminate()
         serve.wait(10)

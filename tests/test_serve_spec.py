@@ -16,6 +16,7 @@ import torch
 from blocktrain.bench.serve_client import draft_settings, timed_output
 from blocktrain.bench.serve_spec import spec_markdown, spec_summary, spec_task
 from blocktrain.checkpoint.run import RunDir
+from blocktrain.cli.main import main
 from blocktrain.config import RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.diffusion.partition import NoisePartition
@@ -334,7 +335,7 @@ def test_spec_recovers_from_an_evicted_cache(stack_run: Path) -> None:
     assert evicted >= spec.traversals + 6  # every frame's cache was dropped at the last stage
 
 
-def test_cli_serve_stack_run_and_generate_spec(stack_run: Path) -> None:
+def test_cli_serve_stack_run_and_generate_spec(stack_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`blocktrain serve --run STACK --blocks 0-3` serves a stack span; `generate --mode spec` equals local greedy."""
     from tests.serve_utils import free_ports
 
@@ -346,16 +347,14 @@ def test_cli_serve_stack_run_and_generate_spec(stack_run: Path) -> None:
         env=env)
     try:
         wait_port(port, serve)
-        r = subprocess.run(
-            [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", "spec",
-             "--bytes", "10", "--prompt", "Sega", "--temperature", "0", "--draft-min", "2", "--draft-max", "4"],
-            capture_output=True, env=env, timeout=60)
-        assert r.returncode == 0, r.stderr.decode()
-        assert r.stdout == b"Sega" + generate(local(stack_run), b"Sega", 10, temperature=0.0) + b"\n"
-        r = subprocess.run(
-            [sys.executable, "-m", "blocktrain", "generate", "--pipeline", f"127.0.0.1:{port}", "--mode", "sweep",
-             "--bytes", "4", "--prompt", "Sega"], capture_output=True, env=env, timeout=60)
-        assert r.returncode != 0 and b"sweep is a diffusion mode" in r.stderr
+        # the client runs in this process; the stage is the process under test
+        assert main(["generate", "--pipeline", f"127.0.0.1:{port}", "--mode", "spec", "--bytes", "10", "--prompt", "Sega",
+                     "--temperature", "0", "--draft-min", "2", "--draft-max", "4"]) == 0
+        want = b"Sega" + generate(local(stack_run), b"Sega", 10, temperature=0.0) + b"\n"
+        assert capsys.readouterr().out == want.decode("utf-8", errors="replace")
+        assert main(["generate", "--pipeline", f"127.0.0.1:{port}", "--mode", "sweep", "--bytes", "4",
+                     "--prompt", "Sega"]) != 0
+        assert "sweep is a diffusion mode" in capsys.readouterr().err
     finally:
         serve.terminate()
         serve.wait(10)

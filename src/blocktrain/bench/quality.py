@@ -122,8 +122,9 @@ class _Bench:
         self.cfg = opts.cfg
         self.base = [sys.executable, "-m", "blocktrain"]
         self.arms = 0
-        self.bar = progress_bar(total=planned_flops / 1e9, unit="GFLOP", desc="bench quality: training",
-                                disable=not opts.progress, bar_format=_BAR)
+        self.t0 = time.perf_counter()
+        self.bar = progress_bar(total=planned_flops / 1e9, unit="GFLOP", unit_scale=True, desc="bench quality: training",
+                                disable=not opts.progress)
 
     def child(self, command: list[str], extra: tuple[str, ...], flops: float) -> None:
         """Run ``blocktrain COMMAND`` with the user's run flags, then the arm's own (``extra`` wins: argparse keeps the last)."""
@@ -142,9 +143,8 @@ class _Bench:
             raise BlockTrainError(f"child training failed (exit {rc}): blocktrain {shlex.join(argv)}")
         self.arms += 1
         self.bar.update(flops / 1e9)
-        left = self.bar.format_dict
-        rate = left["n"] / max(left["elapsed"], 1e-9)
-        eta = (left["total"] - left["n"]) / rate if rate > 0 else float("nan")
+        done, total, elapsed = self.bar.n, self.bar.total or 0.0, time.perf_counter() - self.t0
+        eta = max(total - done, 0.0) * elapsed / done if done > 0 else float("nan")
         log.info("arm %d done in %.1f s: blocktrain %s; about %.0f s of training left", self.arms,
                  time.perf_counter() - t0, " ".join(command), eta)
 
@@ -173,13 +173,10 @@ class _Bench:
         return best, scores, dirs
 
 
-_BAR = "{desc}: {percentage:3.0f}%|{bar}| {n:.1f}/{total:.1f} GFLOP [{elapsed}<{remaining}]"
-
-
 def _block_flops(cfg: RunConfig, objective: Objective, k: int) -> float:
-    """Training FLOPs of block k's arm: steps x tokens per step x the objective's FLOPs per token."""
+    """Training FLOPs of block k's arm: its steps (the objective's split) x tokens per step x FLOPs per token."""
     obj = get_objective(replace(cfg, objective=objective))
-    return obj.train_flops_per_token(k) * cfg.train.batch_size * cfg.model.context * cfg.train.steps
+    return obj.train_flops_per_token(k) * cfg.train.batch_size * cfg.model.context * obj.block_steps(k)
 
 
 def _planned_flops(opts: QualityOptions) -> float:

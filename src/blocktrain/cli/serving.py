@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blocktrain.cli.fields import arg_type, field_comments, flag_name
+from blocktrain.config import Objective
 
 if TYPE_CHECKING:
     from blocktrain.bench.serve_options import ServeBenchOptions
@@ -133,8 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         load_run_span,
         parse_shape,
         parse_span,
-        random_block_span,
         random_e2e_span,
+        random_run_span,
         span_params,
     )
     from blocktrain.serve.stackspan import StackSpan
@@ -153,9 +154,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     precision = Precision(args.precision)
     span: BlockSpan | E2ESpan | StackSpan
     if args.random:
-        cfg = parse_shape(args.random)
-        make = random_e2e_span if args.model == "e2e" else random_block_span
-        span = make(cfg, lo, hi, args.seed)
+        cfg = parse_shape(args.random, objective=Objective(args.objective))
+        cache = CacheOptions(ttl_s=args.cache_ttl, max_bytes=int(args.cache_mib * 2**20))
+        span = random_e2e_span(cfg, lo, hi, args.seed) if args.model == "e2e" else random_run_span(cfg, lo, hi, args.seed,
+                                                                                                  cache)
         span.precision = precision
     elif args.run:
         run = RunDir(Path(args.run))
@@ -215,6 +217,8 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--random", default=None, metavar="SHAPE",
                    help="random weights of a logical shape, e.g. d_model=2048,n_heads=16,n_layers=16,n_blocks=4")
     s.add_argument("--seed", type=int, default=0, help="seed of --random weights")
+    s.add_argument("--objective", default="diffusion", choices=[o.value for o in Objective],
+                   help="the blocks --random builds (a run directory names its own)")
     s.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     s.add_argument("--delay-ms", type=float, default=None,
                    help=f"inject this one-way delay on the forward link (default: {StageOptions.link_delay_s * 1000:g})")

@@ -310,7 +310,8 @@ def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
 def check_fits(req: CompletionRequest, context: int) -> None:
     """400 when the prompt (and, for modes that cannot slide, the continuation) exceed the model's context.
 
-    Scoring alone (``max_tokens`` 0) slides its windows over a prompt of any length up to MAX_SCORED_BYTES.
+    Scoring alone (``max_tokens`` 0) and mode ar slide their windows over a longer prompt (log-probs: up to
+    MAX_SCORED_BYTES of prompt and continuation).
     """
     p, n = max(len(req.prompt), 1), req.max_tokens  # an empty prompt is sent as b"\n"
     if req.logprobs is not None and len(req.prompt) + n > MAX_SCORED_BYTES:
@@ -318,9 +319,9 @@ def check_fits(req: CompletionRequest, context: int) -> None:
                   f"{len(req.prompt)} + {n}; split the text", "prompt", "context_length_exceeded")
     if n == 0:
         return
-    if p > context:
-        raise bad(f"the prompt is {p} bytes and the model's context is {context} bytes; shorten the prompt",
-                  "prompt", "context_length_exceeded")
+    if p > context and req.mode != "ar":  # ar slides its window over a longer text
+        raise bad(f"the prompt is {p} bytes and the model's context is {context} bytes; shorten the prompt or use "
+                  "mode ar", "prompt", "context_length_exceeded")
     if req.mode in ("spec", "sweep") and p + n > context:
         raise bad(f"mode {req.mode} keeps prompt and continuation in one window: prompt ({p}) + max_tokens ({n}) must "
                   f"be at most the context ({context}); shorten them or use mode ar", "max_tokens", "context_length_exceeded")

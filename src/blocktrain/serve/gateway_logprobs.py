@@ -106,7 +106,6 @@ class StopScanner:
 
     def __init__(self, stops: tuple[bytes, ...]) -> None:
         self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = b""
         self.stopped = False
 
@@ -119,7 +118,8 @@ class StopScanner:
             self.stopped = True
             out, self.pending = self.pending[: min(hits)], b""
             return out
-        keep = min(self.hold, len(self.pending))
+        keep = max((j for s in self.stops for j in range(1, min(len(s), len(self.pending) + 1))
+                    if self.pending.endswith(s[:j])), default=0)  # the longest tail that begins a stop sequence
         out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
         return out
 

@@ -43,8 +43,8 @@ def parse_span(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def parse_shape(text: str, base: str = "cpu-small") -> RunConfig:
-    """``"d_model=2048,n_layers=16,n_heads=16"`` -> the preset ``base`` with those model fields."""
+def parse_shape(text: str, base: str = "cpu-small", objective: Objective = Objective.DIFFUSION) -> RunConfig:
+    """``"d_model=2048,n_layers=16,n_heads=16"`` -> the preset ``base`` with those model fields, for ``objective``."""
     cfg = get_preset(base)
     changes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -52,8 +52,11 @@ def parse_shape(text: str, base: str = "cpu-small") -> RunConfig:
         if key not in ModelConfig.__dataclass_fields__ or not value.isdigit():
             raise ConfigError(f"shape field {part!r} must be NAME=INT with NAME a ModelConfig field")
         changes[key] = int(value)
-    # Random-weight spans are diffusion blocks (the serving bench's scale run measures sweep).
-    return replace(cfg, name="random", objective=Objective.DIFFUSION, model=replace(cfg.model, **changes))
+    try:
+        model = replace(cfg.model, **changes)
+    except ConfigError as exc:
+        raise ConfigError(f"shape {text!r}: {exc}") from exc
+    return replace(cfg, name="random", objective=objective, model=model)
 
 
 def _check_span(lo: int, hi: int, n: int, what: str) -> None:
@@ -127,6 +130,21 @@ def load_e2e_span(run: RunDir, lo: int, hi: int, precision: Precision = Precisio
 
 def _seeded(seed: int, *parts: int) -> None:
     torch.manual_seed(mix_seed(seed, *parts))
+
+
+def random_run_span(
+    cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None
+) -> BlockSpan | StackSpan:
+    """Blocks lo..hi of ``cfg``'s objective with random weights (seeded per block): a :class:`StackSpan` for a
+    stack, a :class:`BlockSpan` of diffusion blocks otherwise. For scale runs and tests, where no run exists."""
+    if cfg.objective is not Objective.STACK:
+        return random_block_span(cfg, lo, hi, seed)
+    _check_span(lo, hi, cfg.model.n_blocks, "blocks")
+    blocks: dict[int, StackBlock] = {}
+    for k in range(lo, hi + 1):
+        _seeded(seed, 1, k)
+        blocks[k] = StackBlock(cfg.model, k).eval()
+    return StackSpan(blocks, cfg, cache=cache)
 
 
 def random_block_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> BlockSpan:
