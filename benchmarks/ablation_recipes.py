@@ -38,11 +38,11 @@ from torch import nn
 
 from blocktrain.config import ModelConfig, Objective, RunConfig
 from blocktrain.data.stream import TrainStream, block_stream, init_seed
-from blocktrain.diffusion.loss import lm_loss
 from blocktrain.diffusion.sampler import chain_step, initial_noise
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import init_weights
+from blocktrain.model.loss import lm_loss
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.diffusion import DiffusionObjective
 from blocktrain.objectives.stack import StackObjective

@@ -30,9 +30,9 @@ from blocktrain.config import VOCAB_SIZE, Objective, Precision, RunConfig
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
 from blocktrain.device import autocast
-from blocktrain.diffusion.loss import lm_loss
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.loss import lm_loss
 from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import get_preset
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step

@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import torch
 
-from blocktrain.diffusion.loss import block_loss, lm_loss
+from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.loss import lm_loss
 from blocktrain.presets import cpu_small
 
 

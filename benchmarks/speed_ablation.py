@@ -26,9 +26,9 @@ from blocktrain.config import Precision
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import autocast
-from blocktrain.diffusion.loss import lm_loss
 from blocktrain.model import layers
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.loss import lm_loss
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step

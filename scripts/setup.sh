@@ -9,8 +9,15 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# Installed already for this pyproject.toml (the stamp holds its digest): nothing to do.
+STAMP=.venv/.blocktrain-installed
+WANT=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('blocktrain')))"; then
+  exit 0
+fi
 python -m pip install -q --upgrade pip 2>/dev/null || true
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 fi
 python -m pip install -q -e ".[dev]"
+echo "$WANT" > "$STAMP"

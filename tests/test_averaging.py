@@ -13,7 +13,7 @@ from blocktrain.coordinator.simulate import LocalRounds, Poison, poison_delta, r
 from blocktrain.data.dataset import DataDir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
-from tests.test_distributed_helpers import corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import corpus, make_coordinator  # noqa: F401
 
 
 def _t(*values: float) -> torch.Tensor:
@@ -184,7 +184,7 @@ def test_workers_over_http_match_the_in_process_reference(tmp_path: Path, corpus
     import threading
 
     from blocktrain.worker.loop import Worker, WorkerOptions
-    from tests.test_distributed_helpers import ThreadServer
+    from tests.distributed_utils import ThreadServer
 
     knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0}
     c = make_coordinator(tmp_path / "run", corpus, **knobs)
@@ -212,7 +212,7 @@ def test_a_slow_worker_pushes_what_it_has_before_the_deadline(tmp_path: Path, co
     import threading
 
     from blocktrain.worker.loop import Worker, WorkerOptions
-    from tests.test_distributed_helpers import ThreadServer
+    from tests.distributed_utils import ThreadServer
 
     c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=3.0, eval_every=0)
     token = c.add_token("slow")

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -23,11 +22,12 @@ import pytest
 from blocktrain.bench.quality import QualityOptions, _Bench
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
-from blocktrain.data import dataset
+from blocktrain.data import integrity
 from blocktrain.data.dataset import open_data_dir
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import tiny
 from tests.conftest import write_data_dir
+from tests.forked_cli import spawn
 from tests.serve_utils import free_ports, wait_port
 
 SHAPE = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"  # tiny's model
@@ -212,8 +212,7 @@ def _stages(*argvs: list[str]) -> Iterator[None]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for argv in argvs:
-            proc = subprocess.Popen([sys.executable, "-m", "blocktrain", "serve", *argv],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
+            proc = spawn(["serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
             procs.append(proc)
             wait_port(int(argv[argv.index("--listen") + 1].rsplit(":", 1)[1]), proc)
         yield
@@ -269,10 +268,10 @@ def test_open_verify_checks_the_published_digest(
     path = dd.path("valid")
     got = hashlib.sha256(path.read_bytes()).hexdigest()
     caplog.set_level(logging.WARNING, logger="blocktrain.data.dataset")
-    monkeypatch.setitem(dataset.KNOWN_SHA256, path.name, got)
+    monkeypatch.setitem(integrity.KNOWN_SHA256, path.name, got)
     split = dd.open("valid", verify=True)
     assert len(split) == path.stat().st_size and not caplog.records  # the published file: silent
-    monkeypatch.setitem(dataset.KNOWN_SHA256, path.name, "0" * 64)
+    monkeypatch.setitem(integrity.KNOWN_SHA256, path.name, "0" * 64)
     dd.open("valid", verify=True)
     assert [r.getMessage() for r in caplog.records] == [
         f"{path} has sha256 {got}, not the published {'0' * 64}; results will not be comparable"

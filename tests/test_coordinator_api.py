@@ -18,7 +18,7 @@ from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
 from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step
-from tests.test_distributed_helpers import FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
 
 
 def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -354,7 +354,7 @@ def test_client_backoff_is_bounded_and_reports_unreachable() -> None:
 
     from blocktrain.errors import ProtocolError
     from blocktrain.worker.client import CoordinatorClient
-    from tests.test_distributed_helpers import free_port
+    from tests.distributed_utils import free_port
 
     client = CoordinatorClient(f"http://127.0.0.1:{free_port()}", "t", base_delay=0.05, max_delay=0.2, give_up_s=1.0)
     t0 = time.monotonic()

@@ -17,7 +17,7 @@ import torch
 
 from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, pack_delta
-from tests.test_distributed_helpers import ThreadServer, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import ThreadServer, corpus, make_coordinator  # noqa: F401
 
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 

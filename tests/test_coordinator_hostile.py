@@ -15,8 +15,7 @@ import httpx
 
 from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, pack_delta
-from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F401
-from tests.test_distributed_helpers import (  # noqa: F401
+from tests.distributed_utils import (  # noqa: F401
     ThreadServer,
     cli,
     corpus,
@@ -26,6 +25,7 @@ from tests.test_distributed_helpers import (  # noqa: F401
     procs,
     wait_for,
 )
+from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F401
 
 
 def _blob_files(a: Api) -> list[str]:

@@ -14,7 +14,7 @@ import httpx
 import torch
 
 from blocktrain.protocol.delta import Compression, pack_delta
-from tests.test_distributed_helpers import ThreadServer, make_coordinator
+from tests.distributed_utils import ThreadServer, make_coordinator
 
 N_WORKERS = 50
 ROUNDS = 3

@@ -38,7 +38,7 @@ from blocktrain.protocol.delta import Compression, decode_delta, pack_delta
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerOptions, WorkerSummary
-from tests.test_distributed_helpers import (  # noqa: F401
+from tests.distributed_utils import (  # noqa: F401
     FakeClock,
     ThreadServer,
     add_token,

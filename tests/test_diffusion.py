@@ -10,7 +10,8 @@ import torch
 from blocktrain.config import DiffusionConfig, Slicing, Solver
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import block_steps, evaluations_per_traversal
-from blocktrain.diffusion.schedule import Preconditioning, edm_loss_weight
+from blocktrain.diffusion.schedule import edm_loss_weight
+from blocktrain.model.preconditioning import Preconditioning
 
 
 def test_preconditioning_matches_edm_table_1() -> None:

@@ -29,7 +29,7 @@ from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer
-from tests.test_distributed_helpers import add_token, cli, corpus, free_port, get_status, procs, wait_for  # noqa: F401
+from tests.distributed_utils import add_token, cli, corpus, free_port, get_status, procs, wait_for  # noqa: F401
 
 TIMEOUT = 120  # seconds for any one phase on a busy 2-core machine
 
@@ -173,11 +173,11 @@ def test_worker_sigterm_finishes_the_round_and_leaves(tmp_path: Path, corpus: Da
     token = add_token(run, "a")
     procs.append(start_coordinator(run, port, "--round-seconds", "120"))
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
-    w = start_worker(url, token, corpus, "--block", "2", "--local-steps", "800")
+    w = start_worker(url, token, corpus, "--block", "2", "--local-steps", "400")
     procs.append(w)
     wait_for(lambda: (s := get_status(url))["workers"] and s["workers"][0]["bytes_out"] > s["block_fp32_bytes"],
              TIMEOUT, "the worker to pull its weights")
-    time.sleep(1.0)  # now it trains its 800 local steps
+    time.sleep(0.5)  # now it trains its 400 local steps (seconds, at tiny's hundred-odd steps a second)
     w.send_signal(signal.SIGTERM)  # mid-round: finish it, push, leave
     assert w.wait(timeout=TIMEOUT) == 0
     st = get_status(url)

@@ -54,7 +54,7 @@ class FakeClient:
     """Stands in for PipelineClient: an entry description and an ``iter_ar`` yielding fixed chunks."""
 
     def __init__(self, chunks: list[bytes], *, context: int = 64, delays_s: tuple[float, ...] = (),
-                 family: str = "blocktrain") -> None:
+                 family: str = "diffusion") -> None:
         self.chunks = chunks
         self.family = family
         self.context = context
@@ -163,7 +163,7 @@ def test_http_errors_have_the_openai_shape() -> None:
         assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
         r = http.get("/v1/nothing")
         assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
-        r = http.post("/v1/completions", json={"prompt": "a", "model": "blocktrain-n4-d32-ctx16"})
+        r = http.post("/v1/completions", json={"prompt": "a", "model": "diffusion-n4-d32-ctx16"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "abc"
         assert r.json()["blocktrain"]["mode"] == "ar"  # the default on diffusion blocks
     assert len(fake.calls) == 1  # no refused request reached the pipeline
@@ -230,7 +230,7 @@ def test_bearer_token_is_checked_in_constant_time(monkeypatch: pytest.MonkeyPatc
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=20)
-        assert [m.id for m in good.models.list()] == ["blocktrain-n4-d32-ctx64"]
+        assert [m.id for m in good.models.list()] == ["diffusion-n4-d32-ctx64"]
     assert (b"wrong", b"s3cret") in compared and (b"s3cret", b"s3cret") in compared
 
 
@@ -240,7 +240,7 @@ def test_stream_keeps_characters_split_across_chunks() -> None:
     fake = FakeClient(chunks)
     with serve_app(opts(), fake) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=20)
-        events = list(client.completions.create(model="blocktrain-n4-d32-ctx64", prompt="p", max_tokens=len(data),
+        events = list(client.completions.create(model="diffusion-n4-d32-ctx64", prompt="p", max_tokens=len(data),
                                                 stream=True, seed=5, extra_body={"mode": "ar", "top_k": 7},
                                                 stream_options={"include_usage": True}))
     texts = [e.choices[0].text for e in events if e.choices]
@@ -262,12 +262,12 @@ def test_chat_completions_with_the_openai_client() -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     with serve_app(opts(), fake) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=20)
-        done = client.chat.completions.create(model="blocktrain-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
+        done = client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
                                               max_tokens=len(data), seed=2, extra_body={"mode": "ar"})
         assert done.object == "chat.completion" and done.id.startswith("chatcmpl-")
         assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == TEXT
         assert done.choices[0].finish_reason == "length" and done.usage is not None
-        events = list(client.chat.completions.create(model="blocktrain-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
+        events = list(client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
                                                      max_completion_tokens=len(data), seed=2, stream=True,
                                                      extra_body={"mode": "ar"}))
         assert all(e.object == "chat.completion.chunk" for e in events)
@@ -275,9 +275,9 @@ def test_chat_completions_with_the_openai_client() -> None:
         assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == TEXT
         assert events[-1].choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="blocktrain-n4-d32-ctx64", messages=[])
+            client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=[])
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="blocktrain-n4-d32-ctx64",
+            client.chat.completions.create(model="diffusion-n4-d32-ctx64",
                                            messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item]
     prompt = b"System: Be brief.\nUser: Hi\nAssistant:"
     assert [c[0] for c in fake.calls] == [prompt, prompt]
@@ -316,7 +316,7 @@ def test_openai_client_against_a_pipeline() -> None:
         with serve_app(GatewayOptions(pipeline=pipeline, request_timeout_s=60)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
             (model,) = client.models.list().data
-            assert model.id == "blocktrain-n4-d32-ctx32"
+            assert model.id == "diffusion-n4-d32-ctx32"
             done = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8, seed=4)
             stream = list(client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8,
                                                     seed=4, stream=True, extra_body={"mode": "ar"}))

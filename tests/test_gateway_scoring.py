@@ -29,7 +29,7 @@ from blocktrain.serve.gateway import GatewayOptions
 from blocktrain.serve.gateway_backend import RequestError, parse_chat, parse_completion
 from blocktrain.serve.gateway_logprobs import StopScanner, text_offsets, token_str
 from blocktrain.serve.kvcache import CacheOptions
-from blocktrain.serve.loading import load_stack_span
+from blocktrain.serve.loading import load_run_span
 from blocktrain.serve.stackspan import StackSpan
 from tests.conftest import write_data_dir
 from tests.serve_utils import e2e_spans, ring, tiny_models
@@ -105,7 +105,7 @@ def test_echo_logprobs_equal_local_eval(stack_run: Path) -> None:
     model = AssembledModel.load(run)
     data = TEXT.encode()
     ctx = model.context
-    spans = [load_stack_span(run, 0, 1), load_stack_span(run, 2, 3)]
+    spans = [load_run_span(run, 0, 1), load_run_span(run, 2, 3)]
     with ring(spans) as stages, serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         scored = client.completions.create(model=client.models.list().data[0].id, prompt=TEXT, max_tokens=0,
@@ -145,7 +145,7 @@ def test_echo_logprobs_equal_local_eval(stack_run: Path) -> None:
 
 def test_n_stop_and_tokenizer_endpoints(stack_run: Path) -> None:
     run = RunDir(stack_run)
-    spans = [load_stack_span(run, 0, 3)]
+    spans = [load_run_span(run, 0, 3)]
     with ring(spans) as stages, serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}")) as url:
         def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
             r = httpx.post(f"{url}{path}", json=body, timeout=60)
@@ -211,3 +211,55 @@ def test_no_request_fails_for_lack_of_kv_cache(family: str, caplog: pytest.LogCa
     assert dropped and again  # caches were overrun, and requests prefilled again instead of failing
     for p, g in zip(prompts, got, strict=True):
         assert g == generate(local, p, 10, temperature=0.0, top_k=0, seed=0), p
+
+
+ERROR_CASES: list[tuple[str, str]] = [  # (path, raw body): each must get a 4xx with the OpenAI error shape
+    ("/v1/completions", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"),
+    ("/v1/completions", '{"prompt": "a", "temperature": 1e999}'),
+    ("/v1/completions", '{"prompt": ' + "[" * 50_000 + "]" * 50_000 + "}"),
+    ("/v1/completions", '{"prompt": "a", "logprobs": 1000, "echo": true, "max_tokens": 0}'),
+    ("/v1/completions", '{"prompt": "a", "n": 1000}'),
+    ("/v1/completions", '{"prompt": [97, 256]}'),
+    ("/v1/completions", '{"prompt": "a", "max_tokens": 0}'),
+    ("/v1/completions", '{"prompt": "a", "logprobs": 1, "stream": true}'),
+    ("/v1/completions", '{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}'),
+    ("/v1/chat/completions", '{"messages": []}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "hi"}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}'),
+    ("/tokenize", '{"prompt": 7}'),
+    ("/detokenize", '{"tokens": [-1]}'),
+    ("/detokenize", '{"tokens": "abc"}'),
+]
+
+
+def test_error_cases_are_4xx_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Every hostile or bad request: a 4xx with the OpenAI error shape; no 5xx, and no traceback logged."""
+    from tests.test_gateway import FakeClient
+
+    fake = FakeClient([b"abc"], context=16)
+    with serve_app(GatewayOptions(pipeline="127.0.0.1:1", max_tokens_cap=8, max_body_bytes=300_000), fake) as url, \
+            httpx.Client(base_url=url, timeout=30) as http:
+        statuses = []
+        for path, body in ERROR_CASES:
+            r = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+            statuses.append(r.status_code)
+            assert 400 <= r.status_code < 500 and set(r.json()["error"]) == {"message", "type", "param", "code"}, (path,
+                                                                                                              body[:60])
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    assert fake.calls == [] and len(statuses) == len(ERROR_CASES)
+
+
+def test_a_stage_naming_the_old_family_is_read_as_diffusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Diffusion stages once called their family "blocktrain"; a client reads such a stage as "diffusion"."""
+    from blocktrain.serve.compute import BlockSpan
+    from tests.serve_utils import block_spans
+
+    cfg, blocks, _ = tiny_models()
+    monkeypatch.setattr(BlockSpan, "family", "blocktrain")
+
+    async def entry(addr: Any) -> dict[str, Any]:
+        async with PipelineClient(addr, timeout_s=30) as c:
+            return c.entry
+
+    with ring(block_spans(cfg, blocks, [(0, 3)])) as stages:
+        assert asyncio.run(entry(stages[0].address))["family"] == "diffusion"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from blocktrain.cli.main import main as cli
-from blocktrain.data.dataset import MANIFEST, SPLITS, fingerprint_of, open_data_dir, sha256_file
+from blocktrain.data.dataset import MANIFEST, SPLITS, fingerprint_of, open_data_dir
+from blocktrain.data.integrity import sha256_file
 from blocktrain.data.prepare import PrepareOptions, prepare, split_of
 from blocktrain.errors import DataError
 
@@ -113,7 +114,7 @@ def test_jsonl_field_and_its_errors(tmp_path: Path) -> None:
 
 
 def test_wikitext_layout_is_copied_byte_for_byte_and_keeps_its_fingerprint(tmp_path: Path) -> None:
-    from tests.test_distributed_helpers import write_corpus
+    from tests.distributed_utils import write_corpus
 
     wiki = write_corpus(tmp_path / "wiki")
     done = prepare(wiki.root, tmp_path / "out", PrepareOptions(progress=False))

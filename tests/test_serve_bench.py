@@ -21,6 +21,7 @@ from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
 from blocktrain.serve.loading import parse_shape, parse_span
+from tests.forked_cli import spawn
 from tests.serve_utils import free_ports, wait_port
 
 
@@ -62,9 +63,8 @@ def test_cli_serve_and_generate_pipeline(tmp_path: Path, capsys: pytest.CaptureF
     (port,) = free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     shape = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "blocktrain", "serve", "--random", shape, "--blocks", "0-3",
-         "--listen", f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    serve = spawn(["serve", "--random", shape, "--blocks", "0-3", "--listen", f"127.0.0.1:{port}"],
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)  # a forked process (tests/forked_cli.py)
     try:
         wait_port(port, serve)
         for mode in ("sweep", "ar"):  # the client runs in this process; the stage is the process under test

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 
@@ -157,10 +156,10 @@ def test_generate_remote_cli_path(models) -> None:  # type: ignore[no-untyped-de
     assembled, _ = local_models(cfg, blocks, e2e)
     with ring(block_spans(cfg, blocks, SPANS)) as stages:
         host, port = stages[0].address
-        args = argparse.Namespace(pipeline=f"{host}:{port}", mode="ar", bytes=6, temperature=0.5, top_k=10, seed=1)
-        assert generate_remote(args, b"Sega") == generate(assembled, b"Sega", 6, temperature=0.5, top_k=10, seed=1)
-        args.mode, args.sweeps = "sweep", 2
-        assert len(generate_remote(args, b"Sega")) == 6
+        sampling = {"temperature": 0.5, "top_k": 10, "seed": 1}
+        got = generate_remote(f"{host}:{port}", "ar", b"Sega", 6, **sampling)
+        assert got == generate(assembled, b"Sega", 6, **sampling)  # type: ignore[arg-type]
+        assert len(generate_remote(f"{host}:{port}", "sweep", b"Sega", 6, sweeps=2, **sampling)) == 6
 
 
 def test_e2e_span_rejects_wrong_mode() -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,12 +22,14 @@ from blocktrain.diffusion.sampler import chain_step, position_noise
 from blocktrain.errors import ConfigError, WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.block import BlockDenoiser
+from blocktrain.sampling import filtered_probs
 from blocktrain.serve.client import PipelineClient, generate_remote
 from blocktrain.serve.kvcache import CacheEntry
-from blocktrain.serve.loading import load_stack_span
-from blocktrain.serve.speculative import SpecOptions, accept_draft, filtered_probs, next_draft_len, update_rate
+from blocktrain.serve.loading import load_run_span
+from blocktrain.serve.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
 from blocktrain.serve.stackspan import StackSpan
 from blocktrain.serve.wire import Frame, FrameKind, Mode
+from tests.forked_cli import spawn
 from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run
 
@@ -127,7 +127,7 @@ def test_greedy_spec_equals_local_greedy(stack_run: Path, draft: int) -> None:
 
 def test_spec_with_the_whole_model_as_draft_accepts_everything(stack_run: Path) -> None:
     """One stage holding all blocks drafts with the target itself: p = q, so every draft byte is kept."""
-    whole = load_stack_span(RunDir(stack_run), 0, 3)
+    whole = load_run_span(RunDir(stack_run), 0, 3)
 
     async def run(addr):  # type: ignore[no-untyped-def]
         async with PipelineClient(addr, timeout_s=30) as c:
@@ -284,13 +284,15 @@ def test_generate_remote_spec_and_streaming_ar(stack_run: Path) -> None:
 
     with ring(spans(stack_run)) as stages:
         host, port = stages[0].address
-        args = argparse.Namespace(pipeline=f"{host}:{port}", mode="spec", bytes=10, temperature=0.0, top_k=0, seed=1,
-                                  draft_min=2, draft_max=4)
-        assert generate_remote(args, b"Sega") == generate(model, b"Sega", 10, temperature=0.0)
+        got = generate_remote(f"{host}:{port}", "spec", b"Sega", 10, temperature=0.0, top_k=0, seed=1, draft_min=2,
+                              draft_max=4)
+        assert got == generate(model, b"Sega", 10, temperature=0.0)
         plain, nucleus = asyncio.run(stream(stages[0].address))
     assert [len(b) for b in plain] == [1] * 6
     assert b"".join(plain) == generate(model, b"Sega", 6, temperature=0.7, top_k=20, seed=2)
     assert len(b"".join(nucleus)) == 6
+    # the one sampler: local generate with top_p draws the bytes the remote ar draws
+    assert b"".join(nucleus) == generate(model, b"Sega", 6, temperature=0.7, top_k=0, seed=2, top_p=0.5)
 
 
 def test_bench_spec_row_helpers(stack_run: Path) -> None:
@@ -341,10 +343,8 @@ def test_cli_serve_stack_run_and_generate_spec(stack_run: Path, capsys: pytest.C
 
     (port,) = free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "blocktrain", "serve", "--run", str(stack_run), "--blocks", "0-3", "--listen",
-         f"127.0.0.1:{port}", "--cache-mib", "4", "--cache-ttl", "30"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=env)
+    serve = spawn(["serve", "--run", str(stack_run), "--blocks", "0-3", "--listen", f"127.0.0.1:{port}", "--cache-mib",
+                   "4", "--cache-ttl", "30"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)  # forked
     try:
         wait_port(port, serve)
         # the client runs in this process; the stage is the process under test

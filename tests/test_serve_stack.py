@@ -19,7 +19,7 @@ from blocktrain.evaluate.generate import generate
 from blocktrain.presets import tiny
 from blocktrain.serve.client import PipelineClient
 from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
-from blocktrain.serve.loading import load_run_span, load_stack_span
+from blocktrain.serve.loading import load_run_span
 from blocktrain.serve.stackspan import StackSpan
 from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.train.block import train_block
@@ -50,7 +50,7 @@ def spans(
     run: Path, precision: Precision = Precision.FP32, layout: tuple[tuple[int, int], ...] = STACK_SPANS, **cache: object
 ) -> list[StackSpan]:
     opts = CacheOptions(**cache)  # type: ignore[arg-type]
-    return [load_stack_span(RunDir(run), lo, hi, precision, opts) for lo, hi in layout]
+    return [load_run_span(RunDir(run), lo, hi, precision, opts) for lo, hi in layout]
 
 
 def local(run: Path, precision: Precision = Precision.FP32) -> AssembledModel:

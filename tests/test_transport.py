@@ -16,7 +16,7 @@ from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.transport import accepts_deflate, decode_body, deflate, inflate
-from tests.test_distributed_helpers import make_coordinator
+from tests.distributed_utils import make_coordinator
 
 
 def test_deflate_round_trips_exact_bytes() -> None:

@@ -49,6 +49,7 @@ from blocktrain.train.metrics import read_jsonl
 log = logging.getLogger(__name__)
 
 LR_FACTORS = (0.5, 1.0, 2.0)  # the learning-rate sweep, as multiples of the preset's lr
+PRIMARY = "stack"  # with --objective both: the objective the top-level keys report (the default of the presets)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ class QualityOptions:
 
     @property
     def objectives(self) -> list[Objective]:
-        return [Objective.STACK, Objective.DIFFUSION] if self.objective == "both" else [Objective(self.objective)]
+        both = sorted(Objective, key=lambda o: o.value != PRIMARY)  # the primary objective first
+        return both if self.objective == "both" else [Objective(self.objective)]
 
     @property
     def test_bytes(self) -> int | None:
@@ -185,7 +187,8 @@ def _planned_flops(opts: QualityOptions) -> float:
     total = n_lr * opts.e2e_flops_step * cfg.train.steps if opts.matched_steps else 0.0
     for i, objective in enumerate(opts.objectives):
         blocks = [_block_flops(cfg, objective, k) for k in range(cfg.model.n_blocks)]
-        sweep_extra = (n_lr - 1) * blocks[0] if objective is Objective.STACK else 0.0
+        in_order = get_objective(replace(cfg, objective=objective)).trains_in_order
+        sweep_extra = (n_lr - 1) * blocks[0] if in_order else 0.0
         total += sum(blocks) + sweep_extra + (sum(blocks) if i == 0 and opts.matched_flops else 0.0)
     return total
 
@@ -218,16 +221,18 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
         sweeps.update(e2e_val_ce=e2e_scores, e2e_lr=lr_e2e)
     sections: dict[str, dict[str, Any]] = {}
     for objective in opts.objectives:
-        if objective is Objective.STACK:
+        obj = get_objective(replace(cfg, objective=objective))
+        if obj.trains_in_order:  # blocks 1.. train on block 0, so block 0's lr is swept first
+            name, key = objective.value, f"val_{obj.reference_name}"
             lr_s, s_scores, s_dirs = bench.sweep(
-                "stack", lambda out, lr: bench.blocks(out, Objective.STACK, range(1), "--lr", repr(lr))[0], "val_prefix_ce"
+                name, lambda out, lr, o=objective: bench.blocks(out, o, range(1), "--lr", repr(lr))[0], key
             )
-            sweeps.update(stack_block0_val_prefix_ce=s_scores, stack_lr=lr_s)
+            sweeps.update({f"{name}_block0_{key}": s_scores, f"{name}_lr": lr_s})
             run_dir = s_dirs[lr_s]  # block 0 is the sweep's winner; blocks 1.. train on it
             bench.blocks(run_dir, objective, range(1, cfg.model.n_blocks), "--lr", repr(lr_s))
             sums = [_summary(RunDir(run_dir), f"block_{k}") for k in range(cfg.model.n_blocks)]
         else:
-            run_dir = opts.out / "diffusion"
+            run_dir = opts.out / objective.value
             sums = bench.blocks(run_dir, objective, range(cfg.model.n_blocks))
         sections[objective.value] = {"run_dir": str(run_dir), "summaries": sums}
 
@@ -255,9 +260,9 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
         assert matched is not None
         e2e_dir, e2e_eval = Path(matched["run_dir"]), matched["eval"]
     e2e_sum = _summary(RunDir(e2e_dir), "e2e")
-    for name, sec in sections.items():
+    for sec in sections.values():
         model = AssembledModel.load(RunDir(Path(sec["run_dir"])), precision=precision)
-        sec["eval"] = score(model, chains=opts.chains if name == "diffusion" else 1, blocks_alone=True)
+        sec["eval"] = score(model, chains=opts.chains, blocks_alone=True)  # a deterministic model runs one chain
         if sec["eval"]["bytes_scored"] != e2e_eval["bytes_scored"]:
             raise RunError("E2E and the blocks were scored on different bytes")
 

@@ -7,6 +7,11 @@ from typing import Any
 MIB = 2**20
 
 
+def _flops(x: float) -> str:
+    """FLOPs in the unit that shows them: PFLOPs from 0.1 up, else TFLOPs."""
+    return f"{x / 1e15:.2f} PFLOPs" if x >= 1e14 else f"{x / 1e12:.2f} TFLOPs"
+
+
 def _fmt_list(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values)
 
@@ -39,8 +44,8 @@ def format_table(r: dict[str, Any]) -> str:
         [f"{o['compositional_gain_nats_per_byte']:+.4f}" for o in objs.values()])
     row("training steps", f"{e['train_steps']}", f"{m['steps']}" if m else "",
         [f"{o['train_steps_per_block'][0]} per block" for o in objs.values()])
-    row("training PFLOPs (model FLOPs)", f"{e['train_flops'] / 1e15:.2f}", f"{m['train_flops'] / 1e15:.2f}" if m else "",
-        [f"{o['train_flops'] / 1e15:.2f} ({o['train_flops_over_e2e']:.2f}x E2E)" for o in objs.values()])
+    row("training FLOPs (model FLOPs)", _flops(e["train_flops"]), _flops(m["train_flops"]) if m else "",
+        [f"{_flops(o['train_flops'])} ({o['train_flops_over_e2e']:.2f}x E2E)" for o in objs.values()])
     row(f"seconds per step ({r['precision']})", f"{e['seconds_per_step']:.3f}", f"{m['seconds_per_step']:.3f}" if m else "",
         [f"{o['block_worker']['seconds_per_step']:.3f} (mean of blocks)" for o in objs.values()])
     row("MFU (of the measured peak)", f"{e['mfu']:.1%}", "", [f"{o['block_worker']['mfu']:.1%}" for o in objs.values()])

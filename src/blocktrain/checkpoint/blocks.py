@@ -5,8 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from blocktrain.checkpoint.run import RunDir, load_model
-from blocktrain.config import Objective, RunConfig
-from blocktrain.diffusion.partition import NoisePartition
+from blocktrain.config import RunConfig
 from blocktrain.errors import ConfigError, RunError
 from blocktrain.objectives import get_objective
 
@@ -18,11 +17,7 @@ def check_block_index(k: int, n_blocks: int) -> None:
 
 def block_save_meta(cfg: RunConfig, k: int) -> dict[str, str]:
     """Metadata every checkpoint of block k carries (and loading checks)."""
-    meta = {"kind": "block", "block_index": str(k), "objective": cfg.objective.value}
-    if cfg.objective is Objective.DIFFUSION:
-        s = NoisePartition(cfg.diffusion, cfg.model.n_blocks).slices[k]
-        meta.update(sigma_lo=repr(s.sigma_lo), sigma_hi=repr(s.sigma_hi))
-    return meta
+    return {"kind": "block", "block_index": str(k), **get_objective(cfg).checkpoint_meta(k)}
 
 
 def load_block(run: RunDir, cfg: RunConfig, k: int, *, finished: bool = False) -> nn.Module:
@@ -35,8 +30,8 @@ def load_block(run: RunDir, cfg: RunConfig, k: int, *, finished: bool = False) -
         )
     block = get_objective(cfg).build_block(k)
     expect = {key: v for key, v in block_save_meta(cfg, k).items() if key != "kind"}
-    if cfg.objective is Objective.DIFFUSION:
-        expect.pop("objective")  # diffusion checkpoints written before objectives existed carry no such field
+    for key in get_objective(cfg).optional_meta():  # checkpoints of earlier releases may lack these
+        expect.pop(key)
     ckpt = load_model(path, block, cfg, "block", **expect)
     steps = get_objective(cfg).block_steps(k)
     if finished and ckpt.step < steps:

@@ -104,17 +104,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.generate import generate
 
+    if not 0 < args.top_p <= 1:
+        raise BlockTrainError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.pipeline and args.top_p < 1 and args.mode not in ("ar", "spec"):
+        raise BlockTrainError(f"--top-p is sampled by the local model and by --mode ar or spec, not {args.mode}")
     if args.pipeline:
         from blocktrain.serve.client import generate_remote
 
-        text = generate_remote(args, args.prompt.encode())
+        text = generate_remote(
+            args.pipeline, args.mode, args.prompt.encode(), args.bytes, timeout_s=args.timeout,
+            temperature=args.temperature, top_k=args.top_k, seed=args.seed, sweeps=args.sweeps,
+            draft_min=args.draft_min, draft_max=args.draft_max, top_p=args.top_p)
     else:
         if not args.run:
             raise BlockTrainError("generate needs a RUN directory or --pipeline HOST:PORT")
         model = load_model_from_run(RunDir(Path(args.run)), args.model)
         text = generate(
             model, args.prompt.encode(), args.bytes, temperature=args.temperature, top_k=args.top_k,
-            seed=args.seed, progress=not args.no_progress,
+            seed=args.seed, progress=not args.no_progress, top_p=args.top_p,
         )
     sys.stdout.write(args.prompt + text.decode("utf-8", errors="replace") + "\n")
     return 0
@@ -261,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bytes", type=int, default=200, help="bytes to generate")
     s.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")
     s.add_argument("--top-k", type=int, default=40, help="sample among the k most likely bytes (0 = all)")
+    s.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of most likely bytes whose mass reaches p (1 = all)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="auto", choices=["auto", "blocktrain", "e2e"])
     s.add_argument("--pipeline", default=None, help="HOST:PORT of the first serving stage")

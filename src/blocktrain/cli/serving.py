@@ -194,9 +194,21 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from blocktrain.serve.gateway import gateway_from_args
+    """``blocktrain gateway`` flags -> a running gateway."""
+    from blocktrain.errors import ConfigError
+    from blocktrain.serve.gateway import TOKEN_ENV, GatewayOptions, run_gateway
+    from blocktrain.serve.links import parse_address
 
-    gateway_from_args(args)
+    try:
+        host, port = parse_address(args.listen)
+        parse_address(args.pipeline)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; give --listen and --pipeline as HOST:PORT") from exc
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
+    opts = GatewayOptions(pipeline=args.pipeline, model_name=args.model_name, token=token.strip(),
+                          max_tokens_cap=args.max_tokens_cap, max_body_bytes=int(args.max_body_kib * 1024),
+                          request_timeout_s=args.timeout, max_connections=args.max_connections)
+    run_gateway(opts, host, port)
     return 0
 
 

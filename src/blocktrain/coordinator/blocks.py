@@ -32,7 +32,6 @@ import torch
 from blocktrain.checkpoint.blocks import block_save_meta
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import pack, save_file, tensors_sha256, unpack
-from blocktrain.config import Objective as ObjectiveKind
 from blocktrain.config import RunConfig, Schedule
 from blocktrain.coordinator.aggregate import OuterState, next_version
 from blocktrain.coordinator.evaluation import Evaluator
@@ -51,8 +50,8 @@ log = logging.getLogger(__name__)
 
 def progressive_schedule(cfg: RunConfig, settings: CoordinatorSettings) -> bool:
     """Whether block k may open only once block k-1 has finished (a ``stack`` run); checks the settings fit."""
-    if cfg.objective is not ObjectiveKind.STACK:
-        return False  # diffusion blocks never see one another: all open at once
+    if not get_objective(cfg).trains_in_order:
+        return False  # blocks that never see one another: all open at once
     if cfg.train.schedule is not Schedule.PROGRESSIVE:
         raise ConfigError(
             f"the coordinator trains stack runs under the progressive schedule only, got schedule "

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from blocktrain.config import Objective as ObjectiveKind
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import ByteSplit, DataDir
@@ -22,7 +21,6 @@ from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.scoring import score_split
-from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import whole_blocks
 from blocktrain.protocol.weights import load_trainable
@@ -66,7 +64,7 @@ class Evaluator:
         """
         assert self.valid is not None
         with self._lock:
-            key = k if self.cfg.objective is ObjectiveKind.STACK else 0  # diffusion blocks share one schema
+            key = 0 if self.objective.blocks_alike else k  # one template serves blocks of one schema
             if key not in self._gate_blocks:
                 self._gate_blocks[key] = self.objective.build_block(k)
             block = self._gate_blocks[key]
@@ -88,9 +86,9 @@ class Evaluator:
         """CE (nats/byte) of the assembled model on the first eval_bytes of validation."""
         assert self.valid is not None
         blocks = whole_blocks(self.objective, [weights[k] for k in range(self.cfg.model.n_blocks)])
-        for b in blocks:
-            if isinstance(b, BlockDenoiser) and E is not None:
-                b.E.copy_(E)
+        if E is not None:  # the diffusion blocks' shared target embedding
+            for b in blocks:
+                b.E.copy_(E)  # type: ignore[union-attr,operator]
         model = AssembledModel(blocks, self.cfg)
         seed = self.cfg.train.seed
 

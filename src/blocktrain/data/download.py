@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
+from blocktrain.data.integrity import KNOWN_SHA256, sha256_file
 from blocktrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,6 @@ def _parquet_rows(path: Path) -> list[str]:
 
 def download_wikitext(name: str, dest: Path, fetch: Fetch = hub_fetch) -> Path:
     """Download ``name`` ("wikitext-2" or "wikitext-103") raw into ``dest``; return ``dest``."""
-    from blocktrain.data.dataset import KNOWN_SHA256, sha256_file
-
     if name not in _LAYOUT:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(_LAYOUT)}")
     folder, splits = _LAYOUT[name]

@@ -54,9 +54,3 @@ def block_loss(
         w = torch.ones_like(sigma)
     # w (b, 1) broadcasts over positions
     return LossOutput(loss=(w * ce).mean(), noised_ce=float(ce.mean().detach()), mean_sigma=float(sigma.mean()))
-
-
-def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Plain next-byte cross-entropy in fp32 (E2E reference, stack heads); logits (b, t, 256), y (b, t)."""
-    # (b, t, 256) -> (b*t, 256)
-    return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(), y.reshape(-1).long())

@@ -16,13 +16,11 @@ from torch import nn
 
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir, load_model
-from blocktrain.config import Objective, Precision, RunConfig
+from blocktrain.config import Precision, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.device import autocast
-from blocktrain.diffusion.sampler import evaluations_per_traversal
-from blocktrain.errors import CheckpointError, RunError
+from blocktrain.errors import RunError
 from blocktrain.model.e2e import E2ETransformer
-from blocktrain.model.flops import forward_flops_per_token
 from blocktrain.objectives import compose_logits, get_objective
 
 
@@ -34,16 +32,12 @@ class AssembledModel:
     def __init__(self, blocks: Sequence[nn.Module], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
         if len(blocks) != cfg.model.n_blocks:
             raise RunError(f"expected {cfg.model.n_blocks} blocks, got {len(blocks)}")
-        if cfg.objective is Objective.DIFFUSION:
-            e0 = blocks[0].E  # type: ignore[union-attr]
-            for k, b in enumerate(blocks):
-                if not torch.equal(b.E, e0):  # type: ignore[union-attr,arg-type]
-                    raise CheckpointError(f"block {k} holds a different target embedding E; blocks are from other runs")
+        self.objective = get_objective(cfg)
+        self.objective.check_composable(blocks)
         for b in blocks:
             b.eval()
         self.blocks = list(blocks)
         self.cfg = cfg
-        self.objective = get_objective(cfg)
         self.precision = precision
 
     @property
@@ -53,7 +47,7 @@ class AssembledModel:
     @property
     def deterministic(self) -> bool:
         """A stack draws no noise: one "chain" is all there is."""
-        return self.cfg.objective is Objective.STACK
+        return self.objective.deterministic
 
     @classmethod
     def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> AssembledModel:
@@ -62,15 +56,7 @@ class AssembledModel:
 
     def traversal_flops_per_byte(self) -> float:
         """Forward FLOPs per scored byte of one traversal."""
-        m = self.cfg.model
-        if self.cfg.objective is Objective.STACK:  # every trunk, then the last block's head
-            last = self.blocks[-1]
-            prev = getattr(last, "prev_head", None)  # a residual head's frozen chain runs too
-            path = nn.ModuleList([*(b.get_submodule("layers") for b in self.blocks), last.get_submodule("head_layers"),
-                                  last.get_submodule("head"), *([prev] if prev is not None else [])])
-            return forward_flops_per_token(path, m.d_model, m.context)
-        params = sum(p.numel() for p in self.blocks[0].parameters())
-        return 2.0 * params * evaluations_per_traversal(self.cfg.diffusion, m.n_blocks)
+        return self.objective.traversal_flops_per_byte(self.blocks)
 
     @torch.no_grad()
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
@@ -89,14 +75,7 @@ class AssembledModel:
         ``only=k``: block k alone, (1, b, t, 256) (diffusion; a stack's prefixes come in one pass).
         """
         with autocast(self.precision, x.device):
-            if self.cfg.objective is Objective.STACK:
-                logits = self.objective.reference_logits(self.blocks, x, torch.Generator())
-            else:  # one generator per block, as each block alone is its own experiment
-                ks = range(len(self.blocks)) if only is None else [only]
-                logits = [
-                    self.objective.local_logits(self.blocks[k], k, x, torch.Generator().manual_seed(mix_seed(seed, 10_000 + k)))
-                    for k in ks
-                ]
+            logits = self.objective.single_block_logits(self.blocks, x, seed, only)
         return torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in logits])
 
 

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
-from blocktrain.diffusion.schedule import Preconditioning
 from blocktrain.model.embedding import make_target_embedding
 from blocktrain.model.layers import SigmaEmbedding, TransformerLayer, init_weights
+from blocktrain.model.preconditioning import Preconditioning
 
 
 class BlockDenoiser(nn.Module):

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, Schedule
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,31 @@ class Objective(Protocol):
     name: str  # "diffusion" or "stack"
     cfg: RunConfig
     reference_name: str  # JSON key of the single-block references' CE: "prefix_ce" or "blocks_alone_ce"
+    deterministic: bool  # composing draws no noise: one "chain" is all there is
+    trains_in_order: bool  # block k trains only once blocks 0..k-1 have finished (it reads frozen copies of them)
+    blocks_alike: bool  # every block has the same parameters (names and shapes): one template serves all
+    serving_span: str  # "module:Class" of the span that serves these blocks (serve/ builds it; this layer names it)
+
+    def schedule(self) -> Schedule:
+        """The schedule a run of this objective trains with."""
+
+    def checkpoint_meta(self, k: int) -> dict[str, str]:
+        """Metadata a checkpoint of block k carries (beyond its kind and index), and loading checks."""
+
+    def optional_meta(self) -> tuple[str, ...]:
+        """Keys of :meth:`checkpoint_meta` that checkpoints written by earlier releases may lack."""
+
+    def check_composable(self, blocks: Sequence[nn.Module]) -> None:
+        """CheckpointError when these trained blocks cannot compose (blocks of different runs)."""
+
+    def traversal_flops_per_byte(self, blocks: Sequence[nn.Module]) -> float:
+        """Forward FLOPs per scored byte of one traversal of the composed blocks."""
+
+    def single_block_logits(
+        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Logits of the single-block references on bytes x: every prefix (stack), or each block alone (diffusion;
+        ``only=k``: block k alone), with the noise of ``seed``."""
 
     def build_block(self, k: int) -> nn.Module:
         """A freshly initialised block k (fp32, on CPU)."""

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig
+from blocktrain.config import RunConfig, Schedule
+from blocktrain.data.stream import mix_seed
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import block_alone_logits, chain_step, initial_noise
+from blocktrain.diffusion.sampler import block_alone_logits, chain_step, evaluations_per_traversal, initial_noise
+from blocktrain.errors import CheckpointError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives.base import LocalLoss
@@ -27,6 +29,10 @@ from blocktrain.objectives.base import LocalLoss
 class DiffusionObjective:
     name = "diffusion"
     reference_name = "blocks_alone_ce"
+    deterministic = False
+    trains_in_order = False
+    blocks_alike = True
+    serving_span = "blocktrain.serve.compute:BlockSpan"
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -87,6 +93,33 @@ class DiffusionObjective:
             assert isinstance(block, BlockDenoiser)
             out.append(block_alone_logits(block, k, x, self.partition, generator))
         return out
+
+    def single_block_logits(
+        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
+    ) -> list[torch.Tensor]:
+        """Each block alone on pure noise, one generator per block: each block alone is its own experiment."""
+        ks = range(len(blocks)) if only is None else [only]
+        return [self.local_logits(blocks[k], k, x, torch.Generator().manual_seed(mix_seed(seed, 10_000 + k))) for k in ks]
+
+    def schedule(self) -> Schedule:
+        return Schedule.PROGRESSIVE  # diffusion blocks never wait for each other
+
+    def checkpoint_meta(self, k: int) -> dict[str, str]:
+        s = self.partition.slices[k]
+        return {"objective": self.name, "sigma_lo": repr(s.sigma_lo), "sigma_hi": repr(s.sigma_hi)}
+
+    def optional_meta(self) -> tuple[str, ...]:
+        return ("objective",)  # diffusion checkpoints written before objectives existed carry no such field
+
+    def check_composable(self, blocks: Sequence[nn.Module]) -> None:
+        e0 = blocks[0].E  # type: ignore[union-attr]
+        for k, b in enumerate(blocks):
+            if not torch.equal(b.E, e0):  # type: ignore[union-attr,arg-type]
+                raise CheckpointError(f"block {k} holds a different target embedding E; blocks are from other runs")
+
+    def traversal_flops_per_byte(self, blocks: Sequence[nn.Module]) -> float:
+        params = sum(p.numel() for p in blocks[0].parameters())
+        return 2.0 * params * evaluations_per_traversal(self.cfg.diffusion, self.cfg.model.n_blocks)
 
     def train_flops_per_token(self, k: int) -> float:
         m = self.cfg.model

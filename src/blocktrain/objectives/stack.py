@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig, StackDense, StackHead, StackInit
-from blocktrain.diffusion.loss import lm_loss
+from blocktrain.config import RunConfig, Schedule, StackDense, StackHead, StackInit
 from blocktrain.model.flops import forward_flops_per_token, train_flops_per_token
+from blocktrain.model.loss import lm_loss
 from blocktrain.model.stack import FrozenHead, StackBlock, frozen_copy
 from blocktrain.objectives.base import LocalLoss
 
@@ -24,6 +24,10 @@ from blocktrain.objectives.base import LocalLoss
 class StackObjective:
     name = "stack"
     reference_name = "prefix_ce"
+    deterministic = True
+    trains_in_order = True
+    blocks_alike = False  # block 0 embeds the bytes, the others read h
+    serving_span = "blocktrain.serve.stackspan:StackSpan"
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -179,6 +183,32 @@ class StackObjective:
             assert logits is not None
             out.append(logits)
         return out
+
+    def single_block_logits(
+        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
+    ) -> list[torch.Tensor]:
+        return self.reference_logits(blocks, x, torch.Generator())  # the prefixes come in one pass; no noise
+
+    def schedule(self) -> Schedule:
+        return self.cfg.train.schedule
+
+    def checkpoint_meta(self, k: int) -> dict[str, str]:
+        return {"objective": self.name}
+
+    def optional_meta(self) -> tuple[str, ...]:
+        return ()
+
+    def check_composable(self, blocks: Sequence[nn.Module]) -> None:
+        """Stack blocks share nothing to check: block k was trained on the very blocks before it."""
+
+    def traversal_flops_per_byte(self, blocks: Sequence[nn.Module]) -> float:
+        """Every trunk, then the last block's head (and a residual head's frozen chain)."""
+        m = self.cfg.model
+        last = blocks[-1]
+        prev = getattr(last, "prev_head", None)
+        path = nn.ModuleList([*(b.get_submodule("layers") for b in blocks), last.get_submodule("head_layers"),
+                              last.get_submodule("head"), *([prev] if prev is not None else [])])
+        return forward_flops_per_token(path, m.d_model, m.context)
 
     def train_flops_per_token(self, k: int) -> float:
         m = self.cfg.model

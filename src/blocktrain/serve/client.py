@@ -17,7 +17,6 @@ A connection the entry closed (e.g. after its idle timeout) is reopened on the n
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
@@ -31,7 +30,8 @@ import torch
 
 from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
-from blocktrain.serve.decoding import SpecResult, iter_ar, sample_byte, spec_steps
+from blocktrain.sampling import sample_byte
+from blocktrain.serve.decoding import SpecResult, call_cached, iter_ar, spec_steps
 from blocktrain.serve.links import Address, Conn, Counters, open_conn, parse_address
 from blocktrain.serve.speculative import SpecOptions
 from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
@@ -55,6 +55,8 @@ def error_from_frame(frame: Frame) -> ServeError:
         return WireError(msg)
     return ServeError(msg)
 
+
+LEGACY_FAMILIES = {"blocktrain": "diffusion"}  # family names stages once used -> today's
 
 class PipelineClient:
     """Async client; use as ``async with PipelineClient(addr) as c: ...``."""
@@ -117,6 +119,8 @@ class PipelineClient:
         self._refusal = None
         self._reader = asyncio.create_task(self._read_loop(self.conn))
         self.entry = (await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params
+        if self.entry.get("family") in LEGACY_FAMILIES:  # a stage of an older release names its family the old way
+            self.entry["family"] = LEGACY_FAMILIES[self.entry["family"]]
         self._opened = True
 
     async def close(self) -> None:
@@ -249,8 +253,6 @@ class PipelineClient:
         p = prompt or b"\n"
         if len(p) + n_new - 1 > context:
             raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
-        from blocktrain.serve.decoding import call_cached  # decoding imports this module
-
         rid = self.new_id()
         g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
         text = bytearray(p)
@@ -295,30 +297,35 @@ class PipelineClient:
 
 
 async def generate_with(client: PipelineClient, mode: str, prompt: bytes, n: int, **kw: Any) -> bytes:
-    draft = {k: kw.pop(k) for k in ("draft_min", "draft_max", "top_p") if k in kw}  # spec's own settings
+    draft = {k: kw.pop(k) for k in ("draft_min", "draft_max") if k in kw}  # spec's own settings
+    top_p = float(kw.pop("top_p", 1.0))  # nucleus: spec and ar sample with it
+    if top_p < 1 and mode not in ("spec", "ar"):
+        raise ServeError(f"top_p < 1 is sampled by modes spec and ar, not {mode}")
     if mode == "sweep":
         return await client.sweep(prompt, n, **kw)
     kw.pop("sweeps", None)
     if mode == "spec":
-        return (await client.generate_spec(prompt, n, **kw, **draft)).data
+        return (await client.generate_spec(prompt, n, **kw, **draft, top_p=top_p)).data
     if mode == "ar":
-        return await client.generate_ar(prompt, n, **kw)
+        return await client.generate_ar(prompt, n, **kw, top_p=top_p)
     if mode == "baseline":
         return await client.generate_baseline(prompt, n, **kw)
     raise ServeError(f"unknown serving mode {mode!r}; use sweep, ar, spec or baseline")
 
 
-def generate_remote(args: argparse.Namespace, prompt_bytes: bytes) -> bytes:
-    """``blocktrain generate --pipeline HOST:PORT --mode {ar,sweep,spec,baseline}``."""
+def generate_remote(
+    pipeline: str, mode: str, prompt_bytes: bytes, n_bytes: int, *, timeout_s: float = 60.0, token: str | None = None,
+    **sampling: Any,
+) -> bytes:
+    """``blocktrain generate --pipeline HOST:PORT --mode {ar,sweep,spec,baseline}``: ``n_bytes`` after the prompt.
+
+    ``sampling``: temperature, top_k, seed, and the mode's own (sweeps; draft_min, draft_max); ``token`` None reads
+    $BLOCKTRAIN_SERVE_TOKEN, if set.
+    """
 
     async def run() -> bytes:
-        token = getattr(args, "token", None)  # None: BLOCKTRAIN_SERVE_TOKEN, if set
-        async with PipelineClient(args.pipeline, timeout_s=float(getattr(args, "timeout", 60.0)), token=token) as client:
-            return await generate_with(
-                client, args.mode, prompt_bytes, args.bytes, temperature=args.temperature, top_k=args.top_k,
-                seed=args.seed, sweeps=int(getattr(args, "sweeps", 1)),
-                draft_min=int(getattr(args, "draft_min", 1)), draft_max=int(getattr(args, "draft_max", 16)),
-            )
+        async with PipelineClient(pipeline, timeout_s=timeout_s, token=token) as client:
+            return await generate_with(client, mode, prompt_bytes, n_bytes, **sampling)
 
     try:
         return asyncio.run(run())

@@ -34,6 +34,8 @@ from blocktrain.diffusion.sampler import chain_step, initial_noise, position_noi
 from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
+from blocktrain.sampling import sample_rows
+from blocktrain.serve.kvcache import CacheOptions
 from blocktrain.serve.speculative import SpecParams, validate_carried_draft
 from blocktrain.serve.wire import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
@@ -43,23 +45,17 @@ PLACEHOLDER_BYTE = 32  # context byte of not-yet-estimated sweep positions (a sp
 MAX_ROWS_PER_FRAME = 64  # sequences per frame: bounds the (b, t, d_model) state a frame can make a stage allocate
 
 
-def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
-    """Sample one byte per row of (n, 256) logits; temperature <= 0 means argmax."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
-
-
 class BlockSpan:
     """Blocks ``lo..hi`` of a BlockTrain model."""
 
-    family = "blocktrain"
+    family = "diffusion"
 
-    def __init__(self, blocks: dict[int, BlockDenoiser], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
+    def __init__(
+        self, blocks: dict[int, BlockDenoiser], cfg: RunConfig, precision: Precision = Precision.FP32,
+        cache: CacheOptions | None = None,
+    ) -> None:
+        """``cache`` is accepted as every span's constructor takes it; diffusion stages keep no KV cache (each
+        traversal carries the whole text)."""
         self.cfg = cfg
         self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
         self.lo, self.hi = min(blocks), max(blocks)

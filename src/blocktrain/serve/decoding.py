@@ -40,8 +40,8 @@ import torch
 
 from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import ServeError
-from blocktrain.evaluate.generate import sample_from_logits
-from blocktrain.serve.speculative import SpecOptions, accept_draft, filtered_probs, next_draft_len, sample_probs, update_rate
+from blocktrain.sampling import filtered_probs, sample_byte
+from blocktrain.serve.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
 from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
 
 if TYPE_CHECKING:
@@ -65,14 +65,6 @@ class SpecResult:
     @property
     def bytes_per_traversal(self) -> float:
         return len(self.data) / self.traversals if self.traversals else 0.0
-
-
-def sample_byte(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g: torch.Generator) -> int:
-    """One byte from raw logits (256,); with top_p = 1 the same draw as the local ``generate``."""
-    logp = torch.log_softmax(logits.float(), -1)
-    if top_p >= 1.0 or temperature <= 0:
-        return sample_from_logits(logp, temperature, top_k, g)
-    return int(sample_probs(filtered_probs(logp.unsqueeze(0), temperature, top_k, top_p), g)[0])
 
 
 async def call_cached(client: PipelineClient, rid: str, mode: Mode, params: dict[str, Any], text: bytes, pos: int) -> Frame:
@@ -134,10 +126,10 @@ async def spec_steps(
 ) -> AsyncIterator[bytes]:
     """Speculative decoding over the pipeline: yields the bytes each traversal adds, updating ``stats``."""
     family = client.entry.get("family")
-    if family not in ("stack", "blocktrain"):
+    if family not in ("stack", "diffusion"):
         raise ServeError(f"spec needs a pipeline of BlockTrain blocks (its entry stage drafts with its first blocks); "
                          f"this one serves {family!r}: use --mode baseline")
-    stateless = family == "blocktrain"  # diffusion stages keep no cache: every traversal sends the whole text
+    stateless = family == "diffusion"  # diffusion stages keep no cache: every traversal sends the whole text
     context = int(client.entry.get("context", 0))
     if not 1 <= n_new < context:
         raise ServeError(f"spec generates 1 to {context - 1} bytes (the model context is {context}), got {n_new}")

@@ -15,14 +15,12 @@ token, when set, is compared in constant time.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
 import hmac
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -359,19 +357,3 @@ def run_gateway(opts: GatewayOptions, host: str, port: int) -> None:
     log.info("gateway on http://%s:%d/v1 in front of the pipeline at %s", host, port, opts.pipeline)
     uvicorn.run(make_app(opts), host=host, port=port, log_level="info", timeout_keep_alive=30,
                 limit_concurrency=opts.max_connections)
-
-
-def gateway_from_args(args: argparse.Namespace) -> None:
-    """``blocktrain gateway`` flags -> a running gateway."""
-    from blocktrain.serve.links import parse_address
-
-    try:
-        host, port = parse_address(args.listen)
-        parse_address(args.pipeline)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}; give --listen and --pipeline as HOST:PORT") from exc
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV, "")
-    opts = GatewayOptions(pipeline=args.pipeline, model_name=args.model_name, token=token.strip(),
-                          max_tokens_cap=args.max_tokens_cap, max_body_bytes=int(args.max_body_kib * 1024),
-                          request_timeout_s=args.timeout, max_connections=args.max_connections)
-    run_gateway(opts, host, port)

@@ -28,7 +28,7 @@ from blocktrain.serve.speculative import MAX_DRAFT
 
 MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
 # modes each kind of pipeline runs (the entry stage's `family`), the default first
-FAMILY_MODES = {"stack": ("spec", "ar"), "blocktrain": ("ar", "sweep", "spec"), "e2e": ("baseline",)}
+FAMILY_MODES = {"stack": ("spec", "ar"), "diffusion": ("ar", "sweep", "spec"), "e2e": ("baseline",)}
 DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 MAX_SWEEPS = 16  # most sweeps one request may ask for

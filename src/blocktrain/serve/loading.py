@@ -7,6 +7,7 @@ model without exchanging weights.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 from dataclasses import replace
@@ -19,10 +20,8 @@ from blocktrain.checkpoint.run import RunDir, load_model
 from blocktrain.config import VOCAB_SIZE, ModelConfig, Objective, Precision, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, RunError
-from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import TransformerLayer
-from blocktrain.model.stack import StackBlock
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.serve.compute import BlockSpan, E2ESpan
@@ -67,43 +66,23 @@ def _check_span(lo: int, hi: int, n: int, what: str) -> None:
 def load_run_span(
     run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
 ) -> BlockSpan | StackSpan:
-    """Blocks lo..hi of a run: a :class:`StackSpan` when its objective is ``stack``, else a :class:`BlockSpan`."""
+    """Blocks lo..hi of a run, as the serving span its objective names (:func:`build_span`)."""
     cfg = run.load_config()
     blocker = get_objective(cfg).serving_blocker()
     if blocker is not None:
         raise ConfigError(f"{run.root} cannot be served: {blocker}")
-    if cfg.objective is Objective.STACK:
-        return load_stack_span(run, lo, hi, precision, cache)
-    return load_block_span(run, lo, hi, precision)
-
-
-def load_stack_span(
-    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
-) -> StackSpan:
-    cfg = run.load_config()
     _check_span(lo, hi, cfg.model.n_blocks, "blocks")
-    blocks: dict[int, StackBlock] = {}
-    for k in range(lo, hi + 1):
-        block = load_block(run, cfg, k)
-        assert isinstance(block, StackBlock)
-        blocks[k] = block
-    return StackSpan(blocks, cfg, precision, cache)
+    return build_span(cfg, {k: load_block(run, cfg, k) for k in range(lo, hi + 1)}, precision, cache)
 
 
-def load_block_span(run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32) -> BlockSpan:
-    cfg = run.load_config()
-    _check_span(lo, hi, cfg.model.n_blocks, "blocks")
-    blocks = {}
-    for k in range(lo, hi + 1):
-        path = run.block_path(k)
-        if not path.is_file():
-            raise RunError(
-                f"{run.root} has no checkpoint for block {k}; train it with 'blocktrain train-block --block {k}'"
-            )
-        block = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
-        load_model(path, block, cfg, "block", block_index=str(k))
-        blocks[k] = block
-    return BlockSpan(blocks, cfg, precision)
+def build_span(
+    cfg: RunConfig, blocks: dict[int, nn.Module], precision: Precision = Precision.FP32, cache: CacheOptions | None = None,
+) -> BlockSpan | StackSpan:
+    """The serving span of trained ``blocks``: the class the run's objective names in ``serving_span`` (objectives
+    never import serving code, so they name it)."""
+    module, _, name = get_objective(cfg).serving_span.partition(":")
+    span = getattr(importlib.import_module(module), name)(blocks, cfg, precision, cache)
+    return span  # type: ignore[no-any-return]
 
 
 Parts = tuple[
@@ -135,27 +114,18 @@ def _seeded(seed: int, *parts: int) -> None:
 def random_run_span(
     cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None
 ) -> BlockSpan | StackSpan:
-    """Blocks lo..hi of ``cfg``'s objective with random weights (seeded per block): a :class:`StackSpan` for a
-    stack, a :class:`BlockSpan` of diffusion blocks otherwise. For scale runs and tests, where no run exists."""
-    if cfg.objective is not Objective.STACK:
-        return random_block_span(cfg, lo, hi, seed)
+    """Blocks lo..hi of ``cfg``'s objective with random weights (seeded per block), as its serving span. For scale
+    runs and tests, where no run exists."""
     _check_span(lo, hi, cfg.model.n_blocks, "blocks")
-    blocks: dict[int, StackBlock] = {}
+    objective = get_objective(cfg)
+    blocks: dict[int, nn.Module] = {}
     for k in range(lo, hi + 1):
         _seeded(seed, 1, k)
-        blocks[k] = StackBlock(cfg.model, k).eval()
-    return StackSpan(blocks, cfg, cache=cache)
-
-
-def random_block_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> BlockSpan:
-    """Blocks lo..hi with random weights (seeded per block); for scale runs only."""
-    _check_span(lo, hi, cfg.model.n_blocks, "blocks")
-    blocks = {}
-    for k in range(lo, hi + 1):
-        _seeded(seed, 1, k)
-        blocks[k] = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
-        nn.init.normal_(blocks[k].z_in.weight, std=0.02)  # untrained: let z matter
-    return BlockSpan(blocks, cfg)
+        blocks[k] = objective.build_block(k).eval()
+        z_in = getattr(blocks[k], "z_in", None)  # a denoiser's input projection: untrained, let z matter
+        if z_in is not None:
+            nn.init.normal_(z_in.weight, std=0.02)
+    return build_span(cfg, blocks, Precision.FP32, cache)
 
 
 def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:

@@ -29,40 +29,13 @@ import torch
 from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, WireError
+from blocktrain.sampling import filtered_probs, sample_probs
 from blocktrain.serve.wire import frame_number, frame_param
 
 MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
 DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)
 RATE_DECAY = 0.5  # weight of the old acceptance rate in the running estimate (per traversal)
 MAX_RATE = 0.95  # cap of the acceptance-rate estimate (keeps r / (1 - r) finite)
-
-
-def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Logits (n, V) -> the sampling distribution (n, V) in fp32 after temperature, top-k and top-p.
-
-    temperature <= 0: one-hot on the argmax. top_k = 0 keeps all bytes; top_p = 1 keeps all
-    (nucleus sampling, Holtzman et al. 2020: the smallest set of most likely bytes whose mass reaches top_p).
-    """
-    if temperature <= 0:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the strictly more likely bytes
-        drop_sorted = before >= top_p  # the most likely byte always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs (n, V) -> (n,) int64."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from blocktrain.config import RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
 from blocktrain.device import autocast, resolve_device, resolve_precision
-from blocktrain.diffusion.loss import lm_loss
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
+from blocktrain.model.loss import lm_loss
 from blocktrain.train.loop import TrainSummary, run_training
 from blocktrain.train.memory import rss_bytes, warm_runtime
 

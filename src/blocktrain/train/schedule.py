@@ -28,7 +28,7 @@ from torch import nn
 from blocktrain.checkpoint.blocks import block_save_meta
 from blocktrain.checkpoint.run import RunDir, load_model, load_optimizer_tensors, optimizer_tensors, save_model
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
-from blocktrain.config import Objective, Precision, RunConfig, Schedule
+from blocktrain.config import Precision, RunConfig, Schedule
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, block_stream, init_seed
 from blocktrain.device import autocast, resolve_device, resolve_precision
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def train_all_processes(cfg: RunConfig, train_block_cmd: Sequence[str], parallel: int) -> None:
     """Run ``train_block_cmd + ["--block", k]`` for every block: in order for a progressive stack, else ``parallel`` at once."""
-    ordered = cfg.objective is Objective.STACK
+    ordered = get_objective(cfg).trains_in_order
     if ordered and parallel > 1:
         log.warning("the progressive schedule trains block k after block k-1 has finished; ignoring --parallel %d", parallel)
     width = 1 if ordered else max(1, parallel)
@@ -69,7 +69,7 @@ def train_all_processes(cfg: RunConfig, train_block_cmd: Sequence[str], parallel
 
 def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True) -> list[float]:
     """Train every block of a stack at once (see the module docstring); returns each block's last loss."""
-    if cfg.objective is not Objective.STACK:
+    if not get_objective(cfg).trains_in_order:
         raise BlockTrainError("the concurrent schedule is for the stack objective; diffusion blocks never wait for each other")
     tc = cfg.train
     train = data.open("train")
@@ -163,4 +163,4 @@ def _resume(run: RunDir, cfg: RunConfig, blocks: list[nn.Module], opts: list[tup
 
 def schedule_of(cfg: RunConfig) -> Schedule:
     """The schedule a run trains with (diffusion blocks are always independent)."""
-    return cfg.train.schedule if cfg.objective is Objective.STACK else Schedule.PROGRESSIVE
+    return get_objective(cfg).schedule()

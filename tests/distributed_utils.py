@@ -6,7 +6,6 @@ import os
 import random
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir, open_data_dir
 from blocktrain.presets import get_preset
+from tests.forked_cli import spawn
 
 WORDS = [
     "the", "of", "and", "in", "to", "a", "was", "is", "for", "on", "as", "by", "with", "he", "at", "from",
@@ -104,11 +104,12 @@ class ThreadServer:
         self.thread.join(timeout=30)
 
 
-def cli(*args: str, **kw: Any) -> subprocess.Popen[bytes]:
+def cli(*args: str, **kw: Any) -> Any:
+    """``blocktrain ARGS`` in its own process (forked from this one: see tests/forked_cli.py)."""
     # no BLOCKTRAIN_DATA from the developer's shell: a coordinator would take it as its dataset
     env = {k: v for k, v in os.environ.items() if k != "BLOCKTRAIN_DATA"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return subprocess.Popen([sys.executable, "-m", "blocktrain", *args], env=env, **kw)
+    return spawn(list(args), env=env, **kw)
 
 
 def add_token(run: Path, name: str) -> str:

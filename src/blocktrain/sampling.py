@@ -1,0 +1,71 @@
+"""Sampling a byte from a model's logits: the one sampler of local and remote generation.
+
+Temperature (0: greedy, the argmax, drawing nothing from the generator), top-k (0: off) and top-p (nucleus
+sampling, Holtzman et al. 2020; 1: off) apply in that order. Local ``generate``, the pipeline client's ar and
+baseline modes, speculative decoding's drafts and verdicts, and the sweep stage all draw through here, so a
+served continuation equals a local one at the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits (n, V) -> the sampling distribution (n, V) in fp32 after temperature, top-k and top-p.
+
+    temperature <= 0: one-hot on the argmax. top_k = 0 keeps all bytes; top_p = 1 keeps all
+    (nucleus sampling, Holtzman et al. 2020: the smallest set of most likely bytes whose mass reaches top_p).
+    """
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the strictly more likely bytes
+        drop_sorted = before >= top_p  # the most likely byte always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs (n, V) -> (n,) int64."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
+    """Sample one byte per row of (n, 256) logits; temperature <= 0 means argmax."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def sample_from_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator, top_p: float = 1.0
+) -> int:
+    """Sample one byte from (256,) logits; temperature 0 means greedy, top_p < 1 keeps a nucleus (filtered_probs)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    if top_p < 1.0:
+        return int(sample_probs(filtered_probs(logits.unsqueeze(0), temperature, top_k, top_p), generator)[0])
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def sample_byte(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g: torch.Generator) -> int:
+    """One byte from raw logits (256,) a stage returned: normalised first, then :func:`sample_from_logits` (with
+    top_p = 1 the same draw as the local ``generate``, which samples from log-probs)."""
+    return sample_from_logits(torch.log_softmax(logits.float(), -1), temperature, top_k, g, top_p)

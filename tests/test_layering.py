@@ -1,0 +1,86 @@
+"""The package's layering, checked on its source: which modules may import which.
+
+- No module outside ``cli/`` imports ``argparse``: the library takes option objects, never argparse namespaces.
+- Model, objective and diffusion code never imports network code (serve, coordinator, worker, protocol).
+- ``model/`` imports nothing from ``diffusion/`` (the layer above it).
+- No import circles among the modules that once had them: ``data/dataset`` and ``data/download``,
+  ``serve/client`` and ``serve/decoding`` (imports under ``if TYPE_CHECKING:`` do not run, so do not count).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "blocktrain"
+NETWORK = ("blocktrain.serve", "blocktrain.coordinator", "blocktrain.worker", "blocktrain.protocol")
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules ``path`` imports when it runs (anywhere in the file, functions included; not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for child in node.body for n in ast.walk(child))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def modules(sub: str = "") -> list[Path]:
+    return sorted((SRC / sub).rglob("*.py"))
+
+
+def name_of(path: Path) -> str:
+    return "blocktrain." + ".".join(path.relative_to(SRC).with_suffix("").parts)
+
+
+def test_only_the_cli_imports_argparse() -> None:
+    offenders = [name_of(p) for p in modules() if "cli" not in p.relative_to(SRC).parts and "argparse" in runtime_imports(p)]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("layer", ["model", "objectives", "diffusion"])
+def test_math_layers_never_import_network_code(layer: str) -> None:
+    offenders = {name_of(p): sorted(m for m in runtime_imports(p) if m.startswith(NETWORK)) for p in modules(layer)}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_model_does_not_import_the_diffusion_layer() -> None:
+    offenders = {name_of(p): sorted(m for m in runtime_imports(p) if m.startswith("blocktrain.diffusion"))
+                 for p in modules("model")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+@pytest.mark.parametrize(("a", "b"), [("data/dataset.py", "data/download.py"), ("serve/client.py", "serve/decoding.py")])
+def test_no_import_circle(a: str, b: str) -> None:
+    ma, mb = name_of(SRC / a), name_of(SRC / b)
+    assert not (mb in runtime_imports(SRC / a) and ma in runtime_imports(SRC / b)), f"{ma} and {mb} import each other"
+
+
+# Places outside objectives/ that still name an objective's kind, each with why; the list may only shrink.
+KIND_ALLOWED = {
+    "blocktrain.config": "defines the choice",
+    "blocktrain.presets": "chooses per preset",
+    "blocktrain.serve.loading": "parse_shape's default for --random (the scale run's diffusion blocks)",
+    "blocktrain.bench.serve_spec": "the serving bench's spec row needs a stack run",
+}
+KIND = re.compile(r"\bObjective(?:Kind)?\.(?:STACK|DIFFUSION)\b|isinstance\([^)]*\b(?:BlockDenoiser|StackBlock)\b")
+
+
+def test_objective_kinds_are_named_only_in_the_objective_seam() -> None:
+    """Code outside ``objectives/`` asks the run's Objective (its methods and attributes), never which kind it is."""
+    named = {name_of(p) for p in modules() if "objectives" not in p.relative_to(SRC).parts and KIND.search(p.read_text())}
+    assert named - set(KIND_ALLOWED) == set(), "ask the Objective instead (objectives/base.py)"
+    assert set(KIND_ALLOWED) - named == set(), "a place no longer names a kind: drop it from KIND_ALLOWED"
