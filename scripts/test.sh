@@ -9,14 +9,24 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "note: could not install chromium; the dashboard test will skip"
 fi
 echo "== ruff"; ruff check src tests benchmarks
-echo "== mypy"; mypy
+# mypy runs beside pytest (it fills the cores while tests wait on sockets and deadlines); its report follows pytest's
+MYPY_LOG=$(mktemp)
+mypy > "$MYPY_LOG" 2>&1 &
+MYPY_PID=$!
 echo "== pytest"
 # One pytest worker per core (pytest-xdist), each test on one torch thread; every test has a 300 s timeout
 # (pytest-timeout, pyproject.toml). PYTEST_WORKERS=0 runs the tests in this one process.
 WORKERS=${PYTEST_WORKERS:-auto}
 export BLOCKTRAIN_TEST_THREADS=${BLOCKTRAIN_TEST_THREADS:-1}
+set +e
 if [ "$WORKERS" = 0 ]; then
   pytest -q -p no:cacheprovider "$@"
 else
   pytest -q -p no:cacheprovider -n "$WORKERS" --dist worksteal "$@"
 fi
+PYTEST_RC=$?
+wait "$MYPY_PID"
+MYPY_RC=$?
+set -e
+echo "== mypy"; cat "$MYPY_LOG"; rm -f "$MYPY_LOG"
+[ "$PYTEST_RC" = 0 ] && [ "$MYPY_RC" = 0 ]

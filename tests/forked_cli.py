@@ -22,8 +22,9 @@ import torch
 
 
 class ForkedCli:
-    """A forked ``blocktrain`` CLI run; ``stdout``/``stderr``: None (to /dev/null), ``subprocess.PIPE`` or
-    ``subprocess.STDOUT`` (stderr only); ``env`` replaces the child's environment."""
+    """A forked ``blocktrain`` CLI run; ``stdout``/``stderr`` as Popen takes them: None (inherited),
+    ``subprocess.DEVNULL``, ``subprocess.PIPE`` or ``subprocess.STDOUT`` (stderr only); ``env`` replaces the child's
+    environment."""
 
     def __init__(self, argv: list[str], *, stdout: int | None = None, stderr: int | None = None,
                  env: dict[str, str] | None = None) -> None:
@@ -38,7 +39,9 @@ class ForkedCli:
             stream.flush()
         pid = os.fork()
         if pid == 0:  # the child: never returns
-            _child(argv, out_w, err_w if stderr != subprocess.STDOUT else out_w, env, {out_r, err_r} - {None})
+            out = _target(stdout, out_w, 1)
+            err = out if stderr == subprocess.STDOUT else _target(stderr, err_w, 2)
+            _child(argv, out, err, env, {out_r, err_r} - {None})
         self.pid = pid
         for fd in (out_w, err_w):
             if fd is not None:
@@ -79,14 +82,19 @@ class ForkedCli:
         self.send_signal(signal.SIGKILL)
 
 
-def _child(argv: list[str], out_fd: int | None, err_fd: int | None, env: dict[str, str] | None,
-           close: set[int | None]) -> None:
+def _target(how: int | None, pipe_w: int | None, inherited: int) -> int:
+    """The fd a child stream goes to: the pipe's write end, /dev/null, or the parent's own fd (None: inherited)."""
+    if pipe_w is not None:
+        return pipe_w
+    return os.open(os.devnull, os.O_WRONLY) if how == subprocess.DEVNULL else os.dup(inherited)
+
+
+def _child(argv: list[str], out_fd: int, err_fd: int, env: dict[str, str] | None, close: set[int | None]) -> None:
     code = 1
     try:
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)
-        os.dup2(out_fd if out_fd is not None else null, 1)
-        os.dup2(err_fd if err_fd is not None else null, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
         for fd in close:
             if fd is not None:
                 os.close(fd)
@@ -123,6 +131,19 @@ def _child(argv: list[str], out_fd: int | None, err_fd: int | None, env: dict[st
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+_REAL_POPEN = subprocess.Popen
+
+
+def fork_popen(cmd: Any, *args: Any, **kw: Any) -> Any:
+    """``subprocess.Popen`` that forks ``[python, -m, blocktrain, ...]`` commands (see :class:`ForkedCli`) and runs
+    anything else for real. A test that monkeypatches it in lets product code that starts CLI processes (``train``'s
+    block processes, ``bench ingest``'s coordinators) start them without the interpreter's start-up."""
+    simple = not args and set(kw) <= {"env", "stdout", "stderr"}
+    if simple and isinstance(cmd, list) and cmd[:3] == [sys.executable, "-m", "blocktrain"]:
+        return ForkedCli([str(c) for c in cmd[3:]], **kw)
+    return _REAL_POPEN(cmd, *args, **kw)
 
 
 def spawn(argv: list[str], **kw: Any) -> ForkedCli:

@@ -27,7 +27,7 @@ from blocktrain.data.dataset import open_data_dir
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import tiny
 from tests.conftest import write_data_dir
-from tests.forked_cli import spawn
+from tests.forked_cli import fork_popen, spawn
 from tests.serve_utils import free_ports, wait_port
 
 SHAPE = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"  # tiny's model
@@ -145,7 +145,8 @@ def test_an_isolated_arm_trains_in_its_own_process_and_reports_its_memory(tmp_pa
 # --- bench ingest -------------------------------------------------------------------------------------------
 
 
-def test_bench_ingest_tiny(tmp_path: Path) -> None:
+def test_bench_ingest_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess, "Popen", fork_popen)  # the coordinators it starts: forked, not re-imported
     out = tmp_path / "ingest.json"
     assert main(["bench", "ingest", "--preset", "tiny", "--updates", "4", "--compress", "none",
                  "--work-dir", str(tmp_path / "work"), "--json", str(out)]) == 0
