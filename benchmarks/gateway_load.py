@@ -7,7 +7,8 @@ run in this process on loopback behind the OpenAI-style gateway. Then:
 
 1. ``factor`` x the cache's capacity of completions at once, in each mode the stack serves (spec, ar): every
    request must come back 200 with ``max_tokens`` bytes; the stages' evictions show the cache was overrun.
-2. Each of the gateway's error cases (hostile numbers, deep nesting, bad parameters): every answer must be a 4xx.
+2. Each of the gateway's error cases (hostile numbers, deep nesting, bad parameters): every answer must be a 4xx;
+   and a few valid requests at an edge (a temperature of 1e-300 samples greedily): every answer must be a 200.
 
 Tracebacks are counted from every log record that carries exception info, in this process (gateway and stages).
 """
@@ -47,7 +48,6 @@ ERROR_CASES: list[tuple[str, Any]] = [  # (what, body) sent to /v1/completions; 
     ("number with 5000 digits", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"),
     ("float past range", '{"prompt": "a", "temperature": 1e999}'),
     ("nested 100k deep", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"),
-    ("temperature 1e-300", {"prompt": "a", "temperature": 1e-300, "max_tokens": 4}),
     ("logprobs above the limit", {"prompt": "a", "logprobs": 1000, "echo": True, "max_tokens": 0}),
     ("n above the limit", {"prompt": "a", "n": 1000}),
     ("unknown role", "chat:" + json.dumps({"messages": [{"role": "wizard", "content": "hi"}]})),
@@ -56,6 +56,14 @@ ERROR_CASES: list[tuple[str, Any]] = [  # (what, body) sent to /v1/completions; 
     ("not JSON", "{"),
     ("max_tokens 0 without echo", {"prompt": "a", "max_tokens": 0}),
     ("stream with logprobs", {"prompt": "a", "logprobs": 1, "stream": True}),
+]
+
+
+EDGE_CASES: list[tuple[str, Any]] = [  # (what, body): valid requests at an edge; each must get a 200
+    ("temperature 1e-300 (sampled greedily)", {"prompt": "a", "temperature": 1e-300, "max_tokens": 4}),
+    ("top_k 1000 (every byte kept)", {"prompt": "a", "top_k": 1000, "max_tokens": 4}),
+    ("token-id prompt, echo, max_tokens 0, logprobs 20", {"prompt": [97, 98, 99], "echo": True, "max_tokens": 0,
+                                                          "logprobs": 20}),
 ]
 
 
@@ -108,10 +116,10 @@ async def burst(url: str, n: int, mode: str, n_bytes: int) -> dict[str, Any]:
             "wall_s": round(wall, 2), "requests_per_s": round(n / wall, 1)}
 
 
-def error_cases(url: str) -> list[dict[str, Any]]:
+def send_cases(url: str, cases: list[tuple[str, Any]]) -> list[dict[str, Any]]:
     out = []
     with httpx.Client(base_url=url, timeout=60) as client:
-        for what, body in ERROR_CASES:
+        for what, body in cases:
             path = "/v1/completions"
             if isinstance(body, str) and body.startswith("chat:"):
                 path, body = "/v1/chat/completions", body[5:]
@@ -144,7 +152,8 @@ def main() -> int:
     server, thread, url = serve_gateway(opts)
     try:
         runs = [asyncio.run(burst(url, n, mode, args.bytes)) for mode in ("ar", "spec")]
-        cases = error_cases(url)
+        cases = send_cases(url, ERROR_CASES)
+        edges = send_cases(url, EDGE_CASES)
     finally:
         server.should_exit = True
         thread.join(20)
@@ -156,6 +165,7 @@ def main() -> int:
         "concurrent_requests": n, "max_tokens": args.bytes, "bursts": runs, "stage_cache_evictions": evictions,
         "error_cases": cases, "error_cases_5xx": sum(1 for c in cases if c["status"] >= 500),
         "error_cases_not_4xx": sum(1 for c in cases if not 400 <= c["status"] < 500),
+        "edge_cases": edges, "edge_cases_not_200": sum(1 for c in edges if c["status"] != 200),
         "tracebacks_logged": counter.count, "machine": machine_info(),
         "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:]),
     }
@@ -163,11 +173,13 @@ def main() -> int:
     for r in runs:
         print(f"| {r['mode']} | {r['requests']} | {r['status_codes']} | {r['errors']} | {r['wall_s']} |")
     print(f"\nKV cache evictions per stage: {evictions}; error cases: {len(cases)}, 5xx: {result['error_cases_5xx']}, "
-          f"not 4xx: {result['error_cases_not_4xx']}; tracebacks logged: {counter.count}")
+          f"not 4xx: {result['error_cases_not_4xx']}; edge cases: {len(edges)}, not 200: {result['edge_cases_not_200']}; "
+          f"tracebacks logged: {counter.count}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    ok = all(r["errors"] == 0 for r in runs) and result["error_cases_not_4xx"] == 0 and counter.count == 0
+    ok = (all(r["errors"] == 0 for r in runs) and result["error_cases_not_4xx"] == 0 and result["edge_cases_not_200"] == 0
+          and counter.count == 0)
     return 0 if ok else 1
 
 
