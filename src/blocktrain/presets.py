@@ -82,15 +82,9 @@ def cpu_quick() -> RunConfig:
     and stack block 0 chose the sweep's top (4e-3); at 200 steps and lr 4e-3 both chose its bottom (2e-3).
     ``cpu-small`` is the committed benchmark and scores the whole split.
     """
-    return RunConfig(
-        name="cpu-quick",
-        objective=Objective.STACK,
-        model=ModelConfig(d_model=128, n_heads=4, n_layers=8, n_blocks=4, context=64),
-        diffusion=recipe(),
-        stack=stack_recipe(),
-        train=TrainConfig(steps=200, batch_size=16, lr=3e-3, warmup_steps=20, checkpoint_every=100, eval_bytes=32768,
-                          test_bytes=98304),
-    )
+    base = cpu_mini()
+    train = replace(base.train, steps=200, lr=3e-3, warmup_steps=20, eval_bytes=32768, test_bytes=98304)
+    return replace(base, name="cpu-quick", model=replace(base.model, context=64), train=train)
 
 
 def cpu_small() -> RunConfig:
