@@ -18,6 +18,7 @@ The result JSON keeps the historic top-level keys for the primary objective
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shlex
@@ -93,7 +94,7 @@ class QualityOptions:
         n = self.cfg.train.test_bytes if self.max_eval_bytes is None else self.max_eval_bytes
         return n or None
 
-    @property
+    @functools.cached_property
     def e2e_flops_step(self) -> float:
         """Training FLOPs of one E2E step: the E2E trainer's own formula (train/e2e.py), on a model that allocates nothing."""
         m = self.cfg.model

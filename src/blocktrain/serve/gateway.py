@@ -36,6 +36,7 @@ from blocktrain.errors import ConfigError, ServeError
 from blocktrain.serve.client import PipelineClient
 from blocktrain.serve.gateway_backend import (
     CHAT_TEMPLATE,
+    VOCAB,
     CompletionRequest,
     PipelineBackend,
     RequestError,
@@ -339,7 +340,7 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
     async def tokenizer_info(request: Request) -> dict[str, Any]:
         gw.authorize(request)
         entry = await gw.entry()
-        return {"tokenizer_class": "ByteTokenizer", "vocab_size": 256, "model_max_length": int(entry.get("context", 0)),
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": VOCAB, "model_max_length": int(entry.get("context", 0)),
                 "bos_token": None, "eos_token": None, "pad_token": None, "unk_token": None,
                 "token_ids": "each byte of the UTF-8 text is one token, its id the byte's value (0-255)",
                 "token_strs": "a byte below 0x80 is its character; any other byte is 'bytes:\\xNN'",

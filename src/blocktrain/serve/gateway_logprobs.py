@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.dataset import eval_windows
 
 MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (vLLM's limit)
@@ -48,7 +49,7 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Ten
     that scores target i); windows of the same length go to the pipeline as one batch.
     """
     n = len(data)
-    out = torch.full((n, 256), float("nan"))
+    out = torch.full((n, VOCAB_SIZE), float("nan"))
     if n < 2:
         return out
     arr = torch.tensor(list(data), dtype=torch.uint8)
