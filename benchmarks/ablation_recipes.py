@@ -1,7 +1,7 @@
 """Training recipes for the composition ablation (``chain_ablation.py`` is the entry point).
 
-A thin caller of the library: the optimiser step is
-:func:`blocktrain.train.step.optimizer_step`, the diffusion loss and chain are
+A thin caller of the library: the training loop is
+:func:`blocktrain.train.loop.train_steps`, the diffusion loss and chain are
 the :mod:`blocktrain.objectives` diffusion objective's ``block_loss`` and
 ``step`` (:func:`blocktrain.diffusion.sampler.chain_step`), and the
 ``library-stack`` recipe is the library's stack objective. Only what the
@@ -46,7 +46,8 @@ from blocktrain.model.loss import lm_loss
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.diffusion import DiffusionObjective
 from blocktrain.objectives.stack import StackObjective
-from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+from blocktrain.train.loop import train_steps
+from blocktrain.train.step import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +96,13 @@ def _with_objective(cfg: RunConfig, kind: Objective) -> RunConfig:
     return dataclasses.replace(cfg, objective=kind)
 
 
-def fit(module: nn.Module, cfg: RunConfig, steps: int, loss_at: Callable[[int], torch.Tensor]) -> float:
-    """``steps`` library optimiser steps (AdamW, the preset's schedule and clipping); returns the last training loss."""
-    opt, _ = make_optimizer(module, cfg.train)
-    loss = 0.0
-    for step in range(steps):
-        loss = _step(module, opt, cfg, step, loss_at)
-    return loss
-
-
-def _step(module: nn.Module, opt: torch.optim.Optimizer, cfg: RunConfig, step: int, loss_at: Callable[[int], torch.Tensor]) -> float:
-    loss = loss_at(step)
-    optimizer_step(module, opt, loss, lr_at(step, cfg.train), cfg.train.grad_clip)
-    return float(loss.detach())
+def fit(module: nn.Module, cfg: RunConfig, steps: int, loss_at: Callable[[int], torch.Tensor],
+        opt: torch.optim.Optimizer | None = None, start: int = 0) -> float:
+    """Library optimiser steps ``start..steps-1`` (AdamW, the preset's schedule and clipping) through the one
+    training loop; returns the last training loss."""
+    opt = opt or make_optimizer(module, cfg.train)[0]
+    return train_steps(module, opt, lambda s: (loss_at(s), {}), range(start, steps),
+                       lr=lambda s: lr_at(s, cfg.train), grad_clip=cfg.train.grad_clip).last_loss
 
 
 class ConcatBlock(BlockDenoiser):
@@ -353,12 +348,8 @@ def _train_concurrent(v: Variant, cfg: RunConfig, train: np.ndarray) -> tuple[li
         if r > 0 and r % v.refresh_rounds == 0:
             holder["snaps"] = _frozen(v.mode, cfg, blocks)
         for k in range(B):
-            blocks[k].train()
-            for step in range(r * v.round_steps, min((r + 1) * v.round_steps, concurrent)):
-                _step(blocks[k], opts[k], cfg, step, fns[k])
+            fit(blocks[k], cfg, min((r + 1) * v.round_steps, concurrent), fns[k], opts[k], start=r * v.round_steps)
     for k in range(B if v.catchup_steps else 0):  # blocks 0..k-1 are final when block k catches up
         holder["snaps"] = _frozen(v.mode, cfg, blocks)
-        blocks[k].train()
-        for step in range(concurrent, v.block_steps):
-            _step(blocks[k], opts[k], cfg, step, fns[k])
+        fit(blocks[k], cfg, v.block_steps, fns[k], opts[k], start=concurrent)
     return [b.eval() for b in blocks], sum(range(B)) * v.block_steps

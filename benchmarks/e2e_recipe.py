@@ -35,7 +35,8 @@ from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.loss import lm_loss
 from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import get_preset
-from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+from blocktrain.train.loop import train_steps
+from blocktrain.train.step import lr_at, make_optimizer
 
 CPU = torch.device("cpu")
 
@@ -83,14 +84,14 @@ def train_and_score(cfg: RunConfig, variant: str, data: Any, valid: Any, eval_by
         def logits_of(x: torch.Tensor) -> list[torch.Tensor]:
             return [e2e(x)]
 
-    opt, _ = make_optimizer(model, tc)
-    t0 = time.perf_counter()
-    for step in range(tc.steps):
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = stream.batch(step)
-        with autocast(tc.precision, CPU):
-            heads = logits_of(x)
-            loss = sum((lm_loss(lg, y) for lg in heads), torch.zeros((), device=y.device)) / len(heads)
-        optimizer_step(model, opt, loss, lr_at(step, tc), tc.grad_clip)
+        heads = logits_of(x)
+        return sum((lm_loss(lg, y) for lg in heads), torch.zeros((), device=y.device)) / len(heads), {}
+
+    t0 = time.perf_counter()
+    train_steps(model, make_optimizer(model, tc)[0], loss_at, range(tc.steps), lr=lambda s: lr_at(s, tc),
+                grad_clip=tc.grad_clip, precision=tc.precision)
     model.eval()
 
     def lp(x: torch.Tensor) -> torch.Tensor:

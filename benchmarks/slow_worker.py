@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from blocktrain.cli.main import main as blocktrain_main
-from blocktrain.worker import loop
+from blocktrain.train import loop
 
 
 def slowed(factor: float) -> Any:
@@ -37,7 +37,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.factor < 1:
         ap.error("--factor must be >= 1")
-    loop.optimizer_step = slowed(args.factor)  # the worker module's own reference, used by its training loop
+    loop.optimizer_step = slowed(args.factor)  # the training loop's own reference (train_steps calls it)
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     return blocktrain_main(argv)
 

@@ -25,13 +25,13 @@ from torch import nn
 from blocktrain.config import Precision
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
-from blocktrain.device import autocast
 from blocktrain.model import layers
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.loss import lm_loss
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
-from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+from blocktrain.train.loop import train_steps
+from blocktrain.train.step import lr_at, make_optimizer
 
 CPU = torch.device("cpu")
 
@@ -69,10 +69,13 @@ def make_step(kind: str, cfg: Any, precision: Precision, opt_kind: str, compiled
     x = torch.randint(0, 256, (cfg.train.batch_size, cfg.model.context), generator=g, dtype=torch.uint8)
     y = torch.randint(0, 256, x.shape, generator=g)
 
+    def loss_at(i: int) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = lm_loss(fwd(x), y) if kind == "e2e" else obj.block_loss(model, 0, x, y, torch.Generator().manual_seed(i)).loss
+        return loss, {}
+
     def step(i: int) -> None:
-        with autocast(precision, CPU):
-            loss = lm_loss(fwd(x), y) if kind == "e2e" else obj.block_loss(model, 0, x, y, torch.Generator().manual_seed(i)).loss
-        optimizer_step(model, opt, loss, lr_at(i, cfg.train), cfg.train.grad_clip if clip else 0.0)
+        train_steps(model, opt, loss_at, range(i, i + 1), lr=lambda s: lr_at(s, cfg.train),
+                    grad_clip=cfg.train.grad_clip if clip else 0.0, precision=precision)
 
     return step
 

@@ -41,7 +41,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, init_seed, mix_seed
-from blocktrain.device import autocast, resolve_precision
+from blocktrain.device import resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
@@ -49,7 +49,8 @@ from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
-from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+from blocktrain.train.loop import train_steps
+from blocktrain.train.step import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -180,14 +181,21 @@ def run_local_rounds(
             stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
                                  stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
             hostile = opts.poison is not None and i == opts.workers - 1
-            for j in range(opts.local_steps):
+
+            shuffle = hostile and opts.poison is Poison.SHUFFLED_LABELS
+
+            def loss_at(j: int, block: nn.Module = block, stream: TrainStream = stream,
+                        shuffle: bool = shuffle) -> tuple[torch.Tensor, dict[str, float]]:
                 x, y = stream.batch(j)
-                if hostile and opts.poison is Poison.SHUFFLED_LABELS:
+                if shuffle:
                     perm = torch.randperm(y.numel(), generator=stream.generator(j, purpose=2))
                     y = y.reshape(-1)[perm].reshape(y.shape)  # (b*t,) -> (b, t): targets shuffled across the batch
-                with autocast(precision, x.device):
-                    out = objective.block_loss(block, k, x, y, stream.generator(j, purpose=1), frozen)
-                optimizer_step(block, opt, out.loss, lr_at(v * opts.local_steps + j, schedule), tc.grad_clip)
+                return objective.block_loss(block, k, x, y, stream.generator(j, purpose=1), frozen).loss, {}
+
+            def lr(j: int, offset: int = v * opts.local_steps) -> float:  # the block's position: its rounds x H
+                return lr_at(offset + j, schedule)
+
+            train_steps(block, opt, loss_at, range(opts.local_steps), lr=lr, grad_clip=tc.grad_clip, precision=precision)
             local = trainable_state(block)
             honest = {n: local[n] - W[n] for n in W}
             delta = poison_delta(opts.poison, honest, stream.generator(0, purpose=3)) if hostile and opts.poison else honest

@@ -2,6 +2,6 @@
 
 from blocktrain.train.block import train_block
 from blocktrain.train.e2e import train_e2e
-from blocktrain.train.loop import TrainSummary
+from blocktrain.train.run import TrainSummary
 
 __all__ = ["TrainSummary", "train_block", "train_e2e"]

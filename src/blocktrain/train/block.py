@@ -21,8 +21,8 @@ from blocktrain.device import autocast, resolve_device, resolve_precision
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
-from blocktrain.train.loop import TrainSummary, run_training
 from blocktrain.train.memory import rss_bytes, warm_runtime
+from blocktrain.train.run import TrainSummary, run_training
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.model.loss import lm_loss
-from blocktrain.train.loop import TrainSummary, run_training
 from blocktrain.train.memory import rss_bytes, warm_runtime
+from blocktrain.train.run import TrainSummary, run_training
 
 
 def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True) -> TrainSummary:

@@ -26,17 +26,18 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.blocks import block_save_meta
-from blocktrain.checkpoint.run import RunDir, load_model, load_optimizer_tensors, optimizer_tensors, save_model
-from blocktrain.checkpoint.safetensors_io import load_file, save_file
+from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Precision, RunConfig, Schedule
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, block_stream, init_seed
-from blocktrain.device import autocast, resolve_device, resolve_precision
+from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import BlockTrainError, CheckpointError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
+from blocktrain.train.checkpointing import Checkpointer
+from blocktrain.train.loop import MetricsHook, train_steps
 from blocktrain.train.metrics import JsonlWriter
-from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+from blocktrain.train.step import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,15 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
         block = objective.build_block(k)
         objective.inherit(block, k, blocks, at_init=True)  # from the earlier blocks' initial weights
         blocks.append(block.to(device))
-    opts = [make_optimizer(b, tc) for b in blocks]
+    ckpts = []
+    for k, block in enumerate(blocks):
+        opt, names = make_optimizer(block, tc)
+        ckpts.append(Checkpointer(f"block_{k}", block, opt, names, cfg, run.block_path(k), run.block_state_path(k),
+                                  block_save_meta(cfg, k)))
     streams = [TrainStream(train.data, cfg.model.context, tc.batch_size, tc.seed, stream=block_stream(k)) for k in range(B)]
-    metrics = [JsonlWriter(run.metrics_path(f"block_{k}")) for k in range(B)]
+    metrics = [MetricsHook(JsonlWriter(run.metrics_path(f"block_{k}")), tc.log_every) for k in range(B)]
     period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
-    start = _resume(run, cfg, blocks, opts)
+    start = _resume(run, ckpts)
     dtype = frozen_dtype(precision is Precision.BF16)
     losses = [float("nan")] * B
     t0 = time.perf_counter()
@@ -103,61 +108,47 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
         end = min(tc.steps, step + period)
         for r0 in range(step, end, tc.round_steps):
             for k in range(B):
-                for s in range(r0, min(end, r0 + tc.round_steps)):
+                def loss_at(s: int, k: int = k, frozen: list[nn.Module] = frozen) -> tuple[torch.Tensor, dict[str, float]]:
                     x, y = streams[k].batch(s)
-                    with autocast(precision, device):
-                        out_k = objective.block_loss(
-                            blocks[k], k, x.to(device), y.to(device), streams[k].generator(s, purpose=1), frozen[:k]
-                        )
-                    gnorm = optimizer_step(blocks[k], opts[k][0], out_k.loss, lr_at(s, tc), tc.grad_clip)
-                    losses[k] = float(out_k.loss.detach())
-                    if (s + 1) % tc.log_every == 0:
-                        metrics[k].write(step=s + 1, loss=losses[k], lr=lr_at(s, tc), grad_norm=gnorm)
+                    out_k = objective.block_loss(blocks[k], k, x.to(device), y.to(device),
+                                                 streams[k].generator(s, purpose=1), frozen[:k])
+                    return out_k.loss, {}
+
+                losses[k] = train_steps(blocks[k], ckpts[k].opt, loss_at, range(r0, min(end, r0 + tc.round_steps)),
+                                        lr=lambda s: lr_at(s, tc), grad_clip=tc.grad_clip, precision=precision,
+                                        device=device, hooks=[metrics[k]]).last_loss
         step = end
-        _checkpoint(run, cfg, blocks, opts, step)
+        _checkpoint(ckpts, step)
         if progress:
             log.info("concurrent: step %d of %d per block, losses %s (%.0f s)", step, tc.steps,
                      ", ".join(f"{v:.3f}" for v in losses), time.perf_counter() - t0)
     for k in range(B):
-        metrics[k].write(event="summary", name=f"block_{k}", steps=step, schedule="concurrent", final_loss=losses[k],
-                         wall_s=time.perf_counter() - t0)
+        metrics[k].writer.write(event="summary", name=f"block_{k}", steps=step, schedule="concurrent",
+                                final_loss=losses[k], wall_s=time.perf_counter() - t0)
     return losses
 
 
-def _checkpoint(run: RunDir, cfg: RunConfig, blocks: list[nn.Module], opts: list[tuple[torch.optim.AdamW, dict[int, str]]],
-                step: int) -> None:
-    for k, (block, (opt, names)) in enumerate(zip(blocks, opts, strict=True)):
-        save_file(run.block_state_path(k), optimizer_tensors(opt, names), {"step": str(step), "name": f"block_{k}"})
-        save_model(run.block_path(k), block, cfg, step=step, **block_save_meta(cfg, k))
+def _checkpoint(ckpts: list[Checkpointer], step: int) -> None:
+    """Every block at ``step`` (a refresh boundary), so a resumed run restarts them together."""
+    for ckpt in ckpts:
+        ckpt.save(step)
 
 
-def _resume(run: RunDir, cfg: RunConfig, blocks: list[nn.Module], opts: list[tuple[torch.optim.AdamW, dict[int, str]]]) -> int:
+def _resume(run: RunDir, ckpts: list[Checkpointer]) -> int:
     """Restore every block at the same step, or start at 0; mixed steps mean a run of another schedule."""
-    present = [k for k in range(len(blocks)) if run.block_path(k).exists()]
+    present = [k for k, c in enumerate(ckpts) if c.exists()]
     if not present:
         return 0
-    if len(present) != len(blocks):
-        raise CheckpointError(
-            f"{run.root} holds checkpoints of blocks {present} only; a concurrent run checkpoints them together. "
-            "Resume it with the schedule that wrote it, or choose a new --out"
-        )
-    steps = set()
-    for k, (block, (opt, names)) in enumerate(zip(blocks, opts, strict=True)):
-        meta = {key: v for key, v in block_save_meta(cfg, k).items() if key != "kind"}
-        ckpt = load_model(run.block_path(k), block, cfg, "block", **meta)
-        if ckpt.step:
-            state, st_meta = load_file(run.block_state_path(k))
-            if int(st_meta.get("step", "-1")) != ckpt.step:
-                raise CheckpointError(f"{run.block_state_path(k)} does not match block {k}'s weights; delete both")
-            load_optimizer_tensors(opt, names, state)
-        steps.add(ckpt.step)
+    retry = "Resume it with the schedule that wrote it, or choose a new --out"
+    if len(present) != len(ckpts):
+        raise CheckpointError(f"{run.root} holds checkpoints of blocks {present} only; a concurrent run checkpoints "
+                              f"them together. {retry}")
+    steps = {c.resume() for c in ckpts}
     if len(steps) != 1:
-        raise CheckpointError(
-            f"{run.root} holds blocks at different steps {sorted(steps)}; a concurrent run checkpoints them together. "
-            "Resume it with the schedule that wrote it, or choose a new --out"
-        )
+        raise CheckpointError(f"{run.root} holds blocks at different steps {sorted(steps)}; a concurrent run "
+                              f"checkpoints them together. {retry}")
     step = steps.pop()
-    log.info("concurrent: resuming at step %d of %d per block", step, cfg.train.steps)
+    log.info("concurrent: resuming at step %d of %d per block", step, ckpts[0].cfg.train.steps)
     return step
 
 

@@ -36,13 +36,14 @@ from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.device import autocast, resolve_device, resolve_precision
+from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
-from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
+from blocktrain.train.loop import Hook, ProgressHook, StepRecord, train_steps
+from blocktrain.train.step import lr_at, make_optimizer
 from blocktrain.worker.client import CoordinatorClient
 from blocktrain.worker.frozen import FrozenInputs
 
@@ -182,33 +183,26 @@ class Worker:
         deadline_in = float(work.get("deadline_in", 0.0))
         stop_at = time.monotonic() + deadline_in - self._push_margin() if deadline_in > 0 else float("inf")
         self.steps_done = 0
-        self.block.train()
+        round_hook = _RoundHook(self, stop_at, H)
         bar = tqdm(total=H, desc=f"block {self.k} v{self.base_version}", unit="step", disable=not self.opts.progress,
                    dynamic_ncols=True, leave=False)
+
+        def loss_at(i: int) -> tuple[torch.Tensor, dict[str, float]]:
+            x, y = stream.batch(i)
+            out = self.objective.block_loss(self.block, self.k, x.to(self.device), y.to(self.device),
+                                            stream.generator(i, purpose=1), frozen)
+            return out.loss, {}
+
+        # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
+        offset = max(self.base_version, 0) * H
         try:
-            for i in range(H):
-                if self.abandon.is_set():
-                    return False
-                if i > 0 and time.monotonic() > stop_at:
-                    self.summary.rounds_cut += 1
-                    log.info("block %d v%d: the deadline is near; pushing after %d of %d steps",
-                             self.k, self.base_version, i, H)
-                    break
-                self._beat()
-                # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
-                lr = lr_at(min(max(self.base_version, 0) * H + i, self.schedule.steps - 1), self.schedule)
-                x, y = stream.batch(i)
-                with autocast(self.precision, self.device):
-                    out = self.objective.block_loss(self.block, self.k, x.to(self.device), y.to(self.device),
-                                                    stream.generator(i, purpose=1), frozen)
-                optimizer_step(self.block, self.opt, out.loss, lr, self.cfg.train.grad_clip)
-                self.summary.local_steps += 1
-                self.steps_done = i + 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", lr=f"{lr:.2e}")
+            train_steps(self.block, self.opt, loss_at, range(H),
+                        lr=lambda i: lr_at(min(offset + i, self.schedule.steps - 1), self.schedule),
+                        grad_clip=self.cfg.train.grad_clip, precision=self.precision, device=self.device,
+                        hooks=[round_hook, ProgressHook(bar)])
         finally:
             bar.close()
-        return True
+        return not round_hook.abandoned
 
     def _push_margin(self) -> float:
         """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
@@ -302,3 +296,29 @@ class Worker:
         except ProtocolError as exc:
             log.warning("could not tell the coordinator we leave: %s", exc)
         self.client.close()
+
+
+class _RoundHook(Hook):
+    """The worker's side of a round in the loop: leaves on abandon, stops near the deadline, heartbeats, counts steps."""
+
+    def __init__(self, worker: Worker, stop_at: float, H: int) -> None:
+        self.worker = worker
+        self.stop_at = stop_at  # time.monotonic() after which no new step starts
+        self.H = H
+        self.abandoned = False
+
+    def before(self, step: int) -> bool:
+        w = self.worker
+        if w.abandon.is_set():
+            self.abandoned = True
+            return False
+        if step > 0 and time.monotonic() > self.stop_at:
+            w.summary.rounds_cut += 1
+            log.info("block %d v%d: the deadline is near; pushing after %d of %d steps", w.k, w.base_version, step, self.H)
+            return False
+        w._beat()
+        return True
+
+    def after(self, rec: StepRecord) -> None:
+        self.worker.summary.local_steps += 1
+        self.worker.steps_done = rec.done
