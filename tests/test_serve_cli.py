@@ -13,7 +13,7 @@ import pytest
 
 from blocktrain.bench.machine import machine_info
 from blocktrain.bench.serve import _finish, paper_shape
-from blocktrain.bench.serve_options import Network, ServeBenchOptions
+from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.cli.main import build_parser
 from blocktrain.cli.serving import BENCH_PREFIX, STAGE_EXPLICIT, bench_options, next_stages, stage_options
 from blocktrain.errors import ConfigError
@@ -110,10 +110,10 @@ def test_every_stage_option_is_reachable_from_the_cli(tmp_path: Path, monkeypatc
 def test_bench_serve_flags_build_the_options(tmp_path: Path) -> None:
     parse = build_parser().parse_args
     assert bench_options(parse(["bench", "serve"])) == ServeBenchOptions()
-    opts = bench_options(parse(["bench", "serve", "--sweeps", "1,3", "--network", "loopback", "--paper-params", "1e10",
+    opts = bench_options(parse(["bench", "serve", "--sweeps", "1,3", "--paper-params", "1e10",
                                 "--machine-memory-gib", "4", "--json", str(tmp_path / "r.json"), "--scale-budget-gib",
                                 "2.5", "--stack-run", str(tmp_path), "--draft-max", "8"]))
-    assert opts == ServeBenchOptions(sweeps=(1, 3), network=Network.LOOPBACK, paper_params=1e10, machine_memory_gib=4.0,
+    assert opts == ServeBenchOptions(sweeps=(1, 3), paper_params=1e10, machine_memory_gib=4.0,
                                      json=tmp_path / "r.json", scale_budget_gib=2.5, stack_run=tmp_path, draft_max=8)
     dests = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
              ._subparsers._group_actions[0].choices["serve"]._actions}

@@ -1,10 +1,10 @@
 """``blocktrain bench serve``: BlockTrain sweep and ar against the AR baseline over three stages.
 
-Setup: three stage processes in three network namespaces joined by veth in a
-ring (see :mod:`blocktrain.bench.netns`), 25 ms one way per hop: netem where the
-kernel has it, else injected by the stages on their forward link. Without
-namespaces (not root, no ``ip``) everything runs on loopback with the injected
-delay. The client runs beside stage 0, so one traversal crosses three hops.
+Setup: three stage processes on loopback, 25 ms one way per hop injected by the
+stages on their forward link. The client runs beside stage 0, so one traversal
+crosses three hops. Another :class:`~blocktrain.bench.serve_pipeline.Placement`
+can be passed in: ``benchmarks/serve_netns.py`` runs the stages in three network
+namespaces joined by veth in a ring (netem delay where the kernel has it).
 
 Measured per mode: time to a full output, bytes/s, bytes written by the stages
 (frames, acks and results; application bytes, not TCP/IP headers). Quality:
@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,14 @@ import numpy as np
 import torch
 
 from blocktrain.bench.machine import machine_info
-from blocktrain.bench.netns import Topology, netns_available
-from blocktrain.bench.serve_options import Network, ServeBenchOptions
-from blocktrain.bench.serve_pipeline import Pipeline, split_blocks, split_layers
+from blocktrain.bench.serve_options import ServeBenchOptions
+from blocktrain.bench.serve_pipeline import Loopback, Pipeline, Placement, split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction, traversal_compute_s
 from blocktrain.bench.serve_report import render_markdown, summarise
 from blocktrain.bench.serve_spec import run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.errors import BlockTrainError, ConfigError, ServeError
+from blocktrain.errors import BlockTrainError, ConfigError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.serve.loading import parse_shape
@@ -192,39 +190,37 @@ def _mem_total() -> int:
     return int(mem)
 
 
-def run_serve_bench(opts: ServeBenchOptions) -> dict[str, Any]:
+def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None, command: str | None = None) -> dict[str, Any]:
+    """The whole benchmark, its stages placed by ``placement`` (default: loopback); ``command`` is recorded."""
     run = RunDir(opts.run)
     cfg = run.load_config()
     if not run.has_blocks(cfg.model.n_blocks) or not run.has_e2e():
         raise BlockTrainError(f"{run.root} needs all {cfg.model.n_blocks} blocks and the E2E model; "
                               "train them with 'blocktrain bench quality'")
-    use_ns = opts.network is Network.NETNS or (opts.network is Network.AUTO and netns_available())
-    if opts.network is Network.NETNS and not netns_available():
-        raise ServeError("network namespaces are unavailable (need root and 'ip netns'); use --network loopback")
+    placement = placement or Loopback()
     t0 = time.time()
-    with ExitStack() as stack:
-        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bt-serve-bench-")))
-        topo = Topology(opts.hop_delay_ms).setup() if use_ns else None
-        if topo is not None:
-            stack.callback(topo.teardown)
-        pipe = Pipeline(topo, opts.hop_delay_ms, opts.base_port, log_dir)
-        stack.callback(pipe.stop)
-        main = run_main_comparison(opts, pipe, run)
-        result = summarise(opts, main, topo)
-        if opts.stack_run is not None:
-            result["spec"] = run_spec(opts, pipe, run, opts.stack_run, result["ar_baseline_seconds"])  # bench.serve_spec
-            result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec", "stack_ar_"))})
-        _finish(opts, result, t0)  # written now too, in case the scale run is interrupted
-        if opts.scale != "off":
-            result["scale"] = run_scale(opts, pipe)
-    return _finish(opts, result, t0, echo=True)
+    with tempfile.TemporaryDirectory(prefix="bt-serve-bench-") as tmp:
+        pipe = Pipeline(placement, opts.hop_delay_ms, opts.base_port, Path(tmp))
+        try:
+            main = run_main_comparison(opts, pipe, run)
+            result = summarise(opts, main, placement.describe())
+            if opts.stack_run is not None:
+                result["spec"] = run_spec(opts, pipe, run, opts.stack_run, result["ar_baseline_seconds"])  # bench.serve_spec
+                result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec", "stack_ar_"))})
+            _finish(opts, result, t0, command=command)  # written now too, in case the scale run is interrupted
+            if opts.scale != "off":
+                result["scale"] = run_scale(opts, pipe)
+        finally:
+            pipe.stop()
+    return _finish(opts, result, t0, echo=True, command=command)
 
 
-def _finish(opts: ServeBenchOptions, result: dict[str, Any], t0: float, echo: bool = False) -> dict[str, Any]:
+def _finish(opts: ServeBenchOptions, result: dict[str, Any], t0: float, echo: bool = False,
+            command: str | None = None) -> dict[str, Any]:
     result["wall_seconds"] = time.time() - t0
     result["machine"] = machine_info()
     result["commands"] = {
-        "bench": shlex.join(["blocktrain", *sys.argv[1:]]),
+        "bench": command or shlex.join(["blocktrain", *sys.argv[1:]]),
         "stage": "blocktrain serve --run RUN --blocks 0-1 --listen 0.0.0.0:47100 --next HOST1:47101 [--delay-ms 25]",
         "client": "blocktrain generate --pipeline 127.0.0.1:47100 --mode sweep --bytes 128",
     }

@@ -6,20 +6,11 @@ The benchmark times outputs on a machine shared with nothing else: run it alone
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from blocktrain.errors import ConfigError
-
-
-class Network(enum.Enum):
-    """Where the three stages run: namespaces joined by veth, or loopback (auto: namespaces where available)."""
-
-    AUTO = "auto"
-    NETNS = "netns"
-    LOOPBACK = "loopback"
 
 
 @dataclass(frozen=True)
@@ -35,7 +26,6 @@ class ServeBenchOptions:
     temperature: float = 0.8  # sampling temperature of every mode
     top_k: int = 40  # sampling top-k of every mode
     tf_bytes: int = 16384  # test bytes for the teacher-forced CE
-    network: Network = Network.AUTO  # namespaces joined by veth, or loopback
     scale: str = "auto"  # scale run shape: auto (largest that fits), off, or NAME=INT,...
     scale_budget_gib: float | None = None  # GiB: memory for the scale run's weights (None: scale_memory_fraction of what is available)
     scale_memory_fraction: float = 0.45  # fraction of available memory for the scale run's weights (headroom for the rest)

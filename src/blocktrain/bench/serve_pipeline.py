@@ -1,7 +1,9 @@
 """The stage processes of ``blocktrain bench serve``: three ``blocktrain serve`` processes and the bench client.
 
-The stages run in network namespaces (:mod:`blocktrain.bench.netns`) or on
-loopback; the client (:mod:`blocktrain.bench.serve_client`) runs beside stage 0.
+Where the stages run is a :class:`Placement`: :class:`Loopback` here (the per-hop
+delay injected by the stages), or a ring of network namespaces in the benchmark
+harness (``benchmarks/netns.py``). The client (:mod:`blocktrain.bench.serve_client`)
+runs beside stage 0.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from blocktrain.bench.netns import Topology
 from blocktrain.errors import ServeError
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,63 @@ def split_blocks(n_blocks: int, n_stages: int = 3) -> list[tuple[int, int]]:
     return split_layers(n_blocks, n_stages)
 
 
-class Pipeline:
-    """Three `blocktrain serve` processes, in namespaces or on loopback."""
+class Placement(Protocol):
+    """Where stage i (and the client, beside stage 0) runs, and how the others reach it."""
 
-    def __init__(self, topo: Topology | None, delay_ms: float, base_port: int, log_dir: Path) -> None:
-        self.topo = topo
-        self.inject_ms = delay_ms if topo is None or not topo.netem else 0.0
+    @property
+    def network_delays(self) -> bool:
+        """True when the network itself delays each hop (the stages then inject no delay)."""
+        ...
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """Command prefix that runs a process where stage i runs (the client uses stage 0's)."""
+        ...
+
+    def listen_host(self, i: int) -> str:
+        """Host stage i listens on."""
+        ...
+
+    def next_host(self, i: int) -> str:
+        """Address stage i-1 uses for stage i."""
+        ...
+
+    def client_host(self, i: int) -> str:
+        """Address the client uses for stage i."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The ``network`` entry of the result: ``namespaces``, ``delay`` and ``client``."""
+        ...
+
+
+class Loopback:
+    """Every stage on 127.0.0.1; the stages inject the per-hop delay on their forward link."""
+
+    network_delays = False
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return []
+
+    def listen_host(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def next_host(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def client_host(self, i: int) -> str:
+        return "127.0.0.1"
+
+    def describe(self) -> dict[str, Any]:
+        return {"namespaces": False, "delay": "injected on each stage's forward link",
+                "client": "in stage 0's namespace, over its loopback (no delay)"}
+
+
+class Pipeline:
+    """Three `blocktrain serve` processes, placed by ``placement``."""
+
+    def __init__(self, placement: Placement, delay_ms: float, base_port: int, log_dir: Path) -> None:
+        self.placement = placement
+        self.inject_ms = 0.0 if placement.network_delays else delay_ms
         self.base_port = base_port
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -51,12 +103,8 @@ class Pipeline:
         n = len(spans)
         for i, (lo, hi) in enumerate(spans):
             port, nxt = self.base_port + i, self.base_port + (i + 1) % n
-            if self.topo is not None:
-                listen, prefix = f"0.0.0.0:{port}", self.topo.exec_prefix(i)
-                nxt_host = self.topo.stage_host[(i + 1) % n]
-            else:
-                listen, nxt_host, prefix = f"127.0.0.1:{port}", "127.0.0.1", []
-            cmd = [*prefix, sys.executable, "-m", "blocktrain", "serve", "--model", model, flag, f"{lo}-{hi}",
+            listen, nxt_host = f"{self.placement.listen_host(i)}:{port}", self.placement.next_host((i + 1) % n)
+            cmd = [*self.placement.exec_prefix(i), sys.executable, "-m", "blocktrain", "serve", "--model", model, flag, f"{lo}-{hi}",
                    "--listen", listen, "--next", f"{nxt_host}:{nxt}", "--delay-ms", str(self.inject_ms),
                    "--threads", str(threads), "--timeout", "900", "--max-frame-mib", "512", *source]
             logf = (self.log_dir / f"{model}-stage{i}.log").open("wb")
@@ -65,10 +113,7 @@ class Pipeline:
             self.procs.append(subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env))
 
     def addresses(self) -> tuple[list[int], list[list[Any]]]:
-        n = len(self.procs)
-        if self.topo is not None:
-            return [0], [[self.topo.stats_host(i), self.base_port + i] for i in range(n)]
-        return [0], [["127.0.0.1", self.base_port + i] for i in range(n)]
+        return [0], [[self.placement.client_host(i), self.base_port + i] for i in range(len(self.procs))]
 
     def client(self, plan: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         _, stages = self.addresses()
@@ -76,8 +121,7 @@ class Pipeline:
         plan_path, out_path = self.log_dir / "plan.json", self.log_dir / "client-out.json"
         plan_path.write_text(json.dumps(plan))
         out_path.unlink(missing_ok=True)
-        prefix = self.topo.exec_prefix(0) if self.topo is not None else []
-        cmd = [*prefix, sys.executable, "-m", "blocktrain.bench.serve_client", str(plan_path), str(out_path)]
+        cmd = [*self.placement.exec_prefix(0), sys.executable, "-m", "blocktrain.bench.serve_client", str(plan_path), str(out_path)]
         log.info("client: %s", shlex.join(cmd))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         rc = subprocess.run(cmd, timeout=timeout_s, env=env).returncode

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from blocktrain.bench.netns import Topology
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_spec import spec_markdown
 
 
-def summarise(opts: ServeBenchOptions, main: dict[str, Any], topo: Topology | None) -> dict[str, Any]:
+def summarise(opts: ServeBenchOptions, main: dict[str, Any], network: dict[str, Any]) -> dict[str, Any]:
+    """The result's summary keys; ``network``: where the stages ran (``Placement.describe()``)."""
     t, q = main["tasks"], main["quality"]
     n, hops = opts.output_bytes, 3
     sweep, ar, base = t["sweep_k1"], t["ar"], t["baseline"]
@@ -17,9 +17,7 @@ def summarise(opts: ServeBenchOptions, main: dict[str, Any], topo: Topology | No
     return {
         "hop_delay_ms": opts.hop_delay_ms, "hops_per_traversal": hops, "output_bytes": n,
         "prompt_bytes": opts.prompt_bytes, "temperature": opts.temperature, "top_k": opts.top_k,
-        "network": {"namespaces": topo is not None,
-                    "delay": "netem" if topo is not None and topo.netem else "injected on each stage's forward link",
-                    "client": "in stage 0's namespace, over its loopback (no delay)"},
+        "network": network,
         "sweep_seconds": sweep["seconds"], "ar_seconds": ar["seconds"], "ar_baseline_seconds": base["seconds"],
         "sweep_bytes_per_s": n / sweep["seconds"], "ar_bytes_per_s": n / ar["seconds"],
         "ar_baseline_bytes_per_s": n / base["seconds"],

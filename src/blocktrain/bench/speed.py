@@ -5,21 +5,19 @@ in a fresh child process, one after another, so every one has the machine to
 itself. Seconds per step are read the same way for every run, from the
 cumulative bytes/s the trainer logs every ``log_every`` steps: the time between
 the first logged step and the last, divided by the steps between them, so
-start-up and the first steps' kernel set-up are left out. With
-``reference_commit`` the same commands also run on that commit's code (a
-temporary git worktree), which is how "today's fp32 path" is measured.
+start-up and the first steps' kernel set-up are left out. Timing an older
+commit's code beside them (a temporary git worktree) is the benchmark harness's
+job: ``benchmarks/speed_reference.py``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,6 @@ class SpeedOptions:
     out: Path  # scratch directory for the runs (deleted and recreated)
     steps: int = 30  # training steps per measurement (at least 3 x LOG_EVERY)
     json_path: Path | None = None  # write the result JSON here
-    reference_commit: str | None = None  # also time this commit's trainers (fp32, its own code)
     device: str = "auto"  # device of the new code's runs
     command: str = ""  # the command line, recorded in the JSON
 
@@ -66,23 +63,41 @@ def seconds_per_step(metrics: list[dict[str, Any]], bytes_per_step: int) -> floa
     return (t1 - t0) / (s1 - s0)
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+def run_command(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    """Run one timed child process; BlockTrainError if it fails."""
     log.info("running: %s", shlex.join(cmd))
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
         raise BlockTrainError(f"timed run failed (exit {rc}): {shlex.join(cmd)}")
 
 
-def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
+def common_flags(opts: SpeedOptions) -> list[str]:
+    """The flags every timed run takes, whatever its code's version."""
+    return ["--preset", opts.preset, "--data", str(opts.data.root), "--steps", str(opts.steps), "--no-progress"]
+
+
+def bytes_per_step(preset: str) -> int:
     from blocktrain.presets import get_preset
 
-    cfg = get_preset(opts.preset)
+    cfg = get_preset(preset)
+    return cfg.train.batch_size * cfg.model.context
+
+
+def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
+    """Time every trainer, print the table and write the result (``opts.json_path``)."""
+    result = measure_speed(opts)
+    write_speed(opts, result)
+    return result
+
+
+def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
+    """Time every trainer in fp32 and bf16 (``opts.out`` is replaced); the result, not yet written."""
     device = resolve_device(opts.device)
-    bytes_per_step = cfg.train.batch_size * cfg.model.context
+    step_bytes = bytes_per_step(opts.preset)
     if opts.out.exists():
         shutil.rmtree(opts.out)
     opts.out.mkdir(parents=True)
-    common = ["--preset", opts.preset, "--data", str(opts.data.root), "--steps", str(opts.steps), "--no-progress"]
+    common = common_flags(opts)
     new_flags = ["--log-every", str(LOG_EVERY), "--eval-bytes", "0", "--checkpoint-every", "1000000", "--device", opts.device]
     peak = measure_peak_flops(device)
     result: dict[str, Any] = {
@@ -94,10 +109,10 @@ def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
         for precision in ("fp32", "bf16"):
             out = opts.out / f"{name}-{precision}"
             cmd = [sys.executable, "-m", "blocktrain", *sub, "--out", str(out), *common, *new_flags, "--precision", precision]
-            _run(cmd)
+            run_command(cmd)
             metrics = read_jsonl(out / "metrics" / f"{metrics_name}.jsonl")
             summary = next(r for r in reversed(metrics) if r.get("event") == "summary")
-            sps = seconds_per_step(metrics, bytes_per_step)
+            sps = seconds_per_step(metrics, step_bytes)
             entry[f"{precision}_s_per_step"] = sps
             entry[f"{precision}_median_s_per_step"] = summary["seconds_per_step"]
             entry["flops_per_step"] = summary["flops_per_step"]
@@ -105,45 +120,20 @@ def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
             entry[f"{precision}_train_mem_bytes"] = summary["train_mem_bytes"]
             result["commands"][f"{name}.{precision}"] = "blocktrain " + shlex.join(cmd[3:])
         entry["mfu"] = entry["flops_per_step"] / entry["bf16_s_per_step"] / peak["bf16"]
-        entry["bytes_per_s"] = bytes_per_step / entry["bf16_s_per_step"]
+        entry["bytes_per_s"] = step_bytes / entry["bf16_s_per_step"]
         entry["speedup_bf16_over_fp32"] = entry["fp32_s_per_step"] / entry["bf16_s_per_step"]
         result[name] = entry
-    if opts.reference_commit:
-        _time_reference(opts, result, common, bytes_per_step)
+    return result
+
+
+def write_speed(opts: SpeedOptions, result: dict[str, Any]) -> None:
+    """Print the table of ``result`` and write it (JSON and markdown) to ``opts.json_path``."""
     table = format_speed(result)
     sys.stdout.write(table + "\n")
     if opts.json_path:
         opts.json_path.parent.mkdir(parents=True, exist_ok=True)
         opts.json_path.write_text(json.dumps(result, indent=2) + "\n")
         opts.json_path.with_suffix(".md").write_text(f"# Training speed: {opts.preset}\n\n```\n{opts.command}\n```\n\n{table}\n")
-    return result
-
-
-def _time_reference(opts: SpeedOptions, result: dict[str, Any], common: list[str], bytes_per_step: int) -> None:
-    """The same commands on ``reference_commit``'s code, in a temporary git worktree."""
-    commit = opts.reference_commit
-    assert commit is not None
-    repo = Path(__file__).resolve().parents[3]
-    with tempfile.TemporaryDirectory(prefix="blocktrain-ref-") as tmp:
-        tree = Path(tmp) / "tree"
-        _run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), commit])
-        try:
-            env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-            for name, sub, metrics_name in TRAINERS:
-                if "stack" in name:
-                    continue  # the reference commit has no stack objective
-                sub_old = tuple(a for a in sub if a not in ("--objective", "diffusion"))
-                out = opts.out / f"{name}-reference"
-                cmd = [sys.executable, "-m", "blocktrain", *sub_old, "--out", str(out), *common]
-                _run(cmd, env)
-                metrics = read_jsonl(out / "metrics" / f"{metrics_name}.jsonl")
-                sps = seconds_per_step(metrics, bytes_per_step)
-                result[name]["reference_fp32_s_per_step"] = sps
-                result[name]["speedup_over_reference"] = sps / result[name]["bf16_s_per_step"]
-                result["commands"][f"{name}.reference"] = f"(at {commit}) blocktrain " + shlex.join(cmd[3:])
-        finally:
-            subprocess.call(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)])
-    result["reference_commit"] = commit
 
 
 def format_speed(r: dict[str, Any]) -> str:

@@ -8,10 +8,13 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blocktrain.cli.common import add_run_args, config_from_args, forward_run_args
 from blocktrain.errors import BlockTrainError
+
+if TYPE_CHECKING:
+    from blocktrain.bench.speed import SpeedOptions
 
 log = logging.getLogger("blocktrain")
 
@@ -176,16 +179,21 @@ def cmd_bench_machine(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_speed(args: argparse.Namespace) -> int:
-    from blocktrain.bench.speed import SpeedOptions, run_speed_bench
+def speed_options(args: argparse.Namespace, command: str) -> SpeedOptions:
+    """`blocktrain bench speed` flags -> SpeedOptions (also used by benchmarks/speed_reference.py)."""
+    from blocktrain.bench.speed import SpeedOptions
     from blocktrain.data.dataset import resolve_data_dir
 
-    data = resolve_data_dir(args.data)
-    opts = SpeedOptions(
-        preset=args.preset, data=data, out=Path(args.out), steps=args.steps, json_path=Path(args.json) if args.json else None,
-        reference_commit=args.reference_commit, device=args.device, command="blocktrain " + shlex.join(sys.argv[1:]),
+    return SpeedOptions(
+        preset=args.preset, data=resolve_data_dir(args.data), out=Path(args.out), steps=args.steps,
+        json_path=Path(args.json) if args.json else None, device=args.device, command=command,
     )
-    run_speed_bench(opts)
+
+
+def cmd_bench_speed(args: argparse.Namespace) -> int:
+    from blocktrain.bench.speed import run_speed_bench
+
+    run_speed_bench(speed_options(args, "blocktrain " + shlex.join(sys.argv[1:])))
     return 0
 
 
@@ -323,7 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", default="runs/bench-speed", help="scratch directory for the short runs (replaced)")
     q.add_argument("--steps", type=int, default=30, help="training steps per measurement")
     q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    q.add_argument("--reference-commit", default=None, help="also time the trainers of this git commit (fp32, its own code)")
     q.add_argument("--json", default=None, help="write the result JSON here")
     q.set_defaults(fn=cmd_bench_speed)
 

@@ -1,4 +1,4 @@
-"""Three network namespaces in a ring, joined by veth pairs, for the serving benchmark.
+"""Three network namespaces in a ring, joined by veth pairs: a placement of the serving benchmark's stages.
 
     ns0 --link 1 (10.231.1.0/30)--> ns1 --link 2 (10.231.2.0/30)--> ns2 --link 3 (10.231.3.0/30)--> ns0
 
@@ -8,6 +8,9 @@ netem delay on both ends where the kernel has netem; where it has not (e.g. a
 minimal VM kernel), :attr:`Topology.netem` is False and the stages inject the
 delay on their forward link instead. Only our own namespaces and addresses
 are touched, and :meth:`Topology.teardown` removes them (also on errors).
+
+A set-up :class:`Topology` is a :class:`blocktrain.bench.serve_pipeline.Placement`;
+``benchmarks/serve_netns.py`` runs ``blocktrain bench serve`` on it. Needs root.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import Any
 
 from blocktrain.errors import ServeError
 
@@ -103,6 +107,24 @@ class Topology:
 
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.names[i]]
+
+    # The rest of the Placement interface (blocktrain.bench.serve_pipeline).
+    @property
+    def network_delays(self) -> bool:
+        return self.netem
+
+    def listen_host(self, i: int) -> str:
+        return "0.0.0.0"  # every address of stage i's namespace
+
+    def next_host(self, i: int) -> str:
+        return self.stage_host[i]
+
+    def client_host(self, i: int) -> str:
+        return self.stats_host(i)
+
+    def describe(self) -> dict[str, Any]:
+        return {"namespaces": True, "delay": "netem" if self.netem else "injected on each stage's forward link",
+                "client": "in stage 0's namespace, over its loopback (no delay)"}
 
     def teardown(self) -> None:
         for ns in self.names or [f"{PREFIX}{i}" for i in range(self.n)]:
