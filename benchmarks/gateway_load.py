@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from blocktrain.bench.machine import machine_info  # noqa: E402
 from blocktrain.config import Objective  # noqa: E402
-from blocktrain.serve.gateway import GatewayOptions, make_app  # noqa: E402
-from blocktrain.serve.kvcache import CacheOptions  # noqa: E402
-from blocktrain.serve.loading import parse_shape, random_run_span  # noqa: E402
-from blocktrain.serve.stage import StageThread  # noqa: E402
-from blocktrain.serve.stage_options import StageOptions  # noqa: E402
+from blocktrain.serve.gateway.app import GatewayOptions, make_app  # noqa: E402
+from blocktrain.serve.runtime.kvcache import CacheOptions  # noqa: E402
+from blocktrain.serve.runtime.loading import parse_shape, random_run_span  # noqa: E402
+from blocktrain.serve.stage.options import StageOptions  # noqa: E402
+from blocktrain.serve.stage.server import StageThread  # noqa: E402
 
 SHAPE = "d_model=64,n_heads=2,n_layers=4,n_blocks=4,context=64,mlp_ratio=2"
 ERROR_CASES: list[tuple[str, Any]] = [  # (what, body) sent to /v1/completions; raw strings are sent as they are
@@ -159,7 +159,7 @@ def main() -> int:
         thread.join(20)
         for s in stages:
             s.stop()
-    evictions = [s.cache.evictions for s in spans]  # type: ignore[union-attr]
+    evictions = [s.describe()["cache_evictions"] for s in spans]
     result = {
         "benchmark": "gateway-load", "shape": SHAPE, "cache_requests_per_stage": args.cache_requests,
         "concurrent_requests": n, "max_tokens": args.bytes, "bursts": runs, "stage_cache_evictions": evictions,

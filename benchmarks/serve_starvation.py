@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.wire import MAGIC, SMALL_FRAME_BYTES
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.wire.frames import MAGIC, SMALL_FRAME_BYTES
 
 SHAPE = "d_model=64,n_heads=2,n_layers=2,n_blocks=2"
 MIB = 1 << 20

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.compute import BlockSpan
-from blocktrain.serve.stage import StageOptions, StageThread
-from blocktrain.serve.wire import MAGIC, Frame, decode
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.runtime.diffusion import BlockSpan
+from blocktrain.serve.stage.server import StageOptions, StageThread
+from blocktrain.serve.wire.frames import MAGIC, Frame, decode
 from tests.serve_utils import block_spans
 
 TOKEN = "0123456789abcdef0123456789abcdef"

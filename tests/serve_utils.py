@@ -15,10 +15,11 @@ from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
-from blocktrain.serve.compute import BlockSpan, E2ESpan
-from blocktrain.serve.links import Address
-from blocktrain.serve.loading import _e2e_parts
-from blocktrain.serve.stage import StageOptions, StageThread
+from blocktrain.serve.runtime.diffusion import BlockSpan
+from blocktrain.serve.runtime.e2e import E2ESpan
+from blocktrain.serve.runtime.loading import _e2e_parts
+from blocktrain.serve.stage.server import StageOptions, StageThread
+from blocktrain.serve.wire.links import Address
 
 SPANS = ((0, 1), (2, 2), (3, 3))  # B=4 blocks over three stages
 E2E_SPANS = ((0, 1), (2, 2), (3, 3))  # L=4 layers over three stages

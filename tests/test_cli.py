@@ -155,7 +155,7 @@ def test_every_parser_refuses_abbreviated_flags(data_dir: Path, capsys: pytest.C
 
 
 def test_generate_pipeline_timeout_flag(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import blocktrain.serve.client as client
+    import blocktrain.serve.client.pipeline as client
     from blocktrain.errors import ServeError
 
     seen: list[float] = []

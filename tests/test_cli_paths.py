@@ -286,8 +286,8 @@ def test_serve_random_builds_a_stack_that_drafts_for_itself() -> None:
     """`serve --random SHAPE --objective stack`: a stack stage with random weights, so spec mode runs (greedy spec
     equals greedy ar); without --objective the blocks stay diffusion blocks (the scale run's)."""
     from blocktrain.config import Objective
-    from blocktrain.serve.loading import parse_shape, random_run_span
-    from blocktrain.serve.stackspan import StackSpan
+    from blocktrain.serve.runtime.loading import parse_shape, random_run_span
+    from blocktrain.serve.runtime.stack import StackSpan
 
     assert isinstance(random_run_span(parse_shape(SHAPE, objective=Objective.STACK), 0, 1), StackSpan)
     assert random_run_span(parse_shape(SHAPE), 0, 1).family != "stack"

@@ -22,11 +22,11 @@ from blocktrain.config import Objective
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.stack import StackBlock
 from blocktrain.presets import tiny
-from blocktrain.serve import gateway as gateway_mod
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.gateway import GatewayOptions, make_app
-from blocktrain.serve.gateway_backend import RequestError, Utf8Stream, parse_completion
-from blocktrain.serve.stackspan import StackSpan
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.gateway import app as gateway_mod
+from blocktrain.serve.gateway.app import GatewayOptions, make_app
+from blocktrain.serve.gateway.backend import RequestError, Utf8Stream, parse_completion
+from blocktrain.serve.runtime.stack import StackSpan
 from tests.serve_utils import SPANS, block_spans, free_ports, local_models, ring, tiny_models
 
 TEXT = "añ€😀 ok"  # 1-, 2-, 3- and 4-byte characters

@@ -24,13 +24,13 @@ from blocktrain.evaluate.generate import generate
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.stack import StackBlock
 from blocktrain.presets import tiny
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.gateway import GatewayOptions
-from blocktrain.serve.gateway_backend import RequestError, parse_chat, parse_completion
-from blocktrain.serve.gateway_logprobs import StopScanner, text_offsets, token_str
-from blocktrain.serve.kvcache import CacheOptions
-from blocktrain.serve.loading import load_run_span
-from blocktrain.serve.stackspan import StackSpan
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.gateway.app import GatewayOptions
+from blocktrain.serve.gateway.backend import RequestError, parse_chat, parse_completion
+from blocktrain.serve.gateway.logprobs import StopScanner, text_offsets, token_str
+from blocktrain.serve.runtime.kvcache import CacheOptions
+from blocktrain.serve.runtime.loading import load_run_span
+from blocktrain.serve.runtime.stack import StackSpan
 from tests.conftest import write_data_dir
 from tests.serve_utils import e2e_spans, ring, tiny_models
 from tests.test_gateway import serve_app
@@ -251,7 +251,7 @@ def test_error_cases_are_4xx_without_a_traceback(caplog: pytest.LogCaptureFixtur
 
 def test_a_stage_naming_the_old_family_is_read_as_diffusion(monkeypatch: pytest.MonkeyPatch) -> None:
     """Diffusion stages once called their family "blocktrain"; a client reads such a stage as "diffusion"."""
-    from blocktrain.serve.compute import BlockSpan
+    from blocktrain.serve.runtime.diffusion import BlockSpan
     from tests.serve_utils import block_spans
 
     cfg, blocks, _ = tiny_models()

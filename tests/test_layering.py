@@ -4,7 +4,9 @@
 - Model, objective and diffusion code never imports network code (serve, coordinator, worker, protocol).
 - ``model/`` imports nothing from ``diffusion/`` (the layer above it).
 - No import circles among the modules that once had them: ``data/dataset`` and ``data/download``,
-  ``serve/client`` and ``serve/decoding`` (imports under ``if TYPE_CHECKING:`` do not run, so do not count).
+  ``serve/client/pipeline`` and ``serve/client/decoding`` (imports under ``if TYPE_CHECKING:`` do not run, so do
+  not count).
+- ``serve/``'s subpackages import only downward: wire <- runtime <- stage, wire <- client <- gateway.
 """
 
 from __future__ import annotations
@@ -63,17 +65,40 @@ def test_the_model_does_not_import_the_diffusion_layer() -> None:
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-@pytest.mark.parametrize(("a", "b"), [("data/dataset.py", "data/download.py"), ("serve/client.py", "serve/decoding.py")])
+@pytest.mark.parametrize(("a", "b"), [("data/dataset.py", "data/download.py"),
+                                        ("serve/client/pipeline.py", "serve/client/decoding.py")])
 def test_no_import_circle(a: str, b: str) -> None:
     ma, mb = name_of(SRC / a), name_of(SRC / b)
     assert not (mb in runtime_imports(SRC / a) and ma in runtime_imports(SRC / b)), f"{ma} and {mb} import each other"
+
+
+# What each serving subpackage may import of serve/ (itself included).
+SERVE_BELOW = {"wire": {"wire"}, "runtime": {"wire", "runtime"}, "stage": {"wire", "runtime", "stage"},
+               "client": {"wire", "client"}, "gateway": {"wire", "client", "gateway"}}
+
+
+def test_serve_imports_only_downward() -> None:
+    """Every module of serve/ sits in one subpackage and imports serve/ only from those below it (or its own)."""
+    offenders: dict[str, list[str]] = {}
+    for path in modules("serve"):
+        parts = path.relative_to(SRC / "serve").parts
+        if len(parts) == 1:
+            assert path.name == "__init__.py", f"{name_of(path)} belongs in one of {sorted(SERVE_BELOW)}"
+            allowed: set[str] = set()
+        else:
+            assert parts[0] in SERVE_BELOW, f"{name_of(path)}: unknown serving subpackage {parts[0]!r}"
+            allowed = SERVE_BELOW[parts[0]]
+        used = {m.split(".")[2] for m in runtime_imports(path) if m.startswith("blocktrain.serve.")}
+        if used - allowed:
+            offenders[name_of(path)] = sorted(used - allowed)
+    assert offenders == {}
 
 
 # Places outside objectives/ that still name an objective's kind, each with why; the list may only shrink.
 KIND_ALLOWED = {
     "blocktrain.config": "defines the choice",
     "blocktrain.presets": "chooses per preset",
-    "blocktrain.serve.loading": "parse_shape's default for --random (the scale run's diffusion blocks)",
+    "blocktrain.serve.runtime.loading": "parse_shape's default for --random (the scale run's diffusion blocks)",
     "blocktrain.bench.serve_spec": "the serving bench's spec row needs a stack run",
 }
 KIND = re.compile(r"\bObjective(?:Kind)?\.(?:STACK|DIFFUSION)\b|isinstance\([^)]*\b(?:BlockDenoiser|StackBlock)\b")

@@ -106,3 +106,29 @@ def test_modulated_layer_norm_matches_autograd_reference(cond_shape: tuple[int, 
     ref_grads = torch.autograd.grad((ref * w).sum(), (x, scale, shift))
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_cached_forward_equals_full_forward(tiny_cfg: RunConfig) -> None:
+    """``forward(x, cache, pos)`` in chunks (prefill, a chunk, single bytes, a rolled-back tail) equals one full
+    forward, for the E2E model and for a stack's blocks with their head."""
+    from blocktrain.model.layers import Cache
+    from blocktrain.model.stack import StackBlock
+
+    torch.manual_seed(0)
+    m = tiny_cfg.model
+    e2e = E2ETransformer(m).eval()
+    blocks = [StackBlock(m, k, head_layers=1).eval() for k in range(2)]
+    x = torch.randint(0, 256, (1, 14))
+    chunks = ((0, 6), (6, 9), (9, 10), (10, 14))
+    with torch.no_grad():
+        cache: Cache = {}
+        got = torch.cat([e2e(x[:, a:b], cache, a) for a, b in chunks], dim=1)
+        assert torch.allclose(got, e2e(x), atol=1e-5)
+        cache = {}
+        outs = []
+        for a, b in chunks:
+            h = blocks[1](blocks[0](x[:, a:b], cache, a), cache, a)
+            outs.append(blocks[1].logits(h, cache))
+        want = blocks[1].logits(blocks[1](blocks[0](x)))
+        assert torch.allclose(torch.cat(outs, dim=1), want, atol=1e-5)
+        assert {"0.0", "1.0", "head.0"} <= set(cache) and all(k.shape[2] == 14 for k, _ in cache.values())

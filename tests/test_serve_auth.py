@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from blocktrain.errors import ServeError, StageUnavailableError
-from blocktrain.serve.client import TOKEN_ENV, PipelineClient
-from blocktrain.serve.stage import StageOptions, StageServer, StageState, StageThread, serve_until_stopped
-from blocktrain.serve.wire import MAX_HELLO_BYTES, SMALL_FRAME_BYTES, ErrorCode, Frame, FrameKind, encode, hello
+from blocktrain.serve.client.pipeline import TOKEN_ENV, PipelineClient
+from blocktrain.serve.stage.server import StageOptions, StageServer, StageState, StageThread, serve_until_stopped
+from blocktrain.serve.wire.frames import MAX_HELLO_BYTES, SMALL_FRAME_BYTES, ErrorCode, Frame, FrameKind, encode, hello
 from tests.serve_sockets import (
     MIB,
     TOKEN,

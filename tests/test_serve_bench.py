@@ -18,7 +18,7 @@ from blocktrain.cli.main import main
 from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
-from blocktrain.serve.loading import parse_shape, parse_span
+from blocktrain.serve.runtime.loading import parse_shape, parse_span
 from tests.forked_cli import spawn
 from tests.serve_utils import free_ports, wait_port
 

@@ -17,9 +17,9 @@ from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.cli.main import build_parser
 from blocktrain.cli.serving import BENCH_PREFIX, STAGE_EXPLICIT, bench_options, next_stages, stage_options
 from blocktrain.errors import ConfigError
-from blocktrain.serve.client import TOKEN_ENV
-from blocktrain.serve.stage import StageOptions
-from blocktrain.serve.wire import SMALL_FRAME_BYTES
+from blocktrain.serve.client.pipeline import TOKEN_ENV
+from blocktrain.serve.stage.server import StageOptions
+from blocktrain.serve.wire.frames import SMALL_FRAME_BYTES
 from tests.serve_sockets import MIB, TOKEN
 
 

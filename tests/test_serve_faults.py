@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from blocktrain.errors import StageUnavailableError, WireError
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.compute import BlockSpan
-from blocktrain.serve.stage import StageOptions, StageThread
-from blocktrain.serve.wire import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.runtime.diffusion import BlockSpan
+from blocktrain.serve.stage.server import StageOptions, StageThread
+from blocktrain.serve.wire.frames import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
 from tests.serve_utils import E2E_SPANS, SPANS, block_spans, e2e_spans, free_ports, local_models, ring, tiny_models
 
 FAST = {"connect_timeout_s": 0.5, "connect_attempts": 2, "backoff_s": 0.05}

@@ -11,9 +11,9 @@ from contextlib import ExitStack
 import pytest
 import torch
 
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.links import ByteBudget, Conn, Counters
-from blocktrain.serve.wire import MAGIC, SMALL_FRAME_BYTES, ErrorCode, Frame, FrameKind
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.wire.frames import MAGIC, SMALL_FRAME_BYTES, ErrorCode, Frame, FrameKind
+from blocktrain.serve.wire.links import ByteBudget, Conn, Counters
 from tests.serve_sockets import (
     MIB,
     SlowSpan,

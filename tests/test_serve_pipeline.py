@@ -11,9 +11,10 @@ import torch
 from blocktrain.errors import WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.e2e import E2ETransformer
-from blocktrain.serve.client import PipelineClient, generate_remote
-from blocktrain.serve.compute import E2ESpan, layer_cached
-from blocktrain.serve.wire import Frame, FrameKind, Mode
+from blocktrain.model.layers import Cache
+from blocktrain.serve.client.pipeline import PipelineClient, generate_remote
+from blocktrain.serve.runtime.e2e import E2ESpan
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
 from tests.serve_utils import E2E_SPANS, SPANS, block_spans, e2e_spans, local_models, ring, tiny_models
 
 TOL = 1e-5
@@ -65,12 +66,12 @@ def test_kv_cached_layers_equal_full_forward(models) -> None:  # type: ignore[no
         full = h
         for layer in e2e.layers:
             full = layer(full)
-        past: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        past: Cache = {}
         outs = []
         for a, b in ((0, 5), (5, 8), (8, 9), (9, 12)):  # prefill, a chunk, single tokens
             y = h[:, a:b]
             for i, layer in enumerate(e2e.layers):
-                y, past[i] = layer_cached(layer, y, past.get(i))
+                y = layer(y, cache=past, name=str(i))
             outs.append(y)
     assert torch.allclose(torch.cat(outs, dim=1), full, atol=TOL)
 

@@ -23,12 +23,12 @@ from blocktrain.errors import ConfigError, WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.sampling import filtered_probs
-from blocktrain.serve.client import PipelineClient, generate_remote
-from blocktrain.serve.kvcache import CacheEntry
-from blocktrain.serve.loading import load_run_span
-from blocktrain.serve.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
-from blocktrain.serve.stackspan import StackSpan
-from blocktrain.serve.wire import Frame, FrameKind, Mode
+from blocktrain.serve.client.pipeline import PipelineClient, generate_remote
+from blocktrain.serve.runtime.kvcache import CacheEntry
+from blocktrain.serve.runtime.loading import load_run_span
+from blocktrain.serve.runtime.stack import StackSpan
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
+from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
 from tests.forked_cli import spawn
 from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run

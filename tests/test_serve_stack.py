@@ -17,11 +17,11 @@ from blocktrain.errors import WireError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.generate import generate
 from blocktrain.presets import tiny
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
-from blocktrain.serve.loading import load_run_span
-from blocktrain.serve.stackspan import StackSpan
-from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
+from blocktrain.serve.runtime.loading import load_run_span
+from blocktrain.serve.runtime.stack import StackSpan
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.train.block import train_block
 from tests.conftest import write_data_dir
 from tests.serve_utils import ring

@@ -10,7 +10,7 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import pack
 from blocktrain.errors import FramingError, WireError
-from blocktrain.serve.wire import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
+from blocktrain.serve.wire.frames import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
 
 
 def _frame() -> Frame:
@@ -90,8 +90,8 @@ def test_span_rejects_oversized_batches_and_bad_sweep_params() -> None:
     from blocktrain.errors import WireError
     from blocktrain.model.block import BlockDenoiser
     from blocktrain.presets import tiny
-    from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, BlockSpan
-    from blocktrain.serve.wire import Frame, FrameKind, Mode
+    from blocktrain.serve.runtime.diffusion import MAX_ROWS_PER_FRAME, BlockSpan
+    from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
 
     cfg = tiny()
     span = BlockSpan({0: BlockDenoiser(cfg.model, 0.5)}, cfg)

@@ -184,7 +184,7 @@ def test_dense_inputs_start_as_the_plain_stack_and_learn_their_mix() -> None:
 
 
 def test_serving_refuses_a_dense_stack_with_a_fix(tmp_path: Path, data_dir: Path) -> None:
-    from blocktrain.serve.loading import load_run_span
+    from blocktrain.serve.runtime.loading import load_run_span
 
     cfg = variant_cfg(StackConfig(dense=StackDense.ALL), steps=1, eval_bytes=0)
     for k in range(cfg.model.n_blocks):

@@ -42,7 +42,7 @@ from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.errors import BlockTrainError, ConfigError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
-from blocktrain.serve.loading import parse_shape
+from blocktrain.serve.runtime.loading import parse_shape
 
 log = logging.getLogger(__name__)
 

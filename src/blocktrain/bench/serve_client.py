@@ -23,8 +23,8 @@ import torch
 
 from blocktrain.errors import ServeError, StageUnavailableError
 from blocktrain.evaluate.scoring import score_split
-from blocktrain.serve.client import PipelineClient, generate_with
-from blocktrain.serve.wire import Frame, FrameKind, encode
+from blocktrain.serve.client.pipeline import PipelineClient, generate_with
+from blocktrain.serve.wire.frames import Frame, FrameKind, encode
 
 log = logging.getLogger(__name__)
 

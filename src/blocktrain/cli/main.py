@@ -112,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.pipeline and args.top_p < 1 and args.mode not in ("ar", "spec"):
         raise BlockTrainError(f"--top-p is sampled by the local model and by --mode ar or spec, not {args.mode}")
     if args.pipeline:
-        from blocktrain.serve.client import generate_remote
+        from blocktrain.serve.client.pipeline import generate_remote
 
         text = generate_remote(
             args.pipeline, args.mode, args.prompt.encode(), args.bytes, timeout_s=args.timeout,

@@ -18,7 +18,7 @@ from blocktrain.config import Objective
 
 if TYPE_CHECKING:
     from blocktrain.bench.serve_options import ServeBenchOptions
-    from blocktrain.serve.stage_options import StageOptions
+    from blocktrain.serve.stage.options import StageOptions
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _int_tuple(text: str) -> tuple[int, ...]:
 def read_token(args: argparse.Namespace) -> str:
     """The shared serving token: --token-file, else $BLOCKTRAIN_SERVE_TOKEN, else "" (no authentication)."""
     from blocktrain.errors import ConfigError
-    from blocktrain.serve.client import TOKEN_ENV
+    from blocktrain.serve.client.pipeline import TOKEN_ENV
 
     if args.token_file:
         try:
@@ -87,8 +87,8 @@ def read_token(args: argparse.Namespace) -> str:
 
 def stage_options(args: argparse.Namespace, next_stages: tuple[tuple[str, int], ...] = ()) -> StageOptions:
     """`blocktrain serve` flags -> StageOptions (ConfigError on a bad value); unset flags keep the field defaults."""
-    from blocktrain.serve.limits import SMALL_FRAME_BYTES
-    from blocktrain.serve.stage_options import StageOptions
+    from blocktrain.serve.stage.options import StageOptions
+    from blocktrain.serve.wire.limits import SMALL_FRAME_BYTES
 
     given = _given_options(args, StageOptions, STAGE_PREFIX)
     default = StageOptions()
@@ -108,7 +108,7 @@ def stage_options(args: argparse.Namespace, next_stages: tuple[tuple[str, int], 
 
 def next_stages(args: argparse.Namespace) -> tuple[tuple[str, int], ...]:
     """--next A,B -> the next stage and its replicas (ValueError on a bad address)."""
-    from blocktrain.serve.links import parse_address
+    from blocktrain.serve.wire.links import parse_address
 
     return tuple(parse_address(a) for a in args.next.split(",")) if args.next else ()
 
@@ -126,20 +126,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from blocktrain.checkpoint.run import RunDir
     from blocktrain.config import Precision
     from blocktrain.errors import ConfigError, ServeError
-    from blocktrain.serve.compute import BlockSpan, E2ESpan
-    from blocktrain.serve.kvcache import CacheOptions
-    from blocktrain.serve.links import parse_address
-    from blocktrain.serve.loading import (
+    from blocktrain.serve.runtime import Span
+    from blocktrain.serve.runtime.kvcache import CacheOptions
+    from blocktrain.serve.runtime.loading import (
         load_e2e_span,
         load_run_span,
         parse_shape,
         parse_span,
         random_e2e_span,
         random_run_span,
-        span_params,
     )
-    from blocktrain.serve.stackspan import StackSpan
-    from blocktrain.serve.stage import StageServer, serve_until_stopped
+    from blocktrain.serve.stage.server import StageServer, serve_until_stopped
+    from blocktrain.serve.wire.links import parse_address
 
     torch.set_num_threads(args.threads)
     span_text = args.layers if args.model == "e2e" else args.blocks
@@ -152,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     precision = Precision(args.precision)
-    span: BlockSpan | E2ESpan | StackSpan
+    span: Span
     if args.random:
         cfg = parse_shape(args.random, objective=Objective(args.objective))
         cache = CacheOptions(ttl_s=args.cache_ttl, max_bytes=int(args.cache_mib * 2**20))
@@ -165,7 +163,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         span = load_e2e_span(run, lo, hi, precision) if args.model == "e2e" else load_run_span(run, lo, hi, precision, cache)
     else:
         raise ConfigError("serve needs --run RUN (trained weights) or --random SHAPE (random weights)")
-    log.info("loaded %s %d-%d: %.1fM parameters, %s arithmetic", span.family, lo, hi, span_params(span) / 1e6,
+    log.info("loaded %s %d-%d: %.1fM parameters, %s arithmetic", span.describe()["family"], lo, hi, span.n_params() / 1e6,
              precision.value)
     opts = stage_options(args, nxt)
     if not opts.token:
@@ -196,8 +194,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     """``blocktrain gateway`` flags -> a running gateway."""
     from blocktrain.errors import ConfigError
-    from blocktrain.serve.gateway import TOKEN_ENV, GatewayOptions, run_gateway
-    from blocktrain.serve.links import parse_address
+    from blocktrain.serve.gateway.app import TOKEN_ENV, GatewayOptions, run_gateway
+    from blocktrain.serve.wire.links import parse_address
 
     try:
         host, port = parse_address(args.listen)
@@ -215,7 +213,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the serve sub-command (and 'bench serve') to the parser."""
     from blocktrain.bench.serve_options import ServeBenchOptions
-    from blocktrain.serve.stage_options import StageOptions
+    from blocktrain.serve.stage.options import StageOptions
 
     s = sub.add_parser("serve", help="serve a span of blocks (or E2E layers) as one pipeline stage")
     s.add_argument("--run", default=None, help="run directory with the trained weights")

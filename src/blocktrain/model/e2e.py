@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
-from blocktrain.model.layers import TransformerLayer, init_weights
+from blocktrain.model.layers import Cache, TransformerLayer, init_weights
 
 
 class E2ETransformer(nn.Module):
@@ -24,13 +24,16 @@ class E2ETransformer(nn.Module):
         self.head = nn.Linear(cfg.d_model, VOCAB_SIZE)
         init_weights(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (b, t) uint8/long bytes -> logits (b, t, 256) for the byte after each position."""
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, pos: int = 0) -> torch.Tensor:
+        """x: (b, t) uint8/long bytes at positions pos.. -> logits (b, t, 256) for the byte after each position.
+
+        With ``cache`` (one sequence's keys and values of positions 0..pos-1, layers named by index) it is
+        extended by x's positions.
+        """
         t = x.shape[1]
-        if t > self.cfg.context:
-            raise ValueError(f"sequence of {t} bytes exceeds the context of {self.cfg.context}")
-        pos = torch.arange(t, device=x.device)
-        h = self.tok_emb(x.long()) + self.pos_emb(pos)
-        for layer in self.layers:
-            h = layer(h)
+        if pos + t > self.cfg.context:
+            raise ValueError(f"sequence of {pos + t} bytes exceeds the context of {self.cfg.context}")
+        h = self.tok_emb(x.long()) + self.pos_emb(torch.arange(pos, pos + t, device=x.device))
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache=cache, name=str(i))
         return self.head(self.ln_f(h))

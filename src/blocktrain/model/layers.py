@@ -54,6 +54,29 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values (b, h, t, d_h) of the positions a sequence has seen
+Cache = dict[str, KV]  # one sequence's keys and values per attention layer, by the name its owner gives the layer
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: KV | None) -> tuple[torch.Tensor, KV]:
+    """Causal attention of new positions q, k, v (b, h, t, d_h) over the ``past`` keys/values plus their own.
+
+    Returns the output (b, h, t, d_h) and the keys/values of every position seen so far. New position i
+    (absolute n_past + i) sees positions 0..n_past + i, as :func:`causal_attention` does on the whole sequence.
+    """
+    n_past, t = (0 if past is None else past[0].shape[2]), q.shape[2]
+    if past is not None:
+        k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+    if n_past == 0:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    elif t == 1:
+        y = F.scaled_dot_product_attention(q, k, v)
+    else:
+        mask = torch.ones(t, n_past + t, dtype=torch.bool, device=q.device).tril(diagonal=n_past)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return y, (k, v)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
@@ -61,14 +84,19 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, name: str = "") -> torch.Tensor:
+        """x (b, t, d) -> (b, t, d). With ``cache``, x holds the positions after those cached under ``name``,
+        which are then extended by x's."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         # (b, t, d) -> (b, h, t, d/h)
         q = q.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
         k = k.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
         v = v.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-        y = causal_attention(q, k, v)
+        if cache is None:
+            y = causal_attention(q, k, v)
+        else:
+            y, cache[name] = cached_attention(q, k, v, cache.get(name))
         # (b, h, t, d/h) -> (b, t, d)
         y = y.transpose(1, 2).contiguous().view(b, t, d)
         return self.proj(y)
@@ -146,13 +174,16 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(d_model, mlp_ratio)
         self.mod_table = nn.Parameter(torch.zeros(4 * d_model)) if conditioned else None
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mod: torch.Tensor | None = None, cache: Cache | None = None, name: str = ""
+    ) -> torch.Tensor:
+        """x (b, t, d) -> (b, t, d); with ``cache``, x continues the positions cached under ``name`` (KV-cached)."""
         if self.mod_table is None:
-            x = x + self.attn(self.ln1(x))
+            x = x + self.attn(self.ln1(x), cache, name)
             return x + self.mlp(self.ln2(x))
         assert mod is not None, "a conditioned layer needs its modulation"
         shift1, scale1, shift2, scale2 = (mod + self.mod_table).chunk(4, dim=-1)
-        x = x + self.attn(self.ln1(x, shift1, scale1))
+        x = x + self.attn(self.ln1(x, shift1, scale1), cache, name)
         return x + self.mlp(self.ln2(x, shift2, scale2))
 
 

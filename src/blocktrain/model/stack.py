@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, ModelConfig
-from blocktrain.model.layers import TransformerLayer, init_weights
+from blocktrain.model.layers import Cache, TransformerLayer, init_weights
 
 
 class FrozenHead(nn.Module):
@@ -93,20 +93,23 @@ class StackBlock(nn.Module):
             for m in (self.head_layers, self.ln_f, self.head):
                 m.requires_grad_(False)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """x (b, t) bytes -> h_0 (b, t, d) in fp32 (block 0 only)."""
+    def embed(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        """x (b, t) bytes at positions pos.. -> h_0 (b, t, d) in fp32 (block 0 only)."""
         if self.tok_emb is None or self.pos_emb is None:
             raise ValueError(f"block {self.k} reads the residual stream, not bytes; only block 0 embeds")
         t = x.shape[1]
-        if t > self.cfg.context:
-            raise ValueError(f"sequence of {t} bytes exceeds the context of {self.cfg.context}")
-        pos = torch.arange(t, device=x.device)
-        return (self.tok_emb(x.long()) + self.pos_emb(pos)).float()
+        if pos + t > self.cfg.context:
+            raise ValueError(f"sequence of {pos + t} bytes exceeds the context of {self.cfg.context}")
+        return (self.tok_emb(x.long()) + self.pos_emb(torch.arange(pos, pos + t, device=x.device))).float()
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """Bytes (b, t) for block 0, else h_k (b, t, d) or stream states (b, t, m, d) -> h_{k+1} (b, t, d)."""
+    def forward(self, inp: torch.Tensor, cache: Cache | None = None, pos: int = 0) -> torch.Tensor:
+        """Bytes (b, t) for block 0, else h_k (b, t, d) or stream states (b, t, m, d) -> h_{k+1} (b, t, d).
+
+        With ``cache`` (one sequence's keys and values), ``inp`` holds positions pos.. and the cache, holding
+        positions 0..pos-1, is extended by them (its layers are named ``"k.j"``).
+        """
         if self.k == 0:
-            h = self.embed(inp)
+            h = self.embed(inp, pos)
         elif self.mix is not None:
             if inp.dim() != 4 or inp.shape[2] != self.mix.shape[0]:
                 raise ValueError(f"block {self.k} mixes {self.mix.shape[0]} stream states (b, t, m, d); got {tuple(inp.shape)}")
@@ -114,15 +117,16 @@ class StackBlock(nn.Module):
                 h = torch.einsum("btmd,m->btd", inp.float(), self.mix.float())  # (b, t, m, d) -> (b, t, d)
         else:
             h = inp.float()
-        for layer in self.layers:
-            h = layer(h)
+        for j, layer in enumerate(self.layers):
+            h = layer(h, cache=cache, name=f"{self.k}.{j}")
         return h
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Block k's local head on h_{k+1} (b, t, d) -> next-byte logits (b, t, 256)."""
+    def logits(self, h: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """Block k's local head on h_{k+1} (b, t, d) -> next-byte logits (b, t, 256); ``cache`` as in forward
+        (its head layers are named ``"head.j"``; a residual head is position-wise and caches nothing)."""
         out = h
-        for layer in self.head_layers:
-            out = layer(out)
+        for j, layer in enumerate(self.head_layers):
+            out = layer(out, cache=cache, name=f"head.{j}")
         logits = self.head(self.ln_f(out))
         return logits if self.prev_head is None else logits + self.prev_head(h)
 

@@ -32,7 +32,7 @@ class DiffusionObjective:
     deterministic = False
     trains_in_order = False
     blocks_alike = True
-    serving_span = "blocktrain.serve.compute:BlockSpan"
+    serving_span = "blocktrain.serve.runtime.diffusion:BlockSpan"
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -27,7 +27,7 @@ class StackObjective:
     deterministic = True
     trains_in_order = True
     blocks_alike = False  # block 0 embeds the bytes, the others read h
-    serving_span = "blocktrain.serve.stackspan:StackSpan"
+    serving_span = "blocktrain.serve.runtime.stack:StackSpan"
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

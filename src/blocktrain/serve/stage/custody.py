@@ -12,11 +12,10 @@ import asyncio
 import logging
 import time
 
-from blocktrain.serve.entry import EntryRequests
-from blocktrain.serve.links import Conn
-from blocktrain.serve.stackspan import StackSpan
-from blocktrain.serve.stage_core import WorkItem
-from blocktrain.serve.wire import ErrorCode, Frame, FrameKind
+from blocktrain.serve.stage.core import WorkItem
+from blocktrain.serve.stage.entry import EntryRequests
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind
+from blocktrain.serve.wire.links import Conn
 
 log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
 
@@ -133,6 +132,5 @@ class Forwarding(EntryRequests):
                 del self.upstream[tag]
             if self.link is not None:
                 self.link.expire(horizon)
-            if isinstance(self.span, StackSpan):
-                self.span.expire_idle()  # KV caches idle past their timeout (also checked whenever the stage computes)
+            self.span.expire_idle()  # KV caches idle past their timeout (also checked whenever the stage computes)
 

@@ -3,10 +3,10 @@
 :class:`StageCore` holds the span, the options, the pending requests of the entry,
 the custody map of frames passed on, the inbound connections and the shared byte
 budget. The parts of the server build on it, one concept each:
-:mod:`~blocktrain.serve.entry` (requests given to the entry),
-:mod:`~blocktrain.serve.custody` (routing frames and keeping custody of them),
-:mod:`~blocktrain.serve.admission` (inbound connections and their limits) and
-:mod:`~blocktrain.serve.stage` (lifecycle and the batching loop).
+:mod:`~blocktrain.serve.stage.entry` (requests given to the entry),
+:mod:`~blocktrain.serve.stage.custody` (routing frames and keeping custody of them),
+:mod:`~blocktrain.serve.stage.admission` (inbound connections and their limits) and
+:mod:`~blocktrain.serve.stage.server` (lifecycle and the batching loop).
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from blocktrain.errors import WireError
-from blocktrain.serve.compute import BlockSpan, E2ESpan
-from blocktrain.serve.links import ByteBudget, Conn, Counters, Link
-from blocktrain.serve.stackspan import StackSpan
-from blocktrain.serve.stage_options import StageOptions, StageState
-from blocktrain.serve.wire import SMALL_FRAME_BYTES, ErrorCode, Frame, FrameKind, UnknownRequestError
+from blocktrain.serve.runtime import Span
+from blocktrain.serve.stage.options import StageOptions, StageState
+from blocktrain.serve.wire.frames import SMALL_FRAME_BYTES, ErrorCode, Frame, FrameKind, UnknownRequestError
+from blocktrain.serve.wire.links import ByteBudget, Conn, Counters, Link
 
 log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
-
-Span = BlockSpan | E2ESpan | StackSpan
 
 
 class _Throttled:
@@ -77,7 +74,7 @@ class StageCore:
         self.opts = options or StageOptions()
         self.state = StageState.STARTING
         self.counters = Counters()
-        self.name = f"{span.family}[{span.lo}-{span.hi}]"
+        self.name = f"{span.describe()['family']}[{span.lo}-{span.hi}]"
         self.pending: dict[str, Pending] = {}
         self.upstream: dict[int, tuple[Conn | None, int | None, float]] = {}  # link tag -> origin of the frame
         self.conns: set[Conn] = set()

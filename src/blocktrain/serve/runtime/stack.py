@@ -3,8 +3,8 @@
 Block 0 reads bytes, every later block reads h (b, t, d) from the block before
 (:mod:`blocktrain.model.stack`); the last block's head turns h into logits.
 The stack's layers are the same unconditioned :class:`TransformerLayer` as the
-E2E model's, so the per-request KV caches reuse
-:func:`~blocktrain.serve.compute.layer_cached` (:mod:`blocktrain.serve.kvcache`).
+E2E model's; the blocks' own cached forward (``block(h, cache, pos)``) extends
+each request's keys and values (:mod:`blocktrain.serve.runtime.kvcache`).
 
 Modes:
 
@@ -15,7 +15,7 @@ Modes:
   of one sequence, the caches are truncated to ``pos`` and extended, and the
   result is the logits (1, 256) of the last position; without ``pos``, x (b, t)
   is run whole without a cache (the diffusion spans' stateless ``ar``).
-* ``spec`` (:mod:`blocktrain.serve.speculative`): the entry stage drafts
+* ``spec`` (:mod:`blocktrain.serve.wire.speculative`): the entry stage drafts
   ``n_draft`` bytes with its own prefix model (blocks 0..hi and block hi's head,
   KV-cached, no network), sampling each from q = filtered_probs(logits) with a
   generator seeded by (seed, accepted length); the accepted tail plus the draft
@@ -41,10 +41,10 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.device import autocast
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
-from blocktrain.serve.compute import MAX_ROWS_PER_FRAME, layer_cached
-from blocktrain.serve.kvcache import CacheEntry, CacheOptions, KVCache
-from blocktrain.serve.speculative import SpecParams, validate_carried_draft
-from blocktrain.serve.wire import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
+from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
 
 CPU = torch.device("cpu")
 
@@ -70,7 +70,7 @@ class StackSpan:
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.model.n_blocks,
                 "context": self.cfg.model.context, "d_model": self.cfg.model.d_model,
-                "precision": self.precision.value, "cached_requests": len(self.cache),
+                "modes": ["spec", "ar", "score"], "cached": True, "precision": self.precision.value, "cached_requests": len(self.cache),
                 "cache_evictions": self.cache.evictions}
 
     def holds(self, index: int) -> bool:
@@ -90,6 +90,9 @@ class StackSpan:
 
     def expire_idle(self) -> int:
         return self.cache.expire_idle()
+
+    def n_params(self) -> int:
+        return sum(p.numel() for b in self.blocks.values() for p in b.parameters())
 
     def batch_key(self, frame: Frame) -> tuple[Any, ...]:
         return (self.family, frame.request_id)  # cached steps run one request at a time
@@ -200,26 +203,11 @@ class StackSpan:
 
         Returns h (1, t, d) after block hi, and the head's logits (1, t, 256) where this stage runs a head.
         """
-        t = inp.shape[1]
-        if self.lo == 0:
-            b0 = self.blocks[0]
-            assert b0.tok_emb is not None and b0.pos_emb is not None
-            h = (b0.tok_emb(inp.long()) + b0.pos_emb(torch.arange(pos, pos + t))).float()
-        else:
-            h = inp
+        h = inp
         for k in range(self.lo, self.hi + 1):
-            for j, layer in enumerate(self.blocks[k].layers):
-                h, entry.kv[f"{k}.{j}"] = layer_cached(layer, h, entry.kv.get(f"{k}.{j}"))  # type: ignore[arg-type]
-        logits = None
-        if self.runs_head:
-            block = self.blocks[self.hi]
-            g = h
-            for j, layer in enumerate(block.head_layers):
-                g, entry.kv[f"head.{j}"] = layer_cached(layer, g, entry.kv.get(f"head.{j}"))  # type: ignore[arg-type]
-            logits = block.head(block.ln_f(g)).float()
-            if block.prev_head is not None:  # a residual head: position-wise (no layers), so nothing to cache
-                logits = logits + block.prev_head(h).float()
-        entry.pos = pos + t
+            h = self.blocks[k](h, cache=entry.kv, pos=pos)
+        logits = self.blocks[self.hi].logits(h, cache=entry.kv).float() if self.runs_head else None
+        entry.pos = pos + inp.shape[1]
         return h, logits
 
     def _draft(self, f: Frame, entry: CacheEntry, pos: int) -> Frame:

@@ -2,7 +2,7 @@
 
 The gateway (``serve/gateway.py``) turns HTTP into a :class:`CompletionRequest` (every field checked here, with an
 OpenAI-shaped 4xx on a bad one) and asks a :class:`PipelineBackend` for the continuation as a stream of byte chunks.
-The backend is a thin adapter over :class:`blocktrain.serve.client.PipelineClient`: it uses the client's streaming
+The backend is a thin adapter over :class:`blocktrain.serve.client.pipeline.PipelineClient`: it uses the client's streaming
 iterators (``iter_spec``, ``iter_ar``, ``iter_baseline``) where the client has them, and otherwise its one-shot methods (the whole
 continuation as one chunk). A mode the client cannot run is refused with a 501, never answered with made-up text.
 
@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from blocktrain.errors import ProtocolError, StageUnavailableError
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.gateway_logprobs import MAX_LOGPROBS, MAX_SCORED_BYTES, MAX_TOKEN_IDS, StopScanner, byte_log_probs
-from blocktrain.serve.speculative import MAX_DRAFT
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.gateway.logprobs import MAX_LOGPROBS, MAX_SCORED_BYTES, MAX_TOKEN_IDS, StopScanner, byte_log_probs
+from blocktrain.serve.wire.speculative import MAX_DRAFT
 
 MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
 # modes each kind of pipeline runs (the entry stage's `family`), the default first

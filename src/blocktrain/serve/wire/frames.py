@@ -38,16 +38,16 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import pack, unpack
 from blocktrain.errors import CheckpointError, FramingError, WireError
-from blocktrain.serve.limits import (  # re-exported: the wire's size limits
+from blocktrain.serve.wire.limits import (  # re-exported: the wire's size limits
     DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES,
 )
-from blocktrain.serve.limits import (
+from blocktrain.serve.wire.limits import (
     MAX_HEADER_BYTES as MAX_HEADER_BYTES,
 )
-from blocktrain.serve.limits import (
+from blocktrain.serve.wire.limits import (
     MAX_HELLO_BYTES as MAX_HELLO_BYTES,
 )
-from blocktrain.serve.limits import (
+from blocktrain.serve.wire.limits import (
     SMALL_FRAME_BYTES as SMALL_FRAME_BYTES,
 )
 

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from blocktrain.errors import FramingError, WireError
-from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, encode, hello, read_frame
+from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, encode, hello, read_frame
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ entry stage batches those that arrive together. ``generate_ar`` and
 (same seeds, same sampling), so a pipeline and a local model give the same text;
 on a stack run's pipeline ``generate_ar`` keeps a KV cache per request in every
 stage. ``generate_spec``/``iter_spec`` run speculative decoding on a stack or diffusion run
-(the loop runs here, see :mod:`blocktrain.serve.decoding`); ``iter_ar`` and
+(the loop runs here, see :mod:`blocktrain.serve.client.decoding`); ``iter_ar`` and
 ``iter_spec`` yield bytes as they are accepted, for streaming.
 
 When the stages share a token (``blocktrain serve`` with ``BLOCKTRAIN_SERVE_TOKEN``
@@ -31,10 +31,10 @@ import torch
 from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
 from blocktrain.sampling import sample_byte
-from blocktrain.serve.decoding import SpecResult, call_cached, iter_ar, spec_steps
-from blocktrain.serve.links import Address, Conn, Counters, open_conn, parse_address
-from blocktrain.serve.speculative import SpecOptions
-from blocktrain.serve.wire import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.client.decoding import SpecResult, call_cached, iter_ar, spec_steps
+from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.wire.links import Address, Conn, Counters, open_conn, parse_address
+from blocktrain.serve.wire.speculative import SpecOptions
 
 log = logging.getLogger(__name__)
 

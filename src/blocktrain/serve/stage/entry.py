@@ -12,9 +12,9 @@ import asyncio
 import logging
 import time
 
-from blocktrain.serve.links import Conn
-from blocktrain.serve.stage_core import Pending, StageCore, WorkItem
-from blocktrain.serve.wire import ErrorCode, Frame, FrameKind, Mode
+from blocktrain.serve.stage.core import Pending, StageCore, WorkItem
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode
+from blocktrain.serve.wire.links import Conn
 
 log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
 

@@ -1,48 +1,38 @@
-"""What one stage computes: a contiguous span of blocks, or of E2E layers with KV caches.
+"""What one stage of a ``diffusion`` run computes: blocks ``lo..hi`` of the chain.
 
-:class:`BlockSpan` holds blocks ``lo..hi`` of a BlockTrain model and runs each
+:class:`BlockSpan` holds blocks ``lo..hi`` of a diffusion run and runs each
 block's share of the chain with :func:`blocktrain.diffusion.sampler.chain_step`.
 Frames that arrive together are batched: sequences are right-padded to the
 longest, which is exact because every block is causal (padding sits after the
-positions that are read back).
-
-:class:`E2ESpan` holds layers ``lo..hi`` of the E2E reference (plus the
-embeddings on the first stage and the head on the last) and keeps a KV cache
-per request id, so each new token costs one pass over its layers.
-
-Both turn an input frame into an output frame (WORK for the next stage,
-RESULT for the client) and never touch the network.
+positions that are read back). It turns an input frame into an output frame
+(WORK for the next stage, RESULT for the client) and never touches the network.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from blocktrain.config import VOCAB_SIZE, ModelConfig, Precision, RunConfig
+from blocktrain.config import VOCAB_SIZE, Precision, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.device import autocast
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_step, initial_noise, position_noise
 from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
-from blocktrain.model.layers import CausalSelfAttention, TransformerLayer
 from blocktrain.sampling import sample_rows
-from blocktrain.serve.kvcache import CacheOptions
-from blocktrain.serve.speculative import SpecParams, validate_carried_draft
-from blocktrain.serve.wire import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
+from blocktrain.serve.runtime.kvcache import CacheOptions
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_param
+from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
 
 log = logging.getLogger(__name__)
 
 PLACEHOLDER_BYTE = 32  # context byte of not-yet-estimated sweep positions (a space)
-MAX_ROWS_PER_FRAME = 64  # sequences per frame: bounds the (b, t, d_model) state a frame can make a stage allocate
+
 
 
 class BlockSpan:
@@ -67,7 +57,8 @@ class BlockSpan:
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.model.n_blocks,
-                "context": self.cfg.model.context, "d_model": self.cfg.model.d_model}
+                "context": self.cfg.model.context, "d_model": self.cfg.model.d_model,
+                "modes": ["ar", "sweep", "spec", "score"], "cached": False}
 
     def holds(self, index: int) -> bool:
         return self.lo <= index <= self.hi
@@ -77,7 +68,13 @@ class BlockSpan:
         return self.hi == self.n_last
 
     def release(self, request_id: str) -> bool:
-        return False
+        return False  # no caches: each traversal carries the whole text
+
+    def expire_idle(self) -> int:
+        return 0
+
+    def n_params(self) -> int:
+        return sum(p.numel() for b in self.blocks.values() for p in b.parameters())
 
     def batch_key(self, frame: Frame) -> tuple[Any, ...]:
         if frame.mode is Mode.SPEC:
@@ -249,144 +246,3 @@ class BlockSpan:
             params["sweep_index"] = s + 1  # another sweep: fresh noise, the estimate as context
             return Frame(FrameKind.WORK, f.request_id, f.mode, 0, params, {"x": x})
         return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, params, {"bytes": x[:, int(params["prompt_len"]) :]})
-
-
-# --- the AR baseline -----------------------------------------------------------
-def attention_cached(
-    attn: CausalSelfAttention, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Causal self-attention of new positions x (b, t, d) over cached keys/values plus their own."""
-    b, t, d = x.shape
-    h = attn.n_heads
-    q, k, v = attn.qkv(x).split(d, dim=-1)
-    # (b, t, d) -> (b, h, t, d/h)
-    q, k, v = (a.view(b, t, h, d // h).transpose(1, 2) for a in (q, k, v))
-    n_past = 0
-    if past is not None:
-        n_past = past[0].shape[2]
-        k = torch.cat([past[0], k], dim=2)
-        v = torch.cat([past[1], v], dim=2)
-    if n_past == 0:
-        y = sdpa(q, k, v, is_causal=True)
-    elif t == 1:
-        y = sdpa(q, k, v)
-    else:
-        mask = torch.ones(t, n_past + t, dtype=torch.bool).tril(diagonal=n_past)
-        y = sdpa(q, k, v, attn_mask=mask)
-    # (b, h, t, d/h) -> (b, t, d)
-    return attn.proj(y.transpose(1, 2).reshape(b, t, d)), (k, v)
-
-
-def layer_cached(
-    layer: TransformerLayer, h: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One pre-LN TransformerLayer (unconditioned) with a KV cache; same maths as ``layer(h)``."""
-    a, kv = attention_cached(layer.attn, layer.ln1(h, None), past)
-    h = h + a
-    return h + layer.mlp(layer.ln2(h, None)), kv
-
-
-class E2ESpan:
-    """Layers ``lo..hi`` of the E2E reference, with a KV cache per request id."""
-
-    family = "e2e"
-
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layers: dict[int, TransformerLayer],
-        embed: tuple[nn.Embedding, nn.Embedding] | None,
-        head: tuple[nn.LayerNorm, nn.Linear] | None,
-        max_cached: int = 64,
-        cache_ttl_s: float = 600.0,
-        precision: Precision = Precision.FP32,
-    ) -> None:
-        self.cfg = cfg
-        self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
-        self.lo, self.hi = min(layers), max(layers)
-        self.layers = {i: m.eval() for i, m in layers.items()}
-        self.embed = embed
-        self.head = head
-        if (self.lo == 0) != (embed is not None) or (self.hi == cfg.n_layers - 1) != (head is not None):
-            raise ValueError("the first E2E stage holds the embeddings and the last one the head")
-        self.max_cached = max_cached
-        self.cache_ttl_s = cache_ttl_s
-        # request id -> (positions cached, per-layer (k, v), last use)
-        self.cache: OrderedDict[str, tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]], float]] = OrderedDict()
-
-    def describe(self) -> dict[str, Any]:
-        return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.n_layers,
-                "context": self.cfg.context, "d_model": self.cfg.d_model}
-
-    def holds(self, index: int) -> bool:
-        return self.lo <= index <= self.hi
-
-    @property
-    def is_last(self) -> bool:
-        return self.head is not None
-
-    def release(self, request_id: str) -> bool:
-        return self.cache.pop(request_id, None) is not None
-
-    def batch_key(self, frame: Frame) -> tuple[Any, ...]:
-        return (self.family, frame.request_id)  # KV-cached steps run one request at a time
-
-    def validate(self, frame: Frame) -> None:
-        if frame.mode is not Mode.BASELINE:
-            raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline'")
-        pos = frame_param(frame.params, "pos", int, 0)
-        key = "x" if self.lo == 0 else "h"
-        t = frame.tensors.get(key)
-        if t is None or t.shape[0] != 1 or t.shape[1] < 1:
-            raise WireError(f"baseline frames at layer {self.lo} need tensor {key!r} of shape (1, t, ...)")
-        if pos < 0 or pos + t.shape[1] > self.cfg.context:
-            raise WireError(
-                f"positions {pos}..{pos + t.shape[1] - 1} exceed the context of {self.cfg.context}; "
-                "start a new request with a shorter prompt"
-            )
-        if pos > 0:
-            entry = self.cache.get(frame.request_id)
-            if entry is None:
-                raise UnknownRequestError(
-                    f"request {frame.request_id} has no KV cache here (never prefilled, released or evicted); "
-                    "start it again with pos=0"
-                )
-            if entry[0] != pos:
-                raise WireError(f"request {frame.request_id} has {entry[0]} cached positions, the frame says pos={pos}")
-
-    def _evict(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, (_, _, used) in self.cache.items() if now - used > self.cache_ttl_s]:
-            del self.cache[rid]
-        while len(self.cache) > self.max_cached:
-            rid, _ = self.cache.popitem(last=False)
-            log.warning("KV cache full (%d requests): dropped the least recently used request %s", self.max_cached, rid)
-
-    @torch.inference_mode()
-    def run(self, frames: Sequence[Frame]) -> list[Frame]:
-        with autocast(self.precision, torch.device("cpu")):
-            return [self._run_one(f) for f in frames]
-
-    def _run_one(self, f: Frame) -> Frame:
-        pos = int(f.params.get("pos", 0))
-        cached = None if pos == 0 else self.cache.get(f.request_id)
-        if pos > 0 and (cached is None or cached[0] != pos):  # evicted since validate(): the client prefills again
-            return f.reply_error(ErrorCode.UNKNOWN_REQUEST, f"request {f.request_id} lost its KV cache here (evicted); "
-                                                            "start it again with pos=0")
-        past = {} if cached is None else cached[1]
-        if self.embed is not None:
-            x = f.tensors["x"].long()
-            tok, posemb = self.embed
-            h = tok(x) + posemb(torch.arange(pos, pos + x.shape[1]))
-        else:
-            h = f.tensors["h"].float()
-        new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for i in range(self.lo, self.hi + 1):
-            h, new[i] = layer_cached(self.layers[i], h, past.get(i))
-        self.cache[f.request_id] = (pos + h.shape[1], new, time.monotonic())
-        self.cache.move_to_end(f.request_id)
-        self._evict()
-        if self.head is None:
-            return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
-        ln_f, lin = self.head
-        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(h[:, -1])).float()})

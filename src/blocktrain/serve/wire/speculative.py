@@ -30,7 +30,7 @@ from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, WireError
 from blocktrain.sampling import filtered_probs, sample_probs
-from blocktrain.serve.wire import frame_number, frame_param
+from blocktrain.serve.wire.frames import frame_number, frame_param
 
 MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
 DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)

@@ -33,8 +33,8 @@ from starlette.exceptions import HTTPException
 
 from blocktrain.data.stream import GATEWAY_CHOICE, mix_seed
 from blocktrain.errors import ConfigError, ServeError
-from blocktrain.serve.client import PipelineClient
-from blocktrain.serve.gateway_backend import (
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.gateway.backend import (
     CHAT_TEMPLATE,
     VOCAB,
     CompletionRequest,
@@ -47,7 +47,7 @@ from blocktrain.serve.gateway_backend import (
     tokenize_body,
     unavailable,
 )
-from blocktrain.serve.gateway_logprobs import Logprobs, StopScanner, token_str
+from blocktrain.serve.gateway.logprobs import Logprobs, StopScanner, token_str
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ Flow of one request through a ring of three stages (the last stage's
     client --SUBMIT--> stage 0 --WORK--> stage 1 --WORK--> stage 2 --RESULT--> stage 0 --RESULT--> client
 
 The server is built of one part per concept: its options
-(:mod:`~blocktrain.serve.stage_options`), its state
-(:mod:`~blocktrain.serve.stage_core`), the entry's pending requests with
-deadlines and retries (:mod:`~blocktrain.serve.entry`), routing and custody of
-forwarded frames (:mod:`~blocktrain.serve.custody`), admission of inbound
-connections and their limits (:mod:`~blocktrain.serve.admission`); this module
+(:mod:`~blocktrain.serve.stage.options`), its state
+(:mod:`~blocktrain.serve.stage.core`), the entry's pending requests with
+deadlines and retries (:mod:`~blocktrain.serve.stage.entry`), routing and custody of
+forwarded frames (:mod:`~blocktrain.serve.stage.custody`), admission of inbound
+connections and their limits (:mod:`~blocktrain.serve.stage.admission`); this module
 adds the lifecycle and the batching loop.
 """
 
@@ -24,11 +24,11 @@ from collections import defaultdict
 from typing import Any
 
 from blocktrain.errors import StageUnavailableError
-from blocktrain.serve.admission import Admission
-from blocktrain.serve.links import Address, Link, format_address
-from blocktrain.serve.stage_core import Span, WorkItem
-from blocktrain.serve.stage_options import StageOptions, StageState
-from blocktrain.serve.wire import ErrorCode
+from blocktrain.serve.stage.admission import Admission
+from blocktrain.serve.stage.core import Span, WorkItem
+from blocktrain.serve.stage.options import StageOptions, StageState
+from blocktrain.serve.wire.frames import ErrorCode
+from blocktrain.serve.wire.links import Address, Link, format_address
 
 __all__ = ["Span", "StageOptions", "StageServer", "StageState", "StageThread", "serve_until_stopped"]
 

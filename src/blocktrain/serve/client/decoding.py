@@ -10,16 +10,16 @@ model, and sends h for the tail plus the draft down the pipeline in ONE
 traversal; every later stage truncates to ``pos`` and appends; the last stage
 returns the raw logits (n_draft + 1, 256) with the draft and its q. The client
 filters the logits into p and applies the speculative-sampling rule
-(:func:`blocktrain.serve.speculative.accept_draft`), appends the kept draft
+(:func:`blocktrain.serve.wire.speculative.accept_draft`), appends the kept draft
 prefix and the correction (or bonus) byte, and sets ``pos`` of the next frame
 to the accepted length before that byte: positions of rejected draft bytes
 are overwritten by the next frame. The draft length follows the running
 acceptance rate within ``draft_min..draft_max``
-(:func:`~blocktrain.serve.speculative.next_draft_len`), and never runs past the
+(:func:`~blocktrain.serve.wire.speculative.next_draft_len`), and never runs past the
 requested bytes or the model context. A RELEASE frame drops the caches at the end.
 Diffusion stages keep no cache: there ``pos`` is always 0 and ``x`` the whole
 accepted text, and the entry stage drafts with block 0 alone
-(:meth:`blocktrain.serve.compute.BlockSpan._run_spec`).
+(:meth:`blocktrain.serve.runtime.diffusion.BlockSpan._run_spec`).
 
 The text never slides past the model context in ``spec``: the prompt is cut from
 the left to ``context - n_new`` bytes. KV-cached ``ar`` on a stack slides like
@@ -41,11 +41,11 @@ import torch
 from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import ServeError
 from blocktrain.sampling import filtered_probs, sample_byte
-from blocktrain.serve.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
-from blocktrain.serve.wire import Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
 
 if TYPE_CHECKING:
-    from blocktrain.serve.client import PipelineClient
+    from blocktrain.serve.client.pipeline import PipelineClient
 
 log = logging.getLogger(__name__)
 

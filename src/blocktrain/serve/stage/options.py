@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from blocktrain.errors import ConfigError
-from blocktrain.serve.limits import DEFAULT_MAX_FRAME_BYTES, MAX_HEADER_BYTES, SMALL_FRAME_BYTES
+from blocktrain.serve.wire.limits import DEFAULT_MAX_FRAME_BYTES, MAX_HEADER_BYTES, SMALL_FRAME_BYTES
 
 if TYPE_CHECKING:
-    from blocktrain.serve.links import Address
+    from blocktrain.serve.wire.links import Address
 
 
 class StageState(enum.Enum):

@@ -24,9 +24,9 @@ from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import TransformerLayer
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
-from blocktrain.serve.compute import BlockSpan, E2ESpan
-from blocktrain.serve.kvcache import CacheOptions
-from blocktrain.serve.stackspan import StackSpan
+from blocktrain.serve.runtime import Span
+from blocktrain.serve.runtime.e2e import E2ESpan
+from blocktrain.serve.runtime.kvcache import CacheOptions
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _check_span(lo: int, hi: int, n: int, what: str) -> None:
 
 def load_run_span(
     run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
-) -> BlockSpan | StackSpan:
+) -> Span:
     """Blocks lo..hi of a run, as the serving span its objective names (:func:`build_span`)."""
     cfg = run.load_config()
     blocker = get_objective(cfg).serving_blocker()
@@ -77,7 +77,7 @@ def load_run_span(
 
 def build_span(
     cfg: RunConfig, blocks: dict[int, nn.Module], precision: Precision = Precision.FP32, cache: CacheOptions | None = None,
-) -> BlockSpan | StackSpan:
+) -> Span:
     """The serving span of trained ``blocks``: the class the run's objective names in ``serving_span`` (objectives
     never import serving code, so they name it)."""
     module, _, name = get_objective(cfg).serving_span.partition(":")
@@ -113,7 +113,7 @@ def _seeded(seed: int, *parts: int) -> None:
 
 def random_run_span(
     cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None
-) -> BlockSpan | StackSpan:
+) -> Span:
     """Blocks lo..hi of ``cfg``'s objective with random weights (seeded per block), as its serving span. For scale
     runs and tests, where no run exists."""
     _check_span(lo, hi, cfg.model.n_blocks, "blocks")
@@ -146,11 +146,3 @@ def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:
         _seeded(seed, 4)
         head = (nn.LayerNorm(m.d_model), nn.Linear(m.d_model, VOCAB_SIZE))
     return E2ESpan(m, layers, embed, head)
-
-
-def span_params(span: BlockSpan | E2ESpan | StackSpan) -> int:
-    if isinstance(span, BlockSpan | StackSpan):
-        return sum(p.numel() for b in span.blocks.values() for p in b.parameters())
-    mods: list[nn.Module] = list(span.layers.values())
-    mods += list(span.embed or ()) + list(span.head or ())
-    return sum(p.numel() for m in mods for p in m.parameters())

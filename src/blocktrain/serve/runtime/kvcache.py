@@ -22,14 +22,12 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import torch
-
 from blocktrain.errors import ConfigError
-from blocktrain.serve.wire import UnknownRequestError
+from blocktrain.model.layers import Cache
+from blocktrain.serve.wire.frames import UnknownRequestError
 
 log = logging.getLogger(__name__)
 
-KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: (b, heads, t, d_head) each
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ class CacheEntry:
     """One request's cache: ``pos`` positions of every layer named in ``kv``."""
 
     pos: int = 0  # positions cached
-    kv: dict[str, KV] = field(default_factory=dict)  # layer name -> (keys, values)
+    kv: Cache = field(default_factory=dict)  # layer name -> (keys, values), as the model's cached forward names them
     used: float = field(default_factory=time.monotonic)  # time.monotonic() of the last use
 
     def nbytes(self) -> int:

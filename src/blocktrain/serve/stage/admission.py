@@ -4,7 +4,7 @@ Hostile or broken peers cannot starve a stage: inbound connections are capped
 (``max_connections``); one on which no frame starts within ``idle_timeout_s``
 (and that has nothing in flight) is closed, and so is one whose started frame
 is not complete within ``read_timeout_s``; a frame's whole length is reserved
-from a shared :class:`~blocktrain.serve.links.ByteBudget` (``buffer_bytes``,
+from a shared :class:`~blocktrain.serve.wire.links.ByteBudget` (``buffer_bytes``,
 at most ``conn_buffer_bytes`` per connection) when its prefix is read, before
 its body is buffered, and released once it has been handled; 64 KiB of it per
 connection is kept for small frames, so that large frames held by slow peers
@@ -19,10 +19,9 @@ import contextlib
 import logging
 
 from blocktrain.errors import FramingError, WireError
-from blocktrain.serve.custody import Forwarding
-from blocktrain.serve.links import Conn
-from blocktrain.serve.stage_options import StageState
-from blocktrain.serve.wire import (
+from blocktrain.serve.stage.custody import Forwarding
+from blocktrain.serve.stage.options import StageState
+from blocktrain.serve.wire.frames import (
     MAX_HELLO_BYTES,
     PREFIX,
     ErrorCode,
@@ -33,6 +32,7 @@ from blocktrain.serve.wire import (
     parse_prefix,
     token_matches,
 )
+from blocktrain.serve.wire.links import Conn
 
 log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
 

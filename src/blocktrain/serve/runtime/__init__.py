@@ -1,0 +1,58 @@
+"""Model execution on a stage: what a stage computes, never the network.
+
+A :class:`Span` holds a contiguous span of blocks (or of E2E layers) and turns
+input frames into output frames. The run's objective names the span that
+serves its blocks (``Objective.serving_span``); :mod:`~blocktrain.serve.runtime.loading`
+builds it. Spans: :mod:`~blocktrain.serve.runtime.stack` (a stack run, KV-cached),
+:mod:`~blocktrain.serve.runtime.diffusion` (the chain's blocks) and
+:mod:`~blocktrain.serve.runtime.e2e` (the E2E baseline); per-request KV caches in
+:mod:`~blocktrain.serve.runtime.kvcache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from blocktrain.config import Precision
+from blocktrain.serve.wire.frames import Frame
+
+MAX_ROWS_PER_FRAME = 64  # sequences per frame: bounds the (b, t, d_model) state a frame can make a stage allocate
+
+
+class Span(Protocol):
+    """What one stage computes, as the stage server uses it."""
+
+    lo: int  # first block (or layer) held
+    hi: int  # last block (or layer) held
+    precision: Precision  # arithmetic of run(), under blocktrain.device.autocast
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this span holds the model's last block (its frames leave as RESULTs)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the PONG reports: ``family`` (a display name), ``lo``, ``hi``, ``n``, ``context``, ``d_model``, and
+        ``modes``, the modes the pipeline runs (the default generation mode first), and ``cached``, whether
+        cached frames carry ``pos`` (stages keep each request's KV caches)."""
+
+    def holds(self, index: int) -> bool:
+        """Whether block (or layer) ``index`` runs here."""
+
+    def validate(self, frame: Frame) -> None:
+        """Raise WireError (UnknownRequestError for a lost cache) when this span cannot run ``frame``."""
+
+    def batch_key(self, frame: Frame) -> tuple[Any, ...]:
+        """Frames with equal keys may run together in one ``run``."""
+
+    def run(self, frames: Sequence[Frame]) -> list[Frame]:
+        """One output frame (WORK, RESULT or ERROR) per input frame."""
+
+    def release(self, request_id: str) -> bool:
+        """Drop a request's caches; whether there were any."""
+
+    def expire_idle(self) -> int:
+        """Drop caches idle past their timeout; how many."""
+
+    def n_params(self) -> int:
+        """Parameters held by this span."""
