@@ -191,7 +191,7 @@ def main() -> int:
         add_rows(lr, mu)
     cfg = get_preset(args.preset)
     tag = ""
-    if args.objective and args.objective != cfg.objective.value:
+    if args.objective and args.objective != cfg.objective:
         cfg = replace(cfg, objective=Objective(args.objective))
         tag = f"{args.objective}/"
     done = {r["row"]: r for r in _read(args.jsonl)}
@@ -209,7 +209,7 @@ def main() -> int:
                 continue
             print("+", tag + name, file=sys.stderr, flush=True)
             row = measure(name, cfg, args, command)
-            row["row"], row["objective"] = tag + name, cfg.objective.value
+            row["row"], row["objective"] = tag + name, str(cfg.objective)
             args.jsonl.parent.mkdir(parents=True, exist_ok=True)
             with args.jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")

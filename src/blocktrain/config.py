@@ -43,11 +43,19 @@ class LossWeighting(enum.Enum):
     UNIFORM = "uniform"  # lambda = 1
 
 
-class Objective(enum.Enum):
-    """What each block is trained to do, and how blocks compose (see :mod:`blocktrain.objectives`)."""
+class Objective(enum.StrEnum):
+    """The built-in block objectives: what each block is trained to do, and how blocks compose.
+
+    :mod:`blocktrain.objectives` maps a run's objective name to its implementation; more can be registered there
+    (:func:`blocktrain.objectives.register_objective`), so a run config holds the name as a string.
+    """
 
     DIFFUSION = "diffusion"  # EDM denoiser of the next byte's embedding; blocks pass z along an Euler chain
     STACK = "stack"  # residual-stream stack; block k reads block k-1's h and has its own next-byte head
+
+
+# Names a run config may choose: the built-ins, and plug-ins that blocktrain.objectives.register_objective adds.
+OBJECTIVE_NAMES: set[str] = {o.value for o in Objective}
 
 
 class Precision(enum.Enum):
@@ -256,7 +264,7 @@ class RunConfig:
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)  # noise and sampler (diffusion objective)
     train: TrainConfig = field(default_factory=TrainConfig)  # optimisation
     # Runs written before the objective existed are diffusion runs, hence this default; presets name it.
-    objective: Objective = Objective.DIFFUSION  # block objective
+    objective: str = Objective.DIFFUSION  # name of a registered block objective (the built-ins: Objective)
     stack: StackConfig = field(default_factory=StackConfig)  # local heads (stack objective)
     dataset: str = ""  # sha256 fingerprint of the dataset the run trains on ("" = not recorded)
 
@@ -264,7 +272,11 @@ class RunConfig:
         _check(bool(self.name), "name", "must be a non-empty string")
         _check(self.dataset == "" or (len(self.dataset) == 64 and all(c in "0123456789abcdef" for c in self.dataset)),
                "dataset", "must be a 64-hex-digit fingerprint or empty")
-        _check(isinstance(self.objective, Objective), "objective", f"must be an Objective, got {self.objective!r}")
+        _check(isinstance(self.objective, str) and self.objective in OBJECTIVE_NAMES, "objective",
+               f"must name a known objective ({', '.join(sorted(OBJECTIVE_NAMES))}), got {self.objective!r}; a plug-in "
+               "objective must be registered first (blocktrain.objectives.register_objective)")
+        if self.objective in Objective.__members__.values():  # a built-in: its enum member, so `is` comparisons hold
+            object.__setattr__(self, "objective", Objective(self.objective))
 
     # --- serialisation -------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -288,7 +300,7 @@ class RunConfig:
                 model=_build(ModelConfig, data["model"]),
                 diffusion=_build(DiffusionConfig, data["diffusion"]),
                 train=_build(TrainConfig, data["train"]),
-                objective=Objective(data.get("objective", Objective.DIFFUSION.value)),
+                objective=str(data.get("objective", Objective.DIFFUSION)),
                 stack=_build(StackConfig, data.get("stack", {})),
                 dataset=str(data.get("dataset", "")),
             )
@@ -310,7 +322,7 @@ class RunConfig:
         # a stack's init and step split are how its blocks were trained, not what they are: never part of the key
         recipe = ("init", "step_ratio")
         own = d["diffusion"] if self.objective is Objective.DIFFUSION else {k: v for k, v in d["stack"].items() if k not in recipe}
-        return json.dumps({"model": d["model"], "objective": self.objective.value, self.objective.value: own}, sort_keys=True)
+        return json.dumps({"model": d["model"], "objective": str(self.objective), str(self.objective): own}, sort_keys=True)
 
     def with_dataset(self, fingerprint: str) -> RunConfig:
         """This config recording the dataset it trains on."""

@@ -283,9 +283,10 @@ def derive_figures(result: dict[str, Any]) -> dict[str, Any]:
     """Set a result's derived figures (compositional gains, gaps to the E2E rows) from its measured CEs."""
     e2e_ce = result["e2e"]["ce_nats_per_byte"]
     matched = result.get("e2e_matched_flops")
-    for name, sec in result["objectives"].items():
+    for sec in result["objectives"].values():
         refs = sec.get("prefix_ce") or sec["blocks_alone_ce"]
-        sec["compositional_gain_nats_per_byte"] = compositional_gain(sec["ce_nats_per_byte"], refs, stack=name == "stack")
+        reference = sec.get("gain_reference") or ("first" if "prefix_ce" in sec else "best")  # results before it was recorded
+        sec["compositional_gain_nats_per_byte"] = compositional_gain(sec["ce_nats_per_byte"], refs, reference)
         sec["gap_nats_per_byte"] = sec["ce_nats_per_byte"] - e2e_ce
         if matched is not None:
             sec["gap_matched_flops_nats_per_byte"] = sec["ce_nats_per_byte"] - matched["ce_nats_per_byte"]
@@ -333,6 +334,7 @@ def _assemble(
             **ev,
             "run_dir": sec["run_dir"],
             "ce_nats_per_byte": ev["ce_nats_per_byte"],
+            "gain_reference": obj.gain_reference,
             ref_key: ev[ref_key],
             "train_flops": sum(s["flops_per_step"] * s["steps"] for s in sums),
             "train_flops_over_e2e": sum(s["flops_per_step"] * s["steps"] for s in sums) / e2e_train_flops,

@@ -43,7 +43,7 @@ def spec_summary(task: dict[str, Any], generative_ce: float, baseline_seconds: f
 def check_stack_run(run: RunDir) -> None:
     cfg = run.load_config()
     if cfg.objective is not Objective.STACK:
-        raise BlockTrainError(f"--stack-run {run.root} is a {cfg.objective.value} run; spec needs a stack run "
+        raise BlockTrainError(f"--stack-run {run.root} is a {cfg.objective} run; spec needs a stack run "
                               "(train one with 'blocktrain train --objective stack')")
     if not run.has_blocks(cfg.model.n_blocks):
         raise BlockTrainError(f"--stack-run {run.root} needs all {cfg.model.n_blocks} blocks; train them first")

@@ -245,7 +245,7 @@ class BlockRounds:
             v, sha = self.version[k], self.weights_sha[k]
             if k not in self._frozen_payload:
                 meta = {"kind": "frozen", "block_index": str(k), "version": str(v), "weights_sha": sha,
-                        "objective": self.cfg.objective.value, "config": self.cfg.to_json()}
+                        "objective": str(self.cfg.objective), "config": self.cfg.to_json()}
                 self._frozen_payload[k] = pack(self.weights[k], meta)
             return v, sha, self._frozen_payload[k]
 

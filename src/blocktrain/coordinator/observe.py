@@ -79,7 +79,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         rejections[reason] = rejections.get(reason, 0) + n
     return {
         "preset": c.cfg.name,
-        "objective": c.cfg.objective.value,
+        "objective": str(c.cfg.objective),
         "dataset": c.cfg.dataset or None,  # the fingerprint every worker's data must have
         "n_blocks": c.n_blocks,
         "block_fp32_bytes": c.block_fp32_bytes,

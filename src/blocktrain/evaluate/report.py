@@ -34,11 +34,12 @@ def evaluate_model(
         raise ValueError("chains must be >= 1")
     t0 = time.perf_counter()
     k = 1 if model.deterministic else chains
-    stack_refs = blocks_alone and isinstance(model, AssembledModel) and model.deterministic
     assembled = model if isinstance(model, AssembledModel) else None
+    # a stack scores every prefix in the pass that scores the composed model (its last prefix)
+    one_pass = blocks_alone and assembled is not None and assembled.objective.composed_is_last_reference
 
     def log_probs(x: torch.Tensor) -> torch.Tensor:
-        if stack_refs:
+        if one_pass:
             assert assembled is not None
             return assembled.reference_log_probs(x, seed=seed)  # (B, b, t, 256); the last is the composed model
         return model.log_probs(x, chains=k, seed=seed)
@@ -48,13 +49,13 @@ def evaluate_model(
         desc=f"{model.kind} {split.name}",
     )
     summary = res.to_dict()
-    if stack_refs:
+    if one_pass:
         composed = res.ce_per_chain[-1]
         summary.update(ce_nats_per_byte=composed, bits_per_byte=composed / math.log(2), perplexity=math.exp(composed),
                        chains=1, ce_mixture_nats_per_byte=None, ce_per_chain=[composed])
     out: dict[str, Any] = {
         "model": model.kind,
-        "objective": model.cfg.objective.value if assembled is not None else "e2e",
+        "objective": str(model.cfg.objective) if assembled is not None else "e2e",
         "split": split.name,
         "data_file": str(split.path),
         **summary,
@@ -62,7 +63,7 @@ def evaluate_model(
         "precision": model.precision.value,
     }
     if blocks_alone and assembled is not None:
-        if stack_refs:
+        if one_pass:
             refs = list(res.ce_per_chain)
         else:
             refs = []
@@ -77,18 +78,22 @@ def evaluate_model(
                 )
                 refs.append(r.ce_nats_per_byte)
         out[assembled.objective.reference_name] = refs
-        out["compositional_gain_nats_per_byte"] = compositional_gain(out["ce_nats_per_byte"], refs, stack=stack_refs)
+        out["compositional_gain_nats_per_byte"] = compositional_gain(out["ce_nats_per_byte"], refs,
+                                                                     assembled.objective.gain_reference)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
-def compositional_gain(ce: float, refs: list[float], *, stack: bool) -> float:
+def compositional_gain(ce: float, refs: list[float], reference: str) -> float:
     """The single-block reference minus the composed model's CE (nats/byte; positive: composing helps).
 
-    The composed stack is its own last prefix, so its gain is measured against the
-    first prefix (block 0 and its head); a diffusion chain's against its best block alone.
+    ``reference`` is the objective's ``gain_reference``: "first" (the composed stack is its own
+    last prefix, so it is measured against the first prefix, block 0 and its head) or "best"
+    (a diffusion chain against its best block alone).
     """
-    return (refs[0] if stack else min(refs)) - ce
+    if reference not in ("first", "best"):
+        raise ValueError(f"gain reference must be 'first' or 'best', got {reference!r}")
+    return (refs[0] if reference == "first" else min(refs)) - ce
 
 
 def format_eval(r: dict[str, Any]) -> str:

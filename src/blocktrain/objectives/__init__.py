@@ -1,24 +1,52 @@
 """Block objectives behind one seam: :class:`~blocktrain.objectives.base.Objective`.
 
-Objective code never imports network code.
+A run config names its objective (``RunConfig.objective``); :func:`get_objective`
+maps the name to its implementation through one registry. The built-ins are
+``stack`` and ``diffusion``; :func:`register_objective` adds another, and nothing
+outside this package needs to change for it. Objective code never imports network code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
+from blocktrain.config import OBJECTIVE_NAMES, RunConfig
 from blocktrain.config import Objective as ObjectiveKind
-from blocktrain.config import RunConfig
+from blocktrain.errors import ConfigError
 from blocktrain.objectives.base import LocalLoss, Objective, compose_logits
 from blocktrain.objectives.diffusion import DiffusionObjective
 from blocktrain.objectives.stack import StackObjective
 
+_REGISTRY: dict[str, Callable[[RunConfig], Objective]] = {
+    ObjectiveKind.STACK: StackObjective,
+    ObjectiveKind.DIFFUSION: DiffusionObjective,
+}
+
+
+def register_objective(name: str, factory: Callable[[RunConfig], Objective]) -> None:
+    """Make ``RunConfig(objective=name)`` train, evaluate and average with ``factory(cfg)``."""
+    if name in _REGISTRY and _REGISTRY[name] is not factory:
+        raise ConfigError(f"an objective named {name!r} is registered already; choose another name")
+    if not name.isidentifier():
+        raise ConfigError(f"an objective's name must be an identifier, got {name!r}")
+    _REGISTRY[name] = factory
+    OBJECTIVE_NAMES.add(name)  # run configs may now name it
+
+
+def objective_names() -> list[str]:
+    return sorted(_REGISTRY)
+
 
 def get_objective(cfg: RunConfig) -> Objective:
     """The objective a run's config names."""
-    if cfg.objective is ObjectiveKind.STACK:
-        return StackObjective(cfg)
-    return DiffusionObjective(cfg)
+    try:
+        factory = _REGISTRY[cfg.objective]
+    except KeyError:
+        raise ConfigError(f"unknown objective {cfg.objective!r}; known: {', '.join(objective_names())} "
+                          "(a plug-in objective must be registered with blocktrain.objectives.register_objective)") from None
+    return factory(cfg)
 
 
 def build_block(cfg: RunConfig, k: int) -> nn.Module:
@@ -26,4 +54,5 @@ def build_block(cfg: RunConfig, k: int) -> nn.Module:
     return get_objective(cfg).build_block(k)
 
 
-__all__ = ["LocalLoss", "Objective", "build_block", "compose_logits", "get_objective"]
+__all__ = ["LocalLoss", "Objective", "build_block", "compose_logits", "get_objective", "objective_names",
+           "register_objective"]

@@ -41,6 +41,8 @@ class Objective(Protocol):
     deterministic: bool  # composing draws no noise: one "chain" is all there is
     trains_in_order: bool  # block k trains only once blocks 0..k-1 have finished (it reads frozen copies of them)
     blocks_alike: bool  # every block has the same parameters (names and shapes): one template serves all
+    gain_reference: str  # the reference a composed model's gain is measured against: "first" (prefix 0) or "best" block
+    composed_is_last_reference: bool  # single_block_logits' last entry is the composed model (a stack's last prefix)
     serving_span: str  # "module:Class" of the span that serves these blocks (serve/ builds it; this layer names it)
 
     def schedule(self) -> Schedule:

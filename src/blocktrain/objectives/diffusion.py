@@ -31,6 +31,8 @@ class DiffusionObjective:
     reference_name = "blocks_alone_ce"
     deterministic = False
     trains_in_order = False
+    gain_reference = "best"  # a chain must beat its best block alone
+    composed_is_last_reference = False
     blocks_alike = True
     serving_span = "blocktrain.serve.runtime.diffusion:BlockSpan"
 

@@ -26,6 +26,8 @@ class StackObjective:
     reference_name = "prefix_ce"
     deterministic = True
     trains_in_order = True
+    gain_reference = "first"  # the composed stack is its own last prefix: its gain is over block 0 with its head
+    composed_is_last_reference = True
     blocks_alike = False  # block 0 embeds the bytes, the others read h
     serving_span = "blocktrain.serve.runtime.stack:StackSpan"
 

@@ -124,7 +124,7 @@ class Worker:
         self.base_sha = ""  # sha256 of the base weights: the coordinator's weights_sha for the same version
         self.summary.block = self.k
         log.info("registered as %s on block %d (preset %s, %s objective)", reg["worker"], self.k, self.cfg.name,
-                 self.cfg.objective.value)
+                 self.cfg.objective)
         if reg.get("message"):
             log.info("%s", reg["message"])
 
