@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from blocktrain.errors import FramingError, WireError
-from blocktrain.serve.stage.custody import Forwarding
-from blocktrain.serve.stage.options import StageState
+from blocktrain.serve.stage.core import Throttled, log
+from blocktrain.serve.stage.options import StageOptions
 from blocktrain.serve.wire.frames import (
     MAX_HELLO_BYTES,
     PREFIX,
@@ -32,9 +33,7 @@ from blocktrain.serve.wire.frames import (
     parse_prefix,
     token_matches,
 )
-from blocktrain.serve.wire.links import Conn
-
-log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
+from blocktrain.serve.wire.links import ByteBudget, Conn, Counters
 
 
 class _HangupError(Exception):
@@ -46,11 +45,31 @@ class _HangupError(Exception):
 
 
 
-class Admission(Forwarding):
-    """Accepting, reading and closing inbound connections within the stage's limits."""
+class Admission:
+    """Accepting, reading and closing inbound connections within the stage's limits.
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.state is not StageState.SERVING or len(self.conns) >= self.opts.max_connections:
+    Each frame read goes to ``on_frame``; ``busy(conn)`` says whether work that came in on a connection is still
+    in the stage (it then stays open past its idle timeout); ``serving()`` whether the stage accepts connections.
+    """
+
+    def __init__(
+        self, opts: StageOptions, counters: Counters, budget: ByteBudget, name: str,
+        on_frame: Callable[[Frame, Conn], Awaitable[None]], busy: Callable[[Conn], bool], serving: Callable[[], bool],
+    ) -> None:
+        self.opts = opts
+        self.counters = counters
+        self.budget = budget
+        self.name = name
+        self.on_frame = on_frame
+        self.busy = busy
+        self.serving = serving
+        self.conns: set[Conn] = set()
+        self.handlers: set[asyncio.Task[Any]] = set()  # one per inbound connection
+        self._throttled = Throttled()
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The listener's callback: serve one inbound connection until it closes."""
+        if not self.serving() or len(self.conns) >= self.opts.max_connections:
             self._refuse(writer)
             return
         conn = Conn(reader, writer, self.counters, self.opts.max_frame_bytes, self.opts.write_timeout_s)
@@ -58,11 +77,11 @@ class Admission(Forwarding):
         task = asyncio.current_task()
         self.conns.add(conn)
         if task is not None:
-            self._handlers.add(task)
+            self.handlers.add(task)
         try:
             await self._serve_conn(conn)
         except asyncio.CancelledError:
-            if self.state is StageState.SERVING:
+            if self.serving():
                 raise
             # stop() ends this handler: return quietly (asyncio logs a cancelled connection handler as an error)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
@@ -70,13 +89,13 @@ class Admission(Forwarding):
         finally:
             self.conns.discard(conn)
             if task is not None:
-                self._handlers.discard(task)
+                self.handlers.discard(task)
             conn.close()
 
     def _refuse(self, writer: asyncio.StreamWriter) -> None:
         """Hang up on a connection beyond the cap at once (one small ERROR frame, no reading)."""
         peer = writer.get_extra_info("peername")
-        if self.state is StageState.SERVING:
+        if self.serving():
             self.counters.conns_refused += 1
             self._throttled.warning("refused", "refusing a connection from %s: %d connections are open "
                                     "(max_connections %d)", peer, len(self.conns), self.opts.max_connections)
@@ -107,7 +126,7 @@ class Admission(Forwarding):
             try:
                 if conn.authenticated:
                     if frame.kind is not FrameKind.HELLO:
-                        await self._on_frame(frame, conn)
+                        await self.on_frame(frame, conn)
                 elif token_matches(frame, self.opts.token):
                     conn.authenticated = True
                 else:
@@ -127,11 +146,6 @@ class Admission(Forwarding):
             err.request_id = frame.request_id
         return err
 
-    def _busy(self, conn: Conn) -> bool:
-        """Whether work that came in on ``conn`` is still in this stage (queued, running, or in custody downstream)."""
-        return (conn.inflight > 0 or any(p.conn is conn for p in self.pending.values())
-                or any(origin is conn for origin, _, _ in self.upstream.values()))
-
     async def _frame_start(self, conn: Conn) -> bytes:
         """The first byte of the next frame; _HangupError once the connection has been idle for idle_timeout_s."""
         while True:
@@ -139,7 +153,7 @@ class Admission(Forwarding):
                 async with asyncio.timeout(self.opts.idle_timeout_s):
                     return await conn.reader.readexactly(1)
             except TimeoutError:
-                if not self._busy(conn):
+                if not self.busy(conn):
                     self.counters.conns_idle_closed += 1
                     log.debug("closing %s: no frame for %.1fs", conn.peer, self.opts.idle_timeout_s)
                     raise _HangupError() from None

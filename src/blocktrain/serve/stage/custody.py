@@ -8,68 +8,87 @@ A stage without ``--next`` answers on the connection the frame came in on.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
-from blocktrain.serve.stage.core import WorkItem
-from blocktrain.serve.stage.entry import EntryRequests
+from blocktrain.serve.runtime import Span
+from blocktrain.serve.stage.core import WorkItem, ack, admit, log, reject
+from blocktrain.serve.stage.entry import Entry
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind
-from blocktrain.serve.wire.links import Conn
-
-log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
+from blocktrain.serve.wire.links import Conn, Link
 
 
-class Forwarding(EntryRequests):
-    """Frames in from a connection, results and errors out to where they belong, frames on to the next stage."""
+class Router:
+    """Frames in from a connection, results and errors out to where they belong, frames on to the next stage.
 
-    async def _on_frame(self, frame: Frame, conn: Conn) -> None:
+    ``entry`` holds the requests given to this stage, ``enqueue`` hands a frame to the compute queue and
+    ``info`` is what a PING is answered with; ``link`` (to the next stage) is set once the server has started.
+    """
+
+    def __init__(self, span: Span, entry: Entry, name: str, enqueue: Callable[[WorkItem], None],
+                 info: Callable[[], dict[str, Any]]) -> None:
+        self.span = span
+        self.entry = entry
+        self.name = name
+        self.enqueue = enqueue
+        self.info = info
+        self.link: Link | None = None
+        self.upstream: dict[int, tuple[Conn | None, int | None, float]] = {}  # link tag -> origin of the frame
+
+    def serves(self, conn: Conn) -> bool:
+        """Whether a frame that came in on ``conn`` is in custody downstream."""
+        return any(origin is conn for origin, _, _ in self.upstream.values())
+
+    async def on_frame(self, frame: Frame, conn: Conn) -> None:
         kind = frame.kind
         if kind is FrameKind.PING:
             await conn.send(Frame(FrameKind.PONG, request_id=frame.request_id, params=self.info()))
         elif kind is FrameKind.SUBMIT:
-            await self._on_submit(frame, conn)
+            await self.entry.submit(frame, conn)
         elif kind is FrameKind.WORK:
             if not self.span.holds(frame.sigma_index):
-                await self._reject(conn, frame, ErrorCode.MISROUTED,
-                                   f"stage {self.name} does not run index {frame.sigma_index}; check the --next chain")
-            elif frame.sigma_index == 0 and frame.request_id not in self.pending:
-                await self._reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
-                                   f"request {frame.request_id!r} is not in flight at {self.name}")
-            elif await self._validate(frame, conn):
+                await reject(conn, frame, ErrorCode.MISROUTED,
+                             f"stage {self.name} does not run index {frame.sigma_index}; check the --next chain")
+            elif frame.sigma_index == 0 and not self.entry.holds(frame.request_id):
+                await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
+                             f"request {frame.request_id!r} is not in flight at {self.name}")
+            elif await admit(self.span, frame, conn):
                 conn.inflight += 1  # until the batch it joins has been emitted (keeps the idle timeout off)
-                self._queue.put_nowait(WorkItem(frame, conn, frame.params.get("tag")))
+                self.enqueue(WorkItem(frame, conn, frame.params.get("tag")))
         elif kind is FrameKind.RESULT:
-            if frame.request_id in self.pending:
+            if self.entry.holds(frame.request_id):
                 tag = frame.params.get("tag")
-                await self._deliver(frame)
+                await self.entry.deliver(frame)
                 await conn.send(Frame(FrameKind.ACK, frame.request_id, params={"tag": tag}))
             else:
-                await self._reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
-                                   f"no request {frame.request_id!r} is pending at {self.name}")
+                await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
+                             f"no request {frame.request_id!r} is pending at {self.name}")
         elif kind is FrameKind.RELEASE:
             found = self.span.release(frame.request_id)
             if self.link is not None and not self.span.is_last:
                 self.link.send(frame, custody=False)
             if not found and self.span.holds(0):
-                await self._reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
-                                   f"request {frame.request_id!r} holds no KV cache at {self.name}")
+                await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
+                             f"request {frame.request_id!r} holds no KV cache at {self.name}")
         else:
             log.debug("ignoring a %s frame from %s", kind.value, conn.peer)
 
-    async def _emit(self, item: WorkItem, out: Frame) -> None:
+    async def emit(self, item: WorkItem, out: Frame) -> None:
+        """Send a computed frame where it belongs: this stage again, the next stage, the sender or the client."""
         rid = out.request_id
         if out.kind is FrameKind.ERROR:
             await self._route_error(rid, item.origin, item.in_tag, out)
             return
-        local = out.kind is FrameKind.RESULT and rid in self.pending and self.span.holds(0) and self.span.is_last
+        mine = self.entry.holds(rid)
+        local = out.kind is FrameKind.RESULT and mine and self.span.holds(0) and self.span.is_last
         local |= out.kind is FrameKind.WORK and self.span.holds(out.sigma_index)
         if local:
             if out.kind is FrameKind.RESULT:
-                await self._deliver(out)
-            elif rid in self.pending:
-                self._queue.put_nowait(WorkItem(out, None, None))
-            await self._ack(item.origin, item.in_tag, rid)
+                await self.entry.deliver(out)
+            elif mine:
+                self.enqueue(WorkItem(out, None, None))
+            await ack(item.origin, item.in_tag, rid)
         elif self.link is not None:
             tag = self.link.send(out)
             self.upstream[tag] = (item.origin, item.in_tag, time.monotonic())
@@ -81,17 +100,17 @@ class Forwarding(EntryRequests):
                 ErrorCode.STAGE_UNAVAILABLE, f"stage {self.name} has no --next stage for index {out.sigma_index}"))
 
     async def _route_error(self, rid: str, origin: Conn | None, in_tag: int | None, err: Frame) -> None:
-        if rid in self.pending:
-            await self._fail_or_retry(rid, err)
-            await self._ack(origin, in_tag, rid)
+        if self.entry.holds(rid):
+            await self.entry.fail_or_retry(rid, err)
+            await ack(origin, in_tag, rid)
         elif origin is not None:
             fwd = Frame(FrameKind.ERROR, rid, err.mode, code=err.code, error=err.error, params={"tag": in_tag})
             await origin.send(fwd)
         else:
             log.warning("request %s failed and nobody waits for it: %s", rid, err.error)
 
-    # --- frames coming back from the next stage -------------------------------------
-    async def _from_downstream(self, frame: Frame) -> None:
+    # --- frames coming back from the next stage (the link's callbacks) ---------------
+    async def from_downstream(self, frame: Frame) -> None:
         tag = frame.params.get("tag")
         if frame.kind in (FrameKind.ACK, FrameKind.ERROR, FrameKind.RESULT) and isinstance(tag, int):
             assert self.link is not None
@@ -100,19 +119,19 @@ class Forwarding(EntryRequests):
             if sent is None and frame.kind is not FrameKind.RESULT:
                 return  # already settled (duplicate after a resend)
             if frame.kind is FrameKind.ACK:
-                await self._ack(origin, in_tag, frame.request_id)
+                await ack(origin, in_tag, frame.request_id)
             elif frame.kind is FrameKind.ERROR:
                 await self._route_error(frame.request_id, origin, in_tag, frame)
-            elif frame.request_id in self.pending:  # RESULT answered back to us (the next stage has no --next)
-                await self._deliver(frame)
-                await self._ack(origin, in_tag, frame.request_id)
+            elif self.entry.holds(frame.request_id):  # RESULT answered back to us (the next stage has no --next)
+                await self.entry.deliver(frame)
+                await ack(origin, in_tag, frame.request_id)
             elif origin is not None:
                 frame.params = {**frame.params, "tag": in_tag}
                 await origin.send(frame)
         elif frame.kind is FrameKind.ERROR:
             log.warning("next stage reported: %s", frame.error)
 
-    async def _undeliverable(self, frame: Frame, reason: str) -> None:
+    async def undeliverable(self, frame: Frame, reason: str) -> None:
         tag = frame.params.get("tag")
         origin, in_tag, _ = self.upstream.pop(tag, (None, None, 0.0)) if isinstance(tag, int) else (None, None, 0.0)
         assert self.link is not None
@@ -123,14 +142,10 @@ class Forwarding(EntryRequests):
         )
         await self._route_error(frame.request_id, origin, in_tag, err)
 
-    async def _janitor(self) -> None:
-        horizon = 2 * self.opts.request_timeout_s
-        while True:
-            await asyncio.sleep(min(5.0, horizon))
-            now = time.monotonic()
-            for tag in [t for t, (_, _, ts) in self.upstream.items() if now - ts > horizon]:
-                del self.upstream[tag]
-            if self.link is not None:
-                self.link.expire(horizon)
-            self.span.expire_idle()  # KV caches idle past their timeout (also checked whenever the stage computes)
-
+    def expire(self, horizon_s: float) -> None:
+        """Forget custody older than ``horizon_s`` (its requests have long timed out)."""
+        now = time.monotonic()
+        for tag in [t for t, (_, _, ts) in self.upstream.items() if now - ts > horizon_s]:
+            del self.upstream[tag]
+        if self.link is not None:
+            self.link.expire(horizon_s)

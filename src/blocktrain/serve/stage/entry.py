@@ -9,36 +9,57 @@ otherwise the client gets an ERROR saying which stage failed and what to do.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
+from collections.abc import Callable
 
-from blocktrain.serve.stage.core import Pending, StageCore, WorkItem
+from blocktrain.serve.runtime import Span
+from blocktrain.serve.stage.core import Pending, Spawn, WorkItem, admit, log, reject
+from blocktrain.serve.stage.options import StageOptions
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode
 from blocktrain.serve.wire.links import Conn
 
-log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
 
+class Entry:
+    """Requests submitted to this stage: admitted, timed, retried, answered.
 
-class EntryRequests(StageCore):
-    """Requests submitted to this stage: admitted, timed, retried, answered."""
+    ``enqueue`` hands a frame to the stage's compute queue; ``spawn`` runs a task the server cancels on stop.
+    """
 
-    async def _on_submit(self, frame: Frame, conn: Conn) -> None:
+    def __init__(self, span: Span, opts: StageOptions, name: str, enqueue: Callable[[WorkItem], None],
+                 spawn: Spawn) -> None:
+        self.span = span
+        self.opts = opts
+        self.name = name
+        self.enqueue = enqueue
+        self.spawn = spawn
+        self.pending: dict[str, Pending] = {}
+
+    def holds(self, rid: str) -> bool:
+        """Whether request ``rid`` was given to this stage and is not answered yet."""
+        return rid in self.pending
+
+    def serves(self, conn: Conn) -> bool:
+        """Whether a request that came in on ``conn`` is still pending."""
+        return any(p.conn is conn for p in self.pending.values())
+
+    async def submit(self, frame: Frame, conn: Conn) -> None:
         if not self.span.holds(0):
-            await self._reject(conn, frame, ErrorCode.MISROUTED,
-                               f"stage {self.name} is not the entry; send requests to the stage holding index 0")
+            await reject(conn, frame, ErrorCode.MISROUTED,
+                         f"stage {self.name} is not the entry; send requests to the stage holding index 0")
             return
         if frame.request_id in self.pending:
-            await self._reject(conn, frame, ErrorCode.DUPLICATE_REQUEST,
-                               f"request {frame.request_id!r} is already in flight; use a fresh id")
+            await reject(conn, frame, ErrorCode.DUPLICATE_REQUEST,
+                         f"request {frame.request_id!r} is already in flight; use a fresh id")
             return
-        if not frame.request_id or not await self._validate(frame, conn):
-            if not frame.request_id:
-                await self._reject(conn, frame, ErrorCode.BAD_REQUEST, "SUBMIT frames need a request id")
+        if not frame.request_id:
+            await reject(conn, frame, ErrorCode.BAD_REQUEST, "SUBMIT frames need a request id")
+            return
+        if not await admit(self.span, frame, conn):
             return
         p = Pending(conn, frame)
         self.pending[frame.request_id] = p
         self._arm(frame.request_id, p)
-        self._queue.put_nowait(WorkItem(self._fresh(frame), None, None))
+        self.enqueue(WorkItem(self._fresh(frame), None, None))
 
     @staticmethod
     def _fresh(frame: Frame) -> Frame:
@@ -48,18 +69,18 @@ class EntryRequests(StageCore):
         if p.timer is not None:
             p.timer.cancel()
         loop = asyncio.get_running_loop()
-        p.timer = loop.call_later(self.opts.request_timeout_s, lambda: self._spawn(self._timeout(rid, p)))
+        p.timer = loop.call_later(self.opts.request_timeout_s, lambda: self.spawn(self._timeout(rid, p)))
 
     async def _timeout(self, rid: str, p: Pending) -> None:
         if self.pending.get(rid) is not p:
             return
-        await self._fail_or_retry(rid, p.submit.reply_error(
+        await self.fail_or_retry(rid, p.submit.reply_error(
             ErrorCode.TIMEOUT,
             f"no result for request {rid} within {self.opts.request_timeout_s:.1f}s after {self.name}; a later stage "
             "may have died or be overloaded: check each 'blocktrain serve' process and restart the dead one",
         ))
 
-    async def _fail_or_retry(self, rid: str, err: Frame) -> None:
+    async def fail_or_retry(self, rid: str, err: Frame) -> None:
         p = self.pending.get(rid)
         if p is None:
             return
@@ -69,7 +90,7 @@ class EntryRequests(StageCore):
             p.attempts += 1
             log.warning("request %s: %s; retry %d of %d", rid, err.error, p.attempts, self.opts.retries)
             self._arm(rid, p)
-            self._queue.put_nowait(WorkItem(self._fresh(p.submit), None, None))
+            self.enqueue(WorkItem(self._fresh(p.submit), None, None))
             return
         del self.pending[rid]
         if p.timer is not None:
@@ -77,7 +98,7 @@ class EntryRequests(StageCore):
         err.params = {}
         await p.conn.send(err)
 
-    async def _deliver(self, result: Frame) -> None:
+    async def deliver(self, result: Frame) -> None:
         p = self.pending.pop(result.request_id)
         if p.timer is not None:
             p.timer.cancel()
@@ -86,3 +107,7 @@ class EntryRequests(StageCore):
         if not await p.conn.send(result):
             log.info("client of request %s went away before its result", result.request_id)
 
+    def stop(self) -> None:
+        for p in self.pending.values():
+            if p.timer is not None:
+                p.timer.cancel()

@@ -5,46 +5,88 @@ Flow of one request through a ring of three stages (the last stage's
 
     client --SUBMIT--> stage 0 --WORK--> stage 1 --WORK--> stage 2 --RESULT--> stage 0 --RESULT--> client
 
-The server is built of one part per concept: its options
-(:mod:`~blocktrain.serve.stage.options`), its state
-(:mod:`~blocktrain.serve.stage.core`), the entry's pending requests with
-deadlines and retries (:mod:`~blocktrain.serve.stage.entry`), routing and custody of
-forwarded frames (:mod:`~blocktrain.serve.stage.custody`), admission of inbound
-connections and their limits (:mod:`~blocktrain.serve.stage.admission`); this module
-adds the lifecycle and the batching loop.
+The server holds one object per part and passes each the collaborators it
+needs: its options (:mod:`~blocktrain.serve.stage.options`), the entry's
+pending requests with deadlines and retries (:class:`~blocktrain.serve.stage.entry.Entry`),
+routing and custody of forwarded frames (:class:`~blocktrain.serve.stage.custody.Router`)
+and admission of inbound connections with their limits
+(:class:`~blocktrain.serve.stage.admission.Admission`); this module adds the
+lifecycle and the batching loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
 from collections import defaultdict
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 from blocktrain.errors import StageUnavailableError
+from blocktrain.serve.runtime import Span
 from blocktrain.serve.stage.admission import Admission
-from blocktrain.serve.stage.core import Span, WorkItem
+from blocktrain.serve.stage.core import WorkItem, log
+from blocktrain.serve.stage.custody import Router
+from blocktrain.serve.stage.entry import Entry
 from blocktrain.serve.stage.options import StageOptions, StageState
-from blocktrain.serve.wire.frames import ErrorCode
-from blocktrain.serve.wire.links import Address, Link, format_address
+from blocktrain.serve.wire.frames import SMALL_FRAME_BYTES, ErrorCode
+from blocktrain.serve.wire.links import Address, ByteBudget, Conn, Counters, Link, format_address
 
-__all__ = ["Span", "StageOptions", "StageServer", "StageState", "StageThread", "serve_until_stopped"]
-
-log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
+__all__ = ["StageOptions", "StageServer", "StageState", "StageThread", "serve_until_stopped"]
 
 
-class StageServer(Admission):
+class StageServer:
     """An asyncio TCP server for one span of blocks (or E2E layers)."""
+
+    def __init__(self, span: Span, host: str, port: int, options: StageOptions | None = None) -> None:
+        self.span = span
+        self.host = host
+        self.port = port
+        self.opts = options or StageOptions()
+        self.state = StageState.STARTING
+        self.counters = Counters()
+        self.name = f"{span.describe()['family']}[{span.lo}-{span.hi}]"
+        # bytes of inbound frames buffered now (and at most), with room set aside for a small frame per connection
+        self.budget = ByteBudget(self.opts.buffer_bytes, SMALL_FRAME_BYTES, self.opts.max_connections)
+        self._queue: asyncio.Queue[WorkItem] = asyncio.Queue()
+        self.entry = Entry(span, self.opts, self.name, self._queue.put_nowait, self._spawn)
+        self.router = Router(span, self.entry, self.name, self._queue.put_nowait, self.info)
+        self.admission = Admission(self.opts, self.counters, self.budget, self.name, self.router.on_frame, self._busy,
+                                   lambda: self.state is StageState.SERVING)
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._aux: set[asyncio.Task[Any]] = set()  # request timeouts in progress
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+
+    @property
+    def conns(self) -> set[Conn]:
+        return self.admission.conns
+
+    def info(self) -> dict[str, Any]:
+        return {"state": self.state.value, "name": self.name, **self.span.describe(),
+                "pending": len(self.entry.pending), "stats": asdict(self.counters), "connections": len(self.conns),
+                "buffered_bytes": self.budget.used, "buffered_peak": self.budget.peak,
+                "buffer_bytes": self.budget.total}
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._aux.add(task)
+        task.add_done_callback(self._aux.discard)
+
+    def _busy(self, conn: Conn) -> bool:
+        """Whether work that came in on ``conn`` is still in this stage (queued, running, or in custody downstream)."""
+        return conn.inflight > 0 or self.entry.serves(conn) or self.router.serves(conn)
 
     # --- lifecycle --------------------------------------------------------------
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, self.host, self.port)
+        self._server = await asyncio.start_server(self.admission.accept, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         if self.opts.next_stages:
-            self.link = Link(
-                list(self.opts.next_stages), self.counters, self._from_downstream, self._undeliverable,
+            self.router.link = Link(
+                list(self.opts.next_stages), self.counters, self.router.from_downstream, self.router.undeliverable,
                 delay_s=self.opts.link_delay_s, max_frame=self.opts.max_frame_bytes,
                 connect_timeout_s=self.opts.connect_timeout_s, connect_attempts=self.opts.connect_attempts,
                 backoff_s=self.opts.backoff_s, token=self.opts.token, write_timeout_s=self.opts.write_timeout_s,
@@ -68,13 +110,11 @@ class StageServer(Admission):
         conns = list(self.conns)
         for conn in conns:
             conn.close()
-        if self.link is not None:
-            await self.link.close()
-        for p in self.pending.values():
-            if p.timer is not None:
-                p.timer.cancel()
+        if self.router.link is not None:
+            await self.router.link.close()
+        self.entry.stop()
         me = asyncio.current_task()
-        tasks = [t for t in (*self._tasks, *self._handlers, *self._aux) if t is not me]
+        tasks = [t for t in (*self._tasks, *self.admission.handlers, *self._aux) if t is not me]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -83,6 +123,13 @@ class StageServer(Admission):
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.state = StageState.STOPPED
         log.info("stage %s stopped", self.name)
+
+    async def _janitor(self) -> None:
+        horizon = 2 * self.opts.request_timeout_s
+        while True:
+            await asyncio.sleep(min(5.0, horizon))
+            self.router.expire(horizon)
+            self.span.expire_idle()  # KV caches idle past their timeout (also checked whenever the stage computes)
 
     # --- compute ----------------------------------------------------------------
     async def _batcher(self) -> None:
@@ -108,7 +155,7 @@ class StageServer(Admission):
                 self.counters.max_batch = max(self.counters.max_batch, len(frames))
                 for it, out in zip(group, outs, strict=True):
                     try:
-                        await self._emit(it, out)
+                        await self.router.emit(it, out)
                     finally:
                         if it.origin is not None:
                             it.origin.inflight -= 1
