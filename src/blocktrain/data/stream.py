@@ -23,8 +23,6 @@ def mix_seed(*parts: int) -> int:
 
 E2E_STREAM = 999_999  # stream id of the E2E reference's data (distinct from every block's)
 E2E_INIT = 77  # role of the E2E reference in init_seed
-GENERATE_SAMPLER = 7  # role of generation's sampling generator in mix_seed
-GATEWAY_CHOICE = 8  # role of the gateway's seed for choice i > 0 of a request (n > 1) in mix_seed
 
 
 def block_stream(k: int, sub: int = 0) -> int:

@@ -17,11 +17,11 @@ from torch import nn
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir, load_model
 from blocktrain.config import Precision, RunConfig
-from blocktrain.data.stream import mix_seed
 from blocktrain.device import autocast
 from blocktrain.errors import RunError
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.objectives import compose_logits, get_objective
+from blocktrain.seeds import Seed
 
 
 class AssembledModel:
@@ -62,7 +62,7 @@ class AssembledModel:
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
         out = []
         for c in range(1 if self.deterministic else chains):
-            g = torch.Generator().manual_seed(mix_seed(seed, c))
+            g = Seed.CHAIN.generator(seed, c)
             with autocast(self.precision, x.device):
                 logits = compose_logits(self.objective, self.blocks, x, g)
             out.append(torch.log_softmax(logits.float(), dim=-1))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.progress import progress_bar
 from blocktrain.sampling import sample_from_logits
+from blocktrain.seeds import Seed
 
 
 @torch.no_grad()
@@ -29,9 +29,9 @@ def generate(
     if n_bytes < 0:
         raise ValueError("n_bytes must be >= 0")
     out = bytearray(prompt or b"\n")
-    g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
+    g = Seed.SAMPLER.generator(seed)
     for i in progress_bar(range(n_bytes), desc="generate", unit="byte", disable=not progress):
         ctx = torch.tensor(list(out[-model.context :]), dtype=torch.uint8).unsqueeze(0)
-        logp = model.log_probs(ctx, chains=1, seed=mix_seed(seed, i))  # (1, 1, t, 256)
+        logp = model.log_probs(ctx, chains=1, seed=Seed.BYTE.derive(seed, i))  # (1, 1, t, 256)
         out.append(sample_from_logits(logp[0, 0, -1], temperature, top_k, g, top_p))
     return bytes(out[len(prompt or b"\n") :])

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from blocktrain.config import RunConfig, Schedule
-from blocktrain.data.stream import mix_seed
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import block_alone_logits, chain_step, evaluations_per_traversal, initial_noise
@@ -24,6 +23,7 @@ from blocktrain.errors import CheckpointError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives.base import LocalLoss
+from blocktrain.seeds import Seed
 
 
 class DiffusionObjective:
@@ -101,7 +101,7 @@ class DiffusionObjective:
     ) -> list[torch.Tensor]:
         """Each block alone on pure noise, one generator per block: each block alone is its own experiment."""
         ks = range(len(blocks)) if only is None else [only]
-        return [self.local_logits(blocks[k], k, x, torch.Generator().manual_seed(mix_seed(seed, 10_000 + k))) for k in ks]
+        return [self.local_logits(blocks[k], k, x, Seed.REFERENCE.generator(seed, k)) for k in ks]
 
     def schedule(self) -> Schedule:
         return Schedule.PROGRESSIVE  # diffusion blocks never wait for each other

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import ServeError
 from blocktrain.sampling import filtered_probs, sample_byte
+from blocktrain.seeds import Seed
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
 
@@ -100,11 +100,11 @@ async def iter_ar(
         return
     context = int(client.entry.get("context", 0))
     out = bytearray(prompt or b"\n")
-    g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
+    g = Seed.SAMPLER.generator(seed)
     if family != "stack":  # diffusion blocks: stateless, the whole window every time
         for i in range(n_new):
             ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
-            logits = await client.ar_logits(ctx, seed=mix_seed(seed, i))
+            logits = await client.ar_logits(ctx, seed=Seed.BYTE.derive(seed, i))
             out.append(sample_byte(logits[0], temperature, top_k, top_p, g))
             yield bytes(out[-1:])
         return
@@ -113,7 +113,7 @@ async def iter_ar(
         for i in range(n_new):
             window = bytes(out[-context:])  # the whole text until it outgrows the context, then a fresh prefill
             pos = cached if len(out) <= context else 0
-            logits = (await call_cached(client, rid, Mode.AR, {"seed": mix_seed(seed, i)}, window, pos)).tensors["logits"]
+            logits = (await call_cached(client, rid, Mode.AR, {"seed": Seed.BYTE.derive(seed, i)}, window, pos)).tensors["logits"]
             cached = len(window)
             out.append(sample_byte(logits[0], temperature, top_k, top_p, g))
             yield bytes(out[-1:])
@@ -135,7 +135,7 @@ async def spec_steps(
         raise ServeError(f"spec generates 1 to {context - 1} bytes (the model context is {context}), got {n_new}")
     text = bytearray((prompt or b"\n")[-(context - n_new):])
     start, cached, rate = len(text), 0, INITIAL_RATE
-    g = torch.Generator().manual_seed(mix_seed(opts.seed, GENERATE_SAMPLER))
+    g = Seed.SAMPLER.generator(opts.seed)
     rid = client.new_id()
     t0 = time.perf_counter()
     try:

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from blocktrain.data.stream import GENERATE_SAMPLER, mix_seed
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
 from blocktrain.sampling import sample_byte
+from blocktrain.seeds import Seed
 from blocktrain.serve.client.decoding import SpecResult, call_cached, iter_ar, spec_steps
 from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.serve.wire.links import Address, Conn, Counters, open_conn, parse_address
@@ -254,7 +254,7 @@ class PipelineClient:
         if len(p) + n_new - 1 > context:
             raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
         rid = self.new_id()
-        g = torch.Generator().manual_seed(mix_seed(seed, GENERATE_SAMPLER))
+        g = Seed.SAMPLER.generator(seed)
         text = bytearray(p)
         pos = 0  # positions the stages hold; a stage that lost them (evicted) gets the whole text again
         try:

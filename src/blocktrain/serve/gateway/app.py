@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from blocktrain.data.stream import GATEWAY_CHOICE, mix_seed
 from blocktrain.errors import ConfigError, ServeError
+from blocktrain.seeds import Seed
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.backend import (
     CHAT_TEMPLATE,
@@ -260,7 +260,7 @@ class Gateway:
 
 def choice_request(req: CompletionRequest, i: int) -> CompletionRequest:
     """The request of choice ``i``: choice 0 is the request itself, choice i > 0 samples with its own seed."""
-    return req if i == 0 else replace(req, seed=mix_seed(req.seed, GATEWAY_CHOICE, i))
+    return req if i == 0 else replace(req, seed=Seed.GATEWAY_CHOICE.derive(req.seed, i))
 
 
 def usage(req: CompletionRequest, n_out: int) -> dict[str, int]:

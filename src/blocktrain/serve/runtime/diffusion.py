@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from blocktrain.config import VOCAB_SIZE, Precision, RunConfig
-from blocktrain.data.stream import mix_seed
 from blocktrain.device import autocast
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_step, initial_noise, position_noise
 from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.sampling import sample_rows
+from blocktrain.seeds import Seed
 from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_param
@@ -146,10 +146,9 @@ class BlockSpan:
             if x.shape[1] == int(frame.params["prompt_len"]):
                 pad = torch.full((x.shape[0], int(frame.params["n_new"])), PLACEHOLDER_BYTE, dtype=torch.uint8)
                 x = torch.cat([x, pad], dim=1)
-            g = torch.Generator().manual_seed(mix_seed(seed, 100 + sweep_index))
+            g = Seed.SWEEP_NOISE.generator(seed, sweep_index)
         else:
-            # Same draw as AssembledModel.log_probs(x, chains=1, seed): chain 0 of that seed.
-            g = torch.Generator().manual_seed(mix_seed(seed, 0))
+            g = Seed.CHAIN.generator(seed, 0)  # the draw of AssembledModel.log_probs(x, chains=1, seed): chain 0
         return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g)
 
     @torch.inference_mode()
@@ -198,7 +197,7 @@ class BlockSpan:
             x, z = f.tensors["x"].clone(), f.tensors["z"].float()
         else:
             x = f.tensors["x"]
-            g_noise = torch.Generator().manual_seed(mix_seed(sp.seed, 0))
+            g_noise = Seed.CHAIN.generator(sp.seed, 0)
             eps = position_noise(1, x.shape[1] + n, self.cfg.model.context, d, g_noise)  # (1, t + n, d)
             s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
             g = sp.draft_generator(x.shape[1])
@@ -226,7 +225,7 @@ class BlockSpan:
         """Generated positions take the running estimate: byte p+1 is read off the logits at p."""
         p, n = int(f.params["prompt_len"]), int(f.params["n_new"])
         s = int(f.params.get("sweep_index", 0))
-        g = torch.Generator().manual_seed(mix_seed(int(f.params.get("seed", 0)), 1000 + s * 1000 + k))
+        g = Seed.SWEEP_ESTIMATE.generator(int(f.params.get("seed", 0)), s, k)
         est = logits[:, p - 1 : p + n - 1].reshape(-1, VOCAB_SIZE)  # (b*n, 256)
         temp = float(f.params.get("temperature", 0.0))
         if k < self.n_last and f.params.get("estimate", "sample") == "greedy":

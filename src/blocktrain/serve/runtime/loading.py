@@ -18,12 +18,12 @@ from torch import nn
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir, load_model
 from blocktrain.config import VOCAB_SIZE, ModelConfig, Objective, Precision, RunConfig
-from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, RunError
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import TransformerLayer
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
+from blocktrain.seeds import Seed
 from blocktrain.serve.runtime import Span
 from blocktrain.serve.runtime.e2e import E2ESpan
 from blocktrain.serve.runtime.kvcache import CacheOptions
@@ -107,8 +107,8 @@ def load_e2e_span(run: RunDir, lo: int, hi: int, precision: Precision = Precisio
     return E2ESpan(cfg.model, *_e2e_parts(model, lo, hi), precision=precision)
 
 
-def _seeded(seed: int, *parts: int) -> None:
-    torch.manual_seed(mix_seed(seed, *parts))
+def _seeded(seed: int, role: Seed, *indices: int) -> None:
+    torch.manual_seed(role.derive(seed, *indices))
 
 
 def random_run_span(
@@ -120,7 +120,7 @@ def random_run_span(
     objective = get_objective(cfg)
     blocks: dict[int, nn.Module] = {}
     for k in range(lo, hi + 1):
-        _seeded(seed, 1, k)
+        _seeded(seed, Seed.RANDOM_BLOCK, k)
         blocks[k] = objective.build_block(k).eval()
         z_in = getattr(blocks[k], "z_in", None)  # a denoiser's input projection: untrained, let z matter
         if z_in is not None:
@@ -134,15 +134,15 @@ def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:
     _check_span(lo, hi, m.n_layers, "layers")
     layers = {}
     for i in range(lo, hi + 1):
-        _seeded(seed, 2, i)
+        _seeded(seed, Seed.RANDOM_LAYER, i)
         layers[i] = TransformerLayer(m.d_model, m.n_heads, m.mlp_ratio, conditioned=False)
     embed = head = None
     if lo == 0:
-        _seeded(seed, 3)
+        _seeded(seed, Seed.RANDOM_EMBED)
         embed = (nn.Embedding(VOCAB_SIZE, m.d_model), nn.Embedding(m.context, m.d_model))
         for e in embed:
             nn.init.normal_(e.weight, std=0.02)
     if hi == m.n_layers - 1:
-        _seeded(seed, 4)
+        _seeded(seed, Seed.RANDOM_HEAD)
         head = (nn.LayerNorm(m.d_model), nn.Linear(m.d_model, VOCAB_SIZE))
     return E2ESpan(m, layers, embed, head)

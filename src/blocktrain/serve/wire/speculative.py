@@ -27,13 +27,12 @@ from typing import Any
 import torch
 
 from blocktrain.config import VOCAB_SIZE
-from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError, WireError
 from blocktrain.sampling import filtered_probs, sample_probs
+from blocktrain.seeds import Seed
 from blocktrain.serve.wire.frames import frame_number, frame_param
 
 MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
-DRAFT_SEED = 500_000  # offset of the draft generator's seed (mixed with the request seed and the accepted length)
 RATE_DECAY = 0.5  # weight of the old acceptance rate in the running estimate (per traversal)
 MAX_RATE = 0.95  # cap of the acceptance-rate estimate (keeps r / (1 - r) finite)
 
@@ -142,7 +141,7 @@ class SpecParams:
 
     def draft_generator(self, accepted_len: int) -> torch.Generator:
         """The draft's draws, seeded by the request seed and the length of the accepted text."""
-        return torch.Generator().manual_seed(mix_seed(self.seed, DRAFT_SEED + accepted_len))
+        return Seed.DRAFT.generator(self.seed, accepted_len)
 
     def draft_byte(self, logits: torch.Tensor, g: torch.Generator) -> tuple[int, torch.Tensor]:
         """One draft byte from raw logits (256,): (the byte, q (256,) it was drawn from)."""
