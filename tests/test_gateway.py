@@ -54,16 +54,17 @@ class FakeClient:
     """Stands in for PipelineClient: an entry description and an ``iter_ar`` yielding fixed chunks."""
 
     def __init__(self, chunks: list[bytes], *, context: int = 64, delays_s: tuple[float, ...] = (),
-                 family: str = "diffusion") -> None:
+                 family: str = "diffusion", modes: tuple[str, ...] = ("ar", "sweep", "spec")) -> None:
         self.chunks = chunks
         self.family = family
+        self.modes = modes  # what the entry stage reports it runs (a diffusion run's by default)
         self.context = context
         self.delays_s = delays_s  # seconds before each chunk (none: no wait)
         self.entry: dict[str, Any] = {}
         self.calls: list[tuple[bytes, int, dict[str, Any]]] = []
 
     async def connect(self) -> None:
-        self.entry = {"family": self.family, "n": 4, "d_model": 32, "context": self.context}
+        self.entry = {"family": self.family, "modes": list(self.modes), "n": 4, "d_model": 32, "context": self.context}
 
     async def close(self) -> None:
         self.entry = {}
@@ -197,7 +198,7 @@ def test_tiny_temperatures_sample_greedily_and_huge_top_k_keeps_every_byte() -> 
 
 
 def test_spec_without_client_support_is_refused() -> None:
-    fake = FakeClient([b"xy"], family="stack")
+    fake = FakeClient([b"xy"], family="stack", modes=("spec", "ar", "score"))
     with serve_app(opts(), fake) as url, httpx.Client(base_url=url) as http:
         r = http.post("/v1/completions", json={"prompt": "a"})  # spec: the default on a stack run
         assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (501, "mode_unavailable", "mode")

@@ -93,15 +93,14 @@ async def iter_ar(
     top_p: float = 1.0,
 ) -> AsyncIterator[bytes]:
     """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)`` (top_p = 1)."""
-    family = client.entry.get("family")
-    if family == "e2e":
+    if Mode.AR not in client.modes:  # the E2E baseline: its own KV-cached steps
         async for b in client.iter_baseline(prompt, n_new, temperature=temperature, top_k=top_k, seed=seed, top_p=top_p):
             yield b
         return
     context = int(client.entry.get("context", 0))
     out = bytearray(prompt or b"\n")
     g = Seed.SAMPLER.generator(seed)
-    if family != "stack":  # diffusion blocks: stateless, the whole window every time
+    if not client.entry.get("cached"):  # stateless stages (diffusion blocks): the whole window every time
         for i in range(n_new):
             ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
             logits = await client.ar_logits(ctx, seed=Seed.BYTE.derive(seed, i))
@@ -125,11 +124,11 @@ async def spec_steps(
     client: PipelineClient, prompt: bytes, n_new: int, opts: SpecOptions, stats: SpecResult
 ) -> AsyncIterator[bytes]:
     """Speculative decoding over the pipeline: yields the bytes each traversal adds, updating ``stats``."""
-    family = client.entry.get("family")
-    if family not in ("stack", "diffusion"):
-        raise ServeError(f"spec needs a pipeline of BlockTrain blocks (its entry stage drafts with its first blocks); "
-                         f"this one serves {family!r}: use --mode baseline")
-    stateless = family == "diffusion"  # diffusion stages keep no cache: every traversal sends the whole text
+    if Mode.SPEC not in client.modes:
+        raise ServeError(f"spec needs a pipeline whose entry stage drafts with its first blocks; this one serves "
+                         f"{client.entry.get('family')!r} (modes {', '.join(m.value for m in client.modes)}): "
+                         "use --mode baseline")
+    stateless = not client.entry.get("cached")  # stages keep no cache: every traversal sends the whole text
     context = int(client.entry.get("context", 0))
     if not 1 <= n_new < context:
         raise ServeError(f"spec generates 1 to {context - 1} bytes (the model context is {context}), got {n_new}")

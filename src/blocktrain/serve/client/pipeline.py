@@ -123,6 +123,12 @@ class PipelineClient:
             self.entry["family"] = LEGACY_FAMILIES[self.entry["family"]]
         self._opened = True
 
+    @property
+    def modes(self) -> tuple[Mode, ...]:
+        """The modes the pipeline runs, its default first, as the entry stage reports them."""
+        known = {m.value for m in Mode}
+        return tuple(Mode(m) for m in self.entry.get("modes", ()) if m in known)
+
     async def close(self) -> None:
         self._opened = False
         await self._drop()

@@ -27,8 +27,6 @@ from blocktrain.serve.gateway.logprobs import MAX_LOGPROBS, MAX_SCORED_BYTES, MA
 from blocktrain.serve.wire.speculative import MAX_DRAFT
 
 MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
-# modes each kind of pipeline runs (the entry stage's `family`), the default first
-FAMILY_MODES = {"stack": ("spec", "ar"), "diffusion": ("ar", "sweep", "spec"), "e2e": ("baseline",)}
 DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 MAX_SWEEPS = 16  # most sweeps one request may ask for
@@ -380,10 +378,9 @@ class PipelineBackend:
         return callable(getattr(self.client, name, None))
 
     def modes(self, entry: Mapping[str, Any]) -> tuple[str, ...]:
-        """Modes the pipeline described by ``entry`` runs, its default first."""
-        family = entry.get("family")
-        modes = FAMILY_MODES.get(str(family), MODES)
-        return (*modes, "ar") if family == "e2e" and self._has("iter_ar") else modes  # iter_ar runs the baseline there
+        """Modes the pipeline described by ``entry`` runs (as its entry stage reports them), its default first."""
+        modes = tuple(m for m in entry.get("modes", MODES) if m in MODES)
+        return (*modes, "ar") if modes == ("baseline",) and self._has("iter_ar") else modes  # iter_ar runs the baseline
 
     def top_p_modes(self) -> tuple[str, ...]:
         """Modes whose client method samples with top_p (the others sample with top_k alone)."""
