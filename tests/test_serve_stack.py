@@ -156,9 +156,11 @@ def test_cache_eviction_by_count_bytes_and_idle(caplog: pytest.LogCaptureFixture
 
 def test_cli_serve_precision_flag() -> None:
     from blocktrain.cli.main import build_parser
+    from blocktrain.cli.serving import cache_options
+    from blocktrain.serve.runtime.kvcache import CacheOptions
 
     args = build_parser().parse_args(["serve", "--run", "r", "--blocks", "0-1", "--precision", "bf16", "--cache-mib", "8"])
-    assert (args.precision, args.cache_mib, args.cache_ttl) == ("bf16", 8.0, 600.0)
+    assert args.precision == "bf16" and cache_options(args) == CacheOptions(max_bytes=8 * 2**20, ttl_s=600.0)
     gen = build_parser().parse_args(["generate", "--pipeline", "h:1", "--mode", "spec", "--draft-max", "8"])
     assert isinstance(gen, argparse.Namespace) and (gen.mode, gen.draft_min, gen.draft_max) == ("spec", 1, 8)
 

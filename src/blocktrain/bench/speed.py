@@ -41,12 +41,12 @@ LOG_EVERY = 5  # steps between the logged rates the timing is read from
 
 @dataclass(frozen=True)
 class SpeedOptions:
-    preset: str  # configuration preset to time
     data: DataDir  # data directory
-    out: Path  # scratch directory for the runs (deleted and recreated)
+    preset: str = "cpu-small"  # configuration preset to time
+    out: Path = Path("runs/bench-speed")  # scratch directory for the short runs (deleted and recreated)
     steps: int = 30  # training steps per measurement (at least 3 x LOG_EVERY)
-    json_path: Path | None = None  # write the result JSON here
-    device: str = "auto"  # device of the new code's runs
+    json_path: Path | None = None  # write the result JSON here (and a .md table beside it)
+    device: str = "auto"  # where the runs train: auto, cpu, cuda or cuda:N
     command: str = ""  # the command line, recorded in the JSON
 
     def __post_init__(self) -> None:

@@ -14,19 +14,21 @@ from pathlib import Path
 from types import FrameType
 
 from blocktrain.cli.common import add_run_args, config_from_args
-from blocktrain.cli.fields import add_field_flags, field_values
-from blocktrain.config import Precision
+from blocktrain.cli.fields import Flags
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import BlockTrainError
+from blocktrain.worker.loop import WorkerOptions
 
 log = logging.getLogger("blocktrain")
 
-_SETTINGS = "settings"  # destination prefix of the CoordinatorSettings flags
+SETTINGS_FLAGS = Flags(CoordinatorSettings, "settings__")
+WORKER_FLAGS = Flags(WorkerOptions, "worker__", rename={"url": "--coordinator", "compression": "--compress"},
+                     skip=("token", "verify_tls", "progress"))  # the worker command sets these itself
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     """The coordinator settings given as flags (one per field); the dataclass defaults for the rest."""
-    return CoordinatorSettings(**field_values(args, CoordinatorSettings, prefix=_SETTINGS))
+    return SETTINGS_FLAGS.build(args)
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
@@ -67,8 +69,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from blocktrain.data.dataset import resolve_data_dir
-    from blocktrain.protocol.delta import Compression
-    from blocktrain.worker.loop import Worker, WorkerOptions
+    from blocktrain.worker.loop import Worker
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is too chatty
     token = args.token or os.environ.get("BLOCKTRAIN_TOKEN")
@@ -80,19 +81,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    opts = WorkerOptions(
-        url=args.coordinator,
-        token=token,
-        block=args.block,
-        local_steps=args.local_steps,
-        compression=Compression(args.compress),
-        progress=not args.no_progress,
-        give_up_s=args.give_up_s,
-        verify_tls=args.ca_cert or not args.insecure,
-        precision=Precision(args.precision) if args.precision else None,
-        device=args.device,
-        frozen_cache=Path(args.frozen_cache),
-    )
+    opts = WORKER_FLAGS.build(args, token=token, progress=not args.no_progress,
+                                                verify_tls=args.ca_cert or not args.insecure)
     stop, abandon = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -148,7 +138,7 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8470, help="port to listen on")
     # One flag per CoordinatorSettings field (--round-seconds, --no-fsync, ...): a new setting needs no edit here.
-    add_field_flags(s, CoordinatorSettings, prefix=_SETTINGS)
+    SETTINGS_FLAGS.add(s)
     s.add_argument("--no-eval", action="store_true", help="no evaluation (no data directory needed)")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
     s.add_argument("--tls-cert", default=None, help="TLS certificate (PEM)")
@@ -156,20 +146,10 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.set_defaults(fn=cmd_coordinator)
 
     s = sub.add_parser("worker", help="train one block for a coordinator")
-    s.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://10.0.0.1:8470")
+    WORKER_FLAGS.add(s)  # --coordinator, --block, --local-steps, --compress, --precision, --device, --give-up-s, ...
     s.add_argument("--token", default=None, help="bearer token (or $BLOCKTRAIN_TOKEN)")
-    s.add_argument("--block", type=int, default=None, help="train block K (else the coordinator assigns one)")
-    s.add_argument("--local-steps", type=int, default=25, help="H: local optimiser steps per round")
-    s.add_argument("--precision", default=None, choices=[p.value for p in Precision],
-                   help="forward/backward arithmetic (default: the run's, bf16 where the device supports it)")
-    s.add_argument("--device", default="auto", help="where to train: auto (cuda if available), cpu, cuda or cuda:N")
-    s.add_argument("--compress", default="int8", choices=["bf16", "int8", "none"],
-                   help="delta encoding; lossy ones carry the quantisation residual into the next push (error feedback)")
-    s.add_argument("--frozen-cache", default="~/.cache/blocktrain/frozen",
-                   help="directory for the finished earlier blocks a stack block reads (downloaded once, hash-checked)")
     s.add_argument("--data", default=None, help="data directory")
     s.add_argument("--threads", type=int, default=None, help="torch threads (1 when several share a machine)")
-    s.add_argument("--give-up-s", type=float, default=600.0, help="stop retrying after this many seconds")
     s.add_argument("--ca-cert", default=None, help="CA bundle to verify the coordinator's TLS certificate")
     s.add_argument("--insecure", action="store_true", help="do not verify TLS certificates")
     s.add_argument("--summary-json", default=None, help="write the worker's summary here at exit")

@@ -8,15 +8,17 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from blocktrain.bench.speed import SpeedOptions
 from blocktrain.cli.common import add_run_args, config_from_args, forward_run_args
+from blocktrain.cli.fields import Flags
+from blocktrain.data.prepare import PrepareOptions
 from blocktrain.errors import BlockTrainError
 
-if TYPE_CHECKING:
-    from blocktrain.bench.speed import SpeedOptions
-
 log = logging.getLogger("blocktrain")
+PREPARE_FLAGS = Flags(PrepareOptions, "prepare__")
+SPEED_FLAGS = Flags(SpeedOptions, "speed__", rename={"json_path": "--json"}, skip=("data", "command"))
 
 
 def cmd_train_block(args: argparse.Namespace) -> int:
@@ -181,13 +183,9 @@ def cmd_bench_machine(args: argparse.Namespace) -> int:
 
 def speed_options(args: argparse.Namespace, command: str) -> SpeedOptions:
     """`blocktrain bench speed` flags -> SpeedOptions (also used by benchmarks/speed_reference.py)."""
-    from blocktrain.bench.speed import SpeedOptions
     from blocktrain.data.dataset import resolve_data_dir
 
-    return SpeedOptions(
-        preset=args.preset, data=resolve_data_dir(args.data), out=Path(args.out), steps=args.steps,
-        json_path=Path(args.json) if args.json else None, device=args.device, command=command,
-    )
+    return SPEED_FLAGS.build(args, data=resolve_data_dir(args.data), command=command)
 
 
 def cmd_bench_speed(args: argparse.Namespace) -> int:
@@ -198,12 +196,9 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from blocktrain.cli.fields import field_values
-    from blocktrain.data.prepare import PrepareOptions, prepare
+    from blocktrain.data.prepare import prepare
 
-    values = field_values(args, PrepareOptions, prefix="prepare")
-    opts = PrepareOptions(**values)
-    done = prepare(Path(args.src), Path(args.out), opts)
+    done = prepare(Path(args.src), Path(args.out), PREPARE_FLAGS.build(args))
     m = done.manifest
     for split in ("train", "valid", "test"):
         info = m["splits"][split]
@@ -234,10 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("prepare", help="turn a text file, a folder of files or a JSONL dump into a dataset directory")
     s.add_argument("src", help="a text file, a directory (read recursively), a .jsonl file or a WikiText directory")
     s.add_argument("--out", required=True, help="the dataset directory to write (new or empty)")
-    from blocktrain.cli.fields import add_field_flags
-    from blocktrain.data.prepare import PrepareOptions
-
-    add_field_flags(s, PrepareOptions, prefix="prepare")
+    PREPARE_FLAGS.add(s)
     s.set_defaults(fn=cmd_prepare)
 
     s = sub.add_parser("train-block", help="train one block alone")
@@ -326,12 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_bench_machine)
 
     q = bsub.add_parser("speed", help="seconds per step and MFU of the E2E and block trainers, fp32 against bf16")
-    q.add_argument("--preset", default="cpu-small", help="configuration preset")
     q.add_argument("--data", default=None, help="data directory")
-    q.add_argument("--out", default="runs/bench-speed", help="scratch directory for the short runs (replaced)")
-    q.add_argument("--steps", type=int, default=30, help="training steps per measurement")
-    q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    q.add_argument("--json", default=None, help="write the result JSON here")
+    SPEED_FLAGS.add(q)  # --preset, --out, --steps, --device, --json
     q.set_defaults(fn=cmd_bench_speed)
 
     # Sub-commands of the distributed parts register themselves.

@@ -24,14 +24,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from blocktrain.errors import ConfigError, ServeError
+from blocktrain.errors import ServeError
 from blocktrain.seeds import Seed
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.backend import (
@@ -48,36 +48,11 @@ from blocktrain.serve.gateway.backend import (
     unavailable,
 )
 from blocktrain.serve.gateway.logprobs import Logprobs, StopScanner, token_str
+from blocktrain.serve.gateway.options import GatewayOptions
 
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "BLOCKTRAIN_GATEWAY_TOKEN"  # bearer token HTTP clients must send, when --token is not given
-
-
-@dataclass(frozen=True)
-class GatewayOptions:
-    """How ``blocktrain gateway`` serves; ConfigError on a bad value."""
-
-    pipeline: str  # HOST:PORT of the pipeline's entry stage
-    model_name: str | None = None  # model id reported and accepted; None: derived from the entry stage
-    token: str = ""  # bearer token HTTP clients must send; "" = none
-    pipeline_token: str | None = None  # token of the stages' HELLO; None: $BLOCKTRAIN_SERVE_TOKEN
-    max_tokens_cap: int = 4096  # bytes: the largest max_tokens accepted
-    max_body_bytes: int = 1 << 20  # bytes: the largest request body accepted
-    request_timeout_s: float = 120.0  # seconds: a request (body read, generation, whole stream) must end within this
-    max_connections: int = 256  # HTTP connections served at once; more are answered 503
-
-    def __post_init__(self) -> None:
-        if self.max_tokens_cap < 1:
-            raise ConfigError(f"--max-tokens-cap must be >= 1 byte, got {self.max_tokens_cap}")
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"--max-body-kib must allow at least 1 KiB, got {self.max_body_bytes} bytes")
-        if not self.request_timeout_s > 0:
-            raise ConfigError(f"--timeout must be > 0 seconds, got {self.request_timeout_s}")
-        if self.max_connections < 1:
-            raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
-        if self.model_name is not None and not self.model_name.strip():
-            raise ConfigError("--model-name must not be empty; omit it to name the model after the pipeline")
 
 
 def model_id(entry: dict[str, Any]) -> str:
