@@ -2,7 +2,7 @@
 # The README's test command: install, lint, type-check, run the test suite (slow tests skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+EXTRAS=dev,hivemind bash scripts/setup.sh  # hivemind: its engine's tests run too (they skip where it is missing)
 . .venv/bin/activate
 # Headless Chromium for the dashboard test (Debian package); skipped quietly where apt is unavailable.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -52,6 +52,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     else:
         log.warning("no --data: workers' datasets are not checked against the run's")
     c = Coordinator(Path(args.run_dir), cfg, settings, data if needs_data else None)
+    # SIGTERM (a service manager's stop) ends the run as Ctrl-C does, through close(): its default action would
+    # kill the process before it could stop the processes it started (the hivemind DHT peer).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
     except KeyboardInterrupt:
@@ -65,6 +68,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     finally:
         c.close()
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

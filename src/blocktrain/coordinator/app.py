@@ -5,8 +5,9 @@ Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
     GET  /                           dashboard (HTML)
     GET  /v1/status                  status document
     GET  /metrics                    Prometheus text
-    POST /v1/register                {"block": K|null, "dataset": fingerprint} -> assignment and config
-                                     (409 "dataset" when the worker's data is not the run's)
+    POST /v1/register                {"block": K|null, "dataset": fingerprint, "p2p_key": RSA key|null} ->
+                                     assignment and config (409 "dataset" when the worker's data is not the
+                                     run's); with p2p_key, "p2p": its token and the DHT to join (--hivemind)
     POST /v1/heartbeat               renew the lease
     POST /v1/leave                   give the lease back (clean shutdown)
     GET  /v1/work                    block, version, data stream, deadline
@@ -57,6 +58,7 @@ class RegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     block: int | None = None  # pin this worker to block K (else: the block with the fewest live replicas)
     dataset: str | None = Field(default=None, max_length=64)  # sha256 fingerprint of the worker's dataset
+    p2p_key: str | None = Field(default=None, max_length=2048)  # RSA public key (OpenSSH) of a hivemind-averaging worker
 
 
 def _bearer(request: Request) -> str | None:
@@ -201,7 +203,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     @app.post("/v1/register")
     async def register(request: Request, body: RegisterRequest) -> dict[str, Any]:
         name = auth(request)
-        return await run_in_threadpool(c.register, name, body.block, body.dataset)
+        return await run_in_threadpool(c.register, name, body.block, body.dataset, body.p2p_key)
 
     @app.post("/v1/heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:

@@ -24,7 +24,7 @@ th{background:#f3f3f3}
 <svg id="ce" width="520" height="220" viewBox="0 0 520 220" role="img" aria-label="CE curve"></svg>
 <h2>Recent rounds</h2>
 <table id="rounds"><thead><tr><th>block</th><th>version</th><th>closed by</th><th>accepted</th><th>rejected</th>
-<th>push bytes</th><th>step bytes</th></tr></thead>
+<th>push bytes</th><th>step bytes</th><th>groups (sizes)</th></tr></thead>
 <tbody></tbody></table>
 <script>
 function cell(v){const td=document.createElement('td');td.textContent=v;return td;}
@@ -63,7 +63,8 @@ async function refresh(){
     fill('workers', s.workers.map(w=>[w.name,w.block,w.state,w.live,w.updates_accepted,w.updates_rejected,
                                       w.bytes_in,w.bytes_out]));
     fill('rounds', s.rounds.slice(0,20).map(r=>[r.block,r.version,r.close_reason,r.updates,
-      Object.entries(r.rejected).map(([k,n])=>`${k} ${n}`).join(', ')||'0',r.push_bytes,r.step_bytes]));
+      Object.entries(r.rejected).map(([k,n])=>`${k} ${n}`).join(', ')||'0',r.push_bytes,r.step_bytes,
+      r.groups.length?`${r.groups.length} (${r.groups.join(', ')})`:'-']));
     curve(s.evals);
     document.body.dataset.refreshed=String(Date.now());
   }catch(e){document.getElementById('summary').textContent='status unavailable: '+e;}

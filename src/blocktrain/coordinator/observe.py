@@ -65,6 +65,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "updates": int(r["n_updates"]),  # accepted and applied
                 # refused while the round was open, by reason; the accepted updates' and the published step's bytes
                 **s.round_traffic(int(r["block"]), int(r["version"]), float(r["opened"]), float(r["closed"])),
+                "groups": [len(m) for m in s.groups(int(r["block"]), int(r["version"])).values()],  # sizes (hivemind)
             }
             for r in s.closed_rounds(recent_rounds)
         ]
@@ -94,6 +95,8 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         "workers": workers,
         "rounds": rounds,
         "evals": evals,
+        # the hivemind engine: the DHT workers join first, the authority that signs their tokens (--hivemind)
+        "p2p": c.hub.status() if c.hub is not None else None,
     }
 
 

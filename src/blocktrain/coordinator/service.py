@@ -22,6 +22,7 @@ from blocktrain.config import RunConfig
 from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.blocks import BlockRounds
 from blocktrain.coordinator.defences import check_gate, check_norm
+from blocktrain.coordinator.groups import QUARANTINE_AFTER, PeerHub, check_members, quarantined
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import hash_token
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
@@ -57,6 +58,8 @@ class Coordinator(BlockRounds):
         super().__init__(run_dir, cfg, settings, data, clock)
         with self.lock:
             self._reload_tokens()
+        # the hivemind engine's authority and bootstrap peer (coordinator.groups)
+        self.hub: PeerHub | None = PeerHub(self.run.root, self.store, settings.hivemind_host) if settings.hivemind else None
 
     def _reload_tokens(self) -> None:
         self._tokens = {h: name for name, h in self.store.token_hashes()}
@@ -92,8 +95,16 @@ class Coordinator(BlockRounds):
             self._reload_tokens()
             return token
 
-    def register(self, name: str, block: int | None, dataset: str | None = None) -> dict[str, Any]:
-        """Assign ``name`` a block; ``dataset`` is the fingerprint of the worker's data (checked against the run's)."""
+    def register(self, name: str, block: int | None, dataset: str | None = None,
+                 p2p_key: str | None = None) -> dict[str, Any]:
+        """Assign ``name`` a block; ``dataset`` is the fingerprint of the worker's data (checked against the run's);
+        ``p2p_key``: the worker averages on hivemind with this RSA key, and is issued a token for it."""
+        if quarantined(self.store, name):
+            raise ProtocolError(403, f"worker {name!r} is quarantined: it was a member of {QUARANTINE_AFTER} group "
+                                "means the loss gate refused", "quarantined")
+        if p2p_key is not None and self.hub is None:
+            raise ProtocolError(409, "this coordinator does not host hivemind averaging; start it with --hivemind, "
+                                "or run the worker with --averaging coordinator", "hivemind_off")
         if block is not None and not 0 <= block < self.n_blocks:
             raise ProtocolError(
                 422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", "block"
@@ -131,6 +142,7 @@ class Coordinator(BlockRounds):
                 "lease_seconds": self.settings.lease_seconds,
                 "rounds": self.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
                 "n_blocks": self.n_blocks,
+                **({"p2p": self.hub.admit(name, p2p_key)} if self.hub is not None and p2p_key is not None else {}),
             }
 
     def _least_replicated(self, name: str, now: float) -> int:
@@ -182,7 +194,7 @@ class Coordinator(BlockRounds):
             block_state = self.state[k]
             state = RoundState(rnd["state"]) if rnd is not None else RoundState.FINISHED
             stream = mix_seed(int(row["id"]), k, v)
-            submitted = self.store.update_blob(k, v, name)
+            submitted = self.store.submitted(k, v, name)
             with self.store.tx():
                 self.store.renew_lease(name, now + self.settings.lease_seconds)
                 if state is RoundState.OPEN:
@@ -199,7 +211,7 @@ class Coordinator(BlockRounds):
                 "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
                 "seed": self.cfg.train.seed,
                 "stream": stream,
-                "submitted": submitted is not None,
+                "submitted": submitted,
                 "finished": block_state is BlockState.FINISHED,  # this worker's block has no more rounds
             }
 
@@ -224,19 +236,44 @@ class Coordinator(BlockRounds):
             raise ProtocolError(
                 413, f"update of {len(body)} bytes exceeds the cap of {self.max_body_bytes}", "too_large"
             )
+        if quarantined(self.store, name):
+            raise ProtocolError(403, f"worker {name!r} is quarantined; its updates are refused", "quarantined")
         upd = parse_update(body, k, self.block_shapes[k])
         self._check_version(k, upd.base_version)
+        members = self._group_members(name, k, upd)
         if self.settings.gate_tolerance is not None:
-            self._gate(k, upd)
+            try:
+                self._gate(k, upd)
+            except ProtocolError as exc:
+                if members:
+                    self._refuse_group(k, upd.base_version, name, members, exc.reason)
+                raise
         # Written (and fsynced) outside the lock, but named only once the update is accepted:
         # a refused update leaves no blob behind.
         staged = self.store.stage_blob(body)
         try:
-            return self._accept(name, k, upd, staged, arrived)
+            return self._accept(name, k, upd, staged, arrived, members)
         finally:
             self.store.discard_blob(staged)  # no-op once committed
 
-    def _accept(self, name: str, k: int, upd: ParsedUpdate, staged: StagedBlob, arrived: float) -> dict[str, Any]:
+    def _group_members(self, name: str, k: int, upd: ParsedUpdate) -> list[str]:
+        """The workers a group upload names (cards verified), or [] for one worker's own update."""
+        if not upd.group:
+            return []
+        if self.hub is None:
+            raise ProtocolError(409, "this coordinator does not host hivemind averaging; send your own delta, "
+                                "or start the coordinator with --hivemind", "hivemind_off")
+        return self.hub.members(upd.group, k, upd.base_version)  # registration etc. are checked as it is recorded
+
+    def _refuse_group(self, k: int, v: int, uploader: str, members: list[str], reason: str) -> None:
+        with self.lock, self.store.tx():
+            self.store.record_group_refusal(k, v, uploader, members, reason, self.clock())
+        caught = [m for m in members if quarantined(self.store, m)]
+        log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, reason,
+                    f"; quarantined {caught}" if caught else "")
+
+    def _accept(self, name: str, k: int, upd: ParsedUpdate, staged: StagedBlob, arrived: float,
+                members: list[str]) -> dict[str, Any]:
         digest = staged.digest
         with self.lock:
             self._check_version(k, upd.base_version)
@@ -248,6 +285,11 @@ class Coordinator(BlockRounds):
                 raise ProtocolError(
                     409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate"
                 )
+            if members:
+                check_members(self.store, name, members, k, v)  # under the lock that records them
+            elif self.store.submitted(k, v, name):
+                raise ProtocolError(409, f"worker {name!r} already counts for block {k} version {v} as a member of a "
+                                    "group's mean", "duplicate")
             self._check_norm(k, upd.norm)
             rnd = self.store.round(k, v)
             opened = float(rnd["opened"]) if rnd is not None else arrived
@@ -256,6 +298,8 @@ class Coordinator(BlockRounds):
                 self.store.record_update(k, v, name, samples=upd.samples, norm=upd.norm,
                                          compression=upd.compression.value, blob=digest, arrived=arrived,
                                          arrival_s=arrived - opened)
+                if members:
+                    self.store.record_group(k, v, name, members)
             self.norms[k].append(upd.norm)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
             closed = self._check_quorum(self.clock())
@@ -347,4 +391,6 @@ class Coordinator(BlockRounds):
 
     def close(self) -> None:
         self.flush_bytes()
+        if self.hub is not None:
+            self.hub.close()
         self.store.close()

@@ -74,6 +74,8 @@ class CoordinatorSettings:
     eval_bytes: int = 4096  # validation bytes scored per evaluation
     tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
     fsync: bool = True  # fsync every blob and SQLite commit (False: safe from process crashes, not power loss)
+    hivemind: bool = False  # host the run's hivemind DHT and admit workers averaging on it (needs blocktrain[hivemind])
+    hivemind_host: str = "0.0.0.0"  # IPv4 address the DHT peer listens on (its port is chosen by the system)
 
     def for_objective(self, default_outer: str) -> CoordinatorSettings:
         """These settings with the objective's outer step where none was chosen (``Objective.outer_step``)."""

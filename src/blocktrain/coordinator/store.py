@@ -66,6 +66,12 @@ CREATE TABLE IF NOT EXISTS evals(
     ce REAL NOT NULL, bytes INTEGER NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS counters(key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS block_states(block INTEGER PRIMARY KEY, state TEXT NOT NULL, changed REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS group_members(
+    block INTEGER NOT NULL, version INTEGER NOT NULL, worker TEXT NOT NULL, uploader TEXT NOT NULL,
+    PRIMARY KEY(block, version, worker));
+CREATE TABLE IF NOT EXISTS group_refusals(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL,
+    uploader TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
 """
 
 
@@ -291,8 +297,39 @@ class Store(BlobStore):
         return {"push_bytes": push, "step_bytes": step_bytes, "rejected": rejected}
 
     def reporters(self, k: int, v: int) -> set[str]:
-        """Workers that sent an update for block k version v."""
-        return {str(r["worker"]) for r in self.q("SELECT worker FROM updates WHERE block=? AND version=?", k, v)}
+        """Workers whose training reached block k version v: they sent an update, or were in a group's mean."""
+        sent = {str(r["worker"]) for r in self.q("SELECT worker FROM updates WHERE block=? AND version=?", k, v)}
+        return sent | {str(r["worker"]) for r in self.q("SELECT worker FROM group_members WHERE block=? AND version=?", k, v)}
+
+    def submitted(self, k: int, v: int, worker: str) -> bool:
+        """``worker`` sent an update for block k version v, or was a member of a group that did."""
+        return self.update_blob(k, v, worker) is not None or self.q1(
+            "SELECT 1 FROM group_members WHERE block=? AND version=? AND worker=?", k, v, worker) is not None
+
+    # --- groups (the hivemind engine) ----------------------------------------------
+    def record_group(self, k: int, v: int, uploader: str, members: list[str]) -> None:
+        """The members (uploader included) whose mean ``uploader`` sent for block k version v."""
+        self.db.executemany("INSERT INTO group_members(block, version, worker, uploader) VALUES(?,?,?,?)",
+                            [(k, v, m, uploader) for m in members])
+
+    def groups(self, k: int, v: int) -> dict[str, list[str]]:
+        """The groups of block k version v: uploader -> members."""
+        out: dict[str, list[str]] = {}
+        for r in self.q("SELECT worker, uploader FROM group_members WHERE block=? AND version=? ORDER BY worker", k, v):
+            out.setdefault(str(r["uploader"]), []).append(str(r["worker"]))
+        return out
+
+    def record_group_refusal(self, k: int, v: int, uploader: str, members: list[str], reason: str, at: float) -> None:
+        self.db.executemany(
+            "INSERT INTO group_refusals(worker, block, version, uploader, reason, at) VALUES(?,?,?,?,?,?)",
+            [(m, k, v, uploader, reason, at) for m in members])
+        self.add_counter("groups_refused", 1)
+
+    def refused_groups(self, worker: str) -> int:
+        """How many refused group means ``worker`` was a member of."""
+        row = self.q1("SELECT COUNT(DISTINCT block || ':' || version || ':' || uploader) AS n FROM group_refusals "
+                      "WHERE worker=?", worker)
+        return 0 if row is None else int(row["n"])
 
     def accepted_updates(self, k: int, v: int) -> list[sqlite3.Row]:
         """The accepted, not yet applied updates of block k version v, in arrival order."""

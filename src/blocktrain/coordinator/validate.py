@@ -22,6 +22,7 @@ import torch
 from blocktrain.checkpoint.safetensors_io import unpack
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
+from blocktrain.protocol.group import GroupMember, decode_group
 
 MAX_SAMPLES = 1 << 30  # an update claiming more samples than this is rejected
 
@@ -34,6 +35,7 @@ class ParsedUpdate:
     compression: Compression  # wire encoding
     delta: dict[str, torch.Tensor]  # decoded float32 delta per parameter
     norm: float  # ||Delta||_2
+    group: tuple[GroupMember, ...] = ()  # members whose sample-weighted mean this is (empty: one worker's delta)
 
 
 def _looks_like_safetensors(body: bytes) -> bool:
@@ -85,6 +87,14 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
     samples = _int_field(meta, "samples")
     if not 0 < samples <= MAX_SAMPLES:
         raise ProtocolError(422, f"samples={samples} must be in 1..{MAX_SAMPLES}", "metadata")
+    group: tuple[GroupMember, ...] = ()
+    if "group" in meta:
+        try:
+            group = decode_group(meta["group"])
+        except ValueError as exc:
+            raise ProtocolError(422, f"malformed group upload: {exc}", "group") from None
+        if sum(m.samples for m in group) != samples:
+            raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", "group")
     schema = wire_schema(shapes, compression)
     missing = sorted(set(schema) - set(tensors))
     extra = sorted(set(tensors) - set(schema))
@@ -112,5 +122,6 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
     if not norm < float("inf"):
         raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", "non_finite")
     return ParsedUpdate(
-        block=k, base_version=base_version, samples=samples, compression=compression, delta=delta, norm=norm
+        block=k, base_version=base_version, samples=samples, compression=compression, delta=delta, norm=norm,
+        group=group,
     )

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktrain.checkpoint.safetensors_io import pack
+from blocktrain.protocol.group import GroupMember, encode_group
 
 SCALE_SUFFIX = "@scale"  # int8 encoding: per-tensor scale tensor name suffix
 
@@ -121,8 +122,12 @@ def pack_delta(
     base_version: int,
     samples: int,
     feedback: ErrorFeedback | None = None,
+    group: list[GroupMember] | None = None,
 ) -> bytes:
-    """A worker's update as safetensors bytes (with ``feedback``: plus its carried residual, which it updates)."""
+    """A worker's update as safetensors bytes (with ``feedback``: plus its carried residual, which it updates).
+
+    ``group``: the delta is the sample-weighted mean of these members' deltas (:mod:`.group`), ``samples`` their sum.
+    """
     meta = {
         "kind": "delta",
         "block_index": str(block),
@@ -130,6 +135,10 @@ def pack_delta(
         "samples": str(samples),
         "compression": compression.value,
     }
+    if group:
+        if sum(m.samples for m in group) != samples:
+            raise ValueError("a group upload's samples must be the sum of its members'")
+        meta["group"] = encode_group(group)
     if feedback is not None and feedback.compression is not compression:
         raise ValueError(f"error feedback for {feedback.compression.value} cannot encode {compression.value}")
     wire = feedback.encode(delta) if feedback is not None else encode_delta(delta, compression)

@@ -87,8 +87,11 @@ class CoordinatorClient:
                 raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
 
     # --- protocol calls --------------------------------------------------------
-    def register(self, block: int | None, dataset: str | None = None) -> dict[str, Any]:
-        return dict(self.request("POST", "/v1/register", json={"block": block, "dataset": dataset}).json())
+    def register(self, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"block": block, "dataset": dataset}
+        if p2p_key is not None:  # the hivemind engine: the coordinator answers with a token for this key
+            body["p2p_key"] = p2p_key
+        return dict(self.request("POST", "/v1/register", json=body).json())
 
     def work(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/work").json())

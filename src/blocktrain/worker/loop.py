@@ -22,6 +22,7 @@ and then leaves; a second one abandons the round at once and leaves.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -50,6 +51,13 @@ from blocktrain.worker.frozen import FrozenInputs
 log = logging.getLogger(__name__)
 
 
+class Averaging(enum.Enum):
+    """How a worker's delta reaches the outer step."""
+
+    COORDINATOR = "coordinator"  # push it to the coordinator (the embedded default)
+    HIVEMIND = "hivemind"  # all-reduce it with the block's other workers on hivemind; one member uploads the mean
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     url: str  # coordinator base URL
@@ -65,6 +73,10 @@ class WorkerOptions:
     precision: Precision | None = None  # forward/backward arithmetic (None: the run config's, bf16 by default)
     device: str = "auto"  # where to train: auto, cpu, cuda or cuda:N
     frozen_cache: Path = field(default_factory=lambda: Path("~/.cache/blocktrain/frozen"))  # frozen blocks on disk
+    averaging: Averaging = Averaging.COORDINATOR  # engine that carries the delta (hivemind: pip install 'blocktrain[hivemind]')
+    group_size: int = 16  # hivemind engine: peers per group at most
+    matchmaking_s: float = 3.0  # hivemind engine: seconds a forming group waits for more peers
+    p2p_host: str = "0.0.0.0"  # hivemind engine: IPv4 address this worker's DHT peer listens on
 
     def __post_init__(self) -> None:
         if self.local_steps < 1:
@@ -73,6 +85,12 @@ class WorkerOptions:
             raise ConfigError("poll_s and give_up_s must be positive (seconds)")
         if self.max_rejections < 1:
             raise ConfigError(f"max_rejections must be >= 1, got {self.max_rejections}")
+        if self.group_size < 2 or not self.matchmaking_s > 0:
+            raise ConfigError(f"group_size must be >= 2 and matchmaking_s > 0, got {self.group_size}, {self.matchmaking_s}")
+        if self.averaging is Averaging.HIVEMIND:
+            from blocktrain.p2p import require_hivemind
+
+            require_hivemind()
 
 
 @dataclass
@@ -85,6 +103,8 @@ class WorkerSummary:
     block: int = -1  # the block trained last
     frozen_downloads: int = 0  # frozen earlier blocks downloaded (each block version once; cache hits excluded)
     rounds_cut: int = 0  # rounds pushed with fewer than H steps because the deadline was near
+    groups_uploaded: int = 0  # hivemind engine: group means this worker uploaded
+    rounds_grouped: int = 0  # hivemind engine: rounds whose delta another member uploaded in its group's mean
 
 
 class Worker:
@@ -100,6 +120,10 @@ class Worker:
         self._last_beat = 0.0
         self._slowest_push: float = 0.0  # seconds, for the margin kept before a deadline
         self.steps_done = 0  # local steps of the current round
+        self.groups: Any = None  # the hivemind engine's GroupAverager, once registered (blocktrain.p2p.groups)
+        self._grouped_version = -1  # the version whose delta went into a group mean that another member uploads
+        self._deadline_at = float("inf")  # time.monotonic() of the current round's deadline
+        self._p2p_key: Any = None  # this worker's RSA key on hivemind
 
     # --- set-up ---------------------------------------------------------------
     def _setup(self, reg: dict[str, Any]) -> None:
@@ -129,7 +153,35 @@ class Worker:
             log.info("%s", reg["message"])
 
     def _register(self) -> None:
-        self._setup(self.client.register(self.opts.block, self.data.fingerprint()))
+        key = None
+        if self.opts.averaging is Averaging.HIVEMIND:
+            from hivemind.utils.crypto import RSAPrivateKey
+
+            self._p2p_key = self._p2p_key or RSAPrivateKey()
+            key = self._p2p_key.get_public_key().to_bytes().decode()
+        reg = self.client.register(self.opts.block, self.data.fingerprint(), p2p_key=key)
+        self._setup(reg)
+        if key is not None:
+            self._join_groups(reg.get("p2p"))
+
+    def _join_groups(self, p2p: Any) -> None:
+        """Join the run's DHT with the token the coordinator issued (once; a new registration renews the token)."""
+        import base64
+
+        from blocktrain.p2p.groups import GroupAverager, join_dht
+        from blocktrain.p2p.trust import PeerAuthorizer
+
+        if not isinstance(p2p, dict) or not {"token", "authority", "initial_peers", "run"} <= set(p2p):
+            raise ProtocolError(502, "the coordinator's registration carries no hivemind token; it must run with "
+                                "--hivemind (or use --averaging coordinator)", "p2p")
+        token, authority = base64.b64decode(p2p["token"]), str(p2p["authority"]).encode()
+        if self.groups is not None:
+            self.groups.token = token
+            return
+        dht = join_dht(list(p2p["initial_peers"]), PeerAuthorizer(self._p2p_key, token, authority), self.opts.p2p_host)
+        self.groups = GroupAverager(dht, self._p2p_key, token, authority, str(p2p["run"]),
+                                    target_group_size=self.opts.group_size, matchmaking_s=self.opts.matchmaking_s)
+        log.info("joined the run's hivemind DHT as %s", self.groups.peer)
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: dict[str, Any]) -> None:
@@ -181,7 +233,8 @@ class Worker:
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
         deadline_in = float(work.get("deadline_in", 0.0))
-        stop_at = time.monotonic() + deadline_in - self._push_margin() if deadline_in > 0 else float("inf")
+        self._deadline_at = time.monotonic() + deadline_in if deadline_in > 0 else float("inf")
+        stop_at = self._deadline_at - self._push_margin() - self._group_budget()
         self.steps_done = 0
         round_hook = _RoundHook(self, stop_at, H)
         bar = tqdm(total=H, desc=f"block {self.k} v{self.base_version}", unit="step", disable=not self.opts.progress,
@@ -203,6 +256,10 @@ class Worker:
         finally:
             bar.close()
         return not round_hook.abandoned
+
+    def _group_budget(self) -> float:
+        """Seconds kept before the push for the group all-reduce (hivemind engine): matchmaking and the exchange."""
+        return 3.0 * self.opts.matchmaking_s if self.groups is not None else 0.0
 
     def _push_margin(self) -> float:
         """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
@@ -226,13 +283,27 @@ class Worker:
         local = trainable_state(self.block)
         delta = {n: local[n] - self.base[n] for n in self.base}
         samples = self.steps_done * self.cfg.train.batch_size
+        group = None
+        if self.groups is not None:
+            budget = min(self._group_budget(), self._deadline_at - time.monotonic() - self._push_margin())
+            group = self.groups.average(delta, samples, self.k, self.base_version, budget)
+            if group is not None and not group.uploader:
+                self._grouped_version = self.base_version
+                self.summary.rounds_grouped += 1
+                log.info("block %d v%d: averaged in a group of %d; its uploader sends the mean", self.k,
+                         self.base_version, len(group.members))
+                load_trainable(self.block, self.base)
+                return
+            if group is not None:
+                delta, samples = group.mean, group.samples
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
-                             samples=samples, feedback=self.feedback)
+                             samples=samples, feedback=self.feedback, group=group.members if group else None)
         t0 = time.monotonic()
         try:
             self.client.push(self.k, payload)
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
             self.summary.rounds_pushed += 1
+            self.summary.groups_uploaded += group is not None
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
                      self.k, len(payload), self.base_version, self.summary.local_steps)
             self._rejections = 0
@@ -278,7 +349,7 @@ class Worker:
                 if work.get("block_state") == "waiting" and not waiting:
                     log.info("%s", work.get("message") or f"block {self.k} is waiting for earlier blocks to finish")
                 waiting = work.get("block_state") == "waiting"
-                if work["round_state"] != "open" or work["submitted"]:
+                if work["round_state"] != "open" or work["submitted"] or self._grouped_version == int(work["version"]):
                     self.abandon.wait(self.opts.poll_s)
                     continue
                 if not self._train_round(work):
@@ -291,6 +362,8 @@ class Worker:
         return self.summary
 
     def _leave(self) -> None:
+        if self.groups is not None:
+            self.groups.close()
         try:
             self.client.leave()
         except ProtocolError as exc:

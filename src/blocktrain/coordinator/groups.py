@@ -1,0 +1,103 @@
+"""The coordinator's side of hivemind averaging (issue 23): the DHT it bootstraps, the tokens it signs, and the
+checks a group's upload must pass beyond those of one worker's update.
+
+With ``--hivemind`` the coordinator is the run's authority (:class:`blocktrain.p2p.trust.Authority`, an RSA key
+kept in the run directory) and a DHT peer that workers join first; both are published in ``/v1/status`` and in
+every registration answer, so a worker needs no flag beyond ``--averaging hivemind``. A group upload is accepted
+only if every member's card verifies (a token this coordinator issued, bound to the member's peer id and the
+round), every member is registered on the block, is not quarantined and has not already sent an update for the
+version, and the uploader is a member. A group mean refused by the loss gate is refused whole; its members are
+recorded, and a member of two refused groups is quarantined: it may no longer push or join an accepted group.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from blocktrain.coordinator.store import Store
+from blocktrain.errors import ProtocolError
+from blocktrain.protocol.group import GroupMember, round_scope
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_AFTER = 2  # refused groups a worker may be a member of before it is quarantined
+
+
+class PeerHub:
+    """The authority and the bootstrap DHT peer of one run (hivemind is imported only here)."""
+
+    def __init__(self, run_root: Path, store: Store, host: str) -> None:
+        from blocktrain.p2p import require_hivemind
+
+        require_hivemind()
+        import hivemind
+
+        from blocktrain.p2p.trust import Authority, PeerAuthorizer, load_key
+
+        run = store.get_meta("p2p_run")
+        if run is None:
+            run = secrets.token_hex(8)
+            with store.tx():
+                store.set_meta("p2p_run", run)
+        self.run = run  # names this run's DHT keys and scopes every card
+        key = load_key(run_root / "coordinator" / "authority.der")
+        self.authority = Authority(key)
+        own = self.authority.issue("coordinator", key.get_public_key().to_bytes())
+        self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"],
+                                authorizer=PeerAuthorizer(key, own, self.authority.public_key))
+        self.initial_peers = [str(a) for a in self.dht.get_visible_maddrs()]
+        log.info("hivemind DHT up; workers join it at %s", ", ".join(self.initial_peers))
+
+    def admit(self, worker: str, public_key: str) -> dict[str, Any]:
+        """What a registering worker needs to join the run's DHT and groups (its token, signed now)."""
+        import base64
+
+        try:
+            token = self.authority.issue(worker, public_key.encode())
+        except ValueError:
+            raise ProtocolError(422, "p2p_key is not an RSA public key in OpenSSH form", "p2p_key") from None
+        return {"token": base64.b64encode(token).decode(), **self.status()}
+
+    def status(self) -> dict[str, Any]:
+        return {"run": self.run, "initial_peers": self.initial_peers, "authority": self.authority.public_key.decode()}
+
+    def members(self, group: tuple[GroupMember, ...], k: int, v: int) -> list[str]:
+        """The workers the cards name, in the group's order; 403 if any card does not verify."""
+        from blocktrain.p2p.trust import Card
+
+        names = []
+        scope = round_scope(self.run, k, v)
+        for m in group:
+            name = Card(m.token, m.proof).worker(m.peer, scope, self.authority.public_key)
+            if name is None:
+                raise ProtocolError(403, f"group member {m.peer} carries no card this coordinator issued for block {k} "
+                                    f"v{v}; the group's mean is refused whole", "group_member")
+            names.append(name)
+        if len(set(names)) != len(names):
+            raise ProtocolError(422, "a worker appears twice in the group", "group")
+        return names
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+
+def check_members(store: Store, uploader: str, names: list[str], k: int, v: int) -> None:
+    """Every member registered on block k, not quarantined, not already counted for v; the uploader among them."""
+    if uploader not in names:
+        raise ProtocolError(403, f"worker {uploader!r} uploads a group it is not a member of", "group")
+    for name in names:
+        row = store.worker(name)
+        if row is None or row["block"] is None or int(row["block"]) != k:
+            raise ProtocolError(409, f"group member {name!r} is not registered on block {k}", "group_member")
+        if quarantined(store, name):
+            raise ProtocolError(403, f"group member {name!r} is quarantined (a member of {QUARANTINE_AFTER} refused "
+                                "groups); the group's mean is refused", "quarantined")
+        if store.submitted(k, v, name):
+            raise ProtocolError(409, f"group member {name!r} already counts for block {k} version {v}", "duplicate")
+
+
+def quarantined(store: Store, name: str) -> bool:
+    return store.refused_groups(name) >= QUARANTINE_AFTER

@@ -1,0 +1,144 @@
+"""One round's group all-reduce on hivemind: the workers of block k at version v average their deltas.
+
+A worker joins the run's DHT once (:func:`join_dht`, authorised by the coordinator's token) and keeps one
+hivemind averager per block it trains (a background process: hivemind's averagers are made to live long,
+and one made and shut down every round leaves its in-flight DHT requests failing in the DHT process). Each
+round, :meth:`GroupAverager.average` looks for peers under the block's key
+(:func:`blocktrain.protocol.group.group_prefix`), all-reduces its delta with them weighted by samples
+(hivemind's butterfly all-reduce: each peer sends and receives about twice the tensor, whatever the group
+size), and all-gathers every member's card and samples. A card is bound to the run, the block and the
+version, so every member must be an admitted worker at the same version (:mod:`.trust`); otherwise, or when
+no group forms in time, the worker uploads its own delta alone. The member with the smallest peer id
+uploads the group's mean; the others upload nothing for the round.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+
+from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey
+from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
+
+log = logging.getLogger(__name__)
+
+
+def start_quietly(process: Any) -> None:
+    """Start a hivemind background process with SIGINT ignored in it, the caller's handler kept.
+
+    hivemind's own ``run_in_background`` sets SIGINT to ignored in the *calling* process for good (the
+    worker's Ctrl-C would stop working) and fails outside the main thread; this works around both.
+    """
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the forked child only
+        try:
+            process.start()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    else:
+        process.start()
+    process.wait_until_ready()
+
+
+def join_dht(initial_peers: list[str], authorizer: PeerAuthorizer, host: str) -> hivemind.DHT:
+    """A DHT peer of the run, listening on ``host`` (its port chosen by the system)."""
+    return hivemind.DHT(initial_peers=initial_peers, start=True, host_maddrs=[f"/ip4/{host}/tcp/0"],
+                        authorizer=authorizer)
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    mean: dict[str, torch.Tensor]  # the sample-weighted mean of the members' deltas
+    members: list[GroupMember]  # every member, this worker included, sorted by peer id
+    uploader: bool  # this worker sends the mean (the smallest peer id)
+
+    @property
+    def samples(self) -> int:
+        return sum(m.samples for m in self.members)
+
+
+class GroupAverager:
+    """This worker's side of the rounds' groups (see the module docstring)."""
+
+    def __init__(self, dht: hivemind.DHT, key: RSAPrivateKey, token: bytes, authority: bytes, run: str, *,
+                 target_group_size: int, matchmaking_s: float) -> None:
+        self.dht = dht
+        self.key = key
+        self.token = token
+        self.authority = authority
+        self.run = run
+        self.target_group_size = target_group_size  # peers per group at most
+        self.matchmaking_s = matchmaking_s  # seconds a group waits for more peers before it starts
+        self.peer = str(dht.peer_id)
+        self._averager: DecentralizedAverager | None = None
+        self._block = -1  # the block its averager serves
+
+    def average(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, timeout: float) -> GroupOutcome | None:
+        """Average ``delta`` with this round's group; None when no group of admitted peers at version v formed."""
+        if timeout <= self.matchmaking_s:
+            return None
+        names = sorted(delta)
+        averager = self._averager_for(k, [delta[n] for n in names])
+        scope = round_scope(self.run, k, v)
+        card = Card.make(self.key, self.token, self.peer, scope)
+        try:
+            with averager.get_tensors() as shared:
+                for t, n in zip(shared, names, strict=True):
+                    t.copy_(delta[n])
+            gathered: Any = averager.step(gather={"token": card.token, "proof": card.proof, "samples": samples},
+                                          weight=float(samples), timeout=timeout)
+            if not gathered:
+                log.info("block %d v%d: no group formed in %.0f s; uploading alone", k, v, timeout)
+                return None
+            with averager.get_tensors() as shared:
+                mean = {n: t.detach().clone() for n, t in zip(names, shared, strict=True)}
+        except Exception as exc:  # hivemind raises many kinds on a failed round; we upload alone
+            log.warning("block %d v%d: group averaging failed (%s); uploading alone", k, v, exc)
+            return None
+        members = self._members(gathered, scope)  # a card for another version or run does not verify either
+        if members is None or len(members) < 2:
+            return None
+        return GroupOutcome(mean, members, uploader=members[0].peer == self.peer)
+
+    def _averager_for(self, k: int, like: list[torch.Tensor]) -> DecentralizedAverager:
+        """The long-lived averager of block k (one per block: hivemind's averager is a process, made once)."""
+        if self._averager is not None and self._block == k:
+            return self._averager
+        self.close_averager()
+        averager = DecentralizedAverager(
+            [t.detach().float().clone().contiguous() for t in like], self.dht, prefix=group_prefix(self.run, k),
+            target_group_size=self.target_group_size, min_matchmaking_time=self.matchmaking_s,
+            request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False)
+        start_quietly(averager)
+        self._averager, self._block = averager, k
+        return averager
+
+    def close_averager(self) -> None:
+        if self._averager is not None:
+            self._averager.shutdown()
+            self._averager = None
+
+    def close(self) -> None:
+        self.close_averager()
+        self.dht.shutdown()
+
+    def _members(self, gathered: dict[Any, Any], scope: str) -> list[GroupMember] | None:
+        """Every member's entry, if every card verifies (else None: a stranger joined, the mean is not used)."""
+        members = []
+        for peer_id, data in gathered.items():
+            peer = str(peer_id)
+            ok = isinstance(data, dict) and isinstance(data.get("samples"), int) and data["samples"] > 0
+            card = Card(data.get("token", b""), data.get("proof", b"")) if ok else None
+            if card is None or card.worker(peer, scope, self.authority) is None:
+                log.warning("group peer %s has no valid card from the coordinator; its group's mean is discarded "
+                            "and this worker uploads alone", peer)
+                return None
+            members.append(GroupMember(peer, int(data["samples"]), card.token, card.proof))
+        return sorted(members, key=lambda m: m.peer)

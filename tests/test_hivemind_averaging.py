@@ -1,0 +1,241 @@
+"""The hivemind averaging engine (issue 23): tokens and cards, the group wire format, the coordinator's checks
+of a group upload, a real group all-reduce on loopback, and workers that average in a group end to end.
+
+Runs where the ``hivemind`` extra is installed (``scripts/test.sh`` installs it); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+hivemind = pytest.importorskip("hivemind")
+
+from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
+
+from blocktrain.checkpoint.safetensors_io import unpack  # noqa: E402
+from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer  # noqa: E402
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds  # noqa: E402
+from blocktrain.data.dataset import DataDir  # noqa: E402
+from blocktrain.errors import ProtocolError  # noqa: E402
+from blocktrain.p2p.groups import GroupAverager, join_dht  # noqa: E402
+from blocktrain.p2p.trust import Authority, Card, PeerAuthorizer, parse_token  # noqa: E402
+from blocktrain.presets import get_preset  # noqa: E402
+from blocktrain.protocol.delta import Compression, pack_delta  # noqa: E402
+from blocktrain.protocol.group import GroupMember, decode_group, encode_group, round_scope  # noqa: E402
+from tests.distributed_utils import (  # noqa: E402, F401
+    add_token,
+    corpus,
+    free_port,
+    get_status,
+    make_coordinator,
+    procs,
+    wait_for,
+)
+
+KEYS = [RSAPrivateKey() for _ in range(4)]  # RSA keys take a moment: made once
+
+
+def test_a_card_verifies_only_for_its_peer_and_round() -> None:
+    authority, other = Authority(KEYS[0]), Authority(KEYS[1])
+    token = authority.issue("w1", KEYS[2].get_public_key().to_bytes())
+    card = Card.make(KEYS[2], token, "PeerA", "run/0/3")
+    assert card.worker("PeerA", "run/0/3", authority.public_key) == "w1"
+    assert card.worker("PeerB", "run/0/3", authority.public_key) is None  # replayed by another peer
+    assert card.worker("PeerA", "run/0/4", authority.public_key) is None  # another round
+    assert card.worker("PeerA", "run/0/3", other.public_key) is None  # another coordinator's run
+    forged = other.issue("w1", KEYS[2].get_public_key().to_bytes())  # a token from an authority not ours
+    assert Card.make(KEYS[2], forged, "PeerA", "run/0/3").worker("PeerA", "run/0/3", authority.public_key) is None
+    stolen = Card.make(KEYS[3], token, "PeerA", "run/0/3")  # the token, signed with a key it was not issued for
+    assert stolen.worker("PeerA", "run/0/3", authority.public_key) is None
+    assert parse_token(b"\xff" * 10) is None and parse_token(b"x" * 5000) is None and parse_token("str") is None
+    with pytest.raises(ValueError):
+        authority.issue("w1", b"not a key")
+    with pytest.raises(ValueError, match="does not verify"):
+        PeerAuthorizer(KEYS[2], forged, authority.public_key)
+
+
+def test_the_group_field_round_trips_and_bounds_what_a_stranger_sends() -> None:
+    members = [GroupMember("PeerA", 8, b"tok", b"proof"), GroupMember("PeerB", 16, b"t2", b"p2")]
+    assert decode_group(encode_group(members)) == tuple(members)
+    assert encode_group(members[:1]).startswith('[{"peer":"PeerA","samples":8,"token":"dG9r"')
+    bad = ['{"a": 1}', "[]", encode_group(members[:1]), encode_group([members[0], members[0]]),
+           encode_group(members).replace('"samples":8', '"samples":-8'),
+           encode_group(members).replace('"PeerA"', '"Peer/A"'), encode_group(members).replace('"dG9r"', '"!!"'),
+           encode_group(members).replace('"dG9r"', '"' + "A" * 7000 + '"'), "not json"]
+    for text in bad:
+        with pytest.raises(ValueError):
+            decode_group(text)
+
+
+def _register(c: object, names: list[str], keys: list[RSAPrivateKey]) -> list[bytes]:
+    out = []
+    for name, key in zip(names, keys, strict=True):
+        c.add_token(name)  # type: ignore[attr-defined]
+        reg = c.register(name, 0, None, key.get_public_key().to_bytes().decode())  # type: ignore[attr-defined]
+        assert set(reg["p2p"]) == {"token", "run", "initial_peers", "authority"} and reg["p2p"]["initial_peers"]
+        out.append(base64.b64decode(reg["p2p"]["token"]))
+    return out
+
+
+def _group_body(c: object, tokens: list[bytes], keys: list[RSAPrivateKey], peers: list[str], delta_scale: float,
+                v: int = 0, samples: int = 8) -> bytes:
+    run = c.hub.run  # type: ignore[attr-defined]
+    shapes = c.block_shapes[0]  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(0)
+    delta = {n: delta_scale * torch.randn(s, generator=g) for n, s in shapes.items()}  # scale 0: no change
+    members = [GroupMember(p, samples, t, Card.make(k, t, p, round_scope(run, 0, v)).proof)
+               for p, t, k in zip(peers, tokens, keys, strict=True)]
+    return pack_delta(delta, Compression.NONE, block=0, base_version=v, samples=samples * len(peers), group=members)
+
+
+def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refused_groups(
+        tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    c = make_coordinator(tmp_path / "run", corpus, hivemind=True, hivemind_host="127.0.0.1", rounds=3,
+                         gate_tolerance=0.0, norm_k=0.0, eval_every=0)
+    try:
+        names = ["w1", "w2", "w3"]
+        tokens = _register(c, names, KEYS[:3])
+        assert c.store.get_meta("p2p_run") == c.hub.run
+        # a member with a token of another authority: refused whole, nothing recorded
+        intruder = Authority(KEYS[3]).issue("w3", KEYS[2].get_public_key().to_bytes())
+        with pytest.raises(ProtocolError, match="no card this coordinator issued") as exc:
+            c.submit("w1", 0, _group_body(c, [tokens[0], intruder], [KEYS[0], KEYS[2]], ["PA", "PC"], 0.0))
+        assert exc.value.status == 403 and not c.store.submitted(0, 0, "w1")
+        with pytest.raises(ProtocolError, match="not a member"):  # w3 uploads the mean of w1 and w2
+            c.submit("w3", 0, _group_body(c, tokens[:2], KEYS[:2], ["PA", "PB"], 0.0))
+        # an honest group of two (a zero delta passes the gate at tolerance 0), then w3 alone: the round closes
+        assert c.submit("w1", 0, _group_body(c, tokens[:2], KEYS[:2], ["PA", "PB"], 0.0))["accepted"]
+        assert c.work("w2")["submitted"] and c.store.groups(0, 0) == {"w1": ["w1", "w2"]}
+        with pytest.raises(ProtocolError, match="already counts"):
+            c.submit("w2", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
+                                         block=0, base_version=0, samples=8))
+        c.submit("w3", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
+                                     block=0, base_version=0, samples=8))
+        assert c.version[0] == 1
+        # two group means that raise the loss are refused whole; their members are quarantined
+        for uploader in ("w1", "w2"):  # two groups (a resent refused group counts once)
+            with pytest.raises(ProtocolError) as exc:
+                c.submit(uploader, 0, _group_body(c, tokens[:2], KEYS[:2], ["PA", "PB"], 3.0, v=1))
+            assert exc.value.reason == "gate"
+        assert c.store.refused_groups("w2") == 2
+        with pytest.raises(ProtocolError, match="quarantined"):
+            c.register("w2", 0)
+        with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts
+            c.submit("w3", 0, _group_body(c, [tokens[1], tokens[2]], [KEYS[1], KEYS[2]], ["PB", "PC"], 0.0, v=1))
+        from blocktrain.coordinator.observe import status
+
+        s = status(c)
+        assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
+    finally:
+        c.close()
+
+
+def _averagers(n: int, authority: Authority, dht0: object, keys: list[RSAPrivateKey], run: str) -> list[GroupAverager]:
+    peers = [str(a) for a in dht0.get_visible_maddrs()]  # type: ignore[attr-defined]
+    out = []
+    for i in range(n):
+        token = authority.issue(f"w{i}", keys[i].get_public_key().to_bytes())
+        dht = join_dht(peers, PeerAuthorizer(keys[i], token, authority.public_key), "127.0.0.1")
+        out.append(GroupAverager(dht, keys[i], token, authority.public_key, run, target_group_size=8, matchmaking_s=1.0))
+    return out
+
+
+def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothing() -> None:
+    authority = Authority(KEYS[0])
+    own = authority.issue("coordinator", KEYS[0].get_public_key().to_bytes())
+    dht0 = join_dht([], PeerAuthorizer(KEYS[0], own, authority.public_key), "127.0.0.1")
+    members = _averagers(3, authority, dht0, KEYS[1:4], "r1")
+    outsider_key, outsider = RSAPrivateKey(), Authority(RSAPrivateKey())  # admitted by an authority nobody trusts
+    outsider_token = outsider.issue("w9", outsider_key.get_public_key().to_bytes())
+    peers = [str(a) for a in dht0.get_visible_maddrs()]
+    with pytest.raises(RuntimeError, match="bootstrap failed"):  # the run's DHT refuses its requests
+        join_dht(peers, PeerAuthorizer(outsider_key, outsider_token, outsider.public_key), "127.0.0.1")
+    # it goes on without bootstrapping and looks for the same group key anyway
+    lone = hivemind.DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                        authorizer=PeerAuthorizer(outsider_key, outsider_token, outsider.public_key),
+                        ensure_bootstrap_success=False)
+    stranger = [GroupAverager(lone, outsider_key, outsider_token, outsider.public_key, "r1", target_group_size=8,
+                              matchmaking_s=1.0)]
+    try:
+        g = torch.Generator().manual_seed(0)
+        deltas = [{"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)} for _ in range(4)]
+        samples = [8, 16, 24, 100]
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(a.average, d, s, 0, 5, 12.0)
+                       for a, d, s in zip([*members, *stranger], deltas, samples, strict=True)]
+            outcomes = [f.result() for f in futures]
+        ref = {n: sum(d[n] * s for d, s in zip(deltas[:3], samples[:3], strict=True)) / sum(samples[:3]) for n in "ab"}
+        assert outcomes[3] is None  # the stranger found no group
+        assert all(o is not None for o in outcomes[:3])
+        assert sum(o.uploader for o in outcomes[:3] if o) == 1
+        for o in outcomes[:3]:
+            assert o is not None and o.samples == 48 and {m.samples for m in o.members} == {8, 16, 24}
+            assert [m.peer for m in o.members] == sorted(m.peer for m in o.members)
+            for n in "ab":
+                torch.testing.assert_close(o.mean[n], ref[n], rtol=0, atol=1e-6)
+    finally:
+        for a in [*members, *stranger]:
+            a.close()
+        dht0.shutdown()
+
+
+def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Path, corpus: DataDir, procs) -> None:  # noqa: F811
+    """A coordinator and three workers as processes, averaging on hivemind, fp32 deltas and steps: the groups'
+    means land where the in-process rounds of three replicas land, whatever groups formed; the status shows them."""
+    run, port = tmp_path / "run", free_port()
+    url = f"http://127.0.0.1:{port}"
+    tokens = [add_token(run, f"w{i}") for i in range(3)]
+    procs.append(_blocktrain("coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port),
+                             "--no-eval", "--threads", "1", "--rounds", "2", "--round-seconds", "120", "--outer",
+                             "nesterov", "--step-compression", "none", "--hivemind", "--hivemind-host", "127.0.0.1"))
+    try:
+        status = wait_for(lambda: get_status(url), 60, "the coordinator")
+        assert status["p2p"]["initial_peers"] and status["p2p"]["authority"].startswith("ssh-rsa ")
+        for t in tokens:
+            procs.append(_blocktrain("worker", "--coordinator", url, "--token", t, "--data", str(corpus.root),
+                                     "--threads", "1", "--no-progress", "--block", "0", "--local-steps", "3",
+                                     "--compress", "none", "--precision", "fp32", "--averaging", "hivemind",
+                                     "--p2p-host", "127.0.0.1", "--matchmaking-s", "2"))
+        for p in procs[1:]:
+            assert p.wait(timeout=240) == 0
+        status = get_status(url)
+        assert status["blocks"][0]["version"] == 2
+        sizes = [g for r in status["rounds"] for g in r["groups"]]
+        assert sizes and all(2 <= g <= 3 for g in sizes), status["rounds"]  # at least one group formed
+    finally:
+        for p in procs:  # SIGTERM: each stops the hivemind processes it started (SIGKILL would orphan them)
+            if p.poll() is None:
+                p.terminate()
+                p.wait(timeout=60)
+    weights = unpack((run / "coordinator" / "blobs" / f"{_latest_weights(run)}.safetensors").read_bytes())[0]
+    knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE}
+    ref = run_local_rounds(get_preset("tiny"), CoordinatorSettings(**knobs),
+                           LocalRounds(workers=3, local_steps=3, steps=6, compression=Compression.NONE), corpus)
+    for n, w in ref.weights.items():
+        torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-6, msg=n)
+
+
+def _blocktrain(*args: str) -> subprocess.Popen[bytes]:
+    """``blocktrain ARGS`` in a fresh interpreter: hivemind's processes do not survive being forked from a process
+    that ran hivemind before (this one, in the tests above), so tests/forked_cli.py is not used here."""
+    env = {k: v for k, v in os.environ.items() if k != "BLOCKTRAIN_DATA"}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen([sys.executable, "-m", "blocktrain", *args], env=env, stdout=subprocess.DEVNULL)
+
+
+def _latest_weights(run: Path) -> str:
+    import sqlite3
+
+    con = sqlite3.connect(run / "coordinator" / "state.sqlite3")
+    try:
+        return str(con.execute("SELECT weights_blob FROM versions WHERE block=0 ORDER BY version DESC").fetchone()[0])
+    finally:
+        con.close()
