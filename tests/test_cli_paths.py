@@ -1,4 +1,4 @@
-"""User-facing CLI paths end to end, tiny and on loopback: bench quality, bench ingest, eval --blocks-alone,
+"""User-facing CLI paths end to end, tiny and on loopback: bench quality, eval --blocks-alone,
 serving the E2E baseline, --next failover, and verified data directories."""
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
 from blocktrain.data import integrity
 from blocktrain.data.dataset import open_data_dir
-from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import tiny
 from tests.conftest import write_data_dir
-from tests.forked_cli import fork_popen, spawn
+from tests.forked_cli import spawn
 from tests.serve_utils import free_ports, wait_port
 
 SHAPE = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"  # tiny's model
@@ -140,29 +139,6 @@ def test_an_isolated_arm_trains_in_its_own_process_and_reports_its_memory(tmp_pa
     summary = bench.e2e(tmp_path / "q" / "e2e", 2)
     assert summary["steps"] == 2 and summary["train_mem_bytes"] > 0 and bench.arms == 1
     assert bench.bar.n == pytest.approx(opts.e2e_flops_step * 2 / 1e9)  # the progress bar counts the arm's FLOPs
-
-
-# --- bench ingest -------------------------------------------------------------------------------------------
-
-
-def test_bench_ingest_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(subprocess, "Popen", fork_popen)  # the coordinators it starts: forked, not re-imported
-    out = tmp_path / "ingest.json"
-    assert main(["bench", "ingest", "--preset", "tiny", "--updates", "4", "--compress", "none",
-                 "--work-dir", str(tmp_path / "work"), "--json", str(out)]) == 0
-    r = json.loads(out.read_text())
-    cfg = tiny()
-    params = sum(p.numel() for p in BlockDenoiser(cfg.model, cfg.diffusion.sigma_data).parameters())
-    assert (r["preset"], r["updates"], r["compression"]) == ("tiny", 4, "none")
-    assert r["block_fp32_bytes"] == 4 * params
-    assert r["block_fp32_bytes"] < r["update_bytes"] < r["block_fp32_bytes"] + 64 * 1024  # tensors + header
-    kinds = {"sequential_fsync", "concurrent_fsync", "sequential_no_fsync", "concurrent_no_fsync"}
-    assert set(r["ingest_MBps"]) == set(r["ingest_over_copy"]) == kinds
-    assert 0 < r["plain_loopback_copy_MBps"] < 1e6
-    for k in kinds:
-        assert 0 < r["ingest_MBps"][k] < 1e5, k
-        assert r["ingest_over_copy"][k] == pytest.approx(r["ingest_MBps"][k] / r["plain_loopback_copy_MBps"], rel=1e-9)
-    assert r["concurrent_clients"] == 4  # one update per client
 
 
 # --- eval --blocks-alone ------------------------------------------------------------------------------------

@@ -122,23 +122,8 @@ def cmd_token_add(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_ingest(args: argparse.Namespace) -> int:
-    from blocktrain.bench.ingest import run_ingest_bench
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-    result = run_ingest_bench(preset=args.preset, updates=args.updates, compression=args.compress,
-                              work_dir=Path(args.work_dir) if args.work_dir else None)
-    text = json.dumps(result, indent=2)
-    sys.stdout.write(text + "\n")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
-    return 0
-
-
-def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add the coordinator/worker/token sub-commands (and their benches) to the parser."""
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the coordinator/worker/token sub-commands to the parser."""
     s = sub.add_parser("coordinator", help="serve decentralised training: publish blocks, average updates")
     add_run_args(s, need_out=False, skip=("eval_every", "eval_bytes"))  # the coordinator's own evaluation flags below
     s.add_argument("--run-dir", required=True, help="run directory holding the coordinator state")
@@ -169,11 +154,3 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     t.add_argument("name", help="worker name")
     t.add_argument("--run-dir", required=True, help="the coordinator's run directory")
     t.set_defaults(fn=cmd_token_add)
-
-    b = bench.add_parser("ingest", help="coordinator update ingest speed on loopback vs a plain socket copy")
-    b.add_argument("--preset", default="cpu-small")
-    b.add_argument("--updates", type=int, default=40, help="updates to push")
-    b.add_argument("--compress", default="none", choices=["bf16", "int8", "none"])
-    b.add_argument("--work-dir", default=None, help="run directory for the coordinator (default: a temp dir)")
-    b.add_argument("--json", default=None, help="write the result JSON here")
-    b.set_defaults(fn=cmd_bench_ingest)

@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Sub-commands of the distributed parts register themselves.
     from blocktrain.cli import distributed, serving
 
-    distributed.register(sub, bsub)
+    distributed.register(sub)
     serving.register(sub, bsub)
     return p
 

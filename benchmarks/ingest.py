@@ -1,5 +1,7 @@
 """How fast the coordinator ingests updates on loopback, next to a plain loopback copy.
 
+    python benchmarks/ingest.py --preset cpu-small --updates 24 --compress none --json benchmarks/results/ingest.json
+
 The coordinator runs as its own process (as in production). U workers, all on
 block 0, each push one delta. The timing includes HTTP, parsing, validation
 (names, shapes, dtypes, finiteness, norm), sha256 checks, the durable write and
@@ -12,6 +14,8 @@ reference is the same number of bytes sent through a plain TCP socket on
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import socket
@@ -169,3 +173,27 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="coordinator update ingest speed on loopback vs a plain socket copy")
+    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("--updates", type=int, default=40, help="updates to push")
+    p.add_argument("--compress", default="none", choices=[c.value for c in Compression])
+    p.add_argument("--work-dir", default=None, help="run directory for the coordinator (default: a temp dir)")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    result = run_ingest_bench(preset=args.preset, updates=args.updates, compression=args.compress,
+                              work_dir=Path(args.work_dir) if args.work_dir else None)
+    text = json.dumps(result, indent=2)
+    sys.stdout.write(text + "\n")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
