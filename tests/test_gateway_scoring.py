@@ -196,7 +196,7 @@ def test_no_request_fails_for_lack_of_kv_cache(family: str, caplog: pytest.LogCa
         cfg, _, e2e = tiny_models()
         spans = e2e_spans(e2e, [(0, 1), (2, 3)])
         for s in spans:
-            s.max_cached = 1
+            s.cache.opts = dataclasses.replace(s.cache.opts, max_requests=1)
         local = E2EModel(e2e, cfg)
     prompts = [f"p{i} Sega".encode() for i in range(12)]
 

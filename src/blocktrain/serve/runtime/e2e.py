@@ -8,9 +8,7 @@ so each new token costs one pass over the stage's layers.
 
 from __future__ import annotations
 
-import logging
-import time
-from collections import OrderedDict
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,10 +18,9 @@ from torch import nn
 from blocktrain.config import ModelConfig, Precision
 from blocktrain.device import autocast
 from blocktrain.errors import WireError
-from blocktrain.model.layers import Cache, TransformerLayer
+from blocktrain.model.layers import TransformerLayer
+from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
-
-log = logging.getLogger(__name__)
 
 
 class E2ESpan:
@@ -37,8 +34,6 @@ class E2ESpan:
         layers: dict[int, TransformerLayer],
         embed: tuple[nn.Embedding, nn.Embedding] | None,
         head: tuple[nn.LayerNorm, nn.Linear] | None,
-        max_cached: int = 64,
-        cache_ttl_s: float = 600.0,
         precision: Precision = Precision.FP32,
     ) -> None:
         self.cfg = cfg
@@ -49,10 +44,8 @@ class E2ESpan:
         self.head = head
         if (self.lo == 0) != (embed is not None) or (self.hi == cfg.n_layers - 1) != (head is not None):
             raise ValueError("the first E2E stage holds the embeddings and the last one the head")
-        self.max_cached = max_cached
-        self.cache_ttl_s = cache_ttl_s
-        # request id -> (positions cached, per-layer (k, v), last use)
-        self.cache: OrderedDict[str, tuple[int, Cache, float]] = OrderedDict()
+        # 64 requests, 600 s idle, and no byte cap: the stage's --cache-* flags are not passed to E2E spans
+        self.cache = KVCache(CacheOptions(max_bytes=sys.maxsize), name=f"e2e[{self.lo}-{self.hi}]")
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.n_layers,
@@ -66,12 +59,10 @@ class E2ESpan:
         return self.head is not None
 
     def release(self, request_id: str) -> bool:
-        return self.cache.pop(request_id, None) is not None
+        return self.cache.release(request_id)
 
     def expire_idle(self) -> int:
-        n = len(self.cache)
-        self._evict()
-        return n - len(self.cache)
+        return self.cache.expire_idle()
 
     def n_params(self) -> int:
         mods: list[nn.Module] = [*self.layers.values(), *(self.embed or ()), *(self.head or ())]
@@ -93,23 +84,7 @@ class E2ESpan:
                 f"positions {pos}..{pos + t.shape[1] - 1} exceed the context of {self.cfg.context}; "
                 "start a new request with a shorter prompt"
             )
-        if pos > 0:
-            entry = self.cache.get(frame.request_id)
-            if entry is None:
-                raise UnknownRequestError(
-                    f"request {frame.request_id} has no KV cache here (never prefilled, released or evicted); "
-                    "start it again with pos=0"
-                )
-            if entry[0] != pos:
-                raise WireError(f"request {frame.request_id} has {entry[0]} cached positions, the frame says pos={pos}")
-
-    def _evict(self) -> None:
-        now = time.monotonic()
-        for rid in [r for r, (_, _, used) in self.cache.items() if now - used > self.cache_ttl_s]:
-            del self.cache[rid]
-        while len(self.cache) > self.max_cached:
-            rid, _ = self.cache.popitem(last=False)
-            log.warning("KV cache full (%d requests): dropped the least recently used request %s", self.max_cached, rid)
+        self.cache.check(frame.request_id, pos, exact=True)
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
@@ -118,11 +93,10 @@ class E2ESpan:
 
     def _run_one(self, f: Frame) -> Frame:
         pos = int(f.params.get("pos", 0))
-        cached = None if pos == 0 else self.cache.get(f.request_id)
-        if pos > 0 and (cached is None or cached[0] != pos):  # evicted since validate(): the client prefills again
-            return f.reply_error(ErrorCode.UNKNOWN_REQUEST, f"request {f.request_id} lost its KV cache here (evicted); "
-                                                            "start it again with pos=0")
-        kv: Cache = {} if cached is None else dict(cached[1])
+        try:
+            kv = dict(self.cache.checkout(f.request_id, pos).kv)  # a copy: a failed step leaves the cache as it was
+        except UnknownRequestError as exc:  # evicted since validate(): the client prefills it again (pos=0)
+            return f.reply_error(ErrorCode.UNKNOWN_REQUEST, str(exc))
         if self.embed is not None:
             x = f.tensors["x"].long()
             tok, posemb = self.embed
@@ -131,9 +105,7 @@ class E2ESpan:
             h = f.tensors["h"].float()
         for i in range(self.lo, self.hi + 1):
             h = self.layers[i](h, cache=kv, name=str(i))
-        self.cache[f.request_id] = (pos + h.shape[1], kv, time.monotonic())
-        self.cache.move_to_end(f.request_id)
-        self._evict()
+        self.cache.put(f.request_id, CacheEntry(pos + h.shape[1], kv))
         if self.head is None:
             return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
         ln_f, lin = self.head

@@ -22,12 +22,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from blocktrain.errors import ConfigError
+from blocktrain.errors import ConfigError, WireError
 from blocktrain.model.layers import Cache
 from blocktrain.serve.wire.frames import UnknownRequestError
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,21 @@ class KVCache:
         with self._lock:
             return sum(e.nbytes() for e in self._entries.values())
 
+    def check(self, rid: str, pos: int, exact: bool = False) -> None:
+        """Whether a frame at ``pos`` can run: UnknownRequestError when the request has no cache here (pos > 0),
+        WireError when it holds fewer than ``pos`` positions (or, ``exact``, other than ``pos``)."""
+        cached = self.positions(rid)
+        if pos == 0:
+            return
+        if cached is None:
+            raise self._missing(rid)
+        if cached < pos or (exact and cached != pos):
+            raise WireError(f"request {rid} has {cached} cached positions, the frame says pos={pos}")
+
+    def _missing(self, rid: str) -> UnknownRequestError:
+        return UnknownRequestError(f"request {rid} has no KV cache at {self.name} (never prefilled, released or "
+                                   "evicted); start it again with pos=0")
+
     def checkout(self, rid: str, pos: int) -> CacheEntry:
         """The request's cache truncated to ``pos`` (a fresh one for pos = 0); UnknownRequestError if it is missing."""
         with self._lock:
@@ -101,10 +115,7 @@ class KVCache:
             if pos == 0:
                 return CacheEntry()
             if entry is None:
-                raise UnknownRequestError(
-                    f"request {rid} has no KV cache at {self.name} (never prefilled, released or evicted); "
-                    "start it again with pos=0"
-                )
+                raise self._missing(rid)
             entry.truncate(pos)
             return entry
 

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.blocks import load_block
-from blocktrain.checkpoint.run import RunDir, load_model
+from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import VOCAB_SIZE, ModelConfig, Objective, Precision, RunConfig
-from blocktrain.errors import ConfigError, RunError
+from blocktrain.errors import ConfigError
+from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import TransformerLayer
 from blocktrain.objectives import get_objective
@@ -100,11 +101,7 @@ def _e2e_parts(model: E2ETransformer, lo: int, hi: int) -> Parts:
 def load_e2e_span(run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32) -> E2ESpan:
     cfg = run.load_config()
     _check_span(lo, hi, cfg.model.n_layers, "layers")
-    if not run.has_e2e():
-        raise RunError(f"{run.root} has no E2E checkpoint; train it with 'blocktrain train-e2e'")
-    model = E2ETransformer(cfg.model)
-    load_model(run.e2e_path(), model, cfg, "e2e")
-    return E2ESpan(cfg.model, *_e2e_parts(model, lo, hi), precision=precision)
+    return E2ESpan(cfg.model, *_e2e_parts(E2EModel.load(run, cfg).model, lo, hi), precision=precision)
 
 
 def _seeded(seed: int, role: Seed, *indices: int) -> None:

@@ -129,14 +129,7 @@ class StackSpan:
         if pos < 0 or pos + new > self.cfg.model.context:
             raise WireError(f"positions {pos}..{pos + new - 1} exceed the context of {self.cfg.model.context}; "
                             "start a new request (pos=0) with a shorter text or draft")
-        cached_now = self.cache.positions(frame.request_id)
-        if pos > 0 and cached_now is None:
-            raise UnknownRequestError(
-                f"request {frame.request_id} has no KV cache here (never prefilled, released or evicted); "
-                "start it again with pos=0"
-            )
-        if pos > 0 and cached_now is not None and cached_now < pos:
-            raise WireError(f"request {frame.request_id} has {cached_now} cached positions, the frame says pos={pos}")
+        self.cache.check(frame.request_id, pos)
 
     def _validate_spec(self, frame: Frame) -> int:
         n = SpecParams.read(frame.params).n_draft
