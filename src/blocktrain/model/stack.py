@@ -130,11 +130,6 @@ class StackBlock(nn.Module):
         logits = self.head(self.ln_f(out))
         return logits if self.prev_head is None else logits + self.prev_head(h)
 
-    def trunk_modules(self) -> list[nn.Module]:
-        """What a later block's worker needs of this block: everything but the local head."""
-        mods: list[nn.Module] = [m for m in (self.tok_emb, self.pos_emb) if m is not None]
-        return [*mods, self.layers]
-
     @torch.no_grad()
     def zero_branches(self) -> None:
         """Zero every layer's output projections: the block then passes h_k through unchanged (h_{k+1} = h_k)."""

@@ -62,10 +62,6 @@ class SpecResult:
     accepted: int = 0  # draft bytes kept by the acceptance rule
     seconds: float = 0.0  # wall time of the generation
 
-    @property
-    def bytes_per_traversal(self) -> float:
-        return len(self.data) / self.traversals if self.traversals else 0.0
-
 
 async def call_cached(client: PipelineClient, rid: str, mode: Mode, params: dict[str, Any], text: bytes, pos: int) -> Frame:
     """Send text[pos:] at ``pos``; when a stage lost the request's cache (evicted, restarted), prefill text afresh."""
