@@ -20,7 +20,7 @@ hivemind = pytest.importorskip("hivemind")
 
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 
-from blocktrain.checkpoint.safetensors_io import unpack  # noqa: E402
+from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack  # noqa: E402
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer  # noqa: E402
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds  # noqa: E402
 from blocktrain.data.dataset import DataDir  # noqa: E402
@@ -181,6 +181,13 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
             assert [m.peer for m in o.members] == sorted(m.peer for m in o.members)
             for n in "ab":
                 torch.testing.assert_close(o.mean[n], ref[n], rtol=0, atol=1e-6)
+        # pulls: a peer offering version 6 serves it, hash-checked; a wrong hash or an unoffered version is refused
+        weights = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)}
+        sha = tensors_sha256(weights)
+        members[0].share(0, 6, sha, weights)
+        got = wait_for(lambda: members[1].pull(0, 6, sha, timeout=5.0), 30, "a peer's pull")
+        assert all(torch.equal(got[n], weights[n]) for n in weights)
+        assert members[2].pull(0, 6, "0" * 64, timeout=5.0) is None and members[2].pull(0, 7, sha, timeout=5.0) is None
     finally:
         for a in [*members, *stranger]:
             a.close()
@@ -199,11 +206,11 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
     try:
         status = wait_for(lambda: get_status(url), 60, "the coordinator")
         assert status["p2p"]["initial_peers"] and status["p2p"]["authority"].startswith("ssh-rsa ")
-        for t in tokens:
+        for i, t in enumerate(tokens):
             procs.append(_blocktrain("worker", "--coordinator", url, "--token", t, "--data", str(corpus.root),
                                      "--threads", "1", "--no-progress", "--block", "0", "--local-steps", "3",
                                      "--compress", "none", "--precision", "fp32", "--averaging", "hivemind",
-                                     "--p2p-host", "127.0.0.1", "--matchmaking-s", "2"))
+                                     "--p2p-host", "127.0.0.1", "--matchmaking-s", "2", log=tmp_path / f"w{i}.log"))
         for p in procs[1:]:
             assert p.wait(timeout=240) == 0
         status = get_status(url)
@@ -223,12 +230,13 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
         torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-6, msg=n)
 
 
-def _blocktrain(*args: str) -> subprocess.Popen[bytes]:
+def _blocktrain(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     """``blocktrain ARGS`` in a fresh interpreter: hivemind's processes do not survive being forked from a process
     that ran hivemind before (this one, in the tests above), so tests/forked_cli.py is not used here."""
     env = {k: v for k, v in os.environ.items() if k != "BLOCKTRAIN_DATA"}
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return subprocess.Popen([sys.executable, "-m", "blocktrain", *args], env=env, stdout=subprocess.DEVNULL)
+    err = log.open("wb") if log is not None else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "blocktrain", *args], env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def _latest_weights(run: Path) -> str:

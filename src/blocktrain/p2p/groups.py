@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 
+from blocktrain.checkpoint.safetensors_io import tensors_sha256
 from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey
 from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 
@@ -45,6 +47,18 @@ def start_quietly(process: Any) -> None:
     else:
         process.start()
     process.wait_until_ready()
+
+
+class _BlockAverager(DecentralizedAverager):  # type: ignore[misc]
+    """hivemind's averager, sharing this worker's copy of the block's published weights as its state."""
+
+    def __init__(self, *args: Any, shared: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]], **kwargs: Any) -> None:
+        self._shared = shared
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
+        meta, tensors = self._shared()  # called in this (the host) process, for a peer that downloads it
+        return meta, tensors, None
 
 
 def join_dht(initial_peers: list[str], authorizer: PeerAuthorizer, host: str) -> hivemind.DHT:
@@ -79,6 +93,7 @@ class GroupAverager:
         self.peer = str(dht.peer_id)
         self._averager: DecentralizedAverager | None = None
         self._block = -1  # the block its averager serves
+        self._state: tuple[dict[str, Any], list[torch.Tensor]] = ({}, [])  # the weights it shares: (meta, tensors)
 
     def average(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, timeout: float) -> GroupOutcome | None:
         """Average ``delta`` with this round's group; None when no group of admitted peers at version v formed."""
@@ -107,15 +122,57 @@ class GroupAverager:
             return None
         return GroupOutcome(mean, members, uploader=members[0].peer == self.peer)
 
+    def share(self, k: int, v: int, sha: str, weights: dict[str, torch.Tensor]) -> None:
+        """Offer block k's published weights at version v (sha256 ``sha``) to peers that pull them."""
+        names = sorted(weights)
+        averager = self._averager_for(k, [weights[n] for n in names])
+        self._state = ({"block": k, "version": v, "sha": sha, "names": names}, [weights[n] for n in names])
+        averager.state_sharing_priority = float(v)  # peers download from the newest version first
+
+    def pull(self, k: int, v: int, sha: str, timeout: float) -> dict[str, torch.Tensor] | None:
+        """Block k's weights at version v from a peer that has them, if their sha256 is ``sha`` (else None)."""
+        if self._averager is None or self._block != k or self.newest_shared(k) < v:
+            return None  # no peer has it yet: downloading an older version would be wasted
+        try:
+            got = self._averager.load_state_from_peers(timeout=timeout)
+        except Exception as exc:  # a failed download: the coordinator serves the version
+            log.info("block %d: no peer served v%d (%s)", k, v, exc)
+            return None
+        if not got:
+            return None
+        meta, tensors = got
+        if not isinstance(meta, dict) or meta.get("version") != v or meta.get("block") != k:
+            return None
+        names = meta.get("names")
+        if not isinstance(names, list) or len(names) != len(tensors):
+            return None
+        weights = {str(n): t.float().contiguous() for n, t in zip(names, tensors, strict=True)}
+        if tensors_sha256(weights) != sha:
+            log.warning("block %d: a peer's v%d does not match the coordinator's sha256; pulling from the coordinator",
+                        k, v)
+            return None
+        return weights
+
+    def newest_shared(self, k: int) -> float:
+        """The newest version of block k a peer offers (hivemind's averagers declare their state-sharing priority,
+        here the version, under ``PREFIX.all_averagers``); -1 when none does."""
+        found = self.dht.get(f"{group_prefix(self.run, k)}.all_averagers", latest=True)
+        offers = found.value if found is not None and isinstance(found.value, dict) else {}
+        me = self.dht.peer_id.to_bytes()  # subkeys are peer ids as bytes
+        versions = [float(o.value) for peer, o in offers.items() if peer != me and
+                    isinstance(getattr(o, "value", None), int | float)]
+        return max(versions, default=-1.0)
+
     def _averager_for(self, k: int, like: list[torch.Tensor]) -> DecentralizedAverager:
         """The long-lived averager of block k (one per block: hivemind's averager is a process, made once)."""
         if self._averager is not None and self._block == k:
             return self._averager
         self.close_averager()
-        averager = DecentralizedAverager(
+        averager = _BlockAverager(
             [t.detach().float().clone().contiguous() for t in like], self.dht, prefix=group_prefix(self.run, k),
             target_group_size=self.target_group_size, min_matchmaking_time=self.matchmaking_s,
-            request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False)
+            request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False, allow_state_sharing=True,
+            shared=lambda: self._state)
         start_quietly(averager)
         self._averager, self._block = averager, k
         return averager

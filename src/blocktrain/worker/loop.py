@@ -105,6 +105,7 @@ class WorkerSummary:
     rounds_cut: int = 0  # rounds pushed with fewer than H steps because the deadline was near
     groups_uploaded: int = 0  # hivemind engine: group means this worker uploaded
     rounds_grouped: int = 0  # hivemind engine: rounds whose delta another member uploaded in its group's mean
+    peer_pulls: int = 0  # hivemind engine: published versions fetched from a peer (hash-checked), not the coordinator
 
 
 class Worker:
@@ -186,6 +187,12 @@ class Worker:
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: dict[str, Any]) -> None:
         v, sha = int(work["version"]), str(work["weights_sha"])
+        if self.groups is not None and self.base is not None:  # a peer that has version v first (hivemind engine)
+            pulled = self.groups.pull(self.k, v, sha, timeout=self.opts.matchmaking_s)
+            if pulled is not None:
+                self.summary.peer_pulls += 1
+                self._set_base(pulled, v)
+                return
         if self.base is not None and v == self.base_version + 1:
             try:
                 tensors, meta = unpack(self.client.step(self.k, self.base_version), source="step")
@@ -211,6 +218,8 @@ class Worker:
         self.base_version = version
         self.base_sha = tensors_sha256(weights)
         load_trainable(self.block, weights)
+        if self.groups is not None:
+            self.groups.share(self.k, version, self.base_sha, weights)  # peers may pull this version from us
 
     # --- training ----------------------------------------------------------------
     def _beat(self) -> None:
