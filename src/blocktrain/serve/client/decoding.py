@@ -86,17 +86,19 @@ async def _release(client: PipelineClient, rid: str, mode: Mode) -> None:
 
 async def iter_ar(
     client: PipelineClient, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-    top_p: float = 1.0,
+    top_p: float = 1.0, mode: Mode | None = None,
 ) -> AsyncIterator[bytes]:
-    """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)`` (top_p = 1)."""
-    if Mode.AR not in client.modes:  # the E2E baseline: its own KV-cached steps
-        async for b in client.iter_baseline(prompt, n_new, temperature=temperature, top_k=top_k, seed=seed, top_p=top_p):
-            yield b
-        return
+    """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)`` (top_p = 1).
+
+    ``mode`` BASELINE (the default where the pipeline runs no ar: the E2E baseline) prefills the prompt, then runs
+    one KV-cached step per byte, all within one context window."""
+    mode = mode or (Mode.AR if Mode.AR in client.modes else Mode.BASELINE)
     context = int(client.entry.get("context", 0))
     out = bytearray(prompt or b"\n")
+    if mode is Mode.BASELINE and len(out) + n_new - 1 > context:
+        raise ServeError(f"prompt ({len(out)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
     g = Seed.SAMPLER.generator(seed)
-    if not client.entry.get("cached"):  # stateless stages (diffusion blocks): the whole window every time
+    if mode is Mode.AR and not client.entry.get("cached"):  # stateless stages (diffusion blocks): the whole window
         for i in range(n_new):
             ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
             logits = await client.ar_logits(ctx, seed=Seed.BYTE.derive(seed, i))
@@ -108,12 +110,13 @@ async def iter_ar(
         for i in range(n_new):
             window = bytes(out[-context:])  # the whole text until it outgrows the context, then a fresh prefill
             pos = cached if len(out) <= context else 0
-            logits = (await call_cached(client, rid, Mode.AR, {"seed": Seed.BYTE.derive(seed, i)}, window, pos)).tensors["logits"]
+            params = {"seed": Seed.BYTE.derive(seed, i)} if mode is Mode.AR else {}
+            logits = (await call_cached(client, rid, mode, params, window, pos)).tensors["logits"]
             cached = len(window)
             out.append(sample_byte(logits[0], temperature, top_k, top_p, g))
             yield bytes(out[-1:])
     finally:
-        await _release(client, rid, Mode.AR)
+        await _release(client, rid, mode)
 
 
 async def spec_steps(

@@ -29,9 +29,7 @@ from typing import Any
 import torch
 
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
-from blocktrain.sampling import sample_byte
-from blocktrain.seeds import Seed
-from blocktrain.serve.client.decoding import SpecResult, call_cached, iter_ar, spec_steps
+from blocktrain.serve.client.decoding import SpecResult, iter_ar, spec_steps
 from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.serve.wire.links import Address, Conn, Counters, open_conn, parse_address
 from blocktrain.serve.wire.speculative import SpecOptions
@@ -250,30 +248,13 @@ class PipelineClient:
         return b"".join([b async for b in self.iter_ar(prompt, n_new, temperature=temperature, top_k=top_k, seed=seed,
                                                        top_p=top_p)])
 
-    async def iter_baseline(
+    def iter_baseline(
         self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
         top_p: float = 1.0,
     ) -> AsyncIterator[bytes]:
         """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
-        context = int(self.entry.get("context", 0))
-        p = prompt or b"\n"
-        if len(p) + n_new - 1 > context:
-            raise ServeError(f"prompt ({len(p)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
-        rid = self.new_id()
-        g = Seed.SAMPLER.generator(seed)
-        text = bytearray(p)
-        pos = 0  # positions the stages hold; a stage that lost them (evicted) gets the whole text again
-        try:
-            for _ in range(n_new):
-                logits = (await call_cached(self, rid, Mode.BASELINE, {}, bytes(text), pos)).tensors["logits"]
-                pos = len(text)
-                byte = sample_byte(logits[0], temperature, top_k, top_p, g)
-                text.append(byte)
-                yield bytes([byte])
-        finally:
-            if self.conn is not None and not self.conn.closed:
-                with contextlib.suppress(ServeError):
-                    await self.conn.send(Frame(FrameKind.RELEASE, rid, Mode.BASELINE))
+        return iter_ar(self, prompt, n_new, temperature=temperature, top_k=top_k, seed=seed, top_p=top_p,
+                       mode=Mode.BASELINE)
 
     async def generate_baseline(
         self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
