@@ -30,7 +30,7 @@ def test_both_placements_give_what_the_pipeline_needs() -> None:
 
 def test_serve_netns_refuses_without_namespaces(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(serve_netns, "netns_available", lambda: False)
-    assert serve_netns.main(["--scale", "off"]) == 2
+    assert serve_netns.main([]) == 2
     assert "run as root" in capsys.readouterr().err
 
 

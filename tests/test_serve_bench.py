@@ -1,4 +1,4 @@
-"""Serving CLI and benchmark pieces: span splits, scale shapes, quality helpers, end-to-end CLI."""
+"""Serving CLI and benchmark pieces: span splits, quality helpers, end-to-end CLI."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from blocktrain.bench.serve import scale_shape
 from blocktrain.bench.serve_pipeline import split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, repeat_fraction
 from blocktrain.cli.main import main
 from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
-from blocktrain.serve.runtime.loading import parse_shape, parse_span
+from blocktrain.serve.runtime.loading import parse_span
 from tests.forked_cli import spawn
 from tests.serve_utils import free_ports, wait_port
 
@@ -30,17 +29,6 @@ def test_span_splits() -> None:
     assert parse_span("0-1") == (0, 1) and parse_span("3") == (3, 3)
     with pytest.raises(ValueError, match="LO-HI"):
         parse_span("a-b")
-
-
-def test_scale_shape_fits_budget() -> None:
-    shape = scale_shape(10 * 2**30)
-    cfg = parse_shape(shape)
-    from blocktrain.model.block import BlockDenoiser
-
-    with torch.device("meta"):
-        params = cfg.model.n_blocks * sum(p.numel() for p in BlockDenoiser(cfg.model, 0.5).parameters())
-    assert 4 * params <= 10 * 2**30 < 4 * params * 1.5  # the largest multiple of 256 that fits
-    assert cfg.model.d_model % cfg.model.n_heads == 0
 
 
 def test_quality_helpers() -> None:
@@ -88,7 +76,6 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     out = tmp_path / "serve.json"
     args = ["bench", "serve", "--run", str(run), "--data", str(data_dir),
             "--prompt-bytes", "12", "--output-bytes", "16", "--prompts", "2", "--tf-bytes", "256",
-            "--scale", "d_model=64,n_heads=2,n_layers=4,n_blocks=4,context=64", "--scale-output-bytes", "8",
             "--json", str(out), "--base-port", str(free_ports(1)[0] // 10 * 10 % 50000 + 10000)]
     assert main(args) == 0
     r = json.loads(out.read_text())
@@ -105,4 +92,4 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     tf = r["teacher_forced_ce"]
     assert tf["blocktrain_pipeline_score"] == pytest.approx(tf["blocktrain_local"], abs=1e-4)
     assert r["sweep_seconds"] >= 3 * r["hop_delay_ms"] / 1000
-    assert r["scale"]["blocktrain_params"] > 0
+    assert "scale" not in r  # the scale row is benchmarks/serve_scale.py (tests/test_serve_scale.py)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import fields
@@ -11,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from blocktrain.bench.machine import machine_info
-from blocktrain.bench.serve import _finish, paper_shape
+from blocktrain.bench.serve import _finish
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.cli.main import build_parser
 from blocktrain.cli.serving import BENCH_PREFIX, STAGE_EXPLICIT, bench_options, next_stages, stage_options
@@ -110,11 +108,10 @@ def test_every_stage_option_is_reachable_from_the_cli(tmp_path: Path, monkeypatc
 def test_bench_serve_flags_build_the_options(tmp_path: Path) -> None:
     parse = build_parser().parse_args
     assert bench_options(parse(["bench", "serve"])) == ServeBenchOptions()
-    opts = bench_options(parse(["bench", "serve", "--sweeps", "1,3", "--paper-params", "1e10",
-                                "--machine-memory-gib", "4", "--json", str(tmp_path / "r.json"), "--scale-budget-gib",
-                                "2.5", "--stack-run", str(tmp_path), "--draft-max", "8"]))
-    assert opts == ServeBenchOptions(sweeps=(1, 3), paper_params=1e10, machine_memory_gib=4.0,
-                                     json=tmp_path / "r.json", scale_budget_gib=2.5, stack_run=tmp_path, draft_max=8)
+    opts = bench_options(parse(["bench", "serve", "--sweeps", "1,3", "--hop-delay-ms", "10", "--json",
+                                str(tmp_path / "r.json"), "--stack-run", str(tmp_path), "--draft-max", "8"]))
+    assert opts == ServeBenchOptions(sweeps=(1, 3), hop_delay_ms=10.0, json=tmp_path / "r.json", stack_run=tmp_path,
+                                     draft_max=8)
     dests = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
              ._subparsers._group_actions[0].choices["serve"]._actions}
     assert {BENCH_PREFIX + f.name for f in fields(ServeBenchOptions)} <= dests
@@ -127,9 +124,6 @@ def test_bench_serve_flags_build_the_options(tmp_path: Path) -> None:
     [
         ({"sweeps": ()}, "--sweeps like 1,2,4"),
         ({"draft_min": 4, "draft_max": 2}, "draft_max \\(2\\) must be at least draft_min"),
-        ({"scale_memory_fraction": 0.0}, "--scale-memory-fraction"),
-        ({"machine_memory_gib": -1.0}, "--machine-memory-gib"),
-        ({"paper_params": 0.0}, "--paper-params"),
         ({"output_bytes": 0}, "--output-bytes"),
         ({"base_port": 65534}, "--base-port"),
     ],
@@ -137,17 +131,6 @@ def test_bench_serve_flags_build_the_options(tmp_path: Path) -> None:
 def test_bench_serve_options_are_validated(opts: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         ServeBenchOptions(**opts)
-
-
-def test_paper_extrapolation_takes_its_numbers_from_the_options_or_this_machine() -> None:
-    shape = paper_shape(ServeBenchOptions(paper_params=10e9, machine_memory_gib=4.0), positions=100, flops_per_s=1e9)
-    assert shape == {"params": 10e9, "weights_bytes_fp16": 20e9, "per_stage_bytes_fp16": 20e9 / 3,
-                     "machine_memory_bytes": 4 * 2**30, "machines_like_this_for_fp16_weights": 5,  # 20e9 / 4.29e9 = 4.66
-                     "sweep_seconds_at_measured_flops": 2000.0}  # 2 x 10e9 x 100 FLOPs at 1e9 FLOP/s
-    here = machine_info()["memory_bytes"]
-    shape = paper_shape(ServeBenchOptions(), positions=100, flops_per_s=1e9)
-    assert shape["params"] == 75.8e9 and shape["machine_memory_bytes"] == here
-    assert shape["machines_like_this_for_fp16_weights"] == math.ceil(2 * 75.8e9 / here)
 
 
 def test_bench_records_its_command_without_a_lock(monkeypatch: pytest.MonkeyPatch) -> None:

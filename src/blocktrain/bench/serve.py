@@ -8,8 +8,8 @@ namespaces joined by veth in a ring (netem delay where the kernel has it).
 
 Measured per mode: time to a full output, bytes/s, bytes written by the stages
 (frames, acks and results; application bytes, not TCP/IP headers). Quality:
-generative CE of the outputs under the E2E model and teacher-forced CE.
-Then a scale run with random weights of the largest shape that fits.
+generative CE of the outputs under the E2E model and teacher-forced CE. The scale row (random
+weights of the largest shape that fits) is ``benchmarks/serve_scale.py``.
 
 The times are only meaningful when the benchmark runs alone on the machine
 (nothing else on its cores); it takes no lock itself, so make sure of that.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shlex
 import statistics
 import sys
@@ -39,10 +38,9 @@ from blocktrain.bench.serve_report import render_markdown, summarise
 from blocktrain.bench.serve_spec import run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.errors import BlockTrainError, ConfigError
+from blocktrain.errors import BlockTrainError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
-from blocktrain.serve.runtime.loading import parse_shape
 
 log = logging.getLogger(__name__)
 
@@ -98,98 +96,6 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
             "traversal_compute_s": compute_s, "model": {"run": str(run.root), **cfg.to_dict()["model"]}}
 
 
-def scale_shape(budget_bytes: float) -> str:
-    """Largest d (multiple of 256, L=16, B=4, heads of 128) whose block stack fits ``budget_bytes`` in fp32."""
-    best = 256
-    for d in range(256, 16385, 256):
-        params = 16 * (16 * d * d) + 4 * (3 * d * d + 2 * 256 * d + 256 * d)
-        if 4 * params <= budget_bytes:
-            best = d
-    return f"d_model={best},n_heads={best // 128},n_layers=16,n_blocks=4,context=256"
-
-
-def run_scale(opts: ServeBenchOptions, pipe: Pipeline) -> dict[str, Any]:
-    avail = _mem_available()
-    fraction = None if opts.scale_budget_gib else opts.scale_memory_fraction
-    budget = opts.scale_budget_gib * 2**30 if opts.scale_budget_gib else opts.scale_memory_fraction * avail
-    shape = scale_shape(budget) if opts.scale == "auto" else opts.scale
-    cfg = parse_shape(shape)
-    m = cfg.model
-    n_out = opts.scale_output_bytes or opts.output_bytes
-    p_len = max(1, min(32, m.context - n_out))
-    from blocktrain.model.block import BlockDenoiser
-    from blocktrain.model.e2e import E2ETransformer
-
-    with torch.device("meta"):
-        bt_params = m.n_blocks * sum(p.numel() for p in BlockDenoiser(m, 0.5).parameters())
-        e2e_params = sum(p.numel() for p in E2ETransformer(m).parameters())
-    log.info("scale run: %s, blocks %.2fB params, E2E %.2fB params", shape, bt_params / 1e9, e2e_params / 1e9)
-    prompt = list(b"\n = Valkyria Chronicles III = \n \n Senjo no Valkyria"[:p_len])
-    base = {"output_bytes": n_out, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
-            "prompts": [prompt], "ready_s": 900, "timeout_s": 1800}
-    src = ["--random", shape, "--seed", "0"]
-
-    def timed(family: str, spans: list[tuple[int, int]], task: dict[str, Any]) -> dict[str, Any]:
-        """One task on a freshly started pipeline of ``family``, stopped afterwards."""
-        pipe.start(family, spans, src, threads=2)
-        try:
-            return pipe.client({**base, "tasks": [task]}, timeout_s=3600)
-        finally:
-            pipe.stop()
-
-    bt = timed("blocktrain", split_blocks(m.n_blocks), {"name": "sweep_k1", "mode": "sweep", "repeat": 2, "quality": False})
-    bl = timed("e2e", split_layers(m.n_layers), {"name": "baseline", "mode": "baseline", "repeat": 1, "quality": False})
-    sweep_s, base_s = bt["tasks"]["sweep_k1"]["seconds"], bl["tasks"]["baseline"]["seconds"]
-    flops = 2.0 * bt_params * (p_len + n_out)  # one evaluation of every block at every position
-    return {
-        "logical_shape": shape, "blocktrain_params": bt_params, "e2e_params": e2e_params,
-        "weights_bytes_fp32": 4 * bt_params, "memory_available_bytes": avail, "weights_budget_bytes": budget,
-        "weights_budget_fraction": fraction, "prompt_bytes": p_len,
-        "output_bytes": n_out, "stage_threads": 2,
-        "sweep_seconds": sweep_s, "ar_baseline_seconds": base_s, "speedup_sweep_vs_baseline": base_s / sweep_s,
-        "sweep": bt["tasks"]["sweep_k1"], "baseline": bl["tasks"]["baseline"],
-        "sweep_flops": flops, "sweep_flops_per_s": flops / sweep_s, "ar_mode": "not run at scale (one full traversal "
-        "of all positions per byte: ~output_bytes x the sweep time)",
-        "paper_shape": paper_shape(opts, p_len + n_out, flops / sweep_s),
-    }
-
-
-def paper_shape(opts: ServeBenchOptions, positions: int, flops_per_s: float) -> dict[str, float]:
-    """The paper's model (``opts.paper_params``) in fp16 over three stages, on machines like this one.
-
-    ``positions``: prompt + output bytes of one sweep; ``flops_per_s``: the sweep's measured FLOP rate.
-    Machine memory: ``opts.machine_memory_gib``, else this machine's (/proc/meminfo).
-    """
-    paper = opts.paper_params
-    machine = opts.machine_memory_gib * 2**30 if opts.machine_memory_gib else _mem_total()
-    return {
-        "params": paper, "weights_bytes_fp16": 2 * paper, "per_stage_bytes_fp16": 2 * paper / 3,
-        "machine_memory_bytes": machine, "machines_like_this_for_fp16_weights": math.ceil(2 * paper / machine),
-        "sweep_seconds_at_measured_flops": 2 * paper * positions / flops_per_s,
-    }
-
-
-def _mem_available() -> int:
-    """Bytes of memory available now (MemAvailable of /proc/meminfo)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    raise ConfigError("cannot read MemAvailable from /proc/meminfo; give the scale run's memory with --scale-budget-gib "
-                      "and the machine's with --machine-memory-gib")
-
-
-def _mem_total() -> int:
-    """Bytes of memory of this machine (from :func:`blocktrain.bench.machine.machine_info`)."""
-    mem = machine_info()["memory_bytes"]
-    if not mem:
-        raise ConfigError("cannot read this machine's memory from /proc/meminfo; set --machine-memory-gib")
-    return int(mem)
-
-
 def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None, command: str | None = None) -> dict[str, Any]:
     """The whole benchmark, its stages placed by ``placement`` (default: loopback); ``command`` is recorded."""
     run = RunDir(opts.run)
@@ -207,9 +113,6 @@ def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None,
             if opts.stack_run is not None:
                 result["spec"] = run_spec(opts, pipe, run, opts.stack_run, result["ar_baseline_seconds"])  # bench.serve_spec
                 result.update({k: v for k, v in result["spec"].items() if k.startswith(("spec_", "speedup_spec", "stack_ar_"))})
-            _finish(opts, result, t0, command=command)  # written now too, in case the scale run is interrupted
-            if opts.scale != "off":
-                result["scale"] = run_scale(opts, pipe)
         finally:
             pipe.stop()
     return _finish(opts, result, t0, echo=True, command=command)

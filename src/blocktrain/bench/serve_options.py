@@ -26,16 +26,10 @@ class ServeBenchOptions:
     temperature: float = 0.8  # sampling temperature of every mode
     top_k: int = 40  # sampling top-k of every mode
     tf_bytes: int = 16384  # test bytes for the teacher-forced CE
-    scale: str = "auto"  # scale run shape: auto (largest that fits), off, or NAME=INT,...
-    scale_budget_gib: float | None = None  # GiB: memory for the scale run's weights (None: scale_memory_fraction of what is available)
-    scale_memory_fraction: float = 0.45  # fraction of available memory for the scale run's weights (headroom for the rest)
-    scale_output_bytes: int | None = None  # bytes per output at scale (None: output_bytes)
     base_port: int = 47100  # port of stage 0; stage i listens on base_port + i
     stack_run: Path | None = None  # a trained stack run: adds the spec row (speculative decoding over the same stages)
     draft_min: int = 1  # bytes: spec row's shortest draft
     draft_max: int = 16  # bytes: spec row's longest draft
-    paper_params: float = 75.8e9  # parameters of the paper's model, for the extrapolation of the scale run
-    machine_memory_gib: float | None = None  # GiB of memory per machine in that extrapolation (None: this machine's)
 
     def __post_init__(self) -> None:
         positive = {"output_bytes": self.output_bytes, "prompt_bytes": self.prompt_bytes, "prompts": self.prompts,
@@ -52,15 +46,6 @@ class ServeBenchOptions:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}; set --{name.replace('_', '-')}")
-        if not 0 < self.scale_memory_fraction <= 1:
-            raise ConfigError(f"scale_memory_fraction must be in (0, 1], got {self.scale_memory_fraction}; "
-                              "set --scale-memory-fraction")
-        for name in ("scale_budget_gib", "machine_memory_gib", "scale_output_bytes"):
-            value = getattr(self, name)
-            if value is not None and not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be positive, got {value!r}; set --{name.replace('_', '-')} or leave it out")
-        if not self.paper_params > 0:
-            raise ConfigError(f"paper_params must be positive, got {self.paper_params!r}; set --paper-params")
         if not 1 <= self.base_port <= 65535 - 2:
             raise ConfigError(f"base_port must leave room for three ports below 65536, got {self.base_port}; "
                               "set --base-port")

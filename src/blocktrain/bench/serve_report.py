@@ -92,27 +92,6 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"{tf['blocktrain_pipeline_score']:.4f}, BlockTrain local {tf['blocktrain_local']:.4f}, "
         f"E2E {tf['e2e_local']:.4f} nats/byte.",
     ]
-    caveats: list[str] = []
-    if "scale" in r:
-        s = r["scale"]
-        paper = s["paper_shape"]
-        lines += [
-            "",
-            f"Scale run (random weights), logical shape `{s['logical_shape']}`: {s['blocktrain_params'] / 1e9:.2f}B "
-            f"block parameters ({s['weights_bytes_fp32'] / 2**30:.1f} GiB fp32) over three stages, E2E "
-            f"{s['e2e_params'] / 1e9:.2f}B. {s['output_bytes']} bytes after a {s['prompt_bytes']}-byte prompt: sweep "
-            f"{s['sweep_seconds']:.1f} s, AR baseline {s['ar_baseline_seconds']:.1f} s "
-            f"(**{s['speedup_sweep_vs_baseline']:.1f}x**). The paper's {paper['params'] / 1e9:.1f}B fp16 shape needs "
-            f"{paper['weights_bytes_fp16'] / 1e9:.0f} GB of weights "
-            f"({paper['per_stage_bytes_fp16'] / 1e9:.0f} GB per stage), at least "
-            f"{paper['machines_like_this_for_fp16_weights']} machines of {paper['machine_memory_bytes'] / 2**30:.0f} GiB "
-            f"like this one, and one sweep would take about {paper['sweep_seconds_at_measured_flops']:.0f} s at the FLOP "
-            "rate measured here.",
-        ]
-        budget = (f"{s['weights_budget_fraction']:.0%} of the available memory" if s["weights_budget_fraction"] is not None
-                  else f"{s['weights_budget_bytes'] / 2**30:.1f} GiB (--scale-budget-gib)")
-        caveats.append(f"- The scale run budgets {budget} for the block weights (headroom for the other processes "
-                       "of the machine), random weights, two threads per stage; ar mode was not run at scale.")
     lines += [
         "",
         "Caveats:",
@@ -122,7 +101,6 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"- Sweep text is {'worse' if r['sweep_generative_ce'] > r['ar_generative_ce'] else 'not worse'} than ar "
         f"({r['sweep_generative_ce']:.2f} vs {r['ar_generative_ce']:.2f} nats/byte generative CE; baseline "
         f"{r['baseline_generative_ce']:.2f}); best sweep k: {min(r['sweeps'], key=lambda k: r['sweeps'][k]['generative_ce'])}.",
-        *caveats,
         "",
         "Command: `" + r["commands"]["bench"] + "`",
         "",
