@@ -70,6 +70,14 @@ def _bearer(request: Request) -> str | None:
 SMALL_BODY_CAP = 64 * 1024  # bytes: cap on request bodies of every route but update uploads
 
 
+def route_kind(path: str) -> str:
+    """What a request moved, for the byte counters: "updates" (deltas in), "weights" (weights, steps and frozen
+    blocks out) or "control" (registration, work, heartbeats, status)."""
+    if path.endswith("/updates"):
+        return "updates"
+    return "weights" if path.startswith("/v1/blocks/") else "control"
+
+
 class ByteCounter:
     """ASGI middleware: count request/response body bytes, attributed to the token's worker."""
 
@@ -116,7 +124,7 @@ class ByteCounter:
         try:
             await self.app(scope, recv, snd)
         finally:
-            self.c.count_bytes(worker, n[0], n[1])
+            self.c.count_bytes(worker, n[0], n[1], route_kind(scope.get("path", "")))
 
 
 async def _read_capped(request: Request, cap: int) -> bytes:

@@ -51,6 +51,7 @@ class Coordinator(BlockRounds):
         self._last_token_reload = float("-inf")  # time.monotonic() of the last re-read of the token table
         self._bytes_lock = threading.Lock()
         self._pending_bytes: dict[str | None, list[int]] = {}
+        self._route_bytes: dict[str, list[int]] = {}  # route kind -> [in, out], not yet stored
         self._unauth_lock = threading.Lock()
         self._unauth_counts: dict[str, int] = {}  # reason -> refused unauthenticated updates (never stored)
         self._unauth_logged = float("-inf")  # time.monotonic() of the last log line about them
@@ -374,20 +375,28 @@ class Coordinator(BlockRounds):
             self.flush_bytes()
 
     # --- byte accounting ---------------------------------------------------------
-    def count_bytes(self, name: str | None, n_in: int, n_out: int) -> None:
+    def count_bytes(self, name: str | None, n_in: int, n_out: int, route: str = "control") -> None:
+        """Body bytes of one request; ``route``: "updates", "weights" (weights, steps, frozen blocks) or "control"."""
         with self._bytes_lock:
             acc = self._pending_bytes.setdefault(name, [0, 0])
             acc[0] += n_in
             acc[1] += n_out
+            by_route = self._route_bytes.setdefault(route, [0, 0])
+            by_route[0] += n_in
+            by_route[1] += n_out
 
     def flush_bytes(self) -> None:
         with self._bytes_lock:
             pending, self._pending_bytes = self._pending_bytes, {}
+            routes, self._route_bytes = self._route_bytes, {}
         if not pending:
             return
         with self.lock, self.store.tx():
             for name, (n_in, n_out) in pending.items():
                 self.store.add_bytes(name, n_in, n_out)
+            for route, (n_in, n_out) in routes.items():
+                self.store.add_counter(f"bytes_in:{route}", n_in)
+                self.store.add_counter(f"bytes_out:{route}", n_out)
 
     def close(self) -> None:
         self.flush_bytes()

@@ -15,8 +15,10 @@ uploads the group's mean; the others upload nothing for the round.
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -128,10 +130,23 @@ class GroupAverager:
         averager = self._averager_for(k, [weights[n] for n in names])
         self._state = ({"block": k, "version": v, "sha": sha, "names": names}, [weights[n] for n in names])
         averager.state_sharing_priority = float(v)  # peers download from the newest version first
+        averager.allow_state_sharing = True
 
-    def pull(self, k: int, v: int, sha: str, timeout: float) -> dict[str, torch.Tensor] | None:
-        """Block k's weights at version v from a peer that has them, if their sha256 is ``sha`` (else None)."""
-        if self._averager is None or self._block != k or self.newest_shared(k) < v:
+    def prepare(self, k: int, like: dict[str, torch.Tensor]) -> None:
+        """Start block k's averager (its tensors shaped ``like``), so this worker can pull before it trains."""
+        self._averager_for(k, [like[n] for n in sorted(like)])
+
+    def pull(self, k: int, v: int, sha: str, timeout: float, wait_s: float = 0.0) -> dict[str, torch.Tensor] | None:
+        """Block k's weights at version v from a peer that has them, if their sha256 is ``sha`` (else None).
+
+        Every worker sees a new version at about the same moment; one that finds no peer offering it yet waits a
+        random part of ``wait_s`` and looks again, so the first few fetch it from the coordinator and the rest
+        from them."""
+        if self._averager is None or self._block != k:
+            return None
+        if self.newest_shared(k) < v and wait_s > 0:
+            time.sleep(random.uniform(0.0, wait_s))
+        if self.newest_shared(k) < v:
             return None  # no peer has it yet: downloading an older version would be wasted
         try:
             got = self._averager.load_state_from_peers(timeout=timeout)
@@ -171,7 +186,7 @@ class GroupAverager:
         averager = _BlockAverager(
             [t.detach().float().clone().contiguous() for t in like], self.dht, prefix=group_prefix(self.run, k),
             target_group_size=self.target_group_size, min_matchmaking_time=self.matchmaking_s,
-            request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False, allow_state_sharing=True,
+            request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False, allow_state_sharing=False,
             shared=lambda: self._state)
         start_quietly(averager)
         self._averager, self._block = averager, k

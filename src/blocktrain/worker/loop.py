@@ -178,17 +178,20 @@ class Worker:
         token, authority = base64.b64decode(p2p["token"]), str(p2p["authority"]).encode()
         if self.groups is not None:
             self.groups.token = token
+            self.groups.prepare(self.k, trainable_state(self.block))  # the block it was (re)assigned
             return
         dht = join_dht(list(p2p["initial_peers"]), PeerAuthorizer(self._p2p_key, token, authority), self.opts.p2p_host)
         self.groups = GroupAverager(dht, self._p2p_key, token, authority, str(p2p["run"]),
                                     target_group_size=self.opts.group_size, matchmaking_s=self.opts.matchmaking_s)
+        self.groups.prepare(self.k, trainable_state(self.block))
         log.info("joined the run's hivemind DHT as %s", self.groups.peer)
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: dict[str, Any]) -> None:
         v, sha = int(work["version"]), str(work["weights_sha"])
-        if self.groups is not None and self.base is not None:  # a peer that has version v first (hivemind engine)
-            pulled = self.groups.pull(self.k, v, sha, timeout=self.opts.matchmaking_s)
+        if self.groups is not None:  # a peer that has version v first (hivemind engine)
+            pulled = self.groups.pull(self.k, v, sha, timeout=self.opts.matchmaking_s,
+                                      wait_s=min(2.0, self.opts.matchmaking_s))
             if pulled is not None:
                 self.summary.peer_pulls += 1
                 self._set_base(pulled, v)
