@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -51,7 +52,7 @@ def serve_app(opts: GatewayOptions, client: Any = None) -> Iterator[str]:
 
 
 class FakeClient:
-    """Stands in for PipelineClient: an entry description and an ``iter_ar`` yielding fixed chunks."""
+    """Stands in for PipelineClient: an entry description and every mode's method yielding the same fixed chunks."""
 
     def __init__(self, chunks: list[bytes], *, context: int = 64, delays_s: tuple[float, ...] = (),
                  family: str = "diffusion", modes: tuple[str, ...] = ("ar", "sweep", "spec")) -> None:
@@ -74,6 +75,15 @@ class FakeClient:
         for i, c in enumerate(self.chunks):
             await asyncio.sleep(self.delays_s[i] if i < len(self.delays_s) else 0.0)
             yield c
+
+    iter_spec = iter_baseline = iter_ar
+
+    async def generate_spec(self, prompt: bytes, n_new: int, **kw: Any) -> SimpleNamespace:
+        data = b"".join([c async for c in self.iter_spec(prompt, n_new, **kw)])
+        return SimpleNamespace(data=data, traversals=1, drafted=0, accepted=0)
+
+    async def sweep(self, prompt: bytes, n_new: int, **kw: Any) -> bytes:
+        return b"".join([c async for c in self.iter_ar(prompt, n_new, **kw)])
 
 
 def opts(**kw: Any) -> GatewayOptions:
@@ -150,7 +160,7 @@ def test_http_errors_have_the_openai_shape() -> None:
             ({"prompt": "a", "draft_min": 2}, 400, "draft_min"),  # the default here is ar: no draft
             ({"prompt": "a", "mode": "spec", "draft_min": 3, "draft_max": 2}, 400, "draft_max"),
             ({"prompt": "a", "mode": "spec", "draft_max": 65}, 400, "draft_max"),
-            ({"prompt": "a", "top_p": 0.9}, 400, "top_p"),  # the fake iter_ar samples without top_p
+            ({"prompt": "a", "mode": "sweep", "top_p": 0.9}, 400, "top_p"),  # sweep samples without top_p
         ]
         for body, status, param in cases:
             r = http.post("/v1/completions", json=body)
@@ -197,17 +207,16 @@ def test_tiny_temperatures_sample_greedily_and_huge_top_k_keeps_every_byte() -> 
     assert parse_completion({"prompt": "a", "top_k": 10_000}, 64).top_k == 0  # >= 256 bytes: off
 
 
-def test_spec_without_client_support_is_refused() -> None:
+def test_modes_the_pipeline_does_not_report_are_refused() -> None:
     fake = FakeClient([b"xy"], family="stack", modes=("spec", "ar", "score"))
     with serve_app(opts(), fake) as url, httpx.Client(base_url=url) as http:
         r = http.post("/v1/completions", json={"prompt": "a"})  # spec: the default on a stack run
-        assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (501, "mode_unavailable", "mode")
-        assert "generate_spec" in r.json()["error"]["message"]
+        assert r.status_code == 200 and r.json()["blocktrain"]["mode"] == "spec"
         r = http.post("/v1/completions", json={"prompt": "a", "mode": "sweep"})
         assert (r.status_code, r.json()["error"]["code"]) == (400, "unsupported_mode")
         assert http.post("/v1/completions", json={"prompt": "a", "mode": "ar"}).json()["choices"][0]["text"] == "xy"
         assert http.get("/v1/models").json()["data"][0]["modes"] == ["spec", "ar"]
-    assert len(fake.calls) == 1
+    assert len(fake.calls) == 2
 
 
 def test_bearer_token_is_checked_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -93,15 +93,15 @@ class Gateway:
 
     async def read_json(self, request: Request) -> Any:
         limit = self.opts.max_body_bytes
+        too_large = RequestError(413, f"the request body exceeds {limit} bytes; send a shorter prompt", "request_too_large")
         length = request.headers.get("content-length", "")
         if length and (not length.isdigit() or int(length) > limit):
-            raise RequestError(413, f"the request body exceeds {limit} bytes; send a shorter prompt", "request_too_large")
+            raise too_large
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                raise RequestError(413, f"the request body exceeds {limit} bytes; send a shorter prompt",
-                                   "request_too_large")
+                raise too_large
         try:
             return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -123,7 +123,7 @@ class Gateway:
     async def models(self) -> dict[str, Any]:
         entry = await self.entry()
         card = {"id": self.opts.model_name or model_id(entry), "object": "model", "created": self.created,
-                "owned_by": "blocktrain", "context_length": int(entry.get("context", 0)),
+                "owned_by": "blocktrain", "context_length": context(entry),
                 "modes": list(self.backend.modes(entry))}
         return {"object": "list", "data": [card]}
 
@@ -173,14 +173,13 @@ class Gateway:
             stats = stats or counters
             n_out += len(data)
             shown = req.prompt + data if req.echo else data
-            choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish,
-                                      "raw_bytes": base64.b64encode(shown).decode()}
+            text = shown.decode("utf-8", errors="replace")
+            choice = new_choice(i, shown, finish, {"message": {"role": "assistant", "content": text}} if chat
+                                else {"text": text})
             if req.logprobs is not None:
-                lp = await self.backend.log_probs(req.prompt + data, int(entry.get("context", 0)), r.seed)
+                lp = await self.backend.log_probs(req.prompt + data, context(entry), r.seed)
                 choice["logprobs"] = Logprobs.of(req.prompt + data, lp, req.logprobs,
                                                  skip=0 if req.echo else len(req.prompt)).to_dict()
-            text = shown.decode("utf-8", errors="replace")
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             out.append(choice)
         if req.n > 1:
             stats["seeds"] = [choice_request(req, i).seed for i in range(req.n)]
@@ -196,10 +195,8 @@ class Gateway:
         n_out = 0
 
         def chunk(i: int, piece: str, raw: bytes, finish: str | None, extra: dict[str, Any] | None = None) -> bytes:
-            choice: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish,
-                                      "raw_bytes": base64.b64encode(raw).decode()}
-            choice.update({"delta": {"content": piece} if piece or finish is None else {}} if chat else {"text": piece})
-            return sse({**head, "choices": [choice], **(extra or {})})
+            text = {"delta": {"content": piece} if piece or finish is None else {}} if chat else {"text": piece}
+            return sse({**head, "choices": [new_choice(i, raw, finish, text)], **(extra or {})})
 
         try:
             for i in range(req.n):
@@ -233,6 +230,15 @@ class Gateway:
             yield sse(error_body(err.status, str(err), err.reason))
 
 
+def new_choice(i: int, raw: bytes, finish: str | None, text: dict[str, Any]) -> dict[str, Any]:
+    """Choice ``i`` of an answer or chunk: its bytes (base64), finish reason and text (``text``, ``message`` or ``delta``)."""
+    return {"index": i, "logprobs": None, "finish_reason": finish, "raw_bytes": base64.b64encode(raw).decode(), **text}
+
+
+def context(entry: dict[str, Any]) -> int:
+    return int(entry.get("context", 0))
+
+
 def choice_request(req: CompletionRequest, i: int) -> CompletionRequest:
     """The request of choice ``i``: choice 0 is the request itself, choice i > 0 samples with its own seed."""
     return req if i == 0 else replace(req, seed=Seed.GATEWAY_CHOICE.derive(req.seed, i))
@@ -251,7 +257,8 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
         yield
         await gw.backend.close()
 
-    app = FastAPI(title="BlockTrain gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="BlockTrain gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(gw.authorize)])
     app.state.gateway = gw
 
     @app.exception_handler(RequestError)
@@ -273,13 +280,11 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
                                        "internal_error"), status_code=500)
 
     @app.get("/v1/models")
-    async def list_models(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
+    async def list_models() -> dict[str, Any]:
         return await gw.models()
 
     @app.get("/v1/models/{name}")
-    async def get_model(request: Request, name: str) -> dict[str, Any]:
-        gw.authorize(request)
+    async def get_model(name: str) -> dict[str, Any]:
         listed = (await gw.models())["data"][0]
         if name != listed["id"]:
             raise RequestError(404, f"the model {name!r} does not exist; this gateway serves {listed['id']!r}",
@@ -288,34 +293,29 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        gw.authorize(request)
         return await gw.completion(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        gw.authorize(request)
         return await gw.completion(request, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
         body = await gw.body(request)
         data = tokenize_body(body)
         entry = await gw.entry()
         strs = [token_str(b) for b in data] if isinstance(body, dict) and body.get("return_token_strs") else None
-        return {"count": len(data), "max_model_len": int(entry.get("context", 0)), "tokens": list(data),
+        return {"count": len(data), "max_model_len": context(entry), "tokens": list(data),
                 "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
         return {"prompt": detokenize_body(await gw.body(request)).decode("utf-8", errors="replace")}
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request) -> dict[str, Any]:
-        gw.authorize(request)
+    async def tokenizer_info() -> dict[str, Any]:
         entry = await gw.entry()
-        return {"tokenizer_class": "ByteTokenizer", "vocab_size": VOCAB, "model_max_length": int(entry.get("context", 0)),
+        return {"tokenizer_class": "ByteTokenizer", "vocab_size": VOCAB, "model_max_length": context(entry),
                 "bos_token": None, "eos_token": None, "pad_token": None, "unk_token": None,
                 "token_ids": "each byte of the UTF-8 text is one token, its id the byte's value (0-255)",
                 "token_strs": "a byte below 0x80 is its character; any other byte is 'bytes:\\xNN'",

@@ -2,9 +2,8 @@
 
 The gateway (``serve/gateway.py``) turns HTTP into a :class:`CompletionRequest` (every field checked here, with an
 OpenAI-shaped 4xx on a bad one) and asks a :class:`PipelineBackend` for the continuation as a stream of byte chunks.
-The backend is a thin adapter over :class:`blocktrain.serve.client.pipeline.PipelineClient`: it uses the client's streaming
-iterators (``iter_spec``, ``iter_ar``, ``iter_baseline``) where the client has them, and otherwise its one-shot methods (the whole
-continuation as one chunk). A mode the client cannot run is refused with a 501, never answered with made-up text.
+The backend is a thin adapter over :class:`blocktrain.serve.client.pipeline.PipelineClient`: it streams with the client's
+iterators (``iter_spec``, ``iter_ar``, ``iter_baseline``); mode sweep comes whole, as one chunk.
 
 Bytes cross HTTP twice: as text (bytes that are not valid UTF-8 replaced by U+FFFD, decoded incrementally so that
 a character split across two chunks is not replaced) and raw, base64-encoded, in ``raw_bytes``.
@@ -14,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import inspect
+import contextlib
 import math
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +26,7 @@ from blocktrain.serve.gateway.logprobs import MAX_LOGPROBS, MAX_SCORED_BYTES, MA
 from blocktrain.serve.wire.speculative import MAX_DRAFT
 
 MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
+TOP_P_MODES = ("spec", "ar", "baseline")  # modes whose client method samples with top_p (sweep: top_k alone)
 DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 MAX_SWEEPS = 16  # most sweeps one request may ask for
@@ -89,15 +89,20 @@ def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad(f"{key} must be a finite number, got {_show(value)}", key, "invalid_type")
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond float range
-        raise bad(f"{key} must be a finite number, got {_show(value)}", key, "invalid_type") from None
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an integer beyond float range
+            number = float(value)
     if not math.isfinite(number):
         raise bad(f"{key} must be a finite number, got {_show(value)}", key, "invalid_type")
     return number
+
+
+def _flag(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"{key} must be true or false", key, "invalid_type")
+    return bool(value)
 
 
 def _show(value: Any) -> str:
@@ -133,9 +138,7 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     mode = body.get("mode")
     if mode is not None and mode not in MODES:
         raise bad(f"unknown mode {mode!r}; use one of {', '.join(MODES)}", "mode")
-    echo = body.get("echo", False)
-    if echo is not None and not isinstance(echo, bool):
-        raise bad("echo must be true or false", "echo", "invalid_type")
+    echo = _flag(body, "echo")
     logprobs = None if body.get("logprobs") is None else _integer(body, "logprobs", 0)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per byte), got {logprobs}", "logprobs")
@@ -164,9 +167,7 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     if not 1 <= sweeps <= MAX_SWEEPS or (sweeps != 1 and mode != "sweep"):
         raise bad(f"sweeps must be in [1, {MAX_SWEEPS}] and is only for mode sweep, got {sweeps}", "sweeps")
     draft = _draft_bounds(body, mode)
-    stream = body.get("stream", False)
-    if stream is not None and not isinstance(stream, bool):
-        raise bad("stream must be true or false", "stream", "invalid_type")
+    stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise bad('stream_options must be {"include_usage": true|false}', "stream_options", "invalid_type")
@@ -174,9 +175,9 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
         raise bad("echo and logprobs are answered whole: send them without stream", "stream", "unsupported_parameter")
     return CompletionRequest(
         prompt=prompt_bytes, max_tokens=max_tokens, mode=mode, temperature=temperature, top_p=top_p,
-        top_k=0 if top_k >= VOCAB else max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=bool(stream),
+        top_k=0 if top_k >= VOCAB else max(top_k, 0), seed=seed if seed >= 0 else secrets.randbelow(SEED_LIMIT), stream=stream,
         include_usage=bool(options.get("include_usage", False)), sweeps=sweeps, model=model, draft=draft,
-        echo=bool(echo), logprobs=logprobs, n=n, stop=_stops(body.get("stop")),
+        echo=echo, logprobs=logprobs, n=n, stop=_stops(body.get("stop")),
     )
 
 
@@ -342,16 +343,6 @@ class Utf8Stream:
         return str(self._decoder.decode(b"", final=True))
 
 
-async def _once(make: Callable[[], Awaitable[bytes]]) -> AsyncIterator[bytes]:
-    data = await make()
-    if data:
-        yield data
-
-
-def _takes_top_p(method: object) -> bool:
-    return callable(method) and "top_p" in inspect.signature(method).parameters
-
-
 class PipelineBackend:
     """The pipeline behind the gateway: one PipelineClient, connected on first use and reopened by the client."""
 
@@ -374,32 +365,20 @@ class PipelineBackend:
             await self.client.close()
             self._connected = False
 
-    def _has(self, name: str) -> bool:
-        return callable(getattr(self.client, name, None))
-
     def modes(self, entry: Mapping[str, Any]) -> tuple[str, ...]:
         """Modes the pipeline described by ``entry`` runs (as its entry stage reports them), its default first."""
         modes = tuple(m for m in entry.get("modes", MODES) if m in MODES)
-        return (*modes, "ar") if modes == ("baseline",) and self._has("iter_ar") else modes  # iter_ar runs the baseline
-
-    def top_p_modes(self) -> tuple[str, ...]:
-        """Modes whose client method samples with top_p (the others sample with top_k alone)."""
-        extra = (m for m, name in (("ar", "iter_ar"), ("baseline", "iter_baseline"))
-                 if _takes_top_p(getattr(self.client, name, None)))
-        return ("spec", *extra)
+        return (*modes, "ar") if modes == ("baseline",) else modes  # iter_ar runs the baseline
 
     def resolve(self, req: CompletionRequest, entry: Mapping[str, Any]) -> CompletionRequest:
-        """The request with its mode settled, checked against the pipeline (modes, client methods, context)."""
+        """The request with its mode settled, checked against the pipeline (modes, context)."""
         modes = self.modes(entry)
         mode = req.mode or modes[0]
         if mode not in modes:
             raise bad(f"this pipeline serves a {entry.get('family')} run, which runs mode {' or '.join(modes)}, not "
                       f"{mode}; omit mode or use one of those", "mode", "unsupported_mode")
-        if mode == "spec" and not (self._has("iter_spec") or self._has("generate_spec")):
-            raise RequestError(501, "mode spec needs PipelineClient.generate_spec/iter_spec, which this installation's "
-                                    "pipeline client lacks; use mode ar", "mode_unavailable", "mode")
-        if req.top_p < 1 and mode not in self.top_p_modes():
-            raise bad(f"top_p < 1 is not supported by mode {mode} here (only by {', '.join(self.top_p_modes())}); "
+        if req.top_p < 1 and mode not in TOP_P_MODES:
+            raise bad(f"top_p < 1 is not supported by mode {mode} here (only by {', '.join(TOP_P_MODES)}); "
                       "omit top_p", "top_p", "unsupported_parameter")
         if req.draft is not None and mode != "spec":
             raise bad(f"draft_min and draft_max are only for mode spec; this request runs mode {mode}", "draft_min",
@@ -434,9 +413,7 @@ class PipelineBackend:
             if tail:
                 yield tail
         finally:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     async def log_probs(self, data: bytes, context: int, seed: int) -> Any:
         """Log-probs (len(data), 256) of each byte of ``data`` given the bytes before it (row 0: NaN)."""
@@ -444,8 +421,8 @@ class PipelineBackend:
 
     async def generate(self, req: CompletionRequest) -> tuple[bytes, dict[str, int]]:
         """The whole continuation, plus the mode's counters (spec: traversals, drafted, accepted)."""
-        if req.mode == "spec" and self._has("generate_spec"):
-            res = await self.client.generate_spec(req.prompt, req.max_tokens, **self._sampling(req))  # type: ignore[attr-defined]
+        if req.mode == "spec":
+            res = await self.client.generate_spec(req.prompt, req.max_tokens, **self._sampling(req))
             return bytes(res.data), {k: int(getattr(res, k)) for k in ("traversals", "drafted", "accepted")}
         out = bytearray()
         async for chunk in self.stream(req):
@@ -454,28 +431,23 @@ class PipelineBackend:
 
     def stream(self, req: CompletionRequest) -> AsyncIterator[bytes]:
         """The continuation (of a resolved request) as chunks of new bytes, as the pipeline produces them."""
-        c, p, n, kw = self.client, req.prompt, req.max_tokens, self._sampling(req)
-        for mode, name in (("spec", "iter_spec"), ("ar", "iter_ar"), ("baseline", "iter_baseline")):
-            if req.mode == mode and self._has(name):
-                return getattr(c, name)(p, n, **kw)  # type: ignore[no-any-return]
-        if req.mode == "spec":
-            return _once(lambda: self._spec_bytes(req))
-        if req.mode == "ar":
-            return _once(lambda: c.generate_ar(p, n, **kw))
-        if req.mode == "sweep":
-            return _once(lambda: c.sweep(p, n, sweeps=req.sweeps, **kw))
-        if req.mode == "baseline":
-            return _once(lambda: c.generate_baseline(p, n, **kw))
-        raise bad(f"mode {req.mode!r} is not resolved; call resolve() first", "mode")
+        c, kw = self.client, self._sampling(req)
+        iters = {"spec": c.iter_spec, "ar": c.iter_ar, "baseline": c.iter_baseline, "sweep": self._sweep}
+        if req.mode not in iters:
+            raise bad(f"mode {req.mode!r} is not resolved; call resolve() first", "mode")
+        return iters[req.mode](req.prompt, req.max_tokens, **kw)
 
-    async def _spec_bytes(self, req: CompletionRequest) -> bytes:
-        res = await self.client.generate_spec(req.prompt, req.max_tokens, **self._sampling(req))  # type: ignore[attr-defined]
-        return bytes(res.data)
+    async def _sweep(self, prompt: bytes, n_new: int, **kw: Any) -> AsyncIterator[bytes]:
+        data = await self.client.sweep(prompt, n_new, **kw)
+        if data:
+            yield data
 
     def _sampling(self, req: CompletionRequest) -> dict[str, Any]:
         kw: dict[str, Any] = {"temperature": req.temperature, "top_k": req.top_k, "seed": req.seed}
-        if req.mode in self.top_p_modes():
+        if req.top_p < 1:  # resolve() let it through: the mode samples with top_p
             kw["top_p"] = req.top_p
+        if req.mode == "sweep":
+            kw["sweeps"] = req.sweeps
         if req.mode == "spec" and req.draft is not None:
             kw["draft_min"], kw["draft_max"] = req.draft
         return kw
