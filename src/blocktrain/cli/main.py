@@ -8,7 +8,7 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blocktrain.bench.speed import SpeedOptions
 from blocktrain.cli.common import add_run_args, config_from_args, forward_run_args
@@ -16,32 +16,46 @@ from blocktrain.cli.fields import Flags
 from blocktrain.data.prepare import PrepareOptions
 from blocktrain.errors import BlockTrainError
 
+if TYPE_CHECKING:
+    from blocktrain.config import RunConfig
+    from blocktrain.data.dataset import DataDir
+
 log = logging.getLogger("blocktrain")
 PREPARE_FLAGS = Flags(PrepareOptions, "prepare__")
 SPEED_FLAGS = Flags(SpeedOptions, "speed__", rename={"json_path": "--json"}, skip=("data", "command"))
 
 
-def cmd_train_block(args: argparse.Namespace) -> int:
+def run_config(args: argparse.Namespace, open_train: bool = False) -> tuple[RunConfig, DataDir]:
+    """The run's config, tagged with the dataset's fingerprint, and its data directory (``--data`` or the default).
+
+    A bad preset or flag fails before any data is looked for; ``open_train`` checks the train split first.
+    """
     from blocktrain.data.dataset import resolve_data_dir
-    from blocktrain.train.block import train_block
-
-    cfg = config_from_args(args)  # a bad preset or flag fails before any data is looked for
-    data = resolve_data_dir(args.data)
-    cfg = cfg.with_dataset(data.fingerprint())
-    s = train_block(cfg, data, Path(args.out), args.block, progress=not args.no_progress)
-    log.info("block %d: %d steps in %.1fs, train memory %.1f MiB", args.block, s.steps, s.wall_s, s.train_mem_bytes / 2**20)
-    return 0
-
-
-def cmd_train_e2e(args: argparse.Namespace) -> int:
-    from blocktrain.data.dataset import resolve_data_dir
-    from blocktrain.train.e2e import train_e2e
 
     cfg = config_from_args(args)
     data = resolve_data_dir(args.data)
-    cfg = cfg.with_dataset(data.fingerprint())
-    s = train_e2e(cfg, data, Path(args.out), progress=not args.no_progress)
-    log.info("e2e: %d steps in %.1fs, train memory %.1f MiB", s.steps, s.wall_s, s.train_mem_bytes / 2**20)
+    if open_train:
+        data.open("train")
+    return cfg.with_dataset(data.fingerprint()), data
+
+
+def child_args(args: argparse.Namespace, data: DataDir) -> list[str]:
+    """The run flags for a child process, naming the data directory this one resolved."""
+    return [*forward_run_args(args), *(["--data", str(data.root)] if args.data is None else [])]
+
+
+def cmd_train_one(args: argparse.Namespace) -> int:
+    """``train-block`` (one block alone) or ``train-e2e`` (the end-to-end reference)."""
+    from blocktrain.train.block import train_block
+    from blocktrain.train.e2e import train_e2e
+
+    cfg, data = run_config(args)
+    progress = not args.no_progress
+    if args.command == "train-block":
+        s, what = train_block(cfg, data, Path(args.out), args.block, progress=progress), f"block {args.block}"
+    else:
+        s, what = train_e2e(cfg, data, Path(args.out), progress=progress), "e2e"
+    log.info("%s: %d steps in %.1fs, train memory %.1f MiB", what, s.steps, s.wall_s, s.train_mem_bytes / 2**20)
     return 0
 
 
@@ -52,21 +66,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     """
     from blocktrain.checkpoint.run import RunDir
     from blocktrain.config import Schedule
-    from blocktrain.data.dataset import resolve_data_dir
     from blocktrain.train.schedule import schedule_of, train_all_processes, train_concurrent
 
-    cfg = config_from_args(args)
-    data = resolve_data_dir(args.data)
-    data.open("train")
-    cfg = cfg.with_dataset(data.fingerprint())
+    cfg, data = run_config(args, open_train=True)
     RunDir(Path(args.out)).init(cfg)  # a run of another config is refused once, here, not once per block
     if schedule_of(cfg) is Schedule.CONCURRENT:
         train_concurrent(cfg, data, Path(args.out), progress=not args.no_progress)
-        return 0
-    base = [sys.executable, "-m", "blocktrain", "train-block", "--out", args.out, *forward_run_args(args)]
-    if args.data is None:
-        base += ["--data", str(data.root)]
-    train_all_processes(cfg, base, args.parallel)
+    else:
+        base = [sys.executable, "-m", "blocktrain", "train-block", "--out", args.out, *child_args(args, data)]
+        train_all_processes(cfg, base, args.parallel)
     return 0
 
 
@@ -142,21 +150,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from blocktrain.bench.quality import QualityOptions, rederive, run_quality_bench, write_result
-    from blocktrain.data.dataset import resolve_data_dir
 
     if args.rederive:  # derived figures only: no training, no data
         src = Path(args.rederive)
         result = rederive(json.loads(src.read_text()))
         write_result(result, Path(args.json) if args.json else src, str(result["preset"]))
         return 0
-    cfg = config_from_args(args)
-    data = resolve_data_dir(args.data)
-    cfg = cfg.with_dataset(data.fingerprint())
-    child = forward_run_args(args)
-    if args.data is None:
-        child += ["--data", str(data.root)]
+    cfg, data = run_config(args)
     opts = QualityOptions(
-        cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"), child_args=tuple(child),
+        cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"), child_args=tuple(child_args(args, data)),
         objective=args.bench_objective, json_path=Path(args.json) if args.json else None, chains=args.chains,
         max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, progress=not args.no_progress,
         lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops, matched_steps=not args.no_matched_steps,
@@ -235,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train-block", help="train one block alone")
     add_run_args(s)
     s.add_argument("--block", type=int, required=True, help="block index k (0 = highest noise)")
-    s.set_defaults(fn=cmd_train_block)
+    s.set_defaults(fn=cmd_train_one)
 
     s = sub.add_parser("train", help="train all B blocks into one run directory")
     add_run_args(s)
@@ -245,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("train-e2e", help="train the end-to-end reference")
     add_run_args(s)
-    s.set_defaults(fn=cmd_train_e2e)
+    s.set_defaults(fn=cmd_train_one)
 
     s = sub.add_parser("eval", help="cross-entropy of a run over a whole split")
     s.add_argument("run", help="run directory")
