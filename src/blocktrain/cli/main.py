@@ -26,13 +26,10 @@ SPEED_FLAGS = Flags(SpeedOptions, "speed__", rename={"json_path": "--json"}, ski
 
 
 def run_config(args: argparse.Namespace, open_train: bool = False) -> tuple[RunConfig, DataDir]:
-    """The run's config, tagged with the dataset's fingerprint, and its data directory (``--data`` or the default).
-
-    A bad preset or flag fails before any data is looked for; ``open_train`` checks the train split first.
-    """
+    """The run's config tagged with its data's fingerprint, and the data directory (``--data`` or the default)."""
     from blocktrain.data.dataset import resolve_data_dir
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # a bad preset or flag fails before any data is looked for
     data = resolve_data_dir(args.data)
     if open_train:
         data.open("train")

@@ -75,15 +75,6 @@ class CompletionRequest:
     n: int = 1  # choices, sampled with seeds derived from ``seed`` (choice 0 uses ``seed`` itself)
     stop: tuple[bytes, ...] = ()  # the continuation ends before the first of these (UTF-8) byte sequences
 
-    def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in MODES:
-            raise bad(f"unknown mode {self.mode!r}; use one of {', '.join(MODES)}", "mode")
-        if self.max_tokens < 0 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.sweeps < 1:
-            raise bad("max_tokens >= 0, temperature >= 0, 0 < top_p <= 1, top_k >= 0 and sweeps >= 1 are required", None)
-        if self.max_tokens == 0 and not self.echo:
-            raise bad("max_tokens 0 only scores the prompt, which needs echo: true; ask for at least 1 byte",
-                      "max_tokens")
-
 
 def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     value = body.get(key)
