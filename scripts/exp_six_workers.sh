@@ -9,8 +9,9 @@
 # OBJECTIVE (diffusion; or stack: the coordinator opens block k when block k-1 has finished its
 # rounds, unpinned workers move to the open block and download the finished blocks they read once,
 # cached under $OUT/frozen-cache; the result goes to six-workers-stack.json), COORD_FLAGS (extra coordinator
-# flags, e.g. the outer step), SLOW (1: worker w5 runs at half speed through benchmarks/slow_worker.py) and
-# SKIP_SINGLE (1: no single-machine run; the collected JSON then reuses $SINGLE_EVAL).
+# flags, e.g. the outer step), SLOW (1: worker w5 runs at half speed through benchmarks/slow_worker.py),
+# SKIP_SINGLE (1: no single-machine run; the collected JSON then reuses $SINGLE_EVAL and $SINGLE_WALL_S) and
+# WORKER_FLAGS (extra worker flags, e.g. --averaging hivemind with COORD_FLAGS=--hivemind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=${PRESET:-cpu-mini}
@@ -49,7 +50,7 @@ for i in 0 1 2 3 4 5; do
   if [ "${SLOW:-0}" = 1 ] && [ "$i" = 5 ]; then CMD=(.venv/bin/python benchmarks/slow_worker.py --factor 2 --); fi
   OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN=$(cat "$OUT/w$i.token") "${CMD[@]}" worker --coordinator "http://127.0.0.1:$PORT" \
     --local-steps "$H" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" --summary-json "$OUT/w$i.summary.json" \
-    2> "$OUT/logs/w$i.log" &
+    ${WORKER_FLAGS:-} 2> "$OUT/logs/w$i.log" &
   PIDS+=($!)
 done
 for p in "${PIDS[@]}"; do wait "$p"; done
@@ -59,7 +60,7 @@ curl -sf "http://127.0.0.1:$PORT/v1/status" > "$OUT/six.status.json"
 kill $COORD; wait $COORD || true; trap - EXIT
 
 echo "== final CE of both models on the first $EVAL_BYTES test bytes (same command)"
-if [ "${SKIP_SINGLE:-0}" = 1 ]; then cp "$SINGLE_EVAL" "$OUT/single.eval.json"; else
+if [ "${SKIP_SINGLE:-0}" = 1 ]; then cp "$SINGLE_EVAL" "$OUT/single.eval.json"; echo "${SINGLE_WALL_S:-0}" > "$OUT/single.wall_s"; else
 OMP_NUM_THREADS=2 $BT eval "$OUT/single" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
   --json --no-progress > "$OUT/single.eval.json"
 fi
@@ -69,4 +70,4 @@ TARGET=$([ "$OBJECTIVE" = stack ] && echo 0.02 || echo 0.03)  # issue 11 asks 0.
 .venv/bin/python benchmarks/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
   --objective "$OBJECTIVE" --target-gap "$TARGET" \
   --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
-  --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' SLOW=${SLOW:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"
+  --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"
