@@ -43,6 +43,11 @@ def stack_recipe() -> StackConfig:
     return StackConfig(init=StackInit.COPY, step_ratio=0.7)
 
 
+def _stack(name: str, model: ModelConfig, train: TrainConfig) -> RunConfig:
+    """A preset training the stack objective with the shared noise and stack recipes."""
+    return RunConfig(name=name, objective=Objective.STACK, model=model, diffusion=recipe(), stack=stack_recipe(), train=train)
+
+
 def tiny() -> RunConfig:
     """Seconds on one CPU core; used by the test suite.
 
@@ -62,13 +67,10 @@ def tiny() -> RunConfig:
 
 def cpu_mini() -> RunConfig:
     """A few minutes per side on 2 CPU cores; for iterating on recipes."""
-    return RunConfig(
-        name="cpu-mini",
-        objective=Objective.STACK,
-        model=ModelConfig(d_model=128, n_heads=4, n_layers=8, n_blocks=4, context=128),
-        diffusion=recipe(),
-        stack=stack_recipe(),
-        train=TrainConfig(steps=400, batch_size=16, lr=2e-3, warmup_steps=30, checkpoint_every=100),
+    return _stack(
+        "cpu-mini",
+        ModelConfig(d_model=128, n_heads=4, n_layers=8, n_blocks=4, context=128),
+        TrainConfig(steps=400, batch_size=16, lr=2e-3, warmup_steps=30, checkpoint_every=100),
     )
 
 
@@ -89,13 +91,10 @@ def cpu_quick() -> RunConfig:
 
 def cpu_small() -> RunConfig:
     """The committed CPU benchmark shape (d=256, 4 heads, L=8, B=4, T=256)."""
-    return RunConfig(
-        name="cpu-small",
-        objective=Objective.STACK,
-        model=ModelConfig(d_model=256, n_heads=4, n_layers=8, n_blocks=4, context=256),
-        diffusion=recipe(),
-        stack=stack_recipe(),
-        train=TrainConfig(steps=600, batch_size=16, lr=1e-3, warmup_steps=50, checkpoint_every=100),
+    return _stack(
+        "cpu-small",
+        ModelConfig(d_model=256, n_heads=4, n_layers=8, n_blocks=4, context=256),
+        TrainConfig(steps=600, batch_size=16, lr=1e-3, warmup_steps=50, checkpoint_every=100),
     )
 
 
@@ -120,27 +119,19 @@ def depth_proxy() -> RunConfig:
     proof that it shows the long-budget pattern (gain < 0.05, gap at matched
     FLOPs > 0.05) is its baseline row in benchmarks/results/depth-ablation.md.
     """
-    return RunConfig(
-        name="depth-proxy",
-        objective=Objective.STACK,
-        model=ModelConfig(d_model=64, n_heads=2, n_layers=8, n_blocks=4, context=64),
-        diffusion=recipe(),
-        stack=stack_recipe(),
-        train=TrainConfig(steps=2000, batch_size=16, lr=2e-3, warmup_steps=100, checkpoint_every=500, eval_bytes=32768),
+    return _stack(
+        "depth-proxy",
+        ModelConfig(d_model=64, n_heads=2, n_layers=8, n_blocks=4, context=64),
+        TrainConfig(steps=2000, batch_size=16, lr=2e-3, warmup_steps=100, checkpoint_every=500, eval_bytes=32768),
     )
 
 
 def paper() -> RunConfig:
     """GPU scale, as in the paper's byte-level WikiText runs."""
-    return RunConfig(
-        name="paper",
-        objective=Objective.STACK,
-        model=ModelConfig(d_model=768, n_heads=12, n_layers=16, n_blocks=4, context=512),
-        diffusion=recipe(),
-        stack=stack_recipe(),
-        train=TrainConfig(
-            steps=20000, batch_size=64, lr=6e-4, warmup_steps=500, checkpoint_every=1000, eval_every=1000
-        ),
+    return _stack(
+        "paper",
+        ModelConfig(d_model=768, n_heads=12, n_layers=16, n_blocks=4, context=512),
+        TrainConfig(steps=20000, batch_size=64, lr=6e-4, warmup_steps=500, checkpoint_every=1000, eval_every=1000),
     )
 
 
