@@ -44,7 +44,8 @@ def _blocktrain(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                             stderr=log.open("wb"))
 
 
-def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root: Path, timeout_s: float) -> dict[str, Any]:
+def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root: Path, timeout_s: float,
+            matchmaking_s: float) -> dict[str, Any]:
     run, port = root / f"{engine}-{n}", _port()
     store = Store(run)
     tokens = [store.add_token(f"w{i}", time.time()) for i in range(n)]
@@ -68,7 +69,8 @@ def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root
                     raise RuntimeError(f"the coordinator did not start; see {run.parent}/{engine}-{n}-coordinator.log") from None
                 time.sleep(0.5)
         for i, token in enumerate(tokens):
-            extra = ["--averaging", "hivemind", "--p2p-host", "127.0.0.1", "--group-size", "32"] if hivemind else []
+            extra = ["--averaging", "hivemind", "--p2p-host", "127.0.0.1", "--group-size", "32",
+                     "--matchmaking-s", str(matchmaking_s)] if hivemind else []
             workers.append(_blocktrain(["worker", "--coordinator", url, "--token", token, "--data", str(data),
                                         "--threads", "1", "--no-progress", "--block", "0", "--local-steps",
                                         str(local_steps), *extra], run.parent / f"{engine}-{n}-w{i}.log"))
@@ -94,6 +96,7 @@ def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root
         "update_and_weight_bytes_per_round": per_round["updates"] + per_round["weights"],
         "control_bytes_per_round": per_round["control"], "bytes_by_route": routes,
         "groups": [r["groups"] for r in status["rounds"]], "block_fp32_bytes": status["block_fp32_bytes"],
+        "matchmaking_s": matchmaking_s if hivemind else None,
     }
 
 
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local-steps", type=int, default=5, help="H: each worker's optimiser steps per round")
     ap.add_argument("--data", default=None, help="data directory (default: the resolved one)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="seconds one run may take")
+    ap.add_argument("--matchmaking-s", type=float, default=3.0,
+                    help="hivemind workers' matchmaking window (many workers sharing 2 cores finish far apart)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     data = resolve_data_dir(args.data).root
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bt-hivemind-bytes-") as tmp:
         for engine in args.engines.split(","):
             for n in (int(x) for x in args.workers.split(",")):
-                row = one_run(engine, n, args.rounds, args.local_steps, data, Path(tmp), args.timeout_s)
+                row = one_run(engine, n, args.rounds, args.local_steps, data, Path(tmp), args.timeout_s,
+                              args.matchmaking_s)
                 rows.append(row)
                 print(f"{engine:11s} {n:3d} workers: {row['bytes_per_round'] / 1e3:9.1f} kB per round "
                       f"(updates and weights {row['update_and_weight_bytes_per_round'] / 1e3:.1f} kB, control "
