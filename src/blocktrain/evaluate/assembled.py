@@ -24,7 +24,17 @@ from blocktrain.objectives import compose_logits, get_objective
 from blocktrain.seeds import Seed
 
 
-class AssembledModel:
+class _Evaluated:
+    def __init__(self, cfg: RunConfig, precision: Precision) -> None:
+        self.cfg = cfg
+        self.precision = precision
+
+    @property
+    def context(self) -> int:
+        return self.cfg.model.context
+
+
+class AssembledModel(_Evaluated):
     """B independently trained blocks composed by their objective (Euler chain or residual stack)."""
 
     kind = "blocktrain"
@@ -32,17 +42,10 @@ class AssembledModel:
     def __init__(self, blocks: Sequence[nn.Module], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
         if len(blocks) != cfg.model.n_blocks:
             raise RunError(f"expected {cfg.model.n_blocks} blocks, got {len(blocks)}")
+        super().__init__(cfg, precision)
         self.objective = get_objective(cfg)
         self.objective.check_composable(blocks)
-        for b in blocks:
-            b.eval()
-        self.blocks = list(blocks)
-        self.cfg = cfg
-        self.precision = precision
-
-    @property
-    def context(self) -> int:
-        return self.cfg.model.context
+        self.blocks = [b.eval() for b in blocks]
 
     @property
     def deterministic(self) -> bool:
@@ -79,19 +82,13 @@ class AssembledModel:
         return torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in logits])
 
 
-class E2EModel:
+class E2EModel(_Evaluated):
     kind = "e2e"
-
     deterministic = True
 
     def __init__(self, model: E2ETransformer, cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
+        super().__init__(cfg, precision)
         self.model = model.eval()
-        self.cfg = cfg
-        self.precision = precision
-
-    @property
-    def context(self) -> int:
-        return self.cfg.model.context
 
     @classmethod
     def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> E2EModel:
