@@ -123,11 +123,18 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check(self.d_model > 0, "d_model", f"must be positive, got {self.d_model}")
         _check(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
-        _check(self.d_model % self.n_heads == 0, "d_model", f"{self.d_model} is not divisible by n_heads={self.n_heads}")
+        _check(
+            self.d_model % self.n_heads == 0,
+            "d_model",
+            f"{self.d_model} is not divisible by n_heads={self.n_heads}",
+        )
         _check(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
         _check(self.n_blocks > 0, "n_blocks", f"must be positive, got {self.n_blocks}")
-        _check(self.n_layers % self.n_blocks == 0, "n_blocks",
-               f"B={self.n_blocks} does not divide L={self.n_layers}; choose B among the divisors of L")
+        _check(
+            self.n_layers % self.n_blocks == 0,
+            "n_blocks",
+            f"B={self.n_blocks} does not divide L={self.n_layers}; choose B among the divisors of L",
+        )
         _check(self.context >= 2, "context", f"must be at least 2 bytes, got {self.context}")
         _check(self.mlp_ratio > 0, "mlp_ratio", f"must be positive, got {self.mlp_ratio}")
 
@@ -154,7 +161,11 @@ class DiffusionConfig:
 
     def __post_init__(self) -> None:
         _check(self.sigma_min > 0, "sigma_min", f"must be > 0, got {self.sigma_min}")
-        _check(self.sigma_min < self.sigma_max, "sigma_min", f"sigma_min={self.sigma_min} must be smaller than sigma_max={self.sigma_max}")
+        _check(
+            self.sigma_min < self.sigma_max,
+            "sigma_min",
+            f"sigma_min={self.sigma_min} must be smaller than sigma_max={self.sigma_max}",
+        )
         _check(self.p_std > 0, "p_std", f"must be > 0, got {self.p_std}")
         _check(self.sigma_data > 0, "sigma_data", f"must be > 0, got {self.sigma_data}")
         _check(0.0 <= self.overlap < 1.0, "overlap", f"must be in [0, 1), got {self.overlap}")
@@ -204,8 +215,11 @@ class TrainConfig:
         _check(self.test_bytes >= 0, "test_bytes", f"must be >= 0, got {self.test_bytes}")
         _check(isinstance(self.precision, Precision), "precision", f"must be a Precision, got {self.precision!r}")
         _check(isinstance(self.schedule, Schedule), "schedule", f"must be a Schedule, got {self.schedule!r}")
-        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
-               f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
+        )
         _check(self.round_steps > 0, "round_steps", f"must be positive, got {self.round_steps}")
         _check(self.refresh_rounds > 0, "refresh_rounds", f"must be positive, got {self.refresh_rounds}")
 

@@ -50,7 +50,9 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator:
     return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def sample_from_logits(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator, top_p: float = 1.0) -> int:
+def sample_from_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator, top_p: float = 1.0
+) -> int:
     """Sample one byte from (256,) logits; temperature 0 means greedy, top_p < 1 keeps a nucleus (filtered_probs)."""
     if temperature <= 0:
         return int(logits.argmax())

@@ -37,7 +37,12 @@ MOMENTUM_PREFIX = "momentum/"  # durable outer state: momentum buffer tensor nam
 RESIDUAL_PREFIX = "residual/"  # durable outer state: the step encoder's error-feedback residual
 
 
-def aggregate(deltas: list[dict[str, torch.Tensor]], samples: list[int], method: Aggregation, trim: float = 0.2) -> dict[str, torch.Tensor]:
+def aggregate(
+    deltas: list[dict[str, torch.Tensor]],
+    samples: list[int],
+    method: Aggregation,
+    trim: float = 0.2,
+) -> dict[str, torch.Tensor]:
     """Combine same-version deltas into Delta_bar (float32)."""
     if not deltas:
         raise ValueError("aggregate() needs at least one delta")
@@ -73,7 +78,11 @@ def _even_median(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def outer_step(
-    delta_bar: dict[str, torch.Tensor], method: OuterOptimizer, lr: float, momentum: float, buf: dict[str, torch.Tensor] | None
+    delta_bar: dict[str, torch.Tensor],
+    method: OuterOptimizer,
+    lr: float,
+    momentum: float,
+    buf: dict[str, torch.Tensor] | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """Return (float32 step, new momentum buffer): DiLoCo's outer step (Douillard et al. 2023, Alg. 1)."""
     if method is OuterOptimizer.AVERAGE:
@@ -106,8 +115,8 @@ class OuterState:
         """Inverse of :meth:`tensors`; a blob of unprefixed names is a momentum buffer (format before residuals)."""
         if not any(n.startswith((MOMENTUM_PREFIX, RESIDUAL_PREFIX)) for n in tensors):
             return cls(momentum=dict(tensors) or None)
-        m = {n[len(MOMENTUM_PREFIX) :]: t for n, t in tensors.items() if n.startswith(MOMENTUM_PREFIX)}
-        r = {n[len(RESIDUAL_PREFIX) :]: t for n, t in tensors.items() if n.startswith(RESIDUAL_PREFIX)}
+        m = {n[len(MOMENTUM_PREFIX):]: t for n, t in tensors.items() if n.startswith(MOMENTUM_PREFIX)}
+        r = {n[len(RESIDUAL_PREFIX):]: t for n, t in tensors.items() if n.startswith(RESIDUAL_PREFIX)}
         return cls(momentum=m or None, residual=r)
 
 
@@ -138,3 +147,4 @@ def next_version(
     new = apply_step(weights, decode_delta(wire, settings.step_compression))
     lossless = settings.step_compression is Compression.NONE
     return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual))
+

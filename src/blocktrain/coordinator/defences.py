@@ -51,6 +51,8 @@ def check_gate(
     after = evaluator.gate_loss(k, {n: w + delta[n] for n, w in base.items()}, frozen)
     if after > before + tolerance:
         raise ProtocolError(
-            422, f"the update makes block {k}'s held-out loss worse ({before:.4f} -> {after:.4f}, tolerance {tolerance:g})", "gate"
+            422,
+            f"the update makes block {k}'s held-out loss worse ({before:.4f} -> {after:.4f}, tolerance {tolerance:g})",
+            "gate",
         )
     return before, after

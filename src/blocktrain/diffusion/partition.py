@@ -112,6 +112,12 @@ class NoisePartition:
 
     def describe(self) -> list[dict[str, float]]:
         return [
-            {"block": s.index, "sigma_lo": s.sigma_lo, "sigma_hi": s.sigma_hi, "step_hi": s.step_hi, "step_lo": s.step_lo}
+            {
+                "block": s.index,
+                "sigma_lo": s.sigma_lo,
+                "sigma_hi": s.sigma_hi,
+                "step_hi": s.step_hi,
+                "step_lo": s.step_lo,
+            }
             for s in self.slices
         ]

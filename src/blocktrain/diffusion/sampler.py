@@ -25,7 +25,9 @@ from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.model.block import BlockDenoiser
 
 
-def initial_noise(shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator) -> torch.Tensor:
+def initial_noise(
+    shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator
+) -> torch.Tensor:
     """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim)."""
     return sigma_max * torch.randn(*shape, dim, generator=generator)
 
@@ -43,7 +45,13 @@ def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Gene
 
 
 def block_steps(
-    block: BlockDenoiser, k: int, x: torch.Tensor, z: torch.Tensor, partition: NoisePartition, cfg: DiffusionConfig, is_last: bool
+    block: BlockDenoiser,
+    k: int,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    partition: NoisePartition,
+    cfg: DiffusionConfig,
+    is_last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run block ``k``'s solver steps on z. Returns (z at s_{k+1}, logits of its last evaluation)."""
     sigmas = partition.block_steps(k, cfg.steps_per_block)
@@ -83,7 +91,13 @@ def chain_logits(
 
 
 def chain_step(
-    block: BlockDenoiser, k: int, x: torch.Tensor, z: torch.Tensor, partition: NoisePartition, cfg: DiffusionConfig, is_last: bool
+    block: BlockDenoiser,
+    k: int,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    partition: NoisePartition,
+    cfg: DiffusionConfig,
+    is_last: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block k's share of the chain: its solver steps, plus the sigma_min readout when it is the last block."""
     z, logits = block_steps(block, k, x, z, partition, cfg, is_last)
@@ -94,7 +108,11 @@ def chain_step(
 
 @torch.no_grad()
 def block_alone_logits(
-    block: BlockDenoiser, k: int, x: torch.Tensor, partition: NoisePartition, generator: torch.Generator
+    block: BlockDenoiser,
+    k: int,
+    x: torch.Tensor,
+    partition: NoisePartition,
+    generator: torch.Generator,
 ) -> torch.Tensor:
     """Block ``k`` used alone: fed pure noise z = s_k * eps at the top of its own slice."""
     s = partition.slices[k].step_hi

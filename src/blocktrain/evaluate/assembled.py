@@ -24,17 +24,7 @@ from blocktrain.objectives import compose_logits, get_objective
 from blocktrain.seeds import Seed
 
 
-class _Evaluated:
-    def __init__(self, cfg: RunConfig, precision: Precision) -> None:
-        self.cfg = cfg
-        self.precision = precision
-
-    @property
-    def context(self) -> int:
-        return self.cfg.model.context
-
-
-class AssembledModel(_Evaluated):
+class AssembledModel:
     """B independently trained blocks composed by their objective (Euler chain or residual stack)."""
 
     kind = "blocktrain"
@@ -42,10 +32,17 @@ class AssembledModel(_Evaluated):
     def __init__(self, blocks: Sequence[nn.Module], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
         if len(blocks) != cfg.model.n_blocks:
             raise RunError(f"expected {cfg.model.n_blocks} blocks, got {len(blocks)}")
-        super().__init__(cfg, precision)
         self.objective = get_objective(cfg)
         self.objective.check_composable(blocks)
-        self.blocks = [b.eval() for b in blocks]
+        for b in blocks:
+            b.eval()
+        self.blocks = list(blocks)
+        self.cfg = cfg
+        self.precision = precision
+
+    @property
+    def context(self) -> int:
+        return self.cfg.model.context
 
     @property
     def deterministic(self) -> bool:
@@ -82,13 +79,19 @@ class AssembledModel(_Evaluated):
         return torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in logits])
 
 
-class E2EModel(_Evaluated):
+class E2EModel:
     kind = "e2e"
+
     deterministic = True
 
     def __init__(self, model: E2ETransformer, cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
-        super().__init__(cfg, precision)
         self.model = model.eval()
+        self.cfg = cfg
+        self.precision = precision
+
+    @property
+    def context(self) -> int:
+        return self.cfg.model.context
 
     @classmethod
     def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> E2EModel:

@@ -36,7 +36,9 @@ class BlockDenoiser(nn.Module):
         self.z_in = nn.Linear(d, d)
         self.sigma_emb = SigmaEmbedding(d)
         self.mod = nn.Linear(d, 4 * d)  # adaLN-single: one modulation for all layers
-        self.layers = nn.ModuleList(TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, conditioned=True) for _ in range(cfg.layers_per_block))
+        self.layers = nn.ModuleList(
+            TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, conditioned=True) for _ in range(cfg.layers_per_block)
+        )
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB_SIZE)
         init_weights(self)

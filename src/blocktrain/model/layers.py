@@ -174,7 +174,9 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(d_model, mlp_ratio)
         self.mod_table = nn.Parameter(torch.zeros(4 * d_model)) if conditioned else None
 
-    def forward(self, x: torch.Tensor, mod: torch.Tensor | None = None, cache: Cache | None = None, name: str = "") -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mod: torch.Tensor | None = None, cache: Cache | None = None, name: str = ""
+    ) -> torch.Tensor:
         """x (b, t, d) -> (b, t, d); with ``cache``, x continues the positions cached under ``name`` (KV-cached)."""
         if self.mod_table is None:
             x = x + self.attn(self.ln1(x), cache, name)

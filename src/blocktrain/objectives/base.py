@@ -61,7 +61,7 @@ class Objective(Protocol):
         """Forward FLOPs per scored byte of one traversal of the composed blocks."""
 
     def single_block_logits(
-        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None
+        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
     ) -> list[torch.Tensor]:
         """Logits of the single-block references on bytes x: every prefix (stack), or each block alone (diffusion;
         ``only=k``: block k alone), with the noise of ``seed``."""
@@ -92,12 +92,13 @@ class Objective(Protocol):
         """The forward-only copy of a finished block that later blocks' workers hold."""
 
     def block_loss(
-        self, block: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = ()
+        self, block: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        frozen: Sequence[nn.Module] = (),
     ) -> LocalLoss:
         """Local loss of block k on bytes x (b, t) with next bytes y (b, t)."""
 
     def local_logits(
-        self, block: nn.Module, k: int, x: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = ()
+        self, block: nn.Module, k: int, x: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = (),
     ) -> torch.Tensor:
         """Block k's own next-byte logits without the target: its prefix (stack) or itself on pure noise (diffusion)."""
 
@@ -105,7 +106,7 @@ class Objective(Protocol):
         """What enters block 0 besides the bytes (z_0 = sigma_max eps, or nothing)."""
 
     def step(
-        self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool
+        self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Block k's share of a traversal: (the carry handed to block k+1, logits if wanted)."""
 
@@ -117,7 +118,9 @@ class Objective(Protocol):
 
 
 @torch.no_grad()
-def compose_logits(objective: Objective, blocks: Sequence[nn.Module], x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def compose_logits(
+    objective: Objective, blocks: Sequence[nn.Module], x: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
     """One traversal of all blocks: logits (b, t, 256) of the composed model at every position of x (b, t)."""
     n = objective.cfg.model.n_blocks
     if len(blocks) != n:

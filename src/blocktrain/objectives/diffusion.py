@@ -65,14 +65,15 @@ class DiffusionObjective:
         raise ValueError("diffusion blocks train alone; no block needs a frozen copy of another")
 
     def block_loss(
-        self, block: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = ()
+        self, block: nn.Module, k: int, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator,
+        frozen: Sequence[nn.Module] = (),
     ) -> LocalLoss:
         assert isinstance(block, BlockDenoiser)
         out = block_loss(block, k, x, y, self.partition, self.cfg.diffusion, generator)
         return LocalLoss(out.loss, {"noised_ce": out.noised_ce, "mean_sigma": out.mean_sigma})
 
     def local_logits(
-        self, block: nn.Module, k: int, x: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = ()
+        self, block: nn.Module, k: int, x: torch.Tensor, generator: torch.Generator, frozen: Sequence[nn.Module] = (),
     ) -> torch.Tensor:
         assert isinstance(block, BlockDenoiser)
         return block_alone_logits(block, k, x, self.partition, generator)
@@ -82,7 +83,7 @@ class DiffusionObjective:
         return initial_noise(shape, self.cfg.model.d_model, self.cfg.diffusion.sigma_max, generator).to(x.device)
 
     def step(
-        self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool
+        self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert isinstance(block, BlockDenoiser) and carry is not None
         z, logits = chain_step(block, k, x, carry, self.partition, self.cfg.diffusion, is_last)
@@ -96,7 +97,7 @@ class DiffusionObjective:
         return out
 
     def single_block_logits(
-        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None
+        self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
     ) -> list[torch.Tensor]:
         """Each block alone on pure noise, one generator per block: each block alone is its own experiment."""
         ks = range(len(blocks)) if only is None else [only]

@@ -78,7 +78,11 @@ def decode_delta(tensors: dict[str, torch.Tensor], compression: Compression) -> 
     """Wire tensors -> float32 delta per parameter."""
     if compression is not Compression.INT8:
         return {n: t.float() for n, t in tensors.items()}
-    return {n: t.float() * tensors[n + SCALE_SUFFIX].float() for n, t in tensors.items() if not n.endswith(SCALE_SUFFIX)}
+    return {
+        n: t.float() * tensors[n + SCALE_SUFFIX].float()
+        for n, t in tensors.items()
+        if not n.endswith(SCALE_SUFFIX)
+    }
 
 
 class ErrorFeedback:

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 __all__ = ["block_save_meta", "check_block_index", "train_block"]
 
 
-def train_block(cfg: RunConfig, data: DataDir, out: Path, k: int, *, progress: bool = True, stream: int = 0) -> TrainSummary:
+def train_block(
+    cfg: RunConfig, data: DataDir, out: Path, k: int, *, progress: bool = True, stream: int = 0
+) -> TrainSummary:
     check_block_index(k, cfg.model.n_blocks)
     train = data.open("train")  # validate inputs before anything is written
     valid = data.open("valid") if cfg.train.eval_bytes else None
@@ -77,8 +79,19 @@ def train_block(cfg: RunConfig, data: DataDir, out: Path, k: int, *, progress: b
 
     tokens = cfg.train.batch_size * cfg.model.context
     return run_training(
-        name=f"block_{k}", module=block, cfg=cfg, step_fn=step_fn, ckpt_path=run.block_path(k), state_path=run.block_state_path(k),
-        metrics_path=run.metrics_path(f"block_{k}"), bytes_per_step=tokens, baseline_rss=baseline, save_meta=block_save_meta(cfg, k),
-        eval_fn=eval_fn if valid is not None else None, progress=progress, device=device, precision=precision,
+        name=f"block_{k}",
+        module=block,
+        cfg=cfg,
+        step_fn=step_fn,
+        ckpt_path=run.block_path(k),
+        state_path=run.block_state_path(k),
+        metrics_path=run.metrics_path(f"block_{k}"),
+        bytes_per_step=tokens,
+        baseline_rss=baseline,
+        save_meta=block_save_meta(cfg, k),
+        eval_fn=eval_fn if valid is not None else None,
+        progress=progress,
+        device=device,
+        precision=precision,
         flops_per_step=objective.train_flops_per_token(k) * tokens,
     )

@@ -50,8 +50,19 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
 
     tokens = cfg.train.batch_size * cfg.model.context
     return run_training(
-        name="e2e", module=model, cfg=cfg, step_fn=step_fn, ckpt_path=run.e2e_path(), state_path=run.e2e_state_path(),
-        metrics_path=run.metrics_path("e2e"), bytes_per_step=tokens, baseline_rss=baseline, save_meta={"kind": "e2e"},
-        eval_fn=eval_fn if valid is not None else None, progress=progress, device=device, precision=precision,
+        name="e2e",
+        module=model,
+        cfg=cfg,
+        step_fn=step_fn,
+        ckpt_path=run.e2e_path(),
+        state_path=run.e2e_state_path(),
+        metrics_path=run.metrics_path("e2e"),
+        bytes_per_step=tokens,
+        baseline_rss=baseline,
+        save_meta={"kind": "e2e"},
+        eval_fn=eval_fn if valid is not None else None,
+        progress=progress,
+        device=device,
+        precision=precision,
         flops_per_step=train_flops_per_token(model, cfg.model.d_model, cfg.model.context) * tokens,
     )

@@ -133,7 +133,8 @@ class MetricsHook(Hook):
     def after(self, rec: StepRecord) -> None:
         if rec.done % self.every == 0 or rec.done == self.last:
             rate = {"bytes_per_s": self.progress.rate()} if self.progress and self.progress.bytes_per_step else {}
-            self.writer.write(step=rec.done, loss=rec.loss, lr=rec.lr, grad_norm=rec.grad_norm, **rate, step_s=rec.seconds, **rec.metrics)
+            self.writer.write(step=rec.done, loss=rec.loss, lr=rec.lr, grad_norm=rec.grad_norm, **rate,
+                              step_s=rec.seconds, **rec.metrics)
 
 
 class EvalHook(Hook):

@@ -101,10 +101,20 @@ def run_training(
     timed = result.step_seconds[1:] or result.step_seconds  # the first step of a process pays one-off kernel set-up
     s_per_step = statistics.median(timed) if timed else float("nan")
     summary = TrainSummary(
-        name=name, steps=result.done, wall_s=wall, final_loss=result.last_loss,
-        params=sum(p.numel() for p in module.parameters() if p.requires_grad), optimizer_bytes=optimizer_bytes(module),
-        baseline_rss=baseline_rss, peak_rss=peak, train_mem_bytes=peak - baseline_rss, eval=final_eval, precision=precision.value,
-        device=str(device), seconds_per_step=s_per_step, flops_per_step=flops_per_step,
+        name=name,
+        steps=result.done,
+        wall_s=wall,
+        final_loss=result.last_loss,
+        params=sum(p.numel() for p in module.parameters() if p.requires_grad),
+        optimizer_bytes=optimizer_bytes(module),
+        baseline_rss=baseline_rss,
+        peak_rss=peak,
+        train_mem_bytes=peak - baseline_rss,
+        eval=final_eval,
+        precision=precision.value,
+        device=str(device),
+        seconds_per_step=s_per_step,
+        flops_per_step=flops_per_step,
         achieved_flops=flops_per_step / s_per_step if timed else float("nan"),
     )
     metrics.write(event="summary", **asdict(summary))

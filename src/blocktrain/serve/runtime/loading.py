@@ -64,7 +64,9 @@ def _check_span(lo: int, hi: int, n: int, what: str) -> None:
         raise ConfigError(f"{what} {lo}-{hi} is outside 0-{n - 1} of this model")
 
 
-def load_run_span(run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None) -> Span:
+def load_run_span(
+    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
+) -> Span:
     """Blocks lo..hi of a run, as the serving span its objective names (:func:`build_span`)."""
     cfg = run.load_config()
     blocker = get_objective(cfg).serving_blocker()
@@ -75,7 +77,7 @@ def load_run_span(run: RunDir, lo: int, hi: int, precision: Precision = Precisio
 
 
 def build_span(
-    cfg: RunConfig, blocks: dict[int, nn.Module], precision: Precision = Precision.FP32, cache: CacheOptions | None = None
+    cfg: RunConfig, blocks: dict[int, nn.Module], precision: Precision = Precision.FP32, cache: CacheOptions | None = None,
 ) -> Span:
     """The serving span of trained ``blocks``: the class the run's objective names in ``serving_span`` (objectives
     never import serving code, so they name it)."""
@@ -84,7 +86,9 @@ def build_span(
     return span  # type: ignore[no-any-return]
 
 
-Parts = tuple[dict[int, TransformerLayer], tuple[nn.Embedding, nn.Embedding] | None, tuple[nn.LayerNorm, nn.Linear] | None]
+Parts = tuple[
+    dict[int, TransformerLayer], tuple[nn.Embedding, nn.Embedding] | None, tuple[nn.LayerNorm, nn.Linear] | None
+]
 
 
 def _e2e_parts(model: E2ETransformer, lo: int, hi: int) -> Parts:
@@ -104,7 +108,9 @@ def _seeded(seed: int, role: Seed, *indices: int) -> None:
     torch.manual_seed(role.derive(seed, *indices))
 
 
-def random_run_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None) -> Span:
+def random_run_span(
+    cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None
+) -> Span:
     """Blocks lo..hi of ``cfg``'s objective with random weights (seeded per block), as its serving span. For scale
     runs and tests, where no run exists."""
     _check_span(lo, hi, cfg.model.n_blocks, "blocks")

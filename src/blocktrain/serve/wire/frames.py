@@ -41,9 +41,15 @@ from blocktrain.errors import CheckpointError, FramingError, WireError
 from blocktrain.serve.wire.limits import (  # re-exported: the wire's size limits
     DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES,
 )
-from blocktrain.serve.wire.limits import MAX_HEADER_BYTES as MAX_HEADER_BYTES
-from blocktrain.serve.wire.limits import MAX_HELLO_BYTES as MAX_HELLO_BYTES
-from blocktrain.serve.wire.limits import SMALL_FRAME_BYTES as SMALL_FRAME_BYTES
+from blocktrain.serve.wire.limits import (
+    MAX_HEADER_BYTES as MAX_HEADER_BYTES,
+)
+from blocktrain.serve.wire.limits import (
+    MAX_HELLO_BYTES as MAX_HELLO_BYTES,
+)
+from blocktrain.serve.wire.limits import (
+    SMALL_FRAME_BYTES as SMALL_FRAME_BYTES,
+)
 
 MAGIC = b"BTW1"
 PREFIX = struct.Struct(">4sII")  # magic, header length, payload length
@@ -177,7 +183,9 @@ def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
     """The 12-byte prefix -> (header length, payload length); FramingError if unusable."""
     magic, h_len, p_len = PREFIX.unpack(prefix)
     if magic != MAGIC:
-        raise FramingError(f"bad frame magic {magic!r} (expected {MAGIC!r}); the peer does not speak BlockTrain serving")
+        raise FramingError(
+            f"bad frame magic {magic!r} (expected {MAGIC!r}); the peer does not speak BlockTrain serving"
+        )
     if not 0 < h_len <= MAX_HEADER_BYTES:
         raise FramingError(f"frame header length {h_len} is outside 1..{MAX_HEADER_BYTES}")
     if h_len + p_len > max_frame_bytes:

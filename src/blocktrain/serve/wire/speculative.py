@@ -107,7 +107,8 @@ class SpecOptions:
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 1 <= self.draft_min <= self.draft_max:
-            raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; set --draft-min/--draft-max")
+            raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; "
+                              "set --draft-min/--draft-max")
 
 
 # --- the spec frame's parameters, as every serving span reads them ----------------------------
