@@ -90,7 +90,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         "rejections": rejections,
         "bytes_in": counters.get("bytes_in", 0),
         "bytes_out": counters.get("bytes_out", 0),
-        # the same bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)
+        # workers' bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)
         "bytes_by_route": {r: {"in": counters.get(f"bytes_in:{r}", 0), "out": counters.get(f"bytes_out:{r}", 0)}
                            for r in ("updates", "weights", "control")},
         "latest_eval_ce": evals[-1]["ce_nats_per_byte"] if evals else None,

@@ -376,11 +376,14 @@ class Coordinator(BlockRounds):
 
     # --- byte accounting ---------------------------------------------------------
     def count_bytes(self, name: str | None, n_in: int, n_out: int, route: str = "control") -> None:
-        """Body bytes of one request; ``route``: "updates", "weights" (weights, steps, frozen blocks) or "control"."""
+        """Body bytes of one request; ``route``: "updates", "weights" (weights, steps, frozen blocks) or "control".
+        By route only for workers' requests: traffic without a valid token adds no row to the database."""
         with self._bytes_lock:
             acc = self._pending_bytes.setdefault(name, [0, 0])
             acc[0] += n_in
             acc[1] += n_out
+            if name is None:
+                return
             by_route = self._route_bytes.setdefault(route, [0, 0])
             by_route[0] += n_in
             by_route[1] += n_out
