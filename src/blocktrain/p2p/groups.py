@@ -15,7 +15,6 @@ uploads the group's mean; the others upload nothing for the round.
 from __future__ import annotations
 
 import logging
-import random
 import signal
 import threading
 import time
@@ -139,15 +138,16 @@ class GroupAverager:
     def pull(self, k: int, v: int, sha: str, timeout: float, wait_s: float = 0.0) -> dict[str, torch.Tensor] | None:
         """Block k's weights at version v from a peer that has them, if their sha256 is ``sha`` (else None).
 
-        Every worker sees a new version at about the same moment; one that finds no peer offering it yet waits a
-        random part of ``wait_s`` and looks again, so the first few fetch it from the coordinator and the rest
-        from them."""
+        A peer that offers version v is waited for up to ``wait_s`` seconds: the worker that sent the round's
+        update fetches the new version from the coordinator at once and offers it, and the others take it from
+        it (and then from one another)."""
         if self._averager is None or self._block != k:
             return None
-        if self.newest_shared(k) < v and wait_s > 0:
-            time.sleep(random.uniform(0.0, wait_s))
-        if self.newest_shared(k) < v:
-            return None  # no peer has it yet: downloading an older version would be wasted
+        give_up = time.monotonic() + wait_s
+        while self.newest_shared(k) < v:  # no peer has it yet: downloading an older version would be wasted
+            if time.monotonic() >= give_up:
+                return None
+            time.sleep(0.25)
         try:
             got = self._averager.load_state_from_peers(timeout=timeout)
         except Exception as exc:  # a failed download: the coordinator serves the version

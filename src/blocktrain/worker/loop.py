@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,7 @@ class Worker:
         self.steps_done = 0  # local steps of the current round
         self.groups: Any = None  # the hivemind engine's GroupAverager, once registered (blocktrain.p2p.groups)
         self._grouped_version = -1  # the version whose delta went into a group mean that another member uploads
+        self._sent_last = False  # this worker sent the last round's update itself (alone, or its group's mean)
         self._deadline_at = float("inf")  # time.monotonic() of the current round's deadline
         self._p2p_key: Any = None  # this worker's RSA key on hivemind
 
@@ -190,8 +192,11 @@ class Worker:
     def _sync(self, work: dict[str, Any]) -> None:
         v, sha = int(work["version"]), str(work["weights_sha"])
         if self.groups is not None:  # a peer that has version v first (hivemind engine)
-            pulled = self.groups.pull(self.k, v, sha, timeout=self.opts.matchmaking_s,
-                                      wait_s=min(2.0, self.opts.matchmaking_s))
+            # the worker that sent the last update fetches at once (from the coordinator, if no peer has it);
+            # the others wait for a peer to offer it; at the first sync nobody has sent anything: a random moment
+            m = self.opts.matchmaking_s
+            wait = 0.0 if self._sent_last else m if self.base is not None else random.uniform(0.0, m)
+            pulled = self.groups.pull(self.k, v, sha, timeout=m, wait_s=wait)
             if pulled is not None:
                 self.summary.peer_pulls += 1
                 self._set_base(pulled, v)
@@ -301,6 +306,7 @@ class Worker:
             group = self.groups.average(delta, samples, self.k, self.base_version, budget)
             if group is not None and not group.uploader:
                 self._grouped_version = self.base_version
+                self._sent_last = False
                 self.summary.rounds_grouped += 1
                 log.info("block %d v%d: averaged in a group of %d; its uploader sends the mean", self.k,
                          self.base_version, len(group.members))
@@ -315,6 +321,7 @@ class Worker:
             self.client.push(self.k, payload)
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
             self.summary.rounds_pushed += 1
+            self._sent_last = True
             self.summary.groups_uploaded += group is not None
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
                      self.k, len(payload), self.base_version, self.summary.local_steps)
