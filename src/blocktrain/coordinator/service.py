@@ -100,9 +100,10 @@ class Coordinator(BlockRounds):
                  p2p_key: str | None = None) -> dict[str, Any]:
         """Assign ``name`` a block; ``dataset`` is the fingerprint of the worker's data (checked against the run's);
         ``p2p_key``: the worker averages on hivemind with this RSA key, and is issued a token for it."""
-        if quarantined(self.store, name):
-            raise ProtocolError(403, f"worker {name!r} is quarantined: it was a member of {QUARANTINE_AFTER} group "
-                                "means the loss gate refused", "quarantined")
+        with self.lock:  # every use of the store is under the lock
+            if quarantined(self.store, name):
+                raise ProtocolError(403, f"worker {name!r} is quarantined: it was a member of {QUARANTINE_AFTER} "
+                                    "group means the loss gate refused", "quarantined")
         if p2p_key is not None and self.hub is None:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; start it with --hivemind, "
                                 "or run the worker with --averaging coordinator", "hivemind_off")
@@ -233,12 +234,12 @@ class Coordinator(BlockRounds):
                 raise ProtocolError(
                     403, f"worker {name!r} is assigned to block {row['block']}, not {k}; GET /v1/work", "wrong_block"
                 )
+            if quarantined(self.store, name):
+                raise ProtocolError(403, f"worker {name!r} is quarantined; its updates are refused", "quarantined")
         if len(body) > self.max_body_bytes:
             raise ProtocolError(
                 413, f"update of {len(body)} bytes exceeds the cap of {self.max_body_bytes}", "too_large"
             )
-        if quarantined(self.store, name):
-            raise ProtocolError(403, f"worker {name!r} is quarantined; its updates are refused", "quarantined")
         upd = parse_update(body, k, self.block_shapes[k])
         self._check_version(k, upd.base_version)
         members = self._group_members(name, k, upd)
@@ -267,9 +268,10 @@ class Coordinator(BlockRounds):
         return self.hub.members(upd.group, k, upd.base_version)  # registration etc. are checked as it is recorded
 
     def _refuse_group(self, k: int, v: int, uploader: str, members: list[str], reason: str) -> None:
-        with self.lock, self.store.tx():
-            self.store.record_group_refusal(k, v, uploader, members, reason, self.clock())
-        caught = [m for m in members if quarantined(self.store, m)]
+        with self.lock:
+            with self.store.tx():
+                self.store.record_group_refusal(k, v, uploader, members, reason, self.clock())
+            caught = [m for m in members if quarantined(self.store, m)]
         log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, reason,
                     f"; quarantined {caught}" if caught else "")
 
