@@ -17,8 +17,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, block_stream, init_seed
-from blocktrain.device import autocast, resolve_device, resolve_precision
-from blocktrain.evaluate.scoring import score_split
+from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.train.memory import rss_bytes, warm_runtime
@@ -61,23 +60,6 @@ def train_block(
         out = objective.block_loss(block, k, x.to(device), y.to(device), tstream.generator(step, purpose=1), frozen)
         return out.loss, out.metrics
 
-    key = "val_prefix_ce" if objective.reference_name == "prefix_ce" else "val_block_alone_ce"
-
-    def eval_fn() -> dict[str, float]:
-        """Block k's own CE on validation, without the target (its prefix, or itself on pure noise)."""
-        assert valid is not None
-        block.eval()
-        gen = torch.Generator().manual_seed(cfg.train.seed)
-
-        def lp(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad(), autocast(precision, device):
-                logits = objective.local_logits(block, k, x.to(device), gen, frozen)
-            return torch.log_softmax(logits.float(), dim=-1).cpu().unsqueeze(0)
-
-        res = score_split(lp, valid.data, cfg.model.context, max_bytes=cfg.train.eval_bytes)
-        return {key: res.ce_nats_per_byte}
-
-    tokens = cfg.train.batch_size * cfg.model.context
     return run_training(
         name=f"block_{k}",
         module=block,
@@ -86,12 +68,15 @@ def train_block(
         ckpt_path=run.block_path(k),
         state_path=run.block_state_path(k),
         metrics_path=run.metrics_path(f"block_{k}"),
-        bytes_per_step=tokens,
         baseline_rss=baseline,
         save_meta=block_save_meta(cfg, k),
-        eval_fn=eval_fn if valid is not None else None,
+        valid=valid,
+        evaluate=(  # block k's own CE, without the target (its prefix, or itself on pure noise)
+            "val_prefix_ce" if objective.reference_name == "prefix_ce" else "val_block_alone_ce",
+            lambda x, gen: objective.local_logits(block, k, x, gen, frozen),
+        ),
         progress=progress,
         device=device,
         precision=precision,
-        flops_per_step=objective.train_flops_per_token(k) * tokens,
+        flops_per_token=objective.train_flops_per_token(k),
     )

@@ -10,8 +10,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
-from blocktrain.device import autocast, resolve_device, resolve_precision
-from blocktrain.evaluate.scoring import score_split
+from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.model.loss import lm_loss
@@ -37,18 +36,6 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
         x, y = tstream.batch(step)
         return lm_loss(model(x.to(device)), y.to(device)), {}
 
-    def eval_fn() -> dict[str, float]:
-        assert valid is not None
-        model.eval()
-
-        def lp(x: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad(), autocast(precision, device):
-                logits = model(x.to(device))
-            return torch.log_softmax(logits.float(), dim=-1).cpu().unsqueeze(0)
-
-        return {"val_ce": score_split(lp, valid.data, cfg.model.context, max_bytes=cfg.train.eval_bytes).ce_nats_per_byte}
-
-    tokens = cfg.train.batch_size * cfg.model.context
     return run_training(
         name="e2e",
         module=model,
@@ -57,12 +44,12 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
         ckpt_path=run.e2e_path(),
         state_path=run.e2e_state_path(),
         metrics_path=run.metrics_path("e2e"),
-        bytes_per_step=tokens,
         baseline_rss=baseline,
         save_meta={"kind": "e2e"},
-        eval_fn=eval_fn if valid is not None else None,
+        valid=valid,
+        evaluate=("val_ce", lambda x, gen: model(x)),
         progress=progress,
         device=device,
         precision=precision,
-        flops_per_step=train_flops_per_token(model, cfg.model.d_model, cfg.model.context) * tokens,
+        flops_per_token=train_flops_per_token(model, cfg.model.d_model, cfg.model.context),
     )

@@ -19,6 +19,9 @@ import torch
 from torch import nn
 
 from blocktrain.config import Precision, RunConfig
+from blocktrain.data.dataset import ByteSplit
+from blocktrain.device import autocast
+from blocktrain.evaluate.scoring import score_split
 from blocktrain.progress import progress_bar
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import EvalHook, Hook, LossFn, MetricsHook, ProgressHook, train_steps
@@ -30,7 +33,7 @@ __all__ = ["TrainSummary", "run_training"]
 
 log = logging.getLogger(__name__)
 
-EvalFn = Callable[[], dict[str, float]]
+EvalLogits = Callable[[torch.Tensor, torch.Generator], torch.Tensor]  # x (b, t) on the device, generator -> (b, t, 256)
 
 
 @dataclass(frozen=True)
@@ -61,18 +64,37 @@ def run_training(
     ckpt_path: Path,
     state_path: Path,
     metrics_path: Path,
-    bytes_per_step: int,
     baseline_rss: int,
     save_meta: dict[str, str],
-    eval_fn: EvalFn | None = None,
+    valid: ByteSplit | None,
+    evaluate: tuple[str, EvalLogits],
     progress: bool = True,
     device: torch.device | None = None,
     precision: Precision = Precision.FP32,
-    flops_per_step: float = 0.0,
+    flops_per_token: float = 0.0,
 ) -> TrainSummary:
-    """Train ``module`` (already on ``device``) for cfg.train.steps steps of ``step_fn`` under ``precision``."""
+    """Train ``module`` (already on ``device``) for cfg.train.steps steps of ``step_fn`` under ``precision``.
+
+    ``evaluate``: the name of the validation figure and the logits whose CE on the first ``eval_bytes`` of ``valid``
+    it is (the generator seeded by the run's seed at each evaluation); no evaluation without ``valid``.
+    """
     tc = cfg.train
     device = device or torch.device("cpu")
+    tokens = tc.batch_size * cfg.model.context
+
+    def eval_fn() -> dict[str, float]:
+        assert valid is not None
+        key, logits = evaluate
+        module.eval()
+        gen = torch.Generator().manual_seed(tc.seed)
+
+        def lp(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad(), autocast(precision, device):
+                out = logits(x.to(device), gen)
+            return torch.log_softmax(out.float(), dim=-1).cpu().unsqueeze(0)
+
+        return {key: score_split(lp, valid.data, cfg.model.context, max_bytes=tc.eval_bytes).ce_nats_per_byte}
+
     opt, names = make_optimizer(module, tc)
     ckpt = Checkpointer(name, module, opt, names, cfg, ckpt_path, state_path, save_meta, every=tc.checkpoint_every)
     start = ckpt.resume()
@@ -82,9 +104,9 @@ def run_training(
         ckpt.save(0)  # step-0 weights: initial state is reproducible and resumable
     metrics = JsonlWriter(metrics_path)
     bar = progress_bar(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress, dynamic_ncols=True)
-    shown = ProgressHook(bar, bytes_per_step)
+    shown = ProgressHook(bar, tokens)
     hooks: list[Hook] = [shown, MetricsHook(metrics, tc.log_every, last=tc.steps, progress=shown), ckpt]
-    if eval_fn is not None:
+    if valid is not None:
         hooks.append(EvalHook(eval_fn, tc.eval_every, metrics, module))
     t0 = time.perf_counter()
     try:
@@ -95,7 +117,7 @@ def run_training(
     ckpt.save(result.done)
     wall = time.perf_counter() - t0
     peak = peak_rss_bytes()
-    final_eval = eval_fn() if eval_fn is not None else {}
+    final_eval = eval_fn() if valid is not None else {}
     if final_eval:
         metrics.write(step=result.done, event="eval", **final_eval)
     timed = result.step_seconds[1:] or result.step_seconds  # the first step of a process pays one-off kernel set-up
@@ -114,8 +136,8 @@ def run_training(
         precision=precision.value,
         device=str(device),
         seconds_per_step=s_per_step,
-        flops_per_step=flops_per_step,
-        achieved_flops=flops_per_step / s_per_step if timed else float("nan"),
+        flops_per_step=flops_per_token * tokens,
+        achieved_flops=flops_per_token * tokens / s_per_step if timed else float("nan"),
     )
     metrics.write(event="summary", **asdict(summary))
     return summary
