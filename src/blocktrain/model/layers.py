@@ -25,18 +25,6 @@ def _causal_bias(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return torch.full((t, t), float("-inf"), device=device).triu(1).to(dtype)
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "explicit")
-_attention_backend = "auto"
-
-
-def set_attention_backend(name: str) -> None:
-    """``auto`` (explicit for bf16 on CPU, SDPA elsewhere), or force ``sdpa`` / ``explicit`` (for measurements)."""
-    global _attention_backend
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    _attention_backend = name
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(d_h) + M) v with the causal mask M (Vaswani et al. 2017, Eq. 1); q, k, v (b, h, t, d_h).
 
@@ -45,9 +33,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     CPU flash-attention kernel at T=256, d_h=64 (``benchmarks/speed_ablation.py``).
     Everywhere else (fp32, CUDA) SDPA picks its fused kernel.
     """
-    auto = q.device.type == "cpu" and q.dtype == torch.bfloat16
     square = q.shape[-2] == k.shape[-2]
-    if square and (_attention_backend == "explicit" or (_attention_backend == "auto" and auto)):
+    if square and q.device.type == "cpu" and q.dtype == torch.bfloat16:
         t = q.shape[-2]
         s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + _causal_bias(t, q.dtype, q.device)  # (b, h, t, t)
         return torch.matmul(torch.softmax(s, dim=-1), v)
