@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
+from blocktrain.bench.serve_pipeline import Placement
 from blocktrain.errors import ServeError
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def netns_available() -> bool:
 
 
 @dataclass
-class Topology:
+class Topology(Placement):
     """A ring of three namespaces; ``stage_addr[i]`` is how stage i-1 reaches stage i."""
 
     delay_ms: float
@@ -108,7 +109,7 @@ class Topology:
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.names[i]]
 
-    # The rest of the Placement interface (blocktrain.bench.serve_pipeline).
+    # The rest of Placement's methods (blocktrain.bench.serve_pipeline), for the ring.
     @property
     def network_delays(self) -> bool:
         return self.netem

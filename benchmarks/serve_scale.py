@@ -29,7 +29,7 @@ from netns import Topology, netns_available
 
 from blocktrain.bench.machine import machine_info
 from blocktrain.bench.serve_options import ServeBenchOptions
-from blocktrain.bench.serve_pipeline import Loopback, Pipeline, Placement, split_blocks, split_layers
+from blocktrain.bench.serve_pipeline import Pipeline, Placement, split_blocks, split_layers
 from blocktrain.cli.fields import Flags
 from blocktrain.errors import BlockTrainError, ConfigError
 from blocktrain.model.block import BlockDenoiser
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = FLAGS.build(args)
         topo = Topology(opts.hop_delay_ms).setup() if args.netns else None
-        placement: Placement = topo or Loopback()
+        placement = topo or Placement()
         try:
             with tempfile.TemporaryDirectory(prefix="bt-serve-scale-") as tmp:
                 pipe = Pipeline(placement, opts.hop_delay_ms, opts.base_port, Path(tmp))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.bench.serve_pipeline import Loopback, Placement
+from blocktrain.bench.serve_pipeline import Placement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_netns
@@ -20,10 +20,10 @@ from netns import Topology, netns_available
 
 def test_both_placements_give_what_the_pipeline_needs() -> None:
     topo = Topology(delay_ms=25, names=["ns0", "ns1", "ns2"], stage_host=["", "10.231.1.2", "10.231.2.2"], netem=True)
-    placements: list[Placement] = [Loopback(), topo]
+    placements = [Placement(), topo]
     for p in placements:
         assert {"namespaces", "delay", "client"} <= set(p.describe())
-    assert Loopback().exec_prefix(1) == [] and not Loopback().network_delays
+    assert Placement().exec_prefix(1) == [] and not Placement().network_delays
     assert topo.exec_prefix(1) == ["ip", "netns", "exec", "ns1"] and topo.network_delays
     assert (topo.next_host(1), topo.client_host(0), topo.listen_host(2)) == ("10.231.1.2", "127.0.0.1", "0.0.0.0")
 

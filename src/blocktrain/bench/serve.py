@@ -32,7 +32,7 @@ import torch
 
 from blocktrain.bench.machine import machine_info
 from blocktrain.bench.serve_options import ServeBenchOptions
-from blocktrain.bench.serve_pipeline import Loopback, Pipeline, Placement, split_blocks, split_layers
+from blocktrain.bench.serve_pipeline import Pipeline, Placement, split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction, traversal_compute_s
 from blocktrain.bench.serve_report import render_markdown, summarise
 from blocktrain.bench.serve_spec import run_spec, spec_task
@@ -103,7 +103,7 @@ def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None,
     if not run.has_blocks(cfg.model.n_blocks) or not run.has_e2e():
         raise BlockTrainError(f"{run.root} needs all {cfg.model.n_blocks} blocks and the E2E model; "
                               "train them with 'blocktrain bench quality'")
-    placement = placement or Loopback()
+    placement = placement or Placement()
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bt-serve-bench-") as tmp:
         pipe = Pipeline(placement, opts.hop_delay_ms, opts.base_port, Path(tmp))

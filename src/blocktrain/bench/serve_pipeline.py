@@ -1,8 +1,8 @@
 """The stage processes of ``blocktrain bench serve``: three ``blocktrain serve`` processes and the bench client.
 
-Where the stages run is a :class:`Placement`: :class:`Loopback` here (the per-hop
-delay injected by the stages), or a ring of network namespaces in the benchmark
-harness (``benchmarks/netns.py``). The client (:mod:`blocktrain.bench.serve_client`)
+Where the stages run is a :class:`Placement`: loopback here (the per-hop delay
+injected by the stages), or a ring of network namespaces in the benchmark harness
+(``benchmarks/netns.py``). The client (:mod:`blocktrain.bench.serve_client`)
 runs beside stage 0.
 """
 
@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from blocktrain.errors import ServeError
 
@@ -37,53 +37,36 @@ def split_blocks(n_blocks: int, n_stages: int = 3) -> list[tuple[int, int]]:
     return split_layers(n_blocks, n_stages)
 
 
-class Placement(Protocol):
-    """Where stage i (and the client, beside stage 0) runs, and how the others reach it."""
+class Placement:
+    """Where stage i (and the client, beside stage 0) runs, and how the others reach it.
+
+    This one places every stage on 127.0.0.1, the stages injecting the per-hop delay on their forward link; the
+    benchmark harness's ring of network namespaces (``benchmarks/netns.py``) overrides it.
+    """
 
     @property
     def network_delays(self) -> bool:
         """True when the network itself delays each hop (the stages then inject no delay)."""
-        ...
+        return False
 
     def exec_prefix(self, i: int) -> list[str]:
         """Command prefix that runs a process where stage i runs (the client uses stage 0's)."""
-        ...
-
-    def listen_host(self, i: int) -> str:
-        """Host stage i listens on."""
-        ...
-
-    def next_host(self, i: int) -> str:
-        """Address stage i-1 uses for stage i."""
-        ...
-
-    def client_host(self, i: int) -> str:
-        """Address the client uses for stage i."""
-        ...
-
-    def describe(self) -> dict[str, Any]:
-        """The ``network`` entry of the result: ``namespaces``, ``delay`` and ``client``."""
-        ...
-
-
-class Loopback:
-    """Every stage on 127.0.0.1; the stages inject the per-hop delay on their forward link."""
-
-    network_delays = False
-
-    def exec_prefix(self, i: int) -> list[str]:
         return []
 
     def listen_host(self, i: int) -> str:
+        """Host stage i listens on."""
         return "127.0.0.1"
 
     def next_host(self, i: int) -> str:
+        """Address stage i-1 uses for stage i."""
         return "127.0.0.1"
 
     def client_host(self, i: int) -> str:
+        """Address the client uses for stage i."""
         return "127.0.0.1"
 
     def describe(self) -> dict[str, Any]:
+        """The ``network`` entry of the result: ``namespaces``, ``delay`` and ``client``."""
         return {"namespaces": False, "delay": "injected on each stage's forward link",
                 "client": "in stage 0's namespace, over its loopback (no delay)"}
 
