@@ -21,6 +21,7 @@ with ``--merge``.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from pathlib import Path
@@ -29,9 +30,38 @@ from typing import Any
 import torch
 
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
-from blocktrain.coordinator.simulate import LocalRounds, Poison, run_local_rounds
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import delta_norm
+
+RANDOM_SCALE = 100.0  # ||poison|| / ||honest Delta|| of a scaled random update
+
+
+class Poison(enum.Enum):
+    """What the hostile replica does instead of training honestly (a ``simulate.Hostile``)."""
+
+    SCALED_RANDOM = "scaled_random"  # Gaussian noise with 100x the honest update's norm
+    SIGN_FLIP = "sign_flip"  # -Delta: undoes its own training
+    SHUFFLED_LABELS = "shuffled_labels"  # trained honestly, on targets shuffled within each batch
+
+    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The targets it trains on: shuffled across the batch for shuffled labels, else the true ones."""
+        if self is not Poison.SHUFFLED_LABELS:
+            return y
+        perm = torch.randperm(y.numel(), generator=generator)
+        return y.reshape(-1)[perm].reshape(y.shape)  # (b*t,) -> (b, t)
+
+    def delta(self, delta: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The update it pushes in place of ``delta`` (shuffled labels poison the data instead)."""
+        if self is Poison.SIGN_FLIP:
+            return {n: -d for n, d in delta.items()}
+        if self is Poison.SCALED_RANDOM:
+            noise = {n: torch.randn(d.shape, generator=generator) for n, d in delta.items()}
+            scale = RANDOM_SCALE * delta_norm(delta) / max(delta_norm(noise), 1e-30)
+            return {n: scale * z for n, z in noise.items()}
+        return delta
+
 
 KINDS = ["honest", *(p.value for p in Poison)]
 
@@ -40,13 +70,14 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = get_preset(args.preset)
     settings = CoordinatorSettings(outer=OuterOptimizer(args.outer), outer_lr=args.outer_lr,
                                    outer_momentum=args.outer_momentum, gate_tolerance=args.gate_tolerance)
-    opts = LocalRounds(workers=6, local_steps=args.h, steps=args.steps,
-                       poison=None if kind == "honest" else Poison(kind))
+    opts = LocalRounds(workers=6, local_steps=args.h, steps=args.steps)
     data = resolve_data_dir(args.data)
-    run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress)
+    run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress,
+                           hostile=None if kind == "honest" else Poison(kind))
     ce = run.test_ce(cfg, data, args.eval_bytes)
-    bad = [u for u in run.updates if u.poisoned]
-    good = [u for u in run.updates if not u.poisoned]
+    hostile = opts.workers - 1 if kind != "honest" else -1  # the replica that pushed the poisoned updates
+    bad = [u for u in run.updates if u.replica == hostile]
+    good = [u for u in run.updates if u.replica != hostile]
     caught: dict[str, int] = {}
     for u in bad:
         if u.outcome != "accepted":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,11 +10,14 @@ import torch
 
 from blocktrain.coordinator.aggregate import OuterState, next_version
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
-from blocktrain.coordinator.simulate import LocalRounds, Poison, poison_delta, run_local_rounds
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import DataDir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
 from tests.distributed_utils import corpus, make_coordinator  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from hostile_peers import Poison
 
 
 def _t(*values: float) -> torch.Tensor:
@@ -119,9 +123,9 @@ def test_the_objective_chooses_the_default_outer_step(tmp_path: Path) -> None:
 def test_poison_kinds() -> None:
     g = torch.Generator().manual_seed(0)
     d = {"w": _t(3.0, 4.0)}
-    assert torch.equal(poison_delta(Poison.SIGN_FLIP, d, g)["w"], _t(-3.0, -4.0))
-    assert abs(delta_norm(poison_delta(Poison.SCALED_RANDOM, d, g)) - 500.0) < 1e-3
-    assert poison_delta(Poison.SHUFFLED_LABELS, d, g) is d  # poisons the data, not the delta
+    assert torch.equal(Poison.SIGN_FLIP.delta(d, g)["w"], _t(-3.0, -4.0))
+    assert abs(delta_norm(Poison.SCALED_RANDOM.delta(d, g)) - 500.0) < 1e-3
+    assert Poison.SHUFFLED_LABELS.delta(d, g) is d  # poisons the data, not the delta
 
 
 @pytest.mark.parametrize("kind", list(Poison))
@@ -133,9 +137,9 @@ def test_a_poisoned_update_of_each_kind_is_refused_with_a_reason(kind: Poison, c
     learnt yet: such updates pass the gate with an honest norm, so the norm bound limits what they do.
     """
     s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, gate_tolerance=0.0, norm_min_history=2)
-    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=5, steps=20, poison=kind), corpus)
-    honest = [u for u in run.updates if not u.poisoned]
-    bad = [u for u in run.updates if u.poisoned]
+    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=5, steps=20), corpus, hostile=kind)
+    honest = [u for u in run.updates if u.replica != 2]
+    bad = [u for u in run.updates if u.replica == 2]
     assert len(bad) == 4 and len(honest) == 8
     assert all(u.outcome == "accepted" for u in honest), [u.outcome for u in honest]
     want = {"gate"} if kind is not Poison.SCALED_RANDOM else {"gate", "norm"}
@@ -156,7 +160,7 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     honest = [{n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()} for _ in range(2)]
     for name, d in zip(("a", "b"), honest, strict=True):
         c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, samples=4))
-    bad = poison_delta(Poison.SCALED_RANDOM, honest[0], g)
+    bad = Poison.SCALED_RANDOM.delta(honest[0], g)
     with pytest.raises(ProtocolError) as exc:
         c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, samples=4))
     assert exc.value.reason == "norm"

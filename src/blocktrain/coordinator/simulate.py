@@ -22,12 +22,12 @@ distributed run with this reference.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
-from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.train.loop import train_steps
@@ -54,26 +54,12 @@ from blocktrain.train.step import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
 
-class Poison(enum.Enum):
-    """What a hostile replica pushes instead of its honest update (the hostile-peer study, issue 19)."""
+class Hostile(Protocol):
+    """A hostile last replica (``benchmarks/hostile_peers.py``): the targets it trains on, the update it pushes."""
 
-    SCALED_RANDOM = "scaled_random"  # Gaussian noise with 100x the honest update's norm
-    SIGN_FLIP = "sign_flip"  # -Delta: undoes its own training
-    SHUFFLED_LABELS = "shuffled_labels"  # trained honestly, on targets shuffled within each batch
+    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
 
-
-RANDOM_SCALE = 100.0  # ||poison|| / ||honest Delta|| of a scaled random update
-
-
-def poison_delta(kind: Poison, delta: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The update a hostile replica pushes in place of ``delta`` (shuffled labels poison the data instead)."""
-    if kind is Poison.SIGN_FLIP:
-        return {n: -d for n, d in delta.items()}
-    if kind is Poison.SCALED_RANDOM:
-        noise = {n: torch.randn(d.shape, generator=generator) for n, d in delta.items()}
-        scale = RANDOM_SCALE * delta_norm(delta) / max(delta_norm(noise), 1e-30)
-        return {n: scale * z for n, z in noise.items()}
-    return delta
+    def delta(self, delta: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +69,6 @@ class LocalRounds:
     steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
     compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
     batch_size: int = 0  # sequences per inner step (0: the run config's)
-    poison: Poison | None = None  # the last replica is hostile and pushes this (None: every replica is honest)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
@@ -101,7 +86,6 @@ class UpdateRecord:
     replica: int  # index of the replica that pushed it
     round: int  # the version it was against
     norm: float  # ||Delta|| as the coordinator decoded it
-    poisoned: bool  # pushed by the hostile replica
     outcome: str  # "accepted", or the rejection reason ("norm", "gate", ...)
     gate: tuple[float, float] | None = None  # held-out loss (before, after) when the gate ran
 
@@ -147,8 +131,12 @@ def run_local_rounds(
     k: int = 0,
     frozen: Sequence[nn.Module] = (),
     progress: bool = False,
+    hostile: Hostile | None = None,
 ) -> LocalRun:
-    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring."""
+    """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring.
+
+    With ``hostile``, the last replica trains on its targets and pushes its update instead of the honest one.
+    """
     objective = get_objective(cfg)
     settings = settings.for_objective(objective.outer_step())
     if len(frozen) != objective.frozen_inputs(k):
@@ -180,16 +168,13 @@ def run_local_rounds(
             block.train()
             stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
                                  stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
-            hostile = opts.poison is not None and i == opts.workers - 1
-
-            shuffle = hostile and opts.poison is Poison.SHUFFLED_LABELS
+            bad = hostile if i == opts.workers - 1 else None
 
             def loss_at(j: int, block: nn.Module = block, stream: TrainStream = stream,
-                        shuffle: bool = shuffle) -> tuple[torch.Tensor, dict[str, float]]:
+                        bad: Hostile | None = bad) -> tuple[torch.Tensor, dict[str, float]]:
                 x, y = stream.batch(j)
-                if shuffle:
-                    perm = torch.randperm(y.numel(), generator=stream.generator(j, purpose=2))
-                    y = y.reshape(-1)[perm].reshape(y.shape)  # (b*t,) -> (b, t): targets shuffled across the batch
+                if bad is not None:
+                    y = bad.targets(y, stream.generator(j, purpose=2))
                 return objective.block_loss(block, k, x, y, stream.generator(j, purpose=1), frozen).loss, {}
 
             def lr(j: int, offset: int = v * opts.local_steps) -> float:  # the block's position: its rounds x H
@@ -197,8 +182,9 @@ def run_local_rounds(
 
             train_steps(block, opt, loss_at, range(opts.local_steps), lr=lr, grad_clip=tc.grad_clip, precision=precision)
             local = trainable_state(block)
-            honest = {n: local[n] - W[n] for n in W}
-            delta = poison_delta(opts.poison, honest, stream.generator(0, purpose=3)) if hostile and opts.poison else honest
+            delta = {n: local[n] - W[n] for n in W}
+            if bad is not None:
+                delta = bad.delta(delta, stream.generator(0, purpose=3))
             body = pack_delta(delta, opts.compression, block=k, base_version=v,
                               samples=opts.local_steps * tc.batch_size, feedback=feedback[i])
             run.raw_push_bytes.append(len(body))
@@ -210,9 +196,9 @@ def run_local_rounds(
                     gate = check_gate(evaluator, k, W, parsed.delta, frozen_weights, settings.gate_tolerance or 0.0)
                 check_norm(k, parsed.norm, norms, settings)
             except ProtocolError as exc:
-                run.updates.append(UpdateRecord(i, v, parsed.norm, hostile, exc.reason or "refused"))
+                run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused"))
                 continue
-            run.updates.append(UpdateRecord(i, v, parsed.norm, hostile, "accepted", gate))
+            run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", gate))
             norms.append(parsed.norm)
             deltas.append(parsed.delta)
             samples.append(parsed.samples)
