@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ hivemind = pytest.importorskip("hivemind")
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack  # noqa: E402
+from blocktrain.config import Precision  # noqa: E402
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer  # noqa: E402
 from blocktrain.data.dataset import DataDir  # noqa: E402
 from blocktrain.errors import ProtocolError  # noqa: E402
@@ -190,6 +192,12 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
         got = wait_for(lambda: members[1].pull(0, 6, sha, timeout=5.0), 30, "a peer's pull")
         assert all(torch.equal(got[n], weights[n]) for n in weights)
         assert members[2].pull(0, 6, "0" * 64, timeout=5.0) is None and members[2].pull(0, 7, sha, timeout=5.0) is None
+        # readiness: a round's group waits until every peer holding its version (here members[0]) has trained
+        assert not members[1].all_ready(0, 6)
+        members[0].mark_ready(0, 6)
+        wait_for(lambda: members[1].all_ready(0, 6) or None, 30, "members[0]'s readiness")
+        members[0].mark_ready(0, 7)  # a later round replaces it
+        wait_for(lambda: not members[1].all_ready(0, 6) or None, 30, "the mark for the next round")
     finally:
         for a in [*members, *stranger]:
             a.close()
@@ -226,7 +234,9 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
                 p.wait(timeout=60)
     weights = unpack((run / "coordinator" / "blobs" / f"{_latest_weights(run)}.safetensors").read_bytes())[0]
     knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE}
-    ref = run_local_rounds(get_preset("tiny"), CoordinatorSettings(**knobs),
+    tiny = get_preset("tiny")  # the workers ran with --precision fp32: so does the reference, on any CPU
+    tiny = replace(tiny, train=replace(tiny.train, precision=Precision.FP32))
+    ref = run_local_rounds(tiny, CoordinatorSettings(**knobs),
                            LocalRounds(workers=3, local_steps=3, steps=6, compression=Compression.NONE), corpus)
     for n, w in ref.weights.items():
         torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-6, msg=n)

@@ -214,6 +214,7 @@ class Coordinator(BlockRounds):
                 "seed": self.cfg.train.seed,
                 "stream": stream,
                 "submitted": submitted,
+                "served": self.served(k),  # downloads of this version so far (hivemind workers then ask peers)
                 "finished": block_state is BlockState.FINISHED,  # this worker's block has no more rounds
             }
 

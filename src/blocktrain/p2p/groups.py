@@ -3,7 +3,8 @@
 A worker joins the run's DHT once (:func:`join_dht`, authorised by the coordinator's token) and keeps one
 hivemind averager per block it trains (a background process: hivemind's averagers are made to live long,
 and one made and shut down every round leaves its in-flight DHT requests failing in the DHT process). Each
-round, :meth:`GroupAverager.average` looks for peers under the block's key
+round, the workers of block k wait until every peer holding version v has trained (:meth:`GroupAverager.all_ready`),
+then :meth:`GroupAverager.average` looks for peers under the block's key
 (:func:`blocktrain.protocol.group.group_prefix`), all-reduces its delta with them weighted by samples
 (hivemind's butterfly all-reduce: each peer sends and receives about twice the tensor, whatever the group
 size), and all-gathers every member's card and samples. A card is bound to the run, the block and the
@@ -25,12 +26,15 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.utils.timed_storage import get_dht_time
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256
 from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey
 from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 
 log = logging.getLogger(__name__)
+
+READY_TTL_S = 600.0  # seconds a worker's 'ready for round v' stays in the DHT
 
 
 def start_quietly(process: Any) -> None:
@@ -169,14 +173,34 @@ class GroupAverager:
         return weights
 
     def newest_shared(self, k: int) -> float:
-        """The newest version of block k a peer offers (hivemind's averagers declare their state-sharing priority,
-        here the version, under ``PREFIX.all_averagers``); -1 when none does."""
-        found = self.dht.get(f"{group_prefix(self.run, k)}.all_averagers", latest=True)
-        offers = found.value if found is not None and isinstance(found.value, dict) else {}
-        me = self.dht.peer_id.to_bytes()  # subkeys are peer ids as bytes
-        versions = [float(o.value) for peer, o in offers.items() if peer != me and
-                    isinstance(getattr(o, "value", None), int | float)]
-        return max(versions, default=-1.0)
+        """The newest version of block k a peer offers; -1 when none does."""
+        me = self.dht.peer_id.to_bytes()
+        return max((v for peer, v in self._versions(f"{group_prefix(self.run, k)}.all_averagers").items()
+                    if peer != me), default=-1.0)
+
+    def mark_ready(self, k: int, v: int) -> None:
+        """Say that this worker has trained block k's round v and is about to look for its group."""
+        self.dht.store(f"{group_prefix(self.run, k)}.ready", subkey=self.dht.peer_id.to_bytes(), value=v,
+                       expiration_time=get_dht_time() + READY_TTL_S)
+
+    def all_ready(self, k: int, v: int) -> bool:
+        """Whether every peer that holds block k at version v has said it is ready (:meth:`mark_ready`).
+
+        A group forms from the peers that look for it within one matchmaking window; a worker that starts
+        looking later finds the group gone and forms another, so the workers of a round wait for one another
+        first (hivemind's own optimizer waits on its progress tracker likewise)."""
+        prefix = group_prefix(self.run, k)
+        holding = {peer for peer, at in self._versions(f"{prefix}.all_averagers").items() if at == v}
+        ready = {peer for peer, at in self._versions(f"{prefix}.ready").items() if at == v}
+        return holding <= ready | {self.dht.peer_id.to_bytes()}
+
+    def _versions(self, key: str) -> dict[bytes, float]:
+        """Peer id (bytes) -> the number each peer stored under ``key``'s subkeys (hivemind's averagers declare
+        their state-sharing priority, here the version they share, under ``PREFIX.all_averagers``)."""
+        found = self.dht.get(key, latest=True)
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        return {peer: float(e.value) for peer, e in entries.items()
+                if isinstance(peer, bytes) and isinstance(getattr(e, "value", None), int | float)}
 
     def _averager_for(self, k: int, like: list[torch.Tensor]) -> DecentralizedAverager:
         """The long-lived averager of block k (one per block: hivemind's averager is a process, made once)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -124,7 +123,6 @@ class Worker:
         self.steps_done = 0  # local steps of the current round
         self.groups: Any = None  # the hivemind engine's GroupAverager, once registered (blocktrain.p2p.groups)
         self._grouped_version = -1  # the version whose delta went into a group mean that another member uploads
-        self._sent_last = False  # this worker sent the last round's update itself (alone, or its group's mean)
         self._deadline_at = float("inf")  # time.monotonic() of the current round's deadline
         self._p2p_key: Any = None  # this worker's RSA key on hivemind
 
@@ -192,10 +190,10 @@ class Worker:
     def _sync(self, work: dict[str, Any]) -> None:
         v, sha = int(work["version"]), str(work["weights_sha"])
         if self.groups is not None:  # a peer that has version v first (hivemind engine)
-            # the worker that sent the last update fetches at once (from the coordinator, if no peer has it);
-            # the others wait for a peer to offer it; at the first sync nobody has sent anything: a random moment
+            # the first worker to ask fetches at once (from the coordinator, if no peer has it); once the
+            # coordinator has served version v to someone, the others wait for a peer to offer it
             m = self.opts.matchmaking_s
-            wait = 0.0 if self._sent_last else m if self.base is not None else random.uniform(0.0, m)
+            wait = 3.0 * m if int(work.get("served", 0)) > 0 else 0.0
             pulled = self.groups.pull(self.k, v, sha, timeout=m, wait_s=wait)
             if pulled is not None:
                 self.summary.peer_pulls += 1
@@ -274,6 +272,29 @@ class Worker:
             bar.close()
         return not round_hook.abandoned
 
+    def _await_peers(self) -> None:
+        """Wait (heartbeating) until the block's other workers at this version have trained too, so that the
+        round's group forms at once; at the latest when training would have had to stop (hivemind engine)."""
+        self.groups.mark_ready(self.k, self.base_version)
+        give_up = min(self._deadline_at - self._push_margin() - self._group_budget(), time.monotonic() + self.lease_s)
+        while (time.monotonic() < give_up and not self.abandon.is_set()
+               and not self.groups.all_ready(self.k, self.base_version)):
+            self._beat()
+            self.abandon.wait(0.25)
+
+    def _await_next(self, v: int) -> None:
+        """Wait before asking the coordinator for work again.
+
+        A worker whose delta went into a group mean that another member sent watches the DHT for a peer that
+        offers the next version instead of polling the coordinator (polls from every waiting member would grow
+        the coordinator's traffic with the number of workers); it still asks at least every few seconds."""
+        if self.groups is None or self._grouped_version != v:
+            self.abandon.wait(self.opts.poll_s)
+            return
+        give_up = time.monotonic() + max(self.opts.poll_s, min(self.lease_s / 3, 3.0 * self.opts.matchmaking_s))
+        while time.monotonic() < give_up and not self.abandon.is_set() and self.groups.newest_shared(self.k) <= v:
+            self.abandon.wait(self.opts.poll_s)
+
     def _group_budget(self) -> float:
         """Seconds kept before the push for the group all-reduce (hivemind engine): matchmaking and the exchange."""
         return 3.0 * self.opts.matchmaking_s if self.groups is not None else 0.0
@@ -302,11 +323,11 @@ class Worker:
         samples = self.steps_done * self.cfg.train.batch_size
         group = None
         if self.groups is not None:
+            self._await_peers()
             budget = min(self._group_budget(), self._deadline_at - time.monotonic() - self._push_margin())
             group = self.groups.average(delta, samples, self.k, self.base_version, budget)
             if group is not None and not group.uploader:
                 self._grouped_version = self.base_version
-                self._sent_last = False
                 self.summary.rounds_grouped += 1
                 log.info("block %d v%d: averaged in a group of %d; its uploader sends the mean", self.k,
                          self.base_version, len(group.members))
@@ -321,7 +342,6 @@ class Worker:
             self.client.push(self.k, payload)
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
             self.summary.rounds_pushed += 1
-            self._sent_last = True
             self.summary.groups_uploaded += group is not None
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
                      self.k, len(payload), self.base_version, self.summary.local_steps)
@@ -369,7 +389,7 @@ class Worker:
                     log.info("%s", work.get("message") or f"block {self.k} is waiting for earlier blocks to finish")
                 waiting = work.get("block_state") == "waiting"
                 if work["round_state"] != "open" or work["submitted"] or self._grouped_version == int(work["version"]):
-                    self.abandon.wait(self.opts.poll_s)
+                    self._await_next(int(work["version"]))
                     continue
                 if not self._train_round(work):
                     break
