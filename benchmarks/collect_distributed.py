@@ -110,9 +110,23 @@ def three_hosts(args: argparse.Namespace) -> dict[str, Any]:
         "updates_accepted": status["updates_accepted"],
         "rejections": status["rejections"],
         "traffic": traffic(out, status),
+        **_host_bytes(out),
         "wall_s": float((out / "wall_s").read_text()),
         "command": args.command,
     }
+
+
+def _host_bytes(out: Path) -> dict[str, Any]:
+    """Each host's veth end, rx + tx over the workers' run: all its traffic (HTTP to the coordinator and
+    peer-to-peer), TCP/IP headers included, split evenly between the host's workers."""
+    path = out / "host-bytes.json"
+    if not path.exists():
+        return {}
+    b = _load(path)
+    hosts = [(a["rx"] - s["rx"]) + (a["tx"] - s["tx"]) for s, a in zip(b["before"], b["after"], strict=True)]
+    return {"host_link_bytes": hosts, "link_bytes_per_worker": sum(hosts) / (len(hosts) * b["workers_per_host"]),
+            "link_bytes_note": "rx+tx of each host's veth end during the workers' run (headers included), "
+                               "per worker = all hosts / workers"}
 
 
 def main() -> None:

@@ -8,6 +8,10 @@
 # egress when the kernel has it; otherwise (CONFIG_NET_SCH_NETEM unset, as on the machine the
 # committed results come from) a userspace relay in bt-coord (benchmarks/delay_relay.py) adds
 # RTT_MS/2 in each direction. Writes benchmarks/results/three-hosts.json.
+# HIVEMIND=1: the coordinator hosts the run's DHT (--hivemind) and the workers average on hivemind
+# (--averaging hivemind); host1 and host2 reach each other through bt-coord (routed, both veths capped, but
+# the userspace relay delays only the coordinator's HTTP: without netem, peer-to-peer traffic gets no latency).
+# Every run records the bytes each host's veth end moved (all its traffic, headers included) in host-bytes.json.
 #
 #   flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh          # set up, run, tear down
 #   scripts/netns_three_hosts.sh up | down                               # only set up / tear down
@@ -26,6 +30,8 @@ ROUNDS=${ROUNDS:-12}
 RTT_MS=${RTT_MS:-40}
 RATE_MBIT=${RATE_MBIT:-50}
 DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
+HIVEMIND=${HIVEMIND:-0}
+[ "$HIVEMIND" = 1 ] && SUFFIX="$SUFFIX-hivemind"
 OUT=${OUT:-runs/exp-three-hosts$SUFFIX}
 NS_C=bt-coord; NS_1=bt-host1; NS_2=bt-host2
 PY=$(pwd)/.venv/bin/python
@@ -47,7 +53,9 @@ up() {
     ip -n "$ns" addr add "10.77.$i.2/24" dev "bt-h$i"
     ip -n $NS_C link set "bt-c$i" up
     ip -n "$ns" link set "bt-h$i" up
+    ip -n "$ns" route add default via "10.77.$i.1"  # the other host is reached through bt-coord
   done
+  ip netns exec $NS_C sysctl -q -w net.ipv4.ip_forward=1
   NETEM=0
   if ip netns exec $NS_C tc qdisc add dev bt-c1 root netem delay 1ms 2> /dev/null; then
     ip netns exec $NS_C tc qdisc del dev bt-c1 root; NETEM=1
@@ -81,28 +89,38 @@ run() {
   fi
   ip netns exec $NS_C env OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/run" --preset "$PRESET" --objective "$OBJECTIVE" \
     --steps $((ROUNDS * H)) --data "$DATA" --host $LISTEN --port $CPORT --rounds "$ROUNDS" --round-seconds 300 \
-    --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 2> "$OUT/logs/coordinator.log" &
+    --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 \
+    $([ "$HIVEMIND" = 1 ] && echo "--hivemind --hivemind-host 0.0.0.0") 2> "$OUT/logs/coordinator.log" &
   until ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > /dev/null; do sleep 0.5; done
   RTT=$(ip netns exec $NS_1 "$PY" benchmarks/measure_rtt.py "http://10.77.1.1:8470/" --n 30)
   echo "{\"rtt_ms\": $(echo "$RTT" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["rtt_ms_median"])'),
     \"rtt_note\": \"median of 30 small HTTP GETs from bt-host1 to the coordinator over a kept-alive connection\",
     \"rate_mbit\": $RATE_MBIT, \"latency_emulation\": \"$EMUL\"}" > "$OUT/net.json"
+  host_bytes() {  # rx+tx bytes of each host's veth end
+    for i in 1 2; do ip -n "bt-host$i" -j -s link show "bt-h$i"; done | "$PY" -c '
+import json, sys
+rows = [json.loads(line)[0]["stats64"] for line in sys.stdin if line.strip()]
+print(json.dumps([{"rx": r["rx"]["bytes"], "tx": r["tx"]["bytes"]} for r in rows]))'
+  }
+  BYTES0=$(host_bytes)
   t0=$(date +%s)
   PIDS=()
   for i in 0 1 2 3; do
     h=$(( i % 2 + 1 ))
     ip netns exec "bt-host$h" env OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN="$(cat "$OUT/w$i.token")" $BT worker \
       --coordinator "http://10.77.$h.1:8470" --local-steps "$H" --data "$DATA" --threads 1 --no-progress \
-      --frozen-cache "$OUT/frozen-cache-host$h" --summary-json "$OUT/w$i.summary.json" 2> "$OUT/logs/w$i.log" &
+      --frozen-cache "$OUT/frozen-cache-host$h" --summary-json "$OUT/w$i.summary.json" \
+      $([ "$HIVEMIND" = 1 ] && echo "--averaging hivemind --p2p-host 10.77.$h.2") 2> "$OUT/logs/w$i.log" &
     PIDS+=($!)
   done
   for p in "${PIDS[@]}"; do wait "$p"; done
   echo $(( $(date +%s) - t0 )) > "$OUT/wall_s"
+  echo "{\"before\": $BYTES0, \"after\": $(host_bytes), \"workers_per_host\": 2}" > "$OUT/host-bytes.json"
   sleep 3
   ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > "$OUT/status.json"
   "$PY" benchmarks/collect_distributed.py three-hosts "$OUT" --preset "$PRESET" --h "$H" --rounds "$ROUNDS" \
     --objective "$OBJECTIVE" --out "${RESULT:-benchmarks/results/three-hosts$SUFFIX.json}" \
-    --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
+    --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT HIVEMIND=$HIVEMIND flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
 }
 
 case "${1:-run}" in
