@@ -220,28 +220,28 @@ def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
     status, _ = api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=0, samples=3))
     assert status == 202 and api.c.version[2] == 1
 
-    def served() -> int:  # downloads of the current version, in the work answer (hivemind workers then ask peers)
-        return int(api.client.get("/v1/work", headers=api.h("a")).json()["served"])
+    def first() -> bool:  # the first to ask about this version (a hivemind worker then fetches it)
+        return bool(api.client.get("/v1/work", headers=api.h("a")).json()["fetch_first"])
 
-    assert served() == 0
-    r = api.client.get("/v1/blocks/2/weights", headers=api.h("a"))
-    assert served() == 1
+    r = api.client.get("/v1/blocks/2/weights", headers=api.h("a"))  # fetched before anyone asked
+    assert not first()
     assert r.status_code == 200 and r.headers["X-Block-Version"] == "1"
     w, meta = unpack(r.content)
     assert meta["version"] == "1" and set(w) == set(api.c.shapes)
     step, step_meta = unpack(api.client.get("/v1/blocks/2/steps/0", headers=api.h("a")).content)
-    assert served() == 2  # the step to the current version counts too
     # the published step is int8 with one scale per tensor, and says so
     assert step_meta["compression"] == "int8"
     assert {n: t.dtype for n, t in step.items()} == {n: s.dtype for n, s in wire_schema(api.c.shapes, Compression.INT8).items()}
     # a worker applying the decoded step lands on the published weights bit for bit
     assert all(torch.equal(v, w[n]) for n, v in apply_step(w0, decode_delta(step, Compression.INT8)).items())
     assert api.client.get("/v1/blocks/2/steps/5", headers=api.h("a")).status_code == 404
-    assert served() == 2
     api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=1, samples=3))
-    assert api.c.version[2] == 2 and served() == 0  # a new version starts from none
+    assert api.c.version[2] == 2
     api.client.get("/v1/blocks/2/steps/0", headers=api.h("a"))  # an older step is not the current version
-    assert served() == 0
+    assert first() and not first()  # a new version: the first to ask, then the others
+    api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=2, samples=3))
+    api.client.get("/v1/blocks/2/steps/2", headers=api.h("a"))  # the step to the current version counts
+    assert not first()
     assert api.client.get("/v1/blocks/7/weights", headers=api.h("a")).status_code == 404
 
 

@@ -101,7 +101,7 @@ class BlockRounds:
         self.norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in range(self.n_blocks)}
         self.state: dict[int, BlockState] = {}
         self._frozen_payload: dict[int, bytes] = {}  # finished block -> its frozen download (built once)
-        self._served: dict[int, tuple[str, int]] = {}  # block -> (weights sha256, downloads of those weights or the step to them)
+        self._served: dict[int, str] = {}  # block -> sha256 of the last weights someone fetched or was told to fetch
         with self.lock:
             self._init_or_resume()
 
@@ -216,18 +216,15 @@ class BlockRounds:
     def weights_bytes(self, k: int) -> tuple[int, bytes]:
         self._check_block(k)
         with self.lock:
-            self._count_served(k)
+            self._served[k] = self.weights_sha[k]
             return self.version[k], self.weights_payload[k]
 
-    def _count_served(self, k: int) -> None:
-        sha, n = self._served.get(k, ("", 0))
-        self._served[k] = (self.weights_sha[k], n + 1 if sha == self.weights_sha[k] else 1)
-
-    def served(self, k: int) -> int:
-        """How many times block k's current version was downloaded (its weights, or the step to it): a hivemind
-        worker that is not the first waits for a peer that has it instead (issue 23)."""
-        sha, n = self._served.get(k, ("", 0))
-        return n if sha == self.weights_sha[k] else 0
+    def take_first_fetch(self, k: int) -> bool:
+        """Whether the asking worker is the first to learn of block k's current version (nobody fetched it or was
+        told to): it fetches from the coordinator at once, and later hivemind workers wait for a peer (issue 23)."""
+        first = self._served.get(k) != self.weights_sha[k]
+        self._served[k] = self.weights_sha[k]
+        return first
 
     def step_bytes(self, k: int, from_version: int) -> bytes:
         """The published bf16 step from ``from_version`` to ``from_version + 1``."""
@@ -243,7 +240,7 @@ class BlockRounds:
                     404, f"block {k} has no step from version {from_version}; pull the full weights instead", "no_step"
                 )
             if from_version + 1 == self.version[k]:
-                self._count_served(k)
+                self._served[k] = self.weights_sha[k]
             return self.store.get_blob(digest)
 
     def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:

@@ -214,7 +214,7 @@ class Coordinator(BlockRounds):
                 "seed": self.cfg.train.seed,
                 "stream": stream,
                 "submitted": submitted,
-                "served": self.served(k),  # downloads of this version so far (hivemind workers then ask peers)
+                "fetch_first": self.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
                 "finished": block_state is BlockState.FINISHED,  # this worker's block has no more rounds
             }
 

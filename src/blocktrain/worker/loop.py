@@ -190,10 +190,10 @@ class Worker:
     def _sync(self, work: dict[str, Any]) -> None:
         v, sha = int(work["version"]), str(work["weights_sha"])
         if self.groups is not None:  # a peer that has version v first (hivemind engine)
-            # the first worker to ask fetches at once (from the coordinator, if no peer has it); once the
-            # coordinator has served version v to someone, the others wait for a peer to offer it
+            # the first worker to ask about version v fetches at once (from the coordinator, if no peer has it);
+            # the others wait for a peer to offer it
             m = self.opts.matchmaking_s
-            wait = 3.0 * m if int(work.get("served", 0)) > 0 else 0.0
+            wait = 0.0 if work.get("fetch_first", True) else 3.0 * m
             pulled = self.groups.pull(self.k, v, sha, timeout=m, wait_s=wait)
             if pulled is not None:
                 self.summary.peer_pulls += 1
