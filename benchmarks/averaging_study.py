@@ -1,6 +1,6 @@
 """Averaging study (issue 19): the outer step, H and the transport, against one machine at six times the batch.
 
-Each row trains block 0 of a ``stack`` run with :func:`local_rounds.run_local_rounds`:
+Each row trains block 0 of a ``stack`` run with :func:`blocktrain.coordinator.simulate.run_local_rounds`:
 M replicas in one process, exactly the rounds the coordinator and its workers run
 (same streams, inner AdamW, delta codec with error feedback, ``next_version``), on
 the same train bytes, ``--steps`` inner steps per replica whatever H. It scores
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from local_rounds import LocalRounds, run_local_rounds
 
 from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression

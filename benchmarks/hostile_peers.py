@@ -1,7 +1,7 @@
 """One hostile worker out of six on real training (issue 19): what each defence catches, and the final CE.
 
 Each run trains block 0 of a ``stack`` run with six replicas through the coordinator's
-own round (:func:`local_rounds.run_local_rounds`): the same
+own round (:func:`blocktrain.coordinator.simulate.run_local_rounds`): the same
 parsing, norm bound and loss gate (:mod:`blocktrain.coordinator.defences`), the same
 aggregation and outer step. The last replica is hostile in every run but ``honest``:
 
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from local_rounds import LocalRounds, run_local_rounds
 
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import delta_norm
@@ -39,7 +39,7 @@ RANDOM_SCALE = 100.0  # ||poison|| / ||honest Delta|| of a scaled random update
 
 
 class Poison(enum.Enum):
-    """What the hostile replica does instead of training honestly (a ``local_rounds.Hostile``)."""
+    """What the hostile replica does instead of training honestly (a ``simulate.Hostile``)."""
 
     SCALED_RANDOM = "scaled_random"  # Gaussian noise with 100x the honest update's norm
     SIGN_FLIP = "sign_flip"  # -Delta: undoes its own training

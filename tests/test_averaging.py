@@ -10,6 +10,7 @@ import torch
 
 from blocktrain.coordinator.aggregate import OuterState, next_version
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import DataDir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
@@ -17,7 +18,6 @@ from tests.distributed_utils import corpus, make_coordinator  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from hostile_peers import Poison
-from local_rounds import LocalRounds, run_local_rounds
 
 
 def _t(*values: float) -> torch.Tensor:

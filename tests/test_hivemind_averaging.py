@@ -24,6 +24,7 @@ from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack  # noqa: E402
 from blocktrain.config import Precision  # noqa: E402
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer  # noqa: E402
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds  # noqa: E402
 from blocktrain.data.dataset import DataDir  # noqa: E402
 from blocktrain.errors import ProtocolError  # noqa: E402
 from blocktrain.p2p.groups import GroupAverager, join_dht  # noqa: E402
@@ -40,9 +41,6 @@ from tests.distributed_utils import (  # noqa: E402, F401
     procs,
     wait_for,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from local_rounds import LocalRounds, run_local_rounds  # noqa: E402
 
 KEYS = [RSAPrivateKey() for _ in range(4)]  # RSA keys take a moment: made once
 

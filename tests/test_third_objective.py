@@ -9,7 +9,6 @@ reaches the library only through :func:`blocktrain.objectives.register_objective
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +21,7 @@ from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig, Schedule
 from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import open_data_dir
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
@@ -31,9 +31,6 @@ from blocktrain.objectives import LocalLoss, get_objective, register_objective
 from blocktrain.presets import tiny
 from blocktrain.train.block import train_block
 from blocktrain.train.schedule import schedule_of
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from local_rounds import LocalRounds, run_local_rounds
 
 NAME = "toy_bigram"
 

@@ -20,7 +20,7 @@ coordinator and workers compute W_{v+1} = W_v + decode(step)
 weights while the pull costs a quarter of the block's fp32 size. The choices
 (:class:`.settings.Aggregation`, :class:`.settings.OuterOptimizer`, the step's
 encoding) are settings. :func:`next_version` is one whole round close, pure: the
-coordinator and its in-process reference (``benchmarks/local_rounds.py``) both call it.
+coordinator and its in-process reference (:mod:`.simulate`) both call it.
 """
 
 from __future__ import annotations

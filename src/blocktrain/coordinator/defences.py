@@ -8,7 +8,7 @@
   (shuffled labels) fails it while it matters.
 
 Both raise :class:`ProtocolError` (422) with the reason ``norm`` or ``gate``. The
-coordinator (:mod:`.service`) and its in-process reference (``benchmarks/local_rounds.py``)
+coordinator (:mod:`.service`) and its in-process reference (:mod:`.simulate`)
 call these same functions.
 """
 

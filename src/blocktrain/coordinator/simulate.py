@@ -9,16 +9,15 @@ M workers would against a coordinator, without HTTP, storage or processes:
   across rounds (:mod:`blocktrain.worker.loop`);
 * it pushes Delta_i = W_i - W_v encoded with error feedback
   (:func:`blocktrain.protocol.delta.pack_delta`), which is parsed and checked by
-  the coordinator's own functions (:mod:`blocktrain.coordinator.validate`,
-  :mod:`blocktrain.coordinator.defences`: the norm bound, and the loss gate when
-  ``gate_tolerance`` is set);
-* the round closes with :func:`blocktrain.coordinator.aggregate.next_version`, the
-  function the coordinator calls, and the replicas apply the decoded published step.
+  the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
+  bound, and the loss gate when ``gate_tolerance`` is set);
+* the round closes with :func:`.aggregate.next_version`, the function the
+  coordinator calls, and the replicas apply the decoded published step.
 
 Bytes are the real payloads' sizes (safetensors, headers included), deflated as the
 worker and the coordinator send them (:mod:`blocktrain.protocol.transport`), and raw. Used by the
-averaging and hostile-peer studies (``averaging_study.py``, ``hostile_peers.py``) and by tests that
-compare the distributed run with this reference; nothing in the package calls it.
+averaging study (``benchmarks/averaging_study.py``) and by tests that compare the
+distributed run with this reference.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from blocktrain.train.step import lr_at, make_optimizer
 log = logging.getLogger(__name__)
 
 class Hostile(Protocol):
-    """A hostile last replica (``hostile_peers.py``): the targets it trains on, the update it pushes."""
+    """A hostile last replica (``benchmarks/hostile_peers.py``): the targets it trains on, the update it pushes."""
 
     def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
 
