@@ -65,13 +65,15 @@ def test_a_card_verifies_only_for_its_peer_and_round() -> None:
 
 
 def test_the_group_field_round_trips_and_bounds_what_a_stranger_sends() -> None:
-    members = [GroupMember("PeerA", 8, b"tok", b"proof"), GroupMember("PeerB", 16, b"t2", b"p2")]
+    members = [GroupMember("PeerA", 8, "w1", b"proof"), GroupMember("PeerB", 16, "w2", b"p2")]
     assert decode_group(encode_group(members)) == tuple(members)
-    assert encode_group(members[:1]).startswith('[{"peer":"PeerA","samples":8,"token":"dG9r"')
+    assert encode_group(members[:1]) == '[{"peer":"PeerA","samples":8,"worker":"w1","proof":"cHJvb2Y="}]'
     bad = ['{"a": 1}', "[]", encode_group(members[:1]), encode_group([members[0], members[0]]),
            encode_group(members).replace('"samples":8', '"samples":-8'),
-           encode_group(members).replace('"PeerA"', '"Peer/A"'), encode_group(members).replace('"dG9r"', '"!!"'),
-           encode_group(members).replace('"dG9r"', '"' + "A" * 7000 + '"'), "not json"]
+           encode_group(members).replace('"PeerA"', '"Peer/A"'), encode_group(members).replace('"cHJvb2Y="', '"!!"'),
+           encode_group(members).replace('"cHJvb2Y="', '"' + "A" * 2000 + '"'),
+           encode_group(members).replace('"w1"', '"' + "w" * 200 + '"'), encode_group(members).replace('"w1"', '""'),
+           encode_group(members).replace('"w1"', '"w\\n1"'), "not json"]
     for text in bad:
         with pytest.raises(ValueError):
             decode_group(text)
@@ -87,14 +89,14 @@ def _register(c: object, names: list[str], keys: list[RSAPrivateKey]) -> list[by
     return out
 
 
-def _group_body(c: object, tokens: list[bytes], keys: list[RSAPrivateKey], peers: list[str], delta_scale: float,
-                v: int = 0, samples: int = 8) -> bytes:
+def _group_body(c: object, names: list[str], keys: list[RSAPrivateKey], peers: list[str], delta_scale: float,
+                v: int = 0, samples: int = 8, signed_as: list[str] | None = None) -> bytes:
     run = c.hub.run  # type: ignore[attr-defined]
     shapes = c.block_shapes[0]  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(0)
     delta = {n: delta_scale * torch.randn(s, generator=g) for n, s in shapes.items()}  # scale 0: no change
-    members = [GroupMember(p, samples, t, Card.make(k, t, p, round_scope(run, 0, v)).proof)
-               for p, t, k in zip(peers, tokens, keys, strict=True)]
+    members = [GroupMember(p, samples, name, Card.make(k, b"", s, round_scope(run, 0, v)).proof)
+               for p, s, name, k in zip(peers, signed_as or peers, names, keys, strict=True)]
     return pack_delta(delta, Compression.NONE, block=0, base_version=v, samples=samples * len(peers), group=members)
 
 
@@ -104,17 +106,20 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
                          gate_tolerance=0.0, norm_k=0.0, eval_every=0)
     try:
         names = ["w1", "w2", "w3"]
-        tokens = _register(c, names, KEYS[:3])
+        _register(c, names, KEYS[:3])
         assert c.store.get_meta("p2p_run") == c.hub.run
-        # a member with a token of another authority: refused whole, nothing recorded
-        intruder = Authority(KEYS[3]).issue("w3", KEYS[2].get_public_key().to_bytes())
-        with pytest.raises(ProtocolError, match="no card this coordinator issued") as exc:
-            c.submit("w1", 0, _group_body(c, [tokens[0], intruder], [KEYS[0], KEYS[2]], ["PA", "PC"], 0.0))
-        assert exc.value.status == 403 and not c.store.submitted(0, 0, "w1")
+        # a member whose proof is not signed with the key it was admitted with, or a name never admitted: refused
+        # whole, nothing recorded
+        for bad_names, bad_keys in ((["w1", "w3"], [KEYS[0], KEYS[3]]), (["w1", "w9"], [KEYS[0], KEYS[2]])):
+            with pytest.raises(ProtocolError, match="no proof this coordinator admitted") as exc:
+                c.submit("w1", 0, _group_body(c, bad_names, bad_keys, ["PA", "PC"], 0.0))
+            assert exc.value.status == 403 and not c.store.submitted(0, 0, "w1")
+        with pytest.raises(ProtocolError, match="no proof"):  # a proof for another peer id: replayed
+            c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PZ"], 0.0, signed_as=["PA", "PB"]))
         with pytest.raises(ProtocolError, match="not a member"):  # w3 uploads the mean of w1 and w2
-            c.submit("w3", 0, _group_body(c, tokens[:2], KEYS[:2], ["PA", "PB"], 0.0))
+            c.submit("w3", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))
         # an honest group of two (a zero delta passes the gate at tolerance 0), then w3 alone: the round closes
-        assert c.submit("w1", 0, _group_body(c, tokens[:2], KEYS[:2], ["PA", "PB"], 0.0))["accepted"]
+        assert c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))["accepted"]
         assert c.work("w2")["submitted"] and c.store.groups(0, 0) == {"w1": ["w1", "w2"]}
         with pytest.raises(ProtocolError, match="already counts"):
             c.submit("w2", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
@@ -125,13 +130,13 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         # two group means that raise the loss are refused whole; their members are quarantined
         for uploader in ("w1", "w2"):  # two groups (a resent refused group counts once)
             with pytest.raises(ProtocolError) as exc:
-                c.submit(uploader, 0, _group_body(c, tokens[:2], KEYS[:2], ["PA", "PB"], 3.0, v=1))
+                c.submit(uploader, 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 3.0, v=1))
             assert exc.value.reason == "gate"
         assert c.store.refused_groups("w2") == 2
         with pytest.raises(ProtocolError, match="quarantined"):
             c.register("w2", 0)
         with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts
-            c.submit("w3", 0, _group_body(c, [tokens[1], tokens[2]], [KEYS[1], KEYS[2]], ["PB", "PC"], 0.0, v=1))
+            c.submit("w3", 0, _group_body(c, names[1:], KEYS[1:3], ["PB", "PC"], 0.0, v=1))
         from blocktrain.coordinator.observe import status
 
         s = status(c)

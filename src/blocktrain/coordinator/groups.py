@@ -4,10 +4,11 @@ checks a group's upload must pass beyond those of one worker's update.
 With ``--hivemind`` the coordinator is the run's authority (:class:`blocktrain.p2p.trust.Authority`, an RSA key
 kept in the run directory) and a DHT peer that workers join first; both are published in ``/v1/status`` and in
 every registration answer, so a worker needs no flag beyond ``--averaging hivemind``. A group upload is accepted
-only if every member's card verifies (a token this coordinator issued, bound to the member's peer id and the
-round), every member is registered on the block, is not quarantined and has not already sent an update for the
-version, and the uploader is a member. A group mean refused by the loss gate is refused whole; its members are
-recorded, and a member of two refused groups is quarantined: it may no longer push or join an accepted group.
+only if every member's proof verifies (signed, over its peer id and the round, by the key this coordinator
+admitted that worker with, kept in the store), every member is registered on the block, is not quarantined
+and has not already sent an update for the version, and the uploader is a member. A group mean refused by the
+loss gate is refused whole; its members are recorded, and a member of two refused groups is quarantined: it may
+no longer push or join an accepted group.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class PeerHub:
             with store.tx():
                 store.set_meta("p2p_run", run)
         self.run = run  # names this run's DHT keys and scopes every card
+        self.store = store  # used under the coordinator's lock, as everywhere
         key = load_key(run_root / "coordinator" / "authority.der")
         self.authority = Authority(key)
         own = self.authority.issue("coordinator", key.get_public_key().to_bytes())
@@ -59,23 +61,25 @@ class PeerHub:
             token = self.authority.issue(worker, public_key.encode())
         except ValueError:
             raise ProtocolError(422, "p2p_key is not an RSA public key in OpenSSH form", "p2p_key") from None
+        with self.store.tx():
+            self.store.set_meta(f"p2p_key:{worker}", public_key)  # checks its proofs in group uploads
         return {"token": base64.b64encode(token).decode(), **self.status()}
 
     def status(self) -> dict[str, Any]:
         return {"run": self.run, "initial_peers": self.initial_peers, "authority": self.authority.public_key.decode()}
 
     def members(self, group: tuple[GroupMember, ...], k: int, v: int) -> list[str]:
-        """The workers the cards name, in the group's order; 403 if any card does not verify."""
-        from blocktrain.p2p.trust import Card
+        """The workers the group names, in its order; 403 if a member's proof does not verify with the key this
+        coordinator admitted it with (call under the coordinator's lock: it reads the store)."""
+        from blocktrain.p2p.trust import proof_verifies
 
-        names = []
         scope = round_scope(self.run, k, v)
         for m in group:
-            name = Card(m.token, m.proof).worker(m.peer, scope, self.authority.public_key)
-            if name is None:
-                raise ProtocolError(403, f"group member {m.peer} carries no card this coordinator issued for block {k} "
-                                    f"v{v}; the group's mean is refused whole", "group_member")
-            names.append(name)
+            key = self.store.get_meta(f"p2p_key:{m.worker}")
+            if key is None or not proof_verifies(key.encode(), m.peer, scope, m.proof):
+                raise ProtocolError(403, f"group member {m.peer} ({m.worker!r}) has no proof this coordinator admitted "
+                                    f"for block {k} v{v}; the group's mean is refused whole", "group_member")
+        names = [m.worker for m in group]
         if len(set(names)) != len(names):
             raise ProtocolError(422, "a worker appears twice in the group", "group")
         return names

@@ -266,7 +266,8 @@ class Coordinator(BlockRounds):
         if self.hub is None:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; send your own delta, "
                                 "or start the coordinator with --hivemind", "hivemind_off")
-        return self.hub.members(upd.group, k, upd.base_version)  # registration etc. are checked as it is recorded
+        with self.lock:  # registration etc. are checked as it is recorded
+            return self.hub.members(upd.group, k, upd.base_version)
 
     def _refuse_group(self, k: int, v: int, uploader: str, members: list[str], reason: str) -> None:
         with self.lock:

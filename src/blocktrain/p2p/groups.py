@@ -232,9 +232,10 @@ class GroupAverager:
             peer = str(peer_id)
             ok = isinstance(data, dict) and isinstance(data.get("samples"), int) and data["samples"] > 0
             card = Card(data.get("token", b""), data.get("proof", b"")) if ok else None
-            if card is None or card.worker(peer, scope, self.authority) is None:
+            worker = card.worker(peer, scope, self.authority) if card is not None else None
+            if card is None or worker is None:
                 log.warning("group peer %s has no valid card from the coordinator; its group's mean is discarded "
                             "and this worker uploads alone", peer)
                 return None
-            members.append(GroupMember(peer, int(data["samples"]), card.token, card.proof))
+            members.append(GroupMember(peer, int(data["samples"]), worker, card.proof))
         return sorted(members, key=lambda m: m.peer)

@@ -135,6 +135,10 @@ class Card:
             return None
         if not verified_token(token, authority):
             return None
-        key = public_key(token.public_key)
-        ok = key is not None and key.verify(f"{peer_id}|{scope}".encode(), self.proof)
-        return token.username if ok else None
+        return token.username if proof_verifies(token.public_key, peer_id, scope, self.proof) else None
+
+
+def proof_verifies(key: bytes, peer_id: str, scope: str, proof: bytes) -> bool:
+    """Whether ``proof`` is the signature of ``key`` (an RSA public key, OpenSSH form) over (peer id, scope)."""
+    rsa = public_key(key)
+    return rsa is not None and len(proof) <= MAX_PROOF_BYTES and rsa.verify(f"{peer_id}|{scope}".encode(), proof)

@@ -394,6 +394,8 @@ class Worker:
                 if not self._train_round(work):
                     break
                 self._push()
+                if self._grouped_version == self.base_version:  # another member sent our mean: no need to ask yet
+                    self._await_next(self.base_version)
         finally:
             self._leave()
         self.summary.bytes_sent = self.client.bytes_sent
