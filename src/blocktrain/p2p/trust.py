@@ -131,14 +131,14 @@ class Card:
     def worker(self, peer_id: str, scope: str, authority: bytes) -> str | None:
         """The admitted worker's name if this card verifies for ``peer_id`` in ``scope``, else None."""
         token = parse_token(self.token)
-        if token is None or not isinstance(self.proof, bytes) or len(self.proof) > MAX_PROOF_BYTES:
-            return None
-        if not verified_token(token, authority):
+        if token is None or not verified_token(token, authority):
             return None
         return token.username if proof_verifies(token.public_key, peer_id, scope, self.proof) else None
 
 
 def proof_verifies(key: bytes, peer_id: str, scope: str, proof: bytes) -> bool:
     """Whether ``proof`` is the signature of ``key`` (an RSA public key, OpenSSH form) over (peer id, scope)."""
+    if not isinstance(proof, bytes) or len(proof) > MAX_PROOF_BYTES:
+        return False
     rsa = public_key(key)
-    return rsa is not None and len(proof) <= MAX_PROOF_BYTES and rsa.verify(f"{peer_id}|{scope}".encode(), proof)
+    return rsa is not None and rsa.verify(f"{peer_id}|{scope}".encode(), proof)
