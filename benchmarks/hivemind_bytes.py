@@ -52,7 +52,8 @@ def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root
     store.close()
     url = f"http://127.0.0.1:{port}"
     coord_args = ["coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port), "--no-eval",
-                  "--threads", "1", "--rounds", str(rounds), "--round-seconds", "300", "--data", str(data)]
+                  "--threads", "1", "--rounds", str(rounds), "--round-seconds", "300", "--data", str(data),
+                  "--local-steps", str(local_steps)]
     hivemind = engine == "hivemind"
     coord = _blocktrain([*coord_args, *(["--hivemind", "--hivemind-host", "127.0.0.1"] if hivemind else [])],
                         run.parent / f"{engine}-{n}-coordinator.log")

@@ -90,7 +90,7 @@ def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: 
                                    fsync)
         shapes = block_schema(BlockDenoiser(cfg.model, cfg.diffusion.sigma_data))
         body = pack_delta({n: torch.zeros(s) for n, s in shapes.items()}, Compression(compression), block=0,
-                          base_version=0, samples=1)
+                          base_version=0, base_sha="0" * 64, samples=1)
         copy = plain_copy_mbps(body, updates)
         result.update(
             block_fp32_bytes=sum(4 * torch.Size(s).numel() for s in shapes.values()),
@@ -138,11 +138,14 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
         cfg = get_preset(preset)
         shapes = block_schema(BlockDenoiser(cfg.model, cfg.diffusion.sigma_data))
         bodies = []
+        sha = ""
         for i, t in enumerate(tokens):
-            httpx.post(f"{url}/v1/register", json={"block": 0}, headers={"Authorization": f"Bearer {t}"}, timeout=30)
+            auth = {"Authorization": f"Bearer {t}"}
+            httpx.post(f"{url}/v1/register", json={"block": 0}, headers=auth, timeout=30)
+            sha = sha or str(httpx.get(f"{url}/v1/work", headers=auth, timeout=30).json()["weights_sha"])
             g = torch.Generator().manual_seed(i)
             delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}
-            bodies.append(pack_delta(delta, compression, block=0, base_version=0, samples=1))
+            bodies.append(pack_delta(delta, compression, block=0, base_version=0, base_sha=sha, samples=1))
         errors: list[str] = []
 
         def push(idx: list[int]) -> None:

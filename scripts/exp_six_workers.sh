@@ -39,7 +39,7 @@ echo "== six workers: $ROUNDS rounds x H=$H local steps"
 for i in 0 1 2 3 4 5; do $BT token add "w$i" --run-dir "$OUT/six" > "$OUT/w$i.token"; done
 OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/six" --preset "$PRESET" --objective "$OBJECTIVE" --steps "$STEPS" --data "$DATA" \
   --port "$PORT" --rounds "$ROUNDS" --round-seconds 300 --lease-seconds 120 --eval-every 2 --eval-bytes 8192 \
-  --threads 1 ${COORD_FLAGS:-} 2> "$OUT/logs/coordinator.log" &
+  --threads 1 --local-steps "$H" ${COORD_FLAGS:-} 2> "$OUT/logs/coordinator.log" &
 COORD=$!
 trap 'kill $COORD 2>/dev/null || true' EXIT
 until curl -sf "http://127.0.0.1:$PORT/v1/status" > /dev/null; do sleep 0.5; done

@@ -89,7 +89,7 @@ run() {
   fi
   ip netns exec $NS_C env OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/run" --preset "$PRESET" --objective "$OBJECTIVE" \
     --steps $((ROUNDS * H)) --data "$DATA" --host $LISTEN --port $CPORT --rounds "$ROUNDS" --round-seconds 300 \
-    --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 \
+    --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 --local-steps "$H" \
     $([ "$HIVEMIND" = 1 ] && echo "--hivemind --hivemind-host 0.0.0.0") 2> "$OUT/logs/coordinator.log" &
   until ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > /dev/null; do sleep 0.5; done
   RTT=$(ip netns exec $NS_1 "$PY" benchmarks/measure_rtt.py "http://10.77.1.1:8470/" --n 30)

@@ -63,6 +63,12 @@ class FakeClock:
         self.t += s
 
 
+# Tests of the round mechanics, not of the defences (tests/test_intake.py), turn off what reads an update's content
+# or counts its refusals: random test deltas are independent, so the agreement screen at a round's close would drop
+# about half of them, and a test that sends many bad bodies on purpose would get its worker quarantined.
+NO_SCREEN: dict[str, Any] = {"agree_min": None, "quarantine_after": 0, "refusal_burst": 0}
+
+
 def make_coordinator(run: Path, data: DataDir | None, clock: Any = None, **settings: Any) -> Coordinator:
     if clock is None:
         return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data)

@@ -14,7 +14,7 @@ from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import DataDir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
-from tests.distributed_utils import corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from hostile_peers import Poison
@@ -73,7 +73,7 @@ def test_error_feedback_carries_the_residual_exactly() -> None:
 
 def test_pack_delta_with_feedback_refuses_another_encoding() -> None:
     with pytest.raises(ValueError, match="int8"):
-        pack_delta({"w": _t(1.0)}, Compression.BF16, block=0, base_version=0, samples=1,
+        pack_delta({"w": _t(1.0)}, Compression.BF16, block=0, base_version=0, base_sha="0" * 64, samples=1,
                    feedback=ErrorFeedback(Compression.INT8))
 
 
@@ -153,21 +153,22 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     """Through the coordinator: a 100x random update after two honest ones is refused as ``norm`` in /v1/status."""
     from blocktrain.errors import ProtocolError
 
-    c = make_coordinator(tmp_path / "run", corpus, norm_k=10.0, norm_min_history=2, eval_every=0)
+    c = make_coordinator(tmp_path / "run", corpus, norm_k=10.0, norm_min_history=2, eval_every=0, gate=False, **NO_SCREEN)
     for name in ("a", "b", "c"):
         c.register(name, 0)
     g = torch.Generator().manual_seed(0)
     honest = [{n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()} for _ in range(2)]
     for name, d in zip(("a", "b"), honest, strict=True):
-        c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, samples=4))
+        c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))
     bad = Poison.SCALED_RANDOM.delta(honest[0], g)
     with pytest.raises(ProtocolError) as exc:
-        c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, samples=4))
+        c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))
     assert exc.value.reason == "norm"
     from blocktrain.coordinator.observe import status
 
     assert status(c)["rejections"] == {"norm": 1}
-    body = pack_delta(honest[1], Compression.INT8, block=0, base_version=0, samples=4)
+    third = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()}
+    body = pack_delta(third, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4)
     c.submit("c", 0, body)  # the quorum closes the round
     st = status(c)
     assert st["blocks"][0]["outer"] == {"method": "average", "lr": 1.0, "momentum": None, "step_encoding": "int8",
@@ -190,11 +191,12 @@ def test_workers_over_http_match_the_in_process_reference(tmp_path: Path, corpus
     from blocktrain.worker.loop import Worker, WorkerOptions
     from tests.distributed_utils import ThreadServer
 
-    knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0}
+    knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0,
+             "local_steps": 3}  # H, the budget every work answer assigns
     c = make_coordinator(tmp_path / "run", corpus, **knobs)
     tokens = [c.add_token(f"w{i}") for i in range(2)]
     with ThreadServer(c) as srv:
-        workers = [Worker(WorkerOptions(url=srv.url, token=t, block=0, local_steps=3, progress=False,
+        workers = [Worker(WorkerOptions(url=srv.url, token=t, block=0, progress=False,
                                         frozen_cache=tmp_path / "frozen"), corpus) for t in tokens]
         threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
         for t in threads:
@@ -218,10 +220,10 @@ def test_a_slow_worker_pushes_what_it_has_before_the_deadline(tmp_path: Path, co
     from blocktrain.worker.loop import Worker, WorkerOptions
     from tests.distributed_utils import ThreadServer
 
-    c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=3.0, eval_every=0)
+    c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=3.0, eval_every=0, local_steps=100_000)
     token = c.add_token("slow")
     with ThreadServer(c) as srv:
-        w = Worker(WorkerOptions(url=srv.url, token=token, block=0, local_steps=100_000, progress=False,
+        w = Worker(WorkerOptions(url=srv.url, token=token, block=0, progress=False,
                                  frozen_cache=tmp_path / "frozen"), corpus)
         t = threading.Thread(target=w.run, daemon=True)
         t.start()

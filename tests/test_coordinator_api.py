@@ -18,7 +18,7 @@ from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
 from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step
-from tests.distributed_utils import FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import NO_SCREEN, FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
 
 
 def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,7 +56,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def api(tmp_path: Path, clock: FakeClock) -> Iterator[Api]:
-    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=10)
+    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=10, **NO_SCREEN)
     with TestClient(create_app(c, background=False)) as client:
         yield Api(c, client)
     c.close()
@@ -114,7 +114,7 @@ def test_round_closes_at_quorum_with_sample_weighted_mean(api: Api) -> None:
     deltas = [small_delta(api.c, seed=i) for i in range(3)]
     samples = [10, 20, 70]
     for i, name in enumerate(("a", "b", "c")):
-        status, doc = api.push(name, 1, pack_delta(deltas[i], Compression.NONE, block=1, base_version=0,
+        status, doc = api.push(name, 1, pack_delta(deltas[i], Compression.NONE, block=1, base_version=0, base_sha=api.c.weights_sha[1],
                                                     samples=samples[i]))
         assert status == 202, doc
         assert doc["round_closed"] is (i == 2)
@@ -127,14 +127,16 @@ def test_round_closes_at_quorum_with_sample_weighted_mean(api: Api) -> None:
         ulp = 2**-23 * float(w0[n].abs().max())  # W + step is rounded to float32 once
         assert err <= 0.5 / 127 * want.abs().max().item() * (1 + 1e-5) + ulp, n
     # a delta against the old version is refused with 409 and says what to do
-    status, doc = api.push("a", 1, pack_delta(deltas[0], Compression.NONE, block=1, base_version=0, samples=1))
+    status, doc = api.push("a", 1, pack_delta(deltas[0], Compression.NONE, block=1, base_version=0,
+                                              base_sha=api.c.weights_sha[1], samples=1))
     assert status == 409 and "pull the new version" in str(doc["detail"])
 
 
 def test_deadline_closes_round_without_lapsed_worker(api: Api, clock: FakeClock) -> None:
     api.register("a", block=0)
     api.register("b", block=0)
-    status, _ = api.push("a", 0, pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, samples=4))
+    status, _ = api.push("a", 0, pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0,
+                                            base_sha=api.c.weights_sha[0], samples=4))
     assert status == 202 and api.c.version[0] == 0  # b is live: no quorum yet
     clock.advance(11)  # b's lease lapses; a keeps its lease by heartbeat
     api.client.post("/v1/heartbeat", headers=api.h("a"))
@@ -145,7 +147,7 @@ def test_deadline_closes_round_without_lapsed_worker(api: Api, clock: FakeClock)
     # a round whose deadline passes with one of two live replicas reporting closes by deadline
     api.register("b", block=0)
     api.client.get("/v1/work", headers=api.h("a"))
-    api.push("b", 0, pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=1, samples=4))
+    api.push("b", 0, pack_delta(small_delta(api.c, seed=1), Compression.BF16, block=0, base_version=1, base_sha=api.c.weights_sha[0], samples=4))
     clock.advance(31)
     api.client.post("/v1/heartbeat", headers=api.h("a"))
     api.c.tick()
@@ -161,13 +163,13 @@ def _bad_bodies(c: Coordinator) -> dict[str, tuple[bytes, int, str]]:
     nan[first].view(-1)[0] = float("nan")
     wrong = dict(good)
     wrong[first] = torch.zeros(3, 3)
-    ok_body = pack_delta(good, Compression.BF16, block=0, base_version=0, samples=4)
+    ok_body = pack_delta(good, Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4)
     buf = io.BytesIO()
     pickle.dump({n: t.numpy() for n, t in good.items()}, buf)
     return {
-        "nan": (pack_delta(nan, Compression.BF16, block=0, base_version=0, samples=4), 422, "NaN"),
-        "shape": (pack_delta(wrong, Compression.BF16, block=0, base_version=0, samples=4), 422, "expected"),
-        "scaled": (pack_delta({n: 100 * t for n, t in good.items()}, Compression.BF16, block=0, base_version=0,
+        "nan": (pack_delta(nan, Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4), 422, "NaN"),
+        "shape": (pack_delta(wrong, Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4), 422, "expected"),
+        "scaled": (pack_delta({n: 100 * t for n, t in good.items()}, Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0],
                               samples=4), 422, "median"),
         "pickle": (buf.getvalue(), 415, "safetensors"),
         "truncated": (ok_body[: len(ok_body) - 1000], 400, "truncated"),
@@ -181,7 +183,7 @@ def test_bad_updates_are_rejected_and_model_unchanged(api: Api) -> None:
     # two good updates establish the norm history (and close nothing: 'evil' and 'c' are live)
     for i, name in enumerate(("a", "b")):
         status, _ = api.push(name, 0, pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0,
-                                                 base_version=0, samples=4))
+                                                 base_version=0, base_sha=api.c.weights_sha[0], samples=4))
         assert status == 202
     before = block_weights(api.c, 0)
     for case, (body, want, text) in _bad_bodies(api.c).items():
@@ -205,10 +207,10 @@ def test_bad_updates_are_rejected_and_model_unchanged(api: Api) -> None:
 
 def test_wrong_block_and_wrong_version_metadata(api: Api) -> None:
     api.register("a", block=0)
-    status, doc = api.push("a", 2, pack_delta(small_delta(api.c), Compression.BF16, block=2, base_version=0,
+    status, doc = api.push("a", 2, pack_delta(small_delta(api.c), Compression.BF16, block=2, base_version=0, base_sha=api.c.weights_sha[2],
                                               samples=1))
     assert status == 403 and "assigned to block 0" in str(doc["detail"])
-    status, doc = api.push("a", 0, pack_delta(small_delta(api.c), Compression.BF16, block=1, base_version=0,
+    status, doc = api.push("a", 0, pack_delta(small_delta(api.c), Compression.BF16, block=1, base_version=0, base_sha=api.c.weights_sha[1],
                                               samples=1))
     assert status == 422 and "block 1" in str(doc["detail"])
 
@@ -217,7 +219,7 @@ def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
     api.register("a", block=2)
     w0 = block_weights(api.c, 2)
     d = small_delta(api.c)
-    status, _ = api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=0, samples=3))
+    status, _ = api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=0, base_sha=api.c.weights_sha[2], samples=3))
     assert status == 202 and api.c.version[2] == 1
 
     def first() -> bool:  # the first to ask about this version (a hivemind worker then fetches it)
@@ -235,11 +237,13 @@ def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
     # a worker applying the decoded step lands on the published weights bit for bit
     assert all(torch.equal(v, w[n]) for n, v in apply_step(w0, decode_delta(step, Compression.INT8)).items())
     assert api.client.get("/v1/blocks/2/steps/5", headers=api.h("a")).status_code == 404
-    api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=1, samples=3))
+    api.push("a", 2, pack_delta(small_delta(api.c, seed=1), Compression.INT8, block=2, base_version=1,
+                                base_sha=api.c.weights_sha[2], samples=3))
     assert api.c.version[2] == 2
     api.client.get("/v1/blocks/2/steps/0", headers=api.h("a"))  # an older step is not the current version
     assert first() and not first()  # a new version: the first to ask, then the others
-    api.push("a", 2, pack_delta(d, Compression.INT8, block=2, base_version=2, samples=3))
+    api.push("a", 2, pack_delta(small_delta(api.c, seed=2), Compression.INT8, block=2, base_version=2,
+                                base_sha=api.c.weights_sha[2], samples=3))
     api.client.get("/v1/blocks/2/steps/2", headers=api.h("a"))  # the step to the current version counts
     assert not first()
     assert api.client.get("/v1/blocks/7/weights", headers=api.h("a")).status_code == 404
@@ -248,7 +252,7 @@ def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
 def test_status_and_metrics_count_bytes(api: Api) -> None:
     api.register("a", block=0)
     n_pull = len(api.client.get("/v1/blocks/0/weights", headers=api.h("a")).content)
-    body = pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, samples=1)
+    body = pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, base_sha=api.c.weights_sha[0], samples=1)
     api.push("a", 0, body)
     st = api.client.get("/v1/status").json()
     w = next(x for x in st["workers"] if x["name"] == "a")
@@ -261,8 +265,8 @@ def test_status_and_metrics_count_bytes(api: Api) -> None:
 
 @pytest.mark.parametrize("method", [Aggregation.MEDIAN, Aggregation.TRIMMED_MEAN])
 def test_robust_aggregation_ignores_an_outlier(tmp_path: Path, method: Aggregation) -> None:
-    c = make_coordinator(tmp_path / "run", None, aggregation=method, norm_k=0, trim_fraction=0.2,
-                         outer=OuterOptimizer.AVERAGE)  # W_1 - W_0 is then the aggregate itself
+    c = make_coordinator(tmp_path / "run", None, aggregation=method, norm_k=0, trim_fraction=0.2, replay_cosine=1.0,
+                         outer=OuterOptimizer.AVERAGE, **NO_SCREEN)  # W_1 - W_0 is then the aggregate itself
     names = [f"w{i}" for i in range(5)]
     for n in names:
         c.register(n, 0)
@@ -270,7 +274,7 @@ def test_robust_aggregation_ignores_an_outlier(tmp_path: Path, method: Aggregati
     base = small_delta(c, seed=1)
     for i, n in enumerate(names):
         d = {k: v * (1000.0 if i == 4 else 1.0 + 0.01 * i) for k, v in base.items()}
-        c.submit(n, 0, pack_delta(d, Compression.NONE, block=0, base_version=0, samples=1))
+        c.submit(n, 0, pack_delta(d, Compression.NONE, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
     assert c.version[0] == 1
     for k in w0:
         step = c.weights[0][k] - w0[k]
@@ -283,7 +287,7 @@ def test_nesterov_outer_step_and_momentum_persist(tmp_path: Path) -> None:
     c.register("a", 3)
     w0 = block_weights(c, 3)
     d = small_delta(c)
-    c.submit("a", 3, pack_delta(d, Compression.NONE, block=3, base_version=0, samples=1))
+    c.submit("a", 3, pack_delta(d, Compression.NONE, block=3, base_version=0, base_sha=c.weights_sha[3], samples=1))
     for k in w0:  # first step: m = g = -d; step = -lr (g + mu m) = lr (1 + mu) d
         want = 0.7 * 1.9 * d[k]
         ulp = 2**-23 * float(w0[k].abs().max())  # W + step is rounded to float32 once
@@ -305,7 +309,7 @@ def test_gate_rejects_an_update_that_hurts_held_out_loss(tmp_path: Path, corpus:
 
     harmful = {n: 0.5 * torch.randn(s) for n, s in c.shapes.items()}
     with pytest.raises(ProtocolError) as exc:
-        c.submit("a", 0, pack_delta(harmful, Compression.NONE, block=0, base_version=0, samples=1))
+        c.submit("a", 0, pack_delta(harmful, Compression.NONE, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
     assert exc.value.status == 422 and exc.value.reason == "gate"
     assert c.version[0] == 0
     c.close()
@@ -316,14 +320,14 @@ def test_restart_resumes_versions_and_pending_updates(tmp_path: Path) -> None:
     for n in ("a", "b"):
         c.register(n, 0)
     c.register("c", 1)
-    c.submit("c", 1, pack_delta(small_delta(c), Compression.BF16, block=1, base_version=0, samples=1))
-    c.submit("a", 0, pack_delta(small_delta(c, seed=3), Compression.BF16, block=0, base_version=0, samples=1))
+    c.submit("c", 1, pack_delta(small_delta(c), Compression.BF16, block=1, base_version=0, base_sha=c.weights_sha[1], samples=1))
+    c.submit("a", 0, pack_delta(small_delta(c, seed=3), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
     sha = dict(c.weights_sha)
     c.close()  # (a hard kill is tested with processes in test_distributed_loopback)
     c2 = make_coordinator(tmp_path / "run", None)
     assert c2.version == {0: 0, 1: 1, 2: 0, 3: 0} and c2.weights_sha == sha
     assert c2.store.q1("SELECT COUNT(*) AS n FROM updates WHERE state='accepted'")["n"] == 1
-    c2.submit("b", 0, pack_delta(small_delta(c2, seed=4), Compression.BF16, block=0, base_version=0, samples=1))
+    c2.submit("b", 0, pack_delta(small_delta(c2, seed=4), Compression.BF16, block=0, base_version=0, base_sha=c2.weights_sha[0], samples=1))
     assert c2.version[0] == 1
     row = c2.store.q1("SELECT n_updates FROM rounds WHERE block=0 AND version=0")
     assert row["n_updates"] == 2  # the update accepted before the restart counted
@@ -346,7 +350,7 @@ def test_adaptive_deadline_follows_observed_arrivals(tmp_path: Path) -> None:
                          min_round_seconds=2, deadline_slack=2.0)
     c.register("a", 0)
     clock.advance(3.0)  # the only replica reports 3 s after the round opened
-    c.submit("a", 0, pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, samples=1))
+    c.submit("a", 0, pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
     row = c.store.q1("SELECT opened, deadline FROM rounds WHERE block=0 AND version=1")
     assert row["deadline"] - row["opened"] == pytest.approx(6.0)  # slack 2 x slowest arrival 3 s
     c.close()

@@ -42,7 +42,7 @@ def test_dashboard_shows_blocks_workers_and_ce_curve(tmp_path: Path, corpus: Dat
     c.maybe_evaluate()  # epoch 0
     for name, k in (("alice", 0), ("bob", 1), ("carol", 2), ("dave", 3)):  # one round of every block
         delta = {n: 1e-3 * torch.randn(s) for n, s in c.shapes.items()}
-        c.submit(name, k, pack_delta(delta, Compression.BF16, block=k, base_version=0, samples=4))
+        c.submit(name, k, pack_delta(delta, Compression.BF16, block=k, base_version=0, base_sha=c.weights_sha[k], samples=4))
     c.maybe_evaluate()  # epoch 1: a second point on the curve
     with ThreadServer(c, background=False) as srv:
         dom = dump_dom(srv.url + "/", tmp_path / "profile")

@@ -37,16 +37,19 @@ def test_refused_updates_leave_no_blob_behind(api: Api) -> None:  # noqa: F811
         api.register(name, block=0)
     sent = {}
     for i, name in enumerate(("a", "b")):  # two accepted updates: the norm check is armed, 'evil' keeps it open
-        sent[name] = pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0, base_version=0, samples=4)
+        sent[name] = pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0, base_version=0,
+                                base_sha=api.c.weights_sha[0], samples=4)
         status, _ = api.push(name, 0, sent[name])
         assert status == 202
     before = _blob_files(api)
     for i in range(20):  # a second, different delta for the same round
-        body = pack_delta(small_delta(api.c, seed=100 + i), Compression.BF16, block=0, base_version=0, samples=4)
+        body = pack_delta(small_delta(api.c, seed=100 + i), Compression.BF16, block=0, base_version=0,
+                          base_sha=api.c.weights_sha[0], samples=4)
         status, doc = api.push("a", 0, body)
         assert (status, doc["error"]) == (409, "duplicate")
     for i in range(20):  # parsed and valid, but far above the recent norms
         body = pack_delta(small_delta(api.c, scale=1.0, seed=200 + i), Compression.BF16, block=0, base_version=0,
+                          base_sha=api.c.weights_sha[0],
                           samples=4)
         status, doc = api.push("evil", 0, body)
         assert (status, doc["error"]) == (422, "norm")
@@ -57,7 +60,7 @@ def test_refused_updates_leave_no_blob_behind(api: Api) -> None:  # noqa: F811
     assert _blob_files(api) == before
     # an accepted update still stores its blob before its row
     status, _ = api.push("evil", 0, pack_delta(small_delta(api.c, seed=7), Compression.BF16, block=0,
-                                               base_version=0, samples=4))
+                                               base_version=0, base_sha=api.c.weights_sha[0], samples=4))
     assert status == 202
     for r in api.c.store.q("SELECT blob FROM updates"):
         assert api.c.store.blob_path(r["blob"]).is_file()
@@ -105,7 +108,7 @@ class _Records(logging.Handler):
 def test_upload_aborted_mid_body_is_counted_without_traceback(tmp_path: Path) -> None:
     c = make_coordinator(tmp_path / "run", None, norm_k=0)
     token = c.add_token("a")
-    body = pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, samples=4)
+    body = pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4)
     srv = ThreadServer(c, background=False)
     records = _Records()
     loggers = [logging.getLogger(n) for n in ("uvicorn", "uvicorn.error", "blocktrain", "")]

@@ -42,7 +42,7 @@ def test_fifty_concurrent_workers_every_update_counted_once(tmp_path: Path) -> N
                     time.sleep(0.05)
                     continue
                 delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()}
-                body = pack_delta(delta, Compression.BF16, block=k, base_version=w["version"], samples=1)
+                body = pack_delta(delta, Compression.BF16, block=k, base_version=w["version"], base_sha=w["weights_sha"], samples=1)
                 r = h.post(f"/v1/blocks/{k}/updates", content=body)
                 if r.status_code != 202:
                     errors.append(f"{name}: {r.status_code} {r.text}")

@@ -70,7 +70,8 @@ def finish_block(c: Coordinator, k: int, name: str) -> None:
     c.add_token(name)
     c.register(name, k)
     for v in range(c.block_rounds(k)):
-        c.submit(name, k, pack_delta(delta_for(c, k, seed=v), Compression.BF16, block=k, base_version=v, samples=4))
+        c.submit(name, k, pack_delta(delta_for(c, k, seed=v), Compression.BF16, block=k, base_version=v,
+                                     base_sha=c.weights_sha[k], samples=4))
     c.leave(name)
 
 
@@ -114,7 +115,7 @@ def test_stack_coordinator_opens_block_zero_only(tmp_path: Path) -> None:
         assert r.status_code == 409 and r.json()["error"] == "not_finished"
         assert client.get("/v1/blocks/0/frozen").status_code == 401
         assert client.get("/v1/blocks/9/frozen", headers=h("a")).status_code == 404
-        body = pack_delta(delta_for(c, 2), Compression.BF16, block=2, base_version=0, samples=4)
+        body = pack_delta(delta_for(c, 2), Compression.BF16, block=2, base_version=0, base_sha=c.weights_sha[2], samples=4)
         r = client.post("/v1/blocks/2/updates", content=body, headers=h("pinned"))
         assert r.status_code == 409 and r.json()["error"] == "waiting"
     assert c.version == {0: 0, 1: 0, 2: 0, 3: 0}

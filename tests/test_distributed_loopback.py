@@ -55,13 +55,14 @@ def db(run: Path) -> sqlite3.Connection:
 
 
 def reproduce_delta(w0: dict[str, torch.Tensor], k: int, seed: int, stream_id: int, steps: int,
-                    data: DataDir) -> dict[str, torch.Tensor]:
-    """Re-run a worker's round from the seed the coordinator recorded (the audit path)."""
+                    data: DataDir, schedule_steps: int) -> dict[str, torch.Tensor]:
+    """Re-run a worker's round from the seed the coordinator recorded (the audit path); ``schedule_steps``: the lr
+    schedule's length, the block's rounds x the coordinator's H."""
     cfg = get_preset("tiny")
     block = BlockDenoiser(cfg.model, cfg.diffusion.sigma_data)
     load_trainable(block, w0)
     opt, _ = make_optimizer(block, cfg.train)
-    schedule = replace(cfg.train, steps=steps)
+    schedule = replace(cfg.train, steps=schedule_steps)
     part = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
     stream = TrainStream(data.open("train").data, cfg.model.context, cfg.train.batch_size, seed, stream=stream_id)
     for i in range(steps):
@@ -81,7 +82,7 @@ def test_three_workers_average_equals_hand_computed_mean(tmp_path: Path, corpus:
     url = f"http://127.0.0.1:{port}"
     tokens = [add_token(run, f"w{i}") for i in range(3)]
     procs.append(start_coordinator(run, port, "--rounds", "1", "--min-updates", "3", "--round-seconds", "60",
-                                   "--outer", "average"))  # the plain sample-weighted mean
+                                   "--outer", "average", "--local-steps", "5"))  # the plain sample-weighted mean
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
     for i, t in enumerate(tokens):
         procs.append(start_worker(url, t, corpus, "--block", "0", "--local-steps", str(3 + i), "--compress", "none",
@@ -104,7 +105,7 @@ def test_three_workers_average_equals_hand_computed_mean(tmp_path: Path, corpus:
         assert torch.all((got - mean).abs() <= 0.5 / 127 * mean.abs().max() * (1 + 1e-5) + ulp + 1e-7), n
     # audit: the recorded seed reproduces worker w1's delta (3 + 1 = 4 local steps)
     seed_row = con.execute("SELECT * FROM seeds WHERE worker='w1' AND block=0 AND version=0").fetchone()
-    again = reproduce_delta(w0, 0, seed_row["seed"], seed_row["stream"], 4, corpus)
+    again = reproduce_delta(w0, 0, seed_row["seed"], seed_row["stream"], 4, corpus, schedule_steps=5)  # 1 round x H=5
     for n in again:
         # Two float32 runs of the same 4 AdamW steps: Adam divides by sqrt(v), so on coordinates whose
         # gradient is at rounding level a last-bit difference moves the step by up to ~1e-6 (seen 1.5e-6
@@ -116,7 +117,8 @@ def test_worker_killed_mid_round_round_closes_at_deadline(tmp_path: Path, corpus
     run, port = tmp_path / "run", free_port()
     url = f"http://127.0.0.1:{port}"
     ta, tb = add_token(run, "a"), add_token(run, "b")
-    procs.append(start_coordinator(run, port, "--rounds", "3", "--round-seconds", "4", "--lease-seconds", "60"))
+    procs.append(start_coordinator(run, port, "--rounds", "3", "--round-seconds", "4", "--lease-seconds", "60",
+                                   "--local-steps", "100000"))  # the budget a slow worker cannot use up
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
     slow = start_worker(url, tb, corpus, "--block", "0", "--local-steps", "100000")
     procs.append(slow)
@@ -141,7 +143,8 @@ def test_coordinator_killed_and_restarted_loses_nothing(tmp_path: Path, corpus: 
     url = f"http://127.0.0.1:{port}"
     ta, tb = add_token(run, "a"), add_token(run, "b")
     # --norm-k 0: b trains far more local steps than a on purpose, so their norms differ legitimately
-    args = ("--rounds", "2", "--round-seconds", "120", "--lease-seconds", "120", "--norm-k", "0")
+    args = ("--rounds", "2", "--round-seconds", "120", "--lease-seconds", "120", "--norm-k", "0", "--lazy-fraction", "0",
+            "--local-steps", "1500")
     coord = start_coordinator(run, port, *args)
     procs.append(coord)
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
@@ -171,7 +174,7 @@ def test_worker_sigterm_finishes_the_round_and_leaves(tmp_path: Path, corpus: Da
     run, port = tmp_path / "run", free_port()
     url = f"http://127.0.0.1:{port}"
     token = add_token(run, "a")
-    procs.append(start_coordinator(run, port, "--round-seconds", "120"))
+    procs.append(start_coordinator(run, port, "--round-seconds", "120", "--local-steps", "400"))
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
     w = start_worker(url, token, corpus, "--block", "2", "--local-steps", "400")
     procs.append(w)
@@ -201,7 +204,7 @@ def test_coordinator_serves_tls(tmp_path: Path, procs) -> None:  # noqa: F811
     from blocktrain.worker.client import CoordinatorClient
 
     client = CoordinatorClient(url, token, verify=str(cert), give_up_s=5)
-    assert client.register(None)["block"] == 0
+    assert client.register(None).block == 0
     client.close()
     with pytest.raises(httpx.ConnectError):  # an unverified certificate is refused by default
         httpx.get(f"{url}/v1/status", timeout=10)

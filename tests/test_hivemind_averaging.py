@@ -97,7 +97,8 @@ def _group_body(c: object, names: list[str], keys: list[RSAPrivateKey], peers: l
     delta = {n: delta_scale * torch.randn(s, generator=g) for n, s in shapes.items()}  # scale 0: no change
     members = [GroupMember(p, samples, name, Card.make(k, b"", s, round_scope(run, 0, v)).proof)
                for p, s, name, k in zip(peers, signed_as or peers, names, keys, strict=True)]
-    return pack_delta(delta, Compression.NONE, block=0, base_version=v, samples=samples * len(peers), group=members)
+    return pack_delta(delta, Compression.NONE, block=0, base_version=v, base_sha=c.weights_sha[0], samples=samples * len(peers),  # type: ignore[attr-defined]
+                      group=members)
 
 
 def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refused_groups(
@@ -123,9 +124,9 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         assert c.work("w2")["submitted"] and c.store.groups(0, 0) == {"w1": ["w1", "w2"]}
         with pytest.raises(ProtocolError, match="already counts"):
             c.submit("w2", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
-                                         block=0, base_version=0, samples=8))
+                                         block=0, base_version=0, base_sha=c.weights_sha[0], samples=8))
         c.submit("w3", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
-                                     block=0, base_version=0, samples=8))
+                                     block=0, base_version=0, base_sha=c.weights_sha[0], samples=8))
         assert c.version[0] == 1
         # two group means that raise the loss are refused whole; their members are quarantined
         for uploader in ("w1", "w2"):  # two groups (a resent refused group counts once)
@@ -215,7 +216,8 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
     tokens = [add_token(run, f"w{i}") for i in range(3)]
     procs.append(_blocktrain("coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port),
                              "--no-eval", "--threads", "1", "--rounds", "2", "--round-seconds", "120", "--outer",
-                             "nesterov", "--step-compression", "none", "--hivemind", "--hivemind-host", "127.0.0.1"))
+                             "nesterov", "--step-compression", "none", "--hivemind", "--hivemind-host", "127.0.0.1",
+                             "--local-steps", "3"))
     try:
         status = wait_for(lambda: get_status(url), 60, "the coordinator")
         assert status["p2p"]["initial_peers"] and status["p2p"]["authority"].startswith("ssh-rsa ")

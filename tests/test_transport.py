@@ -63,7 +63,7 @@ def test_deflated_push_and_pull_through_the_coordinator(coordinator: Coordinator
         assert client.post("/v1/register", json={"block": 0}, headers=h).status_code == 200
         g = torch.Generator().manual_seed(0)
         delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()}
-        payload = pack_delta(delta, Compression.INT8, block=0, base_version=0, samples=4)
+        payload = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4)
         wire = deflate(payload)
         r = client.post("/v1/blocks/0/updates", content=wire, headers={**h, "Content-Encoding": "deflate"})
         assert r.status_code == 202, r.text

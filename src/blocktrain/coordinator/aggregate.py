@@ -71,6 +71,19 @@ def aggregate(
     return out
 
 
+def agreeing(deltas: list[dict[str, torch.Tensor]], min_cos: float) -> list[int]:
+    """Indices i whose cos(Delta_i, med) >= ``min_cos``, med the coordinate-wise median of the round's deltas: an update
+    that points away from what the round's majority agrees on (a sign flip, a pull toward zero, noise) is dropped.
+    All of them when fewer than 3, or when none would pass (the round never publishes nothing)."""
+    if len(deltas) < 3:
+        return list(range(len(deltas)))
+    flat = torch.stack([torch.cat([d[n].reshape(-1).float() for n in sorted(d)]) for d in deltas])  # (m, params)
+    med = flat.median(dim=0).values if len(deltas) % 2 else _even_median(flat)  # (params,)
+    cos = torch.nn.functional.cosine_similarity(flat.double(), med.double()[None], dim=1, eps=1e-30)  # (m,)
+    keep = [i for i, c in enumerate(cos.tolist()) if c >= min_cos]
+    return keep or list(range(len(deltas)))
+
+
 def _even_median(stacked: torch.Tensor) -> torch.Tensor:
     srt = stacked.sort(dim=0).values
     m = srt.shape[0]
@@ -125,6 +138,7 @@ class RoundResult:
     weights: dict[str, torch.Tensor]  # W_{v+1}
     step: dict[str, torch.Tensor]  # the encoded step as published (wire tensors)
     state: OuterState  # carried to the next round
+    kept: tuple[int, ...]  # indices of the deltas the aggregate used (the others disagreed: settings.agree_min)
 
 
 def next_version(
@@ -134,17 +148,18 @@ def next_version(
     settings: CoordinatorSettings,
     state: OuterState,
 ) -> RoundResult:
-    """Close one round: aggregate, outer step, encode the step with error feedback, apply it.
+    """Close one round: screen (``agree_min``), aggregate, outer step, encode the step with error feedback, apply it.
 
     W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step.
     """
     if settings.outer is None:
         raise ValueError("no outer step chosen; resolve it with CoordinatorSettings.for_objective(objective.outer_step())")
-    delta_bar = aggregate(deltas, samples, settings.aggregation, settings.trim_fraction)
+    kept = agreeing(deltas, settings.agree_min) if settings.agree_min is not None else list(range(len(deltas)))
+    delta_bar = aggregate([deltas[i] for i in kept], [samples[i] for i in kept], settings.aggregation, settings.trim_fraction)
     step, buf = outer_step(delta_bar, settings.outer, settings.outer_lr, settings.outer_momentum, state.momentum)
     codec = ErrorFeedback(settings.step_compression, state.residual)
     wire = codec.encode(step)
     new = apply_step(weights, decode_delta(wire, settings.step_compression))
     lossless = settings.step_compression is Compression.NONE
-    return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual))
+    return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual), tuple(kept))
 

@@ -33,7 +33,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -41,6 +40,7 @@ from blocktrain.coordinator.dashboard import DASHBOARD_HTML
 from blocktrain.coordinator.observe import prometheus, status
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.messages import PROTOCOL_VERSION, RegisterRequest
 from blocktrain.protocol.transport import DEFLATE, accepts_deflate, decode_body, deflate
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SAFETENSORS = "application/octet-stream"
-
-
-class RegisterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    block: int | None = None  # pin this worker to block K (else: the block with the fewest live replicas)
-    dataset: str | None = Field(default=None, max_length=64)  # sha256 fingerprint of the worker's dataset
-    p2p_key: str | None = Field(default=None, max_length=2048)  # RSA public key (OpenSSH) of a hivemind-averaging worker
 
 
 def _bearer(request: Request) -> str | None:
@@ -211,6 +204,9 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     @app.post("/v1/register")
     async def register(request: Request, body: RegisterRequest) -> dict[str, Any]:
         name = auth(request)
+        if body.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(426, f"this worker speaks protocol {body.protocol}, the coordinator {PROTOCOL_VERSION}; run the "
+                                "same BlockTrain version on both sides", "protocol")
         return await run_in_threadpool(c.register, name, body.block, body.dataset, body.p2p_key)
 
     @app.post("/v1/heartbeat")

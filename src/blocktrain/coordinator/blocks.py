@@ -22,7 +22,6 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +33,10 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import pack, save_file, tensors_sha256, unpack
 from blocktrain.config import RunConfig, Schedule
 from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.evaluation import Evaluator
-from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState
+from blocktrain.coordinator.intake import Intake
+from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState, UpdateState
 from blocktrain.coordinator.store import Store
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import init_seed
@@ -98,7 +99,10 @@ class BlockRounds:
         self.weights_sha: dict[int, str] = {}
         self.version: dict[int, int] = {}
         self.outer: dict[int, OuterState] = {}  # momentum and step residual carried between rounds
-        self.norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in range(self.n_blocks)}
+        self.intake = Intake(self.settings, self.block_shapes, self.evaluator)  # the checks every update passes
+        self.conduct = Conduct(self.settings, self.store)  # rate limit and quarantine
+        if self.settings.gate and not self.intake.gating:
+            log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
         self.state: dict[int, BlockState] = {}
         self._frozen_payload: dict[int, bytes] = {}  # finished block -> its frozen download (built once)
         self._served: dict[int, str] = {}  # block -> sha256 of the last weights someone fetched or was told to fetch
@@ -137,7 +141,10 @@ class BlockRounds:
             if row["momentum_blob"]:
                 self.outer[k] = OuterState.from_tensors(unpack(s.get_blob(row["momentum_blob"]), source="outer state")[0])
             for norm in s.recent_norms(k, self.settings.norm_history):  # newest first
-                self.norms[k].appendleft(norm)
+                self.intake.norms[k].appendleft(norm)
+            for digest, compression in s.update_blobs(k):  # the replay check knows every accepted delta again
+                tensors, _ = unpack(s.get_blob(digest), source=f"update {digest[:12]}")
+                self.intake.remember_sketch(k, self.intake.sketch(k, decode_delta(tensors, Compression(compression))))
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
@@ -323,6 +330,7 @@ class BlockRounds:
             samples.append(int(r["samples"]))
         cfg = self.settings
         result = next_version(self.weights[k], deltas, samples, cfg, self.outer.get(k) or OuterState())
+        screened = [r for i, r in enumerate(rows) if i not in result.kept]
         w = result.weights
         payload = self._weights_payload(k, v + 1, w)
         w_digest = s.put_blob(payload)
@@ -343,6 +351,10 @@ class BlockRounds:
         with s.tx():
             s.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
             s.close_round(k, v, now, reason)  # its updates are applied
+            s.set_update_state([int(r["id"]) for r in screened], UpdateState.SCREENED)
+            for r in screened:
+                s.record_rejection(str(r["worker"]), k, 422, "screened", f"dropped at the close of round {v}: it "
+                                   "points away from what the round's other updates agree on", now)
             if cfg.rounds and v + 1 >= self.block_rounds(k):
                 s.finish_round(k, v + 1, now)
                 changed[k] = BlockState.FINISHED
@@ -361,6 +373,10 @@ class BlockRounds:
         if warm is not None:
             self._warm_start(warm)
         log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, len(rows), v + 1)
+        for r in screened:
+            log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v,
+                        r["worker"])
+            self.conduct.refused(str(r["worker"]), "screened", now)
         for j, state in changed.items():
             self.state[j] = state
             log.info("block %d is now %s", j, state.value)

@@ -7,8 +7,8 @@ every registration answer, so a worker needs no flag beyond ``--averaging hivemi
 only if every member's proof verifies (signed, over its peer id and the round, by the key this coordinator
 admitted that worker with, kept in the store), every member is registered on the block, is not quarantined
 and has not already sent an update for the version, and the uploader is a member. A group mean refused by the
-loss gate is refused whole; its members are recorded, and a member of two refused groups is quarantined: it may
-no longer push or join an accepted group.
+loss gate is refused whole; its members are recorded, and a member of two refused groups is quarantined
+(:mod:`.conduct`): it may no longer push or join an accepted group.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.group import GroupMember, round_scope
 
 log = logging.getLogger(__name__)
-
-QUARANTINE_AFTER = 2  # refused groups a worker may be a member of before it is quarantined
-
 
 class PeerHub:
     """The authority and the bootstrap DHT peer of one run (hivemind is imported only here)."""
@@ -88,7 +86,7 @@ class PeerHub:
         self.dht.shutdown()
 
 
-def check_members(store: Store, uploader: str, names: list[str], k: int, v: int) -> None:
+def check_members(store: Store, conduct: Conduct, uploader: str, names: list[str], k: int, v: int) -> None:
     """Every member registered on block k, not quarantined, not already counted for v; the uploader among them."""
     if uploader not in names:
         raise ProtocolError(403, f"worker {uploader!r} uploads a group it is not a member of", "group")
@@ -96,12 +94,8 @@ def check_members(store: Store, uploader: str, names: list[str], k: int, v: int)
         row = store.worker(name)
         if row is None or row["block"] is None or int(row["block"]) != k:
             raise ProtocolError(409, f"group member {name!r} is not registered on block {k}", "group_member")
-        if quarantined(store, name):
-            raise ProtocolError(403, f"group member {name!r} is quarantined (a member of {QUARANTINE_AFTER} refused "
-                                "groups); the group's mean is refused", "quarantined")
+        if conduct.quarantined(name):
+            raise ProtocolError(403, f"group member {name!r} is quarantined; the group's mean is refused", "quarantined")
         if store.submitted(k, v, name):
             raise ProtocolError(409, f"group member {name!r} already counts for block {k} version {v}", "duplicate")
 
-
-def quarantined(store: Store, name: str) -> bool:
-    return store.refused_groups(name) >= QUARANTINE_AFTER

@@ -2,7 +2,7 @@
 
 Builds on :class:`.blocks.BlockRounds` (versions, rounds, aggregation). Every
 update is validated (:mod:`.validate`), checked against the block's version,
-the recent norms and the optional loss gate, stored durably and only then
+the intake (budget, base, norms, replays, the loss gate: :mod:`.intake`), stored durably and only then
 acknowledged; every rejection is logged, counted and answered with a 4xx.
 Rejections of authenticated workers are stored; those of requests without a
 valid token are only counted in memory (and logged at a limited rate).
@@ -10,6 +10,7 @@ valid token are only counted in memory (and logged at a limited rate).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import threading
@@ -21,14 +22,15 @@ from typing import Any
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.blocks import BlockRounds
-from blocktrain.coordinator.defences import check_gate, check_norm
-from blocktrain.coordinator.groups import QUARANTINE_AFTER, PeerHub, check_members, quarantined
+from blocktrain.coordinator.groups import PeerHub, check_members
+from blocktrain.coordinator.intake import Checked, Published
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import hash_token
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.messages import FrozenRef, Registration, WorkAnswer
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,11 @@ class Coordinator(BlockRounds):
                 self._reload_tokens()
             name = self.worker_for_token(token)
         if name is None:
+            with self.lock:
+                revoked = self.store.quarantined_token(hash_token(token))
+            if revoked is not None:
+                raise ProtocolError(403, f"worker {revoked!r} is quarantined and its token revoked: its updates were "
+                                    "refused too often for what they are or do; ask the run's operator", "quarantined")
             raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", "auth")
         return name
 
@@ -101,9 +108,9 @@ class Coordinator(BlockRounds):
         """Assign ``name`` a block; ``dataset`` is the fingerprint of the worker's data (checked against the run's);
         ``p2p_key``: the worker averages on hivemind with this RSA key, and is issued a token for it."""
         with self.lock:  # every use of the store is under the lock
-            if quarantined(self.store, name):
-                raise ProtocolError(403, f"worker {name!r} is quarantined: it was a member of {QUARANTINE_AFTER} "
-                                    "group means the loss gate refused", "quarantined")
+            if self.conduct.quarantined(name):
+                raise ProtocolError(403, f"worker {name!r} is quarantined: its updates (or group means it was a member "
+                                    "of) were refused too often; ask the run's operator", "quarantined")
         if p2p_key is not None and self.hub is None:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; start it with --hivemind, "
                                 "or run the worker with --averaging coordinator", "hivemind_off")
@@ -135,17 +142,13 @@ class Coordinator(BlockRounds):
             state = self.state[k]
             message = self.state_message(k)
             log.info("worker %s registered on block %d (%s)%s", name, k, state.value, f": {message}" if message else "")
-            return {
-                "worker": name,
-                "block": k,
-                "block_state": state.value,
-                "message": message,
-                "config": self.cfg.to_json(),
-                "lease_seconds": self.settings.lease_seconds,
-                "rounds": self.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
-                "n_blocks": self.n_blocks,
-                **({"p2p": self.hub.admit(name, p2p_key)} if self.hub is not None and p2p_key is not None else {}),
-            }
+            return Registration(
+                worker=name, block=k, block_state=state.value, message=message, config=self.cfg.to_json(),
+                lease_seconds=self.settings.lease_seconds,
+                rounds=self.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
+                n_blocks=self.n_blocks, local_steps=self.settings.local_steps,
+                p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
+            ).model_dump(mode="json", exclude_none=True)
 
     def _least_replicated(self, name: str, now: float) -> int:
         """The block with the fewest live replicas other than ``name`` (stack: among the open blocks, if any)."""
@@ -201,22 +204,19 @@ class Coordinator(BlockRounds):
                 self.store.renew_lease(name, now + self.settings.lease_seconds)
                 if state is RoundState.OPEN:
                     self.store.record_seed(name, k, v, self.cfg.train.seed, stream)
-            return {
-                "block": k,
-                "version": v,
-                "weights_sha": self.weights_sha[k],
-                "block_state": block_state.value,
-                "message": self.state_message(k),
-                "frozen": self.frozen_refs(k),  # the finished blocks block k reads: fetch /v1/blocks/{j}/frozen
+            return WorkAnswer(
+                block=k, version=v, weights_sha=self.weights_sha[k], block_state=block_state.value,
+                message=self.state_message(k),
+                frozen=tuple(FrozenRef(**r) for r in self.frozen_refs(k)),  # the finished blocks block k reads
                 # a waiting block has no round yet
-                "round_state": BlockState.WAITING.value if block_state is BlockState.WAITING else state.value,
-                "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
-                "seed": self.cfg.train.seed,
-                "stream": stream,
-                "submitted": submitted,
-                "fetch_first": self.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
-                "finished": block_state is BlockState.FINISHED,  # this worker's block has no more rounds
-            }
+                round_state=BlockState.WAITING.value if block_state is BlockState.WAITING else state.value,
+                deadline_in=(float(rnd["deadline"]) - now) if rnd is not None else 0.0,
+                seed=self.cfg.train.seed, stream=stream,
+                steps=self.settings.local_steps, batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
+                submitted=submitted,
+                fetch_first=self.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
+                finished=block_state is BlockState.FINISHED,  # this worker's block has no more rounds
+            ).model_dump(mode="json")
 
     def submit(self, name: str, k: int, body: bytes) -> dict[str, Any]:
         """Validate and store one update; close the round if that makes a quorum."""
@@ -231,33 +231,40 @@ class Coordinator(BlockRounds):
         arrived = self.clock()
         with self.lock:
             row = self._worker(name)
+            self.conduct.admit(name)  # 403 quarantined, 429 over its refusal rate
             if int(row["block"]) != k:
                 raise ProtocolError(
                     403, f"worker {name!r} is assigned to block {row['block']}, not {k}; GET /v1/work", "wrong_block"
                 )
-            if quarantined(self.store, name):
-                raise ProtocolError(403, f"worker {name!r} is quarantined; its updates are refused", "quarantined")
         if len(body) > self.max_body_bytes:
             raise ProtocolError(
                 413, f"update of {len(body)} bytes exceeds the cap of {self.max_body_bytes}", "too_large"
             )
         upd = parse_update(body, k, self.block_shapes[k])
-        self._check_version(k, upd.base_version)
+        with self.lock:
+            self._check_version(k, upd.base_version)
+            if self.store.update_blob(k, upd.base_version, name) == hashlib.sha256(body).hexdigest():
+                return {"accepted": True, "duplicate": True, "block": k, "version": upd.base_version}  # a resend
+            base = self._published(k)
         members = self._group_members(name, k, upd)
-        if self.settings.gate_tolerance is not None:
-            try:
-                self._gate(k, upd)
-            except ProtocolError as exc:
-                if members:
-                    self._refuse_group(k, upd.base_version, name, members, exc.reason)
-                raise
+        try:
+            checked = self.intake.check(upd, base, self.settings.local_steps * self.cfg.train.batch_size * max(1, len(members)))
+        except ProtocolError as exc:
+            if members and exc.status == 422:
+                self._refuse_group(k, upd.base_version, name, members, exc.reason)
+            raise
         # Written (and fsynced) outside the lock, but named only once the update is accepted:
         # a refused update leaves no blob behind.
         staged = self.store.stage_blob(body)
         try:
-            return self._accept(name, k, upd, staged, arrived, members)
+            return self._accept(name, k, upd, checked, staged, arrived, members)
         finally:
             self.store.discard_blob(staged)  # no-op once committed
+
+    def _published(self, k: int) -> Published:
+        """Block k's open round as the intake checks updates against it (call under the lock)."""
+        frozen = [(self.weights_sha[j], self.weights[j]) for j in range(self.objective.frozen_inputs(k))]
+        return Published(k, self.version[k], self.weights_sha[k], self.weights[k], frozen)
 
     def _group_members(self, name: str, k: int, upd: ParsedUpdate) -> list[str]:
         """The workers a group upload names (cards verified), or [] for one worker's own update."""
@@ -273,11 +280,11 @@ class Coordinator(BlockRounds):
         with self.lock:
             with self.store.tx():
                 self.store.record_group_refusal(k, v, uploader, members, reason, self.clock())
-            caught = [m for m in members if quarantined(self.store, m)]
+            caught = [m for m in members if self.conduct.quarantined(m)]
         log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, reason,
                     f"; quarantined {caught}" if caught else "")
 
-    def _accept(self, name: str, k: int, upd: ParsedUpdate, staged: StagedBlob, arrived: float,
+    def _accept(self, name: str, k: int, upd: ParsedUpdate, checked: Checked, staged: StagedBlob, arrived: float,
                 members: list[str]) -> dict[str, Any]:
         digest = staged.digest
         with self.lock:
@@ -291,11 +298,11 @@ class Coordinator(BlockRounds):
                     409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate"
                 )
             if members:
-                check_members(self.store, name, members, k, v)  # under the lock that records them
+                check_members(self.store, self.conduct, name, members, k, v)  # under the lock that records them
             elif self.store.submitted(k, v, name):
                 raise ProtocolError(409, f"worker {name!r} already counts for block {k} version {v} as a member of a "
                                     "group's mean", "duplicate")
-            self._check_norm(k, upd.norm)
+            self.intake.check_replay(k, checked.sketch)  # again, under the lock: two concurrent copies, one accepted
             rnd = self.store.round(k, v)
             opened = float(rnd["opened"]) if rnd is not None else arrived
             self.store.commit_blob(staged)  # durable before the row that names it
@@ -305,7 +312,7 @@ class Coordinator(BlockRounds):
                                          arrival_s=arrived - opened)
                 if members:
                     self.store.record_group(k, v, name, members)
-            self.norms[k].append(upd.norm)
+            self.intake.remember(k, checked)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
             closed = self._check_quorum(self.clock())
             return {"accepted": True, "duplicate": False, "block": k, "version": v, "round_closed": k in closed}
@@ -324,15 +331,6 @@ class Coordinator(BlockRounds):
             if rnd is None or rnd["state"] != RoundState.OPEN.value:
                 raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", "finished")
 
-    def _check_norm(self, k: int, norm: float) -> None:
-        check_norm(k, norm, self.norms[k], self.settings)
-
-    def _gate(self, k: int, upd: ParsedUpdate) -> None:
-        with self.lock:
-            base = self.weights[k]
-            frozen = [(self.weights_sha[j], self.weights[j]) for j in range(self.objective.frozen_inputs(k))]
-        check_gate(self.evaluator, k, base, upd.delta, frozen, self.settings.gate_tolerance or 0.0)
-
     def record_rejection(self, name: str | None, k: int | None, exc: ProtocolError) -> None:
         """Log and count a refused update; durably (a ``rejections`` row) only for an authenticated worker.
 
@@ -344,8 +342,13 @@ class Coordinator(BlockRounds):
             return
         log.warning("rejected update from %s for block %s: %d %s: %s", name, k, exc.status, exc.reason, exc)
         block = k if k is not None and 0 <= k < self.n_blocks else None  # a bogus index is not stored
-        with self.lock, self.store.tx():
-            self.store.record_rejection(name, block, exc.status, exc.reason, str(exc), self.clock())
+        if exc.reason == "rate_limited":  # not stored: a flood of refused requests writes nothing
+            return
+        with self.lock:
+            now = self.clock()
+            with self.store.tx():
+                self.store.record_rejection(name, block, exc.status, exc.reason, str(exc), now)
+            self.conduct.refused(name, exc.reason, now)
 
     def _record_unauthenticated(self, k: int | None, exc: ProtocolError) -> None:
         with self._unauth_lock:

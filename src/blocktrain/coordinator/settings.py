@@ -41,6 +41,8 @@ class BlockState(enum.Enum):
 class UpdateState(enum.Enum):
     ACCEPTED = "accepted"  # validated and stored, waiting for its round to close
     APPLIED = "applied"  # part of an aggregate
+    SCREENED = "screened"  # dropped at its round's close: it disagreed with the others (settings.agree_min)
+    DROPPED = "dropped"  # its worker was quarantined before its round closed
 
 
 class CloseReason(enum.Enum):
@@ -68,8 +70,21 @@ class CoordinatorSettings:
     outer_lr: float = 1.0  # eta of the outer step (1 with --outer average: the plain mean)
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
-    gate_tolerance: float | None = None  # reject if block loss on a held-out batch rises by more (nats)
+    local_steps: int = 25  # H: inner steps each work answer assigns; an update may claim at most H x batch samples
+    lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
+    replay_cosine: float = 0.99  # refuse an update whose sketch's cosine with any accepted delta of the block is above (1 = off)
+    sketch_dim: int = 8192  # entries of the count sketch kept of every accepted delta (the replay check)
+    agree_min: float | None = 0.0  # round close: drop updates whose cosine with the others' mean is below (None = off)
+    gate: bool = True  # loss gate on every update (needs the coordinator's data; off without it)
+    gate_tolerance: float | None = None  # nats: a fixed gate tolerance (None: calibrated from accepted updates)
+    gate_floor: float = 0.02  # nats: the calibrated tolerance's least value (its value until gate_min_history is known)
+    gate_z: float = 6.0  # calibrated tolerance: median + gate_z x 1.4826 MAD of the block's recent accepted loss rises
+    gate_history: int = 64  # recent accepted loss rises of the block the calibration reads
+    gate_min_history: int = 8  # the calibration starts once this many rises are known
     gate_batch: int = 8  # sequences in the gate's held-out batch
+    quarantine_after: int = 3  # refusals for what an update is or does before its worker is quarantined (0 = never)
+    refusal_burst: int = 10  # refused update requests a worker may make per refusal_window_s before a 429 (0 = no cap)
+    refusal_window_s: float = 60.0  # seconds of the refusal rate limit's window
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation
     tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
@@ -100,3 +115,13 @@ class CoordinatorSettings:
             raise ConfigError("outer_lr must be > 0 and outer_momentum in [0, 1)")
         if self.gate_tolerance is not None and self.gate_tolerance < 0:
             raise ConfigError(f"gate_tolerance must be >= 0, got {self.gate_tolerance}")
+        if self.gate_floor < 0 or self.gate_z < 0 or self.gate_history < 1 or self.gate_min_history < 1 or self.gate_batch < 1:
+            raise ConfigError("gate_floor and gate_z must be >= 0; gate_history, gate_min_history and gate_batch >= 1")
+        if self.local_steps < 1 or self.sketch_dim < 16:
+            raise ConfigError(f"local_steps must be >= 1 and sketch_dim >= 16, got {self.local_steps}, {self.sketch_dim}")
+        if not 0 <= self.lazy_fraction < 1 or not 0 < self.replay_cosine <= 1:
+            raise ConfigError("lazy_fraction must be in [0, 1) and replay_cosine in (0, 1]")
+        if self.agree_min is not None and not -1 <= self.agree_min < 1:
+            raise ConfigError(f"agree_min must be in [-1, 1) or None, got {self.agree_min}")
+        if self.quarantine_after < 0 or self.refusal_burst < 0 or self.refusal_window_s <= 0:
+            raise ConfigError("quarantine_after and refusal_burst must be >= 0 and refusal_window_s > 0")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -32,11 +31,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from blocktrain.checkpoint.safetensors_io import pack, unpack
+from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.aggregate import OuterState, next_version
-from blocktrain.coordinator.defences import check_gate, check_norm
 from blocktrain.coordinator.evaluation import Evaluator
+from blocktrain.coordinator.intake import Intake, Published
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import parse_update
 from blocktrain.data.dataset import DataDir
@@ -153,8 +152,8 @@ def run_local_rounds(
     feedback = [ErrorFeedback(opts.compression) for _ in replicas]
     state = OuterState()
     train = data.open("train")
-    evaluator = Evaluator(cfg, settings, data) if settings.gate_tolerance is not None else None
-    norms: deque[float] = deque(maxlen=settings.norm_history)
+    intake = Intake(settings, {k: shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
+    budget = opts.local_steps * tc.batch_size  # what the coordinator's work answer assigns
     frozen_weights = [("", trainable_state(b)) for b in frozen]
     precision = resolve_precision(tc.precision, torch.device("cpu"))
     run = LocalRun(replicas[0], W)
@@ -162,7 +161,8 @@ def run_local_rounds(
     bar = progress_bar(total=opts.rounds, desc=f"block {k} x{opts.workers} H={opts.local_steps}", unit="round",
                        disable=not progress, dynamic_ncols=True)
     for v in range(opts.rounds):
-        deltas, samples = [], []
+        deltas, samples, pushed = [], [], []
+        base = Published(k, v, tensors_sha256(W), W, frozen_weights)
         for i, (block, opt) in enumerate(zip(replicas, optimisers, strict=True)):
             load_trainable(block, W)
             block.train()
@@ -185,21 +185,19 @@ def run_local_rounds(
             delta = {n: local[n] - W[n] for n in W}
             if bad is not None:
                 delta = bad.delta(delta, stream.generator(0, purpose=3))
-            body = pack_delta(delta, opts.compression, block=k, base_version=v,
-                              samples=opts.local_steps * tc.batch_size, feedback=feedback[i])
+            body = pack_delta(delta, opts.compression, block=k, base_version=v, base_sha=base.weights_sha,
+                              samples=budget, feedback=feedback[i])
             run.raw_push_bytes.append(len(body))
             run.push_bytes.append(len(deflate(body)))
             parsed = parse_update(body, k, shapes)  # what the coordinator decodes
-            gate: tuple[float, float] | None = None
             try:
-                if evaluator is not None:
-                    gate = check_gate(evaluator, k, W, parsed.delta, frozen_weights, settings.gate_tolerance or 0.0)
-                check_norm(k, parsed.norm, norms, settings)
+                checked = intake.check(parsed, base, budget)
             except ProtocolError as exc:
                 run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused"))
                 continue
-            run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", gate))
-            norms.append(parsed.norm)
+            run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", checked.gate))
+            intake.remember(k, checked)
+            pushed.append(len(run.updates) - 1)
             deltas.append(parsed.delta)
             samples.append(parsed.samples)
         if not deltas:  # every update refused: W stays, and the next round trains from it again
@@ -207,6 +205,9 @@ def run_local_rounds(
             bar.update(1)
             continue
         result = next_version(W, deltas, samples, settings, state)
+        for j, at in enumerate(pushed):
+            if j not in result.kept:  # dropped by the agreement screen at the round's close
+                run.updates[at] = replace(run.updates[at], outcome="screened")
         step_body = pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v),
                                        "compression": settings.step_compression.value})
         run.raw_pull_bytes.append(len(step_body))

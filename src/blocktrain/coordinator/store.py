@@ -69,6 +69,8 @@ CREATE TABLE IF NOT EXISTS block_states(block INTEGER PRIMARY KEY, state TEXT NO
 CREATE TABLE IF NOT EXISTS group_members(
     block INTEGER NOT NULL, version INTEGER NOT NULL, worker TEXT NOT NULL, uploader TEXT NOT NULL,
     PRIMARY KEY(block, version, worker));
+CREATE TABLE IF NOT EXISTS quarantine(
+    worker TEXT PRIMARY KEY, token_hash TEXT, reason TEXT NOT NULL, at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS group_refusals(
     id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL,
     uploader TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
@@ -253,7 +255,8 @@ class Store(BlobStore):
             "UPDATE rounds SET state=?, closed=?, close_reason=? WHERE block=? AND version=?",
             (RoundState.CLOSED.value, now, reason.value, k, v),
         )
-        self.db.execute("UPDATE updates SET state=? WHERE block=? AND version=?", (UpdateState.APPLIED.value, k, v))
+        self.db.execute("UPDATE updates SET state=? WHERE block=? AND version=? AND state=?",
+                        (UpdateState.APPLIED.value, k, v, UpdateState.ACCEPTED.value))
         self.add_counter("rounds_closed", 1)
 
     def finish_round(self, k: int, v: int, now: float) -> None:
@@ -336,6 +339,46 @@ class Store(BlobStore):
         return self.q(
             "SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v, UpdateState.ACCEPTED.value
         )
+
+    def update_blobs(self, k: int) -> list[tuple[str, str]]:
+        """(blob digest, compression) of every accepted or applied update of block k, oldest first."""
+        rows = self.q("SELECT blob, compression FROM updates WHERE block=? AND state IN (?, ?) ORDER BY id", k,
+                      UpdateState.ACCEPTED.value, UpdateState.APPLIED.value)
+        return [(str(r["blob"]), str(r["compression"])) for r in rows]
+
+    def set_update_state(self, ids: list[int], state: UpdateState) -> None:
+        self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
+
+    # --- quarantine ------------------------------------------------------------------
+    def counted_refusals(self, worker: str, reasons: tuple[str, ...]) -> int:
+        """Stored refusals of ``worker`` for one of ``reasons``."""
+        marks = ",".join("?" * len(reasons))
+        row = self.q1(f"SELECT COUNT(*) AS n FROM rejections WHERE worker=? AND reason IN ({marks})", worker, *reasons)
+        return 0 if row is None else int(row["n"])
+
+    def quarantine(self, worker: str, reason: str, at: float) -> int:
+        """Quarantine ``worker``: its token is revoked (its hash kept, to say so), it leaves, and its updates not yet
+        applied are dropped from their rounds; returns how many were dropped."""
+        row = self.q1("SELECT hash FROM tokens WHERE name=?", worker)
+        self.db.execute("INSERT OR REPLACE INTO quarantine(worker, token_hash, reason, at) VALUES(?,?,?,?)",
+                        (worker, None if row is None else str(row["hash"]), reason, at))
+        self.db.execute("DELETE FROM tokens WHERE name=?", (worker,))
+        self.worker_left(worker)
+        pending = self.q("SELECT id, block, version FROM updates WHERE worker=? AND state=?", worker,
+                         UpdateState.ACCEPTED.value)
+        for r in pending:
+            self.db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (r["block"], r["version"]))
+        self.set_update_state([int(r["id"]) for r in pending], UpdateState.DROPPED)
+        self.add_counter("workers_quarantined", 1)
+        return len(pending)
+
+    def quarantined(self, worker: str) -> bool:
+        return self.q1("SELECT 1 FROM quarantine WHERE worker=?", worker) is not None
+
+    def quarantined_token(self, token_hash: str) -> str | None:
+        """The quarantined worker whose revoked token has this hash, if any."""
+        row = self.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)
+        return None if row is None else str(row["worker"])
 
     def recent_norms(self, k: int, n: int) -> list[float]:
         """Norms of the ``n`` latest updates of block k, newest first."""

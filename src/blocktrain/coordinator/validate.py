@@ -4,12 +4,12 @@ Order of checks (each failure is a :class:`ProtocolError` with its status):
 
 1. the body is a safetensors file at all (else 415);
 2. it parses and its sha256 matches (else 400: truncated or corrupt);
-3. its metadata names a known encoding, this block and a positive sample count (422);
+3. its metadata is a valid :class:`blocktrain.protocol.messages.UpdateMeta` for this block (422 naming the field);
 4. exact tensor names, shapes and dtypes for that encoding (422);
 5. every value is finite (422).
 
 Checks that need the coordinator's state (version, norm against the round's
-median, the loss gate) live in :mod:`blocktrain.coordinator.service`.
+median, the budget, replays, the loss gate) live in :mod:`blocktrain.coordinator.intake`.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.checkpoint.safetensors_io import unpack
+from blocktrain.checkpoint.safetensors_io import RESERVED, unpack
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
-
-MAX_SAMPLES = 1 << 30  # an update claiming more samples than this is rejected
+from blocktrain.protocol.messages import parse_meta
 
 
 @dataclass(frozen=True)
 class ParsedUpdate:
     block: int  # block index the update is for
     base_version: int  # version v the delta is against
+    base_sha: str  # sha256 of W_v's tensors, as the sender names it
     samples: int  # training sequences behind the delta (aggregation weight)
     compression: Compression  # wire encoding
     delta: dict[str, torch.Tensor]  # decoded float32 delta per parameter
@@ -48,15 +48,6 @@ def _looks_like_safetensors(body: bytes) -> bool:
     return head == b"{"
 
 
-def _int_field(meta: dict[str, str], key: str) -> int:
-    try:
-        return int(meta[key])
-    except (KeyError, ValueError):
-        raise ProtocolError(
-            422, f"update metadata field {key!r} is missing or not an integer; send it with pack_delta()", "metadata"
-        ) from None
-
-
 def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) -> ParsedUpdate:
     """Parse and validate ``body`` as a delta for ``block`` with trainable ``shapes``."""
     if not _looks_like_safetensors(body):
@@ -71,29 +62,19 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
         raise ProtocolError(400, f"the update could not be read: {exc}; resend the whole body", "corrupt") from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:  # pragma: no cover - unpack wraps these
         raise ProtocolError(400, f"the update could not be read: {exc}", "corrupt") from None
-    if meta.get("kind") != "delta":
-        raise ProtocolError(422, f"metadata kind is {meta.get('kind')!r}, expected 'delta'", "metadata")
-    try:
-        compression = Compression(meta.get("compression", ""))
-    except ValueError:
-        choices = ", ".join(c.value for c in Compression)
-        raise ProtocolError(
-            422, f"unknown compression {meta.get('compression')!r}; use one of {choices}", "metadata"
-        ) from None
-    k = _int_field(meta, "block_index")
+    m = parse_meta({n: t for n, t in meta.items() if n not in RESERVED})  # typed and bounded (422 names the field)
+    compression = Compression(m.compression)
+    k = m.block_index
     if k != block:
         raise ProtocolError(422, f"the update is for block {k} but was sent to block {block}'s endpoint", "metadata")
-    base_version = _int_field(meta, "base_version")
-    samples = _int_field(meta, "samples")
-    if not 0 < samples <= MAX_SAMPLES:
-        raise ProtocolError(422, f"samples={samples} must be in 1..{MAX_SAMPLES}", "metadata")
+    samples = m.samples
     group: tuple[GroupMember, ...] = ()
-    if "group" in meta:
+    if m.group is not None:
         try:
-            group = decode_group(meta["group"])
+            group = decode_group(m.group)
         except ValueError as exc:
             raise ProtocolError(422, f"malformed group upload: {exc}", "group") from None
-        if sum(m.samples for m in group) != samples:
+        if sum(x.samples for x in group) != samples:
             raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", "group")
     schema = wire_schema(shapes, compression)
     missing = sorted(set(schema) - set(tensors))
@@ -122,6 +103,6 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
     if not norm < float("inf"):
         raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", "non_finite")
     return ParsedUpdate(
-        block=k, base_version=base_version, samples=samples, compression=compression, delta=delta, norm=norm,
+        block=k, base_version=m.base_version, base_sha=m.base_sha, samples=samples, compression=compression, delta=delta, norm=norm,
         group=group,
     )

@@ -29,6 +29,7 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import pack
 from blocktrain.protocol.group import GroupMember, encode_group
+from blocktrain.protocol.messages import UpdateMeta
 
 SCALE_SUFFIX = "@scale"  # int8 encoding: per-tensor scale tensor name suffix
 
@@ -120,26 +121,22 @@ def pack_delta(
     *,
     block: int,
     base_version: int,
+    base_sha: str,
     samples: int,
     feedback: ErrorFeedback | None = None,
     group: list[GroupMember] | None = None,
 ) -> bytes:
     """A worker's update as safetensors bytes (with ``feedback``: plus its carried residual, which it updates).
 
-    ``group``: the delta is the sample-weighted mean of these members' deltas (:mod:`.group`), ``samples`` their sum.
+    ``base_version`` and ``base_sha``: the published version and the sha256 of its weights the delta was trained
+    from (the work answer's). ``group``: the delta is the sample-weighted mean of these members' deltas
+    (:mod:`.group`), ``samples`` their sum.
     """
-    meta = {
-        "kind": "delta",
-        "block_index": str(block),
-        "base_version": str(base_version),
-        "samples": str(samples),
-        "compression": compression.value,
-    }
-    if group:
-        if sum(m.samples for m in group) != samples:
-            raise ValueError("a group upload's samples must be the sum of its members'")
-        meta["group"] = encode_group(group)
+    if group and sum(m.samples for m in group) != samples:
+        raise ValueError("a group upload's samples must be the sum of its members'")
+    meta = UpdateMeta(block_index=block, base_version=base_version, base_sha=base_sha, samples=samples,
+                      compression=compression.value, group=encode_group(group) if group else None)
     if feedback is not None and feedback.compression is not compression:
         raise ValueError(f"error feedback for {feedback.compression.value} cannot encode {compression.value}")
     wire = feedback.encode(delta) if feedback is not None else encode_delta(delta, compression)
-    return pack(wire, meta)
+    return pack(wire, meta.to_meta())

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.messages import RegisterRequest, Registration, WorkAnswer, parse
 from blocktrain.protocol.transport import DEFLATE, deflate
 
 log = logging.getLogger(__name__)
@@ -87,14 +88,13 @@ class CoordinatorClient:
                 raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
 
     # --- protocol calls --------------------------------------------------------
-    def register(self, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"block": block, "dataset": dataset}
-        if p2p_key is not None:  # the hivemind engine: the coordinator answers with a token for this key
-            body["p2p_key"] = p2p_key
-        return dict(self.request("POST", "/v1/register", json=body).json())
+    def register(self, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> Registration:
+        """``p2p_key``: the hivemind engine; the coordinator answers with a token for this key."""
+        body = RegisterRequest(block=block, dataset=dataset, p2p_key=p2p_key).model_dump(exclude_none=True)
+        return parse(Registration, self.request("POST", "/v1/register", json=body).json(), "the registration answer", 502)
 
-    def work(self) -> dict[str, Any]:
-        return dict(self.request("GET", "/v1/work").json())
+    def work(self) -> WorkAnswer:
+        return parse(WorkAnswer, self.request("GET", "/v1/work").json(), "the work answer", 502)
 
     def heartbeat(self) -> None:
         self.request("POST", "/v1/heartbeat", retry=False)

@@ -42,6 +42,7 @@ from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
+from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord, train_steps
 from blocktrain.train.step import lr_at, make_optimizer
@@ -63,7 +64,7 @@ class WorkerOptions:
     url: str  # coordinator base URL
     token: str  # bearer token of this worker
     block: int | None = None  # pin to block K (else the coordinator assigns one)
-    local_steps: int = 25  # H: optimiser steps per round (the averaging study's best, benchmarks/results/averaging-study.md)
+    local_steps: int | None = None  # H: optimiser steps per round, at most the coordinator's budget (None: its budget)
     compression: Compression = Compression.INT8  # delta encoding on the wire (lossy ones carry error feedback)
     progress: bool = True  # per-round progress bar
     poll_s: float = 0.5  # wait between polls while a round is closing
@@ -79,7 +80,7 @@ class WorkerOptions:
     p2p_host: str = "0.0.0.0"  # hivemind engine: IPv4 address this worker's DHT peer listens on
 
     def __post_init__(self) -> None:
-        if self.local_steps < 1:
+        if self.local_steps is not None and self.local_steps < 1:
             raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
         if self.poll_s <= 0 or self.give_up_s <= 0:
             raise ConfigError("poll_s and give_up_s must be positive (seconds)")
@@ -127,12 +128,15 @@ class Worker:
         self._p2p_key: Any = None  # this worker's RSA key on hivemind
 
     # --- set-up ---------------------------------------------------------------
-    def _setup(self, reg: dict[str, Any]) -> None:
-        self.cfg = RunConfig.from_json(reg["config"])
-        self.k = int(reg["block"])
-        self.lease_s = float(reg["lease_seconds"])
-        rounds = int(reg["rounds"])
-        steps = rounds * self.opts.local_steps if rounds else self.cfg.train.steps
+    def _setup(self, reg: Registration) -> None:
+        self.cfg = RunConfig.from_json(reg.config)
+        self.k = reg.block
+        self.lease_s = reg.lease_seconds
+        self.H = min(self.opts.local_steps or reg.local_steps, reg.local_steps)  # the coordinator assigns the budget
+        rounds = reg.rounds
+        # the lr schedule spans the block's rounds x the coordinator's H, the position a round's version gives
+        steps = rounds * reg.local_steps if rounds else self.cfg.train.steps
+        self.round_steps = reg.local_steps
         self.schedule = replace(self.cfg.train, steps=max(1, steps))
         self.objective = get_objective(self.cfg)
         self.device = resolve_device(self.opts.device)
@@ -148,10 +152,10 @@ class Worker:
         self.base_version = -1
         self.base_sha = ""  # sha256 of the base weights: the coordinator's weights_sha for the same version
         self.summary.block = self.k
-        log.info("registered as %s on block %d (preset %s, %s objective)", reg["worker"], self.k, self.cfg.name,
+        log.info("registered as %s on block %d (preset %s, %s objective)", reg.worker, self.k, self.cfg.name,
                  self.cfg.objective)
-        if reg.get("message"):
-            log.info("%s", reg["message"])
+        if reg.message:
+            log.info("%s", reg.message)
 
     def _register(self) -> None:
         key = None
@@ -163,7 +167,7 @@ class Worker:
         reg = self.client.register(self.opts.block, self.data.fingerprint(), p2p_key=key)
         self._setup(reg)
         if key is not None:
-            self._join_groups(reg.get("p2p"))
+            self._join_groups(reg.p2p)
 
     def _join_groups(self, p2p: Any) -> None:
         """Join the run's DHT with the token the coordinator issued (once; a new registration renews the token)."""
@@ -187,13 +191,13 @@ class Worker:
         log.info("joined the run's hivemind DHT as %s", self.groups.peer)
 
     # --- weights ---------------------------------------------------------------
-    def _sync(self, work: dict[str, Any]) -> None:
-        v, sha = int(work["version"]), str(work["weights_sha"])
+    def _sync(self, work: WorkAnswer) -> None:
+        v, sha = work.version, work.weights_sha
         if self.groups is not None:  # a peer that has version v first (hivemind engine)
             # the first worker to ask about version v fetches at once (from the coordinator, if no peer has it);
             # the others wait for a peer to offer it
             m = self.opts.matchmaking_s
-            wait = 0.0 if work.get("fetch_first", True) else 3.0 * m
+            wait = 0.0 if work.fetch_first else 3.0 * m
             pulled = self.groups.pull(self.k, v, sha, timeout=m, wait_s=wait)
             if pulled is not None:
                 self.summary.peer_pulls += 1
@@ -237,17 +241,17 @@ class Worker:
             except ProtocolError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
-    def _train_round(self, work: dict[str, Any]) -> bool:
+    def _train_round(self, work: WorkAnswer) -> bool:
         """H local steps on this round's stream; False if abandoned."""
         frozen = self._frozen(work)
         if self.objective.inherits():  # frozen heads from the earlier blocks (stack variants); trainable weights untouched
             self.objective.inherit(self.block, self.k, self.frozen.whole, at_init=False)
-        stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, int(work["seed"]),
-                             stream=int(work["stream"]))
-        H = self.opts.local_steps
+        stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
+                             stream=work.stream)
+        H = min(self.H, work.steps)  # at most the round's budget
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
-        deadline_in = float(work.get("deadline_in", 0.0))
+        deadline_in = work.deadline_in
         self._deadline_at = time.monotonic() + deadline_in if deadline_in > 0 else float("inf")
         stop_at = self._deadline_at - self._push_margin() - self._group_budget()
         self.steps_done = 0
@@ -262,7 +266,7 @@ class Worker:
             return out.loss, {}
 
         # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
-        offset = max(self.base_version, 0) * H
+        offset = max(self.base_version, 0) * self.round_steps
         try:
             train_steps(self.block, self.opt, loss_at, range(H),
                         lr=lambda i: lr_at(min(offset + i, self.schedule.steps - 1), self.schedule),
@@ -303,9 +307,9 @@ class Worker:
         """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
         return max(0.5, 2.0 * self._slowest_push)
 
-    def _frozen(self, work: dict[str, Any]) -> list[torch.nn.Module]:
+    def _frozen(self, work: WorkAnswer) -> list[torch.nn.Module]:
         """The verified frozen copies of the blocks this block reads (fetched once per published version)."""
-        refs = list(work.get("frozen", []))
+        refs = [r.model_dump() for r in work.frozen]
         if len(refs) != self.objective.frozen_inputs(self.k):
             raise ProtocolError(
                 502, f"the coordinator names {len(refs)} frozen inputs for block {self.k}, which reads "
@@ -336,7 +340,7 @@ class Worker:
             if group is not None:
                 delta, samples = group.mean, group.samples
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
-                             samples=samples, feedback=self.feedback, group=group.members if group else None)
+                             base_sha=self.base_sha, samples=samples, feedback=self.feedback, group=group.members if group else None)
         t0 = time.monotonic()
         try:
             self.client.push(self.k, payload)
@@ -375,21 +379,21 @@ class Worker:
                         self._register()
                         continue
                     raise
-                if work["finished"]:
+                if work.finished:
                     log.info("block %d has finished its rounds", self.k)
                     break
-                if int(work["block"]) != self.k:
-                    log.info("reassigned from block %d to %d", self.k, work["block"])
+                if work.block != self.k:
+                    log.info("reassigned from block %d to %d", self.k, work.block)
                     self._register()
                     continue
-                if int(work["version"]) != self.base_version or str(work["weights_sha"]) != self.base_sha:
+                if work.version != self.base_version or work.weights_sha != self.base_sha:
                     self._sync(work)  # a new version, or version 0 replaced by a warm start as the block opened
                     continue
-                if work.get("block_state") == "waiting" and not waiting:
-                    log.info("%s", work.get("message") or f"block {self.k} is waiting for earlier blocks to finish")
-                waiting = work.get("block_state") == "waiting"
-                if work["round_state"] != "open" or work["submitted"] or self._grouped_version == int(work["version"]):
-                    self._await_next(int(work["version"]))
+                if work.block_state == "waiting" and not waiting:
+                    log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
+                waiting = work.block_state == "waiting"
+                if work.round_state != "open" or work.submitted or self._grouped_version == work.version:
+                    self._await_next(work.version)
                     continue
                 if not self._train_round(work):
                     break

@@ -1,0 +1,82 @@
+"""Refusals with consequences: a per-worker rate limit on refused requests, and quarantine.
+
+* **Rate limit.** A worker whose update requests were refused ``refusal_burst`` times within ``refusal_window_s``
+  gets 429 ``rate_limited`` for the rest of the window, before its body is parsed (kept in memory only).
+* **Quarantine.** A refusal for what an update is or does (:data:`COUNTED`: a claim above its budget, a norm out of
+  bounds, a replay, a loss-gate refusal, a malformed body, a delta dropped at its round's close because it disagreed
+  with the others) counts against its worker. At ``quarantine_after`` of them, or as a member of
+  ``GROUP_REFUSALS`` refused group means (the hivemind engine), the worker is quarantined: its token is revoked,
+  its later requests are refused (403 ``quarantined``), and its updates not yet applied are dropped from their rounds.
+  Refusals an honest worker meets in an ordinary run (``stale``, ``base``, ``duplicate``, ``finished``, ...) are
+  not counted.
+
+The coordinator calls these under its lock (every use of the store is).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.store import Store
+from blocktrain.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+COUNTED = ("claim", "norm", "lazy", "replay", "gate", "screened", "metadata", "schema", "non_finite", "not_safetensors",
+           "group")  # refusal reasons that count toward quarantine
+GROUP_REFUSALS = 2  # refused group means a worker may be a member of before it is quarantined (hivemind engine)
+
+
+class Conduct:
+    """The rate limit and quarantine of one coordinator."""
+
+    def __init__(self, settings: CoordinatorSettings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self._refused: dict[str, deque[float]] = {}  # worker -> time.monotonic() of its recent refusals
+        self.rate_limited = 0  # requests answered 429 since start-up
+
+    def quarantined(self, name: str) -> bool:
+        return self.store.quarantined(name) or self.store.refused_groups(name) >= GROUP_REFUSALS
+
+    def admit(self, name: str) -> None:
+        """403 if ``name`` is quarantined, 429 if it is over its refusal rate; else nothing."""
+        if self.quarantined(name):
+            raise ProtocolError(403, f"worker {name!r} is quarantined: its updates were refused too often for what "
+                                "they are or do; ask the run's operator", "quarantined")
+        burst = self.settings.refusal_burst
+        recent = self._recent(name)
+        if burst and len(recent) >= burst:
+            self.rate_limited += 1
+            wait = self.settings.refusal_window_s - (time.monotonic() - recent[0])
+            raise ProtocolError(429, f"worker {name!r} had {len(recent)} updates refused in the last "
+                                f"{self.settings.refusal_window_s:g} s; wait {wait:.0f} s and fix what they said",
+                                "rate_limited")
+
+    def _recent(self, name: str) -> deque[float]:
+        recent = self._refused.setdefault(name, deque())
+        now = time.monotonic()
+        while recent and now - recent[0] > self.settings.refusal_window_s:
+            recent.popleft()
+        return recent
+
+    def refused(self, name: str, reason: str, at: float) -> bool:
+        """Count a refusal of ``name``'s update (already stored as a rejection); True if it is now quarantined."""
+        if reason in ("rate_limited", "quarantined"):
+            return False
+        self._recent(name).append(time.monotonic())
+        if reason not in COUNTED or not self.settings.quarantine_after or self.store.quarantined(name):
+            return False
+        n = self.store.counted_refusals(name, COUNTED)
+        if n < self.settings.quarantine_after:
+            return False
+        self.quarantine(name, f"{n} refused updates (last: {reason})", at)
+        return True
+
+    def quarantine(self, name: str, why: str, at: float) -> None:
+        with self.store.tx():
+            dropped = self.store.quarantine(name, why, at)
+        log.warning("worker %s quarantined (%s): token revoked, %d pending updates dropped", name, why, dropped)
