@@ -38,6 +38,7 @@ class Conduct:
         self.store = store
         self._refused: dict[str, deque[float]] = {}  # worker -> time.monotonic() of its recent refusals
         self.rate_limited = 0  # requests answered 429 since start-up
+        self.revoked: set[str] = set()  # workers quarantined since start-up (their tokens may still be cached)
 
     def quarantined(self, name: str) -> bool:
         return self.store.quarantined(name) or self.store.refused_groups(name) >= GROUP_REFUSALS
@@ -79,4 +80,5 @@ class Conduct:
     def quarantine(self, name: str, why: str, at: float) -> None:
         with self.store.tx():
             dropped = self.store.quarantine(name, why, at)
+        self.revoked.add(name)
         log.warning("worker %s quarantined (%s): token revoked, %d pending updates dropped", name, why, dropped)

@@ -25,6 +25,7 @@ screen at the round's close, quarantine) is in :mod:`.aggregate` and :mod:`.cond
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,6 +107,8 @@ class Intake:
         self._sketches: dict[int, list[torch.Tensor]] = {k: [] for k in shapes}
         self._stacked: dict[int, torch.Tensor | None] = {k: None for k in shapes}  # (n, dim) cache of _sketches[k]
         self._before: dict[tuple[int, str], float] = {}  # (block, weights sha) -> held-out loss at W_v
+        self.checked = 0  # updates that went through check()
+        self.seconds = 0.0  # seconds spent in check(), in all
 
     @property
     def gating(self) -> bool:
@@ -113,6 +116,14 @@ class Intake:
 
     def check(self, upd: ParsedUpdate, base: Published, budget: int) -> Checked:
         """Every check of the module docstring for ``upd`` against ``base``; ``budget``: samples assigned for it."""
+        t0 = time.perf_counter()
+        try:
+            return self._check(upd, base, budget)
+        finally:
+            self.checked += 1
+            self.seconds += time.perf_counter() - t0
+
+    def _check(self, upd: ParsedUpdate, base: Published, budget: int) -> Checked:
         k = base.block
         if upd.base_version != base.version or upd.base_sha != base.weights_sha:
             raise ProtocolError(409, f"the delta names version {upd.base_version} (sha256 {upd.base_sha[:12]}) but block {k} "
@@ -178,6 +189,11 @@ class Intake:
         self.remember_sketch(k, checked.sketch)
         if checked.gate is not None:
             self.rises[k].append(checked.gate[1] - checked.gate[0])
+
+    def summary(self) -> dict[str, object]:
+        """What the intake costs and how tight its gate is, for ``/v1/status``."""
+        return {"updates_checked": self.checked, "ms_per_update": 1e3 * self.seconds / max(1, self.checked),
+                "gate": self.gating, "gate_tolerance": {k: self.tolerance(k) for k in self.rises} if self.gating else None}
 
     def remember_sketch(self, k: int, sketch: torch.Tensor) -> None:
         self._sketches[k].append(sketch)

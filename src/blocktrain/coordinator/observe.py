@@ -75,6 +75,8 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
             for r in s.evals()
         ]
         counters = s.counters()
+        quarantined = s.quarantined_workers()
+        intake = c.intake.summary()
     rejections = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}
     for reason, n in c.unauthenticated_rejections().items():  # in memory only: since this process started
         rejections[reason] = rejections.get(reason, 0) + n
@@ -88,6 +90,9 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         "rounds_closed": counters.get("rounds_closed", 0),
         "updates_accepted": counters.get("updates_accepted", 0),
         "rejections": rejections,
+        "rate_limited": c.conduct.rate_limited,  # update requests answered 429 since start-up (kept in memory)
+        "quarantined": quarantined,  # worker -> why
+        "intake": intake,  # its cost per update and the loss gate's current tolerance per block
         "bytes_in": counters.get("bytes_in", 0),
         "bytes_out": counters.get("bytes_out", 0),
         # workers' bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)

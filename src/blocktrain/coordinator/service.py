@@ -80,6 +80,10 @@ class Coordinator(BlockRounds):
         if not token:
             raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", "auth")
         name = self.worker_for_token(token)
+        if name is not None and name in self.conduct.revoked:  # quarantined since its token was cached
+            with self.lock:
+                self._reload_tokens()
+            name = None
         now = time.monotonic()
         if name is None and now - self._last_token_reload >= TOKEN_RELOAD_SECONDS:
             # A token may have been added by 'blocktrain token add' while we run; re-read the table,

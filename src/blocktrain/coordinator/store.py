@@ -375,6 +375,10 @@ class Store(BlobStore):
     def quarantined(self, worker: str) -> bool:
         return self.q1("SELECT 1 FROM quarantine WHERE worker=?", worker) is not None
 
+    def quarantined_workers(self) -> dict[str, str]:
+        """Every quarantined worker and why."""
+        return {str(r["worker"]): str(r["reason"]) for r in self.q("SELECT worker, reason FROM quarantine ORDER BY at")}
+
     def quarantined_token(self, token_hash: str) -> str | None:
         """The quarantined worker whose revoked token has this hash, if any."""
         row = self.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)

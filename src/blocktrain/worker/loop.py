@@ -320,11 +320,15 @@ class Worker:
         self.summary.frozen_downloads += self.frozen.downloads - before
         return modules
 
-    def _push(self) -> None:
+    def _delta(self) -> tuple[dict[str, torch.Tensor], int]:
+        """What this round trained: Delta = W_local - W_v, and the sequences behind it (steps x batch)."""
         assert self.base is not None
         local = trainable_state(self.block)
-        delta = {n: local[n] - self.base[n] for n in self.base}
-        samples = self.steps_done * self.cfg.train.batch_size
+        return {n: local[n] - self.base[n] for n in self.base}, self.steps_done * self.cfg.train.batch_size
+
+    def _push(self) -> None:
+        assert self.base is not None
+        delta, samples = self._delta()
         group = None
         if self.groups is not None:
             self._await_peers()

@@ -1,0 +1,200 @@
+"""The coordinator decides what an update is worth: every defence of the intake, attacked over HTTP.
+
+Each test sends what an admitted hostile worker could send through the coordinator's routes and fails without its
+defence: a claim above the assigned budget, a delta that names another base, a replayed or relabelled delta, a lazy
+(zero) delta, a delta that points away from the round's others, refusals that go on (quarantine, then 429), and a
+message of another protocol version.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from blocktrain.checkpoint.safetensors_io import RESERVED, unpack
+from blocktrain.coordinator.app import create_app
+from blocktrain.coordinator.intake import MAD_TO_SIGMA, Intake
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.messages import PROTOCOL_VERSION, WorkAnswer, parse_meta
+from tests.distributed_utils import FakeClock, make_coordinator
+
+
+class Peer:
+    """One admitted worker speaking the protocol over a TestClient."""
+
+    def __init__(self, c: Coordinator, client: TestClient, name: str) -> None:
+        self.c, self.client, self.name = c, client, name
+        self.headers = {"Authorization": f"Bearer {c.add_token(name)}"}
+
+    def register(self, block: int = 0) -> None:
+        r = self.client.post("/v1/register", json={"block": block}, headers=self.headers)
+        assert r.status_code == 200, r.text
+
+    def work(self) -> WorkAnswer:
+        r = self.client.get("/v1/work", headers=self.headers)
+        assert r.status_code == 200, r.text
+        return WorkAnswer.model_validate(r.json())
+
+    def push(self, delta: dict[str, torch.Tensor], samples: int | None = None, *, version: int | None = None,
+             sha: str | None = None) -> tuple[int, str]:
+        w = self.work()
+        body = pack_delta(delta, Compression.INT8, block=0, base_version=w.version if version is None else version,
+                          base_sha=sha or w.weights_sha, samples=w.sequences if samples is None else samples)
+        r = self.client.post("/v1/blocks/0/updates", content=body, headers=self.headers)
+        return r.status_code, str(r.json().get("error", ""))
+
+
+def direction(c: Coordinator, seed: int, scale: float = 1e-3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: scale * torch.randn(s, generator=g) for n, s in c.shapes.items()}
+
+
+def near(base: dict[str, torch.Tensor], seed: int, noise: float = 0.3) -> dict[str, torch.Tensor]:
+    """An honest-looking delta: the round's common direction plus its own noise."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + noise * t.abs().mean() * torch.randn(t.shape, generator=g) for n, t in base.items()}
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[Coordinator]:
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=30, lease_seconds=60)
+    yield c
+    c.close()
+
+
+def peers(c: Coordinator, client: TestClient, n: int) -> list[Peer]:
+    out = [Peer(c, client, f"w{i}") for i in range(n)]
+    for p in out:
+        p.register()
+    return out
+
+
+def test_the_work_answer_assigns_a_budget_and_a_claim_above_it_is_refused(coord: Coordinator) -> None:
+    with TestClient(create_app(coord, background=False)) as client:
+        a, _ = peers(coord, client, 2)
+        w = a.work()
+        assert (w.steps, w.batch, w.protocol) == (coord.settings.local_steps, coord.cfg.train.batch_size, PROTOCOL_VERSION)
+        assert a.push(direction(coord, 0), samples=w.sequences + 1) == (422, "claim")
+        assert a.push(direction(coord, 0), samples=1 << 30) == (422, "claim")
+        assert a.push(direction(coord, 0), samples=w.sequences) == (202, "")  # its whole budget: accepted
+        assert coord.store.q1("SELECT samples FROM updates WHERE worker='w0'")["samples"] == w.sequences
+
+
+def test_a_delta_that_names_another_base_is_refused(coord: Coordinator) -> None:
+    with TestClient(create_app(coord, background=False)) as client:
+        (a,) = peers(coord, client, 1)
+        assert a.push(direction(coord, 0), sha="0" * 64) == (409, "base")
+        assert a.push(direction(coord, 0), version=3) == (409, "stale")
+
+
+def test_a_replayed_or_relabelled_delta_is_refused(coord: Coordinator) -> None:
+    with TestClient(create_app(coord, background=False)) as client:
+        a, b = peers(coord, client, 2)
+        base = direction(coord, 0)
+        d = near(base, 1)
+        assert a.push(d) == (202, "")
+        assert b.push(d) == (422, "replay")  # another worker's accepted delta, same round
+        assert b.push({n: 1.01 * t for n, t in d.items()}) == (422, "replay")  # scaled: the same direction
+        assert b.push(near(base, 2)) == (202, "")  # honest: the common direction with its own noise
+        assert coord.version[0] == 1
+        assert a.push(d) == (422, "replay")  # its own accepted delta again, relabelled as version 1
+
+
+def test_a_lazy_delta_is_refused_once_norms_are_known(coord: Coordinator) -> None:
+    with TestClient(create_app(coord, background=False)) as client:
+        a, b, lazy = peers(coord, client, 3)
+        base = direction(coord, 0)
+        assert a.push(near(base, 1)) == (202, "")
+        assert b.push(near(base, 2)) == (202, "")
+        assert lazy.push({n: torch.zeros_like(t) for n, t in base.items()}) == (422, "lazy")
+        assert lazy.push({n: 1e-3 * t for n, t in base.items()}) == (422, "lazy")  # tiny
+        # a worker that trained a tenth of its budget (a deadline push) may move a tenth as far
+        assert lazy.push({n: 0.1 * t for n, t in near(base, 3).items()}, samples=lazy.work().sequences // 10) == (202, "")
+
+
+def test_an_update_that_points_away_from_the_round_is_dropped_at_its_close(coord: Coordinator) -> None:
+    with TestClient(create_app(coord, background=False)) as client:
+        ws = peers(coord, client, 4)
+        base = direction(coord, 0)
+        w0 = {n: t.clone() for n, t in coord.weights[0].items()}
+        for i, p in enumerate(ws[:3]):
+            assert p.push(near(base, i)) == (202, "")
+        assert ws[3].push({n: -t for n, t in near(base, 9).items()}) == (202, "")  # a sign flip passes the intake
+        assert coord.version[0] == 1
+        states = {r["worker"]: r["state"] for r in coord.store.q("SELECT worker, state FROM updates")}
+        assert states == {"w0": "applied", "w1": "applied", "w2": "applied", "w3": "screened"}
+        assert coord.store.counted_refusals("w3", ("screened",)) == 1
+        moved = sum(float(((coord.weights[0][n] - w0[n]) * base[n]).sum()) for n in base)
+        assert moved > 0  # the published step went the honest way
+
+
+def test_repeated_refusals_quarantine_the_worker_and_drop_its_pending_update(tmp_path: Path) -> None:
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=30, quarantine_after=3)
+    with TestClient(create_app(c, background=False)) as client:
+        honest, bad = peers(c, client, 2)
+        base = direction(c, 0)
+        assert bad.push(near(base, 5)) == (202, "")  # accepted, waiting for its round
+        assert c.store.round(0, 0)["n_updates"] == 1
+        for _ in range(3):
+            assert bad.push(near(base, 6), samples=1 << 30) in {(422, "claim"), (409, "duplicate")}
+        # three claims: quarantined, its token revoked, its pending update dropped from the round
+        assert c.store.quarantined("w1")
+        assert c.store.round(0, 0)["n_updates"] == 0
+        r = client.get("/v1/work", headers=bad.headers)
+        assert r.status_code == 403 and r.json()["error"] == "quarantined"
+        assert honest.push(near(base, 7)) == (202, "")
+        assert c.version[0] == 1  # closed by the honest worker alone: the quarantined one left the round
+        assert {r["worker"] for r in c.store.q("SELECT worker FROM updates WHERE state='applied'")} == {"w0"}
+    c.close()
+
+
+def test_refused_requests_are_rate_limited_per_token(tmp_path: Path) -> None:
+    c = make_coordinator(tmp_path / "run", None, quarantine_after=0, refusal_burst=3, refusal_window_s=60)
+    with TestClient(create_app(c, background=False)) as client:
+        (bad,) = peers(c, client, 1)
+        for _ in range(3):
+            assert bad.push(direction(c, 0), samples=1 << 30) == (422, "claim")
+        assert bad.push(direction(c, 0)) == (429, "rate_limited")  # even a good one, until the window passes
+        assert client.get("/v1/status").json()["rate_limited"] == 1
+    c.close()
+
+
+def test_messages_are_typed_bounded_and_versioned(coord: Coordinator) -> None:
+    with TestClient(create_app(coord, background=False)) as client:
+        p = Peer(coord, client, "a")
+        r = client.post("/v1/register", json={"block": 0, "protocol": PROTOCOL_VERSION - 1}, headers=p.headers)
+        assert r.status_code == 426 and r.json()["error"] == "protocol"
+        r = client.post("/v1/register", json={"block": 0, "extra": 1}, headers=p.headers)
+        assert r.status_code == 422
+    sha = coord.weights_sha[0]
+    body = pack_delta(direction(coord, 0), Compression.INT8, block=0, base_version=2, base_sha=sha, samples=4)
+    _, full = unpack(body)
+    meta = {k: v for k, v in full.items() if k not in RESERVED}  # the update's own fields, under the file's header
+    assert meta == {
+        "protocol": str(PROTOCOL_VERSION), "kind": "delta", "block_index": "0", "base_version": "2", "base_sha": sha,
+        "samples": "4", "compression": "int8"}
+    from blocktrain.errors import ProtocolError
+
+    for bad, field in (({"samples": "0"}, "samples"), ({"base_sha": "x"}, "base_sha"), ({"extra": "1"}, "extra")):
+        with pytest.raises(ProtocolError) as exc:
+            parse_meta({**meta, **bad})
+        assert exc.value.status == 422 and field in str(exc.value)
+
+
+def test_the_gate_tolerance_is_calibrated_from_accepted_rises() -> None:
+    s = CoordinatorSettings(gate_floor=0.01, gate_z=6.0, gate_min_history=4)
+    intake = Intake(s, {0: {"w": (2,)}}, None)
+    assert intake.tolerance(0) == 0.01  # too few rises known: the floor
+    rises = [-0.2, -0.1, 0.05, -0.15, -0.12, 0.3]
+    intake.rises[0].extend(rises)
+    med = statistics.median(rises)
+    want = med + 6.0 * MAD_TO_SIGMA * statistics.median(abs(r - med) for r in rises)
+    assert intake.tolerance(0) == pytest.approx(max(0.01, want))
+    assert Intake(CoordinatorSettings(gate_tolerance=0.5), {0: {"w": (2,)}}, None).tolerance(0) == 0.5
