@@ -147,7 +147,8 @@ def test_deadline_closes_round_without_lapsed_worker(api: Api, clock: FakeClock)
     # a round whose deadline passes with one of two live replicas reporting closes by deadline
     api.register("b", block=0)
     api.client.get("/v1/work", headers=api.h("a"))
-    api.push("b", 0, pack_delta(small_delta(api.c, seed=1), Compression.BF16, block=0, base_version=1, base_sha=api.c.weights_sha[0], samples=4))
+    api.push("b", 0, pack_delta(small_delta(api.c, seed=1), Compression.BF16, block=0, base_version=1,
+                                base_sha=api.c.weights_sha[0], samples=4))
     clock.advance(31)
     api.client.post("/v1/heartbeat", headers=api.h("a"))
     api.c.tick()
