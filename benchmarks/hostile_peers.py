@@ -2,7 +2,7 @@
 
 Each run trains block 0 of a ``stack`` run with six replicas through the coordinator's
 own round (:func:`blocktrain.coordinator.simulate.run_local_rounds`): the same
-parsing, norm bound and loss gate (:mod:`blocktrain.coordinator.defences`), the same
+parsing and intake (:mod:`blocktrain.coordinator.intake`), the same
 aggregation and outer step. The last replica is hostile in every run but ``honest``:
 
 * ``scaled_random``: Gaussian noise at 100x its honest update's norm;
@@ -147,7 +147,7 @@ def main() -> int:
         r["honest_ce_nats_per_byte"] = r.get("honest_ce_nats_per_byte", honest)
     doc["runs"] = list(runs.values())
     doc["what"] = ("six replicas of block 0 (stack, first prefix), the last one hostile; defences: the norm bound "
-                   "and the loss gate of blocktrain.coordinator.defences; CE on the first eval bytes of the test split")
+                   "and the loss gate of blocktrain.coordinator.intake; CE on the first eval bytes of the test split")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print("| kind | final CE | honest CE | diff | poisoned | caught | accepted within bound | honest rejected |")

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PRESET=${PRESET:-cpu-mini}
 STEPS=${STEPS:-400}
 EVAL_BYTES=${EVAL_BYTES:-32768}
-DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
+DATA=${DATA:-$(cd ../shared/data/wikitext/wikitext-2-v1-tokens && pwd)}  # the shared WikiText-2 beside the repository
 OUT=${OUT:-runs/six-ref-b96}
 SIX=${SIX:-benchmarks/results/six-workers-stack.json}
 RESULT=${RESULT:-benchmarks/results/six-workers-stack-batch96-reference.json}

@@ -18,7 +18,7 @@ PRESET=${PRESET:-cpu-mini}
 STEPS=${STEPS:-400}
 H=${H:-25}
 EVAL_BYTES=${EVAL_BYTES:-32768}
-DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
+DATA=${DATA:-$(cd ../shared/data/wikitext/wikitext-2-v1-tokens && pwd)}  # the shared WikiText-2 beside the repository
 OBJECTIVE=${OBJECTIVE:-diffusion}
 SUFFIX=$([ "$OBJECTIVE" = diffusion ] && echo "" || echo "-$OBJECTIVE")
 OUT=${OUT:-runs/exp-six-workers$SUFFIX}

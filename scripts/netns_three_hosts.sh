@@ -29,7 +29,7 @@ H=${H:-25}
 ROUNDS=${ROUNDS:-12}
 RTT_MS=${RTT_MS:-40}
 RATE_MBIT=${RATE_MBIT:-50}
-DATA=${DATA:-/work/shared/data/wikitext/wikitext-2-v1-tokens}
+DATA=${DATA:-$(cd ../shared/data/wikitext/wikitext-2-v1-tokens && pwd)}  # the shared WikiText-2 beside the repository
 HIVEMIND=${HIVEMIND:-0}
 [ "$HIVEMIND" = 1 ] && SUFFIX="$SUFFIX-hivemind"
 OUT=${OUT:-runs/exp-three-hosts$SUFFIX}

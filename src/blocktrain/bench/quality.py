@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import shlex
 import shutil
 import subprocess
@@ -147,9 +148,9 @@ class _Bench:
         self.arms += 1
         self.bar.update(flops / 1e9)
         done, total, elapsed = self.bar.n, self.bar.total or 0.0, time.perf_counter() - self.t0
-        eta = max(total - done, 0.0) * elapsed / done if done > 0 else float("nan")
-        log.info("arm %d done in %.1f s: blocktrain %s; about %.0f s of training left", self.arms,
-                 time.perf_counter() - t0, " ".join(command), eta)
+        eta = (total - done) * elapsed / done if 0 < done <= total else None  # None: nothing to extrapolate from
+        left = f"; about {eta:.0f} s of training left" if eta is not None and math.isfinite(eta) else ""
+        log.info("arm %d done in %.1f s: blocktrain %s%s", self.arms, time.perf_counter() - t0, " ".join(command), left)
 
     def e2e(self, out: Path, steps: int, *extra: str) -> dict[str, Any]:
         self.child(["train-e2e", "--out", str(out)], extra, self.o.e2e_flops_step * steps)

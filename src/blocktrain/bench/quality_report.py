@@ -43,7 +43,7 @@ def format_table(r: dict[str, Any]) -> str:
     row("compositional gain (first prefix or best block alone - composed)", "", "",
         [f"{o['compositional_gain_nats_per_byte']:+.4f}" for o in objs.values()])
     row("training steps", f"{e['train_steps']}", f"{m['steps']}" if m else "",
-        [f"{o['train_steps_per_block'][0]} per block" for o in objs.values()])
+        ["/".join(str(n) for n in o["train_steps_per_block"]) + " per block" for o in objs.values()])
     row("training FLOPs (model FLOPs)", _flops(e["train_flops"]), _flops(m["train_flops"]) if m else "",
         [f"{_flops(o['train_flops'])} ({o['train_flops_over_e2e']:.2f}x E2E)" for o in objs.values()])
     row(f"seconds per step ({r['precision']})", f"{e['seconds_per_step']:.3f}", f"{m['seconds_per_step']:.3f}" if m else "",
