@@ -194,6 +194,20 @@ def run_row(row: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+def table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table, each CE beside the run without the hostile workers (honest5, or honest4)."""
+    by = {r["row"]: r for r in rows}
+    out = ["| row | final CE | vs the run without it | refusals by reason | quarantined | honest updates refused | "
+           "intake ms/update |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = by.get("honest5") if r["hostile_workers"] <= 1 else None
+        gap = f"{r['ce_nats_per_byte'] - ref['ce_nats_per_byte']:+.4f}" if ref is not None and r["row"] != "honest5" else ""
+        bad = {k: v for k, v in r["rejections"].items() if k not in ("stale", "duplicate", "base", "finished", "waiting")}
+        out.append(f"| {r['row']} | {r['ce_nats_per_byte']:.4f} | {gap} | {bad or ''} | {', '.join(r['quarantined']) or ''} "
+                   f"| {sum(r['honest_refused'].values())} | {r['intake_ms_per_update']:.0f} |")
+    return "\n".join(out)
+
+
 def hostile_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="one hostile worker (run by this script's table)")
     ap.add_argument("--attack", choices=ATTACKS, required=True)
@@ -245,6 +259,7 @@ def main() -> int:
                                                  "intake_ms_per_update", "wall_s")}), flush=True)
         doc["http"]["rows"] = [r for r in doc["http"]["rows"] if r["row"] != row] + [result]
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(table(doc["http"]["rows"]))
     return 0
 
 
