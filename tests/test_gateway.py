@@ -337,6 +337,10 @@ def test_openai_client_against_a_pipeline() -> None:
                                               extra_body={"mode": "spec", "draft_max": 4})  # block 0 alone drafts
             swept = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, seed=2,
                                               extra_body={"mode": "sweep", "sweeps": 2})
+            chat = client.chat.completions.create(model=model.id, max_tokens=16, seed=1, messages=[  # 35 + 16 > 32
+                {"role": "user", "content": "Hello! Which game is this?"}])
+            assert chat.usage is not None and chat.usage.completion_tokens == 16  # the default (ar) slides its window
+            assert chat.model_extra["blocktrain"]["mode"] == "ar"
 
         async def direct_sweep(addr):  # type: ignore[no-untyped-def]
             async with PipelineClient(addr, timeout_s=30) as c:
