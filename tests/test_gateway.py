@@ -20,14 +20,17 @@ import uvicorn
 
 from blocktrain.cli.main import main
 from blocktrain.config import Objective
+from blocktrain.errors import ServeError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.stack import StackBlock
 from blocktrain.presets import tiny
-from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.client.pipeline import PipelineClient, generate_with
 from blocktrain.serve.gateway import app as gateway_mod
 from blocktrain.serve.gateway.app import GatewayOptions, make_app
-from blocktrain.serve.gateway.backend import RequestError, Utf8Stream, parse_completion
+from blocktrain.serve.gateway.backend import PipelineBackend, RequestError, Utf8Stream, parse_completion
 from blocktrain.serve.runtime.stack import StackSpan
+from blocktrain.serve.wire.frames import Mode
+from blocktrain.serve.wire.modes import MODE_RULES
 from tests.serve_utils import SPANS, block_spans, free_ports, local_models, ring, tiny_models
 
 TEXT = "añ€😀 ok"  # 1-, 2-, 3- and 4-byte characters
@@ -219,6 +222,58 @@ def test_modes_the_pipeline_does_not_report_are_refused() -> None:
     assert len(fake.calls) == 2
 
 
+def test_gateway_and_client_read_one_table_of_mode_rules() -> None:
+    """For every mode, the gateway (resolve) and the client (generate_with) agree with MODE_RULES on top_p, and
+    the gateway refuses a text of three windows exactly in the modes that do not slide."""
+
+    class Recorder:  # the client's generation methods, recording what reaches them
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        async def generate_spec(self, prompt: bytes, n: int, **kw: Any) -> SimpleNamespace:
+            self.calls.append("spec")
+            return SimpleNamespace(data=b"x" * n)
+
+        async def generate_ar(self, prompt: bytes, n: int, **kw: Any) -> bytes:
+            self.calls.append("ar")
+            return b"x" * n
+
+        async def generate_baseline(self, prompt: bytes, n: int, **kw: Any) -> bytes:
+            self.calls.append("baseline")
+            return b"x" * n
+
+        async def sweep(self, prompt: bytes, n: int, **kw: Any) -> bytes:
+            self.calls.append("sweep")
+            return b"x" * n
+
+    backend = PipelineBackend(FakeClient([]))  # type: ignore[arg-type]
+    entry = {"family": "any", "modes": [m.value for m in MODE_RULES], "context": 32}
+    for mode, rules in MODE_RULES.items():
+        nucleus = parse_completion({"prompt": "a", "mode": mode.value, "top_p": 0.5}, 4096)
+        try:
+            backend.resolve(nucleus, entry)
+            gateway_top_p = True
+        except RequestError as exc:
+            assert exc.param == "top_p"
+            gateway_top_p = False
+        rec = Recorder()
+        try:
+            asyncio.run(generate_with(rec, mode.value, b"a", 2, top_p=0.5))  # type: ignore[arg-type]
+            client_top_p = True
+        except ServeError:
+            client_top_p = False
+        assert gateway_top_p == client_top_p == rules.top_p, mode
+        assert rec.calls == ([mode.value] if rules.top_p else [])
+        long = parse_completion({"prompt": "a" * 40, "mode": mode.value, "max_tokens": 56}, 4096)  # 3 windows of 32
+        try:
+            fits = backend.resolve(long, entry).mode is mode
+        except RequestError as exc:
+            assert exc.reason == "context_length_exceeded"
+            fits = False
+        assert fits == rules.slides, mode
+    assert [m for m, r in MODE_RULES.items() if not r.slides] == [Mode.SWEEP]  # spec, ar and baseline slide
+
+
 def test_bearer_token_is_checked_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     compared: list[tuple[bytes, bytes]] = []
     real = gateway_mod.hmac.compare_digest
@@ -337,6 +392,10 @@ def test_openai_client_against_a_pipeline() -> None:
                                               extra_body={"mode": "spec", "draft_max": 4})  # block 0 alone drafts
             swept = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, seed=2,
                                               extra_body={"mode": "sweep", "sweeps": 2})
+            chat = client.chat.completions.create(model=model.id, max_tokens=16, seed=1, messages=[  # 35 + 16 > 32
+                {"role": "user", "content": "Hello! Which game is this?"}])
+            assert chat.usage is not None and chat.usage.completion_tokens == 16  # the default (ar) slides its window
+            assert chat.model_extra["blocktrain"]["mode"] == "ar"
 
         async def direct_sweep(addr):  # type: ignore[no-untyped-def]
             async with PipelineClient(addr, timeout_s=30) as c:
@@ -390,9 +449,9 @@ def test_openai_client_spec_on_a_stack_pipeline() -> None:
                                                     top_p=0.9, seed=3, stream=True, extra_body={"top_k": 40}))
             fixed = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8, top_p=0.9,
                                               seed=3, extra_body={"top_k": 40, "draft_min": 2, "draft_max": 2})
-            with pytest.raises(openai.BadRequestError) as info:  # 4 + 29 > 32: spec cannot slide its window
-                client.completions.create(model=model.id, prompt=prompt, max_tokens=29)
-            assert info.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+            slid = client.completions.create(model=model.id, prompt=prompt, max_tokens=29)  # 4 + 29 > 32: it slides
+            assert slid.usage is not None and slid.usage.completion_tokens == 29
+            assert len(base64.b64decode(slid.choices[0].model_extra["raw_bytes"])) == 29
     assert len(ref.data) == n and base64.b64decode(done.choices[0].model_extra["raw_bytes"]) == ref.data
     assert done.model_extra["blocktrain"] == {"mode": "spec", "seed": 3, "traversals": ref.traversals,
                                               "drafted": ref.drafted, "accepted": ref.accepted}

@@ -8,6 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from blocktrain.bench.serve_pipeline import split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, repeat_fraction
 from blocktrain.cli.main import main
 from blocktrain.evaluate.assembled import E2EModel
+from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
 from blocktrain.serve.runtime.loading import parse_span
@@ -42,6 +44,10 @@ def test_quality_helpers() -> None:
         logp = torch.log_softmax(model.model(torch.tensor([list(seq[:-1])])), -1)[0]
     manual = -sum(float(logp[len(prompt) - 1 + i, out[i]]) for i in range(len(out))) / len(out)
     assert generative_ce(model, prompt, out) == pytest.approx(manual, rel=1e-5)
+    # an output of several windows is scored in eval's windows: with a one-byte prompt, every scored byte is output
+    long = bytes(range(65, 65 + 26)) * 4  # 104 bytes against a context of 32
+    windowed = score_split(lambda x: model.log_probs(x), np.frombuffer(b"h" + long, dtype=np.uint8), cfg.model.context)
+    assert generative_ce(model, b"h", long) == pytest.approx(windowed.ce_nats_per_byte, rel=1e-5)
 
 
 def test_cli_serve_and_generate_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -75,7 +81,7 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     assert main(["train-e2e", *common]) == 0
     out = tmp_path / "serve.json"
     args = ["bench", "serve", "--run", str(run), "--data", str(data_dir),
-            "--prompt-bytes", "12", "--output-bytes", "16", "--prompts", "2", "--tf-bytes", "256",
+            "--prompt-bytes", "12", "--output-bytes", "16", "--prompts", "2", "--tf-bytes", "256", "--long-output-bytes", "52",
             "--json", str(out), "--base-port", str(free_ports(1)[0] // 10 * 10 % 50000 + 10000)]
     assert main(args) == 0
     r = json.loads(out.read_text())
@@ -93,3 +99,6 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     assert tf["blocktrain_pipeline_score"] == pytest.approx(tf["blocktrain_local"], abs=1e-4)
     assert r["sweep_seconds"] >= 3 * r["hop_delay_ms"] / 1000
     assert "scale" not in r  # the scale row is benchmarks/serve_scale.py (tests/test_serve_scale.py)
+    assert r["long_output_bytes"] == 52 and 0 < r["baseline_long_seconds"] < 600  # 12 + 52 bytes: two windows of 32
+    assert 0 < r["baseline_long_generative_ce"] < 3 * math.log(256) and r["baseline_long_wire_bytes"] > 0
+    assert "| AR baseline (E2E, KV cache; re-prefills" in out.with_suffix(".md").read_text()

@@ -77,23 +77,28 @@ def test_kv_cached_layers_equal_full_forward(models) -> None:  # type: ignore[no
 
 
 def test_baseline_equals_local_e2e(models) -> None:  # type: ignore[no-untyped-def]
+    """The KV-cached baseline equals local generate, its window sliding past the context as generate's does."""
     cfg, blocks, e2e = models
     _, local = local_models(cfg, blocks, e2e)
     prompt = b"Valkyria"
 
+    long = b"Valkyria Chronicles III is a tactical role"  # 42 bytes: past the context of 32
+
     async def run(addr):  # type: ignore[no-untyped-def]
         async with PipelineClient(addr, timeout_s=20) as c:
-            return await c.generate_baseline(prompt, 20, temperature=0.8, top_k=40, seed=2)
+            slid = await c.generate_baseline(long, 20, temperature=0.8, top_k=40, seed=2, top_p=0.9)
+            return await c.generate_baseline(prompt, 30, temperature=0.8, top_k=40, seed=2), slid
 
     spans = e2e_spans(e2e, E2E_SPANS)
     with ring(spans) as stages:
-        text = asyncio.run(run(stages[0].address))
+        text, slid = asyncio.run(run(stages[0].address))
         for _ in range(100):  # RELEASE travels asynchronously and drops every KV cache
             if all(not s.cache for s in spans if isinstance(s, E2ESpan)):
                 break
             time.sleep(0.02)
         assert all(not s.cache for s in spans if isinstance(s, E2ESpan))
-    assert text == generate(local, prompt, 20, temperature=0.8, top_k=40, seed=2)
+    assert text == generate(local, prompt, 30, temperature=0.8, top_k=40, seed=2)  # 8 + 30: the window slides
+    assert slid == generate(local, long, 20, temperature=0.8, top_k=40, seed=2, top_p=0.9)
 
 
 def _sweep_frame(prompt: bytes, n: int, sweeps: int, seed: int) -> Frame:

@@ -28,12 +28,13 @@ from blocktrain.serve.runtime.kvcache import CacheEntry
 from blocktrain.serve.runtime.loading import load_run_span
 from blocktrain.serve.runtime.stack import StackSpan
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
-from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
+from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate, windows
 from tests.forked_cli import spawn
 from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run
 
 CHI2_7DOF_99_99 = 29.88  # the 0.9999 quantile of chi-square with 7 degrees of freedom
+LONG_PROMPT = b"Valkyria Chronicles III is a tactical role"  # 42 bytes: longer than the tiny context of 32
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,85 @@ def test_greedy_spec_equals_local_greedy(stack_run: Path, draft: int) -> None:
     assert left == [0] * len(layout)  # released
 
 
+@pytest.mark.parametrize(("prompt", "draft", "layout"), [(b"The game began", 4, ((0, 1), (2, 3))),
+                                                      (b"The game began", 16, ((0, 0), (1, 2), (3, 3))),
+                                                      (LONG_PROMPT, 4, ((0, 1), (2, 3)))])
+def test_greedy_spec_slides_its_window_as_local_generate(
+    stack_run: Path, prompt: bytes, draft: int, layout: tuple[tuple[int, int], ...]
+) -> None:
+    """Past the context (14 + 60 and 42 + 60 bytes against 32) greedy spec, greedy ar and local generate agree."""
+    n = 60
+
+    async def run(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            res = await c.generate_spec(prompt, n, temperature=0.0, draft_min=draft, draft_max=draft)
+            return res, await c.generate_ar(prompt, n, temperature=0.0)
+
+    with ring(spans(stack_run, layout=layout)) as stages:
+        res, ar = asyncio.run(run(stages[0].address))
+        left = wait_released(stages)
+    assert res.data == ar == generate(local(stack_run), prompt, n, temperature=0.0)
+    assert len(res.data) == res.accepted + res.traversals and res.traversals < n  # the drafts still pay off
+    assert left == [0] * len(layout)
+
+
+def windowed_step(first: StackSpan, last: StackSpan, text: list[int], **params: object) -> Frame:
+    """One windowed spec frame through two stack spans, in process."""
+    frame = Frame(FrameKind.SUBMIT, "w", Mode.SPEC, params={"window": True, "pos": 10, **params},
+                  tensors={"x": torch.tensor([text], dtype=torch.uint8)})
+    first.validate(frame)
+    (work,) = first.run([frame])
+    last.validate(work)
+    (out,) = last.run([work])
+    return out
+
+
+def test_windowed_spec_frame_verifies_each_byte_on_the_window_generate_reads(stack_run: Path) -> None:
+    """The exactness argument, tested: row i of a windowed frame's logits is the model's on the last 32 bytes before
+    draft byte i (what local generate reads), and q_i is the entry prefix's filtered distribution on that same
+    window, from which draft byte i was drawn. The acceptance rule then emits bytes distributed as p
+    (test_acceptance_rule_samples_from_p)."""
+    first, last = spans(stack_run)
+    model = local(stack_run)
+    text, n, temp = list(LONG_PROMPT[-32:]), 6, 0.9
+    out = windowed_step(first, last, text, n_draft=n, temperature=temp, top_k=0, top_p=1.0, seed=3)
+    draft, q, logits = out.tensors["draft"][0].tolist(), out.tensors["q"], out.tensors["logits"]
+    assert (tuple(q.shape), tuple(logits.shape)) == ((n, 256), (n + 1, 256))
+    rows = torch.tensor(windows(text, draft, 32), dtype=torch.uint8)  # (n + 1, 32)
+    assert rows.shape == (n + 1, 32) and rows[-1].tolist() == (text + draft)[-32:]
+    with torch.inference_mode():
+        want = model.log_probs(rows)[0][:, -1]  # (n + 1, 256)
+        h = rows
+        for k in (0, 1):
+            h = first.blocks[k](h)
+        prefix = first.blocks[1].logits(h)[:, -1].float()
+    torch.testing.assert_close(torch.log_softmax(logits, -1), want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(q, filtered_probs(prefix[:n], temp), atol=1e-6, rtol=0)
+    assert all(q[i, b] > 0 for i, b in enumerate(draft))
+
+
+def test_windowed_spec_emits_bytes_distributed_as_the_window_s_p(stack_run: Path) -> None:
+    """Sampled spec past the context keeps the model's distribution: the first byte a windowed traversal emits,
+    over 1500 seeds, against p (top-k 8, temperature 1) on the last 32 bytes; chi-square at its 0.9999 quantile."""
+    first, last = spans(stack_run)
+    text = list(LONG_PROMPT[-32:])
+    g = torch.Generator().manual_seed(0)
+    emitted, rejected = [], 0
+    with torch.inference_mode():
+        for seed in range(1500):
+            out = windowed_step(first, last, text, n_draft=1, temperature=1.0, top_k=8, top_p=1.0, seed=seed)
+            draft, q = out.tensors["draft"][0].tolist(), out.tensors["q"]
+            verdict = accept_draft(draft, filtered_probs(out.tensors["logits"], 1.0, 8), q, g)
+            emitted.append(verdict.emitted(draft)[0])
+            rejected += verdict.accepted == 0
+        p = filtered_probs(local(stack_run).log_probs(torch.tensor([text], dtype=torch.uint8))[0, 0, -1:], 1.0, 8)[0]
+    support = p.nonzero().flatten().tolist()
+    assert len(support) == 8 and set(emitted) <= set(support)
+    index = torch.tensor([support.index(b) for b in emitted])
+    assert chi_square(index, p[support]) < CHI2_7DOF_99_99
+    assert rejected > 0  # the prefix's q is not p: the rule had work to do
+
+
 def test_spec_with_the_whole_model_as_draft_accepts_everything(stack_run: Path) -> None:
     """One stage holding all blocks drafts with the target itself: p = q, so every draft byte is kept."""
     whole = load_run_span(RunDir(stack_run), 0, 3)
@@ -133,8 +213,14 @@ def test_spec_with_the_whole_model_as_draft_accepts_everything(stack_run: Path) 
         async with PipelineClient(addr, timeout_s=30) as c:
             return await c.generate_spec(b"Sega", 20, temperature=0.8, top_k=40, top_p=0.9, seed=3, draft_max=8)
 
+    async def slid(addr):  # type: ignore[no-untyped-def]
+        async with PipelineClient(addr, timeout_s=30) as c:
+            return await c.generate_spec(LONG_PROMPT, 30, temperature=0.8, top_k=40, top_p=0.9, seed=3, draft_max=8)
+
     with ring([whole]) as stages:
         res = asyncio.run(run(stages[0].address))
+        windowed = asyncio.run(slid(stages[0].address))
+    assert len(windowed.data) == 30 and windowed.accepted == windowed.drafted > 0  # windowed frames: p = q too
     assert len(res.data) == 20 and res.accepted == res.drafted > 0
     # the draft grows with the acceptance rate: 4 (+1), then 8 (+1), then the 5 (+1) left; a fixed 4 would take 4
     assert (res.traversals, res.drafted) == (3, 17)
@@ -177,26 +263,28 @@ def test_rejection_rolls_back_every_stage_cache(stack_run: Path) -> None:
 
 
 def fixed_noise_greedy(cfg: RunConfig, blocks: list[BlockDenoiser], prompt: bytes, n: int, seed: int) -> bytes:
-    """Local greedy AR generation with the diffusion chain, the noise a function of (seed, position) only."""
+    """Local greedy AR generation with the diffusion chain, the noise a function of (seed, position in the window)
+    only; each byte is read off the last ``context`` bytes, as ``generate`` reads it."""
     part = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
     eps = position_noise(1, cfg.model.context, cfg.model.context, cfg.model.d_model,
                          torch.Generator().manual_seed(mix_seed(seed, 0)))  # (1, context, d)
     text = bytearray(prompt)
     with torch.inference_mode():
         for _ in range(n):
-            x = torch.tensor([list(text)], dtype=torch.uint8)
-            z = cfg.diffusion.sigma_max * eps[:, : len(text)]
+            x = torch.tensor([list(text[-cfg.model.context:])], dtype=torch.uint8)  # the window slides as generate's
+            z = cfg.diffusion.sigma_max * eps[:, : x.shape[1]]
             for k, block in enumerate(blocks):
                 z, logits = chain_step(block.eval(), k, x, z, part, cfg.diffusion, k == len(blocks) - 1)
             text.append(int(logits[0, -1].argmax()))
     return bytes(text[len(prompt):])
 
 
-@pytest.mark.parametrize("draft", [1, 4, 16])
-def test_greedy_spec_on_diffusion_blocks_equals_local_greedy(draft: int) -> None:
-    """Diffusion stages draft with block 0 alone; the verified text equals the chain's own greedy text."""
+@pytest.mark.parametrize(("prompt", "draft"), [(b"The game", 1), (b"The game", 4), (b"The game", 16), (LONG_PROMPT, 4)])
+def test_greedy_spec_on_diffusion_blocks_equals_local_greedy(prompt: bytes, draft: int) -> None:
+    """Diffusion stages draft with block 0 alone; the verified text equals the chain's own greedy text, across
+    window boundaries too (8 + 40 and 42 + 40 bytes against a context of 32)."""
     cfg, blocks, _ = tiny_models(seed=0)
-    prompt, n, seed = b"The game", 20, 7
+    n, seed = 40, 7
 
     async def run(addr):  # type: ignore[no-untyped-def]
         async with PipelineClient(addr, timeout_s=30) as c:

@@ -35,7 +35,7 @@ from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, Placement, split_blocks, split_layers
 from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction, traversal_compute_s
 from blocktrain.bench.serve_report import render_markdown, summarise
-from blocktrain.bench.serve_spec import run_spec, spec_task
+from blocktrain.bench.serve_spec import long_task, run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.errors import BlockTrainError
@@ -66,8 +66,9 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
     finally:
         pipe.stop()
     pipe.start("e2e", split_layers(cfg.model.n_layers), ["--run", str(run.root)], threads=1)
+    baseline = [{"name": "baseline", "mode": "baseline", "repeat": 1}, *long_task("baseline", opts)]
     try:
-        bl = pipe.client({**base, "tasks": [{"name": "baseline", "mode": "baseline", "repeat": 1}]}, timeout_s=3600)
+        bl = pipe.client({**base, "tasks": baseline}, timeout_s=3600)
     finally:
         pipe.stop()
 

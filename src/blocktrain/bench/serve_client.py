@@ -87,6 +87,7 @@ async def run_plan(plan: dict[str, Any]) -> dict[str, Any]:
         await generate_with(c, warm["mode"], prompts[0], min(n, 4), sweeps=1, seed=999, **kw)  # opens the ring
         for task in plan["tasks"]:
             mode, sweeps = task["mode"], int(task.get("sweeps", 1))
+            n = int(task.get("output_bytes", plan["output_bytes"]))  # a long row's own output length
             times, wire, client_bytes, texts, traversals = [], [], [], [], []
             for r in range(int(task.get("repeat", 1))):
                 before, pong = await _stats(stats_clients)

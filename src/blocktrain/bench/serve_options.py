@@ -30,6 +30,8 @@ class ServeBenchOptions:
     stack_run: Path | None = None  # a trained stack run: adds the spec row (speculative decoding over the same stages)
     draft_min: int = 1  # bytes: spec row's shortest draft
     draft_max: int = 16  # bytes: spec row's longest draft
+    long_output_bytes: int = 512  # bytes per output of the long rows (baseline; spec and ar on --stack-run): several
+    # context windows, so the modes slide their windows; 0 = no long rows
 
     def __post_init__(self) -> None:
         positive = {"output_bytes": self.output_bytes, "prompt_bytes": self.prompt_bytes, "prompts": self.prompts,
@@ -37,6 +39,9 @@ class ServeBenchOptions:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}; set --{name.replace('_', '-')}")
+        if self.long_output_bytes < 0:
+            raise ConfigError(f"long_output_bytes must be >= 0 (0 = no long rows), got {self.long_output_bytes}; "
+                              "set --long-output-bytes")
         if self.draft_max < self.draft_min:
             raise ConfigError(f"draft_max ({self.draft_max}) must be at least draft_min ({self.draft_min}); "
                               "set --draft-max or --draft-min")

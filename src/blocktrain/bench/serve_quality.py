@@ -9,17 +9,33 @@ import numpy as np
 import torch
 
 from blocktrain.config import RunConfig
+from blocktrain.data.dataset import eval_windows
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 
 
 def generative_ce(e2e: E2EModel, prompt: bytes, output: bytes) -> float:
-    """CE (nats/byte) of ``output`` under the E2E model, given ``prompt``."""
-    seq = (prompt + output)[-(e2e.context + 1) :]
-    x = torch.tensor(list(seq[:-1]), dtype=torch.uint8).unsqueeze(0)
-    y = torch.tensor(list(seq[1:]), dtype=torch.long)
-    logp = e2e.log_probs(x)[0, 0]
+    """CE (nats/byte) of ``output`` under the E2E model, given ``prompt``.
+
+    An output that fits one window is scored in the last window of prompt + output; a longer one in
+    ``blocktrain eval``'s windows over prompt + output (:func:`eval_windows`: each byte once, with at least half a
+    context before it), averaged over the output's bytes.
+    """
     n = len(output)
-    return float(-logp[-n:].gather(-1, y[-n:].unsqueeze(-1)).mean())
+    if n <= e2e.context:
+        seq = (prompt + output)[-(e2e.context + 1) :]
+        x = torch.tensor(list(seq[:-1]), dtype=torch.uint8).unsqueeze(0)
+        y = torch.tensor(list(seq[1:]), dtype=torch.long)
+        logp = e2e.log_probs(x)[0, 0]
+        return float(-logp[-n:].gather(-1, y[-n:].unsqueeze(-1)).mean())
+    text = torch.tensor(list(prompt + output), dtype=torch.long)
+    total = 0.0
+    for start, length, first in eval_windows(len(text), e2e.context):
+        x = text[start : start + length].to(torch.uint8).unsqueeze(0)
+        y = text[start + 1 : start + length + 1]
+        keep = max(first, len(prompt) - 1 - start)  # window position p predicts byte start + p + 1: the output's
+        logp = e2e.log_probs(x)[0, 0]  # (length, 256)
+        total -= float(logp[keep:].gather(-1, y[keep:].unsqueeze(-1)).sum())
+    return total / n
 
 
 def repeat_fraction(text: bytes, n: int = 4) -> float:

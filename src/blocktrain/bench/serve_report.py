@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from blocktrain.bench.serve_options import ServeBenchOptions
-from blocktrain.bench.serve_spec import spec_markdown
+from blocktrain.bench.serve_spec import long_summary, spec_markdown
+
+LONG_ROWS = {"baseline": "AR baseline (E2E, KV cache; re-prefills the last window per byte)",  # result key -> label
+             "spec": "stack spec (windowed frames past the context)",
+             "stack_ar": "stack ar (same model as spec; re-prefills the last window per byte)"}
 
 
 def summarise(opts: ServeBenchOptions, main: dict[str, Any], network: dict[str, Any]) -> dict[str, Any]:
@@ -35,6 +39,9 @@ def summarise(opts: ServeBenchOptions, main: dict[str, Any], network: dict[str, 
                           "repeat_4gram_fraction": q[name]["repeat_4gram_fraction"]}
                    for name in t if name.startswith("sweep_")},
         **_diffusion_spec(t, q, n, base["seconds"]),
+        **({"long_output_bytes": opts.long_output_bytes} if opts.long_output_bytes else {}),
+        **(long_summary("baseline", t["baseline_long"], q["baseline_long"]["generative_ce"]) if "baseline_long" in t
+           else {}),
         "quality": q, "teacher_forced_ce": main["teacher_forced"], "model": main["model"],
         "timings": {k: {"seconds_all": v["seconds_all"], "client_bytes_out": v["client_bytes_out"]}
                     for k, v in t.items()},
@@ -49,6 +56,25 @@ def _diffusion_spec(t: dict[str, Any], q: dict[str, Any], n: int, baseline_s: fl
     return {"diffusion_spec_seconds": s["seconds"], "diffusion_spec_bytes_per_traversal": n / float(s["traversals"]),
             "diffusion_spec_wire_bytes": s["stage_bytes_out"], "diffusion_spec_generative_ce": q["diffusion_spec"]["generative_ce"],
             "speedup_diffusion_spec_vs_baseline": baseline_s / s["seconds"]}
+
+
+def long_markdown(r: dict[str, Any]) -> list[str]:
+    """The long rows' table (outputs of several context windows), when the result has any."""
+    rows = [(label, name) for name, label in LONG_ROWS.items() if f"{name}_long_seconds" in r]
+    if not rows:
+        return []
+    n, ctx = r["long_output_bytes"], r["model"]["context"]
+    lines = ["", f"Long outputs: {n} bytes after the same prompts ({(r['prompt_bytes'] + n) / ctx:.1f} context windows "
+             "of text), every mode sliding its window as local generate does.", "",
+             "| mode | time to full output (s) | bytes/s | bytes written by stages | generative CE (nats/byte) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for label, name in rows:
+        s = r[f"{name}_long_seconds"]
+        per = r.get(f"{name}_long_bytes_per_traversal")
+        label = label if per is None else f"{label}, {per:.2f} bytes/traversal"
+        lines.append(f"| {label} | {s:.3f} | {n / s:.1f} | {r[f'{name}_long_wire_bytes']:,} "
+                     f"| {r[f'{name}_long_generative_ce']:.3f} |")
+    return lines
 
 
 def render_markdown(r: dict[str, Any]) -> str:
@@ -78,6 +104,7 @@ def render_markdown(r: dict[str, Any]) -> str:
     ]
     lines += [f"| {a} | {s:.3f} | {n / s:.1f} | {w:,} | {ce:.3f} |" for a, s, w, ce in rows]
     lines += spec_markdown(r)
+    lines += long_markdown(r)
     tf = r["teacher_forced_ce"]
     lines += [
         "",

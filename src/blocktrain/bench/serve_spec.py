@@ -28,6 +28,24 @@ def spec_task(draft_min: int, draft_max: int) -> dict[str, Any]:
     return {"name": "spec", "mode": "spec", "repeat": 1, "draft_min": draft_min, "draft_max": draft_max}
 
 
+def long_task(name: str, opts: ServeBenchOptions, **task: Any) -> list[dict[str, Any]]:
+    """The long row of a task (``name``_long: ``opts.long_output_bytes`` per output, several windows), if asked for."""
+    if opts.long_output_bytes == 0:
+        return []
+    mode = task.pop("mode", name)
+    return [{"name": f"{name}_long", "mode": mode, "repeat": 1, "output_bytes": opts.long_output_bytes, **task}]
+
+
+def long_summary(name: str, task: dict[str, Any], generative_ce: float) -> dict[str, Any]:
+    """A long row's keys of the result JSON: ``name``_long_seconds, _generative_ce, _wire_bytes (and spec's bytes per
+    traversal)."""
+    out = {f"{name}_long_seconds": task["seconds"], f"{name}_long_generative_ce": generative_ce,
+           f"{name}_long_wire_bytes": task["stage_bytes_out"]}
+    if "traversals" in task:
+        out[f"{name}_long_bytes_per_traversal"] = len(task["timing_output"]) / float(task["traversals"])
+    return out
+
+
 def spec_summary(task: dict[str, Any], generative_ce: float, baseline_seconds: float, output_bytes: int) -> dict[str, Any]:
     """The spec row's keys of the result JSON, from the bench client's task result."""
     traversals = float(task["traversals"])
@@ -58,14 +76,22 @@ def run_spec_row(
     cfg = stack_run.load_config()
     pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(stack_run.root)], threads=1)
     ar_task = {"name": "stack_ar", "mode": "ar", "repeat": 1}  # the same model, one traversal per byte
+    spec = spec_task(opts.draft_min, opts.draft_max)
+    tasks = [spec, ar_task, *long_task("spec", opts, **{k: spec[k] for k in ("mode", "draft_min", "draft_max")}),
+             *long_task("stack_ar", opts, mode="ar")]
     try:
-        out = pipe.client({**base, "tasks": [spec_task(opts.draft_min, opts.draft_max), ar_task]}, timeout_s=3600)
+        out = pipe.client({**base, "tasks": tasks}, timeout_s=3600)
     finally:
         pipe.stop()
     task = out["tasks"]["spec"]
     quality = _quality(e2e, prompts, out["tasks"]["spec"])
     ar_quality = _quality(e2e, prompts, out["tasks"]["stack_ar"])
-    return {"task": task, "quality": quality, "stack_run": str(stack_run.root),
+    long: dict[str, Any] = {}
+    for name in ("spec", "stack_ar"):
+        if f"{name}_long" in out["tasks"]:
+            task_long = out["tasks"][f"{name}_long"]
+            long.update(long_summary(name, task_long, _quality(e2e, prompts, task_long)["generative_ce"]))
+    return {**long, "task": task, "quality": quality, "stack_run": str(stack_run.root),
             "stack_ar": {"task": out["tasks"]["stack_ar"], "quality": ar_quality},
             "stack_ar_seconds": out["tasks"]["stack_ar"]["seconds"],
             "stack_ar_generative_ce": ar_quality["generative_ce"],

@@ -21,10 +21,14 @@ Diffusion stages keep no cache: there ``pos`` is always 0 and ``x`` the whole
 accepted text, and the entry stage drafts with block 0 alone
 (:meth:`blocktrain.serve.runtime.diffusion.BlockSpan._run_spec`).
 
-The text never slides past the model context in ``spec``: the prompt is cut from
-the left to ``context - n_new`` bytes. KV-cached ``ar`` on a stack slides like
-:func:`blocktrain.evaluate.generate.generate` by prefilling the last ``context``
-bytes afresh once the text is longer than the context.
+Every mode slides its window as :func:`blocktrain.evaluate.generate.generate` does: each byte is read off
+the last ``context`` bytes before it. KV-cached ``ar`` and ``baseline`` prefill the last ``context`` bytes
+afresh for each byte once the text is longer than the context (a KV cache cannot be shifted exactly: the
+positions are learned absolute embeddings, and each cached key depends on bytes the window drops). ``spec``
+drafts no further than the context's end while the text fits it; once the text fills it, each frame is
+*windowed*: it carries the text's last ``context`` bytes, and every stage runs row i, the window before draft
+byte i, whole and without a cache (:func:`~blocktrain.serve.wire.speculative.windows`), so each byte is
+still verified on exactly the window ``generate`` reads, n_draft + 1 windows in one traversal.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from blocktrain.errors import ServeError
 from blocktrain.sampling import filtered_probs, sample_byte
 from blocktrain.seeds import Seed
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
-from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate
+from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate, windowed_draft_cap
 
 if TYPE_CHECKING:
     from blocktrain.serve.client.pipeline import PipelineClient
@@ -88,15 +92,13 @@ async def iter_ar(
     client: PipelineClient, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
     top_p: float = 1.0, mode: Mode | None = None,
 ) -> AsyncIterator[bytes]:
-    """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)`` (top_p = 1).
+    """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)``.
 
     ``mode`` BASELINE (the default where the pipeline runs no ar: the E2E baseline) prefills the prompt, then runs
-    one KV-cached step per byte, all within one context window."""
+    one KV-cached step per byte; both slide their window as ``generate`` does."""
     mode = mode or (Mode.AR if Mode.AR in client.modes else Mode.BASELINE)
     context = int(client.entry.get("context", 0))
     out = bytearray(prompt or b"\n")
-    if mode is Mode.BASELINE and len(out) + n_new - 1 > context:
-        raise ServeError(f"prompt ({len(out)}) + bytes ({n_new}) exceed the context of {context}; shorten them")
     g = Seed.SAMPLER.generator(seed)
     if mode is Mode.AR and not client.entry.get("cached"):  # stateless stages (diffusion blocks): the whole window
         for i in range(n_new):
@@ -129,9 +131,10 @@ async def spec_steps(
                          "use --mode baseline")
     stateless = not client.entry.get("cached")  # stages keep no cache: every traversal sends the whole text
     context = int(client.entry.get("context", 0))
-    if not 1 <= n_new < context:
-        raise ServeError(f"spec generates 1 to {context - 1} bytes (the model context is {context}), got {n_new}")
-    text = bytearray((prompt or b"\n")[-(context - n_new):])
+    if n_new < 0 or context < 1:
+        raise ServeError(f"spec generates 0 or more bytes on a model with a context, got {n_new} (context {context})")
+    windowed_cap = windowed_draft_cap(context, int(client.entry.get("d_model", 1)), client.max_frame_bytes)
+    text = bytearray(prompt or b"\n")
     start, cached, rate = len(text), 0, INITIAL_RATE
     g = Seed.SAMPLER.generator(opts.seed)
     rid = client.new_id()
@@ -139,10 +142,17 @@ async def spec_steps(
     try:
         while (done := len(text) - start) < n_new:
             remaining = n_new - done
-            n = max(0, min(next_draft_len(rate, opts.draft_min, opts.draft_max), remaining - 1, context - len(text)))
-            params = {"n_draft": n, "temperature": float(opts.temperature), "top_k": opts.top_k,
+            windowed = len(text) >= context  # every byte from here on is read off a window the text fills
+            room = windowed_cap if windowed else context - len(text)  # in one window: draft up to its end
+            n = max(0, min(next_draft_len(rate, opts.draft_min, opts.draft_max), remaining - 1, room))
+            params: dict[str, Any] = {"n_draft": n, "temperature": float(opts.temperature), "top_k": opts.top_k,
                       "top_p": float(opts.top_p), "seed": opts.seed}
-            reply = await call_cached(client, rid, Mode.SPEC, params, bytes(text), cached)
+            if windowed:
+                params.update(window=True, pos=len(text) - context)
+                x = torch.tensor([list(text[-context:])], dtype=torch.uint8)
+                reply = await client.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
+            else:
+                reply = await call_cached(client, rid, Mode.SPEC, params, bytes(text), cached)
             p = filtered_probs(reply.tensors["logits"], opts.temperature, opts.top_k, opts.top_p)  # (n + 1, 256)
             draft = reply.tensors["draft"][0].tolist() if n else []
             q = reply.tensors["q"].float() if n else torch.empty(0, p.shape[-1])  # (n, 256)

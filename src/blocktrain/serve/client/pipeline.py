@@ -32,6 +32,7 @@ from blocktrain.errors import FramingError, ServeError, StageUnavailableError, W
 from blocktrain.serve.client.decoding import SpecResult, iter_ar, spec_steps
 from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.serve.wire.links import Address, Conn, Counters, open_conn, parse_address
+from blocktrain.serve.wire.modes import MODE_RULES, generation_mode, modes_taking
 from blocktrain.serve.wire.speculative import SpecOptions
 
 log = logging.getLogger(__name__)
@@ -257,11 +258,12 @@ class PipelineClient:
                        mode=Mode.BASELINE)
 
     async def generate_baseline(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0
+        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
+        top_p: float = 1.0,
     ) -> bytes:
         """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
         return b"".join([b async for b in self.iter_baseline(prompt, n_new, temperature=temperature, top_k=top_k,
-                                                             seed=seed)])
+                                                             seed=seed, top_p=top_p)])
 
     def iter_spec(
         self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
@@ -284,20 +286,23 @@ class PipelineClient:
 
 
 async def generate_with(client: PipelineClient, mode: str, prompt: bytes, n: int, **kw: Any) -> bytes:
-    draft = {k: kw.pop(k) for k in ("draft_min", "draft_max") if k in kw}  # spec's own settings
-    top_p = float(kw.pop("top_p", 1.0))  # nucleus: spec and ar sample with it
-    if top_p < 1 and mode not in ("spec", "ar"):
-        raise ServeError(f"top_p < 1 is sampled by modes spec and ar, not {mode}")
-    if mode == "sweep":
-        return await client.sweep(prompt, n, **kw)
-    kw.pop("sweeps", None)
-    if mode == "spec":
+    """``n`` bytes after ``prompt`` in ``mode``; ``kw``: temperature, top_k, seed, top_p, and the settings the mode's
+    rules (:data:`~blocktrain.serve.wire.modes.MODE_RULES`) let it take (sweeps; draft_min, draft_max); the others
+    are ignored."""
+    which = generation_mode(mode)
+    rules = MODE_RULES[which]
+    draft = {k: kw.pop(k) for k in ("draft_min", "draft_max") if k in kw}  # the CLI passes its defaults in any mode
+    sweeps = int(kw.pop("sweeps", 1))
+    top_p = float(kw.pop("top_p", 1.0))
+    if top_p < 1 and not rules.top_p:
+        raise ServeError(f"top_p < 1 is sampled by modes {modes_taking('top_p')}, not {mode}")
+    if which is Mode.SWEEP:
+        return await client.sweep(prompt, n, sweeps=sweeps, **kw)
+    if which is Mode.SPEC:
         return (await client.generate_spec(prompt, n, **kw, **draft, top_p=top_p)).data
-    if mode == "ar":
+    if which is Mode.AR:
         return await client.generate_ar(prompt, n, **kw, top_p=top_p)
-    if mode == "baseline":
-        return await client.generate_baseline(prompt, n, **kw)
-    raise ServeError(f"unknown serving mode {mode!r}; use sweep, ar, spec or baseline")
+    return await client.generate_baseline(prompt, n, **kw, top_p=top_p)
 
 
 def generate_remote(

@@ -124,7 +124,7 @@ class Gateway:
         entry = await self.entry()
         card = {"id": self.opts.model_name or model_id(entry), "object": "model", "created": self.created,
                 "owned_by": "blocktrain", "context_length": context(entry),
-                "modes": list(self.backend.modes(entry))}
+                "modes": [m.value for m in self.backend.modes(entry)]}
         return {"object": "list", "data": [card]}
 
     async def body(self, request: Request) -> Any:
@@ -159,7 +159,7 @@ class Gateway:
         except ServeError as exc:
             raise unavailable(exc) from exc
         return JSONResponse({**head, "choices": choices, "usage": usage(req, n_out),
-                             "blocktrain": {"mode": req.mode, "seed": req.seed, **stats}})
+                             "blocktrain": {"mode": mode_name(req), "seed": req.seed, **stats}})
 
     async def choices(self, req: CompletionRequest, entry: dict[str, Any], chat: bool
                       ) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
@@ -219,7 +219,7 @@ class Gateway:
                         await pieces.aclose()  # type: ignore[attr-defined]
                 n_out += got
                 finish = "stop" if scan.stopped or got < r.max_tokens else "length"
-                yield chunk(i, text.finish(), b"", finish, {"blocktrain": {"mode": r.mode, "seed": r.seed}})
+                yield chunk(i, text.finish(), b"", finish, {"blocktrain": {"mode": mode_name(r), "seed": r.seed}})
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(req, n_out)})
             yield sse("[DONE]")
@@ -237,6 +237,10 @@ def new_choice(i: int, raw: bytes, finish: str | None, text: dict[str, Any]) -> 
 
 def context(entry: dict[str, Any]) -> int:
     return int(entry.get("context", 0))
+
+
+def mode_name(req: CompletionRequest) -> str | None:
+    return None if req.mode is None else req.mode.value
 
 
 def choice_request(req: CompletionRequest, i: int) -> CompletionRequest:

@@ -23,10 +23,11 @@ from typing import Any
 from blocktrain.errors import ProtocolError, StageUnavailableError
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.logprobs import MAX_LOGPROBS, MAX_SCORED_BYTES, MAX_TOKEN_IDS, StopScanner, byte_log_probs
+from blocktrain.serve.wire.frames import Mode
+from blocktrain.serve.wire.modes import GENERATION_MODES, MODE_RULES, modes_taking
 from blocktrain.serve.wire.speculative import MAX_DRAFT
 
-MODES = ("spec", "ar", "sweep", "baseline")  # `mode` values; spec: speculative decoding
-TOP_P_MODES = ("spec", "ar", "baseline")  # modes whose client method samples with top_p (sweep: top_k alone)
+MODES = tuple(m.value for m in GENERATION_MODES)  # `mode` values (MODE_RULES' keys); spec: speculative decoding
 DEFAULT_MAX_TOKENS = 16  # bytes, OpenAI's default for max_tokens
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 MAX_SWEEPS = 16  # most sweeps one request may ask for
@@ -60,7 +61,7 @@ class CompletionRequest:
 
     prompt: bytes  # the prompt, UTF-8 encoded
     max_tokens: int  # bytes to generate
-    mode: str | None  # one of MODES; None: the pipeline's default (spec on a stack run)
+    mode: Mode | None  # a key of MODE_RULES; None: the pipeline's default (spec on a stack run)
     temperature: float  # softmax temperature; 0 = greedy
     top_p: float  # nucleus mass in (0, 1]; 1 = off (< 1 only where the mode's client method takes it)
     top_k: int  # sample among the k most likely bytes; 0 = off
@@ -126,9 +127,11 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model", "invalid_type")
-    mode = body.get("mode")
-    if mode is not None and mode not in MODES:
-        raise bad(f"unknown mode {mode!r}; use one of {', '.join(MODES)}", "mode")
+    name = body.get("mode")
+    if name is not None and name not in MODES:
+        raise bad(f"unknown mode {_show(name)}; use one of {', '.join(MODES)}, or omit it for the pipeline's default",
+                  "mode")
+    mode = None if name is None else Mode(name)
     echo = _flag(body, "echo")
     logprobs = None if body.get("logprobs") is None else _integer(body, "logprobs", 0)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -155,8 +158,9 @@ def parse_completion(body: Any, max_tokens_cap: int) -> CompletionRequest:
     if "seed" in body and body["seed"] is not None and not 0 <= seed < SEED_LIMIT:
         raise bad(f"seed must be in [0, 2**63), got {seed}", "seed")
     sweeps = _integer(body, "sweeps", 1)
-    if not 1 <= sweeps <= MAX_SWEEPS or (sweeps != 1 and mode != "sweep"):
-        raise bad(f"sweeps must be in [1, {MAX_SWEEPS}] and is only for mode sweep, got {sweeps}", "sweeps")
+    if not 1 <= sweeps <= MAX_SWEEPS or (sweeps != 1 and not (mode is not None and MODE_RULES[mode].sweeps)):
+        raise bad(f"sweeps must be in [1, {MAX_SWEEPS}] and is only for mode {modes_taking('sweeps')}, got {sweeps}",
+                  "sweeps")
     draft = _draft_bounds(body, mode)
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
@@ -282,12 +286,13 @@ def detokenize_body(body: Any) -> bytes:
                   "tokens") from None
 
 
-def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
+def _draft_bounds(body: Mapping[str, Any], mode: Mode | None) -> tuple[int, int] | None:
     """``draft_min`` / ``draft_max`` (mode spec only): the bounds of the adaptive draft length, in bytes."""
     if body.get("draft_min") is None and body.get("draft_max") is None:
         return None
-    if mode not in ("spec", None):
-        raise bad(f"draft_min and draft_max are only for mode spec, not {mode}", "draft_min", "unsupported_parameter")
+    if mode is not None and not MODE_RULES[mode].draft:
+        raise bad(f"draft_min and draft_max are only for mode {modes_taking('draft')}, not {mode.value}", "draft_min",
+                  "unsupported_parameter")
     lo = _integer(body, "draft_min", 1)
     hi = _integer(body, "draft_max", max(16, lo))
     if not 1 <= lo <= MAX_DRAFT:
@@ -298,26 +303,22 @@ def _draft_bounds(body: Mapping[str, Any], mode: Any) -> tuple[int, int] | None:
 
 
 def check_fits(req: CompletionRequest, context: int) -> None:
-    """400 when the prompt (and, for modes that cannot slide, the continuation) exceed the model's context.
+    """400 when a request asks for more than the gateway serves: log-probs beyond MAX_SCORED_BYTES, or, in a mode
+    whose rules keep prompt and continuation in one window (sweep), more than the model's context.
 
-    Scoring alone (``max_tokens`` 0) and mode ar slide their windows over a longer prompt (log-probs: up to
-    MAX_SCORED_BYTES of prompt and continuation).
+    Every other mode slides its window over any prompt and continuation (scoring lays its windows out as
+    ``blocktrain eval`` does), so below the caps the pipeline's default refuses no request for its length.
     """
     p, n = max(len(req.prompt), 1), req.max_tokens  # an empty prompt is sent as b"\n"
     if req.logprobs is not None and len(req.prompt) + n > MAX_SCORED_BYTES:
         raise bad(f"log-probs are served for at most {MAX_SCORED_BYTES} bytes of prompt and continuation, got "
                   f"{len(req.prompt)} + {n}; split the text", "prompt", "context_length_exceeded")
-    if n == 0:
+    if req.mode is None or MODE_RULES[req.mode].fits(p, n, context):
         return
-    if p > context and req.mode != "ar":  # ar slides its window over a longer text
-        raise bad(f"the prompt is {p} bytes and the model's context is {context} bytes; shorten the prompt or use "
-                  "mode ar", "prompt", "context_length_exceeded")
-    if req.mode in ("spec", "sweep") and p + n > context:
-        raise bad(f"mode {req.mode} keeps prompt and continuation in one window: prompt ({p}) + max_tokens ({n}) must "
-                  f"be at most the context ({context}); shorten them or use mode ar", "max_tokens", "context_length_exceeded")
-    if req.mode == "baseline" and p + n - 1 > context:
-        raise bad(f"mode baseline keeps one KV cache: prompt ({p}) + max_tokens ({n}) - 1 must be at most the "
-                  f"context ({context}); shorten them", "max_tokens", "context_length_exceeded")
+    slides = ", ".join(m.value for m, r in MODE_RULES.items() if r.slides)
+    raise bad(f"mode {req.mode.value} keeps prompt and continuation in one window: prompt ({p}) + max_tokens ({n}) "
+              f"must be at most the context ({context}); shorten them, or use a mode that slides its window "
+              f"({slides}) or omit mode", "prompt" if p >= context else "max_tokens", "context_length_exceeded")
 
 
 class Utf8Stream:
@@ -356,24 +357,29 @@ class PipelineBackend:
             await self.client.close()
             self._connected = False
 
-    def modes(self, entry: Mapping[str, Any]) -> tuple[str, ...]:
+    def modes(self, entry: Mapping[str, Any]) -> tuple[Mode, ...]:
         """Modes the pipeline described by ``entry`` runs (as its entry stage reports them), its default first."""
-        modes = tuple(m for m in entry.get("modes", MODES) if m in MODES)
-        return (*modes, "ar") if modes == ("baseline",) else modes  # iter_ar runs the baseline
+        modes = tuple(Mode(m) for m in entry.get("modes", MODES) if m in MODES)
+        return (*modes, Mode.AR) if modes == (Mode.BASELINE,) else modes  # iter_ar runs the baseline
 
     def resolve(self, req: CompletionRequest, entry: Mapping[str, Any]) -> CompletionRequest:
         """The request with its mode settled, checked against the pipeline (modes, context)."""
         modes = self.modes(entry)
+        if not modes:
+            raise RequestError(502, f"the pipeline's entry stage reports no generation mode (it reports "
+                                    f"{entry.get('modes')!r}); check that it runs this release", "pipeline_error")
         mode = req.mode or modes[0]
+        rules = MODE_RULES[mode]
         if mode not in modes:
-            raise bad(f"this pipeline serves a {entry.get('family')} run, which runs mode {' or '.join(modes)}, not "
-                      f"{mode}; omit mode or use one of those", "mode", "unsupported_mode")
-        if req.top_p < 1 and mode not in TOP_P_MODES:
-            raise bad(f"top_p < 1 is not supported by mode {mode} here (only by {', '.join(TOP_P_MODES)}); "
-                      "omit top_p", "top_p", "unsupported_parameter")
-        if req.draft is not None and mode != "spec":
-            raise bad(f"draft_min and draft_max are only for mode spec; this request runs mode {mode}", "draft_min",
-                      "unsupported_parameter")
+            raise bad(f"this pipeline serves a {entry.get('family')} run, which runs mode "
+                      f"{' or '.join(m.value for m in modes)}, not {mode.value}; omit mode or use one of those", "mode",
+                      "unsupported_mode")
+        if req.top_p < 1 and not rules.top_p:
+            raise bad(f"top_p < 1 is not supported by mode {mode.value} (only by {modes_taking('top_p')}); omit top_p",
+                      "top_p", "unsupported_parameter")
+        if req.draft is not None and not rules.draft:
+            raise bad(f"draft_min and draft_max are only for mode {modes_taking('draft')}; this request runs mode "
+                      f"{mode.value}", "draft_min", "unsupported_parameter")
         req = replace(req, mode=mode)
         check_fits(req, int(entry.get("context", 0)))
         return req
@@ -412,7 +418,7 @@ class PipelineBackend:
 
     async def generate(self, req: CompletionRequest) -> tuple[bytes, dict[str, int]]:
         """The whole continuation, plus the mode's counters (spec: traversals, drafted, accepted)."""
-        if req.mode == "spec":
+        if req.mode is Mode.SPEC:
             res = await self.client.generate_spec(req.prompt, req.max_tokens, **self._sampling(req))
             return bytes(res.data), {k: int(getattr(res, k)) for k in ("traversals", "drafted", "accepted")}
         out = bytearray()
@@ -423,9 +429,9 @@ class PipelineBackend:
     def stream(self, req: CompletionRequest) -> AsyncIterator[bytes]:
         """The continuation (of a resolved request) as chunks of new bytes, as the pipeline produces them."""
         c, kw = self.client, self._sampling(req)
-        iters = {"spec": c.iter_spec, "ar": c.iter_ar, "baseline": c.iter_baseline, "sweep": self._sweep}
-        if req.mode not in iters:
-            raise bad(f"mode {req.mode!r} is not resolved; call resolve() first", "mode")
+        iters = {Mode.SPEC: c.iter_spec, Mode.AR: c.iter_ar, Mode.BASELINE: c.iter_baseline, Mode.SWEEP: self._sweep}
+        if req.mode is None:
+            raise bad("the request's mode is not resolved; call resolve() first", "mode")
         return iters[req.mode](req.prompt, req.max_tokens, **kw)
 
     async def _sweep(self, prompt: bytes, n_new: int, **kw: Any) -> AsyncIterator[bytes]:
@@ -435,11 +441,12 @@ class PipelineBackend:
 
     def _sampling(self, req: CompletionRequest) -> dict[str, Any]:
         kw: dict[str, Any] = {"temperature": req.temperature, "top_k": req.top_k, "seed": req.seed}
+        rules = MODE_RULES[req.mode] if req.mode is not None else None
         if req.top_p < 1:  # resolve() let it through: the mode samples with top_p
             kw["top_p"] = req.top_p
-        if req.mode == "sweep":
+        if rules is not None and rules.sweeps:
             kw["sweeps"] = req.sweeps
-        if req.mode == "spec" and req.draft is not None:
+        if rules is not None and rules.draft and req.draft is not None:
             kw["draft_min"], kw["draft_max"] = req.draft
         return kw
 

@@ -27,7 +27,7 @@ from blocktrain.seeds import Seed
 from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_param
-from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
+from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
 
 log = logging.getLogger(__name__)
 
@@ -119,16 +119,27 @@ class BlockSpan:
             raise WireError(f"a frame at sigma index {frame.sigma_index} needs 'z' of shape (b, t, d_model) matching 'x'")
 
     def _validate_spec(self, frame: Frame) -> int:
-        """A spec frame: one sequence; the entry (no z yet) drafts, later stages get the draft and q. Returns its length."""
-        n = SpecParams.read(frame.params).n_draft
+        """A spec frame: one sequence (a windowed one: n_draft + 1 windows past the entry); the entry (no z yet)
+        drafts, later stages get the draft and q. Returns its length."""
+        sp = SpecParams.read(frame.params)
+        n, c = sp.n_draft, self.cfg.model.context
         x = frame.tensors["x"]
-        if x.shape[0] != 1:
-            raise WireError("spec frames carry one sequence: x of shape (1, t)")
         if "z" not in frame.tensors:
+            if x.shape[0] != 1:
+                raise WireError("spec frames carry one sequence: x of shape (1, t)")
             if frame.sigma_index != 0 or self.lo != 0:
                 raise WireError("a spec request starts at block 0, whose stage drafts with block 0 alone")
-            return x.shape[1] + n
+            if sp.window and x.shape[1] != c:
+                raise WireError(f"a windowed spec frame carries the text's last {c} bytes (the context): x of shape "
+                                f"(1, {c}), got {tuple(x.shape)}; send shorter texts without 'window'")
+            return x.shape[1] if sp.window else x.shape[1] + n
         validate_carried_draft(frame.tensors, n)
+        if sp.window:
+            if x.shape[0] != n + 1:
+                raise WireError(f"a windowed spec frame past the entry carries its {n + 1} windows, got {x.shape[0]}")
+            return x.shape[1]
+        if x.shape[0] != 1:
+            raise WireError("spec frames carry one sequence: x of shape (1, t)")
         if x.shape[1] <= n:
             raise WireError(f"'x' must cover the accepted text and the {n} draft positions")
         return x.shape[1]
@@ -189,37 +200,44 @@ class BlockSpan:
         draft position is the p the one-byte-longer text gets: the accepted text is
         distributed as autoregressive sampling from the chain under that noise.
         Block 0 alone drafts from the chain's own first evaluation, at the same noise.
+        A windowed frame (the text outgrew the context) carries the text's last ``context`` bytes; row i is the
+        window before draft byte i (:func:`~blocktrain.serve.wire.speculative.windows`), each on the same
+        per-position noise, as a sliding fixed-noise loop reads it.
         """
         sp = SpecParams.read(f.params)
         n, d = sp.n_draft, self.cfg.model.d_model
         carried = {k: v for k, v in f.tensors.items() if k in ("draft", "q")}
+        c = self.cfg.model.context
         if "z" in f.tensors:
             x, z = f.tensors["x"].clone(), f.tensors["z"].float()
         else:
             x = f.tensors["x"]
+            text = x[0].tolist()
             g_noise = Seed.CHAIN.generator(sp.seed, 0)
-            eps = position_noise(1, x.shape[1] + n, self.cfg.model.context, d, g_noise)  # (1, t + n, d)
+            eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise)  # (1, t + n, d), a window at most
             s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
-            g = sp.draft_generator(x.shape[1])
+            g = sp.draft_generator(int(f.params.get("pos", 0)) + len(text))
             draft: list[int] = []
             qs: list[torch.Tensor] = []
             for _ in range(n):
-                t = x.shape[1]
-                logits = self.blocks[0](x, s0 * eps[:, :t], torch.tensor(s0))  # (1, t, 256)
+                win = torch.tensor([(text + draft)[-c:]], dtype=torch.uint8)  # the whole text, or its last window
+                t = win.shape[1]
+                logits = self.blocks[0](win, s0 * eps[:, :t], torch.tensor(s0))  # (1, t, 256)
                 byte, q = sp.draft_byte(logits[0, -1].float(), g)
                 draft.append(byte)
                 qs.append(q)
-                x = torch.cat([x, torch.tensor([[byte]], dtype=torch.uint8)], dim=1)
             if n:
                 carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)}
-            z = self.cfg.diffusion.sigma_max * eps
+            rows = windows(text, draft, c) if sp.window else [text + draft]  # windowed: every row is c bytes
+            x = torch.tensor(rows, dtype=torch.uint8)
+            z = (self.cfg.diffusion.sigma_max * eps).expand(len(rows), -1, -1).clone()
         logits = torch.empty(0)
         for k in range(f.sigma_index, self.hi + 1):
             z, logits = chain_step(self.blocks[k], k, x, z, self.partition, self.cfg.diffusion, k == self.n_last)
         if not self.is_last:
             return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"x": x, "z": z, **carried})
-        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params),
-                     {"logits": logits[0, -(n + 1):].float(), **carried})
+        out = logits[:, -1] if sp.window else logits[0, -(n + 1):]  # windowed: each row's last position
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": out.float(), **carried})
 
     def _update_estimate(self, f: Frame, k: int, x: torch.Tensor, logits: torch.Tensor) -> None:
         """Generated positions take the running estimate: byte p+1 is read off the logits at p."""

@@ -24,6 +24,12 @@ Modes:
   bonus byte, with the draft and q carried along. The client runs the acceptance
   rule. The entry and the last stage also cache their head layers (the entry keeps
   them in step on every cached frame so that it can draft at any time).
+  Once the text outgrew the context the frame is *windowed* (``window`` in the
+  params): x is the text's last ``context`` bytes, no cache is used, and row i
+  of the frame is the window of ``context`` bytes before draft byte i
+  (:func:`~blocktrain.serve.wire.speculative.windows`), run whole as local
+  ``generate`` runs it; the entry drafts each byte from its own run of that
+  row, and the last stage returns each row's last logits (n_draft + 1, 256).
 * ``sweep`` is refused: it is the diffusion objective's whole-continuation mode.
 
 Arithmetic runs under :func:`blocktrain.device.autocast` at the span's precision; h
@@ -116,6 +122,9 @@ class StackSpan:
         if t.shape[0] > MAX_ROWS_PER_FRAME:
             raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
         frame_param(frame.params, "seed", int, 0)
+        if frame.mode is Mode.SPEC and SpecParams.read(frame.params).window:
+            self._validate_windows(frame, t)
+            return
         cached = frame.mode is Mode.SPEC or "pos" in frame.params
         if not cached:
             if t.shape[1] > self.cfg.model.context:
@@ -130,6 +139,20 @@ class StackSpan:
             raise WireError(f"positions {pos}..{pos + new - 1} exceed the context of {self.cfg.model.context}; "
                             "start a new request (pos=0) with a shorter text or draft")
         self.cache.check(frame.request_id, pos)
+
+    def _validate_windows(self, frame: Frame, t: torch.Tensor) -> None:
+        n, c = SpecParams.read(frame.params).n_draft, self.cfg.model.context
+        if frame_param(frame.params, "pos", int, 0) < 0:
+            raise WireError("parameter 'pos' (where the window starts in the text) must be >= 0")
+        if self.lo == 0:
+            if tuple(t.shape) != (1, c):
+                raise WireError(f"a windowed spec frame carries the text's last {c} bytes (the context): x of shape "
+                                f"(1, {c}), got {tuple(t.shape)}; send shorter texts without 'window'")
+            return
+        validate_carried_draft(frame.tensors, n)
+        if t.shape[0] != n + 1 or t.shape[1] > c:
+            raise WireError(f"a windowed spec frame past the entry carries h of its {n + 1} windows of at most {c} "
+                            f"positions, got shape {tuple(t.shape)}")
 
     def _validate_spec(self, frame: Frame) -> int:
         n = SpecParams.read(frame.params).n_draft
@@ -147,6 +170,8 @@ class StackSpan:
             return [self._run_one(f) for f in frames]
 
     def _run_one(self, f: Frame) -> Frame:
+        if f.mode is Mode.SPEC and SpecParams.read(f.params).window:
+            return self._run_windows(f)
         if f.mode is Mode.SCORE or (f.mode is Mode.AR and "pos" not in f.params):
             return self._run_stateless(f)
         pos = int(f.params.get("pos", 0))
@@ -181,6 +206,42 @@ class StackSpan:
         logits = self.blocks[self.hi].logits(h).float()
         return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params),
                      {"logits": logits if f.mode is Mode.SCORE else logits[:, -1]})
+
+    def _forward(self, inp: torch.Tensor) -> torch.Tensor:
+        """Bytes (block 0) or h through blocks lo..hi, whole, without a cache."""
+        h = inp if self.lo == 0 else inp.float()
+        for k in range(self.lo, self.hi + 1):
+            h = self.blocks[k](h)
+        return h
+
+    def _run_windows(self, f: Frame) -> Frame:
+        """A windowed spec frame: every row a whole window, no cache; the entry drafts row by row."""
+        carried = {k: v for k, v in f.tensors.items() if k in ("draft", "q")}
+        if self.lo > 0:
+            h = self._forward(f.tensors["h"])
+            if not self.is_last:
+                return self._work(f, h, carried)
+            return self._result(f, self.blocks[self.hi].logits(h)[:, -1], carried)
+        sp = SpecParams.read(f.params)
+        text, c = f.tensors["x"][0].tolist(), self.cfg.model.context
+        g = sp.draft_generator(int(f.params.get("pos", 0)) + len(text))
+        hs: list[torch.Tensor] = []
+        last: list[torch.Tensor] = []
+        draft: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(sp.n_draft + 1):  # row i is windows(text, draft, c)[i]: it needs the draft's first i bytes
+            hs.append(self._forward(torch.tensor([(text + draft)[-c:]], dtype=torch.uint8)))
+            if i == sp.n_draft and not self.is_last:
+                break
+            last.append(self.blocks[self.hi].logits(hs[-1])[0, -1].float())
+            if i < sp.n_draft:
+                byte, q = sp.draft_byte(last[-1], g)
+                draft.append(byte)
+                qs.append(q)
+        carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)} if draft else {}
+        if self.is_last:  # one stage holds the whole model: the draft model is the target
+            return self._result(f, torch.stack(last), carried)
+        return self._work(f, torch.cat(hs, dim=0), carried)
 
     def _work(self, f: Frame, h: torch.Tensor, extra: dict[str, torch.Tensor]) -> Frame:
         return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h.float(), **extra})

@@ -33,6 +33,7 @@ from blocktrain.seeds import Seed
 from blocktrain.serve.wire.frames import frame_number, frame_param
 
 MAX_DRAFT = 64  # bytes: the longest draft a spec frame may ask for
+MAX_WINDOWS = 64  # windows (rows) one windowed spec frame carries: n_draft + 1 (stages take 64 rows per frame)
 RATE_DECAY = 0.5  # weight of the old acceptance rate in the running estimate (per traversal)
 MAX_RATE = 0.95  # cap of the acceptance-rate estimate (keeps r / (1 - r) finite)
 
@@ -121,6 +122,7 @@ class SpecParams:
     top_k: int  # >= 0; 0 keeps every byte
     top_p: float  # in (0, 1]
     seed: int  # the request seed
+    window: bool = False  # the text outgrew the context: x is its last ``context`` bytes, verified in windows
 
     @classmethod
     def read(cls, params: dict[str, Any]) -> SpecParams:
@@ -137,7 +139,10 @@ class SpecParams:
         top_p = frame_number(params, "top_p", 1.0)
         if not 0 < top_p <= 1:
             raise WireError("parameter 'top_p' must be in (0, 1]")
-        return cls(n, temperature, top_k, top_p, frame_param(params, "seed", int, 0))
+        window = frame_param(params, "window", bool, False)
+        if window and n + 1 > MAX_WINDOWS:
+            raise WireError(f"a windowed spec frame carries n_draft + 1 windows, at most {MAX_WINDOWS}; got n_draft={n}")
+        return cls(n, temperature, top_k, top_p, frame_param(params, "seed", int, 0), window)
 
     def draft_generator(self, accepted_len: int) -> torch.Generator:
         """The draft's draws, seeded by the request seed and the length of the accepted text."""
@@ -148,6 +153,19 @@ class SpecParams:
         q = filtered_probs(logits.unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
         x = int(q.argmax()) if self.temperature <= 0 else int(sample_probs(q, g)[0])
         return x, q[0]
+
+
+def windowed_draft_cap(context: int, d_model: int, max_frame_bytes: int) -> int:
+    """The longest draft of a windowed spec frame: n_draft + 1 windows of ``context`` positions whose fp32 state
+    (context x d_model) fills at most half a frame, and at most MAX_WINDOWS windows."""
+    per_window = 4 * max(context, 1) * max(d_model, 1)
+    return max(0, min(MAX_WINDOWS, max_frame_bytes // (2 * per_window)) - 1)
+
+
+def windows(text: list[int], draft: list[int], context: int) -> list[list[int]]:
+    """The windowed frame's rows: row i is the last ``context`` bytes of the text and the draft's first i bytes,
+    the window local ``generate`` reads the byte after them from (rows 0..n for a draft of n)."""
+    return [(text + draft[:i])[-context:] for i in range(len(draft) + 1)]
 
 
 def validate_carried_draft(tensors: dict[str, torch.Tensor], n: int) -> None:
