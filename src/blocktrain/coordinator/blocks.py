@@ -301,7 +301,8 @@ class BlockRounds:
             reported = self.store.reporters(k, v)
             rnd = self.store.round(k, v)
             enough = len(reported) >= self.settings.min_updates
-            if rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported:
+            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported
+                    and int(rnd["n_updates"]) > 0):  # 0: every update it had was dropped (a quarantined worker's)
                 self._close_round(k, CloseReason.QUORUM, now)
                 closed.append(k)
         return closed
