@@ -68,6 +68,7 @@ class LocalRounds:
     steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
     compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
     batch_size: int = 0  # sequences per inner step (0: the run config's)
+    reset_inner: bool = False  # start each round with fresh inner AdamW moments (the worker carries them: False)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
@@ -129,11 +130,14 @@ def run_local_rounds(
     *,
     k: int = 0,
     frozen: Sequence[nn.Module] = (),
+    earlier: Sequence[nn.Module] = (),
     progress: bool = False,
     hostile: Hostile | None = None,
 ) -> LocalRun:
     """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring.
 
+    ``earlier`` (whole blocks 0..k-1, heads included) gives version 0 what block k inherits from them
+    (``Objective.inherit``: a copy of block k-1 under ``stack.init copy``), as the coordinator's version 0 does.
     With ``hostile``, the last replica trains on its targets and pushes its update instead of the honest one.
     """
     objective = get_objective(cfg)
@@ -144,10 +148,13 @@ def run_local_rounds(
     schedule = replace(tc, steps=opts.rounds * opts.local_steps)  # the worker's: rounds x H
     torch.manual_seed(init_seed(cfg.train.seed, k))  # the coordinator's version 0
     replicas = [objective.build_block(k)]
-    W = trainable_state(replicas[0])
-    shapes = block_schema(replicas[0])
     for _ in range(opts.workers - 1):
         replicas.append(objective.build_block(k))
+    if earlier:
+        for r in replicas:
+            objective.inherit(r, k, earlier, at_init=True)
+    W = trainable_state(replicas[0])
+    shapes = block_schema(replicas[0])
     optimisers = [make_optimizer(r, tc)[0] for r in replicas]
     feedback = [ErrorFeedback(opts.compression) for _ in replicas]
     state = OuterState()
@@ -163,6 +170,8 @@ def run_local_rounds(
     for v in range(opts.rounds):
         deltas, samples, pushed = [], [], []
         base = Published(k, v, tensors_sha256(W), W, frozen_weights)
+        if opts.reset_inner:
+            optimisers = [make_optimizer(r, tc)[0] for r in replicas]
         for i, (block, opt) in enumerate(zip(replicas, optimisers, strict=True)):
             load_trainable(block, W)
             block.train()
