@@ -304,7 +304,7 @@ def test_nesterov_outer_step_and_momentum_persist(tmp_path: Path) -> None:
 
 
 def test_gate_rejects_an_update_that_hurts_held_out_loss(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
-    c = make_coordinator(tmp_path / "run", corpus, gate_tolerance=0.0, norm_k=0, eval_every=0)
+    c = make_coordinator(tmp_path / "run", corpus, gate_tolerance=0.0, norm_k=0, eval_every=0, audit_fraction=0.0)
     c.register("a", 0)
     from blocktrain.errors import ProtocolError
 

@@ -103,7 +103,7 @@ def _group_body(c: object, names: list[str], keys: list[RSAPrivateKey], peers: l
 
 def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refused_groups(
         tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
-    c = make_coordinator(tmp_path / "run", corpus, hivemind=True, hivemind_host="127.0.0.1", rounds=3,
+    c = make_coordinator(tmp_path / "run", corpus, hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1", rounds=3,
                          gate_tolerance=0.0, norm_k=0.0, eval_every=0)
     try:
         names = ["w1", "w2", "w3"]

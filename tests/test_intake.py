@@ -179,7 +179,7 @@ def test_messages_are_typed_bounded_and_versioned(coord: Coordinator) -> None:
     meta = {k: v for k, v in full.items() if k not in RESERVED}  # the update's own fields, under the file's header
     assert meta == {
         "protocol": str(PROTOCOL_VERSION), "kind": "delta", "block_index": "0", "base_version": "2", "base_sha": sha,
-        "samples": "4", "compression": "int8"}
+        "samples": "4", "compression": "int8", "precision": "fp32"}
     from blocktrain.errors import ProtocolError
 
     for bad, field in (({"samples": "0"}, "samples"), ({"base_sha": "x"}, "base_sha"), ({"extra": "1"}, "extra")):

@@ -63,10 +63,15 @@ def _bearer(request: Request) -> str | None:
 SMALL_BODY_CAP = 64 * 1024  # bytes: cap on request bodies of every route but update uploads
 
 
+def _uploads(path: str) -> bool:
+    """Routes whose bodies are tensors: update pushes and audit uploads (capped by the coordinator, not SMALL_BODY_CAP)."""
+    return path.endswith("/updates") or (path.startswith("/v1/blocks/") and "/audits/" in path)
+
+
 def route_kind(path: str) -> str:
-    """What a request moved, for the byte counters: "updates" (deltas in), "weights" (weights, steps and frozen
-    blocks out) or "control" (registration, work, heartbeats, status)."""
-    if path.endswith("/updates"):
+    """What a request moved, for the byte counters: "updates" (deltas and audited states in), "weights" (weights,
+    steps and frozen blocks out) or "control" (registration, work, heartbeats, status)."""
+    if _uploads(path):
         return "updates"
     return "weights" if path.startswith("/v1/blocks/") else "control"
 
@@ -90,8 +95,8 @@ class ByteCounter:
                 if scheme.lower() == "bearer" and token:
                     worker = self.c.worker_for_token(token.strip())
 
-        # Only update uploads may be large; every other body (register, heartbeat, ...) is small JSON.
-        capped = not scope.get("path", "").endswith("/updates")
+        # Only update and audit uploads may be large; every other body (register, heartbeat, ...) is small JSON.
+        capped = not _uploads(scope.get("path", ""))
         for key, value in scope.get("headers", []):
             if capped and key == b"content-length" and value.isdigit() and int(value) > SMALL_BODY_CAP:
                 await JSONResponse(
@@ -271,6 +276,19 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
                 await run_in_threadpool(c.record_rejection, name, k, exc)
             raise
         return await run_in_threadpool(c.submit, name, k, body)
+
+    @app.post(
+        "/v1/blocks/{k}/audits/{v}",
+        openapi_extra={"requestBody": {"required": True, "content": {SAFETENSORS: {"schema": {
+            "type": "string", "format": "binary"}}}}},
+    )
+    async def audit(request: Request, k: int, v: int) -> dict[str, Any]:
+        """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
+        name = auth(request)
+        cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
+        body = await run_in_threadpool(decode_body, await _read_capped(request, cap),
+                                       request.headers.get("content-encoding"), cap)
+        return await run_in_threadpool(c.audit, name, k, v, body)
 
     return app
 

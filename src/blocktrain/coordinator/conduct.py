@@ -26,7 +26,7 @@ from blocktrain.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 COUNTED = ("claim", "norm", "lazy", "replay", "gate", "screened", "metadata", "schema", "non_finite", "not_safetensors",
-           "group")  # refusal reasons that count toward quarantine
+           "group", "commitment")  # refusal reasons that count toward quarantine
 GROUP_REFUSALS = 2  # refused group means a worker may be a member of before it is quarantined (hivemind engine)
 
 

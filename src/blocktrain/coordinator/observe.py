@@ -93,6 +93,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
         "rate_limited": c.conduct.rate_limited,  # update requests answered 429 since start-up (kept in memory)
         "quarantined": quarantined,  # worker -> why
         "intake": intake,  # its cost per update and the loss gate's current tolerance per block
+        "audits": c.auditor.summary(),  # replays passed, failed, awaiting their upload, median replay seconds
         "bytes_in": counters.get("bytes_in", 0),
         "bytes_out": counters.get("bytes_out", 0),
         # workers' bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)

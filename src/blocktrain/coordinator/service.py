@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from blocktrain.config import RunConfig
+from blocktrain.coordinator.audit import Auditor
 from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.blocks import BlockRounds
 from blocktrain.coordinator.groups import PeerHub, check_members
@@ -30,7 +31,7 @@ from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.messages import FrozenRef, Registration, WorkAnswer
+from blocktrain.protocol.messages import AuditAnswer, FrozenRef, PushAnswer, Registration, WorkAnswer
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Coordinator(BlockRounds):
         self._unauth_logged = float("-inf")  # time.monotonic() of the last log line about them
         self._unauth_quiet = 0  # refusals not logged since that line
         super().__init__(run_dir, cfg, settings, data, clock)
+        self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
         with self.lock:
             self._reload_tokens()
         # the hivemind engine's authority and bootstrap peer (coordinator.groups)
@@ -245,10 +247,13 @@ class Coordinator(BlockRounds):
                 413, f"update of {len(body)} bytes exceeds the cap of {self.max_body_bytes}", "too_large"
             )
         upd = parse_update(body, k, self.block_shapes[k])
+        if self.auditor.enabled and not upd.group and upd.state_sha is None:
+            raise ProtocolError(422, "this coordinator audits updates: an update must name the sha256 of the worker's "
+                                "inner state at the round's start (state_sha); run the same BlockTrain version", "commitment")
         with self.lock:
             self._check_version(k, upd.base_version)
             if self.store.update_blob(k, upd.base_version, name) == hashlib.sha256(body).hexdigest():
-                return {"accepted": True, "duplicate": True, "block": k, "version": upd.base_version}  # a resend
+                return PushAnswer(accepted=True, duplicate=True, block=k, version=upd.base_version).model_dump()
             base = self._published(k)
         members = self._group_members(name, k, upd)
         try:
@@ -297,7 +302,7 @@ class Coordinator(BlockRounds):
             prior = self.store.update_blob(k, v, name)
             if prior is not None:
                 if prior == digest:
-                    return {"accepted": True, "duplicate": True, "block": k, "version": v}
+                    return PushAnswer(accepted=True, duplicate=True, block=k, version=v).model_dump()
                 raise ProtocolError(
                     409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate"
                 )
@@ -318,8 +323,39 @@ class Coordinator(BlockRounds):
                     self.store.record_group(k, v, name, members)
             self.intake.remember(k, checked)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
+            rounds = self.block_rounds(k)
+            audit = self.auditor.draw(
+                name, upd, self._published(k), mix_seed(int(self._worker(name)["id"]), k, v),
+                rounds * self.settings.local_steps if rounds else self.cfg.train.steps, self.clock())
             closed = self._check_quorum(self.clock())
-            return {"accepted": True, "duplicate": False, "block": k, "version": v, "round_closed": k in closed}
+            return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=audit).model_dump()
+
+    def audit(self, name: str, k: int, v: int, body: bytes) -> dict[str, Any]:
+        """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it."""
+        self._check_block(k)
+        case = self.auditor.take(name, k, v)
+        try:
+            answer = self.auditor.judge(case, body, self.block_shapes[k])
+        except ProtocolError as exc:  # a malformed state fails the audit too
+            answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
+            why = f"its audit upload was refused ({exc})"
+        else:
+            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} > "
+                   f"{answer.tolerance:g}")
+        if answer.passed:
+            log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name,
+                     answer.relative_error, answer.seconds)
+        else:
+            with self.lock:
+                self.conduct.quarantine(name, f"failed audit: {why}", self.clock())
+        return answer.model_dump()
+
+    def _overdue_audits(self, now: float) -> None:
+        """Quarantine the workers whose audit uploads are late (call under the lock)."""
+        for case in self.auditor.overdue(now):
+            if not self.conduct.quarantined(case.worker):
+                self.conduct.quarantine(case.worker, f"failed audit: no state uploaded for block {case.update.block} "
+                                        f"v{case.update.base_version} within {self.settings.audit_timeout_s:g} s", now)
 
     def _check_version(self, k: int, base: int) -> None:
         with self.lock:
@@ -381,6 +417,7 @@ class Coordinator(BlockRounds):
                     for lapsed_name in lapsed:
                         self.store.lapse_worker(lapsed_name)
                         log.warning("worker %s: lease lapsed; it leaves the round", lapsed_name)
+            self._overdue_audits(now)
             self._check_quorum(now)
             self._close_due_rounds(now)
             self.flush_bytes()

@@ -85,6 +85,10 @@ class CoordinatorSettings:
     quarantine_after: int = 3  # refusals for what an update is or does before its worker is quarantined (0 = never)
     refusal_burst: int = 10  # refused update requests a worker may make per refusal_window_s before a 429 (0 = no cap)
     refusal_window_s: float = 60.0  # seconds of the refusal rate limit's window
+    audit_fraction: float = 0.05  # accepted pushes replayed by the coordinator (needs its --data; 0 = no audits)
+    audit_tolerance: float = 1e-3  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this
+    audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay.json)
+    audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation
     tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
@@ -123,5 +127,8 @@ class CoordinatorSettings:
             raise ConfigError("lazy_fraction must be in [0, 1) and replay_cosine in (0, 1]")
         if self.agree_min is not None and not -1 <= self.agree_min < 1:
             raise ConfigError(f"agree_min must be in [-1, 1) or None, got {self.agree_min}")
+        if not 0 <= self.audit_fraction <= 1 or min(self.audit_tolerance, self.audit_tolerance_bf16) < 0 \
+                or self.audit_timeout_s <= 0:
+            raise ConfigError("audit_fraction must be in [0, 1], audit_tolerance >= 0 and audit_timeout_s > 0")
         if self.quarantine_after < 0 or self.refusal_burst < 0 or self.refusal_window_s <= 0:
             raise ConfigError("quarantine_after and refusal_burst must be >= 0 and refusal_window_s > 0")

@@ -48,8 +48,8 @@ from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
-from blocktrain.train.loop import train_steps
-from blocktrain.train.step import lr_at, make_optimizer
+from blocktrain.train.round import BlockTask, train_round
+from blocktrain.train.step import make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,7 @@ def run_local_rounds(
     intake = Intake(settings, {k: shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
     budget = opts.local_steps * tc.batch_size  # what the coordinator's work answer assigns
     frozen_weights = [("", trainable_state(b)) for b in frozen]
+    task = BlockTask(objective, k, frozen)
     precision = resolve_precision(tc.precision, torch.device("cpu"))
     run = LocalRun(replicas[0], W)
     t0 = time.perf_counter()
@@ -178,18 +179,8 @@ def run_local_rounds(
             stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
                                  stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
             bad = hostile if i == opts.workers - 1 else None
-
-            def loss_at(j: int, block: nn.Module = block, stream: TrainStream = stream,
-                        bad: Hostile | None = bad) -> tuple[torch.Tensor, dict[str, float]]:
-                x, y = stream.batch(j)
-                if bad is not None:
-                    y = bad.targets(y, stream.generator(j, purpose=2))
-                return objective.block_loss(block, k, x, y, stream.generator(j, purpose=1), frozen).loss, {}
-
-            def lr(j: int, offset: int = v * opts.local_steps) -> float:  # the block's position: its rounds x H
-                return lr_at(offset + j, schedule)
-
-            train_steps(block, opt, loss_at, range(opts.local_steps), lr=lr, grad_clip=tc.grad_clip, precision=precision)
+            train_round(task, block, opt, stream, steps=opts.local_steps, offset=v * opts.local_steps, schedule=schedule,
+                        precision=precision, targets=bad.targets if bad is not None else None)
             local = trainable_state(block)
             delta = {n: local[n] - W[n] for n in W}
             if bad is not None:

@@ -36,6 +36,8 @@ class ParsedUpdate:
     delta: dict[str, torch.Tensor]  # decoded float32 delta per parameter
     norm: float  # ||Delta||_2
     group: tuple[GroupMember, ...] = ()  # members whose sample-weighted mean this is (empty: one worker's delta)
+    state_sha: str | None = None  # digest of the sender's inner state at the round's start (for an audit)
+    precision: str = "fp32"  # the arithmetic the sender trained in (an audit replays in the same)
 
 
 def _looks_like_safetensors(body: bytes) -> bool:
@@ -104,5 +106,5 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
         raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", "non_finite")
     return ParsedUpdate(
         block=k, base_version=m.base_version, base_sha=m.base_sha, samples=samples, compression=compression, delta=delta, norm=norm,
-        group=group,
+        group=group, state_sha=m.state_sha, precision=m.precision,
     )

@@ -125,17 +125,22 @@ def pack_delta(
     samples: int,
     feedback: ErrorFeedback | None = None,
     group: list[GroupMember] | None = None,
+    state_sha: str | None = None,
+    precision: str = "fp32",
 ) -> bytes:
     """A worker's update as safetensors bytes (with ``feedback``: plus its carried residual, which it updates).
 
     ``base_version`` and ``base_sha``: the published version and the sha256 of its weights the delta was trained
     from (the work answer's). ``group``: the delta is the sample-weighted mean of these members' deltas
-    (:mod:`.group`), ``samples`` their sum.
+    (:mod:`.group`), ``samples`` their sum. ``state_sha``: the digest of the sender's inner state at the round's
+    start (:mod:`.inner_state`), which it uploads if the coordinator audits the push; ``precision`` the arithmetic it
+    trained in ("fp32" or "bf16"), which the audit replays.
     """
     if group and sum(m.samples for m in group) != samples:
         raise ValueError("a group upload's samples must be the sum of its members'")
     meta = UpdateMeta(block_index=block, base_version=base_version, base_sha=base_sha, samples=samples,
-                      compression=compression.value, group=encode_group(group) if group else None)
+                      compression=compression.value, group=encode_group(group) if group else None,
+                      state_sha=state_sha, precision=precision)
     if feedback is not None and feedback.compression is not compression:
         raise ValueError(f"error feedback for {feedback.compression.value} cannot encode {compression.value}")
     wire = feedback.encode(delta) if feedback is not None else encode_delta(delta, compression)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from blocktrain.errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # bumped when a message changes meaning (2: budgets, base sha256)
+PROTOCOL_VERSION = 3  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -99,9 +99,34 @@ class UpdateMeta(Message):
     samples: int = Field(ge=1, le=MAX_SAMPLES)  # sequences behind the delta (claimed; capped by the budget)
     compression: Literal["none", "bf16", "int8"]  # the tensors' encoding (a protocol.delta.Compression value)
     group: str | None = Field(default=None, max_length=1 << 20)  # hivemind: the members whose mean this is (JSON)
+    precision: str = Field(default="fp32", pattern=r"^(fp32|bf16)$")  # the arithmetic it trained in (an audit replays in the same)
+    state_sha: str | None = Field(default=None, pattern=SHA256_HEX)  # sha256 of the worker's inner state at the
+    # round's start (protocol.inner_state): what it uploads if the push is audited (None: a group mean, not auditable)
 
     def to_meta(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.model_dump(mode="json", exclude_none=True).items()}
+
+
+class PushAnswer(Message):
+    """The coordinator's answer to an accepted push."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    accepted: bool  # the update counts for its round
+    duplicate: bool = False  # a byte-identical resend of an update already accepted
+    block: int = Field(ge=0)  # k
+    version: int = Field(ge=0)  # the version the update is against
+    round_closed: bool = False  # this update made the round's quorum
+    audit: bool = False  # upload the inner state the push committed to (POST /v1/blocks/{k}/audits/{version})
+
+
+class AuditAnswer(Message):
+    """The outcome of an audit replay."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    passed: bool  # the replay reproduced the pushed delta within the tolerance
+    relative_error: float = Field(ge=0)  # ||replayed - pushed|| / ||pushed||
+    tolerance: float = Field(ge=0)  # the coordinator's audit_tolerance
+    seconds: float = Field(ge=0)  # the replay's wall time on the coordinator
 
 
 def parse(model: type[M], doc: Any, what: str, status: int = 422) -> M:

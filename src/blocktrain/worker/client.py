@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.messages import RegisterRequest, Registration, WorkAnswer, parse
+from blocktrain.protocol.messages import AuditAnswer, PushAnswer, RegisterRequest, Registration, WorkAnswer, parse
 from blocktrain.protocol.transport import DEFLATE, deflate
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,19 @@ class CoordinatorClient:
         """The finished block k's weights (safetensors), the frozen input of later stack blocks."""
         return self.request("GET", f"/v1/blocks/{k}/frozen").content
 
-    def push(self, k: int, payload: bytes) -> dict[str, Any]:
+    def push(self, k: int, payload: bytes) -> PushAnswer:
         """Send an update (safetensors bytes), deflated on the wire unless ``deflate_pushes`` is off."""
         if self.deflate_pushes:
-            return dict(self.request("POST", f"/v1/blocks/{k}/updates", content=deflate(payload),
-                                     encoding=DEFLATE).json())
-        return dict(self.request("POST", f"/v1/blocks/{k}/updates", content=payload).json())
+            resp = self.request("POST", f"/v1/blocks/{k}/updates", content=deflate(payload), encoding=DEFLATE)
+        else:
+            resp = self.request("POST", f"/v1/blocks/{k}/updates", content=payload)
+        return parse(PushAnswer, resp.json(), "the coordinator's push answer", status=502)
+
+
+    def audit(self, k: int, v: int, payload: bytes) -> AuditAnswer:
+        """Upload the inner state an audited push committed to; the coordinator replays the round."""
+        resp = self.request("POST", f"/v1/blocks/{k}/audits/{v}", content=deflate(payload), encoding=DEFLATE)
+        return parse(AuditAnswer, resp.json(), "the coordinator's audit answer", status=502)
 
 
 def _protocol_error(resp: httpx.Response) -> ProtocolError:

@@ -42,10 +42,12 @@ from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
+from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
-from blocktrain.train.loop import Hook, ProgressHook, StepRecord, train_steps
-from blocktrain.train.step import lr_at, make_optimizer
+from blocktrain.train.loop import Hook, ProgressHook, StepRecord
+from blocktrain.train.round import BlockTask, Targets, train_round
+from blocktrain.train.step import make_optimizer
 from blocktrain.worker.client import CoordinatorClient
 from blocktrain.worker.frozen import FrozenInputs
 
@@ -107,9 +109,12 @@ class WorkerSummary:
     groups_uploaded: int = 0  # hivemind engine: group means this worker uploaded
     rounds_grouped: int = 0  # hivemind engine: rounds whose delta another member uploaded in its group's mean
     peer_pulls: int = 0  # hivemind engine: published versions fetched from a peer (hash-checked), not the coordinator
+    audits: int = 0  # pushes the coordinator audited (this worker uploaded its inner state for a replay)
 
 
 class Worker:
+    targets: Targets | None = None  # what it trains on instead of the stream's next bytes (None: those; a hostile peer's)
+
     def __init__(self, opts: WorkerOptions, data: DataDir, *, stop: threading.Event | None = None,
                  abandon: threading.Event | None = None) -> None:
         self.opts = opts
@@ -146,7 +151,8 @@ class Worker:
         self.train = self.data.open("train")
         self.block = self.objective.build_block(self.k).to(self.device)
         self.shapes = block_schema(self.block)
-        self.opt, _ = make_optimizer(self.block, self.cfg.train)
+        self.opt, self.opt_names = make_optimizer(self.block, self.cfg.train)
+        self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
         self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
@@ -249,6 +255,7 @@ class Worker:
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
                              stream=work.stream)
         H = min(self.H, work.steps)  # at most the round's budget
+        self.round_state = inner_state(self.opt, self.opt_names, self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
         deadline_in = work.deadline_in
@@ -259,19 +266,12 @@ class Worker:
         bar = tqdm(total=H, desc=f"block {self.k} v{self.base_version}", unit="step", disable=not self.opts.progress,
                    dynamic_ncols=True, leave=False)
 
-        def loss_at(i: int) -> tuple[torch.Tensor, dict[str, float]]:
-            x, y = stream.batch(i)
-            out = self.objective.block_loss(self.block, self.k, x.to(self.device), y.to(self.device),
-                                            stream.generator(i, purpose=1), frozen)
-            return out.loss, {}
-
         # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
         offset = max(self.base_version, 0) * self.round_steps
         try:
-            train_steps(self.block, self.opt, loss_at, range(H),
-                        lr=lambda i: lr_at(min(offset + i, self.schedule.steps - 1), self.schedule),
-                        grad_clip=self.cfg.train.grad_clip, precision=self.precision, device=self.device,
-                        hooks=[round_hook, ProgressHook(bar)])
+            train_round(BlockTask(self.objective, self.k, frozen, self.device), self.block, self.opt, stream, steps=H,
+                        offset=offset, schedule=self.schedule, precision=self.precision,
+                        hooks=[round_hook, ProgressHook(bar)], targets=self.targets)
         finally:
             bar.close()
         return not round_hook.abandoned
@@ -344,11 +344,15 @@ class Worker:
             if group is not None:
                 delta, samples = group.mean, group.samples
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
-                             base_sha=self.base_sha, samples=samples, feedback=self.feedback, group=group.members if group else None)
+                             base_sha=self.base_sha, samples=samples, feedback=self.feedback,
+                             group=group.members if group else None,
+                             state_sha=None if group else state_sha(self.round_state), precision=self.precision.value)
         t0 = time.monotonic()
         try:
-            self.client.push(self.k, payload)
+            answer = self.client.push(self.k, payload)
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
+            if answer.audit:
+                self._answer_audit()
             self.summary.rounds_pushed += 1
             self.summary.groups_uploaded += group is not None
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
@@ -368,6 +372,15 @@ class Worker:
                 raise
         finally:
             load_trainable(self.block, self.base)  # the local copy restarts from the published version
+
+    def _answer_audit(self) -> None:
+        """Upload the inner state this round's push committed to; the coordinator replays the round."""
+        result = self.client.audit(self.k, self.base_version,
+                                   pack_state(self.round_state, block=self.k, version=self.base_version))
+        self.summary.audits += 1
+        log.info("block %d v%d: audited; the coordinator's replay %s (relative error %.2g, %.1f s)", self.k,
+                 self.base_version, "matched" if result.passed else "did NOT match", result.relative_error,
+                 result.seconds)
 
     # --- main loop ------------------------------------------------------------------
     def run(self) -> WorkerSummary:

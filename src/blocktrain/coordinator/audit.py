@@ -1,0 +1,175 @@
+"""Audits: the coordinator replays a sampled fraction of accepted updates and quarantines a worker whose push its own
+round does not reproduce.
+
+A worker's round is a function of what the coordinator knows (W_v, the frozen blocks, the stream id it handed out
+for (worker, block, version), the schedule position v x H, the samples claimed) and of the worker's inner state at the
+round's start: its AdamW moments and its error-feedback residual (:mod:`blocktrain.protocol.inner_state`). Every push
+commits to that state's sha256 (``UpdateMeta.state_sha``). The coordinator audits an accepted push with probability
+``audit_fraction`` (drawn from the operating system's randomness, so a worker cannot know which rounds are audited):
+its answer says ``audit``, the worker uploads the state, and the coordinator
+
+1. checks the state's sha256 against the commitment (a different state is a failed audit);
+2. replays the round with the worker's own code path (:func:`blocktrain.train.round.train_round`), encodes the result
+   with the uploaded residual, and
+3. compares it with the decoded push: relative error ||replayed - pushed|| / ||pushed|| <= ``audit_tolerance``
+   (``audit_tolerance_bf16`` for a push trained in bf16, replayed in bf16). Measured honest differences
+   (``benchmarks/results/audit-replay.json``, cpu-mini, H=25, 2 worker threads against 1 replay thread): at most
+   8e-5 in fp32 and 0.023 in bf16 (CPU autocast); a delta scaled by 1.1 is 0.09 away, shuffled labels 1.0. A GPU
+   worker's bf16 against a CPU coordinator's bf16 replay was not measured (no GPU was at hand).
+
+A failed audit, or one not answered within ``audit_timeout_s``, quarantines the worker (:mod:`.conduct`: token
+revoked, later updates refused, its updates not yet applied dropped). Group means (the hivemind engine) commit to no
+single state and are not audited. The replay costs the coordinator one worker's round of compute (reported as the
+audit answer's ``seconds``); it needs the run's training split (the coordinator's ``--data``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from blocktrain.config import Precision, RunConfig
+from blocktrain.coordinator.intake import Published
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.validate import ParsedUpdate
+from blocktrain.data.dataset import ByteSplit, DataDir
+from blocktrain.data.stream import TrainStream
+from blocktrain.errors import ProtocolError
+from blocktrain.objectives import get_objective
+from blocktrain.objectives.base import frozen_dtype, whole_blocks
+from blocktrain.protocol.delta import ErrorFeedback, decode_delta
+from blocktrain.protocol.inner_state import load_inner_state, state_sha, unpack_state
+from blocktrain.protocol.messages import AuditAnswer
+from blocktrain.protocol.weights import load_trainable, trainable_state
+from blocktrain.train.round import BlockTask, train_round
+from blocktrain.train.step import make_optimizer
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 64  # audits awaiting an upload at once (each holds one decoded delta); beyond it none is drawn
+
+
+@dataclass(frozen=True)
+class AuditCase:
+    """An accepted push the coordinator will replay, with everything the replay needs but the worker's state."""
+
+    worker: str  # who pushed it
+    update: ParsedUpdate  # the push as the coordinator decoded it (its delta, samples, compression, state_sha)
+    base: Published  # W_v and the frozen blocks it was trained from
+    seed: int  # the run's seed
+    stream: int  # the stream id the work answer named for (worker, block, version)
+    schedule_steps: int  # the block's rounds x H: the span of its lr schedule
+    round_steps: int  # H: the schedule position of version v is v x H
+    due: float  # coordinator clock time by which the state must be uploaded
+
+
+class Auditor:
+    """Draws audits, keeps them until their upload, replays and judges them."""
+
+    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, data: DataDir | None) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.objective = get_objective(cfg)
+        self.train: ByteSplit | None = data.open("train") if data is not None and settings.audit_fraction > 0 else None
+        self._rng = random.SystemRandom()
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
+        self.passed = 0
+        self.failed = 0
+        self.replay_seconds: list[float] = []  # wall time of every replay
+
+    @property
+    def enabled(self) -> bool:
+        return self.train is not None
+
+    def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int,
+             now: float) -> bool:
+        """Whether to audit this accepted push (then it waits for the worker's upload)."""
+        if not self.enabled or upd.state_sha is None or upd.group:
+            return False
+        if self._rng.random() >= self.settings.audit_fraction:
+            return False
+        with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                return False
+            self._pending[(worker, upd.block, upd.base_version)] = AuditCase(
+                worker, upd, base, self.cfg.train.seed, stream, schedule_steps, self.settings.local_steps,
+                now + self.settings.audit_timeout_s)
+        return True
+
+    def take(self, worker: str, k: int, v: int) -> AuditCase:
+        with self._lock:
+            case = self._pending.pop((worker, k, v), None)
+        if case is None:
+            raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", "no_audit")
+        return case
+
+    def overdue(self, now: float) -> list[AuditCase]:
+        """Cases whose upload is late (removed): the coordinator quarantines their workers."""
+        with self._lock:
+            late = [key for key, c in self._pending.items() if c.due < now]
+            return [self._pending.pop(key) for key in late]
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def judge(self, case: AuditCase, body: bytes, shapes: dict[str, tuple[int, ...]]) -> AuditAnswer:
+        """Replay ``case`` from the uploaded state ``body``; the answer says whether it reproduced the push."""
+        t0 = time.perf_counter()
+        k, v = case.update.block, case.update.base_version
+        tensors = unpack_state(body, shapes, block=k, version=v)
+        if state_sha(tensors) != case.update.state_sha:
+            rel = math.inf
+        else:
+            rel = self.replay_error(case, tensors)
+        seconds = time.perf_counter() - t0
+        tolerance = self.tolerance(case.update.precision)
+        passed = rel <= tolerance
+        with self._lock:
+            self.replay_seconds.append(seconds)
+            self.passed += passed
+            self.failed += not passed
+        return AuditAnswer(passed=passed, relative_error=rel if math.isfinite(rel) else 1e30,
+                           tolerance=tolerance, seconds=seconds)
+
+    def tolerance(self, precision: str) -> float:
+        """The relative error an honest replay stays under: thread counts alone in fp32, bf16 rounding on top."""
+        return self.settings.audit_tolerance_bf16 if precision == Precision.BF16.value else self.settings.audit_tolerance
+
+    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor]) -> float:
+        """||replayed - pushed|| / ||pushed|| of the round ``case`` names, started from the state ``tensors``."""
+        assert self.train is not None
+        obj, k, upd = self.objective, case.update.block, case.update
+        batch = self.cfg.train.batch_size
+        block = obj.build_block(k)
+        load_trainable(block, case.base.weights)
+        earlier = whole_blocks(obj, [w for _, w in case.base.frozen])
+        if obj.inherits():  # the frozen heads a stack variant reads, as the worker sets them every round
+            obj.inherit(block, k, earlier, at_init=False)
+        precision = Precision(upd.precision)  # the worker's arithmetic (bf16 autocast runs on a CPU too, slower)
+        frozen = [obj.freeze(b, frozen_dtype(precision is Precision.BF16)) for b in earlier]
+        opt, names = make_optimizer(block, self.cfg.train)
+        residual = load_inner_state(opt, names, tensors)
+        stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream)
+        schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps))
+        train_round(BlockTask(obj, k, frozen), block, opt, stream, steps=upd.samples // batch,
+                    offset=upd.base_version * case.round_steps, schedule=schedule, precision=precision)
+        local = trainable_state(block)
+        delta = {n: local[n] - w for n, w in case.base.weights.items()}
+        replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
+        num = sum(float((replayed[n] - upd.delta[n]).double().pow(2).sum()) for n in upd.delta)
+        den = sum(float(d.double().pow(2).sum()) for d in upd.delta.values())
+        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+    def summary(self) -> dict[str, float | int]:
+        with self._lock:
+            secs = sorted(self.replay_seconds)
+        return {"passed": self.passed, "failed": self.failed, "pending": self.pending(),
+                "median_replay_s": secs[len(secs) // 2] if secs else 0.0}

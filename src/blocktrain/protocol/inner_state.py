@@ -1,0 +1,99 @@
+"""A worker's inner state at the start of a round, as tensors: what an audit needs to replay the round exactly.
+
+A worker's round depends on more than the published weights: its inner AdamW moments persist across rounds
+(DiLoCo's inner optimiser), and its push carries the quantisation residual of its earlier pushes (error feedback).
+The worker commits to the sha256 of that state with every push (``UpdateMeta.state_sha``), and uploads it when the
+coordinator audits the push (:mod:`blocktrain.coordinator.audit`). Names:
+
+* ``adam/<param>/exp_avg``, ``adam/<param>/exp_avg_sq`` (the parameter's shape, float32) and ``adam/<param>/step``
+  (a float32 scalar), for every trainable parameter that has taken a step;
+* ``residual/<param>``: the error-feedback residual e (the parameter's shape, float32), once a lossy push was sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
+from blocktrain.errors import ProtocolError
+
+ADAM = "adam/"
+RESIDUAL = "residual/"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_FORMAT = "1"  # bumped when the names or their meaning change
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimiser's parameters in :func:`blocktrain.train.step.make_optimizer`'s index order."""
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
+                residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``opt``'s AdamW state and the error-feedback ``residual``, named as the module docstring says."""
+    out: dict[str, torch.Tensor] = {}
+    for i, p in enumerate(_params(opt)):
+        st = opt.state.get(p)
+        if not st:
+            continue
+        for m in MOMENTS:
+            out[f"{ADAM}{names[i]}/{m}"] = st[m].detach().float().clone()
+        out[f"{ADAM}{names[i]}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
+    for n, e in residual.items():
+        out[f"{RESIDUAL}{n}"] = e.detach().float().clone()
+    return out
+
+
+def state_sha(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The digest a worker commits to: sha256 over the state's names, dtypes, shapes and bytes."""
+    return tensors_sha256(dict(tensors))
+
+
+def pack_state(tensors: Mapping[str, torch.Tensor], *, block: int, version: int) -> bytes:
+    """The audit upload: the state as safetensors, with the block and version of the audited round."""
+    return pack(dict(tensors), {"kind": "inner_state", "state_format": STATE_FORMAT, "block_index": str(block),
+                                "base_version": str(version)})
+
+
+def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: int,
+                 version: int) -> dict[str, torch.Tensor]:
+    """An audit upload as state tensors, every name, dtype and shape checked against block ``block``'s
+    ``shapes``; a :class:`ProtocolError` (422) that names what is wrong."""
+    tensors, meta = unpack(body, source="inner state")
+    if meta.get("kind") != "inner_state" or meta.get("state_format") != STATE_FORMAT:
+        raise ProtocolError(422, f"an audit upload is an inner_state of format {STATE_FORMAT}; got "
+                            f"{meta.get('kind')!r} format {meta.get('state_format')!r}", "audit_format")
+    if meta.get("block_index") != str(block) or meta.get("base_version") != str(version):
+        raise ProtocolError(422, f"the state is for block {meta.get('block_index')} version {meta.get('base_version')}, "
+                            f"the audit asks for block {block} version {version}", "audit_format")
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+            raise ProtocolError(422, f"state tensor {name!r} must be finite float32", "audit_format")
+        if name.startswith(RESIDUAL) and name[len(RESIDUAL):] in shapes:
+            want: tuple[int, ...] = shapes[name[len(RESIDUAL):]]
+        elif name.startswith(ADAM) and name.count("/") >= 2:
+            param, _, leaf = name[len(ADAM):].rpartition("/")
+            if param not in shapes or leaf not in (*MOMENTS, "step"):
+                raise ProtocolError(422, f"unknown state tensor {name!r}", "audit_format")
+            want = () if leaf == "step" else shapes[param]
+        else:
+            raise ProtocolError(422, f"unknown state tensor {name!r}", "audit_format")
+        if tuple(t.shape) != want:
+            raise ProtocolError(422, f"state tensor {name!r} has shape {tuple(t.shape)}, expected {want}", "audit_format")
+    return tensors
+
+
+def load_inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
+                     tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Put the AdamW state of ``tensors`` into ``opt`` (fresh: no state yet); returns the residual it holds."""
+    for i, p in enumerate(_params(opt)):
+        key = f"{ADAM}{names[i]}/"
+        if key + "step" not in tensors:
+            continue
+        st = opt.state[p]
+        for m in MOMENTS:
+            st[m] = tensors[key + m].clone().to(p.device)
+        st["step"] = tensors[key + "step"].clone()
+    return {n[len(RESIDUAL):]: t.clone() for n, t in tensors.items() if n.startswith(RESIDUAL)}

@@ -1,0 +1,164 @@
+"""Audits over HTTP: the coordinator replays audited pushes from the worker's committed inner state.
+
+Honest workers pass every audit on every block of a stack (frozen inputs and copy-init included); a worker that
+trains on shuffled labels, one that scales its delta within the norm bound, one whose uploaded state is not the one
+it committed to, and one that never uploads are quarantined. Each test fails without the audit.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from blocktrain.config import Objective
+from blocktrain.coordinator.app import create_app
+from blocktrain.coordinator.service import Coordinator
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.data.dataset import DataDir
+from blocktrain.errors import ProtocolError
+from blocktrain.presets import get_preset, stack_recipe
+from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.inner_state import pack_state, state_sha
+from blocktrain.protocol.messages import WorkAnswer
+from blocktrain.worker.loop import Worker, WorkerOptions
+from tests.distributed_utils import FakeClock, ThreadServer, corpus, make_coordinator  # noqa: F401
+
+pytestmark = pytest.mark.timeout(240)
+
+AUDIT_ALL = {"audit_fraction": 1.0, "eval_every": 0, "local_steps": 3, "agree_min": None, "gate": False}
+
+
+class ShuffledLabels(Worker):
+    """Trains on the batch's targets in a random order (a label-shuffling attack); commits its true state."""
+
+    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:  # type: ignore[override]
+        return y.flatten()[torch.randperm(y.numel(), generator=generator)].view_as(y)  # (b, t), shuffled
+
+
+class Scaled(Worker):
+    """Trains honestly and pushes 1.5 x its delta: within the norm bound, so only a replay sees it."""
+
+    def _delta(self) -> tuple[dict[str, torch.Tensor], int]:
+        delta, samples = super()._delta()
+        return {n: 1.5 * d for n, d in delta.items()}, samples
+
+
+def _run(w: Worker) -> None:
+    try:
+        w.run()
+    except ProtocolError as exc:  # a quarantined worker's next request is refused (403)
+        assert exc.reason == "quarantined", exc
+
+
+def run_workers(c: Coordinator, data: DataDir, tmp_path: Path, kinds: list[type[Worker]],
+                block: int | None = 0) -> list[Worker]:
+    tokens = [c.add_token(f"w{i}") for i in range(len(kinds))]
+    with ThreadServer(c) as srv:
+        workers = [kind(WorkerOptions(url=srv.url, token=t, block=block, progress=False, max_rejections=1,
+                                      frozen_cache=tmp_path / f"frozen{i}"), data)
+                   for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
+        threads = [threading.Thread(target=_run, args=(w,), daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in threads)
+    return workers
+
+
+def test_honest_workers_pass_every_audit_on_every_block(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A progressive stack with copy-init: blocks 1..3 start as copies and read frozen copies of the earlier ones."""
+    cfg = replace(get_preset("tiny"), objective=Objective.STACK, stack=stack_recipe())
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=2, **AUDIT_ALL), corpus)
+    workers = run_workers(c, corpus, tmp_path, [Worker, Worker], block=None)
+    summary = c.auditor.summary()
+    c.close()
+    assert all(c.state[k].value == "finished" for k in range(4))
+    pushed = sum(w.summary.rounds_pushed for w in workers)  # every accepted push is audited (two rounds a block)
+    assert summary["failed"] == 0 and summary["passed"] == sum(w.summary.audits for w in workers) == pushed >= 8
+
+
+@pytest.mark.parametrize("kind", [ShuffledLabels, Scaled])
+def test_a_worker_whose_push_does_not_replay_is_quarantined(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                           kind: type[Worker]) -> None:
+    c = make_coordinator(tmp_path / "run", corpus, rounds=3, **AUDIT_ALL)
+    honest, bad = run_workers(c, corpus, tmp_path, [Worker, kind])
+    assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
+    assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 1
+    assert honest.summary.rounds_pushed == 3 and c.version[0] == 3  # the run went on without it
+    c.close()
+
+
+def _push(client: TestClient, c: Coordinator, headers: dict[str, str], sha: str) -> tuple[WorkAnswer, dict[str, object]]:
+    w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+    g = torch.Generator().manual_seed(0)
+    delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.block_shapes[0].items()}
+    body = pack_delta(delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
+                      samples=w.sequences, state_sha=sha)
+    r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+    assert r.status_code == 202, r.text
+    return w, r.json()
+
+
+def test_a_state_other_than_the_committed_one_fails_the_audit(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('liar')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        committed: dict[str, torch.Tensor] = {}
+        w, answer = _push(client, c, headers, state_sha(committed))
+        assert answer["audit"] is True
+        other = {"residual/" + n: torch.zeros(s) for n, s in c.block_shapes[0].items()}
+        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state(other, block=0, version=w.version),
+                        headers=headers)
+        assert r.status_code == 200 and r.json()["passed"] is False
+        assert c.conduct.quarantined("liar")
+        assert client.get("/v1/work", headers=headers).status_code == 403
+    c.close()
+
+
+def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('mute')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        _, answer = _push(client, c, headers, state_sha({}))
+        assert answer["audit"] is True
+        clock.advance(10)
+        c.tick()
+        assert not c.conduct.quarantined("mute")
+        clock.advance(25)
+        c.tick()
+        assert c.conduct.quarantined("mute")
+    c.close()
+
+
+def test_no_audit_without_a_state_commitment_or_at_fraction_zero(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **{**AUDIT_ALL, "audit_fraction": 0.0})
+    headers = {"Authorization": f"Bearer {c.add_token('a')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        _, answer = _push(client, c, headers, state_sha({}))
+        assert answer["audit"] is False
+        r = client.post("/v1/blocks/0/audits/0", content=pack_state({}, block=0, version=0), headers=headers)
+        assert r.status_code == 404 and r.json()["error"] == "no_audit"
+    c.close()
+
+
+def test_an_update_without_a_state_commitment_is_refused_where_audits_run(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('a')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+        body = pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.INT8, block=0,
+                          base_version=w.version, base_sha=w.weights_sha, samples=w.sequences)
+        r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+        assert r.status_code == 422 and r.json()["error"] == "commitment"
+    c.close()
