@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
@@ -63,19 +63,21 @@ class Poison(enum.Enum):
         return delta
 
 
-KINDS = ["honest", *(p.value for p in Poison)]
+KINDS = ["honest", "honest5", *(p.value for p in Poison)]  # honest5: the run without the hostile worker
 
 
 def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = get_preset(args.preset)
     settings = CoordinatorSettings(outer=OuterOptimizer(args.outer), outer_lr=args.outer_lr,
-                                   outer_momentum=args.outer_momentum, gate_tolerance=args.gate_tolerance)
-    opts = LocalRounds(workers=6, local_steps=args.h, steps=args.steps)
+                                   outer_momentum=args.outer_momentum, gate_tolerance=args.gate_tolerance,
+                                   aggregation=Aggregation(args.aggregation))
+    honest = kind.startswith("honest")
+    opts = LocalRounds(workers=5 if kind == "honest5" else 6, local_steps=args.h, steps=args.steps)
     data = resolve_data_dir(args.data)
     run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress,
-                           hostile=None if kind == "honest" else Poison(kind))
+                           hostile=None if honest else Poison(kind))
     ce = run.test_ce(cfg, data, args.eval_bytes)
-    hostile = opts.workers - 1 if kind != "honest" else -1  # the replica that pushed the poisoned updates
+    hostile = opts.workers - 1 if not honest else -1  # the replica that pushed the poisoned updates
     bad = [u for u in run.updates if u.replica == hostile]
     good = [u for u in run.updates if u.replica != hostile]
     caught: dict[str, int] = {}
@@ -85,6 +87,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     honest_gate = [u.gate[1] - u.gate[0] for u in good if u.gate is not None]
     return {
         "kind": kind,
+        "aggregation": args.aggregation,
         "final_ce_nats_per_byte": ce,
         "poisoned_updates": len(bad),
         "poisoned_caught": sum(caught.values()),
@@ -99,7 +102,9 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "command": (f"python benchmarks/hostile_peers.py --preset {args.preset} --steps {args.steps} --h {args.h} "
                     f"--outer {args.outer} --outer-lr {args.outer_lr} --outer-momentum {args.outer_momentum} "
-                    f"--gate-tolerance {args.gate_tolerance} --eval-bytes {args.eval_bytes} --kinds {kind}"),
+                    f"--eval-bytes {args.eval_bytes} --kinds {kind}"
+                    + (f" --gate-tolerance {args.gate_tolerance}" if args.gate_tolerance is not None else "")
+                    + (f" --aggregation {args.aggregation}" if args.aggregation != "mean" else "")),
     }
 
 
@@ -111,7 +116,9 @@ def main() -> int:
     ap.add_argument("--outer", default="nesterov", choices=[o.value for o in OuterOptimizer])
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--gate-tolerance", type=float, default=0.0, help="nats the held-out loss may rise")
+    ap.add_argument("--gate-tolerance", type=float, default=None,
+                    help="nats the held-out loss may rise (default: the coordinator's calibrated tolerance)")
+    ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation])
     ap.add_argument("--eval-bytes", type=int, default=32768)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--data", default=None)
@@ -124,7 +131,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": []}
-    runs = {r["kind"]: r for r in doc["runs"]}
+    runs = {_key(r): r for r in doc["runs"]}
     if args.honest_from:
         path, _, name = args.honest_from.partition(":")
         row = next(json.loads(x) for x in Path(path).read_text().splitlines() if x.strip() and json.loads(x)["row"] == name)
@@ -141,24 +148,36 @@ def main() -> int:
             if kind not in KINDS:
                 ap.error(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
             print("+", kind, file=sys.stderr, flush=True)
-            runs[kind] = run_kind(kind, args)
-    honest = runs.get("honest", {}).get("final_ce_nats_per_byte")
+            row = run_kind(kind, args)
+            runs[_key(row)] = row
     for r in runs.values():
-        r["honest_ce_nats_per_byte"] = r.get("honest_ce_nats_per_byte", honest)
+        ref = runs.get(_key({**r, "kind": "honest"}), {}).get("final_ce_nats_per_byte")
+        r["honest_ce_nats_per_byte"] = r.get("honest_ce_nats_per_byte", ref)
+        ref5 = runs.get(_key({**r, "kind": "honest5"}), {}).get("final_ce_nats_per_byte")
+        if ref5 is not None:
+            r["without_hostile_ce_nats_per_byte"] = ref5  # the fair reference: the run without the hostile worker
     doc["runs"] = list(runs.values())
     doc["what"] = ("six replicas of block 0 (stack, first prefix), the last one hostile; defences: the norm bound "
                    "and the loss gate of blocktrain.coordinator.intake; CE on the first eval bytes of the test split")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print("| kind | final CE | honest CE | diff | poisoned | caught | accepted within bound | honest rejected |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| aggregation | kind | final CE | honest CE | diff | vs 5 honest | poisoned | caught | accepted within bound "
+          "| honest rejected |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["runs"]:
         h = r.get("honest_ce_nats_per_byte")
         diff = "—" if h is None else f"{r['final_ce_nats_per_byte'] - h:+.4f}"
-        print(f"| {r['kind']} | {r['final_ce_nats_per_byte']:.4f} | {h if h is None else f'{h:.4f}'} | {diff} "
+        h5 = r.get("without_hostile_ce_nats_per_byte")
+        diff5 = "—" if h5 is None else f"{r['final_ce_nats_per_byte'] - h5:+.4f}"
+        print(f"| {r.get('aggregation', 'mean')} | {r['kind']} | {r['final_ce_nats_per_byte']:.4f} "
+              f"| {h if h is None else f'{h:.4f}'} | {diff} | {diff5} "
               f"| {r.get('poisoned_updates', '—')} | {r.get('poisoned_caught', '—')} "
               f"| {r.get('poisoned_accepted_within_norm_bound', '—')} | {r.get('honest_rejected', '—')} |")
     return 0
+
+
+def _key(r: dict[str, Any]) -> str:
+    return f"{r.get('aggregation', 'mean')}/{r['kind']}"
 
 
 if __name__ == "__main__":
