@@ -21,6 +21,7 @@ from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.train.memory import rss_bytes, warm_runtime
+from blocktrain.train.round import BlockTask
 from blocktrain.train.run import TrainSummary, run_training
 
 log = logging.getLogger(__name__)
@@ -55,16 +56,11 @@ def train_block(
         log.info("block %d trains %d steps (stack.step_ratio %g of %d per block)", k, steps, cfg.stack.step_ratio, cfg.train.steps)
         cfg = cfg.with_train(steps=steps)
 
-    def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        x, y = tstream.batch(step)
-        out = objective.block_loss(block, k, x.to(device), y.to(device), tstream.generator(step, purpose=1), frozen)
-        return out.loss, out.metrics
-
     return run_training(
         name=f"block_{k}",
         module=block,
         cfg=cfg,
-        step_fn=step_fn,
+        step_fn=BlockTask(objective, k, frozen, device).loss_fn(block, tstream),
         ckpt_path=run.block_path(k),
         state_path=run.block_state_path(k),
         metrics_path=run.metrics_path(f"block_{k}"),

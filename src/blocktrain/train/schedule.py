@@ -37,6 +37,7 @@ from blocktrain.objectives.base import frozen_dtype
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import MetricsHook, train_steps
 from blocktrain.train.metrics import JsonlWriter
+from blocktrain.train.round import BlockTask
 from blocktrain.train.step import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
@@ -108,12 +109,7 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
         end = min(tc.steps, step + period)
         for r0 in range(step, end, tc.round_steps):
             for k in range(B):
-                def loss_at(s: int, k: int = k, frozen: list[nn.Module] = frozen) -> tuple[torch.Tensor, dict[str, float]]:
-                    x, y = streams[k].batch(s)
-                    out_k = objective.block_loss(blocks[k], k, x.to(device), y.to(device),
-                                                 streams[k].generator(s, purpose=1), frozen[:k])
-                    return out_k.loss, {}
-
+                loss_at = BlockTask(objective, k, frozen[:k], device).loss_fn(blocks[k], streams[k])
                 losses[k] = train_steps(blocks[k], ckpts[k].opt, loss_at, range(r0, min(end, r0 + tc.round_steps)),
                                         lr=lambda s: lr_at(s, tc), grad_clip=tc.grad_clip, precision=precision,
                                         device=device, hooks=[metrics[k]]).last_loss
