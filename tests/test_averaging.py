@@ -153,7 +153,8 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     """Through the coordinator: a 100x random update after two honest ones is refused as ``norm`` in /v1/status."""
     from blocktrain.errors import ProtocolError
 
-    c = make_coordinator(tmp_path / "run", corpus, norm_k=10.0, norm_min_history=2, eval_every=0, gate=False, audit_fraction=0.0, **NO_SCREEN)
+    c = make_coordinator(tmp_path / "run", corpus, norm_k=10.0, norm_min_history=2, eval_every=0, gate=False,
+                         audit_fraction=0.0, **NO_SCREEN)
     for name in ("a", "b", "c"):
         c.register(name, 0)
     g = torch.Generator().manual_seed(0)

@@ -315,3 +315,30 @@ def test_default_mode_refuses_no_chat_or_scoring_request_for_its_length(stack_ru
                     served = -np.array(lp.token_logprobs[1:], dtype=np.float64).mean()
                     local = score_split(lambda x: model.log_probs(x), np.frombuffer(shown, dtype=np.uint8), ctx)
                     assert served == pytest.approx(local.ce_nats_per_byte, abs=1e-4), (k, mode, max_tokens)
+
+
+def test_scoring_on_the_e2e_baseline_equals_local_eval() -> None:
+    """An evaluation harness's requests (echo, logprobs, max_tokens 0 and 1) work on an E2E pipeline too, in windows."""
+    torch.manual_seed(0)
+    from blocktrain.model.e2e import E2ETransformer
+
+    cfg = tiny().model
+    e2e = E2ETransformer(cfg).eval()
+    model = E2EModel(e2e, tiny())
+    data = TEXT.encode()
+    ctx = model.context
+    with ring(e2e_spans(e2e, [(0, 1), (2, 3)])) as stages, \
+            serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        scored = client.completions.create(model=name, prompt=TEXT, max_tokens=0, echo=True, logprobs=1)
+        plus_one = client.completions.create(model=name, prompt=list(data), max_tokens=1, echo=True, logprobs=1,
+                                             temperature=0)
+    lp = scored.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs[0] is None
+    served = np.array(lp.token_logprobs[1:], dtype=np.float64)
+    local = score_split(lambda x: model.log_probs(x), np.frombuffer(data, dtype=np.uint8), ctx)
+    assert -served.mean() == pytest.approx(local.ce_nats_per_byte, abs=1e-4)
+    lp1 = plus_one.choices[0].logprobs
+    assert lp1 is not None and len(lp1.tokens) == len(data) + 1
+    assert lp1.token_logprobs[1 : len(data) - ctx] == pytest.approx(lp.token_logprobs[1 : len(data) - ctx], abs=1e-6)

@@ -7,6 +7,7 @@ from typing import Any
 
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import BlockState, OuterOptimizer, RoundState, WorkerState
+from blocktrain.protocol.messages import Status
 
 
 def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
@@ -80,33 +81,33 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
     rejections = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}
     for reason, n in c.unauthenticated_rejections().items():  # in memory only: since this process started
         rejections[reason] = rejections.get(reason, 0) + n
-    return {
-        "preset": c.cfg.name,
-        "objective": str(c.cfg.objective),
-        "dataset": c.cfg.dataset or None,  # the fingerprint every worker's data must have
-        "n_blocks": c.n_blocks,
-        "block_fp32_bytes": c.block_fp32_bytes,
-        "finished": c.finished(),
-        "rounds_closed": counters.get("rounds_closed", 0),
-        "updates_accepted": counters.get("updates_accepted", 0),
-        "rejections": rejections,
-        "rate_limited": c.conduct.rate_limited,  # update requests answered 429 since start-up (kept in memory)
-        "quarantined": quarantined,  # worker -> why
-        "intake": intake,  # its cost per update and the loss gate's current tolerance per block
-        "audits": c.auditor.summary(),  # replays passed, failed, awaiting their upload, median replay seconds
-        "bytes_in": counters.get("bytes_in", 0),
-        "bytes_out": counters.get("bytes_out", 0),
+    return Status(
+        preset=c.cfg.name,
+        objective=str(c.cfg.objective),
+        dataset=c.cfg.dataset or None,  # the fingerprint every worker's data must have
+        n_blocks=c.n_blocks,
+        block_fp32_bytes=c.block_fp32_bytes,
+        finished=c.finished(),
+        rounds_closed=counters.get("rounds_closed", 0),
+        updates_accepted=counters.get("updates_accepted", 0),
+        rejections=rejections,
+        rate_limited=c.conduct.rate_limited,  # update requests answered 429 since start-up (kept in memory)
+        quarantined=quarantined,  # worker -> why
+        intake=intake,  # its cost per update and the loss gate's current tolerance per block
+        audits=c.auditor.summary(),  # replays passed, failed, awaiting their upload, median replay seconds
+        bytes_in=counters.get("bytes_in", 0),
+        bytes_out=counters.get("bytes_out", 0),
         # workers' bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)
-        "bytes_by_route": {r: {"in": counters.get(f"bytes_in:{r}", 0), "out": counters.get(f"bytes_out:{r}", 0)}
-                           for r in ("updates", "weights", "control")},
-        "latest_eval_ce": evals[-1]["ce_nats_per_byte"] if evals else None,
-        "blocks": blocks,
-        "workers": workers,
-        "rounds": rounds,
-        "evals": evals,
+        bytes_by_route={r: {"in": counters.get(f"bytes_in:{r}", 0), "out": counters.get(f"bytes_out:{r}", 0)}
+                        for r in ("updates", "weights", "control")},
+        latest_eval_ce=evals[-1]["ce_nats_per_byte"] if evals else None,
+        blocks=blocks,
+        workers=workers,
+        rounds=rounds,
+        evals=evals,
         # the hivemind engine: the DHT workers join first, the authority that signs their tokens (--hivemind)
-        "p2p": c.hub.status() if c.hub is not None else None,
-    }
+        p2p=c.hub.status() if c.hub is not None else None,
+    ).model_dump(mode="json")
 
 
 def _esc(v: str) -> str:

@@ -15,6 +15,9 @@ class Aggregation(enum.Enum):
     TRIMMED_MEAN = "trimmed_mean"  # coordinate-wise trimmed mean (robust)
 
 
+NESTEROV_LR = 0.7  # the default outer lr of Nesterov: 1.0 diverged at 100 outer steps (averaging-scaling.md)
+
+
 class OuterOptimizer(enum.Enum):
     AVERAGE = "average"  # W <- W + eta * Delta_bar
     NESTEROV = "nesterov"  # DiLoCo outer Nesterov momentum
@@ -67,7 +70,7 @@ class CoordinatorSettings:
     aggregation: Aggregation = Aggregation.MEAN  # how one round's deltas are combined
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
     outer: OuterOptimizer | None = None  # outer step (None: the objective's; benchmarks/results/averaging-study.md)
-    outer_lr: float = 1.0  # eta of the outer step (1 with --outer average: the plain mean)
+    outer_lr: float | None = None  # eta of the outer step (None: 0.7 for nesterov, averaging-scaling.md; 1 for average)
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
     local_steps: int = 25  # H: inner steps each work answer assigns; an update may claim at most H x batch samples
@@ -97,8 +100,11 @@ class CoordinatorSettings:
     hivemind_host: str = "0.0.0.0"  # IPv4 address the DHT peer listens on (its port is chosen by the system)
 
     def for_objective(self, default_outer: str) -> CoordinatorSettings:
-        """These settings with the objective's outer step where none was chosen (``Objective.outer_step``)."""
-        return self if self.outer is not None else replace(self, outer=OuterOptimizer(default_outer))
+        """These settings with the objective's outer step where none was chosen (``Objective.outer_step``), and its
+        lr where none was: NESTEROV_LR for Nesterov, 1 (the plain mean) for an average."""
+        outer = self.outer if self.outer is not None else OuterOptimizer(default_outer)
+        lr = self.outer_lr if self.outer_lr is not None else NESTEROV_LR if outer is OuterOptimizer.NESTEROV else 1.0
+        return replace(self, outer=outer, outer_lr=lr)
 
     def __post_init__(self) -> None:
         if self.round_seconds <= 0 or self.min_round_seconds <= 0:
@@ -115,7 +121,7 @@ class CoordinatorSettings:
             raise ConfigError(f"norm_k must be >= 0 (0 disables the norm check), got {self.norm_k}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ConfigError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
-        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+        if (self.outer_lr is not None and self.outer_lr <= 0) or not 0 <= self.outer_momentum < 1:
             raise ConfigError("outer_lr must be > 0 and outer_momentum in [0, 1)")
         if self.gate_tolerance is not None and self.gate_tolerance < 0:
             raise ConfigError(f"gate_tolerance must be >= 0, got {self.gate_tolerance}")

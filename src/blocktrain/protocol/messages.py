@@ -129,6 +129,37 @@ class AuditAnswer(Message):
     seconds: float = Field(ge=0)  # the replay's wall time on the coordinator
 
 
+class Status(Message):
+    """``GET /v1/status``: the run as the coordinator sees it (the dashboard's and the scripts' one source).
+
+    Its parts that list rows (blocks, workers, rounds, evaluations) are kept as JSON objects: they grow fields as the
+    coordinator learns to show more, and a reader takes what it knows."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    preset: str  # the run's preset name
+    objective: str  # stack or diffusion (or a registered kind)
+    dataset: str | None = Field(default=None, max_length=64)  # the fingerprint every worker's data must have
+    n_blocks: int = Field(ge=1)  # B
+    block_fp32_bytes: int = Field(ge=0)  # bytes of the largest block in fp32
+    finished: bool  # every block has trained its rounds
+    rounds_closed: int = Field(ge=0)  # rounds closed since the run began
+    updates_accepted: int = Field(ge=0)  # updates accepted since the run began
+    rejections: dict[str, int]  # refused requests by reason
+    rate_limited: int = Field(ge=0)  # update requests answered 429 since start-up
+    quarantined: dict[str, str]  # worker -> why it was quarantined
+    intake: dict[str, Any]  # the intake's cost per update and the loss gate's tolerance per block
+    audits: dict[str, int | float]  # replays passed, failed, awaiting their upload; the median replay seconds
+    bytes_in: int = Field(ge=0)  # request body bytes received
+    bytes_out: int = Field(ge=0)  # response body bytes sent
+    bytes_by_route: dict[str, dict[str, int]]  # workers' bytes by what they moved (updates, weights, control)
+    latest_eval_ce: float | None  # nats/byte of the latest evaluation of the assembled model
+    blocks: list[dict[str, Any]]  # one object per block: state, version, round, replicas, outer step
+    workers: list[dict[str, Any]]  # one object per worker: block, state, lease, bytes, refusals
+    rounds: list[dict[str, Any]]  # the most recent closed rounds
+    evals: list[dict[str, Any]]  # every evaluation of the assembled model
+    p2p: dict[str, Any] | None = None  # the hivemind engine's DHT and authority (--hivemind)
+
+
 def parse(model: type[M], doc: Any, what: str, status: int = 422) -> M:
     """``doc`` as ``model``: a :class:`ProtocolError` naming the first bad field, or the version to upgrade to."""
     if isinstance(doc, dict):

@@ -49,7 +49,7 @@ class E2ESpan:
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.n_layers,
-                "context": self.cfg.context, "d_model": self.cfg.d_model, "modes": ["baseline"], "cached": True}
+                "context": self.cfg.context, "d_model": self.cfg.d_model, "modes": ["baseline", "score"], "cached": True}
 
     def holds(self, index: int) -> bool:
         return self.lo <= index <= self.hi
@@ -72,8 +72,15 @@ class E2ESpan:
         return (self.family, frame.request_id)  # KV-cached steps run one request at a time
 
     def validate(self, frame: Frame) -> None:
+        if frame.mode is Mode.SCORE:  # teacher-forced windows (b, t), no cache: an evaluation harness's requests
+            key = "x" if self.lo == 0 else "h"
+            t = frame.tensors.get(key)
+            if t is None or t.dim() < 2 or t.shape[1] < 1 or t.shape[1] > self.cfg.context:
+                raise WireError(f"score frames at layer {self.lo} need tensor {key!r} of shape (b, t <= "
+                                f"{self.cfg.context}, ...)")
+            return
         if frame.mode is not Mode.BASELINE:
-            raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline'")
+            raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline' or 'score'")
         pos = frame_param(frame.params, "pos", int, 0)
         key = "x" if self.lo == 0 else "h"
         t = frame.tensors.get(key)
@@ -92,6 +99,8 @@ class E2ESpan:
             return [self._run_one(f) for f in frames]
 
     def _run_one(self, f: Frame) -> Frame:
+        if f.mode is Mode.SCORE:
+            return self._score(f)
         pos = int(f.params.get("pos", 0))
         try:
             kv = dict(self.cache.checkout(f.request_id, pos).kv)  # a copy: a failed step leaves the cache as it was
@@ -110,3 +119,18 @@ class E2ESpan:
             return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
         ln_f, lin = self.head
         return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(h[:, -1])).float()})
+
+    def _score(self, f: Frame) -> Frame:
+        """Whole windows through layers lo..hi without a cache; the last stage answers every position's logits."""
+        if self.embed is not None:
+            x = f.tensors["x"].long()  # (b, t)
+            tok, posemb = self.embed
+            h = tok(x) + posemb(torch.arange(x.shape[1]))
+        else:
+            h = f.tensors["h"].float()
+        for i in range(self.lo, self.hi + 1):
+            h = self.layers[i](h)
+        if self.head is None:
+            return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
+        ln_f, lin = self.head
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(h)).float()})
