@@ -152,7 +152,7 @@ class Coordinator(BlockRounds):
                 worker=name, block=k, block_state=state.value, message=message, config=self.cfg.to_json(),
                 lease_seconds=self.settings.lease_seconds,
                 rounds=self.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
-                n_blocks=self.n_blocks, local_steps=self.settings.local_steps,
+                n_blocks=self.n_blocks, local_steps=self.settings.local_steps, inner_reset=self.settings.inner_reset,
                 p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
             ).model_dump(mode="json", exclude_none=True)
 

@@ -74,6 +74,7 @@ class CoordinatorSettings:
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
     local_steps: int = 25  # H: inner steps each work answer assigns; an update may claim at most H x batch samples
+    inner_reset: bool = True  # workers start each round with fresh inner AdamW moments (averaging-scaling.md)
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
     replay_cosine: float = 0.99  # refuse an update whose sketch's cosine with any accepted delta of the block is above (1 = off)
     sketch_dim: int = 8192  # entries of the count sketch kept of every accepted delta (the replay check)

@@ -5,8 +5,8 @@ M workers would against a coordinator, without HTTP, storage or processes:
 
 * every replica starts round v from the published W_v and takes H AdamW steps on
   the stream the coordinator hands worker i for (k, v) (``mix_seed(i, k, v)``), with
-  the block's lr schedule over ``rounds x H`` steps; its AdamW state persists
-  across rounds (:mod:`blocktrain.worker.loop`);
+  the block's lr schedule over ``rounds x H`` steps; its AdamW state starts afresh
+  each round, or persists across rounds, as ``settings.inner_reset`` says (:mod:`blocktrain.worker.loop`);
 * it pushes Delta_i = W_i - W_v encoded with error feedback
   (:func:`blocktrain.protocol.delta.pack_delta`), which is parsed and checked by
   the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
@@ -68,7 +68,7 @@ class LocalRounds:
     steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
     compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
     batch_size: int = 0  # sequences per inner step (0: the run config's)
-    reset_inner: bool = False  # start each round with fresh inner AdamW moments (the worker carries them: False)
+    reset_inner: bool | None = None  # fresh inner AdamW moments each round (None: the settings' inner_reset)
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
@@ -171,7 +171,7 @@ def run_local_rounds(
     for v in range(opts.rounds):
         deltas, samples, pushed = [], [], []
         base = Published(k, v, tensors_sha256(W), W, frozen_weights)
-        if opts.reset_inner:
+        if (opts.reset_inner if opts.reset_inner is not None else settings.inner_reset):
             optimisers = [make_optimizer(r, tc)[0] for r in replicas]
         for i, (block, opt) in enumerate(zip(replicas, optimisers, strict=True)):
             load_trainable(block, W)

@@ -55,6 +55,7 @@ class Registration(Message):
     rounds: int = Field(ge=0)  # this block's rounds (0: no limit)
     n_blocks: int = Field(ge=1)  # blocks of the run
     local_steps: int = Field(ge=1, le=MAX_STEPS)  # H: inner steps per round the coordinator assigns
+    inner_reset: bool = False  # start each round with fresh inner AdamW moments (else carry them across rounds)
     p2p: dict[str, Any] | None = None  # hivemind engine: token, authority, initial peers, run
 
 
