@@ -142,18 +142,29 @@ def evaluate(url: str, tasks: Path, limit: int | None) -> dict[str, Any]:
     )
 
 
+def split_as_lm_eval(context: str, continuation: str) -> tuple[bytes, bytes]:
+    """lm-eval moves a context's trailing whitespace to the front of the continuation before it asks (``_encode_pair``)."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    return context.encode(), continuation.encode()
+
+
 def check(out: dict[str, Any], model: AssembledModel | E2EModel) -> dict[str, Any]:
-    """Every served log-likelihood against the local one."""
-    diffs = []
+    """Every served log-likelihood against the local one, and the true continuations' CE per byte as served."""
+    diffs, ll_sum, ll_bytes = [], 0.0, 0
     for task, samples in out["samples"].items():
         for s in samples:
             doc = s["doc"]
             conts = [doc["continuation"]] if task == "wikitext_bytes_ll" else doc["choices"]
             for cont, resp in zip(conts, s["resps"], strict=True):
                 served = float(resp[0][0])
-                local = local_loglikelihood(model, doc["context"].encode(), cont.encode())
-                diffs.append(abs(served - local))
-    return {"requests_checked": len(diffs), "max_abs_diff_nats": max(diffs), "mean_abs_diff_nats": sum(diffs) / len(diffs)}
+                ctx_b, cont_b = split_as_lm_eval(doc["context"], cont)
+                diffs.append(abs(served - local_loglikelihood(model, ctx_b, cont_b)))
+                if task == "wikitext_bytes_ll":
+                    ll_sum, ll_bytes = ll_sum + served, ll_bytes + len(cont_b)
+    return {"requests_checked": len(diffs), "max_abs_diff_nats": max(diffs), "mean_abs_diff_nats": sum(diffs) / len(diffs),
+            "ll_task_ce_nats_per_byte": -ll_sum / ll_bytes}
 
 
 def main() -> int:
@@ -197,6 +208,8 @@ def main() -> int:
         for task, ms in result[name]["metrics"].items():
             for m, v in ms.items():
                 print(f"| {name} | {task} | {m} | {v:.4f} |")
+        print(f"| {name} | wikitext_bytes_ll | CE of the continuations, nats/byte | "
+              f"{result[name]['ll_task_ce_nats_per_byte']:.4f} |")
         print(f"| {name} | all | max abs(served - local) ll, nats | {result[name]['max_abs_diff_nats']:.2e} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
