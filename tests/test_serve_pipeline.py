@@ -172,4 +172,7 @@ def test_e2e_span_rejects_wrong_mode() -> None:
     e2e = E2ETransformer(tiny_models()[0].model)
     span = e2e_spans(e2e, [(0, 3)])[0]
     with pytest.raises(WireError, match="baseline"):
-        span.validate(Frame(FrameKind.SUBMIT, "a", Mode.SCORE, tensors={"x": torch.zeros(1, 3, dtype=torch.uint8)}))
+        span.validate(Frame(FrameKind.SUBMIT, "a", Mode.AR, tensors={"x": torch.zeros(1, 3, dtype=torch.uint8)}))
+    span.validate(Frame(FrameKind.SUBMIT, "a", Mode.SCORE, tensors={"x": torch.zeros(2, 3, dtype=torch.uint8)}))
+    with pytest.raises(WireError, match="score frames"):  # a window longer than the context
+        span.validate(Frame(FrameKind.SUBMIT, "a", Mode.SCORE, tensors={"x": torch.zeros(1, 999, dtype=torch.uint8)}))

@@ -152,11 +152,12 @@ def next_version(
 
     W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step.
     """
-    if settings.outer is None or settings.outer_lr is None:
+    if settings.outer is None:
         raise ValueError("no outer step chosen; resolve it with CoordinatorSettings.for_objective(objective.outer_step())")
     kept = agreeing(deltas, settings.agree_min) if settings.agree_min is not None else list(range(len(deltas)))
     delta_bar = aggregate([deltas[i] for i in kept], [samples[i] for i in kept], settings.aggregation, settings.trim_fraction)
-    step, buf = outer_step(delta_bar, settings.outer, settings.outer_lr, settings.outer_momentum, state.momentum)
+    step, buf = outer_step(delta_bar, settings.outer, settings.eta(settings.outer), settings.outer_momentum,
+                           state.momentum)
     codec = ErrorFeedback(settings.step_compression, state.residual)
     wire = codec.encode(step)
     new = apply_step(weights, decode_delta(wire, settings.step_compression))

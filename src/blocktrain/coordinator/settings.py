@@ -104,8 +104,13 @@ class CoordinatorSettings:
         """These settings with the objective's outer step where none was chosen (``Objective.outer_step``), and its
         lr where none was: NESTEROV_LR for Nesterov, 1 (the plain mean) for an average."""
         outer = self.outer if self.outer is not None else OuterOptimizer(default_outer)
-        lr = self.outer_lr if self.outer_lr is not None else NESTEROV_LR if outer is OuterOptimizer.NESTEROV else 1.0
-        return replace(self, outer=outer, outer_lr=lr)
+        return replace(self, outer=outer, outer_lr=self.eta(outer))
+
+    def eta(self, outer: OuterOptimizer) -> float:
+        """The outer lr of ``outer``: ``outer_lr`` if set, else NESTEROV_LR for Nesterov and 1 for an average."""
+        if self.outer_lr is not None:
+            return self.outer_lr
+        return NESTEROV_LR if outer is OuterOptimizer.NESTEROV else 1.0
 
     def __post_init__(self) -> None:
         if self.round_seconds <= 0 or self.min_round_seconds <= 0:
