@@ -42,6 +42,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression
 from blocktrain.protocol.weights import load_trainable
+from blocktrain.train.metrics import read_jsonl
 
 
 def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]:
@@ -226,9 +227,7 @@ def main() -> int:
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl(path) if path.is_file() else []
 
 
 if __name__ == "__main__":
