@@ -169,7 +169,7 @@ def main() -> int:
     ap.add_argument("--preset", default="depth-proxy")
     ap.add_argument("--steps", type=int, default=1000, help="inner steps per worker, whatever M")
     ap.add_argument("--h", type=int, default=10, help="inner steps per round")
-    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--reset-inner", action="store_true", help="fresh inner AdamW moments every round")
     ap.add_argument("--workers", default="1,2,4,6,12", help="comma-separated M")
