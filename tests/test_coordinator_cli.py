@@ -83,7 +83,7 @@ def test_all_flags_at_once_and_old_flag_names(tmp_path: Path) -> None:
     assert settings_from_args(args) == CoordinatorSettings(
         round_seconds=5.0, adaptive_deadline=True, lease_seconds=7.0, rounds=3, min_updates=2, max_body_bytes=100,
         norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.AVERAGE,
-        outer_lr=1.0, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
+        outer_lr=None, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
     )
     # by default the objective chooses the outer step (the averaging study's: Nesterov for a stack), eta 0.7 for
     # Nesterov and 1 for a plain average, mu 0.9

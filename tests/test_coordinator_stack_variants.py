@@ -65,7 +65,7 @@ def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torc
 
 def coordinator(run: Path, data: DataDir) -> Coordinator:
     return Coordinator(run, VARIANT, CoordinatorSettings(rounds=1, round_seconds=60, lease_seconds=60, fsync=False,
-                                                         gate_tolerance=5.0, eval_bytes=512), data)
+                                                         gate_tolerance=5.0, eval_bytes=512, audit_fraction=0.0), data)
 
 
 def test_variant_run_warm_starts_and_replays_exactly(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
