@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
-from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
 from blocktrain.protocol.inner_state import inner_state, load_inner_state
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -65,9 +64,8 @@ def one_round(cfg: RunConfig, k: int, base: dict[str, torch.Tensor], state: dict
 
 
 def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    num = sum(float((a[n] - b[n]).double().pow(2).sum()) for n in a)
-    den = sum(float(b[n].double().pow(2).sum()) for n in b)
-    return math.sqrt(num / den)
+    """||a - b|| / ||b||, as the audit judges a replay."""
+    return delta_norm({n: a[n] - b[n] for n in b}) / delta_norm(b)
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ Needs ``pip install -e '.[lmeval]'`` and two trained runs, e.g. (cpu-quick, a fe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import shutil
@@ -34,8 +35,8 @@ import httpx
 import torch
 
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.data.dataset import eval_windows
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.serve.gateway.logprobs import byte_log_probs
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
 RAW_TEST = Path(__file__).resolve().parents[2] / "shared/data/wikitext/wikitext-2-raw/wiki.test.raw"
@@ -111,21 +112,18 @@ def served(run: Path, kind: str, spans: tuple[str, str], log_dir: Path) -> Itera
 
 
 def local_loglikelihood(model: AssembledModel | E2EModel, context: bytes, continuation: bytes) -> float:
-    """sum log p(continuation | context), each byte scored in the window ``blocktrain eval`` scores it in, over the
-    prompt and the one byte lm-eval asks the gateway to generate (it is a target only, so its value moves nothing)."""
+    """sum log p(continuation | context) from the local weights, each byte scored in the window ``blocktrain eval``
+    scores it in (the gateway's own layout, :func:`byte_log_probs`), over the prompt and the one byte lm-eval asks the
+    gateway to generate (it is a target only, so its value moves nothing)."""
     data = context + continuation + b"\0"
-    n, ctx = len(data), model.context
-    arr = torch.tensor(list(data), dtype=torch.long)
-    lp = torch.full((n,), float("nan"), dtype=torch.float64)
-    windows = eval_windows(n, ctx)
-    length = windows[0][1]
-    x = torch.stack([arr[s : s + length] for s, _, _ in windows])  # (w, length)
-    y = torch.stack([arr[s + 1 : s + length + 1] for s, _, _ in windows])  # (w, length)
-    with torch.no_grad():
-        logp = model.log_probs(x)[0].gather(-1, y[..., None])[..., 0].double()  # (w, length)
-    for j, (start, _, first) in enumerate(windows):
-        lp[start + first + 1 : start + length + 1] = logp[j, first:]
-    return float(lp[len(context) : len(context) + len(continuation)].sum())
+
+    async def score(x: torch.Tensor) -> torch.Tensor:  # the local model in place of the pipeline
+        with torch.no_grad():
+            return model.log_probs(x.long())[0]  # (w, t, 256); log_softmax of log-probs leaves them as they are
+
+    lp = asyncio.run(byte_log_probs(data, model.context, score))  # (n, 256), row i: byte i given the bytes before
+    idx = torch.tensor(list(data), dtype=torch.long)[:, None]
+    return float(lp.gather(-1, idx)[len(context) : len(context) + len(continuation), 0].double().sum())
 
 
 def evaluate(url: str, tasks: Path, limit: int | None) -> dict[str, Any]:

@@ -266,7 +266,8 @@ class Coordinator(BlockRounds):
         # a refused update leaves no blob behind.
         staged = self.store.stage_blob(body)
         try:
-            return self._accept(name, k, upd, checked, staged, arrived, members)
+            stream = mix_seed(int(row["id"]), k, upd.base_version)  # the stream the work answer named
+            return self._accept(name, k, upd, checked, staged, arrived, members, base, stream)
         finally:
             self.store.discard_blob(staged)  # no-op once committed
 
@@ -294,7 +295,7 @@ class Coordinator(BlockRounds):
                     f"; quarantined {caught}" if caught else "")
 
     def _accept(self, name: str, k: int, upd: ParsedUpdate, checked: Checked, staged: StagedBlob, arrived: float,
-                members: list[str]) -> dict[str, Any]:
+                members: list[str], base: Published, stream: int) -> dict[str, Any]:
         digest = staged.digest
         with self.lock:
             self._check_version(k, upd.base_version)
@@ -324,9 +325,8 @@ class Coordinator(BlockRounds):
             self.intake.remember(k, checked)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
             rounds = self.block_rounds(k)
-            audit = self.auditor.draw(
-                name, upd, self._published(k), mix_seed(int(self._worker(name)["id"]), k, v),
-                rounds * self.settings.local_steps if rounds else self.cfg.train.steps, self.clock())
+            audit = self.auditor.draw(name, upd, base, stream,
+                                      rounds * self.settings.local_steps if rounds else self.cfg.train.steps, self.clock())
             closed = self._check_quorum(self.clock())
             return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=audit).model_dump()
 

@@ -120,7 +120,6 @@ class CoordinatorClient:
             resp = self.request("POST", f"/v1/blocks/{k}/updates", content=payload)
         return parse(PushAnswer, resp.json(), "the coordinator's push answer", status=502)
 
-
     def audit(self, k: int, v: int, payload: bytes) -> AuditAnswer:
         """Upload the inner state an audited push committed to; the coordinator replays the round."""
         resp = self.request("POST", f"/v1/blocks/{k}/audits/{v}", content=deflate(payload), encoding=DEFLATE)
