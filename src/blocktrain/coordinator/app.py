@@ -285,6 +285,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     async def audit(request: Request, k: int, v: int) -> dict[str, Any]:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
         name = auth(request)
+        c.auditor.expect(name, k, v)  # a stranger's upload is refused before its body is read
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
         body = await run_in_threadpool(decode_body, await _read_capped(request, cap),
                                        request.headers.get("content-encoding"), cap)

@@ -43,7 +43,7 @@ from blocktrain.data.stream import TrainStream
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
-from blocktrain.protocol.delta import ErrorFeedback, decode_delta
+from blocktrain.protocol.delta import ErrorFeedback, decode_delta, delta_norm
 from blocktrain.protocol.inner_state import load_inner_state, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.weights import load_trainable, trainable_state
@@ -102,6 +102,13 @@ class Auditor:
                 worker, upd, base, self.cfg.train.seed, stream, schedule_steps, self.settings.local_steps,
                 now + self.settings.audit_timeout_s)
         return True
+
+    def expect(self, worker: str, k: int, v: int) -> None:
+        """404 unless an audit of ``worker`` for (k, v) awaits its upload (checked before the body is read)."""
+        with self._lock:
+            if (worker, k, v) in self._pending:
+                return
+        raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", "no_audit")
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
         with self._lock:
@@ -164,9 +171,8 @@ class Auditor:
         local = trainable_state(block)
         delta = {n: local[n] - w for n, w in case.base.weights.items()}
         replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
-        num = sum(float((replayed[n] - upd.delta[n]).double().pow(2).sum()) for n in upd.delta)
-        den = sum(float(d.double().pow(2).sum()) for d in upd.delta.values())
-        return math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+        miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})
+        return miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
 
     def summary(self) -> dict[str, float | int]:
         with self._lock:
