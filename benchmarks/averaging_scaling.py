@@ -18,6 +18,15 @@ samples, 0 that they are worth one worker.
         --workers 1,2,4,6,12 --blocks cold,warm --seeds 0,1 --jsonl benchmarks/results/averaging-scaling.jsonl
 
 Rows already in ``--jsonl`` are skipped (the study resumes). Prints the table; ``--plot`` writes the curve.
+
+``--stack`` trains the whole stack instead, progressively, as a run does: every block k with the preset's own step
+budget (``Objective.block_steps``: ``stack.step_ratio`` splits the steps), copy-initialised from block k-1 and trained
+on frozen copies of blocks 0..k-1, in three arms: ``m{M}`` (M workers per block), ``x1`` (one worker, one machine) and
+``x{M}`` (one machine at M times the batch). It scores every prefix, and the summary's ``stack`` holds the composed
+model's recovered fraction:
+
+    flock /tmp/blocktrain-cpu.lock python benchmarks/averaging_scaling.py --preset depth-proxy --stack --workers 6 \
+        --h 10 --outer-lr 0.7 --outer-momentum 0.9 --reset-inner --seeds 0 --jsonl benchmarks/results/averaging-scaling.jsonl
 """
 
 from __future__ import annotations
@@ -100,12 +109,66 @@ def measure(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.N
             "refused": sum(1 for u in run.updates if u.outcome != "accepted")}
 
 
+def measure_stack(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.Namespace) -> dict[str, Any]:
+    """One arm of the stack study: every block in turn with its own step budget; the CE of every prefix."""
+    cfg = replace(cfg, train=replace(cfg.train, seed=row["seed"], steps=row["steps"]))
+    objective = get_objective(cfg)
+    trained: list[nn.Module] = []
+    prefix_ce, outer_steps, block_steps, wall = [], [], [], 0.0
+    for k in range(cfg.model.n_blocks):
+        steps = objective.block_steps(k) // row["h"] * row["h"]  # whole rounds of H
+        settings, rounds = settings_for({**row, "kind": row["kind"], "steps": steps})
+        frozen = [objective.freeze(b, torch.float32) for b in trained]
+        run = run_local_rounds(cfg, settings, rounds, data, k=k, frozen=frozen, earlier=trained,
+                               progress=not args.no_progress)
+        trained.append(run.block)
+        prefix_ce.append(run.test_ce(cfg, data, args.eval_bytes, k=k, frozen=frozen))
+        outer_steps.append(rounds.rounds)
+        block_steps.append(steps)
+        wall += run.wall_s
+        print(f"  block {k}: {steps} steps, {rounds.rounds} rounds, prefix CE {prefix_ce[-1]:.4f}", file=sys.stderr,
+              flush=True)
+    return {**row, "key": row_key(row), "ce_nats_per_byte": prefix_ce[-1], "prefix_ce": prefix_ce,
+            "outer_steps": outer_steps, "block_steps": block_steps, "eval_split": "test", "eval_bytes": args.eval_bytes,
+            "wall_s": wall}
+
+
+def stack_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The composed stack's M workers against one worker and one machine at M x the batch, per seed and mean."""
+    per_seed = []
+    for r in rows:
+        if r["block"] != "stack" or r["kind"] != "m":
+            continue
+        stem = f"{r['preset']}/stack/s{r['seed']}/steps{r['steps']}"
+        by = {x["key"]: x for x in rows}
+        one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
+        if one is None or big is None:
+            continue
+        gain = one["ce_nats_per_byte"] - big["ce_nats_per_byte"]
+        per_seed.append({"seed": r["seed"], "workers": r["workers"], "setting": _setting(r),
+                         "six_worker_ce": r["ce_nats_per_byte"], "single_ce": one["ce_nats_per_byte"],
+                         "batch96_ce": big["ce_nats_per_byte"], "outer_steps": r["outer_steps"],
+                         "prefix_ce": {"m": r["prefix_ce"], "x1": one["prefix_ce"], "xM": big["prefix_ce"]},
+                         "recovered_fraction": (one["ce_nats_per_byte"] - r["ce_nats_per_byte"]) / gain if gain > 0 else None,
+                         "command": r["command"]})
+    if not per_seed:
+        return None
+    fr = [p["recovered_fraction"] for p in per_seed if p["recovered_fraction"] is not None]
+    return {"preset": rows[0]["preset"], "workers": per_seed[0]["workers"],
+            "batch96_note": "one machine at M x the batch (M = workers), the same steps per block, the same recipe",
+            "six_worker_ce": statistics.fmean(p["six_worker_ce"] for p in per_seed),
+            "single_ce": statistics.fmean(p["single_ce"] for p in per_seed),
+            "batch96_ce": statistics.fmean(p["batch96_ce"] for p in per_seed),
+            "outer_steps": per_seed[0]["outer_steps"], "recovered_fraction": statistics.fmean(fr) if fr else None,
+            "seeds": per_seed}
+
+
 def recovered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (block, seed, settings, M): the recovered fraction against x1 and xM of the same block, seed and steps."""
     by = {r["key"]: r for r in rows}
     out = []
     for r in rows:
-        if r["kind"] != "m":
+        if r["kind"] != "m" or r["block"] == "stack":
             continue
         stem = f"{r['preset']}/{r['block']}/s{r['seed']}/steps{r['steps']}"
         one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
@@ -167,7 +230,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="depth-proxy")
-    ap.add_argument("--steps", type=int, default=1000, help="inner steps per worker, whatever M")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="inner steps per worker, whatever M (default 1000; --stack: the preset's train.steps)")
     ap.add_argument("--h", type=int, default=10, help="inner steps per round")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
@@ -176,6 +240,7 @@ def main() -> int:
     ap.add_argument("--blocks", default="cold,warm")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--refs-only", action="store_true", help="only the one-machine rows")
+    ap.add_argument("--stack", action="store_true", help="the whole stack, progressively (--blocks is ignored)")
     ap.add_argument("--data", default=None, help="data directory (default: $BLOCKTRAIN_DATA)")
     ap.add_argument("--eval-bytes", type=int, default=65536, help="test bytes scored")
     ap.add_argument("--threads", type=int, default=2)
@@ -192,11 +257,15 @@ def main() -> int:
     done = {r["key"] for r in _read(args.jsonl)}
     command = "python benchmarks/averaging_scaling.py " + " ".join(sys.argv[1:])
     todo: list[dict[str, Any]] = []
-    for block in args.blocks.split(","):
+    for block in ["stack"] if args.stack else args.blocks.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             for m in (int(x) for x in args.workers.split(",")):
-                common = {"preset": cfg.name, "block": block, "seed": seed, "steps": args.steps, "workers": m,
+                steps = args.steps or (cfg.train.steps if block == "stack" else 1000)  # a stack splits train.steps
+                common = {"preset": cfg.name, "block": block, "seed": seed, "steps": steps, "workers": m,
                           "batch": cfg.train.batch_size}
+                if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
+                    todo.append({**common, "kind": "x", "workers": 1, "h": args.h})
+                    common["h"] = args.h
                 todo.append({**common, "kind": "x"})
                 if not args.refs_only:
                     todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,
@@ -207,7 +276,7 @@ def main() -> int:
             if row_key(row) in done:
                 continue
             print("+", row_key(row), file=sys.stderr, flush=True)
-            out = measure(cfg, row, data, args)
+            out = (measure_stack if row["block"] == "stack" else measure)(cfg, row, data, args)
             out["command"] = command
             args.jsonl.parent.mkdir(parents=True, exist_ok=True)
             with args.jsonl.open("a") as f:
@@ -218,8 +287,7 @@ def main() -> int:
     print(table(rows))
     if args.json:
         doc = {"rows": recovered(rows),
-               # the full cpu-mini stack with six workers at >= 100 outer steps per block was not run (hours on 2 cores)
-               "stack": None}
+               "stack": stack_summary(rows)}
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
