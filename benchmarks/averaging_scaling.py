@@ -44,7 +44,7 @@ from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
 from blocktrain.config import RunConfig
-from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
 from blocktrain.data.dataset import DataDir, resolve_data_dir
 from blocktrain.objectives import get_objective
@@ -63,9 +63,12 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
                              batch_size=row["batch"] * row["workers"])
         return settings, rounds
     settings = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=row["outer_lr"],
-                                   outer_momentum=row["outer_momentum"], gate=False)
+                                   outer_momentum=row["outer_momentum"], gate=False,
+                                   aggregation=Aggregation(row.get("aggregation", "mean")))
+    early = row.get("early")  # [steps, H] of an H schedule's early phase
     rounds = LocalRounds(workers=row["workers"], local_steps=row["h"], steps=row["steps"], compression=Compression.INT8,
-                         batch_size=row["batch"], reset_inner=row["reset_inner"])
+                         batch_size=row["batch"], reset_inner=row["reset_inner"], inner=row.get("inner", "adamw"),
+                         early_steps=early[0] if early else 0, early_h=early[1] if early else 0)
     return settings, rounds
 
 
@@ -73,7 +76,20 @@ def row_key(row: dict[str, Any]) -> str:
     base = f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}/{row['kind']}{row['workers']}"
     if row["kind"] == "x":
         return base
-    return base + f"/h{row['h']}/lr{row['outer_lr']}/mu{row['outer_momentum']}" + ("/reset" if row["reset_inner"] else "")
+    return base + f"/h{row['h']}/lr{row['outer_lr']}/mu{row['outer_momentum']}" + ("/reset" if row["reset_inner"] else "") \
+        + _levers(row, "/")
+
+
+def _levers(row: dict[str, Any], sep: str) -> str:
+    """The levers a row sets beyond H, the outer step and the reset (empty at their defaults: old keys stay)."""
+    out = ""
+    if row.get("inner", "adamw") != "adamw":
+        out += f"{sep}inner={row['inner']}"
+    if row.get("aggregation", "mean") != "mean":
+        out += f"{sep}{row['aggregation']}"
+    if row.get("early"):
+        out += f"{sep}early={row['early'][0]}@H{row['early'][1]}"
+    return out
 
 
 def warm_start(cfg: RunConfig, data: DataDir, steps: int, cache: Path) -> nn.Module:
@@ -182,7 +198,8 @@ def recovered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _setting(r: dict[str, Any]) -> str:
-    return f"H={r['h']} lr={r['outer_lr']} mu={r['outer_momentum']}" + (" reset" if r["reset_inner"] else "")
+    return f"H={r['h']} lr={r['outer_lr']} mu={r['outer_momentum']}" + (" reset" if r["reset_inner"] else "") \
+        + _levers(r, " ")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -236,6 +253,10 @@ def main() -> int:
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--reset-inner", action="store_true", help="fresh inner AdamW moments every round")
+    ap.add_argument("--inner", default="adamw", choices=["adamw", "muon"], help="inner optimiser")
+    ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation])
+    ap.add_argument("--early", default=None, metavar="STEPS@H",
+                    help="H schedule: the first STEPS inner steps in rounds of H, then --h (e.g. 250@5)")
     ap.add_argument("--workers", default="1,2,4,6,12", help="comma-separated M")
     ap.add_argument("--blocks", default="cold,warm")
     ap.add_argument("--seeds", default="0")
@@ -268,8 +289,11 @@ def main() -> int:
                     common["h"] = args.h
                 todo.append({**common, "kind": "x"})
                 if not args.refs_only:
+                    levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
+                    if args.early:
+                        levers["early"] = [int(x) for x in args.early.split("@")]
                     todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,
-                                 "outer_momentum": args.outer_momentum, "reset_inner": args.reset_inner})
+                                 "outer_momentum": args.outer_momentum, "reset_inner": args.reset_inner, **levers})
     if not args.table_only:
         data = resolve_data_dir(args.data)
         for row in todo:

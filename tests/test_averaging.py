@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from blocktrain.coordinator.aggregate import OuterState, next_version
-from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import DataDir
+from blocktrain.errors import ConfigError
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
+from blocktrain.train.step import MuonAdamW
 from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -236,3 +238,37 @@ def test_a_slow_worker_pushes_what_it_has_before_the_deadline(tmp_path: Path, co
     assert rows[0]["samples"] == w.summary.local_steps * batch < 100_000 * batch
     assert rows[0]["arrival_s"] < 3.0  # on time: the round closed at quorum, not by its deadline
     c.close()
+
+
+def test_agree_mean_shrinks_the_mean_where_signs_disagree() -> None:
+    a = {"w": torch.tensor([1.0, 2.0, -1.0])}
+    b = {"w": torch.tensor([3.0, -2.0, -3.0])}
+    out = aggregate([a, b], [1, 3], Aggregation.AGREE_MEAN)["w"]
+    mean = torch.tensor([2.5, -1.0, -2.5])  # (1 a + 3 b) / 4
+    agree = torch.tensor([1.0, 0.5, 1.0])  # |1/4 sign(a) + 3/4 sign(b)|
+    torch.testing.assert_close(out, mean * agree, rtol=0, atol=1e-6)
+
+
+def test_an_h_schedule_lays_out_its_rounds_and_keeps_the_step_total() -> None:
+    rounds = LocalRounds(workers=1, local_steps=15, steps=1000, early_steps=250, early_h=5)
+    assert rounds.round_steps == [5] * 50 + [15] * 50 and rounds.rounds == 100 and sum(rounds.round_steps) == 1000
+    with pytest.raises(ConfigError, match="multiple of local_steps"):
+        LocalRounds(workers=1, local_steps=15, steps=1000, early_steps=200, early_h=5)
+    with pytest.raises(ConfigError, match="adamw or muon"):
+        LocalRounds(workers=1, local_steps=10, steps=100, inner="sgd")
+
+
+def test_muon_steps_the_hidden_matrices_and_adamw_the_rest() -> None:
+    torch.manual_seed(0)
+    cfg = get_preset("tiny").train
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = MuonAdamW(net, cfg)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]  # two weight matrices; two biases
+    before = [p.detach().clone() for p in net.parameters()]
+    for g in opt.param_groups:
+        g["lr"] = 1e-2
+    net(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(not torch.equal(b, p) for b, p in zip(before, net.parameters(), strict=True))
+    assert all(p.grad is None for p in net.parameters())

@@ -6,6 +6,8 @@ Given deltas Delta_i with sample counts n_i (all against version v):
 * ``median``:        coordinate-wise median of the Delta_i
 * ``trimmed_mean``:  coordinate-wise mean after dropping the ``trim`` fraction
   of largest and smallest values at every coordinate
+* ``agree_mean``:    the mean, shrunk where the workers disagree on the sign:
+  Delta_bar_j * |sum_i n_i sign(Delta_ij)| / sum_i n_i (per-coordinate sign agreement in [0, 1])
 
 Outer step (DiLoCo, Douillard et al. 2023): with the outer gradient
 g = -Delta_bar,
@@ -48,14 +50,17 @@ def aggregate(
         raise ValueError("aggregate() needs at least one delta")
     names = list(deltas[0])
     out: dict[str, torch.Tensor] = {}
-    if method is Aggregation.MEAN:
+    if method in (Aggregation.MEAN, Aggregation.AGREE_MEAN):
         w = torch.tensor(samples, dtype=torch.float64)
         w = w / w.sum()
         for n in names:
             acc = torch.zeros_like(deltas[0][n], dtype=torch.float64)
+            votes = torch.zeros_like(acc)
             for wi, d in zip(w.tolist(), deltas, strict=True):
                 acc += wi * d[n].double()
-            out[n] = acc.float()
+                if method is Aggregation.AGREE_MEAN:
+                    votes += wi * d[n].sign().double()
+            out[n] = (acc * votes.abs() if method is Aggregation.AGREE_MEAN else acc).float()
         return out
     for n in names:
         stacked = torch.stack([d[n].float() for d in deltas])  # (m, ...)

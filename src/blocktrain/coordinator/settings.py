@@ -13,6 +13,7 @@ class Aggregation(enum.Enum):
     MEAN = "mean"  # sample-weighted mean
     MEDIAN = "median"  # coordinate-wise median (robust)
     TRIMMED_MEAN = "trimmed_mean"  # coordinate-wise trimmed mean (robust)
+    AGREE_MEAN = "agree_mean"  # the mean scaled by per-coordinate sign agreement (a measured lever, averaging-scaling.md)
 
 
 NESTEROV_LR = 0.7  # the default outer lr of Nesterov: 1.0 diverged at 100 outer steps (averaging-scaling.md)

@@ -49,7 +49,7 @@ from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, 
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.train.round import BlockTask, train_round
-from blocktrain.train.step import make_optimizer
+from blocktrain.train.step import MuonAdamW, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +69,31 @@ class LocalRounds:
     compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
     batch_size: int = 0  # sequences per inner step (0: the run config's)
     reset_inner: bool | None = None  # fresh inner AdamW moments each round (None: the settings' inner_reset)
+    inner: str = "adamw"  # inner optimiser: "adamw", or "muon" (train.step.MuonAdamW; a measured lever)
+    early_steps: int = 0  # H schedule: the first early_steps inner steps run at H = early_h (0: H fixed)
+    early_h: int = 0  # H of those early rounds
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
             raise ConfigError("workers and local_steps must be >= 1 and batch_size >= 0")
-        if self.steps < self.local_steps or self.steps % self.local_steps:
-            raise ConfigError(f"steps ({self.steps}) must be a positive multiple of local_steps ({self.local_steps})")
+        late = self.steps - self.early_steps
+        if late < self.local_steps or late % self.local_steps:
+            raise ConfigError(f"steps after the early ones ({late}) must be a positive multiple of local_steps "
+                              f"({self.local_steps})")
+        if self.early_steps and (self.early_h < 1 or self.early_steps % self.early_h):
+            raise ConfigError(f"early_steps ({self.early_steps}) must be a multiple of early_h ({self.early_h}) >= 1")
+        if self.inner not in ("adamw", "muon"):
+            raise ConfigError(f"inner must be adamw or muon, got {self.inner!r}")
+
+    @property
+    def round_steps(self) -> list[int]:
+        """H of every round, in order: early_h over the first early_steps, then local_steps."""
+        early = [self.early_h] * (self.early_steps // self.early_h) if self.early_steps else []
+        return early + [self.local_steps] * ((self.steps - self.early_steps) // self.local_steps)
 
     @property
     def rounds(self) -> int:
-        return self.steps // self.local_steps
+        return len(self.round_steps)
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,8 @@ def run_local_rounds(
     if len(frozen) != objective.frozen_inputs(k):
         raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
     tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)
-    schedule = replace(tc, steps=opts.rounds * opts.local_steps)  # the worker's: rounds x H
+    schedule = replace(tc, steps=opts.steps)  # the worker's: the sum of the rounds' H
+    offsets = [sum(opts.round_steps[:v]) for v in range(opts.rounds)]  # each round's place in that schedule
     torch.manual_seed(init_seed(cfg.train.seed, k))  # the coordinator's version 0
     replicas = [objective.build_block(k)]
     for _ in range(opts.workers - 1):
@@ -155,12 +171,15 @@ def run_local_rounds(
             objective.inherit(r, k, earlier, at_init=True)
     W = trainable_state(replicas[0])
     shapes = block_schema(replicas[0])
-    optimisers = [make_optimizer(r, tc)[0] for r in replicas]
+    def inner(module: nn.Module) -> torch.optim.Optimizer:
+        return MuonAdamW(module, tc) if opts.inner == "muon" else make_optimizer(module, tc)[0]
+
+    optimisers = [inner(r) for r in replicas]
     feedback = [ErrorFeedback(opts.compression) for _ in replicas]
     state = OuterState()
     train = data.open("train")
     intake = Intake(settings, {k: shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
-    budget = opts.local_steps * tc.batch_size  # what the coordinator's work answer assigns
+
     frozen_weights = [("", trainable_state(b)) for b in frozen]
     task = BlockTask(objective, k, frozen)
     precision = resolve_precision(tc.precision, torch.device("cpu"))
@@ -168,18 +187,19 @@ def run_local_rounds(
     t0 = time.perf_counter()
     bar = progress_bar(total=opts.rounds, desc=f"block {k} x{opts.workers} H={opts.local_steps}", unit="round",
                        disable=not progress, dynamic_ncols=True)
-    for v in range(opts.rounds):
+    for v, h in enumerate(opts.round_steps):
+        budget = h * tc.batch_size  # what the coordinator's work answer assigns
         deltas, samples, pushed = [], [], []
         base = Published(k, v, tensors_sha256(W), W, frozen_weights)
         if (opts.reset_inner if opts.reset_inner is not None else settings.inner_reset):
-            optimisers = [make_optimizer(r, tc)[0] for r in replicas]
+            optimisers = [inner(r) for r in replicas]
         for i, (block, opt) in enumerate(zip(replicas, optimisers, strict=True)):
             load_trainable(block, W)
             block.train()
             stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
                                  stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
             bad = hostile if i == opts.workers - 1 else None
-            train_round(task, block, opt, stream, steps=opts.local_steps, offset=v * opts.local_steps, schedule=schedule,
+            train_round(task, block, opt, stream, steps=h, offset=offsets[v], schedule=schedule,
                         precision=precision, targets=bad.targets if bad is not None else None)
             local = trainable_state(block)
             delta = {n: local[n] - W[n] for n in W}

@@ -49,6 +49,37 @@ def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Ada
     return opt, {i: by_id[pid] for i, pid in enumerate(order)}
 
 
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024) on a block's hidden matrices, AdamW on the rest (embeddings, head, biases, norms).
+
+    The inner optimiser MuLoCo (Therien et al. 2025) pairs with DiLoCo's outer step. Muon's lr is matched to AdamW's
+    update RMS (``adjust_lr_fn="match_rms_adamw"``, Liu et al. 2025), so both halves follow the one lr schedule that
+    :func:`optimizer_step` sets on every group. A measured lever (benchmarks/averaging_scaling.py ``--inner muon``),
+    not a default: audits and checkpoints read AdamW's state.
+    """
+
+    def __init__(self, module: nn.Module, cfg: TrainConfig) -> None:
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        hidden = [p for n, p in named if p.dim() == 2 and "emb" not in n and not n.startswith("head")]
+        ids = {id(p) for p in hidden}
+        rest = [p for _, p in named if id(p) not in ids]
+        self.parts: list[torch.optim.Optimizer] = [
+            torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(rest, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0),
+        ]
+        super().__init__([{"params": hidden}, {"params": rest}], {"lr": cfg.lr})
+        self.param_groups = [g for part in self.parts for g in part.param_groups]  # optimizer_step sets their lr
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
 def optimizer_step(module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> float:
     """One update of ``module`` from ``loss``; returns the global gradient norm before clipping."""
     for group in opt.param_groups:
