@@ -16,6 +16,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from blocktrain.config import Objective
+from blocktrain.coordinator import observe
 from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
@@ -162,3 +163,33 @@ def test_an_update_without_a_state_commitment_is_refused_where_audits_run(tmp_pa
         r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
         assert r.status_code == 422 and r.json()["error"] == "commitment"
     c.close()
+
+
+class OverclaimsAtVersion1(Worker):
+    """Claims ten times its budget on every push against version 1 (refused: 422 claim), honest otherwise."""
+
+    def _delta(self) -> tuple[dict[str, torch.Tensor], int]:
+        delta, samples = super()._delta()
+        return delta, 10 * samples if self.base_version == 1 else samples
+
+
+def test_a_refused_worker_waits_for_the_next_version_instead_of_pushing_the_round_again(
+        tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The same round trained again pushes the same update: re-pushing it would only collect refusals."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=3, round_seconds=3.0, eval_every=0, local_steps=3,
+                         audit_fraction=0.0, gate=False, agree_min=None)
+    tokens = [c.add_token(f"w{i}") for i in range(2)]
+    with ThreadServer(c) as srv:
+        workers = [kind(WorkerOptions(url=srv.url, token=t, block=0, progress=False, max_rejections=5,
+                                      frozen_cache=tmp_path / f"frozen{i}"), corpus)
+                   for i, (kind, t) in enumerate(zip([Worker, OverclaimsAtVersion1], tokens, strict=True))]
+        threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in threads)
+        status = observe.status(c)
+    c.close()
+    assert status["rejections"] == {"claim": 1} and not status["quarantined"], status
+    assert workers[1].summary.rounds_pushed == 2  # versions 0 and 2; version 1 refused once, not pushed again

@@ -72,6 +72,7 @@ class Checked:
     norm: float  # ||Delta||
     sketch: torch.Tensor  # (sketch_dim,) unit count sketch of Delta
     gate: tuple[float, float] | None  # held-out loss (before, after), when the gate ran
+    replay_cos: float | None = None  # the largest sketch cosine with the block's accepted deltas (None: none yet)
 
 
 class CountSketch:
@@ -140,20 +141,22 @@ class Intake:
                 raise ProtocolError(422, f"update norm {upd.norm:.4g} is below {least:.4g}, the least the {upd.samples} samples "
                                     f"it claims move block {k}; push what you trained", "lazy")
         sketch = self._sketchers[k](upd.delta)
-        self.check_replay(k, sketch)
+        cos = self.check_replay(k, sketch)
         gate = self._gate(base, upd.delta) if self.evaluator is not None else None
-        return Checked(upd.norm, sketch, gate)
+        return Checked(upd.norm, sketch, gate, cos)
 
-    def check_replay(self, k: int, sketch: torch.Tensor) -> None:
-        if self.settings.replay_cosine >= 1 or not self._sketches[k]:
-            return
+    def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
+        """The largest cosine of ``sketch`` with block k's accepted sketches; refuses above ``replay_cosine``."""
+        if not self._sketches[k]:
+            return None
         stacked = self._stacked[k]
         if stacked is None:
             stacked = self._stacked[k] = torch.stack(self._sketches[k])  # n x (dim,) -> (n, dim)
         cos = float((stacked @ sketch).max())
-        if cos > self.settings.replay_cosine:
-            raise ProtocolError(422, f"the update repeats an accepted delta of block {k} (cosine {cos:.3f} > "
+        if self.settings.replay_cosine < 1 and cos > self.settings.replay_cosine:
+            raise ProtocolError(422, f"the update repeats an accepted delta of block {k} (cosine {cos:.6f} > "
                                 f"{self.settings.replay_cosine:g}); train on the round's own stream", "replay")
+        return cos
 
     def tolerance(self, k: int) -> float:
         """The gate's tolerance for block k now (nats)."""

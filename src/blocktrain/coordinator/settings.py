@@ -77,7 +77,9 @@ class CoordinatorSettings:
     local_steps: int = 25  # H: inner steps each work answer assigns; an update may claim at most H x batch samples
     inner_reset: bool = True  # workers start each round with fresh inner AdamW moments (averaging-scaling.md)
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
-    replay_cosine: float = 0.99  # refuse an update whose sketch's cosine with any accepted delta of the block is above (1 = off)
+    replay_cosine: float = 0.9999  # refuse an update whose sketch's cosine with any accepted delta of the block is above
+    # (1 = off): a replay, re-encoded or not, is above 0.99999; honest updates reached 0.991 on a 20-word corpus
+    # (benchmarks/results/replay-threshold.json for WikiText)
     sketch_dim: int = 8192  # entries of the count sketch kept of every accepted delta (the replay check)
     agree_min: float | None = 0.0  # round close: drop updates whose cosine with the others' mean is below (None = off)
     gate: bool = True  # loss gate on every update (needs the coordinator's data; off without it)

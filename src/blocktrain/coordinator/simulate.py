@@ -103,6 +103,7 @@ class UpdateRecord:
     norm: float  # ||Delta|| as the coordinator decoded it
     outcome: str  # "accepted", or the rejection reason ("norm", "gate", ...)
     gate: tuple[float, float] | None = None  # held-out loss (before, after) when the gate ran
+    replay_cos: float | None = None  # its largest sketch cosine with the block's earlier accepted deltas
 
 
 @dataclass
@@ -215,7 +216,7 @@ def run_local_rounds(
             except ProtocolError as exc:
                 run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused"))
                 continue
-            run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", checked.gate))
+            run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", checked.gate, checked.replay_cos))
             intake.remember(k, checked)
             pushed.append(len(run.updates) - 1)
             deltas.append(parsed.delta)
