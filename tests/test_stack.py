@@ -16,9 +16,9 @@ from blocktrain.device import autocast, resolve_precision
 from blocktrain.errors import CheckpointError, RunError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.report import evaluate_model
-from blocktrain.model.stack import StackBlock, frozen_copy
+from blocktrain.model.stack import StackBlock, StoredLinear, frozen_copy
 from blocktrain.objectives import compose_logits, get_objective
-from blocktrain.presets import tiny
+from blocktrain.presets import get_preset, tiny
 from blocktrain.train import schedule
 from blocktrain.train.block import train_block
 from blocktrain.train.schedule import train_concurrent
@@ -84,7 +84,7 @@ def test_bf16_frozen_copy_computes_what_the_block_computes_under_autocast() -> N
         h_frozen = frozen[1](frozen[0](x))
     assert h_frozen.dtype == torch.float32  # the residual stream stays fp32
     assert torch.equal(h_full, h_frozen)
-    lin = [m for m in frozen[0].modules() if isinstance(m, torch.nn.Linear)]
+    lin = [m for m in frozen[0].modules() if isinstance(m, (torch.nn.Linear, StoredLinear))]
     assert lin and all(m.weight.dtype == torch.bfloat16 for m in lin)
     assert not any(p.requires_grad for p in frozen[0].parameters())
     assert not list(frozen[0].head_layers) and isinstance(frozen[0].head, torch.nn.Identity)
@@ -164,3 +164,23 @@ def test_concurrent_refuses_blocks_at_different_steps(tmp_path: Path, data_dir: 
         train_block(cfg.with_train(steps=8), dd, tmp_path / "run", 1, progress=False)  # block 0 at 4 of 8
     with pytest.raises(CheckpointError, match="checkpoints them together"):
         train_concurrent(replace(cfg, train=replace(cfg.train, schedule=Schedule.CONCURRENT)), dd, tmp_path / "run", progress=False)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.bfloat16, 0.05), (torch.int8, 0.05)])
+def test_a_frozen_copy_stored_in_bf16_or_int8_computes_in_fp32_close_to_the_block(dtype: torch.dtype,
+                                                                                 atol: float) -> None:
+    cfg = replace(get_preset("tiny"), objective=Objective.STACK)
+    objective = get_objective(cfg)
+    torch.manual_seed(0)
+    block = objective.build_block(0)
+    x = torch.randint(0, 256, (2, cfg.model.context))
+    exact = objective.freeze(block, torch.float32)
+    stored = frozen_copy(block, dtype)
+    assert any(isinstance(m, StoredLinear) for m in stored.modules())
+    assert all(m.weight.dtype == dtype for m in stored.modules() if isinstance(m, StoredLinear))
+    with torch.no_grad():
+        want = objective.residual_input(1, x, [exact])  # (b, t, d)
+        got = objective.residual_input(1, x, [stored])
+    assert got.dtype == torch.float32
+    err = (got - want).abs().max().item()
+    assert 0 < err < atol * want.abs().max().item(), err  # close, and not the same object computed twice

@@ -65,6 +65,15 @@ class Precision(enum.Enum):
     FP32 = "fp32"  # everything in fp32
 
 
+class FrozenStorage(enum.Enum):
+    """How a worker stores its frozen copies of the earlier blocks it reads (their matmul weights)."""
+
+    AUTO = "auto"  # bf16 when the worker computes in bf16, else fp32
+    FP32 = "fp32"  # as trained
+    BF16 = "bf16"  # half the memory; computed in the worker's arithmetic
+    INT8 = "int8"  # a quarter: per-output-row absmax scale, dequantised layer by layer in the forward
+
+
 class Schedule(enum.Enum):
     """When block k of a ``stack`` run may train, relative to blocks 0..k-1."""
 
@@ -197,6 +206,7 @@ class TrainConfig:
     precision: Precision = Precision.BF16  # forward/backward arithmetic (falls back to fp32 where bf16 is unsupported)
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
     schedule: Schedule = Schedule.PROGRESSIVE  # stack objective: when block k may train
+    frozen_storage: FrozenStorage = FrozenStorage.AUTO  # stack objective: storage of the frozen earlier blocks' weights
     round_steps: int = 10  # concurrent schedule: optimiser steps per round, per block
     refresh_rounds: int = 1  # concurrent schedule: rounds between refreshes of the frozen copies
 
@@ -215,6 +225,8 @@ class TrainConfig:
         _check(self.test_bytes >= 0, "test_bytes", f"must be >= 0, got {self.test_bytes}")
         _check(isinstance(self.precision, Precision), "precision", f"must be a Precision, got {self.precision!r}")
         _check(isinstance(self.schedule, Schedule), "schedule", f"must be a Schedule, got {self.schedule!r}")
+        _check(isinstance(self.frozen_storage, FrozenStorage), "frozen_storage",
+               f"must be a FrozenStorage, got {self.frozen_storage!r}")
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "device",
@@ -335,6 +347,7 @@ class RunConfig:
 _ENUMS: dict[str, type[enum.Enum]] = {
     "precision": Precision,
     "schedule": Schedule,
+    "frozen_storage": FrozenStorage,
     "slicing": Slicing,
     "readout": Readout,
     "loss_weighting": LossWeighting,

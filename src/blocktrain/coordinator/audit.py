@@ -161,7 +161,7 @@ class Auditor:
         if obj.inherits():  # the frozen heads a stack variant reads, as the worker sets them every round
             obj.inherit(block, k, earlier, at_init=False)
         precision = Precision(upd.precision)  # the worker's arithmetic (bf16 autocast runs on a CPU too, slower)
-        frozen = [obj.freeze(b, frozen_dtype(precision is Precision.BF16)) for b in earlier]
+        frozen = [obj.freeze(b, frozen_dtype(self.cfg.train.frozen_storage, precision is Precision.BF16)) for b in earlier]
         opt, names = make_optimizer(block, self.cfg.train)
         residual = load_inner_state(opt, names, tensors)
         stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream)

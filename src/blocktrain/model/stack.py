@@ -164,10 +164,11 @@ def copy_parameters(pairs: list[tuple[nn.Module, nn.Module]]) -> None:
 def frozen_copy(block: StackBlock, dtype: torch.dtype = torch.bfloat16) -> StackBlock:
     """A forward-only copy of ``block`` for the worker of a later block.
 
-    Matmul weights are stored in ``dtype`` (bf16 halves their memory; under
-    bf16 autocast a matmul casts its fp32 weights to bf16 anyway, so the copy
-    computes exactly what the block computes). Embedding tables, LayerNorms and
-    the residual stream stay fp32. The local head is dropped: a later block
+    Matmul weights are stored in ``dtype``: fp32 as trained; bf16 halves their
+    memory (under bf16 autocast a matmul casts its fp32 weights to bf16 anyway,
+    so the copy computes exactly what the block computes); torch.int8 quarters it
+    (:class:`StoredLinear`). Embedding tables, LayerNorms and the residual stream
+    stay fp32. The local head is dropped: a later block
     never uses it (a later block that needs it holds its own copy). Run a bf16
     copy under bf16 autocast.
     """
@@ -176,8 +177,41 @@ def frozen_copy(block: StackBlock, dtype: torch.dtype = torch.bfloat16) -> Stack
     frozen.ln_f = nn.Identity()
     frozen.head = nn.Identity()
     frozen.prev_head = None
-    for m in frozen.modules():
-        if isinstance(m, nn.Linear):
-            m.to(dtype)
+    if dtype is not torch.float32:
+        for parent in list(frozen.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, StoredLinear(child, dtype))
     frozen.requires_grad_(False)
     return frozen.eval()
+
+
+class StoredLinear(nn.Module):
+    """A frozen ``nn.Linear`` whose weight is stored in bf16, or in int8 with a per-output-row absmax scale
+    (W ~ q * s, q = round(W / s), s = max_j |W_ij| / 127), and computed in the input's dtype: the weight is
+    dequantised for each forward, one layer at a time."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # (out, in)
+        if dtype is torch.int8:
+            scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127  # (out, 1)
+            self.register_buffer("weight", torch.round(w / scale).to(torch.int8))
+            self.register_buffer("scale", scale)
+        elif dtype is torch.bfloat16:
+            self.register_buffer("weight", w.to(dtype))
+            self.scale = None
+        else:
+            raise ValueError(f"frozen weights are stored in float32, bfloat16 or int8, not {dtype}")
+        b = linear.bias
+        self.register_buffer("bias", None if b is None else b.detach().to(torch.float32 if dtype is torch.int8 else dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype)
+        if self.scale is not None:
+            w = w * self.scale.to(x.dtype)
+        return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig, Schedule
+from blocktrain.config import FrozenStorage, RunConfig, Schedule
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,12 @@ def compose_logits(
     return logits
 
 
-def frozen_dtype(precision_is_bf16: bool) -> torch.dtype:
-    """Frozen copies are stored in bf16 when the worker computes in bf16, else fp32."""
-    return torch.bfloat16 if precision_is_bf16 else torch.float32
+def frozen_dtype(storage: FrozenStorage, precision_is_bf16: bool) -> torch.dtype:
+    """The dtype frozen copies store their matmul weights in (``TrainConfig.frozen_storage``; auto: bf16 when the
+    worker computes in bf16, else fp32; torch.int8 for int8)."""
+    if storage is FrozenStorage.AUTO:
+        return torch.bfloat16 if precision_is_bf16 else torch.float32
+    return {FrozenStorage.FP32: torch.float32, FrozenStorage.BF16: torch.bfloat16, FrozenStorage.INT8: torch.int8}[storage]
 
 
 @torch.no_grad()

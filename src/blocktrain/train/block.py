@@ -44,7 +44,7 @@ def train_block(
     torch.manual_seed(init_seed(cfg.train.seed, k))
     warm_runtime()
     baseline = rss_bytes()  # frozen copies count towards the worker's training memory
-    dtype = frozen_dtype(precision is Precision.BF16)
+    dtype = frozen_dtype(cfg.train.frozen_storage, precision is Precision.BF16)
     earlier = [load_block(run, cfg, j, finished=True) for j in range(objective.frozen_inputs(k))]
     frozen = [objective.freeze(b, dtype).to(device) for b in earlier]
     block = objective.build_block(k)

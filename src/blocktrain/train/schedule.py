@@ -98,7 +98,7 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     metrics = [MetricsHook(JsonlWriter(run.metrics_path(f"block_{k}")), tc.log_every) for k in range(B)]
     period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
     start = _resume(run, ckpts)
-    dtype = frozen_dtype(precision is Precision.BF16)
+    dtype = frozen_dtype(tc.frozen_storage, precision is Precision.BF16)
     losses = [float("nan")] * B
     t0 = time.perf_counter()
     step = start

@@ -151,7 +151,7 @@ class Worker:
         self.device = resolve_device(self.opts.device)
         self.precision = resolve_precision(self.opts.precision or self.cfg.train.precision, self.device)
         self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_cache, self.device,
-                                   frozen_dtype(self.precision is Precision.BF16))
+                                   frozen_dtype(self.cfg.train.frozen_storage, self.precision is Precision.BF16))
         self.train = self.data.open("train")
         self.block = self.objective.build_block(self.k).to(self.device)
         self.shapes = block_schema(self.block)
