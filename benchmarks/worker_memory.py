@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 
-def child(preset: str, arm: str, steps: int, out: Path, frozen: str, data: str | None) -> dict[str, Any]:
+def child(preset: str, arm: str, steps: int, out: Path, variant: str, data: str | None) -> dict[str, Any]:
     """Train one arm in this process and return its memory (called in a fresh process by :func:`main`)."""
     import torch
 
@@ -35,19 +35,21 @@ def child(preset: str, arm: str, steps: int, out: Path, frozen: str, data: str |
 
     torch.set_num_threads(2)
     cfg = get_preset(preset)
+    frozen, _, recompute = variant.partition("+")
     cfg = replace(cfg, train=replace(cfg.train, steps=steps, eval_bytes=0, checkpoint_every=10**6,
-                                     frozen_storage=FrozenStorage(frozen)))
+                                     frozen_storage=FrozenStorage(frozen), recompute=recompute == "recompute"))
     ds = resolve_data_dir(data)
     summary = train_e2e(cfg, ds, out, progress=False) if arm == "e2e" else train_block(cfg, ds, out, int(arm),
                                                                                      progress=False)
-    return {"arm": arm, "frozen": frozen, "train_mem_bytes": summary.train_mem_bytes, "peak_rss": summary.peak_rss}
+    return {"arm": arm, "variant": variant, "train_mem_bytes": summary.train_mem_bytes, "peak_rss": summary.peak_rss}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu-small")
     ap.add_argument("--steps", type=int, default=6, help="optimiser steps per arm (memory peaks in the first)")
-    ap.add_argument("--frozen", default="auto,int8", help="comma-separated frozen storages to measure")
+    ap.add_argument("--variants", default="auto,int8,auto+recompute,int8+recompute",
+                    help="comma-separated FROZEN_STORAGE[+recompute] to measure")
     ap.add_argument("--data", default=None)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # ARM:FROZEN:OUT, run by main in a fresh process
@@ -58,32 +60,36 @@ def main() -> int:
         return 0
     rows: list[dict[str, Any]] = []
 
-    def run(arm: str, frozen: str, out: Path) -> dict[str, Any]:
+    def run(arm: str, variant: str, out: Path) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps), "--child",
-               f"{arm}:{frozen}:{out}"] + (["--data", args.data] if args.data else [])
+               f"{arm}:{variant}:{out}"] + (["--data", args.data] if args.data else [])
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         row = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"{arm:>4} frozen={frozen:<5} {row['train_mem_bytes'] / 2**20:8.1f} MiB", file=sys.stderr, flush=True)
+        print(f"{arm:>4} {variant:<15} {row['train_mem_bytes'] / 2**20:8.1f} MiB", file=sys.stderr, flush=True)
         return row
 
+    variants = args.variants.split(",")
     with tempfile.TemporaryDirectory(prefix="worker-memory-") as tmp:
-        e2e = run("e2e", "auto", Path(tmp) / "e2e")
-        for frozen in args.frozen.split(","):
-            out = Path(tmp) / f"blocks-{frozen}"
+        e2e = run("e2e", "auto", Path(tmp) / "e2e")  # the E2E trainer as it runs by default: the reference
+        e2e_recompute = run("e2e", "auto+recompute", Path(tmp) / "e2e-recompute")
+        for variant in variants:
+            out = Path(tmp) / f"blocks-{variant}"
             for k in range(4):
-                row = run(str(k), frozen, out)
+                row = run(str(k), variant, out)
                 row["ratio_over_e2e"] = row["train_mem_bytes"] / e2e["train_mem_bytes"]
                 rows.append(row)
+    worst = {v: max(r["ratio_over_e2e"] for r in rows if r["variant"] == v) for v in variants}
     doc = {"what": __doc__.split("\n\n")[0], "preset": args.preset, "steps": args.steps,
            "command": "python benchmarks/worker_memory.py " + " ".join(sys.argv[1:]),
-           "e2e_train_mem_bytes": e2e["train_mem_bytes"], "rows": rows,
-           "worst_ratio": {f: max(r["ratio_over_e2e"] for r in rows if r["frozen"] == f) for f in args.frozen.split(",")}}
-    print("| frozen storage | " + " | ".join(f"block {k}" for k in range(4)) + " | worst / E2E |")
+           "e2e_train_mem_bytes": e2e["train_mem_bytes"], "e2e_recompute_train_mem_bytes": e2e_recompute["train_mem_bytes"],
+           "rows": rows, "worst_ratio": worst}
+    print("| variant | " + " | ".join(f"block {k}" for k in range(4)) + " | worst / E2E |")
     print("|---|" + "---|" * 5)
-    for f in args.frozen.split(","):
-        mib = [f"{r['train_mem_bytes'] / 2**20:.1f} MiB ({r['ratio_over_e2e']:.3f})" for r in rows if r["frozen"] == f]
-        print(f"| {f} | " + " | ".join(mib) + f" | {doc['worst_ratio'][f]:.3f} |")
-    print(f"E2E trainer: {e2e['train_mem_bytes'] / 2**20:.1f} MiB")
+    for v in variants:
+        mib = [f"{r['train_mem_bytes'] / 2**20:.1f} MiB ({r['ratio_over_e2e']:.3f})" for r in rows if r["variant"] == v]
+        print(f"| {v} | " + " | ".join(mib) + f" | {worst[v]:.3f} |")
+    print(f"E2E trainer: {e2e['train_mem_bytes'] / 2**20:.1f} MiB; with recompute "
+          f"{e2e_recompute['train_mem_bytes'] / 2**20:.1f} MiB")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0

@@ -207,6 +207,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
     schedule: Schedule = Schedule.PROGRESSIVE  # stack objective: when block k may train
     frozen_storage: FrozenStorage = FrozenStorage.AUTO  # stack objective: storage of the frozen earlier blocks' weights
+    recompute: bool = False  # activation checkpointing: layers keep only their input, recompute in the backward
     round_steps: int = 10  # concurrent schedule: optimiser steps per round, per block
     refresh_rounds: int = 1  # concurrent schedule: rounds between refreshes of the frozen copies
 

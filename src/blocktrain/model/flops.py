@@ -38,5 +38,7 @@ def forward_flops_per_token(module: nn.Module, d_model: int, context: int) -> fl
 
 
 def train_flops_per_token(module: nn.Module, d_model: int, context: int) -> float:
-    """6 N + 12 L T d: forward and backward, per token (Chowdhery et al. 2022, App. B)."""
-    return 3.0 * forward_flops_per_token(module, d_model, context)
+    """6 N + 12 L T d: forward and backward, per token (Chowdhery et al. 2022, App. B); plus one more forward of
+    every layer that recomputes its activations in the backward (``train.recompute``)."""
+    again = sum(forward_flops_per_token(m, d_model, context) for m in module.modules() if getattr(m, "recompute", False))
+    return 3.0 * forward_flops_per_token(module, d_model, context) + again

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -160,18 +161,33 @@ class TransformerLayer(nn.Module):
         self.ln2 = AdaLayerNorm(d_model, conditioned)
         self.mlp = MLP(d_model, mlp_ratio)
         self.mod_table = nn.Parameter(torch.zeros(4 * d_model)) if conditioned else None
+        self.recompute = False  # training: keep only x, and recompute the layer's activations in the backward
 
     def forward(
         self, x: torch.Tensor, mod: torch.Tensor | None = None, cache: Cache | None = None, name: str = ""
     ) -> torch.Tensor:
         """x (b, t, d) -> (b, t, d); with ``cache``, x continues the positions cached under ``name`` (KV-cached)."""
         if self.mod_table is None:
-            x = x + self.attn(self.ln1(x), cache, name)
-            return x + self.mlp(self.ln2(x))
+            if self.recompute and cache is None and torch.is_grad_enabled():  # activation checkpointing
+                out: torch.Tensor = torch.utils.checkpoint.checkpoint(self._plain, x, use_reentrant=False)
+                return out
+            return self._plain(x, cache, name)
         assert mod is not None, "a conditioned layer needs its modulation"
+        assert not self.recompute, "recompute is built for the stack and E2E layers (unconditioned)"
         shift1, scale1, shift2, scale2 = (mod + self.mod_table).chunk(4, dim=-1)
         x = x + self.attn(self.ln1(x, shift1, scale1), cache, name)
         return x + self.mlp(self.ln2(x, shift2, scale2))
+
+    def _plain(self, x: torch.Tensor, cache: Cache | None = None, name: str = "") -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, name)
+        return x + self.mlp(self.ln2(x))
+
+
+def recompute_layers(module: nn.Module, on: bool) -> None:
+    """Activation checkpointing for every unconditioned TransformerLayer of ``module`` (``train.recompute``)."""
+    for m in module.modules():
+        if isinstance(m, TransformerLayer) and m.mod_table is None:
+            m.recompute = on
 
 
 class SigmaEmbedding(nn.Module):

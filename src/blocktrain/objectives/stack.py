@@ -16,6 +16,7 @@ from torch import nn
 
 from blocktrain.config import RunConfig, Schedule, StackDense, StackHead, StackInit
 from blocktrain.model.flops import forward_flops_per_token, train_flops_per_token
+from blocktrain.model.layers import recompute_layers
 from blocktrain.model.loss import lm_loss
 from blocktrain.model.stack import FrozenHead, StackBlock, frozen_copy
 from blocktrain.objectives.base import LocalLoss
@@ -55,8 +56,10 @@ class StackObjective:
 
     def build_block(self, k: int) -> StackBlock:
         shared = self.cfg.stack.head is StackHead.SHARED and k > 0
-        return StackBlock(self.cfg.model, k, self.head_layers(k), prev_head=self._prev_head(k), frozen_head=shared,
-                          dense_inputs=self.dense_inputs(k))
+        block = StackBlock(self.cfg.model, k, self.head_layers(k), prev_head=self._prev_head(k), frozen_head=shared,
+                           dense_inputs=self.dense_inputs(k))
+        recompute_layers(block, self.cfg.train.recompute)
+        return block
 
     def _pick(self, states: torch.Tensor) -> torch.Tensor:
         """What the next block reads of the stream states (b, t, m, d) so far: all, or h_0 and the last."""

@@ -13,6 +13,7 @@ from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
 from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
+from blocktrain.model.layers import recompute_layers
 from blocktrain.model.loss import lm_loss
 from blocktrain.train.memory import rss_bytes, warm_runtime
 from blocktrain.train.run import TrainSummary, run_training
@@ -31,6 +32,7 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
     warm_runtime()
     baseline = rss_bytes()
     model = E2ETransformer(cfg.model).to(device)
+    recompute_layers(model, cfg.train.recompute)
 
     def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = tstream.batch(step)
