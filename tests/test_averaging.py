@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
+from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError
-from blocktrain.presets import get_preset
+from blocktrain.objectives import get_objective
+from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
 from blocktrain.train.step import MuonAdamW
 from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
@@ -272,3 +276,39 @@ def test_muon_steps_the_hidden_matrices_and_adamw_the_rest() -> None:
     opt.zero_grad()
     assert all(not torch.equal(b, p) for b, p in zip(before, net.parameters(), strict=True))
     assert all(p.grad is None for p in net.parameters())
+
+
+def _tiny_stack(steps: int) -> RunConfig:
+    base = get_preset("tiny")
+    return replace(base, objective=Objective.STACK, stack=stack_recipe(), train=replace(base.train, steps=steps))
+
+
+def test_the_pool_at_open_fraction_one_is_the_progressive_run_block_after_block(corpus: DataDir) -> None:  # noqa: F811
+    cfg = _tiny_stack(20)
+    settings = CoordinatorSettings(gate=False, audit_fraction=0.0)
+    pool = run_pool(cfg, settings, PoolSchedule(workers=2, local_steps=5, open_fraction=1.0), corpus)
+    objective = get_objective(cfg)
+    trained: list[torch.nn.Module] = []
+    for k in range(4):
+        steps = objective.block_steps(k) // 5 * 5
+        run = run_local_rounds(cfg, settings, LocalRounds(workers=2, local_steps=5, steps=steps), corpus, k=k,
+                               frozen=[objective.freeze(b, torch.float32) for b in trained], earlier=trained)
+        trained.append(run.block)
+    for mine, ref in zip(pool.blocks, trained, strict=True):
+        for (n, p), (_, q) in zip(mine.state_dict().items(), ref.state_dict().items(), strict=True):
+            assert torch.equal(p, q), n
+    assert pool.slots == sum(pool.rounds) and all(w == [2 if j == k else 0 for j in range(4)]
+                                                  for k in range(4) for w in pool.workers_per_slot[
+                                                      sum(pool.rounds[:k]):sum(pool.rounds[:k + 1])])
+
+
+def test_a_staggered_pool_spends_every_block_budget_and_overlaps_blocks(corpus: DataDir) -> None:  # noqa: F811
+    cfg = _tiny_stack(20)
+    pool = run_pool(cfg, CoordinatorSettings(gate=False, audit_fraction=0.0),
+                    PoolSchedule(workers=4, local_steps=5, open_fraction=0.5), corpus)
+    R = [get_objective(cfg).block_steps(k) // 5 for k in range(4)]
+    assert pool.worker_rounds == [4 * r for r in R]  # the same compute as progressive
+    assert all(sum(w) <= 4 for w in pool.workers_per_slot)
+    assert any(sum(1 for m in w if m) > 1 for w in pool.workers_per_slot)  # two blocks trained in one slot
+    assert pool.opened_at[1] < sum(R[:1]) and pool.slots <= sum(R) + 4
+    assert _split(6, [5, 100]) == [3, 3] and _split(6, [1, 100]) == [1, 5] and _split(5, [10, 10]) == [3, 2]

@@ -156,92 +156,122 @@ def run_local_rounds(
     (``Objective.inherit``: a copy of block k-1 under ``stack.init copy``), as the coordinator's version 0 does.
     With ``hostile``, the last replica trains on its targets and pushes its update instead of the honest one.
     """
-    objective = get_objective(cfg)
-    settings = settings.for_objective(objective.outer_step())
-    if len(frozen) != objective.frozen_inputs(k):
-        raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
-    tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)
-    schedule = replace(tc, steps=opts.steps)  # the worker's: the sum of the rounds' H
-    offsets = [sum(opts.round_steps[:v]) for v in range(opts.rounds)]  # each round's place in that schedule
-    torch.manual_seed(init_seed(cfg.train.seed, k))  # the coordinator's version 0
-    replicas = [objective.build_block(k)]
-    for _ in range(opts.workers - 1):
-        replicas.append(objective.build_block(k))
-    if earlier:
-        for r in replicas:
-            objective.inherit(r, k, earlier, at_init=True)
-    W = trainable_state(replicas[0])
-    shapes = block_schema(replicas[0])
-    def inner(module: nn.Module) -> torch.optim.Optimizer:
-        return MuonAdamW(module, tc) if opts.inner == "muon" else make_optimizer(module, tc)[0]
-
-    optimisers = [inner(r) for r in replicas]
-    feedback = [ErrorFeedback(opts.compression) for _ in replicas]
-    state = OuterState()
-    train = data.open("train")
-    intake = Intake(settings, {k: shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
-
-    frozen_weights = [("", trainable_state(b)) for b in frozen]
-    task = BlockTask(objective, k, frozen)
-    precision = resolve_precision(tc.precision, torch.device("cpu"))
-    run = LocalRun(replicas[0], W)
-    t0 = time.perf_counter()
+    block = BlockRun(cfg, settings, opts, data, k=k, frozen=frozen, earlier=earlier, hostile=hostile)
     bar = progress_bar(total=opts.rounds, desc=f"block {k} x{opts.workers} H={opts.local_steps}", unit="round",
                        disable=not progress, dynamic_ncols=True)
-    for v, h in enumerate(opts.round_steps):
+    for offset, h in zip(block.offsets, opts.round_steps, strict=True):
+        block.round(h, offset)
+        bar.update(1)
+    bar.close()
+    return block.finish()
+
+
+class BlockRun:
+    """One block's rounds in process, one :meth:`round` at a time (:func:`run_local_rounds` runs them all; a
+    schedule that interleaves blocks, such as the staggered one, drives several and may change the workers of a
+    round and the block's frozen inputs between rounds)."""
+
+    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, opts: LocalRounds, data: DataDir, *, k: int = 0,
+                 frozen: Sequence[nn.Module] = (), earlier: Sequence[nn.Module] = (),
+                 hostile: Hostile | None = None) -> None:
+        objective = self.objective = get_objective(cfg)
+        self.settings = settings = settings.for_objective(objective.outer_step())
+        if len(frozen) != objective.frozen_inputs(k):
+            raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
+        self.cfg, self.opts, self.k, self.hostile = cfg, opts, k, hostile
+        self.tc = tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)
+        self.schedule = replace(tc, steps=opts.steps)  # the worker's: the sum of the rounds' H
+        self.offsets = [sum(opts.round_steps[:v]) for v in range(opts.rounds)]  # each round's place in that schedule
+        torch.manual_seed(init_seed(cfg.train.seed, k))  # the coordinator's version 0
+        self.replicas = [objective.build_block(k) for _ in range(opts.workers)]
+        if earlier:
+            for r in self.replicas:
+                objective.inherit(r, k, earlier, at_init=True)
+        self.W = trainable_state(self.replicas[0])
+        self.shapes = block_schema(self.replicas[0])
+        self.optimisers = [self._inner(r) for r in self.replicas]
+        self.feedback = [ErrorFeedback(opts.compression) for _ in self.replicas]
+        self.state = OuterState()
+        self.train = data.open("train")
+        self.intake = Intake(settings, {k: self.shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
+        self.set_frozen(frozen)
+        self.precision = resolve_precision(tc.precision, torch.device("cpu"))
+        self.version = 0
+        self.run = LocalRun(self.replicas[0], self.W)
+        self._t0 = time.perf_counter()
+
+    def _inner(self, module: nn.Module) -> torch.optim.Optimizer:
+        return MuonAdamW(module, self.tc) if self.opts.inner == "muon" else make_optimizer(module, self.tc)[0]
+
+    def set_frozen(self, frozen: Sequence[nn.Module]) -> None:
+        """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before)."""
+        self.frozen_weights = [("", trainable_state(b)) for b in frozen]
+        self.task = BlockTask(self.objective, self.k, frozen)
+
+    def round(self, h: int, offset: int, workers: int | None = None) -> None:
+        """Round ``self.version``: replicas 0..workers-1 train ``h`` steps from W_v at schedule position ``offset``
+        and push; the coordinator's intake and outer step close it."""
+        opts, tc, k, v, run = self.opts, self.tc, self.k, self.version, self.run
+        W = self.W
         budget = h * tc.batch_size  # what the coordinator's work answer assigns
         deltas, samples, pushed = [], [], []
-        base = Published(k, v, tensors_sha256(W), W, frozen_weights)
-        if (opts.reset_inner if opts.reset_inner is not None else settings.inner_reset):
-            optimisers = [inner(r) for r in replicas]
-        for i, (block, opt) in enumerate(zip(replicas, optimisers, strict=True)):
+        base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
+        if opts.reset_inner if opts.reset_inner is not None else self.settings.inner_reset:
+            self.optimisers = [self._inner(r) for r in self.replicas]
+        m = opts.workers if workers is None else workers
+        for i, (block, opt) in enumerate(zip(self.replicas[:m], self.optimisers[:m], strict=True)):
             load_trainable(block, W)
             block.train()
-            stream = TrainStream(train.data, cfg.model.context, tc.batch_size, cfg.train.seed,
+            stream = TrainStream(self.train.data, self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
                                  stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
-            bad = hostile if i == opts.workers - 1 else None
-            train_round(task, block, opt, stream, steps=h, offset=offsets[v], schedule=schedule,
-                        precision=precision, targets=bad.targets if bad is not None else None)
+            bad = self.hostile if i == opts.workers - 1 else None
+            train_round(self.task, block, opt, stream, steps=h, offset=offset, schedule=self.schedule,
+                        precision=self.precision, targets=bad.targets if bad is not None else None)
             local = trainable_state(block)
             delta = {n: local[n] - W[n] for n in W}
             if bad is not None:
                 delta = bad.delta(delta, stream.generator(0, purpose=3))
             body = pack_delta(delta, opts.compression, block=k, base_version=v, base_sha=base.weights_sha,
-                              samples=budget, feedback=feedback[i])
+                              samples=budget, feedback=self.feedback[i])
             run.raw_push_bytes.append(len(body))
             run.push_bytes.append(len(deflate(body)))
-            parsed = parse_update(body, k, shapes)  # what the coordinator decodes
+            parsed = parse_update(body, k, self.shapes)  # what the coordinator decodes
             try:
-                checked = intake.check(parsed, base, budget)
+                checked = self.intake.check(parsed, base, budget)
             except ProtocolError as exc:
                 run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused"))
                 continue
             run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", checked.gate, checked.replay_cos))
-            intake.remember(k, checked)
+            self.intake.remember(k, checked)
             pushed.append(len(run.updates) - 1)
             deltas.append(parsed.delta)
             samples.append(parsed.samples)
+        self.version += 1
         if not deltas:  # every update refused: W stays, and the next round trains from it again
             run.skipped_rounds += 1
-            bar.update(1)
-            continue
-        result = next_version(W, deltas, samples, settings, state)
+            return
+        result = next_version(W, deltas, samples, self.settings, self.state)
         for j, at in enumerate(pushed):
             if j not in result.kept:  # dropped by the agreement screen at the round's close
                 run.updates[at] = replace(run.updates[at], outcome="screened")
         step_body = pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v),
-                                       "compression": settings.step_compression.value})
+                                       "compression": self.settings.step_compression.value})
         run.raw_pull_bytes.append(len(step_body))
         run.pull_bytes.append(len(deflate(step_body)))
         published, _ = unpack(step_body, source="step")
-        decoded = decode_delta(published, settings.step_compression)
-        W = {n: (w + decoded[n]).contiguous() for n, w in W.items()}
-        if any(not torch.equal(W[n], result.weights[n]) for n in W):  # pragma: no cover - would break exactness
+        decoded = decode_delta(published, self.settings.step_compression)
+        self.W = {n: (w + decoded[n]).contiguous() for n, w in W.items()}
+        if any(not torch.equal(self.W[n], result.weights[n]) for n in W):  # pragma: no cover - would break exactness
             raise AssertionError("the decoded published step does not reproduce the coordinator's weights")
-        state = result.state
-        bar.update(1)
-    bar.close()
-    load_trainable(replicas[0], W)
-    run.weights = W
-    run.wall_s = time.perf_counter() - t0
-    return run
+        self.state = result.state
+
+    def current(self) -> nn.Module:
+        """Replica 0 holding the latest published weights (what a later block copies and reads)."""
+        load_trainable(self.replicas[0], self.W)
+        return self.replicas[0]
+
+    def finish(self) -> LocalRun:
+        self.run.block = self.current()
+        self.run.weights = self.W
+        self.run.wall_s = time.perf_counter() - self._t0
+        return self.run
