@@ -9,6 +9,6 @@ scripts/exp_six_workers.sh
 echo "== three hosts"; date -u
 scripts/netns_three_hosts.sh
 echo "== ingest bench (cpu-small block, fp32 deltas)"; date -u
-OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ingest.py --preset cpu-small --updates 24 --compress none \
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/data/ingest.py --preset cpu-small --updates 24 --compress none \
   --json benchmarks/results/ingest.json
 date -u

@@ -9,7 +9,7 @@
 # OBJECTIVE (diffusion; or stack: the coordinator opens block k when block k-1 has finished its
 # rounds, unpinned workers move to the open block and download the finished blocks they read once,
 # cached under $OUT/frozen-cache; the result goes to six-workers-stack.json), COORD_FLAGS (extra coordinator
-# flags, e.g. the outer step), SLOW (1: worker w5 runs at half speed through benchmarks/slow_worker.py),
+# flags, e.g. the outer step), SLOW (1: worker w5 runs at half speed through benchmarks/distributed/slow_worker.py),
 # SKIP_SINGLE (1: no single-machine run; the collected JSON then reuses $SINGLE_EVAL and $SINGLE_WALL_S) and
 # WORKER_FLAGS (extra worker flags, e.g. --averaging hivemind with COORD_FLAGS=--hivemind).
 set -euo pipefail
@@ -47,7 +47,7 @@ t0=$(date +%s)
 PIDS=()
 for i in 0 1 2 3 4 5; do
   CMD=("$BT")
-  if [ "${SLOW:-0}" = 1 ] && [ "$i" = 5 ]; then CMD=(.venv/bin/python benchmarks/slow_worker.py --factor 2 --); fi
+  if [ "${SLOW:-0}" = 1 ] && [ "$i" = 5 ]; then CMD=(.venv/bin/python benchmarks/distributed/slow_worker.py --factor 2 --); fi
   OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN=$(cat "$OUT/w$i.token") "${CMD[@]}" worker --coordinator "http://127.0.0.1:$PORT" \
     --local-steps "$H" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" --summary-json "$OUT/w$i.summary.json" \
     ${WORKER_FLAGS:-} 2> "$OUT/logs/w$i.log" &
@@ -67,7 +67,7 @@ fi
 OMP_NUM_THREADS=2 $BT eval "$OUT/six" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
   --json --no-progress > "$OUT/six.eval.json"
 TARGET=$([ "$OBJECTIVE" = stack ] && echo 0.02 || echo 0.03)  # issue 11 asks 0.02 of the stack, issue 3 asked 0.03
-.venv/bin/python benchmarks/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
+.venv/bin/python benchmarks/distributed/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
   --objective "$OBJECTIVE" --target-gap "$TARGET" \
   --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
   --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"

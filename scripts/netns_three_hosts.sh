@@ -6,7 +6,7 @@
 # The coordinator runs in bt-coord, two workers in each of bt-host1 and bt-host2 (B=4 blocks).
 # Every veth end is capped with tbf at RATE_MBIT. Latency: netem adds RTT_MS/4 per veth end
 # egress when the kernel has it; otherwise (CONFIG_NET_SCH_NETEM unset, as on the machine the
-# committed results come from) a userspace relay in bt-coord (benchmarks/delay_relay.py) adds
+# committed results come from) a userspace relay in bt-coord (benchmarks/distributed/delay_relay.py) adds
 # RTT_MS/2 in each direction. Writes benchmarks/results/three-hosts.json.
 # HIVEMIND=1: the coordinator hosts the run's DHT (--hivemind) and the workers average on hivemind
 # (--averaging hivemind); host1 and host2 reach each other through bt-coord (routed, both veths capped, but
@@ -83,8 +83,8 @@ run() {
   if [ "$NETEM" = 1 ]; then
     LISTEN=0.0.0.0; CPORT=8470; EMUL="netem delay $((RTT_MS / 4)) ms per veth end"
   else
-    LISTEN=127.0.0.1; CPORT=8471; EMUL="userspace relay (benchmarks/delay_relay.py), $((RTT_MS / 2)) ms each way"
-    ip netns exec $NS_C "$PY" benchmarks/delay_relay.py --listen 10.77.1.1:8470 --listen 10.77.2.1:8470 \
+    LISTEN=127.0.0.1; CPORT=8471; EMUL="userspace relay (benchmarks/distributed/delay_relay.py), $((RTT_MS / 2)) ms each way"
+    ip netns exec $NS_C "$PY" benchmarks/distributed/delay_relay.py --listen 10.77.1.1:8470 --listen 10.77.2.1:8470 \
       --target "127.0.0.1:$CPORT" --delay-ms "$((RTT_MS / 2))" 2> "$OUT/logs/relay.log" &
   fi
   ip netns exec $NS_C env OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/run" --preset "$PRESET" --objective "$OBJECTIVE" \
@@ -92,7 +92,7 @@ run() {
     --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 --local-steps "$H" \
     $([ "$HIVEMIND" = 1 ] && echo "--hivemind --hivemind-host 0.0.0.0") 2> "$OUT/logs/coordinator.log" &
   until ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > /dev/null; do sleep 0.5; done
-  RTT=$(ip netns exec $NS_1 "$PY" benchmarks/measure_rtt.py "http://10.77.1.1:8470/" --n 30)
+  RTT=$(ip netns exec $NS_1 "$PY" benchmarks/distributed/measure_rtt.py "http://10.77.1.1:8470/" --n 30)
   echo "{\"rtt_ms\": $(echo "$RTT" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["rtt_ms_median"])'),
     \"rtt_note\": \"median of 30 small HTTP GETs from bt-host1 to the coordinator over a kept-alive connection\",
     \"rate_mbit\": $RATE_MBIT, \"latency_emulation\": \"$EMUL\"}" > "$OUT/net.json"
@@ -118,7 +118,7 @@ print(json.dumps([{"rx": r["rx"]["bytes"], "tx": r["tx"]["bytes"]} for r in rows
   echo "{\"before\": $BYTES0, \"after\": $(host_bytes), \"workers_per_host\": 2}" > "$OUT/host-bytes.json"
   sleep 3
   ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > "$OUT/status.json"
-  "$PY" benchmarks/collect_distributed.py three-hosts "$OUT" --preset "$PRESET" --h "$H" --rounds "$ROUNDS" \
+  "$PY" benchmarks/distributed/collect_distributed.py three-hosts "$OUT" --preset "$PRESET" --h "$H" --rounds "$ROUNDS" \
     --objective "$OBJECTIVE" --out "${RESULT:-benchmarks/results/three-hosts$SUFFIX.json}" \
     --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT HIVEMIND=$HIVEMIND flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
 }

@@ -139,7 +139,7 @@ _REAL_POPEN = subprocess.Popen
 def fork_popen(cmd: Any, *args: Any, **kw: Any) -> Any:
     """``subprocess.Popen`` that forks ``[python, -m, blocktrain, ...]`` commands (see :class:`ForkedCli`) and runs
     anything else for real. A test that monkeypatches it in lets product code that starts CLI processes (``train``'s
-    block processes, the coordinators of ``benchmarks/ingest.py``) start them without the interpreter's start-up."""
+    block processes, the coordinators of ``benchmarks/data/ingest.py``) start them without the interpreter's start-up."""
     simple = not args and set(kw) <= {"env", "stdout", "stderr"}
     if simple and isinstance(cmd, list) and cmd[:3] == [sys.executable, "-m", "blocktrain"]:
         return ForkedCli([str(c) for c in cmd[3:]], **kw)

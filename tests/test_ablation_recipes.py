@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from benchmarks.quality import ablation_recipes
 
 from blocktrain.data.stream import init_seed
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_logits
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import tiny
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-ablation_recipes = pytest.importorskip("ablation_recipes")
 
 
 def _blocks() -> list[BlockDenoiser]:
@@ -111,8 +106,9 @@ def test_feature_chain_is_causal(mode: str) -> None:
 
 
 def test_readout_ablation_last_step_is_the_assembled_models_chain() -> None:
-    """benchmarks/readout_ablation.py reads the library's chain: its last_step readout is AssembledModel.log_probs."""
-    readout_ablation = pytest.importorskip("readout_ablation")
+    """benchmarks/quality/readout_ablation.py reads the library's chain: its last_step readout is AssembledModel.log_probs."""
+    from benchmarks.quality import readout_ablation
+
     from blocktrain.evaluate.assembled import AssembledModel
 
     cfg = tiny()

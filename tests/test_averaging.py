@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from benchmarks.distributed.hostile_peers import Poison
 
 from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
@@ -21,9 +21,6 @@ from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
 from blocktrain.train.step import MuonAdamW
 from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from hostile_peers import Poison
 
 
 def _t(*values: float) -> torch.Tensor:

@@ -1,17 +1,12 @@
-"""The depth ablation harness (benchmarks/depth_ablation.py): every row is a valid run config that names each lever."""
+"""The depth ablation harness (benchmarks/quality/depth_ablation.py): every row is a valid run config that names each lever."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from benchmarks.quality import depth_ablation
 
 from blocktrain.config import Schedule, StackDense, StackHead, StackInit
 from blocktrain.presets import get_preset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import depth_ablation
 
 
 @pytest.mark.parametrize("name", list(depth_ablation.ROWS))

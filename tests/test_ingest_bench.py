@@ -1,20 +1,17 @@
-"""The coordinator ingest benchmark of the harness (benchmarks/ingest.py), tiny and on loopback."""
+"""The coordinator ingest benchmark of the harness (benchmarks/data/ingest.py), tiny and on loopback."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmarks.data import ingest
 
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import tiny
 from tests.forked_cli import fork_popen
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import ingest
 
 
 def test_ingest_bench_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""The benchmark harness's namespace ring (benchmarks/netns.py) and its serve-bench entry point.
+"""The benchmark harness's namespace ring (benchmarks/distributed/netns.py) and its serve-bench entry point.
 
 Building the ring needs root and ``ip netns``; those tests skip otherwise. The rest runs anywhere.
 """
@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from benchmarks.distributed.netns import Topology, netns_available
+from benchmarks.serving import serve_netns
 
 from blocktrain.bench.serve_pipeline import Placement
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import serve_netns
-from netns import Topology, netns_available
 
 
 def test_both_placements_give_what_the_pipeline_needs() -> None:

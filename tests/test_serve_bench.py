@@ -98,7 +98,7 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     tf = r["teacher_forced_ce"]
     assert tf["blocktrain_pipeline_score"] == pytest.approx(tf["blocktrain_local"], abs=1e-4)
     assert r["sweep_seconds"] >= 3 * r["hop_delay_ms"] / 1000
-    assert "scale" not in r  # the scale row is benchmarks/serve_scale.py (tests/test_serve_scale.py)
+    assert "scale" not in r  # the scale row is benchmarks/serving/serve_scale.py (tests/test_serve_scale.py)
     assert r["long_output_bytes"] == 52 and 0 < r["baseline_long_seconds"] < 600  # 12 + 52 bytes: two windows of 32
     assert 0 < r["baseline_long_generative_ce"] < 3 * math.log(256) and r["baseline_long_wire_bytes"] > 0
     assert "| AR baseline (E2E, KV cache; re-prefills" in out.with_suffix(".md").read_text()

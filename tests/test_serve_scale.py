@@ -1,25 +1,22 @@
-"""The serving benchmark's scale row (benchmarks/serve_scale.py): its shape, its extrapolation, its options and a run."""
+"""The serving benchmark's scale row (benchmarks/serving/serve_scale.py): its shape, its extrapolation, its options and a run."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from benchmarks.serving import serve_scale
+from benchmarks.serving.serve_scale import ScaleOptions, paper_shape, scale_shape
 
 from blocktrain.bench.machine import machine_info
 from blocktrain.errors import ConfigError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.serve.runtime.loading import parse_shape
 from tests.serve_utils import free_ports
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import serve_scale
-from serve_scale import ScaleOptions, paper_shape, scale_shape
 
 
 def test_scale_shape_fits_budget() -> None:
@@ -75,4 +72,4 @@ def test_scale_row_end_to_end(tmp_path: Path) -> None:
     assert s["blocktrain_params"] > 0 and s["output_bytes"] == 8 and r["network"]["namespaces"] is False
     assert s["speedup_sweep_vs_baseline"] == pytest.approx(s["ar_baseline_seconds"] / s["sweep_seconds"], rel=1e-9)
     assert s["paper_shape"]["params"] == 75.8e9
-    assert "Command: `python benchmarks/serve_scale.py" in out.with_suffix(".md").read_text()
+    assert "Command: `python -m benchmarks.serving.serve_scale" in out.with_suffix(".md").read_text()

@@ -3,13 +3,13 @@
 Setup: three stage processes on loopback, 25 ms one way per hop injected by the
 stages on their forward link. The client runs beside stage 0, so one traversal
 crosses three hops. Another :class:`~blocktrain.bench.serve_pipeline.Placement`
-can be passed in: ``benchmarks/serve_netns.py`` runs the stages in three network
+can be passed in: ``benchmarks/serving/serve_netns.py`` runs the stages in three network
 namespaces joined by veth in a ring (netem delay where the kernel has it).
 
 Measured per mode: time to a full output, bytes/s, bytes written by the stages
 (frames, acks and results; application bytes, not TCP/IP headers). Quality:
 generative CE of the outputs under the E2E model and teacher-forced CE. The scale row (random
-weights of the largest shape that fits) is ``benchmarks/serve_scale.py``.
+weights of the largest shape that fits) is ``benchmarks/serving/serve_scale.py``.
 
 The times are only meaningful when the benchmark runs alone on the machine
 (nothing else on its cores); it takes no lock itself, so make sure of that.

@@ -2,7 +2,7 @@
 
 Where the stages run is a :class:`Placement`: loopback here (the per-hop delay
 injected by the stages), or a ring of network namespaces in the benchmark harness
-(``benchmarks/netns.py``). The client (:mod:`blocktrain.bench.serve_client`)
+(``benchmarks/distributed/netns.py``). The client (:mod:`blocktrain.bench.serve_client`)
 runs beside stage 0.
 """
 
@@ -41,7 +41,7 @@ class Placement:
     """Where stage i (and the client, beside stage 0) runs, and how the others reach it.
 
     This one places every stage on 127.0.0.1, the stages injecting the per-hop delay on their forward link; the
-    benchmark harness's ring of network namespaces (``benchmarks/netns.py``) overrides it.
+    benchmark harness's ring of network namespaces (``benchmarks/distributed/netns.py``) overrides it.
     """
 
     @property

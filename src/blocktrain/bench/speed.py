@@ -7,7 +7,7 @@ cumulative bytes/s the trainer logs every ``log_every`` steps: the time between
 the first logged step and the last, divided by the steps between them, so
 start-up and the first steps' kernel set-up are left out. Timing an older
 commit's code beside them (a temporary git worktree) is the benchmark harness's
-job: ``benchmarks/speed_reference.py``.
+job: ``benchmarks/quality/speed_reference.py``.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def cmd_bench_machine(args: argparse.Namespace) -> int:
 
 
 def speed_options(args: argparse.Namespace, command: str) -> SpeedOptions:
-    """`blocktrain bench speed` flags -> SpeedOptions (also used by benchmarks/speed_reference.py)."""
+    """`blocktrain bench speed` flags -> SpeedOptions (also used by benchmarks/quality/speed_reference.py)."""
     from blocktrain.data.dataset import resolve_data_dir
 
     return SPEED_FLAGS.build(args, data=resolve_data_dir(args.data), command=command)

@@ -16,7 +16,7 @@ M workers would against a coordinator, without HTTP, storage or processes:
 
 Bytes are the real payloads' sizes (safetensors, headers included), deflated as the
 worker and the coordinator send them (:mod:`blocktrain.protocol.transport`), and raw. Used by the
-averaging study (``benchmarks/averaging_study.py``) and by tests that compare the
+averaging study (``benchmarks/distributed/averaging_study.py``) and by tests that compare the
 distributed run with this reference.
 """
 
@@ -54,7 +54,7 @@ from blocktrain.train.step import MuonAdamW, make_optimizer
 log = logging.getLogger(__name__)
 
 class Hostile(Protocol):
-    """A hostile last replica (``benchmarks/hostile_peers.py``): the targets it trains on, the update it pushes."""
+    """A hostile last replica (``benchmarks/distributed/hostile_peers.py``): the targets it trains on, the update it pushes."""
 
     def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
 

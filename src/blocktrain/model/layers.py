@@ -31,7 +31,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
     bf16 on CPU takes the explicit form: oneDNN's bf16 batched matmuls plus a
     bf16 softmax (fp32 inside the kernel) run fwd+bwd about 2x faster than the
-    CPU flash-attention kernel at T=256, d_h=64 (``benchmarks/speed_ablation.py``).
+    CPU flash-attention kernel at T=256, d_h=64 (``benchmarks/quality/speed_ablation.py``).
     Everywhere else (fp32, CUDA) SDPA picks its fused kernel.
     """
     square = q.shape[-2] == k.shape[-2]

@@ -54,7 +54,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     The inner optimiser MuLoCo (Therien et al. 2025) pairs with DiLoCo's outer step. Muon's lr is matched to AdamW's
     update RMS (``adjust_lr_fn="match_rms_adamw"``, Liu et al. 2025), so both halves follow the one lr schedule that
-    :func:`optimizer_step` sets on every group. A measured lever (benchmarks/averaging_scaling.py ``--inner muon``),
+    :func:`optimizer_step` sets on every group. A measured lever (benchmarks/distributed/averaging_scaling.py ``--inner muon``),
     not a default: audits and checkpoints read AdamW's state.
     """
 

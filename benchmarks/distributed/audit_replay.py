@@ -1,0 +1,121 @@
+"""Audit replay differences: how far an honest worker's push is from the coordinator's replay of the same round.
+
+The coordinator's audit (``blocktrain.coordinator.audit``) replays a round from the worker's committed inner state and
+passes it at ||replayed - pushed|| / ||pushed|| <= ``audit_tolerance``. Honest differences come from arithmetic the two
+machines do differently: thread counts (reduction order), and bf16 autocast. This script trains one worker's second
+round (AdamW moments and the int8 error-feedback residual carried from its first, as the worker carries them) with
+``--worker-threads``, replays it from the snapshot with each replay thread count, through the product's
+:func:`blocktrain.train.round.train_round`, and prints the relative error of the decoded int8 pushes. It also shows
+what the attacks the audit exists for look like on the same scale (labels shuffled, the delta scaled by 1.1).
+
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
+        --json benchmarks/results/audit-replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blocktrain.config import Precision, RunConfig
+from blocktrain.data.dataset import resolve_data_dir
+from blocktrain.data.stream import TrainStream, mix_seed
+from blocktrain.objectives import get_objective
+from blocktrain.presets import get_preset, stack_recipe
+from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
+from blocktrain.protocol.inner_state import inner_state, load_inner_state
+from blocktrain.protocol.weights import load_trainable, trainable_state
+from blocktrain.train.round import BlockTask, Targets, train_round
+from blocktrain.train.step import make_optimizer
+
+
+def shuffled(y: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    return y.flatten()[torch.randperm(y.numel(), generator=g)].view_as(y)  # (b, t), shuffled
+
+
+def one_round(cfg: RunConfig, k: int, base: dict[str, torch.Tensor], state: dict[str, torch.Tensor], data: Any,
+              v: int, h: int, precision: Precision, threads: int,
+              targets: Targets | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(decoded int8 push, inner state after) of round v of worker 1 on block k, from ``state``."""
+    torch.set_num_threads(threads)
+    obj = get_objective(cfg)
+    torch.manual_seed(0)
+    earlier = [obj.build_block(j) for j in range(obj.frozen_inputs(k))]
+    block = obj.build_block(k)
+    load_trainable(block, base)
+    if obj.inherits():
+        obj.inherit(block, k, earlier, at_init=False)
+    frozen = [obj.freeze(b, torch.float32) for b in earlier]
+    opt, names = make_optimizer(block, cfg.train)
+    residual = load_inner_state(opt, names, state)
+    stream = TrainStream(data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=mix_seed(1, k, v))
+    schedule = replace(cfg.train, steps=10 * h)
+    train_round(BlockTask(obj, k, frozen), block, opt, stream, steps=h, offset=v * h, schedule=schedule,
+                precision=precision, targets=targets)
+    local = trainable_state(block)
+    fb = ErrorFeedback(Compression.INT8, residual)
+    push = decode_delta(fb.encode({n: local[n] - base[n] for n in base}), Compression.INT8)
+    return push, inner_state(opt, names, fb.residual)
+
+
+def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b||, as the audit judges a replay."""
+    return delta_norm({n: a[n] - b[n] for n in b}) / delta_norm(b)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="cpu-mini")
+    ap.add_argument("--h", type=int, default=25, help="inner steps per round")
+    ap.add_argument("--worker-threads", type=int, default=2)
+    ap.add_argument("--replay-threads", default="2,1")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--blocks", default="0,1")
+    ap.add_argument("--data", default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    cfg = replace(get_preset(args.preset), stack=stack_recipe())
+    data = resolve_data_dir(args.data).open("train").data
+    obj = get_objective(cfg)
+    rows = []
+    for k in (int(x) for x in args.blocks.split(",")):
+        torch.manual_seed(k)
+        base = trainable_state(obj.build_block(k))
+        for prec in (Precision(p) for p in args.precisions.split(",")):
+            # round 0 from a fresh state gives the carried state of round 1, the audited one
+            push0, state = one_round(cfg, k, base, {}, data, 0, args.h, prec, args.worker_threads)
+            base1 = {n: base[n] + push0[n] for n in base}
+            pushed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
+            for t in (int(x) for x in args.replay_threads.split(",")):
+                replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, t)
+                rows.append({"block": k, "precision": prec.value, "worker_threads": args.worker_threads,
+                             "replay_threads": t, "case": "honest", "relative_error": rel(replayed, pushed)})
+            replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
+            bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads, targets=shuffled)
+            rows.append({"block": k, "precision": prec.value, "worker_threads": args.worker_threads,
+                         "replay_threads": args.worker_threads, "case": "labels shuffled",
+                         "relative_error": rel(replayed, bad)})
+            rows.append({"block": k, "precision": prec.value, "worker_threads": args.worker_threads,
+                         "replay_threads": args.worker_threads, "case": "delta x 1.1",
+                         "relative_error": rel(replayed, {n: 1.1 * d for n, d in pushed.items()})})
+            print(f"block {k} {prec.value} done", file=sys.stderr, flush=True)
+    print("| block | precision | worker threads | replay threads | case | relative error |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['replay_threads']} | {r['case']} "
+              f"| {r['relative_error']:.3g} |")
+    if args.json:
+        command = "python benchmarks/distributed/audit_replay.py " + " ".join(sys.argv[1:])
+        args.json.write_text(json.dumps({"preset": cfg.name, "h": args.h, "rows": rows, "command": command,
+                                         "torch": torch.__version__}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""Averaging scaling: M workers on a block against one machine at M times the batch, at >= 100 outer steps.
+
+Each row trains one block with :func:`blocktrain.coordinator.simulate.run_local_rounds` (the coordinator's round in
+one process: the worker's streams and persistent inner AdamW, int8 pushes with error feedback, the coordinator's
+intake and ``next_version``), ``--steps`` inner steps per worker whatever M, and scores the block's own prefix
+(the stack's next-byte CE through block k) on the first ``--eval-bytes`` test bytes.
+
+* ``cold``: block 0 from its random init.
+* ``warm``: block 1 initialised as the stack does it (``stack.init copy``: a copy of block 0), on a frozen block 0
+  that one machine trained first for ``--steps`` at the workers' batch (cached under ``--cache``).
+
+For every M there are two rows: ``mM`` (M workers, H inner steps per round, the outer step of ``--outer-lr`` and
+``--outer-momentum``) and ``xM`` (one machine: one round of all the steps at M times the batch, plain, lossless).
+The recovered fraction is (CE(x1) - CE(mM)) / (CE(x1) - CE(xM)): 1 means M workers are worth one machine with their
+samples, 0 that they are worth one worker.
+
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/averaging_scaling.py --preset depth-proxy --steps 1000 --h 10 \\
+        --workers 1,2,4,6,12 --blocks cold,warm --seeds 0,1 --jsonl benchmarks/results/averaging-scaling.jsonl
+
+Rows already in ``--jsonl`` are skipped (the study resumes). Prints the table; ``--plot`` writes the curve.
+
+``--stack`` trains the whole stack instead, progressively, as a run does: every block k with the preset's own step
+budget (``Objective.block_steps``: ``stack.step_ratio`` splits the steps), copy-initialised from block k-1 and trained
+on frozen copies of blocks 0..k-1, in three arms: ``m{M}`` (M workers per block), ``x1`` (one worker, one machine) and
+``x{M}`` (one machine at M times the batch). It scores every prefix, and the summary's ``stack`` holds the composed
+model's recovered fraction:
+
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/averaging_scaling.py --preset depth-proxy --stack --workers 6 \
+        --h 10 --outer-lr 0.7 --outer-momentum 0.9 --reset-inner --seeds 0 --jsonl benchmarks/results/averaging-scaling.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from blocktrain.checkpoint.safetensors_io import load_file, save_file
+from blocktrain.config import RunConfig
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
+from blocktrain.data.dataset import DataDir, resolve_data_dir
+from blocktrain.objectives import get_objective
+from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import Compression
+from blocktrain.protocol.weights import load_trainable
+from blocktrain.train.metrics import read_jsonl
+
+
+def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]:
+    """The coordinator settings and the local rounds a row names."""
+    if row["kind"] == "x":  # one machine at M times the batch: one round of every step, plain and lossless
+        settings = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, step_compression=Compression.NONE,
+                                       gate=False)
+        rounds = LocalRounds(workers=1, local_steps=row["steps"], steps=row["steps"], compression=Compression.NONE,
+                             batch_size=row["batch"] * row["workers"])
+        return settings, rounds
+    settings = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=row["outer_lr"],
+                                   outer_momentum=row["outer_momentum"], gate=False,
+                                   aggregation=Aggregation(row.get("aggregation", "mean")))
+    early = row.get("early")  # [steps, H] of an H schedule's early phase
+    rounds = LocalRounds(workers=row["workers"], local_steps=row["h"], steps=row["steps"], compression=Compression.INT8,
+                         batch_size=row["batch"], reset_inner=row["reset_inner"], inner=row.get("inner", "adamw"),
+                         early_steps=early[0] if early else 0, early_h=early[1] if early else 0)
+    return settings, rounds
+
+
+def row_key(row: dict[str, Any]) -> str:
+    base = f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}/{row['kind']}{row['workers']}"
+    if row["kind"] == "x":
+        return base
+    return base + f"/h{row['h']}/lr{row['outer_lr']}/mu{row['outer_momentum']}" + ("/reset" if row["reset_inner"] else "") \
+        + _levers(row, "/")
+
+
+def _levers(row: dict[str, Any], sep: str) -> str:
+    """The levers a row sets beyond H, the outer step and the reset (empty at their defaults: old keys stay)."""
+    out = ""
+    if row.get("inner", "adamw") != "adamw":
+        out += f"{sep}inner={row['inner']}"
+    if row.get("aggregation", "mean") != "mean":
+        out += f"{sep}{row['aggregation']}"
+    if row.get("early"):
+        out += f"{sep}early={row['early'][0]}@H{row['early'][1]}"
+    return out
+
+
+def warm_start(cfg: RunConfig, data: DataDir, steps: int, cache: Path) -> nn.Module:
+    """Block 0 trained by one machine for ``steps`` at the run's batch (seed 0), cached as safetensors."""
+    objective = get_objective(cfg)
+    path = cache / f"{cfg.name}-block0-{steps}.safetensors"
+    block = objective.build_block(0)
+    if path.is_file():
+        load_trainable(block, load_file(path)[0])
+        return block
+    settings, rounds = settings_for({"kind": "x", "workers": 1, "steps": steps, "batch": cfg.train.batch_size})
+    run = run_local_rounds(replace(cfg, train=replace(cfg.train, seed=0)), settings, rounds, data, progress=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    save_file(path, run.weights, {"kind": "block", "block_index": "0"})
+    load_trainable(block, run.weights)
+    return block
+
+
+def measure(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.Namespace) -> dict[str, Any]:
+    cfg = replace(cfg, train=replace(cfg.train, seed=row["seed"]))
+    objective = get_objective(cfg)
+    settings, rounds = settings_for(row)
+    k, frozen, earlier = 0, [], []
+    if row["block"] == "warm":
+        first = warm_start(cfg, data, row["steps"], args.cache)
+        k, earlier = 1, [first]
+        frozen = [objective.freeze(first, torch.float32)]
+    run: LocalRun = run_local_rounds(cfg, settings, rounds, data, k=k, frozen=frozen, earlier=earlier,
+                                     progress=not args.no_progress)
+    ce = run.test_ce(cfg, data, args.eval_bytes, k=k, frozen=frozen)
+    return {**row, "key": row_key(row), "k": k, "outer_steps": rounds.rounds, "ce_nats_per_byte": ce,
+            "eval_split": "test", "eval_bytes": args.eval_bytes, "wall_s": run.wall_s,
+            "refused": sum(1 for u in run.updates if u.outcome != "accepted")}
+
+
+def measure_stack(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.Namespace) -> dict[str, Any]:
+    """One arm of the stack study: every block in turn with its own step budget; the CE of every prefix."""
+    cfg = replace(cfg, train=replace(cfg.train, seed=row["seed"], steps=row["steps"]))
+    objective = get_objective(cfg)
+    trained: list[nn.Module] = []
+    prefix_ce, outer_steps, block_steps, wall = [], [], [], 0.0
+    for k in range(cfg.model.n_blocks):
+        steps = objective.block_steps(k) // row["h"] * row["h"]  # whole rounds of H
+        settings, rounds = settings_for({**row, "kind": row["kind"], "steps": steps})
+        frozen = [objective.freeze(b, torch.float32) for b in trained]
+        run = run_local_rounds(cfg, settings, rounds, data, k=k, frozen=frozen, earlier=trained,
+                               progress=not args.no_progress)
+        trained.append(run.block)
+        prefix_ce.append(run.test_ce(cfg, data, args.eval_bytes, k=k, frozen=frozen))
+        outer_steps.append(rounds.rounds)
+        block_steps.append(steps)
+        wall += run.wall_s
+        print(f"  block {k}: {steps} steps, {rounds.rounds} rounds, prefix CE {prefix_ce[-1]:.4f}", file=sys.stderr,
+              flush=True)
+    return {**row, "key": row_key(row), "ce_nats_per_byte": prefix_ce[-1], "prefix_ce": prefix_ce,
+            "outer_steps": outer_steps, "block_steps": block_steps, "eval_split": "test", "eval_bytes": args.eval_bytes,
+            "wall_s": wall}
+
+
+def stack_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The composed stack's M workers against one worker and one machine at M x the batch, per seed and mean."""
+    per_seed = []
+    for r in rows:
+        if r["block"] != "stack" or r["kind"] != "m":
+            continue
+        stem = f"{r['preset']}/stack/s{r['seed']}/steps{r['steps']}"
+        by = {x["key"]: x for x in rows}
+        one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
+        if one is None or big is None:
+            continue
+        gain = one["ce_nats_per_byte"] - big["ce_nats_per_byte"]
+        per_seed.append({"seed": r["seed"], "workers": r["workers"], "setting": _setting(r),
+                         "six_worker_ce": r["ce_nats_per_byte"], "single_ce": one["ce_nats_per_byte"],
+                         "batch96_ce": big["ce_nats_per_byte"], "outer_steps": r["outer_steps"],
+                         "prefix_ce": {"m": r["prefix_ce"], "x1": one["prefix_ce"], "xM": big["prefix_ce"]},
+                         "recovered_fraction": (one["ce_nats_per_byte"] - r["ce_nats_per_byte"]) / gain if gain > 0 else None,
+                         "command": r["command"]})
+    if not per_seed:
+        return None
+    fr = [p["recovered_fraction"] for p in per_seed if p["recovered_fraction"] is not None]
+    return {"preset": rows[0]["preset"], "workers": per_seed[0]["workers"],
+            "batch96_note": "one machine at M x the batch (M = workers), the same steps per block, the same recipe",
+            "six_worker_ce": statistics.fmean(p["six_worker_ce"] for p in per_seed),
+            "single_ce": statistics.fmean(p["single_ce"] for p in per_seed),
+            "batch96_ce": statistics.fmean(p["batch96_ce"] for p in per_seed),
+            "outer_steps": per_seed[0]["outer_steps"], "recovered_fraction": statistics.fmean(fr) if fr else None,
+            "seeds": per_seed}
+
+
+def recovered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (block, seed, settings, M): the recovered fraction against x1 and xM of the same block, seed and steps."""
+    by = {r["key"]: r for r in rows}
+    out = []
+    for r in rows:
+        if r["kind"] != "m" or r["block"] == "stack":
+            continue
+        stem = f"{r['preset']}/{r['block']}/s{r['seed']}/steps{r['steps']}"
+        one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
+        if one is None or big is None:
+            continue
+        gain = one["ce_nats_per_byte"] - big["ce_nats_per_byte"]
+        frac = (one["ce_nats_per_byte"] - r["ce_nats_per_byte"]) / gain if r["workers"] > 1 and gain > 0 else None
+        out.append({**r, "single_ce": one["ce_nats_per_byte"], "big_batch_ce": big["ce_nats_per_byte"],
+                    "recovered_fraction": frac})
+    return out
+
+
+def _setting(r: dict[str, Any]) -> str:
+    return f"H={r['h']} lr={r['outer_lr']} mu={r['outer_momentum']}" + (" reset" if r["reset_inner"] else "") \
+        + _levers(r, " ")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    rec = recovered(rows)
+    lines = ["| block | steps | outer steps | setting | M | seeds | CE one worker | CE M workers | CE one machine M× batch "
+             "| recovered (mean) | spread |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rec:
+        groups.setdefault((r["preset"], r["block"], r["steps"], _setting(r), r["workers"]), []).append(r)
+    for (_, block, steps, setting, m), rs in sorted(groups.items()):
+        fr = [r["recovered_fraction"] for r in rs if r["recovered_fraction"] is not None]
+        mean = f"{statistics.fmean(fr):.2f}" if fr else "—"
+        spread = f"{min(fr):.2f}..{max(fr):.2f}" if len(fr) > 1 else "—"
+        lines.append(
+            f"| {block} | {steps} | {rs[0]['outer_steps']} | {setting} | {m} | {','.join(str(r['seed']) for r in rs)} "
+            f"| {statistics.fmean(r['single_ce'] for r in rs):.4f} | {statistics.fmean(r['ce_nats_per_byte'] for r in rs):.4f} "
+            f"| {statistics.fmean(r['big_batch_ce'] for r in rs):.4f} | {mean} | {spread} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[int, list[float]]] = {}
+    for r in recovered(rows):
+        if r["recovered_fraction"] is not None:
+            key = f"{r['block']} ({_setting(r)}, {r['outer_steps']} outer steps)"
+            series.setdefault(key, {}).setdefault(r["workers"], []).append(r["recovered_fraction"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, pts in sorted(series.items()):
+        if len(pts) < 2:  # a lever measured at one M is in the table, not on the curve
+            continue
+        ms = sorted(pts)
+        ax.plot(ms, [statistics.fmean(pts[m]) for m in ms], marker="o", label=key)
+    ax.axhline(1.0, color="k", lw=0.5, label="one machine at M x the batch")
+    ax.set(xlabel="workers M", ylabel="recovered fraction of the M× batch gain", title="averaging: what M workers are worth")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="depth-proxy")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="inner steps per worker, whatever M (default 1000; --stack: the preset's train.steps)")
+    ap.add_argument("--h", type=int, default=10, help="inner steps per round")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--reset-inner", action="store_true", help="fresh inner AdamW moments every round")
+    ap.add_argument("--inner", default="adamw", choices=["adamw", "muon"], help="inner optimiser")
+    ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation])
+    ap.add_argument("--early", default=None, metavar="STEPS@H",
+                    help="H schedule: the first STEPS inner steps in rounds of H, then --h (e.g. 250@5)")
+    ap.add_argument("--workers", default="1,2,4,6,12", help="comma-separated M")
+    ap.add_argument("--blocks", default="cold,warm")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--refs-only", action="store_true", help="only the one-machine rows")
+    ap.add_argument("--stack", action="store_true", help="the whole stack, progressively (--blocks is ignored)")
+    ap.add_argument("--data", default=None, help="data directory (default: $BLOCKTRAIN_DATA)")
+    ap.add_argument("--eval-bytes", type=int, default=65536, help="test bytes scored")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=Path("/tmp/blocktrain-averaging-scaling"),
+                    help="where the warm block's trained block 0 is kept")
+    ap.add_argument("--jsonl", type=Path, required=True, help="append rows here; rows already in it are skipped")
+    ap.add_argument("--json", type=Path, default=None, help="write the summary (rows with recovered fractions) here")
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    cfg = get_preset(args.preset)
+    torch.set_num_threads(args.threads)
+    done = {r["key"] for r in _read(args.jsonl)}
+    command = "python benchmarks/distributed/averaging_scaling.py " + " ".join(sys.argv[1:])
+    todo: list[dict[str, Any]] = []
+    for block in ["stack"] if args.stack else args.blocks.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for m in (int(x) for x in args.workers.split(",")):
+                steps = args.steps or (cfg.train.steps if block == "stack" else 1000)  # a stack splits train.steps
+                common = {"preset": cfg.name, "block": block, "seed": seed, "steps": steps, "workers": m,
+                          "batch": cfg.train.batch_size}
+                if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
+                    todo.append({**common, "kind": "x", "workers": 1, "h": args.h})
+                    common["h"] = args.h
+                todo.append({**common, "kind": "x"})
+                if not args.refs_only:
+                    levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
+                    if args.early:
+                        levers["early"] = [int(x) for x in args.early.split("@")]
+                    todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,
+                                 "outer_momentum": args.outer_momentum, "reset_inner": args.reset_inner, **levers})
+    if not args.table_only:
+        data = resolve_data_dir(args.data)
+        for row in todo:
+            if row_key(row) in done:
+                continue
+            print("+", row_key(row), file=sys.stderr, flush=True)
+            out = (measure_stack if row["block"] == "stack" else measure)(cfg, row, data, args)
+            out["command"] = command
+            args.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps(out) + "\n")
+            done.add(out["key"])
+            print(f"{out['key']}: CE {out['ce_nats_per_byte']:.4f} in {out['wall_s']:.0f} s", file=sys.stderr, flush=True)
+    rows = [r for r in _read(args.jsonl) if r["preset"] == cfg.name]
+    print(table(rows))
+    if args.json:
+        doc = {"rows": recovered(rows),
+               "stack": stack_summary(rows)}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return read_jsonl(path) if path.is_file() else []
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
