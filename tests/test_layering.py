@@ -100,6 +100,7 @@ KIND_ALLOWED = {
     "blocktrain.presets": "chooses per preset",
     "blocktrain.serve.runtime.loading": "parse_shape's default for --random (the scale run's diffusion blocks)",
     "blocktrain.bench.serve_spec": "the serving bench's spec row needs a stack run",
+    "blocktrain.bench.speed": "times block 0 of each built-in objective",
 }
 KIND = re.compile(r"\bObjective(?:Kind)?\.(?:STACK|DIFFUSION)\b|isinstance\([^)]*\b(?:BlockDenoiser|StackBlock)\b")
 
@@ -109,3 +110,43 @@ def test_objective_kinds_are_named_only_in_the_objective_seam() -> None:
     named = {name_of(p) for p in modules() if "objectives" not in p.relative_to(SRC).parts and KIND.search(p.read_text())}
     assert named - set(KIND_ALLOWED) == set(), "ask the Objective instead (objectives/base.py)"
     assert set(KIND_ALLOWED) - named == set(), "a place no longer names a kind: drop it from KIND_ALLOWED"
+
+
+def test_no_import_circle_anywhere_in_the_package() -> None:
+    """The whole graph of runtime imports between blocktrain's modules has no cycle (Tarjan's strongly connected
+    components; a package's ``__init__`` counts as the package)."""
+    files = {name_of(p).removesuffix(".__init__"): p for p in modules()}
+    graph = {n: sorted(m for m in runtime_imports(p) if m in files and m != n) for n, p in files.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_the_library_never_calls_the_command_line() -> None:
+    """Only ``cli/`` (and ``__main__``) imports the command line; the library trains through functions, not argv."""
+    offenders = [name_of(p) for p in modules() if "cli" not in p.relative_to(SRC).parts and p.name != "__main__.py"
+                 and any(m.startswith("blocktrain.cli") for m in runtime_imports(p))]
+    assert offenders == []
+    spawners = [name_of(p) for p in modules() if re.search(r'"-m",\s*"blocktrain",\s*"train', p.read_text())]
+    assert spawners == []  # no training started as `python -m blocktrain train...` (train.child.train_arm instead)

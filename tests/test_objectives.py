@@ -13,7 +13,7 @@ from blocktrain import device
 from blocktrain.bench.machine import measure_peak_flops
 from blocktrain.bench.speed import seconds_per_step
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.cli.common import add_run_args, config_from_args, forward_run_args
+from blocktrain.cli.common import add_run_args, config_from_args
 from blocktrain.config import Objective, Precision, RunConfig, StackConfig, TrainConfig
 from blocktrain.data.dataset import open_data_dir
 from blocktrain.diffusion.sampler import chain_logits
@@ -135,12 +135,6 @@ def test_every_train_and_stack_field_has_a_flag_that_reaches_the_config() -> Non
                                  "--warmup-steps", "7", "--schedule", "concurrent"))
     assert cfg.train.precision is Precision.FP32 and cfg.objective is Objective.STACK and cfg.stack.head_layers == 1
     assert cfg.model.n_blocks == 2 and cfg.train.warmup_steps == 7 and cfg.train.schedule.value == "concurrent"
-
-
-def test_forwarded_run_args_rebuild_the_same_config() -> None:
-    args = parse("--preset", "tiny", "--precision", "fp32", "--objective", "stack", "--lr", "0.004", "--sigma-max", "40")
-    again = parse(*forward_run_args(args))
-    assert config_from_args(again) == config_from_args(args)
 
 
 def test_objective_is_part_of_the_architecture_and_old_configs_load_as_diffusion() -> None:

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
 from blocktrain.objectives import get_objective
 from blocktrain.presets import tiny
-from tests.forked_cli import fork_popen
+from blocktrain.train import child
 
 
 def test_train_runs_each_block_in_its_own_process(tmp_path: Path, data_dir: Path) -> None:
@@ -52,7 +51,7 @@ def test_train_into_a_run_of_another_config_fails_once_with_exit_2(
 
 def test_train_reports_a_failed_block_truthfully(tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(subprocess, "Popen", fork_popen)  # the block processes: forked, not re-imported
+    monkeypatch.setattr(child, "START_METHOD", "fork")  # the block processes: forked, not re-imported
     run = tmp_path / "run"
     cfg = tiny()
     cfg = replace(cfg, model=replace(cfg.model, n_blocks=2))

@@ -30,7 +30,6 @@ from blocktrain.bench.speed import (
     bytes_per_step,
     common_flags,
     measure_speed,
-    run_command,
     seconds_per_step,
     write_speed,
 )
@@ -41,6 +40,13 @@ from blocktrain.train.metrics import read_jsonl
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_command(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    """Run one child process of the reference commit (its code runs only as a command line); BlockTrainError if it fails."""
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        raise BlockTrainError(f"timed run failed (exit {rc}): {shlex.join(cmd)}")
+
+
 def time_reference(opts: SpeedOptions, result: dict[str, Any], commit: str) -> None:
     """Add the reference rows: the same commands on ``commit``'s code, in a temporary git worktree."""
     step_bytes = bytes_per_step(opts.preset)
@@ -49,7 +55,7 @@ def time_reference(opts: SpeedOptions, result: dict[str, Any], commit: str) -> N
         run_command(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), commit])
         try:
             env = {**os.environ, "PYTHONPATH": str(tree / "src")}
-            for name, sub, metrics_name in TRAINERS:
+            for name, sub, metrics_name, _, _ in TRAINERS:
                 if "stack" in name:
                     continue  # the reference commit has no stack objective
                 sub_old = tuple(a for a in sub if a not in ("--objective", "diffusion"))

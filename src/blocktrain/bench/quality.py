@@ -22,9 +22,7 @@ import functools
 import json
 import logging
 import math
-import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -39,14 +37,14 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Objective, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.device import resolve_device, resolve_precision
-from blocktrain.errors import BlockTrainError, ConfigError, RunError
+from blocktrain.errors import ConfigError, RunError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.report import compositional_gain, evaluate_model
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
-from blocktrain.train.metrics import read_jsonl
+from blocktrain.train.child import E2E, run_summary, train_arm
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +57,6 @@ class QualityOptions:
     cfg: RunConfig  # the preset with the command line's overrides
     data: DataDir  # resolved data directory
     out: Path  # bench directory: one run directory per arm below it
-    child_args: tuple[str, ...]  # run flags re-emitted for the child training processes (preset, overrides, data)
     objective: str = "both"  # "diffusion", "stack" or "both"
     json_path: Path | None = None  # write the result JSON (and a .md table beside it) here
     chains: int = 2  # K of the diffusion chain-mixture row
@@ -104,13 +101,6 @@ class QualityOptions:
         return per_token * self.cfg.train.batch_size * m.context
 
 
-def _summary(run: RunDir, name: str) -> dict[str, Any]:
-    recs = [r for r in read_jsonl(run.metrics_path(name)) if r.get("event") == "summary"]
-    if not recs:
-        raise RunError(f"{name} wrote no summary to {run.metrics_path(name)}")
-    return recs[-1]
-
-
 def _analytic(module: Any) -> dict[str, int]:
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return {"params": params, "param_bytes": 4 * params, "grad_bytes": 4 * params,
@@ -118,49 +108,39 @@ def _analytic(module: Any) -> dict[str, int]:
 
 
 class _Bench:
-    """Runs the arms (``blocktrain train-e2e`` / ``train-block``), in child processes or in this one, with a progress
+    """Trains the arms (:func:`blocktrain.train.child.train_arm`: a fresh process each, or this one), with a progress
     bar over the planned training FLOPs (so its remaining-time estimate weighs an E2E step and a block step right)."""
 
     def __init__(self, opts: QualityOptions, planned_flops: float) -> None:
         self.o = opts
         self.cfg = opts.cfg
-        self.base = [sys.executable, "-m", "blocktrain"]
         self.arms = 0
         self.t0 = time.perf_counter()
         self.bar = progress_bar(total=planned_flops / 1e9, unit="GFLOP", unit_scale=True, desc="bench quality: training",
                                 disable=not opts.progress)
 
-    def child(self, command: list[str], extra: tuple[str, ...], flops: float) -> None:
-        """Run ``blocktrain COMMAND`` with the user's run flags, then the arm's own (``extra`` wins: argparse keeps the last)."""
-        argv = [*command, *self.o.child_args, *extra]
+    def arm(self, cfg: RunConfig, out: Path, k: int, flops: float) -> dict[str, Any]:
+        """Train arm ``k`` (a block, or the E2E reference) of ``cfg`` into ``out``; its summary record."""
         t0 = time.perf_counter()
-        if self.o.isolate:
-            cmd = [*self.base, *argv]
-            log.info("running: %s", shlex.join(cmd))
-            rc = subprocess.call(cmd)
-        else:
-            from blocktrain.cli.main import main  # the same entry point a child runs, without a new interpreter
-
-            log.info("running in process: blocktrain %s", shlex.join(argv))
-            rc = main(argv)
-        if rc != 0:
-            raise BlockTrainError(f"child training failed (exit {rc}): blocktrain {shlex.join(argv)}")
+        log.info("training %s%s into %s (lr %g, %d steps)", "the E2E reference" if k == E2E else f"block {k}",
+                 "" if k == E2E else f" ({cfg.objective})", out, cfg.train.lr, cfg.train.steps)
+        result = train_arm(cfg, self.o.data, out, k, isolate=self.o.isolate, progress=False)
         self.arms += 1
         self.bar.update(flops / 1e9)
         done, total, elapsed = self.bar.n, self.bar.total or 0.0, time.perf_counter() - self.t0
         eta = (total - done) * elapsed / done if 0 < done <= total else None  # None: nothing to extrapolate from
         left = f"; about {eta:.0f} s of training left" if eta is not None and math.isfinite(eta) else ""
-        log.info("arm %d done in %.1f s: blocktrain %s%s", self.arms, time.perf_counter() - t0, " ".join(command), left)
+        log.info("arm %d done in %.1f s: %s%s", self.arms, time.perf_counter() - t0, result.name, left)
+        return dict(result.summary)
 
-    def e2e(self, out: Path, steps: int, *extra: str) -> dict[str, Any]:
-        self.child(["train-e2e", "--out", str(out)], extra, self.o.e2e_flops_step * steps)
-        return _summary(RunDir(out), "e2e")
+    def e2e(self, out: Path, steps: int, lr: float | None = None) -> dict[str, Any]:
+        cfg = self.cfg.with_train(steps=steps, **({} if lr is None else {"lr": lr}))
+        return self.arm(cfg, out, E2E, self.o.e2e_flops_step * steps)
 
-    def blocks(self, out: Path, objective: Objective, ks: range, *extra: str) -> list[dict[str, Any]]:
-        for k in ks:
-            self.child(["train-block", "--objective", objective.value, "--block", str(k), "--out", str(out)], extra,
-                       _block_flops(self.cfg, objective, k))
-        return [_summary(RunDir(out), f"block_{k}") for k in ks]
+    def blocks(self, out: Path, objective: Objective, ks: range, lr: float | None = None) -> list[dict[str, Any]]:
+        cfg = replace(self.cfg, objective=objective)
+        cfg = cfg if lr is None else cfg.with_train(lr=lr)
+        return [self.arm(cfg, out, k, _block_flops(self.cfg, objective, k)) for k in ks]
 
     def sweep(self, name: str, train: Any, key: str) -> tuple[float, dict[str, float], dict[float, Path]]:
         """Train ``train(out, lr)`` at each lr of the sweep; the lr with the lowest validation CE ``key`` wins."""
@@ -218,7 +198,7 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     sweeps: dict[str, Any] = {"factors": list(LR_FACTORS) if opts.lr_sweep else [1.0]}
     lr_e2e = cfg.train.lr
     if opts.matched_steps:
-        lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, steps, "--lr", repr(lr)), "val_ce")
+        lr_e2e, e2e_scores, e2e_dirs = bench.sweep("e2e", lambda out, lr: bench.e2e(out, steps, lr), "val_ce")
         e2e_dir = e2e_dirs[lr_e2e]
         sweeps.update(e2e_val_ce=e2e_scores, e2e_lr=lr_e2e)
     sections: dict[str, dict[str, Any]] = {}
@@ -227,12 +207,12 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
         if obj.trains_in_order:  # blocks 1.. train on block 0, so block 0's lr is swept first
             name, key = objective.value, f"val_{obj.reference_name}"
             lr_s, s_scores, s_dirs = bench.sweep(
-                name, lambda out, lr, o=objective: bench.blocks(out, o, range(1), "--lr", repr(lr))[0], key
+                name, lambda out, lr, o=objective: bench.blocks(out, o, range(1), lr)[0], key
             )
             sweeps.update({f"{name}_block0_{key}": s_scores, f"{name}_lr": lr_s})
             run_dir = s_dirs[lr_s]  # block 0 is the sweep's winner; blocks 1.. train on it
-            bench.blocks(run_dir, objective, range(1, cfg.model.n_blocks), "--lr", repr(lr_s))
-            sums = [_summary(RunDir(run_dir), f"block_{k}") for k in range(cfg.model.n_blocks)]
+            bench.blocks(run_dir, objective, range(1, cfg.model.n_blocks), lr_s)
+            sums = [dict(run_summary(RunDir(run_dir), f"block_{k}")) for k in range(cfg.model.n_blocks)]
         else:
             run_dir = opts.out / objective.value
             sums = bench.blocks(run_dir, objective, range(cfg.model.n_blocks))
@@ -244,7 +224,7 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     if opts.matched_flops:
         m_steps = max(1, round(flops_primary / e2e_flops_step))
         m_dir = opts.out / "e2e-matched-flops"
-        m_sum = bench.e2e(m_dir, m_steps, "--lr", repr(lr_e2e), "--steps", str(m_steps))
+        m_sum = bench.e2e(m_dir, m_steps, lr_e2e)
         matched = {"run_dir": str(m_dir), "steps": m_steps, "train_flops": e2e_flops_step * m_steps, "lr": lr_e2e,
                    "summary": m_sum}
     bench.bar.close()
@@ -261,7 +241,7 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     else:  # the one E2E run is the matched-FLOPs run; ``e2e`` reports it (its ``train_steps`` say so)
         assert matched is not None
         e2e_dir, e2e_eval = Path(matched["run_dir"]), matched["eval"]
-    e2e_sum = _summary(RunDir(e2e_dir), "e2e")
+    e2e_sum = dict(run_summary(RunDir(e2e_dir), "e2e"))
     for sec in sections.values():
         model = AssembledModel.load(RunDir(Path(sec["run_dir"])), precision=precision)
         sec["eval"] = score(model, chains=opts.chains, blocks_alone=True)  # a deterministic model runs one chain

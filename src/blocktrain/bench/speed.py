@@ -1,8 +1,8 @@
 """``blocktrain bench speed``: seconds per step and MFU of the trainers, fp32 against bf16, side by side.
 
-Each measurement is a short real training run (``train-e2e`` / ``train-block``)
-in a fresh child process, one after another, so every one has the machine to
-itself. Seconds per step are read the same way for every run, from the
+Each measurement is a short real training run (the E2E trainer, or block 0's)
+in a fresh child process (:func:`blocktrain.train.child.train_arm`), one after
+another, so every one has the machine to itself. Seconds per step are read the same way for every run, from the
 cumulative bytes/s the trainer logs every ``log_every`` steps: the time between
 the first logged step and the last, divided by the steps between them, so
 start-up and the first steps' kernel set-up are left out. Timing an older
@@ -16,25 +16,28 @@ import json
 import logging
 import shlex
 import shutil
-import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from blocktrain.bench.machine import machine_info, measure_peak_flops
+from blocktrain.config import Objective, Precision
 from blocktrain.data.dataset import DataDir
 from blocktrain.device import resolve_device
-from blocktrain.errors import BlockTrainError, ConfigError, RunError
+from blocktrain.errors import ConfigError, RunError
+from blocktrain.presets import get_preset
+from blocktrain.train.child import E2E, train_arm
 from blocktrain.train.metrics import read_jsonl
 
 log = logging.getLogger(__name__)
 
-# (name in the JSON, sub-command and its extra flags, metrics file)
-TRAINERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("e2e", ("train-e2e",), "e2e"),
-    ("block", ("train-block", "--block", "0", "--objective", "diffusion"), "block_0"),
-    ("stack_block", ("train-block", "--block", "0", "--objective", "stack"), "block_0"),
+# (name in the JSON, the same run as a command line (recorded; the reference commit's harness runs it), metrics file,
+# objective (None: the E2E reference), arm)
+TRAINERS: tuple[tuple[str, tuple[str, ...], str, Objective | None, int], ...] = (
+    ("e2e", ("train-e2e",), "e2e", None, E2E),
+    ("block", ("train-block", "--block", "0", "--objective", "diffusion"), "block_0", Objective.DIFFUSION, 0),
+    ("stack_block", ("train-block", "--block", "0", "--objective", "stack"), "block_0", Objective.STACK, 0),
 )
 LOG_EVERY = 5  # steps between the logged rates the timing is read from
 
@@ -63,16 +66,8 @@ def seconds_per_step(metrics: list[dict[str, Any]], bytes_per_step: int) -> floa
     return (t1 - t0) / (s1 - s0)
 
 
-def run_command(cmd: list[str], env: dict[str, str] | None = None) -> None:
-    """Run one timed child process; BlockTrainError if it fails."""
-    log.info("running: %s", shlex.join(cmd))
-    rc = subprocess.call(cmd, env=env)
-    if rc != 0:
-        raise BlockTrainError(f"timed run failed (exit {rc}): {shlex.join(cmd)}")
-
-
 def common_flags(opts: SpeedOptions) -> list[str]:
-    """The flags every timed run takes, whatever its code's version."""
+    """The flags every timed run takes as a command line, whatever its code's version."""
     return ["--preset", opts.preset, "--data", str(opts.data.root), "--steps", str(opts.steps), "--no-progress"]
 
 
@@ -104,12 +99,17 @@ def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
         "benchmark": "speed", "preset": opts.preset, "steps": opts.steps, "device": str(device),
         "machine": machine_info(), "peak_flops": peak, "command": opts.command, "commands": {},
     }
-    for name, sub, metrics_name in TRAINERS:
+    for name, sub, metrics_name, objective, k in TRAINERS:
         entry: dict[str, Any] = {}
         for precision in ("fp32", "bf16"):
             out = opts.out / f"{name}-{precision}"
-            cmd = [sys.executable, "-m", "blocktrain", *sub, "--out", str(out), *common, *new_flags, "--precision", precision]
-            run_command(cmd)
+            cmd = [*sub, "--out", str(out), *common, *new_flags, "--precision", precision]
+            base = get_preset(opts.preset)
+            cfg = replace(base, objective=objective or base.objective).with_train(
+                steps=opts.steps, log_every=LOG_EVERY, eval_bytes=0, checkpoint_every=1_000_000, device=opts.device,
+                precision=Precision(precision)).with_dataset(opts.data.fingerprint())
+            log.info("timing %s in %s", name, precision)
+            train_arm(cfg, opts.data, out, k, isolate=True, progress=False)
             metrics = read_jsonl(out / "metrics" / f"{metrics_name}.jsonl")
             summary = next(r for r in reversed(metrics) if r.get("event") == "summary")
             sps = seconds_per_step(metrics, step_bytes)
@@ -118,7 +118,7 @@ def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
             entry["flops_per_step"] = summary["flops_per_step"]
             entry[f"{precision}_mfu_of_own_peak"] = summary["flops_per_step"] / sps / peak[precision]
             entry[f"{precision}_train_mem_bytes"] = summary["train_mem_bytes"]
-            result["commands"][f"{name}.{precision}"] = "blocktrain " + shlex.join(cmd[3:])
+            result["commands"][f"{name}.{precision}"] = "blocktrain " + shlex.join(cmd)
         entry["mfu"] = entry["flops_per_step"] / entry["bf16_s_per_step"] / peak["bf16"]
         entry["bytes_per_s"] = step_bytes / entry["bf16_s_per_step"]
         entry["speedup_bf16_over_fp32"] = entry["fp32_s_per_step"] / entry["bf16_s_per_step"]
@@ -139,7 +139,7 @@ def write_speed(opts: SpeedOptions, result: dict[str, Any]) -> None:
 def format_speed(r: dict[str, Any]) -> str:
     rows = [["trainer", "fp32 s/step", "bf16 s/step", "bf16 speed-up", "reference fp32 s/step", "speed-up over reference",
              "GFLOP/step", "MFU (bf16 peak)"]]
-    for name, _sub, _m in TRAINERS:
+    for name, *_ in TRAINERS:
         e = r[name]
         ref = e.get("reference_fp32_s_per_step")
         rows.append([

@@ -56,17 +56,3 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if kw := flags.values(args):
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **kw)})
     return cfg
-
-
-def forward_run_args(args: argparse.Namespace) -> list[str]:
-    """Re-emit the run arguments for a child process."""
-    out = ["--preset", args.preset]
-    if args.data is not None:
-        out += ["--data", str(args.data)]
-    if getattr(args, "objective", None) is not None:
-        out += ["--objective", args.objective.value]
-    for _section_name, flags in _RUN_FLAGS:
-        out += flags.argv(args)
-    if args.no_progress:
-        out.append("--no-progress")
-    return out

@@ -146,10 +146,3 @@ class Flags(Generic[T]):
     def build(self, args: argparse.Namespace, **extra: Any) -> T:
         """The options object: the given flags, ``extra`` for the fields the command sets, defaults for the rest."""
         return self.cls(**self.values(args), **extra)
-
-    def argv(self, args: argparse.Namespace) -> list[str]:
-        """The given flags again, for a child process."""
-        out: list[str] = []
-        for name, value in self.given(args).items():
-            out += [flag_name(("" if value else "no-") + name)] if isinstance(value, bool) else [self.flag(name), _text(value)]
-        return out

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blocktrain.bench.speed import SpeedOptions
-from blocktrain.cli.common import add_run_args, config_from_args, forward_run_args
+from blocktrain.cli.common import add_run_args, config_from_args
 from blocktrain.cli.fields import Flags
 from blocktrain.data.prepare import PrepareOptions
 from blocktrain.errors import BlockTrainError
@@ -36,11 +36,6 @@ def run_config(args: argparse.Namespace, open_train: bool = False) -> tuple[RunC
     return cfg.with_dataset(data.fingerprint()), data
 
 
-def child_args(args: argparse.Namespace, data: DataDir) -> list[str]:
-    """The run flags for a child process, naming the data directory this one resolved."""
-    return [*forward_run_args(args), *(["--data", str(data.root)] if args.data is None else [])]
-
-
 def cmd_train_one(args: argparse.Namespace) -> int:
     """``train-block`` (one block alone) or ``train-e2e`` (the end-to-end reference)."""
     from blocktrain.train.block import train_block
@@ -61,17 +56,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     A process per block keeps each block's peak memory and its metrics its own.
     """
-    from blocktrain.checkpoint.run import RunDir
-    from blocktrain.config import Schedule
-    from blocktrain.train.schedule import schedule_of, train_all_processes, train_concurrent
+    from blocktrain.train.child import train_run
 
     cfg, data = run_config(args, open_train=True)
-    RunDir(Path(args.out)).init(cfg)  # a run of another config is refused once, here, not once per block
-    if schedule_of(cfg) is Schedule.CONCURRENT:
-        train_concurrent(cfg, data, Path(args.out), progress=not args.no_progress)
-    else:
-        base = [sys.executable, "-m", "blocktrain", "train-block", "--out", args.out, *child_args(args, data)]
-        train_all_processes(cfg, base, args.parallel)
+    train_run(cfg, data, Path(args.out), progress=not args.no_progress, parallel=args.parallel)
     return 0
 
 
@@ -155,7 +143,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         return 0
     cfg, data = run_config(args)
     opts = QualityOptions(
-        cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"), child_args=tuple(child_args(args, data)),
+        cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"),
         objective=args.bench_objective, json_path=Path(args.json) if args.json else None, chains=args.chains,
         max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, progress=not args.no_progress,
         lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops, matched_steps=not args.no_matched_steps,

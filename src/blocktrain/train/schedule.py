@@ -17,9 +17,7 @@
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -41,32 +39,6 @@ from blocktrain.train.round import BlockTask
 from blocktrain.train.step import lr_at, make_optimizer
 
 log = logging.getLogger(__name__)
-
-
-def train_all_processes(cfg: RunConfig, train_block_cmd: Sequence[str], parallel: int) -> None:
-    """Run ``train_block_cmd + ["--block", k]`` for every block: in order for a progressive stack, else ``parallel`` at once."""
-    ordered = get_objective(cfg).trains_in_order
-    if ordered and parallel > 1:
-        log.warning("the progressive schedule trains block k after block k-1 has finished; ignoring --parallel %d", parallel)
-    width = 1 if ordered else max(1, parallel)
-    pending = list(range(cfg.model.n_blocks))
-    running: list[tuple[int, subprocess.Popen[bytes]]] = []
-    failed: list[int] = []
-    while pending or running:
-        while pending and len(running) < width and not (ordered and failed):
-            k = pending.pop(0)
-            running.append((k, subprocess.Popen([*train_block_cmd, "--block", str(k)])))
-        if not running:
-            break
-        k, proc = running.pop(0)
-        if proc.wait() != 0:
-            failed.append(k)
-    if failed:
-        later = f"; blocks {pending} did not start, since they train on block {failed[0]}" if ordered and pending else ""
-        raise BlockTrainError(
-            f"training failed for blocks {failed}{later}; each one's error is printed above: fix its cause, then run "
-            "the same command again (every block resumes from its last checkpoint)"
-        )
 
 
 def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True) -> list[float]:

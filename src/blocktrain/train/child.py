@@ -1,0 +1,147 @@
+"""Training a run's arms: one call for a whole run (:func:`train_run`), each arm in this process or in a fresh one.
+
+An arm is the E2E reference or one block. In a fresh process (``isolate``), the arm's peak memory, its metrics and
+its failure are its own: the library's function runs in a ``spawn`` child that receives the run config as its JSON
+and the data directory as a path (no argv, no pickled tensors), and reports its :class:`TrainSummary` back through
+the run directory's metrics, as every trainer writes it.
+
+    summaries = train_run(cfg, data, out)    # every block of cfg, in the objective's order; returns their summaries
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.config import RunConfig, Schedule
+from blocktrain.data.dataset import DataDir, open_data_dir
+from blocktrain.errors import BlockTrainError
+from blocktrain.objectives import get_objective
+
+log = logging.getLogger(__name__)
+
+E2E = -1  # the arm index of the E2E reference (blocks are 0..B-1)
+START_METHOD = "spawn"  # a fresh interpreter per arm (the test suite forks instead, to skip the start-up)
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    """What an arm's trainer wrote as its last metrics record (``train_steps``, memory, wall time, last eval)."""
+
+    name: str  # "e2e" or "block_k"
+    summary: dict[str, object]  # the trainer's summary record in RUN/metrics/NAME.jsonl
+
+
+def train_arm(cfg: RunConfig, data: DataDir, out: Path, k: int, *, isolate: bool, progress: bool = True) -> ArmResult:
+    """Train block ``k`` (or the E2E reference, ``k == E2E``) of ``cfg`` into ``out``."""
+    if isolate:
+        ctx: Any = multiprocessing.get_context(START_METHOD)  # spawn, or fork under the test suite
+        proc = ctx.Process(target=_child, args=(cfg.to_json(), str(data.root), str(out), k, progress,
+                                               logging.getLogger().getEffectiveLevel()), name=_name(k))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise ArmFailedError(k, proc.exitcode)
+    else:
+        _train(cfg, data, out, k, progress)
+    return ArmResult(_name(k), run_summary(RunDir(out), _name(k)))
+
+
+def train_run(cfg: RunConfig, data: DataDir, out: Path, *, isolate: bool = True, progress: bool = True,
+              parallel: int = 1) -> list[ArmResult]:
+    """Train every block of ``cfg`` into ``out`` (a stack's in order, each on the finished blocks before it);
+    ``parallel`` blocks at once where the objective lets blocks train independently (in fresh processes)."""
+    from blocktrain.train.schedule import schedule_of, train_concurrent
+
+    RunDir(out).init(cfg)  # a run of another config is refused once, here, not once per block
+    if schedule_of(cfg) is Schedule.CONCURRENT:
+        train_concurrent(cfg, data, out, progress=progress)
+        return [ArmResult(_name(k), {}) for k in range(cfg.model.n_blocks)]
+    ordered = get_objective(cfg).trains_in_order
+    if ordered and parallel > 1:
+        log.warning("the progressive schedule trains block k after block k-1 has finished; ignoring --parallel %d", parallel)
+    if ordered or parallel <= 1:
+        done: list[ArmResult] = []
+        for k in range(cfg.model.n_blocks):
+            try:
+                done.append(train_arm(cfg, data, out, k, isolate=isolate, progress=progress))
+            except ArmFailedError as exc:
+                later = list(range(k + 1, cfg.model.n_blocks))
+                raise BlockTrainError(_failed([k], f"; blocks {later} did not start, since they train on block {k}"
+                                              if ordered and later else "")) from exc
+        return done
+    return _parallel(cfg, data, out, parallel, progress)
+
+
+def _parallel(cfg: RunConfig, data: DataDir, out: Path, width: int, progress: bool) -> list[ArmResult]:
+    """Blocks that never read each other, ``width`` fresh processes at a time."""
+    ctx: Any = multiprocessing.get_context(START_METHOD)
+    pending, failed = list(range(cfg.model.n_blocks)), []
+    running: list[tuple[int, multiprocessing.process.BaseProcess]] = []
+    level = logging.getLogger().getEffectiveLevel()
+    while pending or running:
+        while pending and len(running) < width:
+            k = pending.pop(0)
+            child = ctx.Process(target=_child, args=(cfg.to_json(), str(data.root), str(out), k, progress, level),
+                                name=_name(k))
+            child.start()
+            running.append((k, child))
+        k, proc = running.pop(0)
+        proc.join()
+        if proc.exitcode != 0:
+            failed.append(k)
+    if failed:
+        raise BlockTrainError(_failed(failed, ""))
+    return [ArmResult(_name(k), run_summary(RunDir(out), _name(k))) for k in range(cfg.model.n_blocks)]
+
+
+class ArmFailedError(BlockTrainError):
+    def __init__(self, k: int, exitcode: int | None) -> None:
+        super().__init__(f"training {_name(k)} failed (exit {exitcode}); its error is printed above: fix its cause, then "
+                         "run the same command again (it resumes from its last checkpoint)")
+
+
+def _failed(blocks: list[int], later: str) -> str:
+    return (f"training failed for blocks {blocks}{later}; each one's error is printed above: fix its cause, then run "
+            "the same command again (every block resumes from its last checkpoint)")
+
+
+def _name(k: int) -> str:
+    return "e2e" if k == E2E else f"block_{k}"
+
+
+def _train(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> None:
+    from blocktrain.train.block import train_block
+    from blocktrain.train.e2e import train_e2e
+
+    s = train_e2e(cfg, data, out, progress=progress) if k == E2E else train_block(cfg, data, out, k, progress=progress)
+    log.info("%s: %d steps in %.1fs, train memory %.1f MiB", _name(k).replace("_", " "), s.steps, s.wall_s,
+             s.train_mem_bytes / 2**20)
+
+
+def _child(cfg_json: str, data_root: str, out: str, k: int, progress: bool, level: int) -> None:
+    """The body of a fresh training process: the same logging and errors as the command line's."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        _train(RunConfig.from_json(cfg_json), open_data_dir(Path(data_root)), Path(out), k, progress)
+    except BlockTrainError as exc:
+        sys.stderr.write(f"blocktrain: error: {exc}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.stderr.write("blocktrain: interrupted; checkpoints were saved, rerun the same command to resume\n")
+        sys.exit(130)
+
+
+def run_summary(run: RunDir, name: str) -> dict[str, object]:
+    """The last summary record ``name``'s trainer wrote in ``run``."""
+    from blocktrain.train.metrics import read_jsonl
+
+    recs = [r for r in read_jsonl(run.metrics_path(name)) if r.get("event") == "summary"]
+    if not recs:
+        raise BlockTrainError(f"{name} wrote no summary to {run.metrics_path(name)}")
+    return recs[-1]
