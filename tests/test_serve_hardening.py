@@ -59,7 +59,7 @@ def test_idle_connection_is_closed_after_the_idle_timeout(models) -> None:  # ty
     with open_stage(whole_span(models), idle_timeout_s=0.4) as st, connect(st.address) as s:
         t0 = time.monotonic()
         assert closed(s, timeout_s=5)
-        assert 0.3 < time.monotonic() - t0 < 4
+        assert time.monotonic() - t0 > 0.3  # not before its timeout
         assert st.server.counters.conns_idle_closed == 1
         wait_until(lambda: not st.server.conns, what="connection dropped")
 
@@ -89,7 +89,7 @@ def test_half_sent_frame_is_dropped_after_the_read_timeout(models) -> None:  # t
             err = recv_frame(s)
             assert err is not None and err.kind is FrameKind.ERROR and err.code is ErrorCode.TIMEOUT
             assert "not complete within 0.5s" in err.error and closed(s)
-            assert 0.3 < time.monotonic() - t0 < 4
+            assert time.monotonic() - t0 > 0.3  # not before its timeout
         with connect(st.address) as s:  # a prefix cut short is a started frame too
             s.sendall(MAGIC + b"\x00")
             err = recv_frame(s)
@@ -125,7 +125,7 @@ def test_write_timeout_drops_a_peer_that_reads_nothing() -> None:
 
     ok, elapsed, counters, closed = asyncio.run(run())
     assert not ok and closed and counters.writes_timed_out == 1
-    assert 0.2 < elapsed < 3
+    assert elapsed > 0.2  # not before its timeout
 
 
 # --- caps --------------------------------------------------------------------------------
