@@ -68,6 +68,7 @@ KINDS = ["honest", "honest5", *(p.value for p in Poison)]  # honest5: the run wi
 
 def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = get_preset(args.preset)
+    cfg = cfg.with_train(seed=args.seed)
     settings = CoordinatorSettings(outer=OuterOptimizer(args.outer), outer_lr=args.outer_lr,
                                    outer_momentum=args.outer_momentum, gate_tolerance=args.gate_tolerance,
                                    aggregation=Aggregation(args.aggregation))
@@ -88,6 +89,7 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "kind": kind,
         "aggregation": args.aggregation,
+        "seed": args.seed,
         "final_ce_nats_per_byte": ce,
         "poisoned_updates": len(bad),
         "poisoned_caught": sum(caught.values()),
@@ -104,7 +106,8 @@ def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                     f"--outer {args.outer} --outer-lr {args.outer_lr} --outer-momentum {args.outer_momentum} "
                     f"--eval-bytes {args.eval_bytes} --kinds {kind}"
                     + (f" --gate-tolerance {args.gate_tolerance}" if args.gate_tolerance is not None else "")
-                    + (f" --aggregation {args.aggregation}" if args.aggregation != "mean" else "")),
+                    + (f" --aggregation {args.aggregation}" if args.aggregation != "mean" else "")
+                    + (f" --seed {args.seed}" if args.seed else "")),
     }
 
 
@@ -120,6 +123,7 @@ def main() -> int:
                     help="nats the held-out loss may rise (default: the coordinator's calibrated tolerance)")
     ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation])
     ap.add_argument("--eval-bytes", type=int, default=32768)
+    ap.add_argument("--seed", type=int, default=0, help="train.seed: the blocks' init and every worker's stream")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -161,15 +165,15 @@ def main() -> int:
                    "and the loss gate of blocktrain.coordinator.intake; CE on the first eval bytes of the test split")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print("| aggregation | kind | final CE | honest CE | diff | vs 5 honest | poisoned | caught | accepted within bound "
+    print("| aggregation | seed | kind | final CE | honest CE | diff | vs 5 honest | poisoned | caught | accepted within bound "
           "| honest rejected |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in doc["runs"]:
         h = r.get("honest_ce_nats_per_byte")
         diff = "—" if h is None else f"{r['final_ce_nats_per_byte'] - h:+.4f}"
         h5 = r.get("without_hostile_ce_nats_per_byte")
         diff5 = "—" if h5 is None else f"{r['final_ce_nats_per_byte'] - h5:+.4f}"
-        print(f"| {r.get('aggregation', 'mean')} | {r['kind']} | {r['final_ce_nats_per_byte']:.4f} "
+        print(f"| {r.get('aggregation', 'mean')} | {r.get('seed', 0)} | {r['kind']} | {r['final_ce_nats_per_byte']:.4f} "
               f"| {h if h is None else f'{h:.4f}'} | {diff} | {diff5} "
               f"| {r.get('poisoned_updates', '—')} | {r.get('poisoned_caught', '—')} "
               f"| {r.get('poisoned_accepted_within_norm_bound', '—')} | {r.get('honest_rejected', '—')} |")
@@ -177,7 +181,8 @@ def main() -> int:
 
 
 def _key(r: dict[str, Any]) -> str:
-    return f"{r.get('aggregation', 'mean')}/{r['kind']}"
+    seed = r.get("seed", 0)
+    return f"{r.get('aggregation', 'mean')}/{r['kind']}" + (f"/s{seed}" if seed else "")
 
 
 if __name__ == "__main__":
