@@ -220,6 +220,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def stack_table(rows: list[dict[str, Any]]) -> str:
+    """The whole-stack arms, prefix by prefix, with each prefix's recovered fraction."""
+    summary = stack_summary(rows)
+    if summary is None:
+        return ""
+    lines = ["| seed | arm | outer steps per block | prefix CEs (blocks 0..k) | composed CE | recovered |",
+             "|---|---|---|---|---|---|"]
+    for s in summary["seeds"]:
+        pre = s["prefix_ce"]
+        rec = [(a - m) / (a - b) if a > b else float("nan") for a, m, b in zip(pre["x1"], pre["m"], pre["xM"], strict=True)]
+        for arm, name in (("x1", "one worker (batch 16)"), ("xM", f"one machine at {s['workers']}x the batch"),
+                          ("m", f"{s['workers']} workers, {s['setting']}")):
+            steps = ", ".join(str(x) for x in s["outer_steps"]) if arm == "m" else "1 (all steps)"
+            frac = ", ".join(f"{x:.2f}" for x in rec) if arm == "m" else ""
+            lines.append(f"| {s['seed']} | {name} | {steps} | {', '.join(f'{c:.4f}' for c in pre[arm])} | {pre[arm][-1]:.4f} "
+                         f"| {frac} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -309,6 +328,7 @@ def main() -> int:
             print(f"{out['key']}: CE {out['ce_nats_per_byte']:.4f} in {out['wall_s']:.0f} s", file=sys.stderr, flush=True)
     rows = [r for r in _read(args.jsonl) if r["preset"] == cfg.name]
     print(table(rows))
+    print(stack_table(rows))
     if args.json:
         doc = {"rows": recovered(rows),
                "stack": stack_summary(rows)}
