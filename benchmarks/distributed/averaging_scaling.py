@@ -60,7 +60,7 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
         settings = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, step_compression=Compression.NONE,
                                        gate=False)
         rounds = LocalRounds(workers=1, local_steps=row["steps"], steps=row["steps"], compression=Compression.NONE,
-                             batch_size=row["batch"] * row["workers"])
+                             batch_size=row["batch"] * row["workers"], inner=row.get("inner", "adamw"))
         return settings, rounds
     settings = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=row["outer_lr"],
                                    outer_momentum=row["outer_momentum"], gate=False,
@@ -75,7 +75,7 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
 def row_key(row: dict[str, Any]) -> str:
     base = f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}/{row['kind']}{row['workers']}"
     if row["kind"] == "x":
-        return base
+        return base + (f"/inner={row['inner']}" if row.get("inner", "adamw") != "adamw" else "")
     return base + f"/h{row['h']}/lr{row['outer_lr']}/mu{row['outer_momentum']}" + ("/reset" if row["reset_inner"] else "") \
         + _levers(row, "/")
 
@@ -187,19 +187,25 @@ def recovered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["kind"] != "m" or r["block"] == "stack":
             continue
         stem = f"{r['preset']}/{r['block']}/s{r['seed']}/steps{r['steps']}"
-        one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
+        inner = r.get("inner", "adamw")
+        own = "" if inner == "adamw" else f"/inner={inner}"  # the references with the row's own optimiser, if run
+        one, big = by.get(f"{stem}/x1{own}"), by.get(f"{stem}/x{r['workers']}{own}")
+        ref_inner = inner
+        if one is None or big is None:
+            one, big, ref_inner = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}"), "adamw"
         if one is None or big is None:
             continue
         gain = one["ce_nats_per_byte"] - big["ce_nats_per_byte"]
         frac = (one["ce_nats_per_byte"] - r["ce_nats_per_byte"]) / gain if r["workers"] > 1 and gain > 0 else None
         out.append({**r, "single_ce": one["ce_nats_per_byte"], "big_batch_ce": big["ce_nats_per_byte"],
-                    "recovered_fraction": frac})
+                    "recovered_fraction": frac, "reference_inner": ref_inner})
     return out
 
 
 def _setting(r: dict[str, Any]) -> str:
+    ref = r.get("reference_inner", "adamw")
     return f"H={r['h']} lr={r['outer_lr']} mu={r['outer_momentum']}" + (" reset" if r["reset_inner"] else "") \
-        + _levers(r, " ")
+        + _levers(r, " ") + (f" (references {ref})" if ref != r.get("inner", "adamw") else "")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -280,6 +286,8 @@ def main() -> int:
     ap.add_argument("--blocks", default="cold,warm")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--refs-only", action="store_true", help="only the one-machine rows")
+    ap.add_argument("--refs-inner", action="store_true",
+                    help="the one-machine rows train with --inner too (the reference of a lever that changes the optimiser)")
     ap.add_argument("--stack", action="store_true", help="the whole stack, progressively (--blocks is ignored)")
     ap.add_argument("--data", default=None, help="data directory (default: $BLOCKTRAIN_DATA)")
     ap.add_argument("--eval-bytes", type=int, default=65536, help="test bytes scored")
@@ -306,7 +314,7 @@ def main() -> int:
                 if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
                     todo.append({**common, "kind": "x", "workers": 1, "h": args.h})
                     common["h"] = args.h
-                todo.append({**common, "kind": "x"})
+                todo.append({**common, "kind": "x", **({"inner": args.inner} if args.refs_inner else {})})
                 if not args.refs_only:
                     levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
                     if args.early:
