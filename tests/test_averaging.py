@@ -30,7 +30,7 @@ def _t(*values: float) -> torch.Tensor:
 def test_nesterov_step_equals_a_hand_computed_reference() -> None:
     """Three rounds of DiLoCo's outer Nesterov (g = -Delta_bar; m <- mu m + g; W <- W - eta (g + mu m)), by hand."""
     s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.5, outer_momentum=0.9,
-                            step_compression=Compression.NONE)
+                            step_compression=Compression.NONE, aggregation=Aggregation.MEAN)
     W = {"w": _t(1.0, -2.0)}
     rounds = [([_t(0.2, 0.0), _t(0.4, -0.2)], [1, 3]), ([_t(-0.1, 0.1)], [2]), ([_t(0.0, 0.3), _t(0.0, 0.1)], [1, 1])]
     # round 1: Delta_bar = (0.25*0.2 + 0.75*0.4, 0.75*-0.2) = (0.35, -0.15); g = (-0.35, 0.15); m = g
@@ -50,7 +50,7 @@ def test_nesterov_step_equals_a_hand_computed_reference() -> None:
 
 
 def test_plain_average_is_the_sample_weighted_mean() -> None:
-    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, step_compression=Compression.NONE)
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, step_compression=Compression.NONE, aggregation=Aggregation.MEAN)
     res = next_version({"w": _t(0.0, 0.0)}, [{"w": _t(1.0, 0.0)}, {"w": _t(0.0, 1.0)}], [1, 3], s, OuterState())
     assert torch.equal(res.weights["w"], _t(0.25, 0.75)) and res.state.momentum is None
 
@@ -176,7 +176,7 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     c.submit("c", 0, body)  # the quorum closes the round
     st = status(c)
     assert st["blocks"][0]["outer"] == {"method": "average", "lr": 1.0, "momentum": None, "step_encoding": "int8",
-                                        "aggregation": "mean"}  # the defaults of a diffusion run (tiny)
+                                        "aggregation": "median"}  # the defaults of a diffusion run (tiny)
     rnd = next(r for r in st["rounds"] if r["block"] == 0 and r["version"] == 0)
     assert rnd["updates"] == 3 and rnd["rejected"] == {"norm": 1}
     assert rnd["push_bytes"] == 3 * len(body)  # three int8 bodies of the same schema

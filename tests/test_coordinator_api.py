@@ -56,7 +56,8 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def api(tmp_path: Path, clock: FakeClock) -> Iterator[Api]:
-    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=10, **NO_SCREEN)
+    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=10, aggregation=Aggregation.MEAN,
+                         **NO_SCREEN)  # the arithmetic of the sample-weighted mean, checked by hand below
     with TestClient(create_app(c, background=False)) as client:
         yield Api(c, client)
     c.close()

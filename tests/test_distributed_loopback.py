@@ -82,7 +82,7 @@ def test_three_workers_average_equals_hand_computed_mean(tmp_path: Path, corpus:
     url = f"http://127.0.0.1:{port}"
     tokens = [add_token(run, f"w{i}") for i in range(3)]
     procs.append(start_coordinator(run, port, "--rounds", "1", "--min-updates", "3", "--round-seconds", "60",
-                                   "--outer", "average", "--local-steps", "5"))  # the plain sample-weighted mean
+                                   "--outer", "average", "--aggregation", "mean", "--local-steps", "5"))  # the sample-weighted mean
     wait_for(lambda: get_status(url), TIMEOUT, "the coordinator")
     for i, t in enumerate(tokens):
         procs.append(start_worker(url, t, corpus, "--block", "0", "--local-steps", str(3 + i), "--compress", "none",

@@ -23,7 +23,7 @@ from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack  # noqa: E402
 from blocktrain.config import Precision  # noqa: E402
-from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer  # noqa: E402
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer  # noqa: E402
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds  # noqa: E402
 from blocktrain.data.dataset import DataDir  # noqa: E402
 from blocktrain.errors import ProtocolError  # noqa: E402
@@ -217,7 +217,7 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
     procs.append(_blocktrain("coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port),
                              "--no-eval", "--threads", "1", "--rounds", "2", "--round-seconds", "120", "--outer",
                              "nesterov", "--step-compression", "none", "--hivemind", "--hivemind-host", "127.0.0.1",
-                             "--local-steps", "3"))
+                             "--local-steps", "3", "--aggregation", "mean"))  # a group mean is associative; a median is not
     try:
         status = wait_for(lambda: get_status(url), 60, "the coordinator")
         assert status["p2p"]["initial_peers"] and status["p2p"]["authority"].startswith("ssh-rsa ")
@@ -238,7 +238,8 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
                 p.terminate()
                 p.wait(timeout=60)
     weights = unpack((run / "coordinator" / "blobs" / f"{_latest_weights(run)}.safetensors").read_bytes())[0]
-    knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE}
+    knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE,
+             "aggregation": Aggregation.MEAN}
     tiny = get_preset("tiny")  # the workers ran with --precision fp32: so does the reference, on any CPU
     tiny = replace(tiny, train=replace(tiny.train, precision=Precision.FP32))
     ref = run_local_rounds(tiny, CoordinatorSettings(**knobs),

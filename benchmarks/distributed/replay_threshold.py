@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from blocktrain.coordinator.intake import CountSketch
-from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import init_seed
@@ -53,7 +53,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     data = resolve_data_dir(args.data)
-    settings = CoordinatorSettings(replay_cosine=1.0, gate=False, audit_fraction=0.0)
+    settings = CoordinatorSettings(replay_cosine=1.0, gate=False, audit_fraction=0.0, aggregation=Aggregation.MEAN)
     rows: list[dict[str, Any]] = []
     for name in args.presets.split(","):
         cfg = get_preset(name)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings
 from blocktrain.coordinator.simulate import LocalRun
 from blocktrain.coordinator.staggered import PoolSchedule, run_pool
 from blocktrain.data.dataset import resolve_data_dir
@@ -39,6 +39,8 @@ def main() -> int:
     ap.add_argument("--h", type=int, default=10)
     ap.add_argument("--fractions", default="1.0,0.5", help="open fractions; 1.0 is the progressive schedule")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation],
+                    help="how a round's deltas combine (the committed rows ran with mean, the default then)")
     ap.add_argument("--eval-bytes", type=int, default=65536)
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
@@ -49,7 +51,7 @@ def main() -> int:
     cfg = replace(base, train=replace(base.train, seed=args.seed, steps=args.steps or base.train.steps))
     objective = get_objective(cfg)
     data = resolve_data_dir(args.data)
-    settings = CoordinatorSettings(gate=False, audit_fraction=0.0)  # the coordinator's defaults, no held-out checks
+    settings = CoordinatorSettings(gate=False, audit_fraction=0.0, aggregation=Aggregation(args.aggregation))
     command = "python benchmarks/distributed/staggered_schedule.py " + " ".join(sys.argv[1:])
     doc: dict[str, Any] = json.loads(args.json.read_text()) if args.json.is_file() else {"what": __doc__.split("\n\n")[0]}
     rows: list[dict[str, Any]] = doc.setdefault("rows", [])

@@ -68,7 +68,7 @@ class CoordinatorSettings:
     norm_k: float = 10.0  # reject ||Delta|| > norm_k x median of recent norms (0 = off)
     norm_history: int = 16  # recent accepted norms of the block used for that median
     norm_min_history: int = 2  # the norm check starts once this many norms are known
-    aggregation: Aggregation = Aggregation.MEAN  # how one round's deltas are combined
+    aggregation: Aggregation = Aggregation.MEDIAN  # how one round's deltas are combined (median: aggregation-choice.md)
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
     outer: OuterOptimizer | None = None  # outer step (None: the objective's; benchmarks/results/averaging-study.md)
     outer_lr: float | None = None  # eta of the outer step (None: 0.7 for nesterov, averaging-scaling.md; 1 for average)
