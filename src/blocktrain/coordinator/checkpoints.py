@@ -141,8 +141,7 @@ class Checkpoints:
     def step_bytes(self, k: int, from_version: int) -> bytes:
         """The published bf16 step from ``from_version`` to ``from_version + 1``."""
         self.check_block(k)
-        missing = ProtocolError(404, f"block {k} has no step from version {from_version}; pull the full weights instead",
-                                "no_step")
+        missing = ProtocolError(404, f"block {k} has no step from version {from_version}; pull the full weights instead", "no_step")
         if not 0 <= from_version < self.version[k]:
             raise missing
         with self.lock:

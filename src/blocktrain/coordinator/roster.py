@@ -72,9 +72,7 @@ class Roster:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; start it with --hivemind, "
                                 "or run the worker with --averaging coordinator", "hivemind_off")
         if block is not None and not 0 <= block < self.n_blocks:
-            raise ProtocolError(
-                422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", "block"
-            )
+            raise ProtocolError(422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", "block")
         if self.cfg.dataset and dataset != self.cfg.dataset:
             have = f"dataset {dataset[:12]}" if dataset else "no dataset fingerprint"
             raise ProtocolError(

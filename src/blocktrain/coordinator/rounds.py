@@ -50,9 +50,7 @@ def progressive_schedule(cfg: RunConfig, settings: CoordinatorSettings) -> bool:
             f"{cfg.train.schedule.value!r}; pass --schedule progressive (or train concurrently with 'blocktrain train')"
         )
     if settings.rounds <= 0:
-        raise ConfigError(
-            "a stack run opens block k only when block k-1 has finished its rounds; pass --rounds N (N > 0)"
-        )
+        raise ConfigError("a stack run opens block k only when block k-1 has finished its rounds; pass --rounds N (N > 0)")
     return True
 
 
@@ -257,8 +255,7 @@ class Rounds:
             ck.warm_start(warm)
         log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, len(rows), v + 1)
         for r in screened:
-            log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v,
-                        r["worker"])
+            log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r["worker"])
             self.conduct.refused(str(r["worker"]), "screened", now)
         for j, state in changed.items():
             self.state[j] = state

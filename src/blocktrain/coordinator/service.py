@@ -66,14 +66,12 @@ class Coordinator:
         self.n_blocks = self.cfg.model.n_blocks
         progressive = progressive_schedule(self.cfg, settings)
         self.evaluator = Evaluator(self.cfg, settings, data)
-        self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store, self.evaluator,
-                                       self.lock, clock)
+        self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store, self.evaluator, self.lock, clock)
         self.intake = Intake(self.settings, self.checkpoints.block_shapes, self.evaluator)  # what every update passes
         self.conduct = Conduct(self.settings, self.store)  # rate limit and quarantine
         if self.settings.gate and not self.intake.gating:
             log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
-        self.rounds = Rounds(self.cfg, self.settings, progressive, self.store, self.checkpoints, self.intake,
-                             self.conduct, self.lock)
+        self.rounds = Rounds(self.cfg, self.settings, progressive, self.store, self.checkpoints, self.intake, self.conduct, self.lock)
         with self.lock:
             self.rounds.start(self.clock())
         self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
@@ -98,8 +96,7 @@ class Coordinator:
         self.live_replicas = self.roster.live_replicas
         self.submit, self.audit = self.uploads.submit, self.uploads.audit
         self.weights_bytes, self.step_bytes = ck.weights_bytes, ck.step_bytes
-        self.frozen_bytes, self.block_rounds, self.finished = (self.rounds.frozen_bytes, self.rounds.block_rounds,
-                                                               self.rounds.finished)
+        self.frozen_bytes, self.block_rounds, self.finished = (self.rounds.frozen_bytes, self.rounds.block_rounds, self.rounds.finished)
         self.maybe_evaluate = ck.maybe_evaluate
         self.count_bytes, self.flush_bytes = self.traffic.count_bytes, self.traffic.flush_bytes
 

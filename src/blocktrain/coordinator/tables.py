@@ -126,8 +126,7 @@ class RoundTable:
 
     def replace_weights(self, k: int, v: int, weights_blob: str, weights_sha: str) -> None:
         """Replace the weights of version v of block k, which no round has used yet (a warm start at opening)."""
-        self.db.execute("UPDATE versions SET weights_blob=?, weights_sha=? WHERE block=? AND version=?",
-                        (weights_blob, weights_sha, k, v))
+        self.db.execute("UPDATE versions SET weights_blob=?, weights_sha=? WHERE block=? AND version=?", (weights_blob, weights_sha, k, v))
 
     def step_blob(self, k: int, v: int) -> str | None:
         """Digest of the published step that made version v of block k (None for v = 0 or unknown)."""
@@ -232,8 +231,7 @@ class UpdateTable:
 
     def accepted_updates(self, k: int, v: int) -> list[sqlite3.Row]:
         """The accepted, not yet applied updates of block k version v, in arrival order."""
-        return self.db.q("SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v,
-                         UpdateState.ACCEPTED.value)
+        return self.db.q("SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v, UpdateState.ACCEPTED.value)
 
     def update_blobs(self, k: int) -> list[tuple[str, str]]:
         """(blob digest, compression) of every accepted or applied update of block k, oldest first."""
@@ -250,8 +248,7 @@ class UpdateTable:
 
     def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:
         """Remember the data stream handed to ``worker`` for block k version v (the first one is kept)."""
-        self.db.execute("INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)",
-                        (worker, k, v, seed, stream))
+        self.db.execute("INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)", (worker, k, v, seed, stream))
 
 
 class ConductTable:
@@ -292,8 +289,7 @@ class ConductTable:
                         (worker, None if row is None else str(row["hash"]), reason, at))
         self.db.execute("DELETE FROM tokens WHERE name=?", (worker,))
         self.db.execute("UPDATE workers SET state=?, lease_until=0 WHERE name=?", (WorkerState.LEFT.value, worker))
-        pending = self.db.q("SELECT id, block, version FROM updates WHERE worker=? AND state=?", worker,
-                            UpdateState.ACCEPTED.value)
+        pending = self.db.q("SELECT id, block, version FROM updates WHERE worker=? AND state=?", worker, UpdateState.ACCEPTED.value)
         for r in pending:
             self.db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (r["block"], r["version"]))
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(UpdateState.DROPPED.value, r["id"]) for r in pending])

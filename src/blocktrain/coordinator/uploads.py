@@ -53,9 +53,7 @@ class Uploads:
             row = self.roster.get(name)
             self.conduct.admit(name)  # 403 quarantined, 429 over its refusal rate
             if int(row["block"]) != k:
-                raise ProtocolError(
-                    403, f"worker {name!r} is assigned to block {row['block']}, not {k}; GET /v1/work", "wrong_block"
-                )
+                raise ProtocolError(403, f"worker {name!r} is assigned to block {row['block']}, not {k}; GET /v1/work", "wrong_block")
         if len(body) > ck.max_body_bytes:
             raise ProtocolError(413, f"update of {len(body)} bytes exceeds the cap of {ck.max_body_bytes}", "too_large")
         upd = parse_update(body, k, ck.block_shapes[k])
@@ -98,8 +96,7 @@ class Uploads:
             with self.store.tx():
                 self.store.conduct.record_group_refusal(k, v, uploader, members, reason, self.clock())
             caught = [m for m in members if self.conduct.quarantined(m)]
-        log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, reason,
-                    f"; quarantined {caught}" if caught else "")
+        log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, reason, f"; quarantined {caught}" if caught else "")
 
     def _accept(self, name: str, k: int, upd: ParsedUpdate, checked: Checked, staged: StagedBlob, arrived: float,
                 members: list[str], base: Published, stream: int) -> dict[str, Any]:
@@ -112,9 +109,7 @@ class Uploads:
             if prior is not None:
                 if prior == digest:
                     return PushAnswer(accepted=True, duplicate=True, block=k, version=v).model_dump()
-                raise ProtocolError(
-                    409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate"
-                )
+                raise ProtocolError(409, f"worker {name!r} already sent an update for block {k} version {v}", "duplicate")
             if members:
                 check_members(s, self.conduct, name, members, k, v)  # under the lock that records them
             elif s.updates.submitted(k, v, name):
@@ -151,8 +146,7 @@ class Uploads:
             why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} > "
                    f"{answer.tolerance:g}")
         if answer.passed:
-            log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name,
-                     answer.relative_error, answer.seconds)
+            log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name, answer.relative_error, answer.seconds)
         else:
             with self.lock:
                 self.conduct.quarantine(name, f"failed audit: {why}", self.clock())
