@@ -124,7 +124,7 @@ def add_token(run: Path, name: str) -> str:
 
     store = Store(run)
     try:
-        return store.add_token(name, time.time())
+        return store.tokens.add_token(name, time.time())
     finally:
         store.close()
 

@@ -198,7 +198,7 @@ def test_token_add_prints_a_token_the_store_keeps_hashed(tmp_path: Path, capsys:
     token = capsys.readouterr().out.strip()
     store = Store(tmp_path / "run")
     try:
-        hashes = store.token_hashes()
+        hashes = store.tokens.token_hashes()
     finally:
         store.close()
     assert token.startswith("bt_") and len(hashes) == 1 and hashes[0][0] == "w0"

@@ -87,7 +87,7 @@ def test_token_lookup_compares_every_hash_in_constant_time(api: Api, monkeypatch
     """Every stored hash goes through hmac.compare_digest, the match included: no early exit, no ``==``."""
     import hmac
 
-    from blocktrain.coordinator import service
+    from blocktrain.coordinator import auth
     from blocktrain.coordinator.store import hash_token
 
     for name in ("a", "b", "c"):
@@ -99,8 +99,8 @@ def test_token_lookup_compares_every_hash_in_constant_time(api: Api, monkeypatch
         compared.append((x, y))
         return real(x, y)
 
-    monkeypatch.setattr(service.hmac, "compare_digest", spy)
-    known = {h for _, h in api.c.store.token_hashes()}
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    known = {h for _, h in api.c.store.tokens.token_hashes()}
     assert api.c.worker_for_token(api.tokens["a"]) == "a"
     assert {y for _, y in compared} == known and {x for x, _ in compared} == {hash_token(api.tokens["a"])}
     compared.clear()

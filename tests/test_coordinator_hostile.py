@@ -29,7 +29,7 @@ from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F40
 
 
 def _blob_files(a: Api) -> list[str]:
-    return sorted(p.name for p in a.c.store.blob_dir.iterdir())  # temp files (".x.tmp") included
+    return sorted(p.name for p in a.c.store.blobs.blob_dir.iterdir())  # temp files (".x.tmp") included
 
 
 def test_refused_updates_leave_no_blob_behind(api: Api) -> None:  # noqa: F811
@@ -63,7 +63,7 @@ def test_refused_updates_leave_no_blob_behind(api: Api) -> None:  # noqa: F811
                                                base_version=0, base_sha=api.c.weights_sha[0], samples=4))
     assert status == 202
     for r in api.c.store.q("SELECT blob FROM updates"):
-        assert api.c.store.blob_path(r["blob"]).is_file()
+        assert api.c.store.blobs.blob_path(r["blob"]).is_file()
 
 
 def _row_counts(db_path: Path) -> dict[str, int]:

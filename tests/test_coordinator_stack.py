@@ -223,7 +223,7 @@ def audit_round(c: Coordinator, worker: str, k: int, v: int, before: dict[str, t
     with the delta it sent (fp32 both: tolerance of a last-bit difference through Adam's sqrt(v))."""
     seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version={v}")
     upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version={v}")
-    got = decode_delta(unpack(c.store.get_blob(upd["blob"]))[0], Compression.NONE)
+    got = decode_delta(unpack(c.store.blobs.get_blob(upd["blob"]))[0], Compression.NONE)
     obj = get_objective(STACK)
     frozen = []
     for j in range(k):

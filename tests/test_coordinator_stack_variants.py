@@ -37,7 +37,7 @@ def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torc
     """Version 0 of block k is the fresh block warm-started from block k-1's final weights, and ``worker``'s round
     on it equals a local replay on the frozen blocks with the frozen head of block k-1 (fp32 both)."""
     obj = get_objective(VARIANT)
-    v0 = unpack(c.store.get_blob(c.store.q1(f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")
+    v0 = unpack(c.store.blobs.get_blob(c.store.q1(f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")
                                  ["weights_blob"]))[0]
     earlier = whole_blocks(obj, [c.weights[j] for j in range(k)])
     expect = obj.build_block(k)
@@ -46,7 +46,7 @@ def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torc
     assert all(torch.equal(v0[n], t) for n, t in trainable_state(expect).items())
     upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version=0")
     seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version=0")
-    got = decode_delta(unpack(c.store.get_blob(upd["blob"]))[0], Compression.NONE)
+    got = decode_delta(unpack(c.store.blobs.get_blob(upd["blob"]))[0], Compression.NONE)
     frozen = [obj.freeze(b, torch.float32) for b in earlier]
     block = obj.build_block(k)
     load_trainable(block, v0)

@@ -108,20 +108,20 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
     try:
         names = ["w1", "w2", "w3"]
         _register(c, names, KEYS[:3])
-        assert c.store.get_meta("p2p_run") == c.hub.run
+        assert c.store.meta.get_meta("p2p_run") == c.hub.run
         # a member whose proof is not signed with the key it was admitted with, or a name never admitted: refused
         # whole, nothing recorded
         for bad_names, bad_keys in ((["w1", "w3"], [KEYS[0], KEYS[3]]), (["w1", "w9"], [KEYS[0], KEYS[2]])):
             with pytest.raises(ProtocolError, match="no proof this coordinator admitted") as exc:
                 c.submit("w1", 0, _group_body(c, bad_names, bad_keys, ["PA", "PC"], 0.0))
-            assert exc.value.status == 403 and not c.store.submitted(0, 0, "w1")
+            assert exc.value.status == 403 and not c.store.updates.submitted(0, 0, "w1")
         with pytest.raises(ProtocolError, match="no proof"):  # a proof for another peer id: replayed
             c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PZ"], 0.0, signed_as=["PA", "PB"]))
         with pytest.raises(ProtocolError, match="not a member"):  # w3 uploads the mean of w1 and w2
             c.submit("w3", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))
         # an honest group of two (a zero delta passes the gate at tolerance 0), then w3 alone: the round closes
         assert c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))["accepted"]
-        assert c.work("w2")["submitted"] and c.store.groups(0, 0) == {"w1": ["w1", "w2"]}
+        assert c.work("w2")["submitted"] and c.store.updates.groups(0, 0) == {"w1": ["w1", "w2"]}
         with pytest.raises(ProtocolError, match="already counts"):
             c.submit("w2", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
                                          block=0, base_version=0, base_sha=c.weights_sha[0], samples=8))
@@ -133,7 +133,7 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             with pytest.raises(ProtocolError) as exc:
                 c.submit(uploader, 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 3.0, v=1))
             assert exc.value.reason == "gate"
-        assert c.store.refused_groups("w2") == 2
+        assert c.store.conduct.refused_groups("w2") == 2
         with pytest.raises(ProtocolError, match="quarantined"):
             c.register("w2", 0)
         with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts

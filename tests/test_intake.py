@@ -130,7 +130,7 @@ def test_an_update_that_points_away_from_the_round_is_dropped_at_its_close(coord
         assert coord.version[0] == 1
         states = {r["worker"]: r["state"] for r in coord.store.q("SELECT worker, state FROM updates")}
         assert states == {"w0": "applied", "w1": "applied", "w2": "applied", "w3": "screened"}
-        assert coord.store.counted_refusals("w3", ("screened",)) == 1
+        assert coord.store.conduct.counted_refusals("w3", ("screened",)) == 1
         moved = sum(float(((coord.weights[0][n] - w0[n]) * base[n]).sum()) for n in base)
         assert moved > 0  # the published step went the honest way
 
@@ -141,12 +141,12 @@ def test_repeated_refusals_quarantine_the_worker_and_drop_its_pending_update(tmp
         honest, bad = peers(c, client, 2)
         base = direction(c, 0)
         assert bad.push(near(base, 5)) == (202, "")  # accepted, waiting for its round
-        assert c.store.round(0, 0)["n_updates"] == 1
+        assert c.store.rounds.round(0, 0)["n_updates"] == 1
         for _ in range(3):
             assert bad.push(near(base, 6), samples=1 << 30) in {(422, "claim"), (409, "duplicate")}
         # three claims: quarantined, its token revoked, its pending update dropped from the round
-        assert c.store.quarantined("w1")
-        assert c.store.round(0, 0)["n_updates"] == 0
+        assert c.store.conduct.quarantined("w1")
+        assert c.store.rounds.round(0, 0)["n_updates"] == 0
         r = client.get("/v1/work", headers=bad.headers)
         assert r.status_code == 403 and r.json()["error"] == "quarantined"
         assert honest.push(near(base, 7)) == (202, "")

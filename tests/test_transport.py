@@ -70,7 +70,7 @@ def test_deflated_push_and_pull_through_the_coordinator(coordinator: Coordinator
         assert c.version[0] == 1
         # the coordinator stored the decoded safetensors body, byte for byte
         row = c.store.q("SELECT blob FROM updates WHERE block=0 AND version=0")
-        assert c.store.get_blob(str(row[0]["blob"])) == payload
+        assert c.store.blobs.get_blob(str(row[0]["blob"])) == payload
         # the step comes deflated to a client that accepts it, and decodes to the published safetensors
         plain = client.get("/v1/blocks/0/steps/0", headers={**h, "Accept-Encoding": "identity"})
         assert "content-encoding" not in plain.headers

@@ -112,7 +112,7 @@ def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: 
 
 def _one(preset: str, run: Path, updates: int, compression: Compression, n_clients: int, fsync: bool) -> float:
     store = Store(run)
-    tokens = [store.add_token(f"w{i:03d}", time.time()) for i in range(updates)]
+    tokens = [store.tokens.add_token(f"w{i:03d}", time.time()) for i in range(updates)]
     store.close()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

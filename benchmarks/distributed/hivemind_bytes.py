@@ -48,7 +48,7 @@ def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root
             matchmaking_s: float) -> dict[str, Any]:
     run, port = root / f"{engine}-{n}", _port()
     store = Store(run)
-    tokens = [store.add_token(f"w{i}", time.time()) for i in range(n)]
+    tokens = [store.tokens.add_token(f"w{i}", time.time()) for i in range(n)]
     store.close()
     url = f"http://127.0.0.1:{port}"
     coord_args = ["coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port), "--no-eval",

@@ -132,7 +132,7 @@ def run_row(row: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     run = root / row
     store = Store(run)
     names = [f"h{i}" for i in range(n_honest)] + [f"x{i}" for i in range(n_bad)]
-    tokens = {n: store.add_token(n, time.time()) for n in names}
+    tokens = {n: store.tokens.add_token(n, time.time()) for n in names}
     store.close()
     port = _port()
     url = f"http://127.0.0.1:{port}"

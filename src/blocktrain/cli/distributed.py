@@ -114,7 +114,7 @@ def cmd_token_add(args: argparse.Namespace) -> int:
 
     store = Store(Path(args.run_dir))
     try:
-        token = store.add_token(args.name, time.time())
+        token = store.tokens.add_token(args.name, time.time())
     finally:
         store.close()
     sys.stdout.write(token + "\n")

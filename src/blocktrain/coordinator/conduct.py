@@ -41,7 +41,7 @@ class Conduct:
         self.revoked: set[str] = set()  # workers quarantined since start-up (their tokens may still be cached)
 
     def quarantined(self, name: str) -> bool:
-        return self.store.quarantined(name) or self.store.refused_groups(name) >= GROUP_REFUSALS
+        return self.store.conduct.quarantined(name) or self.store.conduct.refused_groups(name) >= GROUP_REFUSALS
 
     def admit(self, name: str) -> None:
         """403 if ``name`` is quarantined, 429 if it is over its refusal rate; else nothing."""
@@ -69,9 +69,9 @@ class Conduct:
         if reason in ("rate_limited", "quarantined"):
             return False
         self._recent(name).append(time.monotonic())
-        if reason not in COUNTED or not self.settings.quarantine_after or self.store.quarantined(name):
+        if reason not in COUNTED or not self.settings.quarantine_after or self.store.conduct.quarantined(name):
             return False
-        n = self.store.counted_refusals(name, COUNTED)
+        n = self.store.conduct.counted_refusals(name, COUNTED)
         if n < self.settings.quarantine_after:
             return False
         self.quarantine(name, f"{n} refused updates (last: {reason})", at)
@@ -79,6 +79,6 @@ class Conduct:
 
     def quarantine(self, name: str, why: str, at: float) -> None:
         with self.store.tx():
-            dropped = self.store.quarantine(name, why, at)
+            dropped = self.store.conduct.quarantine(name, why, at)
         self.revoked.add(name)
         log.warning("worker %s quarantined (%s): token revoked, %d pending updates dropped", name, why, dropped)

@@ -36,11 +36,11 @@ class PeerHub:
 
         from blocktrain.p2p.trust import Authority, PeerAuthorizer, load_key
 
-        run = store.get_meta("p2p_run")
+        run = store.meta.get_meta("p2p_run")
         if run is None:
             run = secrets.token_hex(8)
             with store.tx():
-                store.set_meta("p2p_run", run)
+                store.meta.set_meta("p2p_run", run)
         self.run = run  # names this run's DHT keys and scopes every card
         self.store = store  # used under the coordinator's lock, as everywhere
         key = load_key(run_root / "coordinator" / "authority.der")
@@ -60,7 +60,7 @@ class PeerHub:
         except ValueError:
             raise ProtocolError(422, "p2p_key is not an RSA public key in OpenSSH form", "p2p_key") from None
         with self.store.tx():
-            self.store.set_meta(f"p2p_key:{worker}", public_key)  # checks its proofs in group uploads
+            self.store.meta.set_meta(f"p2p_key:{worker}", public_key)  # checks its proofs in group uploads
         return {"token": base64.b64encode(token).decode(), **self.status()}
 
     def status(self) -> dict[str, Any]:
@@ -73,7 +73,7 @@ class PeerHub:
 
         scope = round_scope(self.run, k, v)
         for m in group:
-            key = self.store.get_meta(f"p2p_key:{m.worker}")
+            key = self.store.meta.get_meta(f"p2p_key:{m.worker}")
             if key is None or not proof_verifies(key.encode(), m.peer, scope, m.proof):
                 raise ProtocolError(403, f"group member {m.peer} ({m.worker!r}) has no proof this coordinator admitted "
                                     f"for block {k} v{v}; the group's mean is refused whole", "group_member")
@@ -91,11 +91,11 @@ def check_members(store: Store, conduct: Conduct, uploader: str, names: list[str
     if uploader not in names:
         raise ProtocolError(403, f"worker {uploader!r} uploads a group it is not a member of", "group")
     for name in names:
-        row = store.worker(name)
+        row = store.workers.worker(name)
         if row is None or row["block"] is None or int(row["block"]) != k:
             raise ProtocolError(409, f"group member {name!r} is not registered on block {k}", "group_member")
         if conduct.quarantined(name):
             raise ProtocolError(403, f"group member {name!r} is quarantined; the group's mean is refused", "quarantined")
-        if store.submitted(k, v, name):
+        if store.updates.submitted(k, v, name):
             raise ProtocolError(409, f"group member {name!r} already counts for block {k} version {v}", "duplicate")
 

@@ -1,36 +1,79 @@
-"""Observability: the ``/v1/status`` document and Prometheus text for ``/metrics``."""
+"""Observability: byte counting (:class:`Traffic`), the ``/v1/status`` document and Prometheus text for ``/metrics``.
+
+The status is read from the coordinator's parts through their public methods and tables, under its lock.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
-from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import BlockState, OuterOptimizer, RoundState, WorkerState
+from blocktrain.coordinator.store import Store
 from blocktrain.protocol.messages import Status
+
+if TYPE_CHECKING:
+    from blocktrain.coordinator.service import Coordinator
+
+
+class Traffic:
+    """Body bytes of every request, counted in memory as they cross the wire and flushed to the store on each tick."""
+
+    def __init__(self, store: Store, lock: threading.RLock) -> None:
+        self.store, self.lock = store, lock
+        self._bytes_lock = threading.Lock()
+        self._pending: dict[str | None, list[int]] = {}  # worker (None: no valid token) -> [in, out], not yet stored
+        self._routes: dict[str, list[int]] = {}  # route kind -> [in, out], not yet stored
+
+    def count_bytes(self, name: str | None, n_in: int, n_out: int, route: str = "control") -> None:
+        """Body bytes of one request; ``route``: "updates", "weights" (weights, steps, frozen blocks) or "control".
+        By route only for workers' requests: traffic without a valid token adds no row to the database."""
+        with self._bytes_lock:
+            acc = self._pending.setdefault(name, [0, 0])
+            acc[0] += n_in
+            acc[1] += n_out
+            if name is None:
+                return
+            by_route = self._routes.setdefault(route, [0, 0])
+            by_route[0] += n_in
+            by_route[1] += n_out
+
+    def flush_bytes(self) -> None:
+        with self._bytes_lock:
+            pending, self._pending = self._pending, {}
+            routes, self._routes = self._routes, {}
+        if not pending:
+            return
+        with self.lock, self.store.tx():
+            for name, (n_in, n_out) in pending.items():
+                self.store.workers.add_bytes(name, n_in, n_out)
+            for route, (n_in, n_out) in routes.items():
+                self.store.meta.add_counter(f"bytes_in:{route}", n_in)
+                self.store.meta.add_counter(f"bytes_out:{route}", n_out)
 
 
 def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
     """Everything the dashboard shows, as JSON-ready data."""
-    c.flush_bytes()
+    c.traffic.flush_bytes()
     with c.lock:
         now = c.clock()
-        s = c.store
-        live = c.live_replicas(now)
+        s, ck = c.store, c.checkpoints
+        live = c.roster.live_replicas(now)
         blocks = []
         st = c.settings
         outer = {"method": st.outer.value if st.outer else None, "lr": st.outer_lr,
                  "momentum": st.outer_momentum if st.outer is OuterOptimizer.NESTEROV else None,
                  "step_encoding": st.step_compression.value, "aggregation": st.aggregation.value}
         for k in range(c.n_blocks):
-            v = c.version[k]
-            rnd = s.round(k, v)
-            state = c.state[k]
+            v = ck.version[k]
+            rnd = s.rounds.round(k, v)
+            state = c.rounds.state[k]
             blocks.append({
                 "block": k,
                 "state": state.value,  # waiting, open or finished
                 "version": v,
-                "weights_sha": c.weights_sha[k],
+                "weights_sha": ck.weights_sha[k],
                 "round_state": (
                     BlockState.WAITING.value if state is BlockState.WAITING
                     else rnd["state"] if rnd is not None else RoundState.FINISHED.value
@@ -53,7 +96,7 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "updates_accepted": int(r["accepted"]),
                 "updates_rejected": int(r["rejected"]),
             }
-            for r in s.workers()
+            for r in s.workers.workers()
         ]
         rounds = [
             {
@@ -65,29 +108,29 @@ def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
                 "close_reason": r["close_reason"],
                 "updates": int(r["n_updates"]),  # accepted and applied
                 # refused while the round was open, by reason; the accepted updates' and the published step's bytes
-                **s.round_traffic(int(r["block"]), int(r["version"]), float(r["opened"]), float(r["closed"])),
-                "groups": [len(m) for m in s.groups(int(r["block"]), int(r["version"])).values()],  # sizes (hivemind)
+                **s.rounds.round_traffic(int(r["block"]), int(r["version"]), float(r["opened"]), float(r["closed"])),
+                "groups": [len(m) for m in s.updates.groups(int(r["block"]), int(r["version"])).values()],  # sizes (hivemind)
             }
-            for r in s.closed_rounds(recent_rounds)
+            for r in s.rounds.closed_rounds(recent_rounds)
         ]
         evals = [
             {"epoch": int(r["epoch"]), "versions": json.loads(r["versions"]), "ce_nats_per_byte": float(r["ce"]),
              "bytes": int(r["bytes"]), "at": float(r["at"])}
-            for r in s.evals()
+            for r in s.evals.evals()
         ]
-        counters = s.counters()
-        quarantined = s.quarantined_workers()
+        counters = s.meta.counters()
+        quarantined = s.conduct.quarantined_workers()
         intake = c.intake.summary()
     rejections = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}
-    for reason, n in c.unauthenticated_rejections().items():  # in memory only: since this process started
+    for reason, n in c.tokens.unauthenticated_rejections().items():  # in memory only: since this process started
         rejections[reason] = rejections.get(reason, 0) + n
     return Status(
         preset=c.cfg.name,
         objective=str(c.cfg.objective),
         dataset=c.cfg.dataset or None,  # the fingerprint every worker's data must have
         n_blocks=c.n_blocks,
-        block_fp32_bytes=c.block_fp32_bytes,
-        finished=c.finished(),
+        block_fp32_bytes=ck.block_fp32_bytes,
+        finished=c.rounds.finished(),
         rounds_closed=counters.get("rounds_closed", 0),
         updates_accepted=counters.get("updates_accepted", 0),
         rejections=rejections,

@@ -1,0 +1,262 @@
+"""Per-block rounds of the coordinator: block states, round open and close, aggregation, the progressive schedule.
+
+One round per block. Round v of block k publishes weights W_v; workers send
+deltas against v; the round closes when every live replica of k has reported
+(quorum) or at its deadline, whichever comes first. A round that reaches its
+deadline with no delta is extended rather than closed, so version v+1 always
+contains at least one update. State is durable (see :mod:`.store`); :class:`Rounds`
+holds a cache of the block states and is used under the coordinator's lock. The
+published weights are :mod:`.checkpoints`'s, the aggregation :mod:`.aggregate`'s;
+workers are the :mod:`.roster`'s, and update intake is :mod:`.uploads`'s.
+
+Every block is ``waiting``, ``open`` or ``finished`` (:class:`.settings.BlockState`,
+stored in the ``block_states`` table). Diffusion blocks are all open from the
+start. Under the progressive schedule of the ``stack`` objective only block 0
+opens at first and block k opens when block k-1 has finished its rounds; a
+finished block is then served as a frozen input of the later blocks
+(:meth:`Rounds.frozen_bytes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
+from blocktrain.config import RunConfig, Schedule
+from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.checkpoints import Checkpoints
+from blocktrain.coordinator.conduct import Conduct
+from blocktrain.coordinator.intake import Intake
+from blocktrain.coordinator.roster import live_replicas
+from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState, UpdateState
+from blocktrain.coordinator.store import Store
+from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.objectives import get_objective
+from blocktrain.protocol.delta import Compression, decode_delta
+
+log = logging.getLogger(__name__)
+
+
+def progressive_schedule(cfg: RunConfig, settings: CoordinatorSettings) -> bool:
+    """Whether block k may open only once block k-1 has finished (a ``stack`` run); checks the settings fit."""
+    if not get_objective(cfg).trains_in_order:
+        return False  # blocks that never see one another: all open at once
+    if cfg.train.schedule is not Schedule.PROGRESSIVE:
+        raise ConfigError(
+            f"the coordinator trains stack runs under the progressive schedule only, got schedule "
+            f"{cfg.train.schedule.value!r}; pass --schedule progressive (or train concurrently with 'blocktrain train')"
+        )
+    if settings.rounds <= 0:
+        raise ConfigError("a stack run opens block k only when block k-1 has finished its rounds; pass --rounds N (N > 0)")
+    return True
+
+
+class Rounds:
+    """Block states and the rounds of every block: quorum, deadlines, aggregation into the next version."""
+
+    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, progressive: bool, store: Store,
+                 checkpoints: Checkpoints, intake: Intake, conduct: Conduct, lock: threading.RLock) -> None:
+        self.cfg, self.settings, self.progressive, self.store = cfg, settings, progressive, store
+        self.checkpoints, self.intake, self.conduct, self.lock = checkpoints, intake, conduct, lock
+        self.objective = get_objective(cfg)
+        self.n_blocks = cfg.model.n_blocks
+        self.state: dict[int, BlockState] = {}
+
+    # --- start-up -------------------------------------------------------------
+    def start(self, now: float) -> None:
+        """Create every block's version 0 and first round, or resume them from the store."""
+        s, ck = self.store, self.checkpoints
+        if s.meta.get_meta("config") is None:
+            s.meta.set_meta("config", self.cfg.to_json())
+        for k in range(self.n_blocks):
+            row = s.rounds.latest_version(k)
+            if row is None:
+                digest, w, payload = ck.initial(k)
+                initial = BlockState.OPEN if k == 0 or not self.progressive else BlockState.WAITING
+                with s.tx():
+                    s.rounds.add_version(k, 0, digest, tensors_sha256(w), now)
+                    if initial is BlockState.OPEN:
+                        s.rounds.open_round(k, 0, now, now + self.settings.round_seconds)
+                    s.rounds.set_block_state(k, initial, now)
+                self.state[k] = initial
+                ck.publish(k, 0, w, payload)
+                ck.save_checkpoint(k)
+                continue
+            v = ck.resume(k, row)
+            for norm in s.updates.recent_norms(k, self.settings.norm_history):  # newest first
+                self.intake.norms[k].appendleft(norm)
+            for digest, compression in s.updates.update_blobs(k):  # the replay check knows every accepted delta again
+                tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
+                self.intake.remember_sketch(k, self.intake.sketch(k, decode_delta(tensors, Compression(compression))))
+            self.state[k] = self._resumed_state(k, v, now)
+            log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
+            if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
+                ck.warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
+
+    def _resumed_state(self, k: int, v: int, now: float) -> BlockState:
+        """The stored state of block k; derived from its rounds for a store written before states existed."""
+        stored = self.store.rounds.block_state(k)
+        if stored is not None:
+            return stored
+        rnd = self.store.rounds.round(k, v)
+        if rnd is None:
+            state = BlockState.WAITING
+        else:
+            state = BlockState.FINISHED if rnd["state"] == RoundState.FINISHED.value else BlockState.OPEN
+        with self.store.tx():
+            self.store.rounds.set_block_state(k, state, now)
+        return state
+
+    # --- the schedule -----------------------------------------------------------
+    def block_rounds(self, k: int) -> int:
+        """Rounds of block k: --rounds, split across blocks as the objective splits its steps (0: no limit)."""
+        r = self.settings.rounds
+        if r <= 0 or self.cfg.train.steps <= 0:
+            return r
+        return max(1, round(r * self.objective.block_steps(k) / self.cfg.train.steps))
+
+    def finished(self) -> bool:
+        version = self.checkpoints.version
+        return self.settings.rounds > 0 and all(version[k] >= self.block_rounds(k) for k in range(self.n_blocks))
+
+    def state_message(self, k: int) -> str:
+        """What a worker on block k should know about its state ('' while it is open)."""
+        state = self.state[k]
+        if state is BlockState.WAITING:
+            rounds = ", ".join(str(self.block_rounds(j)) for j in range(k))
+            return (f"block {k} is waiting: it opens once blocks 0..{k - 1} have finished their rounds ({rounds}); "
+                    f"this worker waits until then (omit --block to be assigned an open block)")
+        if state is BlockState.FINISHED:
+            return f"block {k} has finished its rounds; it takes no more updates"
+        return ""
+
+    def open_blocks(self) -> list[int]:
+        return [k for k in range(self.n_blocks) if self.state[k] is BlockState.OPEN]
+
+    def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:
+        """(version, weights sha256, safetensors) of finished block k, the frozen input of later blocks."""
+        self.checkpoints.check_block(k)
+        with self.lock:
+            state = self.state[k]
+            if state is not BlockState.FINISHED:
+                raise ProtocolError(
+                    409, f"block {k} is {state.value}, not finished; only a finished block is served as a frozen input "
+                    f"(it finishes after {self.block_rounds(k)} rounds); wait and retry, see GET /v1/status", "not_finished",
+                )
+            return self.checkpoints.version[k], self.checkpoints.weights_sha[k], self.checkpoints.frozen_payload(k)
+
+    def frozen_refs(self, k: int) -> list[dict[str, Any]]:
+        """Version and sha256 of each frozen input of block k (empty until all of them have finished)."""
+        needed = range(self.objective.frozen_inputs(k))
+        if any(self.state[j] is not BlockState.FINISHED for j in needed):
+            return []
+        ck = self.checkpoints
+        return [{"block": j, "version": ck.version[j], "weights_sha": ck.weights_sha[j]} for j in needed]
+
+    def check_version(self, k: int, base: int) -> None:
+        """409 unless block k's round at version ``base`` is open and takes updates."""
+        with self.lock:
+            v = self.checkpoints.version[k]
+            rnd = self.store.rounds.round(k, v)
+            if base != v:
+                raise ProtocolError(
+                    409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
+                    "stale",
+                )
+            if self.state[k] is BlockState.WAITING:
+                raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", "waiting")
+            if rnd is None or rnd["state"] != RoundState.OPEN.value:
+                raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", "finished")
+
+    # --- rounds ------------------------------------------------------------------
+    def check_quorum(self, now: float) -> list[int]:
+        """Close every open round that each live replica of its block has reported to; returns their blocks."""
+        live = live_replicas(self.store.workers, self.n_blocks, now)
+        closed = []
+        for k in range(self.n_blocks):
+            v = self.checkpoints.version[k]
+            reported = self.store.updates.reporters(k, v)
+            rnd = self.store.rounds.round(k, v)
+            enough = len(reported) >= self.settings.min_updates
+            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported
+                    and int(rnd["n_updates"]) > 0):  # 0: every update it had was dropped (a quarantined worker's)
+                self.close_round(k, CloseReason.QUORUM, now)
+                closed.append(k)
+        return closed
+
+    def close_due_rounds(self, now: float) -> None:
+        """Close rounds past their deadline; extend those that received nothing."""
+        for k in range(self.n_blocks):
+            v = self.checkpoints.version[k]
+            rnd = self.store.rounds.round(k, v)
+            if rnd is None or rnd["state"] != RoundState.OPEN.value or float(rnd["deadline"]) > now:
+                continue
+            if int(rnd["n_updates"]) > 0:
+                self.close_round(k, CloseReason.DEADLINE, now)
+            else:  # nobody delivered: keep the round open for another period
+                with self.store.tx():
+                    self.store.rounds.extend_round(k, v, now + self.settings.round_seconds)
+
+    def close_round(self, k: int, reason: CloseReason, now: float) -> None:
+        s, ck = self.store, self.checkpoints
+        v = ck.version[k]
+        rows = s.updates.accepted_updates(k, v)
+        deltas, samples = [], []
+        for r in rows:
+            tensors, _ = unpack(s.blobs.get_blob(r["blob"]), source=f"update {r['id']}")
+            deltas.append(decode_delta(tensors, Compression(r["compression"])))
+            samples.append(int(r["samples"]))
+        cfg = self.settings
+        result = next_version(ck.weights[k], deltas, samples, cfg, ck.outer.get(k) or OuterState())
+        screened = [r for i, r in enumerate(rows) if i not in result.kept]
+        w = result.weights
+        payload = ck.payload(k, v + 1, w)
+        w_digest = s.blobs.put_blob(payload)
+        sha = tensors_sha256(w)
+        step_digest = s.blobs.put_blob(
+            pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v), "weights_sha": sha,
+                               "compression": cfg.step_compression.value})
+        )
+        carried = result.state.tensors()
+        m_digest = s.blobs.put_blob(pack(carried, {"kind": "outer_state", "block_index": str(k)})) if carried else None
+        arrivals = sorted(float(r["arrival_s"]) for r in rows)
+        paced = arrivals[max(0, math.ceil(cfg.deadline_quantile * len(arrivals)) - 1)]  # 1.0: the slowest
+        seconds = cfg.round_seconds
+        changed: dict[int, BlockState] = {}
+        warm: int | None = None  # the block that opens now and starts from this one (stack.init)
+        if cfg.adaptive_deadline:
+            seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * paced))
+        with s.tx():
+            s.rounds.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
+            s.rounds.close_round(k, v, now, reason)  # its updates are applied
+            s.updates.set_update_state([int(r["id"]) for r in screened], UpdateState.SCREENED)
+            for r in screened:
+                s.conduct.record_rejection(str(r["worker"]), k, 422, "screened", f"dropped at the close of round {v}: "
+                                           "it points away from what the round's other updates agree on", now)
+            if cfg.rounds and v + 1 >= self.block_rounds(k):
+                s.rounds.finish_round(k, v + 1, now)
+                changed[k] = BlockState.FINISHED
+                nxt = k + 1
+                if self.progressive and nxt < self.n_blocks and self.state[nxt] is BlockState.WAITING:
+                    warm = nxt if self.objective.inherits() and ck.version[nxt] == 0 else None
+                    s.rounds.open_round(nxt, ck.version[nxt], now, now + cfg.round_seconds)
+                    changed[nxt] = BlockState.OPEN
+                for j, state in changed.items():
+                    s.rounds.set_block_state(j, state, now)
+            else:
+                s.rounds.open_round(k, v + 1, now, now + seconds)
+        ck.publish(k, v + 1, w, payload)
+        ck.outer[k] = result.state
+        ck.save_checkpoint(k)
+        if warm is not None:
+            ck.warm_start(warm)
+        log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, len(rows), v + 1)
+        for r in screened:
+            log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r["worker"])
+            self.conduct.refused(str(r["worker"]), "screened", now)
+        for j, state in changed.items():
+            self.state[j] = state
+            log.info("block %d is now %s", j, state.value)
