@@ -176,8 +176,8 @@ class OverclaimsAtVersion1(Worker):
 def test_a_refused_worker_waits_for_the_next_version_instead_of_pushing_the_round_again(
         tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """The same round trained again pushes the same update: re-pushing it would only collect refusals."""
-    c = make_coordinator(tmp_path / "run", corpus, rounds=3, round_seconds=3.0, eval_every=0, local_steps=3,
-                         audit_fraction=0.0, gate=False, agree_min=None)
+    c = make_coordinator(tmp_path / "run", corpus, rounds=3, round_seconds=600.0, eval_every=0, local_steps=3,
+                         audit_fraction=0.0, gate=False, agree_min=None)  # a deadline the test would time out on
     tokens = [c.add_token(f"w{i}") for i in range(2)]
     with ThreadServer(c) as srv:
         workers = [kind(WorkerOptions(url=srv.url, token=t, block=0, progress=False, max_rejections=5,
@@ -190,6 +190,8 @@ def test_a_refused_worker_waits_for_the_next_version_instead_of_pushing_the_roun
             t.join(timeout=180)
         assert not any(t.is_alive() for t in threads)
         status = observe.status(c)
+        reasons = [r["close_reason"] for r in c.store.q("SELECT close_reason FROM rounds WHERE block=0 ORDER BY version")]
     c.close()
     assert status["rejections"] == {"claim": 1} and not status["quarantined"], status
+    assert reasons[:3] == ["quorum"] * 3  # round 1 did not wait for the refused worker's deadline
     assert workers[1].summary.rounds_pushed == 2  # versions 0 and 2; version 1 refused once, not pushed again

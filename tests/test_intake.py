@@ -191,7 +191,7 @@ def test_messages_are_typed_bounded_and_versioned(coord: Coordinator) -> None:
 def test_the_gate_tolerance_is_calibrated_from_accepted_rises() -> None:
     s = CoordinatorSettings(gate_floor=0.01, gate_z=6.0, gate_min_history=4)
     intake = Intake(s, {0: {"w": (2,)}}, None)
-    assert intake.tolerance(0) == 0.01  # too few rises known: the floor
+    assert intake.tolerance(0) == s.gate_start == 0.1  # too few rises known: the loose start
     rises = [-0.2, -0.1, 0.05, -0.15, -0.12, 0.3]
     intake.rises[0].extend(rises)
     med = statistics.median(rises)

@@ -164,8 +164,8 @@ class Intake:
         if s.gate_tolerance is not None:
             return s.gate_tolerance
         rises = self.rises[k]
-        if len(rises) < s.gate_min_history:
-            return s.gate_floor
+        if len(rises) < s.gate_min_history:  # too few honest rises known to calibrate on: a loose start
+            return max(s.gate_floor, s.gate_start)
         med = statistics.median(rises)
         mad = statistics.median(abs(r - med) for r in rises)
         return max(s.gate_floor, med + s.gate_z * MAD_TO_SIGMA * mad)

@@ -64,6 +64,7 @@ class Rounds:
         self.objective = get_objective(cfg)
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
+        self.refused: dict[tuple[int, int], set[str]] = {}  # (block, version) -> workers whose update it refused
 
     # --- start-up -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -181,7 +182,8 @@ class Rounds:
             reported = self.store.updates.reporters(k, v)
             rnd = self.store.rounds.round(k, v)
             enough = len(reported) >= self.settings.min_updates
-            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported
+            done = reported | self.refused.get((k, v), set())  # a refused worker waits for the next version
+            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= done
                     and int(rnd["n_updates"]) > 0):  # 0: every update it had was dropped (a quarantined worker's)
                 self.close_round(k, CloseReason.QUORUM, now)
                 closed.append(k)
@@ -203,6 +205,7 @@ class Rounds:
     def close_round(self, k: int, reason: CloseReason, now: float) -> None:
         s, ck = self.store, self.checkpoints
         v = ck.version[k]
+        self.refused.pop((k, v), None)
         rows = s.updates.accepted_updates(k, v)
         deltas, samples = [], []
         for r in rows:

@@ -85,7 +85,9 @@ class CoordinatorSettings:
     agree_min: float | None = 0.0  # round close: drop updates whose cosine with the others' mean is below (None = off)
     gate: bool = True  # loss gate on every update (needs the coordinator's data; off without it)
     gate_tolerance: float | None = None  # nats: a fixed gate tolerance (None: calibrated from accepted updates)
-    gate_floor: float = 0.02  # nats: the calibrated tolerance's least value (its value until gate_min_history is known)
+    gate_floor: float = 0.02  # nats: the calibrated tolerance's least value
+    gate_start: float = 0.1  # nats: the tolerance until gate_min_history rises are known (honest rises reached 0.075 on
+    # depth-proxy, aggregation-choice.json, and 0.039 in the second round of a copy-initialised cpu-quick block)
     gate_z: float = 6.0  # calibrated tolerance: median + gate_z x 1.4826 MAD of the block's recent accepted loss rises
     gate_history: int = 64  # recent accepted loss rises of the block the calibration reads
     gate_min_history: int = 8  # the calibration starts once this many rises are known
@@ -135,8 +137,9 @@ class CoordinatorSettings:
             raise ConfigError("outer_lr must be > 0 and outer_momentum in [0, 1)")
         if self.gate_tolerance is not None and self.gate_tolerance < 0:
             raise ConfigError(f"gate_tolerance must be >= 0, got {self.gate_tolerance}")
-        if self.gate_floor < 0 or self.gate_z < 0 or self.gate_history < 1 or self.gate_min_history < 1 or self.gate_batch < 1:
-            raise ConfigError("gate_floor and gate_z must be >= 0; gate_history, gate_min_history and gate_batch >= 1")
+        if min(self.gate_floor, self.gate_start, self.gate_z) < 0 or min(self.gate_history, self.gate_min_history,
+                                                                         self.gate_batch) < 1:
+            raise ConfigError("gate_floor, gate_start and gate_z must be >= 0; gate_history, gate_min_history and gate_batch >= 1")
         if self.local_steps < 1 or self.sketch_dim < 16:
             raise ConfigError(f"local_steps must be >= 1 and sketch_dim >= 16, got {self.local_steps}, {self.sketch_dim}")
         if not 0 <= self.lazy_fraction < 1 or not 0 < self.replay_cosine <= 1:

@@ -71,6 +71,9 @@ class Uploads:
         except ProtocolError as exc:
             if members and exc.status == 422:
                 self._refuse_group(k, upd.base_version, name, members, exc.reason)
+            if exc.status == 422:  # the round does not wait for them: the worker waits for the next version
+                with self.lock:
+                    self.rounds.refused.setdefault((k, upd.base_version), set()).update(members or [name])
             raise
         # Written (and fsynced) outside the lock, but named only once the update is accepted:
         # a refused update leaves no blob behind.

@@ -131,7 +131,7 @@ class Worker:
         self.steps_done = 0  # local steps of the current round
         self.groups: Any = None  # the hivemind engine's GroupAverager, once registered (blocktrain.p2p.groups)
         self._grouped_version = -1  # the version whose delta went into a group mean that another member uploads
-        self._refused_version = -1  # the version whose update the coordinator refused: its round is not trained again
+        self._refused: tuple[int, int] = (-1, -1)  # (block, version) whose update the coordinator refused: not trained again
         self._deadline_at = float("inf")  # time.monotonic() of the current round's deadline
         self._p2p_key: Any = None  # this worker's RSA key on hivemind
 
@@ -374,7 +374,7 @@ class Worker:
             if exc.status >= 500:
                 raise
             self._rejections += 1
-            self._refused_version = self.base_version  # the same round trained again would push the same update
+            self._refused = (self.k, self.base_version)  # the same round trained again would push the same update
             self.feedback.residual = residual  # a refused push sent nothing: its quantisation error is not carried
             log.error("block %d: update rejected: %s; waiting for the next version", self.k, exc)
             if self._rejections >= self.opts.max_rejections:
@@ -418,8 +418,8 @@ class Worker:
                 if work.block_state == "waiting" and not waiting:
                     log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
                 waiting = work.block_state == "waiting"
-                if work.round_state != "open" or work.submitted or work.version in (self._grouped_version,
-                                                                                     self._refused_version):
+                if (work.round_state != "open" or work.submitted or self._grouped_version == work.version
+                        or self._refused == (work.block, work.version)):
                     self._await_next(work.version)
                     continue
                 if not self._train_round(work):
