@@ -4,7 +4,7 @@
 # client. Every step says what it does and where to look. TOUR_PRESET=tiny for a one-minute check (the test suite's).
 #   bash scripts/tour.sh                 # cpu-quick, 3 workers, ROUNDS rounds of H steps per block
 #   TOUR_PRESET=tiny ROUNDS=2 H=5 bash scripts/tour.sh
-# Its measured duration is in benchmarks/results/readme-timings.json.
+# Measured alone on 2 cores: 180 s (benchmarks/results/readme-timing-tour.log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
