@@ -38,16 +38,11 @@ def run_config(args: argparse.Namespace, open_train: bool = False) -> tuple[RunC
 
 def cmd_train_one(args: argparse.Namespace) -> int:
     """``train-block`` (one block alone) or ``train-e2e`` (the end-to-end reference)."""
-    from blocktrain.train.block import train_block
-    from blocktrain.train.e2e import train_e2e
+    from blocktrain.train.child import E2E, train_arm
 
     cfg, data = run_config(args)
-    progress = not args.no_progress
-    if args.command == "train-block":
-        s, what = train_block(cfg, data, Path(args.out), args.block, progress=progress), f"block {args.block}"
-    else:
-        s, what = train_e2e(cfg, data, Path(args.out), progress=progress), "e2e"
-    log.info("%s: %d steps in %.1fs, train memory %.1f MiB", what, s.steps, s.wall_s, s.train_mem_bytes / 2**20)
+    k = args.block if args.command == "train-block" else E2E
+    train_arm(cfg, data, Path(args.out), k, isolate=False, progress=not args.no_progress)
     return 0
 
 

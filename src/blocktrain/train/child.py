@@ -40,10 +40,7 @@ class ArmResult:
 def train_arm(cfg: RunConfig, data: DataDir, out: Path, k: int, *, isolate: bool, progress: bool = True) -> ArmResult:
     """Train block ``k`` (or the E2E reference, ``k == E2E``) of ``cfg`` into ``out``."""
     if isolate:
-        ctx: Any = multiprocessing.get_context(START_METHOD)  # spawn, or fork under the test suite
-        proc = ctx.Process(target=_child, args=(cfg.to_json(), str(data.root), str(out), k, progress,
-                                               logging.getLogger().getEffectiveLevel()), name=_name(k))
-        proc.start()
+        proc = _start(cfg, data, out, k, progress)
         proc.join()
         if proc.exitcode != 0:
             raise ArmFailedError(k, proc.exitcode)
@@ -80,17 +77,12 @@ def train_run(cfg: RunConfig, data: DataDir, out: Path, *, isolate: bool = True,
 
 def _parallel(cfg: RunConfig, data: DataDir, out: Path, width: int, progress: bool) -> list[ArmResult]:
     """Blocks that never read each other, ``width`` fresh processes at a time."""
-    ctx: Any = multiprocessing.get_context(START_METHOD)
     pending, failed = list(range(cfg.model.n_blocks)), []
     running: list[tuple[int, multiprocessing.process.BaseProcess]] = []
-    level = logging.getLogger().getEffectiveLevel()
     while pending or running:
         while pending and len(running) < width:
             k = pending.pop(0)
-            child = ctx.Process(target=_child, args=(cfg.to_json(), str(data.root), str(out), k, progress, level),
-                                name=_name(k))
-            child.start()
-            running.append((k, child))
+            running.append((k, _start(cfg, data, out, k, progress)))
         k, proc = running.pop(0)
         proc.join()
         if proc.exitcode != 0:
@@ -109,6 +101,16 @@ class ArmFailedError(BlockTrainError):
 def _failed(blocks: list[int], later: str) -> str:
     return (f"training failed for blocks {blocks}{later}; each one's error is printed above: fix its cause, then run "
             "the same command again (every block resumes from its last checkpoint)")
+
+
+def _start(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> multiprocessing.process.BaseProcess:
+    """Arm ``k`` started in a fresh process (spawn, or fork under the test suite), with this process's log level."""
+    ctx: Any = multiprocessing.get_context(START_METHOD)
+    proc: multiprocessing.process.BaseProcess = ctx.Process(
+        target=_child, args=(cfg.to_json(), str(data.root), str(out), k, progress, logging.getLogger().getEffectiveLevel()),
+        name=_name(k))
+    proc.start()
+    return proc
 
 
 def _name(k: int) -> str:
