@@ -101,4 +101,7 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     assert "scale" not in r  # the scale row is benchmarks/serving/serve_scale.py (tests/test_serve_scale.py)
     assert r["long_output_bytes"] == 52 and 0 < r["baseline_long_seconds"] < 600  # 12 + 52 bytes: two windows of 32
     assert 0 < r["baseline_long_generative_ce"] < 3 * math.log(256) and r["baseline_long_wire_bytes"] > 0
+    ces = r["baseline_long_generative_ce_per_prompt"]  # two prompts: their mean, and its standard error
+    assert len(ces) == 2 and r["baseline_long_generative_ce"] == pytest.approx(sum(ces) / 2, rel=1e-12)
+    assert r["baseline_long_generative_ce_sem"] == pytest.approx(abs(ces[0] - ces[1]) / 2, rel=1e-9)
     assert "| AR baseline (E2E, KV cache; re-prefills" in out.with_suffix(".md").read_text()

@@ -73,11 +73,24 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
 
 
 def row_key(row: dict[str, Any]) -> str:
-    base = f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}/{row['kind']}{row['workers']}"
+    base = f"{_stem(row)}/{row['kind']}{row['workers']}"
     if row["kind"] == "x":
         return base + (f"/inner={row['inner']}" if row.get("inner", "adamw") != "adamw" else "")
-    return base + f"/h{row['h']}/lr{row['outer_lr']}/mu{row['outer_momentum']}" + ("/reset" if row["reset_inner"] else "") \
+    h = "" if row.get("rounds") else f"/h{row['h']}"  # a per-block H is named by its rounds, in the stem
+    return base + f"{h}/lr{row['outer_lr']}/mu{row['outer_momentum']}" + ("/reset" if row["reset_inner"] else "") \
         + _levers(row, "/")
+
+
+def _stem(row: dict[str, Any]) -> str:
+    """What a row and its references share: preset, block, seed, steps (and a stack's rounds per block)."""
+    rounds = f"/rounds{row['rounds']}" if row.get("rounds") else ""
+    return f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}{rounds}"
+
+
+def stack_h(steps: int, row: dict[str, Any]) -> int:
+    """H of a stack block with ``steps`` inner steps: the row's H, or with ``rounds`` the largest H that still gives
+    that block at least ``rounds`` outer steps."""
+    return max(1, steps // row["rounds"]) if row.get("rounds") else int(row["h"])
 
 
 def _levers(row: dict[str, Any], sep: str) -> str:
@@ -131,9 +144,11 @@ def measure_stack(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argp
     objective = get_objective(cfg)
     trained: list[nn.Module] = []
     prefix_ce, outer_steps, block_steps, wall = [], [], [], 0.0
+    hs = []
     for k in range(cfg.model.n_blocks):
-        steps = objective.block_steps(k) // row["h"] * row["h"]  # whole rounds of H
-        settings, rounds = settings_for({**row, "kind": row["kind"], "steps": steps})
+        h = stack_h(objective.block_steps(k), row)
+        steps = objective.block_steps(k) // h * h  # whole rounds of H
+        settings, rounds = settings_for({**row, "kind": row["kind"], "steps": steps, "h": h})
         frozen = [objective.freeze(b, torch.float32) for b in trained]
         run = run_local_rounds(cfg, settings, rounds, data, k=k, frozen=frozen, earlier=trained,
                                progress=not args.no_progress)
@@ -141,11 +156,12 @@ def measure_stack(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argp
         prefix_ce.append(run.test_ce(cfg, data, args.eval_bytes, k=k, frozen=frozen))
         outer_steps.append(rounds.rounds)
         block_steps.append(steps)
+        hs.append(h)
         wall += run.wall_s
         print(f"  block {k}: {steps} steps, {rounds.rounds} rounds, prefix CE {prefix_ce[-1]:.4f}", file=sys.stderr,
               flush=True)
     return {**row, "key": row_key(row), "ce_nats_per_byte": prefix_ce[-1], "prefix_ce": prefix_ce,
-            "outer_steps": outer_steps, "block_steps": block_steps, "eval_split": "test", "eval_bytes": args.eval_bytes,
+            "outer_steps": outer_steps, "block_steps": block_steps, "block_h": hs, "eval_split": "test", "eval_bytes": args.eval_bytes,
             "wall_s": wall}
 
 
@@ -155,7 +171,7 @@ def stack_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     for r in rows:
         if r["block"] != "stack" or r["kind"] != "m":
             continue
-        stem = f"{r['preset']}/stack/s{r['seed']}/steps{r['steps']}"
+        stem = _stem(r)
         by = {x["key"]: x for x in rows}
         one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
         if one is None or big is None:
@@ -186,7 +202,7 @@ def recovered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         if r["kind"] != "m" or r["block"] == "stack":
             continue
-        stem = f"{r['preset']}/{r['block']}/s{r['seed']}/steps{r['steps']}"
+        stem = _stem(r)
         inner = r.get("inner", "adamw")
         own = "" if inner == "adamw" else f"/inner={inner}"  # the references with the row's own optimiser, if run
         one, big = by.get(f"{stem}/x1{own}"), by.get(f"{stem}/x{r['workers']}{own}")
@@ -204,7 +220,8 @@ def recovered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _setting(r: dict[str, Any]) -> str:
     ref = r.get("reference_inner", "adamw")
-    return f"H={r['h']} lr={r['outer_lr']} mu={r['outer_momentum']}" + (" reset" if r["reset_inner"] else "") \
+    h = f"H per block ({'/'.join(map(str, r['block_h']))}, >= {r['rounds']} rounds)" if r.get("rounds") else f"H={r['h']}"
+    return f"{h} lr={r['outer_lr']} mu={r['outer_momentum']}" + (" reset" if r["reset_inner"] else "") \
         + _levers(r, " ") + (f" (references {ref})" if ref != r.get("inner", "adamw") else "")
 
 
@@ -289,6 +306,9 @@ def main() -> int:
     ap.add_argument("--refs-inner", action="store_true",
                     help="the one-machine rows train with --inner too (the reference of a lever that changes the optimiser)")
     ap.add_argument("--stack", action="store_true", help="the whole stack, progressively (--blocks is ignored)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="--stack: H per block, the largest that gives every block at least this many outer steps "
+                         "(0: --h for every block)")
     ap.add_argument("--data", default=None, help="data directory (default: $BLOCKTRAIN_DATA)")
     ap.add_argument("--eval-bytes", type=int, default=65536, help="test bytes scored")
     ap.add_argument("--threads", type=int, default=2)
@@ -296,6 +316,9 @@ def main() -> int:
                     help="where the warm block's trained block 0 is kept")
     ap.add_argument("--jsonl", type=Path, required=True, help="append rows here; rows already in it are skipped")
     ap.add_argument("--json", type=Path, default=None, help="write the summary (rows with recovered fractions) here")
+    ap.add_argument("--stack-preset", default=None,
+                    help="the preset whose whole-stack arms the summary's 'stack' holds (default: --preset); "
+                         "'stacks' holds every preset's")
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
@@ -312,8 +335,8 @@ def main() -> int:
                 common = {"preset": cfg.name, "block": block, "seed": seed, "steps": steps, "workers": m,
                           "batch": cfg.train.batch_size}
                 if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
-                    todo.append({**common, "kind": "x", "workers": 1, "h": args.h})
-                    common["h"] = args.h
+                    common.update({"h": args.h, **({"rounds": args.rounds} if args.rounds else {})})
+                    todo.append({**common, "kind": "x", "workers": 1})
                 todo.append({**common, "kind": "x", **({"inner": args.inner} if args.refs_inner else {})})
                 if not args.refs_only:
                     levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
@@ -334,12 +357,15 @@ def main() -> int:
                 f.write(json.dumps(out) + "\n")
             done.add(out["key"])
             print(f"{out['key']}: CE {out['ce_nats_per_byte']:.4f} in {out['wall_s']:.0f} s", file=sys.stderr, flush=True)
-    rows = [r for r in _read(args.jsonl) if r["preset"] == cfg.name]
+    every = _read(args.jsonl)
+    rows = [r for r in every if r["preset"] == cfg.name]
     print(table(rows))
     print(stack_table(rows))
     if args.json:
+        stacks = {p: stack_summary([r for r in every if r["preset"] == p]) for p in sorted({r["preset"] for r in every})}
         doc = {"rows": recovered(rows),
-               "stack": stack_summary(rows)}
+               "stack": stacks.get(args.stack_preset or cfg.name),
+               "stacks": {p: s for p, s in stacks.items() if s is not None}}
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)

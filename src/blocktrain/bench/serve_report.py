@@ -40,7 +40,7 @@ def summarise(opts: ServeBenchOptions, main: dict[str, Any], network: dict[str, 
                    for name in t if name.startswith("sweep_")},
         **_diffusion_spec(t, q, n, base["seconds"]),
         **({"long_output_bytes": opts.long_output_bytes} if opts.long_output_bytes else {}),
-        **(long_summary("baseline", t["baseline_long"], q["baseline_long"]["generative_ce"]) if "baseline_long" in t
+        **(long_summary("baseline", t["baseline_long"], q["baseline_long"]) if "baseline_long" in t
            else {}),
         "quality": q, "teacher_forced_ce": main["teacher_forced"], "model": main["model"],
         "timings": {k: {"seconds_all": v["seconds_all"], "client_bytes_out": v["client_bytes_out"]}
@@ -72,8 +72,14 @@ def long_markdown(r: dict[str, Any]) -> list[str]:
         s = r[f"{name}_long_seconds"]
         per = r.get(f"{name}_long_bytes_per_traversal")
         label = label if per is None else f"{label}, {per:.2f} bytes/traversal"
+        sem = r.get(f"{name}_long_generative_ce_sem")
         lines.append(f"| {label} | {s:.3f} | {n / s:.1f} | {r[f'{name}_long_wire_bytes']:,} "
-                     f"| {r[f'{name}_long_generative_ce']:.3f} |")
+                     f"| {r[f'{name}_long_generative_ce']:.3f}{'' if sem is None else f' ± {sem:.3f}'} |")
+    if r.get("spec_long_generative_ce_sem") is not None and r.get("stack_ar_long_generative_ce_sem") is not None:
+        gap = r["spec_long_generative_ce"] - r["stack_ar_long_generative_ce"]
+        se = (r["spec_long_generative_ce_sem"] ** 2 + r["stack_ar_long_generative_ce_sem"] ** 2) ** 0.5
+        lines += ["", f"Spec minus ar, long outputs: {gap:+.3f} ± {se:.3f} nats/byte (± one standard error over "
+                  f"{len(r['spec_long_generative_ce_per_prompt'])} prompts; the two sample independently)."]
     return lines
 
 

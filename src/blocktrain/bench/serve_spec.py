@@ -36,10 +36,13 @@ def long_task(name: str, opts: ServeBenchOptions, **task: Any) -> list[dict[str,
     return [{"name": f"{name}_long", "mode": mode, "repeat": 1, "output_bytes": opts.long_output_bytes, **task}]
 
 
-def long_summary(name: str, task: dict[str, Any], generative_ce: float) -> dict[str, Any]:
-    """A long row's keys of the result JSON: ``name``_long_seconds, _generative_ce, _wire_bytes (and spec's bytes per
-    traversal)."""
-    out = {f"{name}_long_seconds": task["seconds"], f"{name}_long_generative_ce": generative_ce,
+def long_summary(name: str, task: dict[str, Any], quality: dict[str, Any]) -> dict[str, Any]:
+    """A long row's keys of the result JSON: ``name``_long_seconds, _generative_ce (with its per-prompt values and the
+    standard error of their mean), _wire_bytes (and spec's bytes per traversal)."""
+    ces = quality["generative_ce_per_prompt"]
+    out = {f"{name}_long_seconds": task["seconds"], f"{name}_long_generative_ce": quality["generative_ce"],
+           f"{name}_long_generative_ce_per_prompt": ces,
+           f"{name}_long_generative_ce_sem": statistics.stdev(ces) / len(ces) ** 0.5 if len(ces) > 1 else None,
            f"{name}_long_wire_bytes": task["stage_bytes_out"]}
     if "traversals" in task:
         out[f"{name}_long_bytes_per_traversal"] = len(task["timing_output"]) / float(task["traversals"])
@@ -90,7 +93,7 @@ def run_spec_row(
     for name in ("spec", "stack_ar"):
         if f"{name}_long" in out["tasks"]:
             task_long = out["tasks"][f"{name}_long"]
-            long.update(long_summary(name, task_long, _quality(e2e, prompts, task_long)["generative_ce"]))
+            long.update(long_summary(name, task_long, _quality(e2e, prompts, task_long)))
     return {**long, "task": task, "quality": quality, "stack_run": str(stack_run.root),
             "stack_ar": {"task": out["tasks"]["stack_ar"], "quality": ar_quality},
             "stack_ar_seconds": out["tasks"]["stack_ar"]["seconds"],
