@@ -6,11 +6,11 @@ import pytest
 import torch
 from benchmarks.quality import ablation_recipes
 
-from blocktrain.data.stream import init_seed
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_logits
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import tiny
+from blocktrain.seeds import init_seed
 
 
 def _blocks() -> list[BlockDenoiser]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from blocktrain.data.stream import mix_seed
-from blocktrain.seeds import Seed
+from blocktrain.seeds import E2E_INIT, E2E_STREAM, GATE_STREAM, Seed, block_stream, gate_stream, init_seed, worker_stream
 
 ARITY = {Seed.CHAIN: 1, Seed.SAMPLER: 0, Seed.BYTE: 1, Seed.DRAFT: 1, Seed.SWEEP_NOISE: 1, Seed.SWEEP_ESTIMATE: 2,
          Seed.GATEWAY_CHOICE: 1, Seed.REFERENCE: 1, Seed.RANDOM_BLOCK: 1, Seed.RANDOM_LAYER: 1, Seed.RANDOM_EMBED: 0,
@@ -36,3 +36,12 @@ def test_the_old_offsets_collided_and_the_roles_do_not() -> None:
 
 def test_chain_seeds_keep_the_committed_form() -> None:
     assert Seed.CHAIN.derive(9, 2) == mix_seed(9, 2)
+
+
+def test_stream_ids_keep_their_committed_values() -> None:
+    """The training streams' ids and init seeds are fixed: committed runs replay bit for bit."""
+    assert (E2E_STREAM, E2E_INIT, GATE_STREAM) == (999_999, 77, 7_777)
+    assert block_stream(3) == 3000 and block_stream(3, 5) == 3005
+    assert init_seed(2, 3) == 2 * 1009 + 3
+    assert worker_stream(4, 1, 9) == mix_seed(4, 1, 9)
+    assert gate_stream(2) == mix_seed(7_777, 2)

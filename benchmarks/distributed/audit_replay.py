@@ -25,12 +25,13 @@ import torch
 
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.data.stream import TrainStream, mix_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
 from blocktrain.protocol.inner_state import inner_state, load_inner_state
 from blocktrain.protocol.weights import load_trainable, trainable_state
+from blocktrain.seeds import worker_stream
 from blocktrain.train.round import BlockTask, Targets, train_round
 from blocktrain.train.step import make_optimizer
 
@@ -54,7 +55,7 @@ def one_round(cfg: RunConfig, k: int, base: dict[str, torch.Tensor], state: dict
     frozen = [obj.freeze(b, torch.float32) for b in earlier]
     opt, names = make_optimizer(block, cfg.train)
     residual = load_inner_state(opt, names, state)
-    stream = TrainStream(data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=mix_seed(1, k, v))
+    stream = TrainStream(data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=worker_stream(1, k, v))
     schedule = replace(cfg.train, steps=10 * h)
     train_round(BlockTask(obj, k, frozen), block, opt, stream, steps=h, offset=v * h, schedule=schedule,
                 precision=precision, targets=targets)

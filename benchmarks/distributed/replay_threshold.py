@@ -27,11 +27,11 @@ from blocktrain.coordinator.intake import CountSketch
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings
 from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.data.stream import init_seed
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta
 from blocktrain.protocol.weights import block_schema, trainable_state
+from blocktrain.seeds import init_seed
 
 SHAPES = {"tiny": (3, 5, 60), "depth-proxy": (6, 10, 300), "cpu-mini": (6, 25, 200)}  # preset -> (M, H, steps)
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blocktrain.config import ModelConfig, Objective, RunConfig
-from blocktrain.data.stream import TrainStream, block_stream, init_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.diffusion.sampler import chain_step, initial_noise
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
@@ -46,6 +46,7 @@ from blocktrain.model.loss import lm_loss
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.diffusion import DiffusionObjective
 from blocktrain.objectives.stack import StackObjective
+from blocktrain.seeds import block_stream, init_seed
 from blocktrain.train.loop import train_steps
 from blocktrain.train.step import lr_at, make_optimizer
 

@@ -28,13 +28,14 @@ from torch import nn
 
 from blocktrain.config import VOCAB_SIZE, Objective, Precision, RunConfig
 from blocktrain.data.dataset import resolve_data_dir
-from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.device import autocast
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.loss import lm_loss
 from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import get_preset
+from blocktrain.seeds import E2E_INIT, E2E_STREAM, init_seed
 from blocktrain.train.loop import train_steps
 from blocktrain.train.step import lr_at, make_optimizer
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -117,6 +118,24 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg}")
 
 
+def _check_all(cfg: Any, test: Callable[[Any], bool], rule: str, *names: str) -> None:
+    """Every named field of ``cfg`` passes ``test``, else a ConfigError: the field ``must be {rule}``."""
+    for name in names:
+        value = getattr(cfg, name)
+        _check(test(value), name, f"must be {rule}, got {value}")
+
+
+def _enum_fields(cls: Any) -> dict[str, type[enum.Enum]]:
+    """The fields of a config dataclass that hold an enum, and its type."""
+    return {f.name: type(f.default) for f in fields(cls) if isinstance(f.default, enum.Enum)}
+
+
+def _check_enums(cfg: Any) -> None:
+    for name, expected in _enum_fields(cfg).items():
+        value = getattr(cfg, name)
+        _check(isinstance(value, expected), name, f"must be a {expected.__name__}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes of the byte-level Transformer that is cut into blocks."""
@@ -130,22 +149,18 @@ class ModelConfig:
     embed_seed: int = 1234  # seed of the frozen target embedding E (shared by all blocks)
 
     def __post_init__(self) -> None:
-        _check(self.d_model > 0, "d_model", f"must be positive, got {self.d_model}")
-        _check(self.n_heads > 0, "n_heads", f"must be positive, got {self.n_heads}")
+        _check_all(self, lambda v: v > 0, "positive", "d_model", "n_heads", "n_layers", "n_blocks", "mlp_ratio")
         _check(
             self.d_model % self.n_heads == 0,
             "d_model",
             f"{self.d_model} is not divisible by n_heads={self.n_heads}",
         )
-        _check(self.n_layers > 0, "n_layers", f"must be positive, got {self.n_layers}")
-        _check(self.n_blocks > 0, "n_blocks", f"must be positive, got {self.n_blocks}")
         _check(
             self.n_layers % self.n_blocks == 0,
             "n_blocks",
             f"B={self.n_blocks} does not divide L={self.n_layers}; choose B among the divisors of L",
         )
         _check(self.context >= 2, "context", f"must be at least 2 bytes, got {self.context}")
-        _check(self.mlp_ratio > 0, "mlp_ratio", f"must be positive, got {self.mlp_ratio}")
 
     @property
     def layers_per_block(self) -> int:
@@ -179,10 +194,7 @@ class DiffusionConfig:
         _check(self.sigma_data > 0, "sigma_data", f"must be > 0, got {self.sigma_data}")
         _check(0.0 <= self.overlap < 1.0, "overlap", f"must be in [0, 1), got {self.overlap}")
         _check(self.steps_per_block >= 1, "steps_per_block", f"must be >= 1, got {self.steps_per_block}")
-        for name in ("slicing", "readout", "loss_weighting", "solver"):
-            value = getattr(self, name)
-            expected = type(DiffusionConfig.__dataclass_fields__[name].default)
-            _check(isinstance(value, expected), name, f"must be a {expected.__name__}, got {value!r}")
+        _check_enums(self)
         _check(math.isfinite(self.p_mean), "p_mean", "must be finite")
 
 
@@ -212,29 +224,18 @@ class TrainConfig:
     refresh_rounds: int = 1  # concurrent schedule: rounds between refreshes of the frozen copies
 
     def __post_init__(self) -> None:
-        _check(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
-        _check(self.batch_size > 0, "batch_size", f"must be positive, got {self.batch_size}")
+        _check_all(self, lambda v: v >= 0, ">= 0", "steps", "warmup_steps", "weight_decay", "grad_clip", "eval_bytes",
+                   "eval_every", "test_bytes")
+        _check_all(self, lambda v: v > 0, "positive", "batch_size", "checkpoint_every", "log_every", "round_steps",
+                   "refresh_rounds")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
-        _check(self.checkpoint_every > 0, "checkpoint_every", f"must be positive, got {self.checkpoint_every}")
-        _check(self.log_every > 0, "log_every", f"must be positive, got {self.log_every}")
-        _check(self.eval_bytes >= 0, "eval_bytes", f"must be >= 0, got {self.eval_bytes}")
-        _check(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
-        _check(self.test_bytes >= 0, "test_bytes", f"must be >= 0, got {self.test_bytes}")
-        _check(isinstance(self.precision, Precision), "precision", f"must be a Precision, got {self.precision!r}")
-        _check(isinstance(self.schedule, Schedule), "schedule", f"must be a Schedule, got {self.schedule!r}")
-        _check(isinstance(self.frozen_storage, FrozenStorage), "frozen_storage",
-               f"must be a FrozenStorage, got {self.frozen_storage!r}")
+        _check_enums(self)
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "device",
             f"must be auto, cpu, cuda or cuda:N, got {self.device!r}",
         )
-        _check(self.round_steps > 0, "round_steps", f"must be positive, got {self.round_steps}")
-        _check(self.refresh_rounds > 0, "refresh_rounds", f"must be positive, got {self.refresh_rounds}")
 
 
 @dataclass(frozen=True)
@@ -251,9 +252,7 @@ class StackConfig:
     def __post_init__(self) -> None:
         _check(0 <= self.head_layers <= 8, "head_layers", f"must be in [0, 8], got {self.head_layers}")
         _check(0 <= self.aux_layers <= 8, "aux_layers", f"must be in [0, 8], got {self.aux_layers}")
-        _check(isinstance(self.head, StackHead), "head", f"must be a StackHead, got {self.head!r}")
-        _check(isinstance(self.init, StackInit), "init", f"must be a StackInit, got {self.init!r}")
-        _check(isinstance(self.dense, StackDense), "dense", f"must be a StackDense, got {self.dense!r}")
+        _check_enums(self)
         _check(
             self.aux_layers == 0 or self.head is StackHead.PRIVATE, "aux_layers",
             f"a training-time decoder needs private heads; with head={self.head.value} block 0's decoder would enter "
@@ -345,24 +344,10 @@ class RunConfig:
         return replace(self, train=replace(self.train, **changes))
 
 
-_ENUMS: dict[str, type[enum.Enum]] = {
-    "precision": Precision,
-    "schedule": Schedule,
-    "frozen_storage": FrozenStorage,
-    "slicing": Slicing,
-    "readout": Readout,
-    "loss_weighting": LossWeighting,
-    "solver": Solver,
-    "head": StackHead,
-    "init": StackInit,
-    "dense": StackDense,
-}
-
-
 def _build(cls: type, data: dict[str, Any]) -> Any:
     known = {f.name for f in fields(cls)}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    kwargs = {k: (_ENUMS[k](v) if k in _ENUMS else v) for k, v in data.items()}
-    return cls(**kwargs)
+    enums = _enum_fields(cls)
+    return cls(**{k: (enums[k](v) if k in enums else v) for k, v in data.items()})

@@ -4,8 +4,9 @@ Every derived seed is ``mix_seed(base, role, len(indices), *indices)`` (:meth:`S
 hash the same integers only if their roles and indices are equal, since ``mix_seed`` packs each integer in 8
 bytes. The one exception is :attr:`Seed.CHAIN`, ``mix_seed(base, c)``
 (two integers, every tagged seed has three or more), the form the committed evaluations drew their noise with.
-Role values lie above 2**40, far from the training streams' ids; the training streams themselves
-(:mod:`blocktrain.data.stream`: ``block_stream``, ``init_seed``, ``TrainStream``) are not derived here.
+Role values lie above 2**40, far from the training streams' ids, which are registered here too (their values
+fixed, so that committed runs replay bit for bit): :func:`block_stream`, :data:`E2E_STREAM`, :func:`worker_stream`,
+:func:`gate_stream`, and the initialisation seeds :func:`init_seed`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,30 @@ import torch
 from blocktrain.data.stream import mix_seed
 
 _TAG = 0x5EED << 40  # role values sit above every stream id and small index
+
+E2E_STREAM = 999_999  # stream id of the E2E reference's data (distinct from every block's)
+E2E_INIT = 77  # role of the E2E reference in init_seed
+GATE_STREAM = 7_777  # base of the loss gate's held-out stream ids (gate_stream)
+
+
+def block_stream(k: int, sub: int = 0) -> int:
+    """Stream id of block k's data; ``sub`` separates several streams of one block (workers, rounds)."""
+    return 1000 * k + sub
+
+
+def worker_stream(worker: int, k: int, v: int) -> int:
+    """Stream id the coordinator hands worker ``worker`` (its store id) for round v of block k."""
+    return mix_seed(worker, k, v)
+
+
+def gate_stream(k: int) -> int:
+    """Stream id of the loss gate's held-out batch for block k."""
+    return mix_seed(GATE_STREAM, k)
+
+
+def init_seed(seed: int, role: int) -> int:
+    """torch.manual_seed value for initialising block ``role`` (or E2E_INIT) of a run seeded ``seed``."""
+    return seed * 1009 + role
 
 
 class Seed(enum.IntEnum):

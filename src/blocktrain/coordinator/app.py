@@ -52,10 +52,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SAFETENSORS = "application/octet-stream"
+BINARY_BODY = {"requestBody": {"required": True, "content": {SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}}}}
 
 
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+def _bearer(header: str) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header (None for another scheme or no token)."""
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
@@ -88,23 +89,19 @@ class ByteCounter:
             await self.app(scope, receive, send)
             return
         n = [0, 0]
-        worker = None
-        for key, value in scope.get("headers", []):
-            if key == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() == "bearer" and token:
-                    worker = self.c.worker_for_token(token.strip())
-
+        headers = dict(scope.get("headers", []))
+        token = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
+        worker = None if token is None else self.c.worker_for_token(token)
         # Only update and audit uploads may be large; every other body (register, heartbeat, ...) is small JSON.
         capped = not _uploads(scope.get("path", ""))
-        for key, value in scope.get("headers", []):
-            if capped and key == b"content-length" and value.isdigit() and int(value) > SMALL_BODY_CAP:
-                await JSONResponse(
-                    {"error": "too_large",
-                     "detail": f"body of {int(value)} bytes exceeds the cap of {SMALL_BODY_CAP} bytes for this route"},
-                    status_code=413,
-                )(scope, receive, send)
-                return
+        length = headers.get(b"content-length", b"")
+        if capped and length.isdigit() and int(length) > SMALL_BODY_CAP:
+            await JSONResponse(
+                {"error": "too_large",
+                 "detail": f"body of {int(length)} bytes exceeds the cap of {SMALL_BODY_CAP} bytes for this route"},
+                status_code=413,
+            )(scope, receive, send)
+            return
 
         async def recv() -> Message:
             msg = await receive()
@@ -145,22 +142,19 @@ async def _read_capped(request: Request, cap: int) -> bytes:
 
 
 def _background(c: Coordinator, stop: threading.Event) -> list[threading.Thread]:
-    def ticker() -> None:
-        while not stop.wait(c.settings.tick_seconds):
-            try:
-                c.tick()
-            except Exception:  # keep the service alive; the error is logged with its traceback
-                log.exception("tick failed")
+    def every_tick(job: Callable[[], object], what: str) -> Callable[[], None]:
+        def loop() -> None:
+            while not stop.wait(c.settings.tick_seconds):
+                try:
+                    job()
+                except Exception:  # keep the service alive; the error is logged with its traceback
+                    log.exception("%s failed", what)
 
-    def evaluator() -> None:
-        while not stop.wait(c.settings.tick_seconds):
-            try:
-                c.maybe_evaluate(force=c.finished())
-            except Exception:
-                log.exception("evaluation failed")
+        return loop
 
-    threads = [threading.Thread(target=ticker, name="tick", daemon=True),
-               threading.Thread(target=evaluator, name="eval", daemon=True)]
+    threads = [threading.Thread(target=every_tick(c.tick, "tick"), name="tick", daemon=True),
+               threading.Thread(target=every_tick(lambda: c.maybe_evaluate(force=c.finished()), "evaluation"),
+                                name="eval", daemon=True)]
     for t in threads:
         t.start()
     return threads
@@ -191,7 +185,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=exc.status, headers=headers)
 
     def auth(request: Request) -> str:
-        return c.authenticate(_bearer(request))
+        return c.authenticate(_bearer(request.headers.get("authorization", "")))
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
@@ -257,12 +251,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         v, sha, payload = await run_in_threadpool(c.frozen_bytes, k)
         return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v), "X-Weights-Sha": sha})
 
-    @app.post(
-        "/v1/blocks/{k}/updates",
-        status_code=202,
-        openapi_extra={"requestBody": {"required": True, "content": {SAFETENSORS: {"schema": {
-            "type": "string", "format": "binary"}}}}},
-    )
+    @app.post("/v1/blocks/{k}/updates", status_code=202, openapi_extra=BINARY_BODY)
     async def update(request: Request, k: int) -> dict[str, Any]:
         name = None
         try:
@@ -277,11 +266,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             raise
         return await run_in_threadpool(c.submit, name, k, body)
 
-    @app.post(
-        "/v1/blocks/{k}/audits/{v}",
-        openapi_extra={"requestBody": {"required": True, "content": {SAFETENSORS: {"schema": {
-            "type": "string", "format": "binary"}}}}},
-    )
+    @app.post("/v1/blocks/{k}/audits/{v}", openapi_extra=BINARY_BODY)
     async def audit(request: Request, k: int, v: int) -> dict[str, Any]:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
         name = auth(request)

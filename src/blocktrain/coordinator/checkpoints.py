@@ -26,10 +26,10 @@ from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.intake import Published
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
-from blocktrain.data.stream import init_seed
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives.base import Objective, whole_blocks
 from blocktrain.protocol.weights import block_schema, trainable_state
+from blocktrain.seeds import init_seed
 
 log = logging.getLogger(__name__)
 

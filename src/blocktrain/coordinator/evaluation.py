@@ -17,15 +17,14 @@ from torch import nn
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import ByteSplit, DataDir
-from blocktrain.data.stream import TrainStream, mix_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import whole_blocks
 from blocktrain.protocol.weights import load_trainable
-
-GATE_STREAM = 7_777  # stream id of the gate's held-out batch
+from blocktrain.seeds import gate_stream
 
 FrozenWeights = tuple[str, dict[str, torch.Tensor]]  # (weights sha256, fp32 weights) of a finished block
 
@@ -75,7 +74,7 @@ class Evaluator:
             inputs = [self._frozen_copy(j, sha, w) for j, (sha, w) in enumerate(frozen)]
             stream = TrainStream(
                 self.valid.data, self.cfg.model.context, self.settings.gate_batch, self.cfg.train.seed,
-                stream=mix_seed(GATE_STREAM, k),
+                stream=gate_stream(k),
             )
             x, y = stream.batch(0)
             with torch.no_grad():

@@ -21,9 +21,9 @@ from blocktrain.coordinator.groups import PeerHub
 from blocktrain.coordinator.settings import BlockState, CoordinatorSettings, RoundState
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.tables import WorkerTable
-from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.messages import FrozenRef, Registration, WorkAnswer
+from blocktrain.seeds import worker_stream
 
 if TYPE_CHECKING:
     from blocktrain.coordinator.rounds import Rounds
@@ -157,7 +157,7 @@ class Roster:
             rnd = self.store.rounds.round(k, v)
             block_state = rounds.state[k]
             state = RoundState(rnd["state"]) if rnd is not None else RoundState.FINISHED
-            stream = mix_seed(int(row["id"]), k, v)
+            stream = worker_stream(int(row["id"]), k, v)
             submitted = self.store.updates.submitted(k, v, name)
             with self.store.tx():
                 self.store.workers.renew_lease(name, now + self.settings.lease_seconds)

@@ -4,7 +4,7 @@ M replicas of block k train DiLoCo-style (Douillard et al. 2023, Alg. 1) exactly
 M workers would against a coordinator, without HTTP, storage or processes:
 
 * every replica starts round v from the published W_v and takes H AdamW steps on
-  the stream the coordinator hands worker i for (k, v) (``mix_seed(i, k, v)``), with
+  the stream the coordinator hands worker i for (k, v) (:func:`blocktrain.seeds.worker_stream`), with
   the block's lr schedule over ``rounds x H`` steps; its AdamW state starts afresh
   each round, or persists across rounds, as ``settings.inner_reset`` says (:mod:`blocktrain.worker.loop`);
 * it pushes Delta_i = W_i - W_v encoded with error feedback
@@ -39,7 +39,7 @@ from blocktrain.coordinator.intake import Intake, Published
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import parse_update
 from blocktrain.data.dataset import DataDir
-from blocktrain.data.stream import TrainStream, init_seed, mix_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.device import resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.evaluate.scoring import score_split
@@ -48,6 +48,7 @@ from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
+from blocktrain.seeds import init_seed, worker_stream
 from blocktrain.train.round import BlockTask, train_round
 from blocktrain.train.step import MuonAdamW, make_optimizer
 
@@ -223,7 +224,7 @@ class BlockRun:
             load_trainable(block, W)
             block.train()
             stream = TrainStream(self.train.data, self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
-                                 stream=mix_seed(i + 1, k, v))  # worker ids start at 1, as the store's
+                                 stream=worker_stream(i + 1, k, v))  # worker ids start at 1, as the store's
             bad = self.hostile if i == opts.workers - 1 else None
             train_round(self.task, block, opt, stream, steps=h, offset=offset, schedule=self.schedule,
                         precision=self.precision, targets=bad.targets if bad is not None else None)

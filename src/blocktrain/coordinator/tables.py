@@ -33,11 +33,13 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class TokenTable:
-    """Bearer tokens, kept hashed."""
-
+class _Table:
     def __init__(self, db: Db) -> None:
-        self.db = db
+        self.db = db  # the shared connection
+
+
+class TokenTable(_Table):
+    """Bearer tokens, kept hashed."""
 
     def add_token(self, name: str, now: float) -> str:
         """Create (or replace) the bearer token of worker ``name``; return it (shown once)."""
@@ -49,11 +51,8 @@ class TokenTable:
         return [(r["name"], r["hash"]) for r in self.db.q("SELECT name, hash FROM tokens ORDER BY name")]
 
 
-class WorkerTable:
+class WorkerTable(_Table):
     """Worker identities, leases and blocks, and the bytes each moved."""
-
-    def __init__(self, db: Db) -> None:
-        self.db = db
 
     def worker(self, name: str) -> sqlite3.Row | None:
         """The row of worker ``name`` (None if it never registered)."""
@@ -104,11 +103,11 @@ class WorkerTable:
             self.db.execute("UPDATE workers SET bytes_in=bytes_in+?, bytes_out=bytes_out+? WHERE name=?", (n_in, n_out, name))
 
 
-class RoundTable:
+class RoundTable(_Table):
     """Published versions, block states and rounds of every block (and what each closed round moved)."""
 
     def __init__(self, db: Db, blobs: BlobStore) -> None:
-        self.db = db
+        super().__init__(db)
         self.blobs = blobs
 
     def latest_version(self, k: int) -> sqlite3.Row | None:
@@ -183,11 +182,8 @@ class RoundTable:
         return {"push_bytes": push, "step_bytes": size(self.step_blob(k, v + 1)), "rejected": rejected}
 
 
-class UpdateTable:
+class UpdateTable(_Table):
     """Accepted updates, the data streams handed out, and the members of group means (the hivemind engine)."""
-
-    def __init__(self, db: Db) -> None:
-        self.db = db
 
     def update_blob(self, k: int, v: int, worker: str) -> str | None:
         """Digest of ``worker``'s update for block k version v (None if it sent none)."""
@@ -251,11 +247,8 @@ class UpdateTable:
         self.db.execute("INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)", (worker, k, v, seed, stream))
 
 
-class ConductTable:
+class ConductTable(_Table):
     """Refused updates, refused group means, and the quarantined workers."""
-
-    def __init__(self, db: Db) -> None:
-        self.db = db
 
     def record_rejection(self, worker: str, block: int | None, status: int, reason: str, message: str, at: float) -> None:
         """Store a refused update of an authenticated worker and count it, by reason and for that worker."""
@@ -309,11 +302,8 @@ class ConductTable:
         return None if row is None else str(row["worker"])
 
 
-class EvalTable:
+class EvalTable(_Table):
     """The periodic evaluations of the assembled model."""
-
-    def __init__(self, db: Db) -> None:
-        self.db = db
 
     def last_eval_epoch(self) -> int | None:
         row = self.db.q1("SELECT epoch FROM evals ORDER BY id DESC LIMIT 1")

@@ -22,9 +22,9 @@ from blocktrain.coordinator.groups import PeerHub, check_members
 from blocktrain.coordinator.intake import Checked, Intake, Published
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
-from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.messages import AuditAnswer, PushAnswer
+from blocktrain.seeds import worker_stream
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Uploads:
         # a refused update leaves no blob behind.
         staged = self.store.blobs.stage_blob(body)
         try:
-            stream = mix_seed(int(row["id"]), k, upd.base_version)  # the stream the work answer named
+            stream = worker_stream(int(row["id"]), k, upd.base_version)  # the stream the work answer named
             return self._accept(name, k, upd, checked, staged, arrived, members, base, stream)
         finally:
             self.store.blobs.discard_blob(staged)  # no-op once committed

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -231,10 +232,13 @@ def _fill(kind: str, src: Path, writers: dict[str, SplitWriter], opts: PrepareOp
     return 0
 
 
+def _bytes_bar(total: int, desc: str, opts: PrepareOptions) -> Any:
+    """A progress bar over ``total`` bytes of the source."""
+    return progress_bar(total=total, desc=desc, unit="B", unit_scale=True, disable=not opts.progress, dynamic_ncols=True)
+
+
 def _copy(path: Path, w: SplitWriter, opts: PrepareOptions, desc: str) -> None:
-    size = path.stat().st_size
-    with path.open("rb") as f, progress_bar(total=size, desc=desc, unit="B", unit_scale=True,
-                                             disable=not opts.progress, dynamic_ncols=True) as bar:
+    with path.open("rb") as f, _bytes_bar(path.stat().st_size, desc, opts) as bar:
         for chunk in iter(lambda: f.read(CHUNK), b""):
             w.write(chunk)
             bar.update(len(chunk))
@@ -264,9 +268,7 @@ def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOpt
     if unreadable:
         raise DataError(_unreadable_message(src, unreadable))
     skipped = 0
-    bar = progress_bar(total=sum(sizes.values()), desc=f"prepare {src.name}", unit="B", unit_scale=True,
-                       disable=not opts.progress, dynamic_ncols=True)
-    try:
+    with _bytes_bar(sum(sizes.values()), f"prepare {src.name}", opts) as bar:
         for rel, p in files:
             try:
                 with open(p, "rb") as f:
@@ -274,20 +276,11 @@ def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOpt
                     if b"\0" in head:  # binary: skipped and counted
                         skipped += 1
                     elif head:
-                        w = writers[split_of(rel, opts)]
-                        w.write(head)
-                        last = head
-                        for chunk in iter(lambda f=f: f.read(CHUNK), b""):  # type: ignore[misc]
-                            w.write(chunk)
-                            last = chunk
-                        if not last.endswith(b"\n"):
-                            w.write(b"\n")
-                        w.documents += 1
+                        rest = iter(lambda f=f: f.read(CHUNK), b"")  # type: ignore[misc]
+                        _append_document(writers[split_of(rel, opts)], itertools.chain([head], rest))
             except OSError:
                 unreadable.append(rel)
             bar.update(sizes[rel])
-    finally:
-        bar.close()
     if unreadable:
         raise DataError(_unreadable_message(src, unreadable))
     return skipped
@@ -300,30 +293,25 @@ def _unreadable_message(src: Path, paths: list[str]) -> str:
 
 
 def _fill_jsonl(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> None:
-    bar = progress_bar(total=src.stat().st_size, desc=f"prepare {src.name}", unit="B", unit_scale=True,
-                       disable=not opts.progress, dynamic_ncols=True)
-    try:
-        with src.open("rb") as f:
-            for n, line in enumerate(f, start=1):
-                bar.update(len(line))
-                if not line.strip():
-                    continue
-                try:
-                    doc = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-                    raise DataError(f"{src} line {n} is not valid JSON ({exc}); fix or remove that line") from None
-                text = doc.get(opts.field) if isinstance(doc, dict) else None
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{src} line {n} has no string field {opts.field!r}"
-                        + (f" (its keys: {', '.join(sorted(doc)[:8])})" if isinstance(doc, dict) else "")
-                        + "; pass --field NAME"
-                    )
-                if text:
-                    _append_document(writers[split_of(f"line:{n}", opts)],
-                                     iter([text.encode("utf-8", "surrogatepass")]))
-    finally:
-        bar.close()
+    with src.open("rb") as f, _bytes_bar(src.stat().st_size, f"prepare {src.name}", opts) as bar:
+        for n, line in enumerate(f, start=1):
+            bar.update(len(line))
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+                raise DataError(f"{src} line {n} is not valid JSON ({exc}); fix or remove that line") from None
+            text = doc.get(opts.field) if isinstance(doc, dict) else None
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{src} line {n} has no string field {opts.field!r}"
+                    + (f" (its keys: {', '.join(sorted(doc)[:8])})" if isinstance(doc, dict) else "")
+                    + "; pass --field NAME"
+                )
+            if text:
+                _append_document(writers[split_of(f"line:{n}", opts)],
+                                 iter([text.encode("utf-8", "surrogatepass")]))
 
 
 BLANK = re.compile(rb"\n(?:[ \t\r]*\n)+")  # the end of a paragraph: a newline, then blank lines
@@ -331,37 +319,32 @@ BLANK = re.compile(rb"\n(?:[ \t\r]*\n)+")  # the end of a paragraph: a newline, 
 
 def _fill_text(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> None:
     """Paragraphs of one text file (runs of lines up to a blank line), each keyed by its ordinal, streamed."""
-    bar = progress_bar(total=src.stat().st_size, desc=f"prepare {src.name}", unit="B", unit_scale=True,
-                       disable=not opts.progress, dynamic_ncols=True)
     index = 0  # ordinal of the current paragraph
     current: SplitWriter | None = None  # its split, chosen as it starts
     tail = b""  # bytes after the last newline seen: a separator may continue in the next chunk
-    try:
-        with src.open("rb") as f:
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                bar.update(len(chunk))
-                buf = tail + chunk
-                content_end = len(buf.rstrip(b" \t\r\n"))  # a separator reaching past this may go on
-                pos = 0
-                cut = -1
-                for m in BLANK.finditer(buf):
-                    if m.end() > content_end:  # more blank lines may follow in the next chunk: keep it whole
-                        cut = m.start()
-                        break
-                    current = current or writers[split_of(f"paragraph:{index}", opts)]
-                    current.write(buf[pos:m.end()])
-                    current.documents += 1
-                    current, index, pos = None, index + 1, m.end()
-                if cut < 0:
-                    cut = buf.rfind(b"\n", pos)
-                    cut = pos if cut < 0 else cut
-                if cut > pos:
-                    current = current or writers[split_of(f"paragraph:{index}", opts)]
-                    current.write(buf[pos:cut])
-                tail = buf[cut:]
-            if tail.strip() or current is not None:
+    with src.open("rb") as f, _bytes_bar(src.stat().st_size, f"prepare {src.name}", opts) as bar:
+        for chunk in iter(lambda: f.read(CHUNK), b""):
+            bar.update(len(chunk))
+            buf = tail + chunk
+            content_end = len(buf.rstrip(b" \t\r\n"))  # a separator reaching past this may go on
+            pos = 0
+            cut = -1
+            for m in BLANK.finditer(buf):
+                if m.end() > content_end:  # more blank lines may follow in the next chunk: keep it whole
+                    cut = m.start()
+                    break
                 current = current or writers[split_of(f"paragraph:{index}", opts)]
-                current.write(tail if tail.endswith(b"\n") else tail + b"\n")
+                current.write(buf[pos:m.end()])
                 current.documents += 1
-    finally:
-        bar.close()
+                current, index, pos = None, index + 1, m.end()
+            if cut < 0:
+                cut = buf.rfind(b"\n", pos)
+                cut = pos if cut < 0 else cut
+            if cut > pos:
+                current = current or writers[split_of(f"paragraph:{index}", opts)]
+                current.write(buf[pos:cut])
+            tail = buf[cut:]
+        if tail.strip() or current is not None:
+            current = current or writers[split_of(f"paragraph:{index}", opts)]
+            current.write(tail if tail.endswith(b"\n") else tail + b"\n")
+            current.documents += 1

@@ -21,20 +21,6 @@ def mix_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-E2E_STREAM = 999_999  # stream id of the E2E reference's data (distinct from every block's)
-E2E_INIT = 77  # role of the E2E reference in init_seed
-
-
-def block_stream(k: int, sub: int = 0) -> int:
-    """Stream id of block k's data; ``sub`` separates several streams of one block (workers, rounds)."""
-    return 1000 * k + sub
-
-
-def init_seed(seed: int, role: int) -> int:
-    """torch.manual_seed value for initialising block ``role`` (or E2E_INIT) of a run seeded ``seed``."""
-    return seed * 1009 + role
-
-
 class TrainStream:
     """Batches of (x, y) random windows from a uint8 array; y is x shifted by one byte."""
 

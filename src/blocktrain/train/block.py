@@ -16,10 +16,11 @@ from blocktrain.checkpoint.blocks import block_save_meta, check_block_index, loa
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
-from blocktrain.data.stream import TrainStream, block_stream, init_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
+from blocktrain.seeds import block_stream, init_seed
 from blocktrain.train.memory import rss_bytes, warm_runtime
 from blocktrain.train.round import BlockTask
 from blocktrain.train.run import TrainSummary, run_training

@@ -9,12 +9,13 @@ import torch
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
 from blocktrain.data.dataset import DataDir
-from blocktrain.data.stream import E2E_INIT, E2E_STREAM, TrainStream, init_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.model.layers import recompute_layers
 from blocktrain.model.loss import lm_loss
+from blocktrain.seeds import E2E_INIT, E2E_STREAM, init_seed
 from blocktrain.train.memory import rss_bytes, warm_runtime
 from blocktrain.train.run import TrainSummary, run_training
 

@@ -27,11 +27,12 @@ from blocktrain.checkpoint.blocks import block_save_meta
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Precision, RunConfig, Schedule
 from blocktrain.data.dataset import DataDir
-from blocktrain.data.stream import TrainStream, block_stream, init_seed
+from blocktrain.data.stream import TrainStream
 from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import BlockTrainError, CheckpointError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
+from blocktrain.seeds import block_stream, init_seed
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import MetricsHook, train_steps
 from blocktrain.train.metrics import JsonlWriter

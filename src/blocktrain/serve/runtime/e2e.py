@@ -106,31 +106,30 @@ class E2ESpan:
             kv = dict(self.cache.checkout(f.request_id, pos).kv)  # a copy: a failed step leaves the cache as it was
         except UnknownRequestError as exc:  # evicted since validate(): the client prefills it again (pos=0)
             return f.reply_error(ErrorCode.UNKNOWN_REQUEST, str(exc))
-        if self.embed is not None:
-            x = f.tensors["x"].long()
-            tok, posemb = self.embed
-            h = tok(x) + posemb(torch.arange(pos, pos + x.shape[1]))
-        else:
-            h = f.tensors["h"].float()
+        h = self._input(f, pos)
         for i in range(self.lo, self.hi + 1):
             h = self.layers[i](h, cache=kv, name=str(i))
         self.cache.put(f.request_id, CacheEntry(pos + h.shape[1], kv))
-        if self.head is None:
-            return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
-        ln_f, lin = self.head
-        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(h[:, -1])).float()})
+        return self._output(f, h, h[:, -1])
 
     def _score(self, f: Frame) -> Frame:
         """Whole windows through layers lo..hi without a cache; the last stage answers every position's logits."""
-        if self.embed is not None:
-            x = f.tensors["x"].long()  # (b, t)
-            tok, posemb = self.embed
-            h = tok(x) + posemb(torch.arange(x.shape[1]))
-        else:
-            h = f.tensors["h"].float()
+        h = self._input(f, 0)
         for i in range(self.lo, self.hi + 1):
             h = self.layers[i](h)
+        return self._output(f, h, h)
+
+    def _input(self, f: Frame, pos: int) -> torch.Tensor:
+        """h (b, t, d) entering layer lo: the embeddings of bytes x (b, t) at positions pos.., or the h received."""
+        if self.embed is None:
+            return f.tensors["h"].float()
+        x = f.tensors["x"].long()
+        tok, posemb = self.embed
+        return tok(x) + posemb(torch.arange(pos, pos + x.shape[1]))
+
+    def _output(self, f: Frame, h: torch.Tensor, scored: torch.Tensor) -> Frame:
+        """WORK carrying h to the next stage, or (the last stage) RESULT with the logits of the ``scored`` part of h."""
         if self.head is None:
             return Frame(FrameKind.WORK, f.request_id, f.mode, self.hi + 1, dict(f.params), {"h": h})
         ln_f, lin = self.head
-        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(h)).float()})
+        return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params), {"logits": lin(ln_f(scored)).float()})

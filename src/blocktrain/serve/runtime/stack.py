@@ -198,11 +198,9 @@ class StackSpan:
         return self._result(f, logits[0, -(n + 1):], f.tensors)
 
     def _run_stateless(self, f: Frame) -> Frame:
-        h = f.tensors["x"] if self.lo == 0 else f.tensors["h"].float()
-        for k in range(self.lo, self.hi + 1):
-            h = self.blocks[k](h)
+        h = self._forward(f.tensors["x" if self.lo == 0 else "h"])
         if not self.is_last:
-            return self._work(f, h.float(), {})
+            return self._work(f, h, {})
         logits = self.blocks[self.hi].logits(h).float()
         return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, dict(f.params),
                      {"logits": logits if f.mode is Mode.SCORE else logits[:, -1]})
