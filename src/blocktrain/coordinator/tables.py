@@ -20,6 +20,7 @@ import hashlib
 import json
 import secrets
 import sqlite3
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from blocktrain.coordinator.blobs import BlobStore
@@ -33,13 +34,11 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-class _Table:
-    def __init__(self, db: Db) -> None:
-        self.db = db  # the shared connection
-
-
-class TokenTable(_Table):
+@dataclass(frozen=True)
+class TokenTable:
     """Bearer tokens, kept hashed."""
+
+    db: Db  # the shared connection
 
     def add_token(self, name: str, now: float) -> str:
         """Create (or replace) the bearer token of worker ``name``; return it (shown once)."""
@@ -51,8 +50,11 @@ class TokenTable(_Table):
         return [(r["name"], r["hash"]) for r in self.db.q("SELECT name, hash FROM tokens ORDER BY name")]
 
 
-class WorkerTable(_Table):
+@dataclass(frozen=True)
+class WorkerTable:
     """Worker identities, leases and blocks, and the bytes each moved."""
+
+    db: Db  # the shared connection
 
     def worker(self, name: str) -> sqlite3.Row | None:
         """The row of worker ``name`` (None if it never registered)."""
@@ -103,12 +105,12 @@ class WorkerTable(_Table):
             self.db.execute("UPDATE workers SET bytes_in=bytes_in+?, bytes_out=bytes_out+? WHERE name=?", (n_in, n_out, name))
 
 
-class RoundTable(_Table):
+@dataclass(frozen=True)
+class RoundTable:
     """Published versions, block states and rounds of every block (and what each closed round moved)."""
 
-    def __init__(self, db: Db, blobs: BlobStore) -> None:
-        super().__init__(db)
-        self.blobs = blobs
+    db: Db  # the shared connection
+    blobs: BlobStore  # where the versions' and steps' tensors are
 
     def latest_version(self, k: int) -> sqlite3.Row | None:
         """The newest ``versions`` row of block k (None before its first)."""
@@ -182,8 +184,11 @@ class RoundTable(_Table):
         return {"push_bytes": push, "step_bytes": size(self.step_blob(k, v + 1)), "rejected": rejected}
 
 
-class UpdateTable(_Table):
+@dataclass(frozen=True)
+class UpdateTable:
     """Accepted updates, the data streams handed out, and the members of group means (the hivemind engine)."""
+
+    db: Db  # the shared connection
 
     def update_blob(self, k: int, v: int, worker: str) -> str | None:
         """Digest of ``worker``'s update for block k version v (None if it sent none)."""
@@ -247,8 +252,11 @@ class UpdateTable(_Table):
         self.db.execute("INSERT OR IGNORE INTO seeds(worker, block, version, seed, stream) VALUES(?,?,?,?,?)", (worker, k, v, seed, stream))
 
 
-class ConductTable(_Table):
+@dataclass(frozen=True)
+class ConductTable:
     """Refused updates, refused group means, and the quarantined workers."""
+
+    db: Db  # the shared connection
 
     def record_rejection(self, worker: str, block: int | None, status: int, reason: str, message: str, at: float) -> None:
         """Store a refused update of an authenticated worker and count it, by reason and for that worker."""
@@ -302,8 +310,11 @@ class ConductTable(_Table):
         return None if row is None else str(row["worker"])
 
 
-class EvalTable(_Table):
+@dataclass(frozen=True)
+class EvalTable:
     """The periodic evaluations of the assembled model."""
+
+    db: Db  # the shared connection
 
     def last_eval_epoch(self) -> int | None:
         row = self.db.q1("SELECT epoch FROM evals ORDER BY id DESC LIMIT 1")
