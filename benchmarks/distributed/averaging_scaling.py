@@ -363,7 +363,7 @@ def main() -> int:
     print(stack_table(rows))
     if args.json:
         stacks = {p: stack_summary([r for r in every if r["preset"] == p]) for p in sorted({r["preset"] for r in every})}
-        doc = {"rows": recovered(rows),
+        doc = {"rows": recovered(every),  # every preset's rows, each naming its preset
                "stack": stacks.get(args.stack_preset or cfg.name),
                "stacks": {p: s for p, s in stacks.items() if s is not None}}
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
