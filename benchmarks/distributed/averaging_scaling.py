@@ -168,11 +168,11 @@ def measure_stack(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argp
 def stack_summary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The composed stack's M workers against one worker and one machine at M x the batch, per seed and mean."""
     per_seed = []
+    by = {x["key"]: x for x in rows}
     for r in rows:
         if r["block"] != "stack" or r["kind"] != "m":
             continue
         stem = _stem(r)
-        by = {x["key"]: x for x in rows}
         one, big = by.get(f"{stem}/x1"), by.get(f"{stem}/x{r['workers']}")
         if one is None or big is None:
             continue
