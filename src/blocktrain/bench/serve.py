@@ -27,13 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from blocktrain.bench.machine import machine_info
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, Placement, split_blocks, split_layers
-from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction, traversal_compute_s
+from blocktrain.bench.serve_quality import bench_prompts, generative_ce, output_quality, traversal_compute_s
 from blocktrain.bench.serve_report import render_markdown, summarise
 from blocktrain.bench.serve_spec import long_task, run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
@@ -53,11 +52,8 @@ def _mode_tasks(sweeps: list[int], draft_min: int, draft_max: int) -> list[dict[
 
 def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) -> dict[str, Any]:
     cfg = run.load_config()
-    data = resolve_data_dir(opts.data).open("test").data
-    pairs = prompt_pairs(np.asarray(data), opts.prompts, opts.prompt_bytes, opts.output_bytes)
+    data, pairs, base = bench_prompts(opts)
     sweeps = list(opts.sweeps)
-    base = {"output_bytes": opts.output_bytes, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
-            "prompts": [list(p) for p, _ in pairs]}
     test_path = str(resolve_data_dir(opts.data).open("test").path)
     pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(run.root)], threads=1)
     try:
@@ -75,15 +71,7 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
     e2e = E2EModel.load(run, cfg)
     assembled = AssembledModel.load(run, cfg)
     tasks = {**bt["tasks"], **bl["tasks"]}
-    quality: dict[str, Any] = {}
-    for name, res in tasks.items():
-        outs = [bytes(o) for o in res["quality_outputs"]]
-        ces = [generative_ce(e2e, p, o) for (p, _), o in zip(pairs, outs, strict=True)]
-        quality[name] = {
-            "generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
-            "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
-            "sample": outs[0].decode("utf-8", errors="replace"),
-        }
+    quality = {name: output_quality(e2e, [p for p, _ in pairs], res) for name, res in tasks.items()}
     reference = statistics.mean(generative_ce(e2e, p, c) for p, c in pairs)
     torch.set_num_threads(1)
     tf_local = score_split(lambda x: assembled.log_probs(x, seed=0), data, cfg.model.context,

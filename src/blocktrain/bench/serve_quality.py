@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
+from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.config import RunConfig
-from blocktrain.data.dataset import eval_windows
+from blocktrain.data.dataset import eval_windows, resolve_data_dir
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 
 
@@ -36,6 +38,15 @@ def generative_ce(e2e: E2EModel, prompt: bytes, output: bytes) -> float:
         logp = e2e.log_probs(x)[0, 0]  # (length, 256)
         total -= float(logp[keep:].gather(-1, y[keep:].unsqueeze(-1)).sum())
     return total / n
+
+
+def output_quality(e2e: E2EModel, prompts: list[bytes], task: dict[str, Any]) -> dict[str, Any]:
+    """Generative CE (under the E2E model) and repetition of a task's outputs, one per prompt."""
+    outs = [bytes(o) for o in task["quality_outputs"]]
+    ces = [generative_ce(e2e, p, o) for p, o in zip(prompts, outs, strict=True)]
+    return {"generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
+            "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
+            "sample": outs[0].decode("utf-8", errors="replace")}
 
 
 def repeat_fraction(text: bytes, n: int = 4) -> float:
@@ -77,3 +88,10 @@ def prompt_pairs(data: np.ndarray, k: int, p_len: int, n: int) -> list[tuple[byt
     return out
 
 
+def bench_prompts(opts: ServeBenchOptions) -> tuple[np.ndarray, list[tuple[bytes, bytes]], dict[str, Any]]:
+    """The test split's bytes, the (prompt, true continuation) pairs, and the sampling every bench task shares."""
+    data = resolve_data_dir(opts.data).open("test").data
+    pairs = prompt_pairs(np.asarray(data), opts.prompts, opts.prompt_bytes, opts.output_bytes)
+    base = {"output_bytes": opts.output_bytes, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
+            "prompts": [list(p) for p, _ in pairs]}
+    return data, pairs, base

@@ -16,7 +16,7 @@ from typing import Any
 
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, split_blocks
-from blocktrain.bench.serve_quality import generative_ce, prompt_pairs, repeat_fraction
+from blocktrain.bench.serve_quality import bench_prompts, output_quality
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Objective
 from blocktrain.errors import BlockTrainError
@@ -87,13 +87,13 @@ def run_spec_row(
     finally:
         pipe.stop()
     task = out["tasks"]["spec"]
-    quality = _quality(e2e, prompts, out["tasks"]["spec"])
-    ar_quality = _quality(e2e, prompts, out["tasks"]["stack_ar"])
+    quality = output_quality(e2e, prompts, out["tasks"]["spec"])
+    ar_quality = output_quality(e2e, prompts, out["tasks"]["stack_ar"])
     long: dict[str, Any] = {}
     for name in ("spec", "stack_ar"):
         if f"{name}_long" in out["tasks"]:
             task_long = out["tasks"][f"{name}_long"]
-            long.update(long_summary(name, task_long, _quality(e2e, prompts, task_long)))
+            long.update(long_summary(name, task_long, output_quality(e2e, prompts, task_long)))
     return {**long, "task": task, "quality": quality, "stack_run": str(stack_run.root),
             "stack_ar": {"task": out["tasks"]["stack_ar"], "quality": ar_quality},
             "stack_ar_seconds": out["tasks"]["stack_ar"]["seconds"],
@@ -102,25 +102,9 @@ def run_spec_row(
             **spec_summary(task, quality["generative_ce"], baseline_seconds, int(base["output_bytes"]))}
 
 
-def _quality(e2e: E2EModel, prompts: list[bytes], task: dict[str, Any]) -> dict[str, Any]:
-    """Generative CE (under the E2E model) and repetition of a task's outputs, one per prompt."""
-    outs = [bytes(o) for o in task["quality_outputs"]]
-    ces = [generative_ce(e2e, p, o) for p, o in zip(prompts, outs, strict=True)]
-    return {"generative_ce": statistics.mean(ces), "generative_ce_per_prompt": ces,
-            "repeat_4gram_fraction": statistics.mean(repeat_fraction(o) for o in outs),
-            "sample": outs[0].decode("utf-8", errors="replace")}
-
-
 def run_spec(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir, stack_run: Path, baseline_seconds: float) -> dict[str, Any]:
     """The spec row on the same prompts, temperature and top-k as the other rows; CE under ``run``'s E2E model."""
-    import numpy as np
-
-    from blocktrain.data.dataset import resolve_data_dir
-
-    data = resolve_data_dir(opts.data).open("test").data
-    pairs = prompt_pairs(np.asarray(data), opts.prompts, opts.prompt_bytes, opts.output_bytes)
-    base = {"output_bytes": opts.output_bytes, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
-            "prompts": [list(p) for p, _ in pairs]}
+    _, pairs, base = bench_prompts(opts)
     e2e = E2EModel.load(run, run.load_config())
     return run_spec_row(opts, pipe, RunDir(stack_run), base, [p for p, _ in pairs], e2e, baseline_seconds)
 
