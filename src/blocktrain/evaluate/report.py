@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from blocktrain.data.dataset import ByteSplit
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
-from blocktrain.evaluate.scoring import score_split
+from blocktrain.evaluate.scoring import ScoreResult, score_split
 
 
 def evaluate_model(
@@ -44,10 +45,11 @@ def evaluate_model(
             return assembled.reference_log_probs(x, seed=seed)  # (B, b, t, 256); the last is the composed model
         return model.log_probs(x, chains=k, seed=seed)
 
-    res = score_split(
-        log_probs, split.data, model.context, batch_size=batch_size, max_bytes=max_bytes, progress=progress,
-        desc=f"{model.kind} {split.name}",
-    )
+    def score(fn: Callable[[torch.Tensor], torch.Tensor], desc: str) -> ScoreResult:
+        return score_split(fn, split.data, model.context, batch_size=batch_size, max_bytes=max_bytes, progress=progress,
+                           desc=desc)
+
+    res = score(log_probs, f"{model.kind} {split.name}")
     summary = res.to_dict()
     if one_pass:
         composed = res.ce_per_chain[-1]
@@ -72,11 +74,7 @@ def evaluate_model(
                 def alone(x: torch.Tensor, b: int = b) -> torch.Tensor:
                     return assembled.reference_log_probs(x, seed=seed, only=b)
 
-                r = score_split(
-                    alone, split.data, model.context, batch_size=batch_size, max_bytes=max_bytes, progress=progress,
-                    desc=f"block {b} alone",
-                )
-                refs.append(r.ce_nats_per_byte)
+                refs.append(score(alone, f"block {b} alone").ce_nats_per_byte)
         out[assembled.objective.reference_name] = refs
         out["compositional_gain_nats_per_byte"] = compositional_gain(out["ce_nats_per_byte"], refs,
                                                                      assembled.objective.gain_reference)
