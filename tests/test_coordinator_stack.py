@@ -30,7 +30,7 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.errors import CheckpointError, ConfigError
+from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
@@ -147,6 +147,36 @@ def test_block_one_opens_after_block_zero_finishes_and_restart_keeps_states(tmp_
     assert c2.frozen_bytes(0)[:2] == (2, sha)
     assert c2.work("mover")["block"] == 1
     c2.close()
+
+
+def test_h_per_block_gives_every_block_the_same_rounds(tmp_path: Path) -> None:
+    """--local-steps 0: block k's H is its own steps // --rounds, so every block trains --rounds rounds (the step
+    ratio gives later blocks fewer steps, hence a smaller H); the registration, the work answer and the sample cap
+    all use it."""
+    cfg = replace(STACK, stack=replace(STACK.stack, step_ratio=0.7))
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=4, local_steps=0, fsync=False), clock=FakeClock())
+    objective = get_objective(cfg)
+    want = [max(1, objective.block_steps(k) // 4) for k in range(4)]
+    assert want[0] > want[3], want  # the step ratio front-loads the steps
+    for k in range(4):
+        c.add_token(f"w{k}")
+        reg = c.register(f"w{k}", k)
+        assert (reg["rounds"], reg["local_steps"]) == (4, want[k])
+        assert c.work(f"w{k}")["steps"] == want[k]
+        c.leave(f"w{k}")
+        assert c.block_rounds(k) == 4
+    c.add_token("greedy")
+    c.register("greedy", 0)
+    too_many = pack_delta(delta_for(c, 0), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0],
+                          samples=want[0] * STACK.train.batch_size + 1)
+    with pytest.raises(ProtocolError, match="samples"):
+        c.submit("greedy", 0, too_many)
+    c.leave("greedy")
+    finish_block(c, 0, "seed")
+    assert c.version[0] == 4 and c.state[1] is BlockState.OPEN
+    c.close()
+    with pytest.raises(ConfigError, match="--rounds"):
+        CoordinatorSettings(local_steps=0)
 
 
 def test_stack_coordinator_needs_rounds_and_the_progressive_schedule(tmp_path: Path) -> None:

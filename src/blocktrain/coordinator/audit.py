@@ -88,7 +88,7 @@ class Auditor:
     def enabled(self) -> bool:
         return self.train is not None
 
-    def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int,
+    def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int, h: int,
              now: float) -> bool:
         """Whether to audit this accepted push (then it waits for the worker's upload)."""
         if not self.enabled or upd.state_sha is None or upd.group:
@@ -99,7 +99,7 @@ class Auditor:
             if len(self._pending) >= MAX_PENDING:
                 return False
             self._pending[(worker, upd.block, upd.base_version)] = AuditCase(
-                worker, upd, base, self.cfg.train.seed, stream, schedule_steps, self.settings.local_steps,
+                worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
                 now + self.settings.audit_timeout_s)
         return True
 

@@ -101,7 +101,7 @@ class Roster:
                 worker=name, block=k, block_state=state.value, message=message, config=self.cfg.to_json(),
                 lease_seconds=self.settings.lease_seconds,
                 rounds=self.rounds.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
-                n_blocks=self.n_blocks, local_steps=self.settings.local_steps, inner_reset=self.settings.inner_reset,
+                n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_reset=self.settings.inner_reset,
                 p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
             ).model_dump(mode="json", exclude_none=True)
 
@@ -171,7 +171,7 @@ class Roster:
                 round_state=BlockState.WAITING.value if block_state is BlockState.WAITING else state.value,
                 deadline_in=(float(rnd["deadline"]) - now) if rnd is not None else 0.0,
                 seed=self.cfg.train.seed, stream=stream,
-                steps=self.settings.local_steps, batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
+                steps=rounds.local_steps(k), batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
                 submitted=submitted,
                 fetch_first=ck.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
                 finished=block_state is BlockState.FINISHED,  # this worker's block has no more rounds

@@ -113,11 +113,19 @@ class Rounds:
 
     # --- the schedule -----------------------------------------------------------
     def block_rounds(self, k: int) -> int:
-        """Rounds of block k: --rounds, split across blocks as the objective splits its steps (0: no limit)."""
+        """Rounds of block k: --rounds, split across blocks as the objective splits its steps (0: no limit); with H
+        per block (--local-steps 0) every block trains --rounds rounds."""
         r = self.settings.rounds
-        if r <= 0 or self.cfg.train.steps <= 0:
+        if r <= 0 or self.cfg.train.steps <= 0 or self.settings.local_steps == 0:
             return r
         return max(1, round(r * self.objective.block_steps(k) / self.cfg.train.steps))
+
+    def local_steps(self, k: int) -> int:
+        """H of block k: --local-steps, or with --local-steps 0 the largest H that gives the block --rounds rounds of
+        its own steps (a stack's later blocks train fewer steps, so their H is smaller: averaging-scaling.md)."""
+        if self.settings.local_steps:
+            return self.settings.local_steps
+        return max(1, self.objective.block_steps(k) // self.settings.rounds)
 
     def finished(self) -> bool:
         version = self.checkpoints.version

@@ -75,7 +75,7 @@ class CoordinatorSettings:
     outer_lr: float | None = None  # eta of the outer step (None: 0.85 for nesterov, averaging-scaling.md; 1 for average)
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
-    local_steps: int = 25  # H: inner steps each work answer assigns; an update may claim at most H x batch samples
+    local_steps: int = 25  # H: inner steps per work answer (0: per block, its steps // --rounds); claims <= H x batch
     inner_reset: bool = True  # workers start each round with fresh inner AdamW moments (averaging-scaling.md)
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
     replay_cosine: float = 0.9999  # refuse an update whose sketch's cosine with any accepted delta of the block is above
@@ -140,8 +140,10 @@ class CoordinatorSettings:
         if min(self.gate_floor, self.gate_start, self.gate_z) < 0 or min(self.gate_history, self.gate_min_history,
                                                                          self.gate_batch) < 1:
             raise ConfigError("gate_floor, gate_start and gate_z must be >= 0; gate_history, gate_min_history and gate_batch >= 1")
-        if self.local_steps < 1 or self.sketch_dim < 16:
-            raise ConfigError(f"local_steps must be >= 1 and sketch_dim >= 16, got {self.local_steps}, {self.sketch_dim}")
+        if self.local_steps < 0 or self.sketch_dim < 16:
+            raise ConfigError(f"local_steps must be >= 0 and sketch_dim >= 16, got {self.local_steps}, {self.sketch_dim}")
+        if self.local_steps == 0 and self.rounds <= 0:
+            raise ConfigError("--local-steps 0 (H per block) divides each block's steps by --rounds: pass --rounds N > 0")
         if not 0 <= self.lazy_fraction < 1 or not 0 < self.replay_cosine <= 1:
             raise ConfigError("lazy_fraction must be in [0, 1) and replay_cosine in (0, 1]")
         if self.agree_min is not None and not -1 <= self.agree_min < 1:

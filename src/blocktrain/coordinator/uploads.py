@@ -67,7 +67,7 @@ class Uploads:
             base = ck.published(k)
         members = self._group_members(name, k, upd)
         try:
-            checked = self.intake.check(upd, base, self.settings.local_steps * self.cfg.train.batch_size * max(1, len(members)))
+            checked = self.intake.check(upd, base, self.rounds.local_steps(k) * self.cfg.train.batch_size * max(1, len(members)))
         except ProtocolError as exc:
             if members and exc.status == 422:
                 self._refuse_group(k, upd.base_version, name, members, exc.reason)
@@ -130,9 +130,9 @@ class Uploads:
                     s.updates.record_group(k, v, name, members)
             self.intake.remember(k, checked)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
-            rounds = self.rounds.block_rounds(k)
-            audit = self.auditor.draw(name, upd, base, stream,
-                                      rounds * self.settings.local_steps if rounds else self.cfg.train.steps, self.clock())
+            rounds, h = self.rounds.block_rounds(k), self.rounds.local_steps(k)
+            audit = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h,
+                                      self.clock())
             closed = self.rounds.check_quorum(self.clock())
             return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=audit).model_dump()
 
