@@ -246,8 +246,8 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
                            LocalRounds(workers=3, local_steps=3, steps=6, compression=Compression.NONE), corpus)
     for n, w in ref.weights.items():
         # fp32 group means summed in another order than the reference's, and the workers' own threads' GEMM
-        # order, times the outer step (eta 0.85 x 1.9): measured at most 2.6e-6 on an AVX2 CPU and 5.7e-6 on an
-        # AVX-512 one (2e-6 held at eta 0.7)
+        # order, times the outer step (eta 0.85 x 1.9): measured at most 2.6e-6 on a CPU without native bf16 and
+        # 5.7e-6 on one with AVX-512 bf16 (2e-6 held at eta 0.7)
         torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
