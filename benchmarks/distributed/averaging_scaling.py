@@ -44,7 +44,7 @@ from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
 from blocktrain.config import RunConfig
-from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer, per_block_h
 from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
 from blocktrain.data.dataset import DataDir, resolve_data_dir
 from blocktrain.objectives import get_objective
@@ -88,9 +88,9 @@ def _stem(row: dict[str, Any]) -> str:
 
 
 def stack_h(steps: int, row: dict[str, Any]) -> int:
-    """H of a stack block with ``steps`` inner steps: the row's H, or with ``rounds`` the largest H that still gives
-    that block at least ``rounds`` outer steps."""
-    return max(1, steps // row["rounds"]) if row.get("rounds") else int(row["h"])
+    """H of a stack block with ``steps`` inner steps: the row's H, or with ``rounds`` the coordinator's
+    ``--local-steps 0`` rule (the largest H that still gives that block at least ``rounds`` outer steps)."""
+    return per_block_h(steps, row["rounds"]) if row.get("rounds") else int(row["h"])
 
 
 def _levers(row: dict[str, Any], sep: str) -> str:

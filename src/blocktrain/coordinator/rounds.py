@@ -31,7 +31,7 @@ from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.intake import Intake
 from blocktrain.coordinator.roster import live_replicas
-from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState, UpdateState
+from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
@@ -121,11 +121,10 @@ class Rounds:
         return max(1, round(r * self.objective.block_steps(k) / self.cfg.train.steps))
 
     def local_steps(self, k: int) -> int:
-        """H of block k: --local-steps, or with --local-steps 0 the largest H that gives the block --rounds rounds of
-        its own steps (a stack's later blocks train fewer steps, so their H is smaller: averaging-scaling.md)."""
+        """H of block k: --local-steps, or with --local-steps 0 its :func:`per_block_h` for --rounds rounds."""
         if self.settings.local_steps:
             return self.settings.local_steps
-        return max(1, self.objective.block_steps(k) // self.settings.rounds)
+        return per_block_h(self.objective.block_steps(k), self.settings.rounds)
 
     def finished(self) -> bool:
         version = self.checkpoints.version

@@ -55,6 +55,12 @@ class CloseReason(enum.Enum):
     DEADLINE = "deadline"  # the deadline passed with at least one delta
 
 
+def per_block_h(block_steps: int, rounds: int) -> int:
+    """H of a block with ``block_steps`` inner steps under ``--local-steps 0``: the largest that still gives it
+    ``rounds`` rounds (a stack's later blocks train fewer steps, so their H is smaller: averaging-scaling.md)."""
+    return max(1, block_steps // rounds)
+
+
 @dataclass(frozen=True)
 class CoordinatorSettings:
     round_seconds: float = 60.0  # deadline of a round after it opens, in seconds
