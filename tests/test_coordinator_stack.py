@@ -30,7 +30,7 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
+from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
@@ -151,8 +151,8 @@ def test_block_one_opens_after_block_zero_finishes_and_restart_keeps_states(tmp_
 
 def test_h_per_block_gives_every_block_the_same_rounds(tmp_path: Path) -> None:
     """--local-steps 0: block k's H is its own steps // --rounds, so every block trains --rounds rounds (the step
-    ratio gives later blocks fewer steps, hence a smaller H); the registration, the work answer and the sample cap
-    all use it."""
+    ratio gives later blocks fewer steps, hence a smaller H, below the default 25); the registration, the work answer
+    and the sample cap all use it."""
     cfg = replace(STACK, stack=replace(STACK.stack, step_ratio=0.7))
     c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=4, local_steps=0, fsync=False), clock=FakeClock())
     objective = get_objective(cfg)
@@ -165,12 +165,14 @@ def test_h_per_block_gives_every_block_the_same_rounds(tmp_path: Path) -> None:
         assert c.work(f"w{k}")["steps"] == want[k]
         c.leave(f"w{k}")
         assert c.block_rounds(k) == 4
-    c.add_token("greedy")
-    c.register("greedy", 0)
-    too_many = pack_delta(delta_for(c, 0), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0],
-                          samples=want[0] * STACK.train.batch_size + 1)
-    with pytest.raises(ProtocolError, match="samples"):
-        c.submit("greedy", 0, too_many)
+    token = c.add_token("greedy")
+    with TestClient(create_app(c, background=False)) as client:  # a claim one sample over block 0's budget, over HTTP
+        auth = {"Authorization": f"Bearer {token}"}
+        assert client.post("/v1/register", json={"block": 0}, headers=auth).json()["local_steps"] == want[0]
+        too_many = pack_delta(delta_for(c, 0), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0],
+                              samples=want[0] * STACK.train.batch_size + 1)
+        r = client.post("/v1/blocks/0/updates", content=too_many, headers=auth)
+        assert (r.status_code, r.json()["error"]) == (422, "claim"), r.text
     c.leave("greedy")
     finish_block(c, 0, "seed")
     assert c.version[0] == 4 and c.state[1] is BlockState.OPEN
