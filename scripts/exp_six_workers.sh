@@ -5,7 +5,8 @@
 #   flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh
 #
 # Scale knobs (environment): PRESET (cpu-mini), STEPS per block (400), H local steps per
-# round (25), EVAL_BYTES of the test split scored at the end (32768), DATA directory, and
+# round (25; 0: each block's own H, its steps // ROUNDS, the coordinator's --local-steps 0), ROUNDS (with H=0: the
+# outer steps every block gets), EVAL_BYTES of the test split scored at the end (32768), DATA directory, and
 # OBJECTIVE (diffusion; or stack: the coordinator opens block k when block k-1 has finished its
 # rounds, unpinned workers move to the open block and download the finished blocks they read once,
 # cached under $OUT/frozen-cache; the result goes to six-workers-stack.json), COORD_FLAGS (extra coordinator
@@ -24,7 +25,12 @@ SUFFIX=$([ "$OBJECTIVE" = diffusion ] && echo "" || echo "-$OBJECTIVE")
 OUT=${OUT:-runs/exp-six-workers$SUFFIX}
 PORT=${PORT:-18501}
 BT=".venv/bin/blocktrain"
-ROUNDS=$((STEPS / H))
+if [ "$H" = 0 ]; then
+  ROUNDS=${ROUNDS:?H=0 gives every block its own H and needs ROUNDS, the outer steps per block}
+  WORKER_H=()  # each worker takes its block's H from the coordinator's registration
+else
+  ROUNDS=$((STEPS / H)); WORKER_H=(--local-steps "$H")
+fi
 rm -rf "$OUT"; mkdir -p "$OUT/logs"
 
 if [ "${SKIP_SINGLE:-0}" != 1 ]; then
@@ -35,7 +41,7 @@ OMP_NUM_THREADS=2 $BT train --preset "$PRESET" --objective "$OBJECTIVE" --steps 
 echo $(( $(date +%s) - t0 )) > "$OUT/single.wall_s"
 fi
 
-echo "== six workers: $ROUNDS rounds x H=$H local steps"
+echo "== six workers: $ROUNDS rounds per block x H=$H local steps (0: each block's steps // rounds)"
 for i in 0 1 2 3 4 5; do $BT token add "w$i" --run-dir "$OUT/six" > "$OUT/w$i.token"; done
 OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/six" --preset "$PRESET" --objective "$OBJECTIVE" --steps "$STEPS" --data "$DATA" \
   --port "$PORT" --rounds "$ROUNDS" --round-seconds 300 --lease-seconds 120 --eval-every 2 --eval-bytes 8192 \
@@ -49,7 +55,7 @@ for i in 0 1 2 3 4 5; do
   CMD=("$BT")
   if [ "${SLOW:-0}" = 1 ] && [ "$i" = 5 ]; then CMD=(.venv/bin/python benchmarks/distributed/slow_worker.py --factor 2 --); fi
   OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN=$(cat "$OUT/w$i.token") "${CMD[@]}" worker --coordinator "http://127.0.0.1:$PORT" \
-    --local-steps "$H" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" --summary-json "$OUT/w$i.summary.json" \
+    "${WORKER_H[@]}" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" --summary-json "$OUT/w$i.summary.json" \
     ${WORKER_FLAGS:-} 2> "$OUT/logs/w$i.log" &
   PIDS+=($!)
 done
@@ -67,7 +73,7 @@ fi
 OMP_NUM_THREADS=2 $BT eval "$OUT/six" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
   --json --no-progress > "$OUT/six.eval.json"
 TARGET=$([ "$OBJECTIVE" = stack ] && echo 0.02 || echo 0.03)  # issue 11 asks 0.02 of the stack, issue 3 asked 0.03
-.venv/bin/python benchmarks/distributed/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" \
+.venv/bin/python benchmarks/distributed/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" --rounds "$ROUNDS" \
   --objective "$OBJECTIVE" --target-gap "$TARGET" \
   --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
-  --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"
+  --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H$([ "$H" = 0 ] && echo " ROUNDS=$ROUNDS") EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"

@@ -63,8 +63,9 @@ def six_workers(args: argparse.Namespace) -> dict[str, Any]:
         "eval_bytes": single["bytes_scored"],
         "total_steps": args.steps,
         "total_steps_note": "optimiser steps applied to every block, in sequence, in both runs (rounds x H)",
-        "local_steps_h": args.h,
-        "rounds": args.steps // args.h,
+        "local_steps_h": args.h,  # 0: each block's own H, its steps // rounds (the coordinator's --local-steps 0)
+        "rounds": args.rounds or args.steps // args.h,
+        "outer_steps_per_block": [b["version"] for b in status["blocks"]],
         "workers": n_workers,
         "replicas_per_block": replicas,
         "worker_local_steps_total": sum(s["local_steps"] for s in summaries),
