@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmarks.distributed.averaging_trace import trace_arm
 from benchmarks.distributed.hostile_peers import Poison
 
 from blocktrain.config import Objective, RunConfig
@@ -279,6 +280,21 @@ def test_muon_steps_the_hidden_matrices_and_adamw_the_rest() -> None:
 def _tiny_stack(steps: int) -> RunConfig:
     base = get_preset("tiny")
     return replace(base, objective=Objective.STACK, stack=stack_recipe(), train=replace(base.train, steps=steps))
+
+
+def test_the_averaging_trace_reads_delta_bar_from_the_nesterov_buffer(corpus: DataDir) -> None:  # noqa: F811
+    tiny = get_preset("tiny")
+    cfg = replace(tiny, train=replace(tiny.train, steps=8))
+    row = {"preset": "tiny", "block": "cold", "steps": 8, "batch": 4, "h": 2, "seed": 0, "kind": "m", "workers": 1,
+           "outer_lr": 0.7, "outer_momentum": 0.9, "reset_inner": True}
+    points = trace_arm(cfg, row, corpus, every=1, eval_bytes=512, progress=False)
+    assert [p["round"] for p in points] == [1, 2, 3, 4]
+    for p in points:  # one worker: Delta_bar is its delta, in every round (a wrong buffer algebra breaks rounds >= 2)
+        assert p["delta_bar_norm"] == pytest.approx(p["mean_delta_norm"], rel=1e-5)
+    # round 1's Nesterov step is eta (1 + mu) Delta, published in int8 with error feedback
+    assert points[0]["step_norm"] == pytest.approx(0.7 * 1.9 * points[0]["mean_delta_norm"], rel=2e-2)
+    one = trace_arm(cfg, {**row, "kind": "x"}, corpus, every=2, eval_bytes=512, progress=False)
+    assert [p["round"] for p in one] == [2, 4] and all("delta_bar_norm" not in p and p["step_norm"] > 0 for p in one)
 
 
 def test_the_pool_at_open_fraction_one_is_the_progressive_run_block_after_block(corpus: DataDir) -> None:  # noqa: F811
