@@ -76,4 +76,4 @@ TARGET=$([ "$OBJECTIVE" = stack ] && echo 0.02 || echo 0.03)  # issue 11 asks 0.
 .venv/bin/python benchmarks/distributed/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" --rounds "$ROUNDS" \
   --objective "$OBJECTIVE" --target-gap "$TARGET" \
   --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
-  --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H$([ "$H" = 0 ] && echo " ROUNDS=$ROUNDS") EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"
+  --command "${RESULT:+RESULT=$RESULT }OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H$([ "$H" = 0 ] && echo " ROUNDS=$ROUNDS") EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"

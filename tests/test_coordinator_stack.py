@@ -150,21 +150,24 @@ def test_block_one_opens_after_block_zero_finishes_and_restart_keeps_states(tmp_
 
 
 def test_h_per_block_gives_every_block_the_same_rounds(tmp_path: Path) -> None:
-    """--local-steps 0: block k's H is its own steps // --rounds, so every block trains --rounds rounds (the step
-    ratio gives later blocks fewer steps, hence a smaller H, below the default 25); the registration, the work answer
-    and the sample cap all use it."""
+    """--local-steps 0: block k's H is its own steps // --rounds, and the block trains all its steps in rounds of that
+    H, so at least --rounds rounds (the step ratio gives later blocks fewer steps, hence a smaller H, below the
+    default 25); the registration, the work answer and the sample cap all use it."""
     cfg = replace(STACK, stack=replace(STACK.stack, step_ratio=0.7))
-    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=4, local_steps=0, fsync=False), clock=FakeClock())
+    n = 5  # --rounds
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=n, local_steps=0, fsync=False), clock=FakeClock())
     objective = get_objective(cfg)
-    want = [max(1, objective.block_steps(k) // 4) for k in range(4)]
+    want = [max(1, objective.block_steps(k) // n) for k in range(4)]
+    rounds = [objective.block_steps(k) // want[k] for k in range(4)]
     assert want[0] > want[3], want  # the step ratio front-loads the steps
+    assert min(rounds) >= n and any(r > n for r in rounds), rounds  # no block's steps are dropped
     for k in range(4):
         c.add_token(f"w{k}")
         reg = c.register(f"w{k}", k)
-        assert (reg["rounds"], reg["local_steps"]) == (4, want[k])
+        assert (reg["rounds"], reg["local_steps"]) == (rounds[k], want[k])
         assert c.work(f"w{k}")["steps"] == want[k]
         c.leave(f"w{k}")
-        assert c.block_rounds(k) == 4
+        assert c.block_rounds(k) == rounds[k] and objective.block_steps(k) - rounds[k] * want[k] < want[k]
     token = c.add_token("greedy")
     with TestClient(create_app(c, background=False)) as client:  # a claim one sample over block 0's budget, over HTTP
         auth = {"Authorization": f"Bearer {token}"}
@@ -175,7 +178,7 @@ def test_h_per_block_gives_every_block_the_same_rounds(tmp_path: Path) -> None:
         assert (r.status_code, r.json()["error"]) == (422, "claim"), r.text
     c.leave("greedy")
     finish_block(c, 0, "seed")
-    assert c.version[0] == 4 and c.state[1] is BlockState.OPEN
+    assert c.version[0] == rounds[0] and c.state[1] is BlockState.OPEN
     c.close()
     with pytest.raises(ConfigError, match="--rounds"):
         CoordinatorSettings(local_steps=0)

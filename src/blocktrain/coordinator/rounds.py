@@ -114,9 +114,11 @@ class Rounds:
     # --- the schedule -----------------------------------------------------------
     def block_rounds(self, k: int) -> int:
         """Rounds of block k: --rounds, split across blocks as the objective splits its steps (0: no limit); with H
-        per block (--local-steps 0) every block trains --rounds rounds."""
+        per block (--local-steps 0) all of block k's steps in rounds of its H, so at least --rounds rounds."""
         r = self.settings.rounds
-        if r <= 0 or self.cfg.train.steps <= 0 or self.settings.local_steps == 0:
+        if r > 0 and self.settings.local_steps == 0:
+            return self.objective.block_steps(k) // self.local_steps(k)
+        if r <= 0 or self.cfg.train.steps <= 0:
             return r
         return max(1, round(r * self.objective.block_steps(k) / self.cfg.train.steps))
 

@@ -81,7 +81,7 @@ class CoordinatorSettings:
     outer_lr: float | None = None  # eta of the outer step (None: 0.85 for nesterov, averaging-scaling.md; 1 for average)
     outer_momentum: float = 0.9  # mu of Nesterov
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
-    local_steps: int = 25  # H: inner steps per work answer (0: per block, its steps // --rounds); claims <= H x batch
+    local_steps: int = 25  # H: inner steps per work answer (0: per block, its steps // --rounds, all steps run); claims <= H x batch
     inner_reset: bool = True  # workers start each round with fresh inner AdamW moments (averaging-scaling.md)
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
     replay_cosine: float = 0.9999  # refuse an update whose sketch's cosine with any accepted delta of the block is above
