@@ -120,7 +120,7 @@ print(json.dumps([{"rx": r["rx"]["bytes"], "tx": r["tx"]["bytes"]} for r in rows
   ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > "$OUT/status.json"
   "$PY" benchmarks/distributed/collect_distributed.py three-hosts "$OUT" --preset "$PRESET" --h "$H" --rounds "$ROUNDS" \
     --objective "$OBJECTIVE" --out "${RESULT:-benchmarks/results/three-hosts$SUFFIX.json}" \
-    --command "OBJECTIVE=$OBJECTIVE PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT HIVEMIND=$HIVEMIND flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
+    --command "${RESULT:+RESULT=$RESULT }OBJECTIVE=$OBJECTIVE PRESET=$PRESET H=$H ROUNDS=$ROUNDS RTT_MS=$RTT_MS RATE_MBIT=$RATE_MBIT HIVEMIND=$HIVEMIND flock /tmp/blocktrain-cpu.lock scripts/netns_three_hosts.sh"
 }
 
 case "${1:-run}" in
