@@ -149,7 +149,7 @@ def test_block_one_opens_after_block_zero_finishes_and_restart_keeps_states(tmp_
     c2.close()
 
 
-def test_h_per_block_gives_every_block_the_same_rounds(tmp_path: Path) -> None:
+def test_h_per_block_gives_every_block_all_its_steps_in_at_least_the_rounds(tmp_path: Path) -> None:
     """--local-steps 0: block k's H is its own steps // --rounds, and the block trains all its steps in rounds of that
     H, so at least --rounds rounds (the step ratio gives later blocks fewer steps, hence a smaller H, below the
     default 25); the registration, the work answer and the sample cap all use it."""

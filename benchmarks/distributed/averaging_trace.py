@@ -61,9 +61,9 @@ def trace_arm(cfg: RunConfig, row: dict[str, Any], data: DataDir, every: int, ev
             continue
         point = {"round": v + 1, "inner_steps": offset + h, "step_norm": _norm({n: block.W[n] - before[n] for n in before}),
                  "weight_norm": _norm(block.W)}
-        pushed = [u.norm for u in block.run.updates[n_updates:] if u.outcome == "accepted"]
         if row["kind"] == "m" and block.state.momentum is not None:  # Delta_bar from the Nesterov buffer: m' = mu m - Delta_bar
             mu = settings.outer_momentum
+            pushed = [u.norm for u in block.run.updates[n_updates:] if u.outcome == "accepted"]
             prev = buf or {n: torch.zeros_like(t) for n, t in block.state.momentum.items()}
             point["delta_bar_norm"] = _norm({n: m - mu * prev[n] for n, m in block.state.momentum.items()})
             point["mean_delta_norm"] = sum(pushed) / len(pushed)
