@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,12 @@ from blocktrain.config import Objective
 from blocktrain.data.dataset import eval_windows
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.generate import generate
-from blocktrain.evaluate.scoring import score_split
+from blocktrain.evaluate.scoring import score_split, target_log_probs
 from blocktrain.model.stack import StackBlock
 from blocktrain.presets import tiny
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.app import GatewayOptions
-from blocktrain.serve.gateway.backend import RequestError, parse_chat, parse_completion
+from blocktrain.serve.gateway.backend import MAX_STOPS, RequestError, chat_prompt, parse_chat, parse_completion
 from blocktrain.serve.gateway.logprobs import StopScanner, text_offsets, token_str
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.runtime.loading import load_run_span
@@ -53,6 +54,10 @@ def test_token_strings_are_unique_and_offsets_count_characters() -> None:
     assert len({token_str(b) for b in range(256)}) == 256 and token_str(0x41) == "A" and token_str(0xE2) == "bytes:\\xe2"
     data = "añ€z".encode()
     assert text_offsets(data) == [0, 1, 1, 2, 2, 2, 3]  # the bytes of one character share its offset
+    # a sequence cut short is one U+FFFD, and the byte that cut it starts after it
+    assert text_offsets(b"abc\xe2\xff") == [0, 1, 2, 3, 4] and len(b"abc\xe2\xff".decode(errors="replace")) == 5
+    assert text_offsets(b"a\xe2\x82b") == [0, 1, 1, 2] and text_offsets(b"\xe2\x82\xe2\x82\xac") == [0, 0, 1, 1, 1]
+    assert text_offsets(b"\xef\xbf\xbdz") == [0, 0, 0, 1]  # U+FFFD itself, encoded: one character
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -60,13 +65,15 @@ def test_token_strings_are_unique_and_offsets_count_characters() -> None:
     ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "n": 9}, "n"),
     ({"prompt": "a", "n": 0}, "n"),
-    ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "a", "stop": [chr(97 + i) for i in range(MAX_STOPS + 1)]}, "stop"),
     ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": "a", "stop": "x" * 65}, "stop"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": [97, 256]}, "prompt"),
     ({"prompt": [97, True]}, "prompt"),
     ({"prompt": [[97], [98]]}, "prompt"),
+    ({"prompt": [None, 97]}, "prompt"),
+    ({"prompt": [[None, 97]]}, "prompt"),
     ({"prompt": "a", "echo": "yes"}, "echo"),
     ({"prompt": "a", "logprobs": 1, "stream": True}, "stream"),
 ])
@@ -76,16 +83,30 @@ def test_scoring_parameters_out_of_range_are_a_400_naming_them(body: dict[str, A
     assert info.value.status == 400 and info.value.param == param
 
 
-def test_token_id_prompts_and_chat_refusing_logprobs() -> None:
+def test_token_id_prompts_and_chat_fields() -> None:
     assert parse_completion({"prompt": [104, 105, 255]}, 64).prompt == b"hi\xff"
     assert parse_completion({"prompt": [[104, 105]]}, 64).prompt == b"hi"
     req = parse_completion({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 0, "n": 2, "stop": "\n"}, 64)
     assert (req.echo, req.max_tokens, req.logprobs, req.n, req.stop) == (True, 0, 0, 2, (b"\n",))
-    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stop": ["User:"], "n": 2}, 64)
+    stops = [f"s{i}" for i in range(MAX_STOPS)]  # lm-eval and code tasks send more than OpenAI's 4
+    assert len(parse_completion({"prompt": "x", "stop": stops}, 64).stop) == MAX_STOPS >= 16
+    hi = [{"role": "user", "content": "hi"}]
+    chat = parse_chat({"messages": hi, "stop": ["User:"], "n": 2}, 64)
     assert chat.stop == (b"User:",) and chat.n == 2
-    with pytest.raises(RequestError) as info:
-        parse_chat({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 64)
-    assert info.value.param == "logprobs"
+    assert chat.max_tokens == 64 and chat.logprobs is None  # no max_tokens: to a stop or the gateway's cap
+    assert parse_chat({"messages": hi, "max_tokens": 5}, 64).max_tokens == 5
+    assert parse_chat({"messages": hi, "max_completion_tokens": 7}, 64).max_tokens == 7
+    assert parse_chat({"messages": hi, "logprobs": True}, 64).logprobs == 0
+    assert parse_chat({"messages": hi, "logprobs": True, "top_logprobs": 3}, 64).logprobs == 3
+    for body, param in (({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+                        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"logprobs": True, "stream": True}, "stream"),
+                        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages")):
+        with pytest.raises(RequestError) as info:
+            parse_chat({"messages": hi, **body}, 64)
+        assert info.value.status == 400 and info.value.param == param, body
+    with pytest.raises(RequestError, match=r"prompt\[0\] is null.*bos_token '\\n', id 10"):
+        parse_completion({"prompt": [[None, 104]]}, 64)
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +154,8 @@ def test_echo_logprobs_equal_local_eval(stack_run: Path) -> None:
     # max_tokens 1 with echo: every prompt byte's log-prob, then the generated byte's
     lp1 = plus_one.choices[0].logprobs
     assert lp1 is not None and len(lp1.tokens) == len(data) + 1
-    # one more byte moves only the last window (eval windows end at the text's end): the bytes before it agree
-    assert lp1.token_logprobs[1 : len(data) - ctx] == pytest.approx(lp.token_logprobs[1 : len(data) - ctx], abs=1e-6)
+    # one more byte moves no earlier byte's score (the windows are laid out from the start)
+    assert lp1.token_logprobs[1 : len(data)] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
     assert all(isinstance(v, float) for v in lp1.token_logprobs[1:])
     # without echo: only the generated bytes; greedy picks each position's most likely byte
     g = greedy["choices"][0]["logprobs"]
@@ -222,10 +243,13 @@ ERROR_CASES: list[tuple[str, str]] = [  # (path, raw body): each must get a 4xx 
     ("/v1/completions", '{"prompt": [97, 256]}'),
     ("/v1/completions", '{"prompt": "a", "max_tokens": 0}'),
     ("/v1/completions", '{"prompt": "a", "logprobs": 1, "stream": true}'),
-    ("/v1/completions", '{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}'),
+    ("/v1/completions", json.dumps({"prompt": "a", "stop": [f"s{i}" for i in range(MAX_STOPS + 1)]})),
     ("/v1/chat/completions", '{"messages": []}'),
     ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "hi"}]}'),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800"}]}'),
+    ("/v1/completions", '{"prompt": [[null, 97]], "echo": true, "max_tokens": 1, "logprobs": 1}'),
     ("/tokenize", '{"prompt": 7}'),
     ("/detokenize", '{"tokens": [-1]}'),
     ("/detokenize", '{"tokens": "abc"}'),
@@ -275,6 +299,40 @@ CHATS: list[list[dict[str, str]]] = [  # one message, then a two-turn chat (both
 def smallest_text_of(windows: int, context: int) -> int:
     """The fewest bytes that ``blocktrain eval`` scores in ``windows`` windows of ``context``."""
     return next(n for n in range(2, 64 * context) if len(eval_windows(n, context)) == windows)
+
+
+def test_chat_logprobs_and_defaults_as_the_openai_client_reads_them(stack_run: Path) -> None:
+    """Chat with ``logprobs=True, top_logprobs=3``: per generated byte, the log-prob the completions endpoint gives
+    the same bytes (and local eval); no ``max_tokens`` runs past OpenAI's 16 to the gateway's cap; ``text_offset``
+    is right after invalid bytes."""
+    run = RunDir(stack_run)
+    model = AssembledModel.load(run)
+    spans = [load_run_span(run, 0, 1), load_run_span(run, 2, 3)]
+    cap = 40
+    with ring(spans) as stages, serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}",
+                                                         max_tokens_cap=cap)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        mid = client.models.list().data[0].id
+        chat = client.chat.completions.create(model=mid, messages=CHATS[1], temperature=0, logprobs=True,  # type: ignore[arg-type]
+                                              top_logprobs=3)
+        raw = base64.b64decode(chat.choices[0].model_extra["raw_bytes"])  # type: ignore[index]
+        transcript = chat_prompt(CHATS[1]).encode()
+        comp = client.completions.create(model=mid, prompt=list(transcript + raw), max_tokens=0, echo=True, logprobs=3)
+        invalid = client.completions.create(model=mid, prompt=[97, 0xE2, 0xFF, 98], max_tokens=0, echo=True, logprobs=0)
+    assert chat.usage is not None and chat.usage.completion_tokens == cap == len(raw)
+    assert chat.choices[0].finish_reason == "length" and raw == generate(model, transcript, cap, temperature=0)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [c.bytes for c in content] == [[b] for b in raw]
+    assert [c.token for c in content] == [token_str(b) for b in raw]
+    want = comp.choices[0].logprobs.token_logprobs[len(transcript):]  # type: ignore[union-attr]
+    assert [c.logprob for c in content] == pytest.approx(want, abs=1e-6)
+    local = target_log_probs(lambda x: model.log_probs(x), transcript + raw, model.context)[len(transcript) - 1 :]
+    assert [c.logprob for c in content] == pytest.approx(local.tolist(), abs=1e-4)
+    for c, top in zip(content, comp.choices[0].logprobs.top_logprobs[len(transcript):], strict=True):  # type: ignore[union-attr]
+        alts = [t.logprob for t in c.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True) and top is not None
+        assert all(top[t.token] == pytest.approx(t.logprob, abs=1e-6) for t in c.top_logprobs)
+    assert invalid.choices[0].logprobs.text_offset == [0, 1, 2, 3]  # type: ignore[union-attr]
 
 
 def test_default_mode_refuses_no_chat_or_scoring_request_for_its_length(stack_run: Path) -> None:

@@ -1,10 +1,14 @@
 """lm-evaluation-harness against the gateway: a trained stack and its E2E, served as two stages each, scored by
-lm-eval's ``local-completions`` model with its remote tokenizer, every request checked against local eval.
+lm-eval's ``local-completions`` model with its default model arguments (base_url and model only: the remote
+tokenizer, its prefix token and max_length 2048 are lm-eval's own choices), every request checked against local eval.
 
-Two tasks of our own (``benchmarks/serving/lm_eval_tasks/*.yaml``) over JSONL cut here from WikiText-2 test (never
-committed): ``wikitext_bytes_ll`` (log-likelihood of the next 32 bytes after a context of several model windows) and
-``wikitext_bytes_mc`` (which of four 32-byte spans follows it). Each log-likelihood lm-eval reads off the gateway is
-compared with the same sum computed locally from the run's weights, in the windows ``blocktrain eval`` lays out.
+Four tasks of our own (``benchmarks/serving/lm_eval_tasks/*.yaml``), one per request type, over JSONL cut here from
+WikiText-2 test (never committed): ``wikitext_bytes_ll`` (log-likelihood of the next 32 bytes after a context of
+several model windows), ``wikitext_bytes_mc`` (which of four 32-byte spans follows it), ``wikitext_bytes_rolling``
+(loglikelihood_rolling of whole paragraphs) and ``wikitext_bytes_gen`` (generate_until with seven stop strings).
+Each log-likelihood lm-eval reads off the gateway is compared with the same sum computed locally from the run's
+weights, in the windows ``blocktrain eval`` lays out (a rolling document in the windows lm-eval cuts it into), and
+each generation with the local greedy text cut at the first stop.
 
 Needs ``pip install -e '.[lmeval]'`` and two trained runs, e.g. (cpu-quick, a few minutes on 2 cores):
 
@@ -17,7 +21,6 @@ Needs ``pip install -e '.[lmeval]'`` and two trained runs, e.g. (cpu-quick, a fe
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import shutil
@@ -33,17 +36,21 @@ from typing import Any
 
 import httpx
 import torch
+import yaml
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
-from blocktrain.serve.gateway.logprobs import byte_log_probs
+from blocktrain.evaluate.generate import generate
+from blocktrain.evaluate.scoring import target_log_probs
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
+TASK_NAMES = ("wikitext_bytes_ll", "wikitext_bytes_mc", "wikitext_bytes_rolling", "wikitext_bytes_gen")
+ROLLING_BYTES = (200, 3000)  # paragraph lengths of the rolling task: up to one window of lm-eval's 2048, and past it
 RAW_TEST = Path(__file__).resolve().parents[3] / "shared/data/wikitext/wikitext-2-raw/wiki.test.raw"
 
 
 def build_tasks(raw: Path, out: Path, docs: int, context_bytes: int, span: int, seed: int = 0) -> None:
-    """Cut the two tasks' JSONL from ``raw`` into ``out`` and write their YAML there, pointing at them."""
+    """Cut the four tasks' JSONL from ``raw`` into ``out`` and write their YAML there, pointing at them."""
     text = raw.read_bytes().decode("utf-8", errors="ignore")
     data = text.encode()
     rng = random.Random(seed)
@@ -63,8 +70,13 @@ def build_tasks(raw: Path, out: Path, docs: int, context_bytes: int, span: int, 
         choices = [*others[:label], doc["continuation"], *others[label:]]
         ll.append(doc)
         mc.append({"context": doc["context"], "choices": choices, "label": label})
+    paragraphs = [line.strip() for line in text.split("\n") if ROLLING_BYTES[0] <= len(line.strip().encode()) <= ROLLING_BYTES[1]
+                  and not line.strip().startswith("=")]
+    rolling = [{"text": t} for t in rng.sample(paragraphs, min(docs, len(paragraphs)))]
+    tasks = {"wikitext_bytes_ll": ll, "wikitext_bytes_mc": mc, "wikitext_bytes_rolling": rolling,
+             "wikitext_bytes_gen": ll}
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("wikitext_bytes_ll", ll), ("wikitext_bytes_mc", mc)):
+    for name, rows in tasks.items():
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         yaml = (TASKS / f"{name}.yaml").read_text().replace(f"test: {name}.jsonl", f"test: {out / name}.jsonl")
         (out / f"{name}.yaml").write_text(yaml)
@@ -113,31 +125,32 @@ def served(run: Path, kind: str, spans: tuple[str, str], log_dir: Path) -> Itera
 
 def local_loglikelihood(model: AssembledModel | E2EModel, context: bytes, continuation: bytes) -> float:
     """sum log p(continuation | context) from the local weights, each byte scored in the window ``blocktrain eval``
-    scores it in (the gateway's own layout, :func:`byte_log_probs`), over the prompt and the one byte lm-eval asks the
-    gateway to generate (it is a target only, so its value moves nothing)."""
-    data = context + continuation + b"\0"
-
-    async def score(x: torch.Tensor) -> torch.Tensor:  # the local model in place of the pipeline
-        with torch.no_grad():
-            return model.log_probs(x.long())[0]  # (w, t, 256); log_softmax of log-probs leaves them as they are
-
-    lp = asyncio.run(byte_log_probs(data, model.context, score))  # (n, 256), row i: byte i given the bytes before
-    idx = torch.tensor(list(data), dtype=torch.long)[:, None]
-    return float(lp.gather(-1, idx)[len(context) : len(context) + len(continuation), 0].double().sum())
+    scores it in over context + continuation (what the gateway serves: its scores never depend on later bytes)."""
+    lp = target_log_probs(lambda x: model.log_probs(x.long()), context + continuation, model.context)
+    return float(lp[len(context) - 1 :].sum())
 
 
-def evaluate(url: str, tasks: Path, limit: int | None) -> dict[str, Any]:
+def local_rolling(model: AssembledModel | E2EModel, doc: str, max_length: int, prefix: int) -> float:
+    """A document's rolling log-likelihood from the local weights, in the windows lm-eval cuts it into."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    windows = map(make_disjoint_window, get_rolling_token_windows(token_list=list(doc.encode()), prefix_token=prefix,
+                                                                  max_seq_len=max_length - 1, context_len=1))
+    return sum(local_loglikelihood(model, bytes(c), bytes(t)) for c, t in windows)
+
+
+def evaluate(url: str, tasks: Path, limit: int | None) -> tuple[dict[str, Any], Any]:
     import lm_eval
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
 
     model_id = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    return lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args={"base_url": f"{url}/v1/completions", "model": model_id, "tokenizer_backend": "remote",
-                    "max_length": 1 << 15, "num_concurrent": 1, "max_retries": 2, "timeout": 120},
-        tasks=["wikitext_bytes_ll", "wikitext_bytes_mc"], task_manager=TaskManager(include_path=str(tasks)),
+    lm = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=model_id)  # lm-eval's defaults otherwise
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=list(TASK_NAMES), task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True, limit=limit, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
     )
+    return out, lm
 
 
 def split_as_lm_eval(context: str, continuation: str) -> tuple[bytes, bytes]:
@@ -148,20 +161,45 @@ def split_as_lm_eval(context: str, continuation: str) -> tuple[bytes, bytes]:
     return context.encode(), continuation.encode()
 
 
-def check(out: dict[str, Any], model: AssembledModel | E2EModel) -> dict[str, Any]:
-    """Every served log-likelihood against the local one, and the true continuations' CE per byte as served."""
-    diffs, ll_sum, ll_bytes = [], 0.0, 0
+def until_of(task: str) -> tuple[list[str], int]:
+    """The stop strings and byte budget of a generate_until task's YAML."""
+    kw = yaml.safe_load((TASKS / f"{task}.yaml").read_text())["generation_kwargs"]
+    return list(kw["until"]), int(kw["max_gen_toks"])
+
+
+def check(out: dict[str, Any], model: AssembledModel | E2EModel, lm: Any) -> dict[str, Any]:
+    """Every served value against the local one, per request type, and the true continuations' CE per byte as served."""
+    diffs: dict[str, list[float]] = {"loglikelihood": [], "loglikelihood_rolling": []}
+    gen_equal, gen_total, ll_sum, ll_bytes, roll_windows = 0, 0, 0.0, 0, 0
+    stops, budget = until_of("wikitext_bytes_gen")
     for task, samples in out["samples"].items():
         for s in samples:
             doc = s["doc"]
+            if task == "wikitext_bytes_rolling":
+                served = float(s["resps"][0][0])
+                local = local_rolling(model, doc["text"], lm.max_length, lm.prefix_token_id)
+                diffs["loglikelihood_rolling"].append(abs(served - local))
+                roll_windows = max(roll_windows, 1 + len(doc["text"].encode()) // (lm.max_length - 1))
+                continue
+            if task == "wikitext_bytes_gen":
+                greedy = generate(model, doc["context"].encode(), budget, temperature=0).decode("utf-8", errors="replace")
+                cut = min([greedy.find(x) for x in stops if x in greedy], default=len(greedy))
+                gen_equal += s["resps"][0][0] == greedy[:cut]
+                gen_total += 1
+                continue
             conts = [doc["continuation"]] if task == "wikitext_bytes_ll" else doc["choices"]
             for cont, resp in zip(conts, s["resps"], strict=True):
                 served = float(resp[0][0])
                 ctx_b, cont_b = split_as_lm_eval(doc["context"], cont)
-                diffs.append(abs(served - local_loglikelihood(model, ctx_b, cont_b)))
+                diffs["loglikelihood"].append(abs(served - local_loglikelihood(model, ctx_b, cont_b)))
                 if task == "wikitext_bytes_ll":
                     ll_sum, ll_bytes = ll_sum + served, ll_bytes + len(cont_b)
-    return {"requests_checked": len(diffs), "max_abs_diff_nats": max(diffs), "mean_abs_diff_nats": sum(diffs) / len(diffs),
+    return {"requests_checked": {k: len(v) for k, v in diffs.items()},
+            "max_abs_diff_nats": {k: max(v) for k, v in diffs.items()},
+            "mean_abs_diff_nats": {k: sum(v) / len(v) for k, v in diffs.items()},
+            "rolling_most_windows_per_doc": roll_windows,
+            "generate_until": {"requests": gen_total, "equal_to_local_greedy": gen_equal, "stop_strings": len(stops)},
+            "prefix_token_id": lm.prefix_token_id, "max_length": lm.max_length,
             "ll_task_ce_nats_per_byte": -ll_sum / ll_bytes}
 
 
@@ -191,12 +229,12 @@ def main() -> int:
         spans = (f"0-{half - 1}", f"{half}-{top}")
         t0 = time.perf_counter()
         with served(run, kind, spans, work) as url:
-            out = evaluate(url, work / "tasks", args.limit)
+            out, lm = evaluate(url, work / "tasks", args.limit)
         seconds = time.perf_counter() - t0
         metrics = {t: {k.split(",")[0]: v for k, v in r.items() if isinstance(v, int | float) and "stderr" not in k}
                    for t, r in out["results"].items()}
         result[name] = {"run": str(run), "preset": cfg.name, "context": cfg.model.context, "doc_context_bytes": context,
-                        "docs": args.limit or args.docs, "metrics": metrics, "seconds": seconds, **check(out, model)}
+                        "docs": args.limit or args.docs, "metrics": metrics, "seconds": seconds, **check(out, model, lm)}
         print(f"{name}: {json.dumps(result[name])}", file=sys.stderr, flush=True)
     import lm_eval
 
@@ -208,7 +246,11 @@ def main() -> int:
                 print(f"| {name} | {task} | {m} | {v:.4f} |")
         print(f"| {name} | wikitext_bytes_ll | CE of the continuations, nats/byte | "
               f"{result[name]['ll_task_ce_nats_per_byte']:.4f} |")
-        print(f"| {name} | all | max abs(served - local) ll, nats | {result[name]['max_abs_diff_nats']:.2e} |")
+        for kind, d in result[name]["max_abs_diff_nats"].items():
+            print(f"| {name} | {kind} | max abs(served - local), nats | {d:.2e} |")
+        g = result[name]["generate_until"]
+        print(f"| {name} | generate_until | equal to local greedy, {g['stop_strings']} stops | "
+              f"{g['equal_to_local_greedy']} of {g['requests']} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     shutil.rmtree(work, ignore_errors=True)

@@ -186,23 +186,24 @@ def resolve_data_dir(
 
 
 def eval_windows(n: int, context: int) -> list[tuple[int, int, int]]:
-    """Windows that score every target byte 1..n-1 exactly once.
+    """Windows that score every target byte 1..n-1 exactly once, laid out from the start of the text.
 
-    Returns (start, length, first_scored) triples: inputs are bytes
-    [start, start+length), targets [start+1, start+length+1), and positions
-    >= first_scored of the window are scored. After the first window, each
-    window advances by context//2, so every scored byte sees at least half a
-    window of context; the last window is aligned to the end of the split.
+    Returns (start, length, first_scored) triples: inputs are bytes [start, start+length), targets
+    [start+1, start+length+1), and positions >= first_scored of the window are scored. Window i starts at
+    i * (context // 2); window 0 scores all its positions, every later one its positions >= context - context // 2,
+    so every scored byte after the first window sees at least half a window of context. Only the last window may
+    be short (length < context). The layout is prefix-stable: the window that scores byte j, and the bytes it
+    reads, depend on j and ``context`` alone, never on n, so appending bytes never moves an earlier byte's score.
     """
     if n < 2:
         raise DataError(f"a split of {n} bytes has nothing to score")
-    length = min(context, n - 1)
-    stride = max(1, length // 2)
-    windows = [(0, length, 0)]
-    scored_to = length  # targets with index < scored_to+1 done (target index = start + pos + 1)
-    while scored_to < n - 1:
-        start = min(scored_to - length + stride, n - 1 - length)
-        first = scored_to - start
-        windows.append((start, length, first))
-        scored_to = start + length
+    if context < 1:
+        raise DataError(f"a scoring window must hold at least one byte, got context {context}")
+    stride = max(1, context // 2)
+    first = context - stride  # positions of a later window that the window before it has not scored
+    windows = [(0, min(context, n - 1), 0)]
+    start = stride
+    while start + first < n - 1:  # targets start+first+1 .. n-1 are left
+        windows.append((start, min(context, n - 1 - start), first))
+        start += stride
     return windows

@@ -1,7 +1,9 @@
 """Cross-entropy of a whole split, every byte scored exactly once.
 
 Windows come from :func:`blocktrain.data.dataset.eval_windows`: after the first
-window each scored byte has at least half a window of context. The headline is
+window each scored byte has at least half a window of context, and a byte's score never depends on the bytes
+after it (the windows are laid out from the start; a short last window is padded after its end, never scored
+there, so every batch is read at the full context). The headline is
 chain 0 (a fixed seed, K=1); with K>1 chains the mixture p = mean_k p_k is
 scored beside it. The true next byte is used only to read off log p(y).
 """
@@ -45,8 +47,12 @@ def score_split(
     max_bytes: int | None = None,
     progress: bool = False,
     desc: str = "eval",
+    on_bytes: Callable[[torch.Tensor], None] | None = None,
 ) -> ScoreResult:
-    """Score ``data`` (uint8) with ``log_prob_fn``; ``max_bytes`` truncates the split first."""
+    """Score ``data`` (uint8) with ``log_prob_fn``; ``max_bytes`` truncates the split first.
+
+    ``on_bytes`` receives, batch by batch, chain 0's log-prob of each scored byte, in the order of the text
+    (all of them together are log p(data[j] | data[:j]) for j = 1..n-1)."""
     n = len(data) if max_bytes is None else min(len(data), max_bytes + 1)
     arr = np.asarray(data[:n], dtype=np.uint8)
     windows = eval_windows(n, context)
@@ -54,19 +60,22 @@ def score_split(
     total_mix = 0.0
     count = 0
     chains = 1
+    starts = torch.tensor([s for s, _, _ in windows])  # (w,)
+    lengths = torch.tensor([length for _, length, _ in windows])  # (w,)
+    firsts = torch.tensor([first for _, _, first in windows])  # (w,)
+    pos = torch.arange(context)  # (t,): every window is read at the full width, a short last one padded after its end
     for i in progress_bar(range(0, len(windows), batch_size), desc=desc, unit="batch", disable=not progress, dynamic_ncols=True):
-        batch = windows[i : i + batch_size]
-        length = batch[0][1]
-        idx = np.array([s for s, _, _ in batch])[:, None] + np.arange(length + 1)[None, :]
-        win = torch.from_numpy(arr[idx])  # (b, length+1)
+        sl = slice(i, i + batch_size)
+        idx = (starts[sl, None] + torch.arange(context + 1)[None, :]).clamp(max=n - 1)  # (b, t+1)
+        win = torch.from_numpy(arr[idx.numpy()])  # (b, t+1): a padded tail repeats the last byte and is not scored
         x, y = win[:, :-1], win[:, 1:].long()
         logp = log_prob_fn(x)  # (K, b, t, 256)
         chains = logp.shape[0]
         lp_y = logp.gather(-1, y.unsqueeze(0).expand(chains, -1, -1).unsqueeze(-1)).squeeze(-1)  # (K, b, t)
-        mask = torch.zeros_like(lp_y[0], dtype=torch.bool)
-        for j, (_, _, first) in enumerate(batch):
-            mask[j, first:] = True
+        mask = (pos[None, :] >= firsts[sl, None]) & (pos[None, :] < lengths[sl, None])  # (b, t): the scored positions
         per_chain = (lp_y * mask).sum(dim=(1, 2)).double()
+        if on_bytes is not None:
+            on_bytes(lp_y[0][mask])  # (scored,): row-major, so the windows' targets in the text's order
         total = per_chain if total is None else total + per_chain
         mix = torch.logsumexp(lp_y, dim=0) - math.log(chains)
         total_mix += float((mix * mask).sum())
@@ -82,3 +91,12 @@ def score_split(
         ce_mixture_nats_per_byte=(-total_mix / count) if chains > 1 else None,
         ce_per_chain=tuple(-float(v) / count for v in total),
     )
+
+
+def target_log_probs(log_prob_fn: LogProbFn, data: bytes | np.ndarray, context: int, *, batch_size: int = 32) -> torch.Tensor:
+    """log p(data[j] | data[:j]) for j = 1..n-1 (float64, shape (n-1,)), chain 0, in :func:`score_split`'s windows:
+    the local reference a served or harness log-likelihood is checked against."""
+    arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+    got: list[torch.Tensor] = []
+    score_split(log_prob_fn, arr, context, batch_size=batch_size, on_bytes=got.append)
+    return torch.cat(got).double()

@@ -4,7 +4,8 @@ Each byte is one token, id 0-255. A token's string is the character for an ASCII
 other byte (a byte above 0x7f is not a character on its own), so every token has its own string. Log-probs are the
 model's, at temperature 1, whatever the request samples at: the pipeline scores the text teacher-forced, in the
 same windows as ``blocktrain eval`` (:func:`blocktrain.data.dataset.eval_windows`: every byte after the first is
-scored once, with at least half a context of history), so a served score equals the local one.
+scored once, with at least half a context of history, laid out from the start so that no byte's score depends on
+the bytes after it), so a served score equals the local one.
 """
 
 from __future__ import annotations
@@ -33,12 +34,17 @@ def token_str(byte: int) -> str:
 
 def text_offsets(data: bytes) -> list[int]:
     """For each byte of ``data``, the offset in characters of ``data.decode("utf-8", "replace")`` where it starts
-    (the bytes of one character share their character's offset)."""
+    (the bytes of one character share their character's offset; an incomplete sequence cut short by a byte that
+    cannot continue it is one U+FFFD, and that byte starts after it)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets, chars = [], 0
     for b in data:
-        offsets.append(chars)
-        chars += len(decoder.decode(bytes([b])))
+        held = decoder.getstate()[0]  # bytes of a character begun but not finished
+        out = decoder.decode(bytes([b]))
+        now = decoder.getstate()[0]
+        continues = bool(held) and (now == held + bytes([b]) or (not now and len(out) == 1))
+        offsets.append(chars + (1 if held and not continues else 0))  # a broken sequence's U+FFFD comes first
+        chars += len(out)
     return offsets
 
 
@@ -46,7 +52,8 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Ten
     """Log-probs (n, 256) of the byte at each position of ``data`` given the bytes before it; row 0 is NaN.
 
     Windows of ``context`` bytes as :func:`eval_windows` lays them out (row i is predicted in the one window
-    that scores target i); windows of the same length go to the pipeline as one batch.
+    that scores target i), each sent at the full width (a short last window padded after its end), so a row never
+    depends on the bytes after it: appending bytes to ``data`` leaves every earlier row as it was.
     """
     n = len(data)
     out = torch.full((n, VOCAB_SIZE), float("nan"))
@@ -54,13 +61,14 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Ten
         return out
     arr = torch.tensor(list(data), dtype=torch.uint8)
     windows = eval_windows(n, context)
-    length = windows[0][1]  # every window has the same length
     for i in range(0, len(windows), WINDOWS_PER_CALL):
         batch = windows[i : i + WINDOWS_PER_CALL]
-        x = torch.stack([arr[s : s + length] for s, _, _ in batch])  # (w, length): inputs of each window
-        lp = torch.log_softmax((await score(x)).float(), dim=-1)  # (w, length, 256)
-        for j, (start, _, first) in enumerate(batch):
-            out[start + first + 1 : start + length + 1] = lp[j, first:]  # position p predicts byte start + p + 1
+        x = torch.zeros(len(batch), context, dtype=torch.uint8)  # (w, context): each window's inputs, zero-padded
+        for j, (start, length, _) in enumerate(batch):
+            x[j, :length] = arr[start : start + length]
+        lp = torch.log_softmax((await score(x)).float(), dim=-1)  # (w, context, 256)
+        for j, (start, length, first) in enumerate(batch):
+            out[start + first + 1 : start + length + 1] = lp[j, first:length]  # position p predicts byte start + p + 1
     return out
 
 
@@ -99,6 +107,18 @@ class Logprobs:
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
                 "text_offset": self.text_offset}
+
+
+def chat_logprobs(data: bytes, lp: torch.Tensor, top: int, skip: int) -> dict[str, Any]:
+    """The OpenAI Chat Completions ``logprobs`` object of ``data[skip:]`` (the answer, ``skip`` >= 1 bytes of
+    transcript before it): per byte its token, log-prob, bytes and the ``top`` most likely alternatives, best first."""
+    content = []
+    for i in range(skip, len(data)):
+        row = lp[i]
+        best = torch.topk(row, top).indices.tolist() if top > 0 else []
+        content.append({"token": token_str(data[i]), "logprob": float(row[data[i]]), "bytes": [data[i]],
+                        "top_logprobs": [{"token": token_str(t), "logprob": float(row[t]), "bytes": [t]} for t in best]})
+    return {"content": content, "refusal": None}
 
 
 class StopScanner:

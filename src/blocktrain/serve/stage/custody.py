@@ -68,9 +68,8 @@ class Router:
             found = self.span.release(frame.request_id)
             if self.link is not None and not self.span.is_last:
                 self.link.send(frame, custody=False)
-            if not found and self.span.holds(0):
-                await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
-                             f"request {frame.request_id!r} holds no KV cache at {self.name}")
+            if not found:  # a release is idempotent: a request that slid its window or only scored holds nothing
+                log.debug("release of %r at %s: it holds no KV cache", frame.request_id, self.name)
         else:
             log.debug("ignoring a %s frame from %s", kind.value, conn.peer)
 

@@ -1,0 +1,63 @@
+"""A byte's score never depends on the bytes after it, not even on how many follow: appending bytes to a text
+leaves every earlier byte's log-prob as it was, in ``blocktrain eval``'s scoring and in the gateway's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.evaluate.scoring import target_log_probs
+from blocktrain.serve.gateway.logprobs import WINDOWS_PER_CALL, byte_log_probs
+from tests.serve_utils import tiny_models
+
+CFG, BLOCKS, E2E = tiny_models()
+MODELS = {"chain": AssembledModel(BLOCKS, CFG), "e2e": E2EModel(E2E, CFG)}
+TEXT = np.random.default_rng(0).integers(32, 127, size=40 * CFG.model.context, dtype=np.uint8)
+ATOL = 1e-5  # nats: batched matmuls of other batch sizes round differently; a moved window moves scores by >1e-2
+
+
+def eval_log_probs(model: AssembledModel | E2EModel, data: np.ndarray, batch_size: int) -> torch.Tensor:
+    """log p(data[j] | data[:j]) for j = 1..n-1, as ``blocktrain eval`` scores them."""
+    return target_log_probs(lambda x: model.log_probs(x.long()), data, model.context, batch_size=batch_size)
+
+
+def served_log_probs(model: AssembledModel | E2EModel, data: np.ndarray) -> torch.Tensor:
+    """The same, laid out as the gateway lays them out, with the local model in place of the pipeline."""
+    async def score(x: torch.Tensor) -> torch.Tensor:
+        return model.log_probs(x.long())[0]
+
+    lp = asyncio.run(byte_log_probs(bytes(data), model.context, score))  # (n, 256), row 0 NaN
+    return lp[1:].gather(-1, torch.from_numpy(data[1:].astype(np.int64))[:, None])[:, 0].double()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(2, len(TEXT) - 1), extra=st.integers(1, 5 * CFG.model.context), batch=st.sampled_from([1, 3, 32]))
+def test_appending_bytes_moves_no_earlier_score(kind: str, n: int, extra: int, batch: int) -> None:
+    model, m = MODELS[kind], min(n + extra, len(TEXT))
+    short, long = eval_log_probs(model, TEXT[:n], batch), eval_log_probs(model, TEXT[:m], batch)
+    assert short.shape == (n - 1,) and long.shape == (m - 1,)
+    torch.testing.assert_close(long[: n - 1], short, atol=ATOL, rtol=0)
+    # the gateway's rows ignore what follows too, and equal eval's (a chain's noise is drawn per row of a batch:
+    # there, only at eval's batch of the gateway's WINDOWS_PER_CALL)
+    served = served_log_probs(model, TEXT[:n])
+    torch.testing.assert_close(served_log_probs(model, TEXT[:m])[: n - 1], served, atol=ATOL, rtol=0)
+    if model.deterministic or batch == WINDOWS_PER_CALL:
+        torch.testing.assert_close(served, short, atol=ATOL, rtol=0)
+
+
+def test_the_old_end_aligned_windows_would_fail_it() -> None:
+    """The check above can fail: scoring a prefix in windows aligned to its own end moves its scores."""
+    model = MODELS["e2e"]
+    ctx = model.context
+    n = 3 * ctx + 7
+    x = torch.from_numpy(TEXT[: n + 1].astype(np.int64))
+    end_aligned = model.log_probs(x[None, n - ctx : n])[0, 0].gather(-1, x[n - ctx + 1 : n + 1, None])[:, 0]
+    stable = eval_log_probs(model, TEXT[: n + 1], 32)[n - ctx :]
+    assert (end_aligned.double() - stable).abs().max() > 100 * ATOL
