@@ -209,6 +209,23 @@ def test_diffusion_blocks_all_open_and_gate_loss_unchanged(tmp_path: Path, corpu
     c.close()
 
 
+def test_a_worker_whose_diffusion_block_finishes_moves_to_one_still_open(tmp_path: Path) -> None:
+    """A diffusion run opens every block at once: the unpinned worker of a finished block is moved to an open one,
+    and only once every block has finished is it told so (the README's one-worker run then ends)."""
+    c = Coordinator(tmp_path / "run", get_preset("tiny"), CoordinatorSettings(rounds=1, fsync=False, eval_every=0))
+    c.add_token("w")
+    assert c.register("w", None)["block"] == 0
+    c.leave("w")
+    for k in range(c.n_blocks):
+        finish_block(c, k, f"seed{k}")
+        work = c.work("w")
+        c.leave("w")  # not a live replica of its new block: the seed worker's updates close its rounds
+        if k < c.n_blocks - 1:
+            assert (work["block"], work["block_state"], work["finished"]) == (k + 1, "open", False), k
+    assert work["finished"] and c.finished
+    c.close()
+
+
 def test_stack_gate_reads_the_frozen_blocks_and_eval_composes(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     c = stack_coordinator(tmp_path / "run", corpus, rounds=1, gate_tolerance=0.5, eval_bytes=256, audit_fraction=0.0)
     ce = c.maybe_evaluate()  # the composed stack at initialisation: about uniform over 256 bytes

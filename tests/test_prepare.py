@@ -229,3 +229,48 @@ def test_train_and_eval_on_a_prepared_directory_record_and_check_its_fingerprint
     # training the same run on other data is refused, with exit 2
     assert cli(["train-block", "--preset", "tiny", "--objective", "stack", "--blocks", "1", "--block", "0",
                 "--steps", "3", "--out", str(run), "--data", str(tmp_path / "B"), "--no-progress"]) == 2
+
+
+def test_a_run_remembers_its_data_and_eval_finds_it_without_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """run.json records the data directory; ``eval`` without --data scores on it, and fails at once, naming
+    --data, when it is gone or holds other data (no hub download)."""
+    import shutil
+
+    from blocktrain.checkpoint.run import RunDir
+
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    monkeypatch.setenv("BLOCKTRAIN_CACHE", str(tmp_path / "no-cache"))
+    _text_file(tmp_path / "a.txt", 600)
+    ok = ["--valid-fraction", "0.1", "--test-fraction", "0.1", "--no-progress"]
+    assert cli(["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "A"), *ok]) == 0
+    run = tmp_path / "run"
+    assert cli(["train-block", "--preset", "tiny", "--objective", "stack", "--blocks", "1", "--block", "0",
+                "--steps", "2", "--out", str(run), "--data", str(tmp_path / "A"), "--no-progress"]) == 0
+    fp = open_data_dir(tmp_path / "A").fingerprint()
+    assert RunDir(run).recorded_data() == {"dir": str((tmp_path / "A").resolve()), "fingerprint": fp}
+    args = ["eval", str(run), "--split", "test", "--max-bytes", "2000", "--json", "--no-progress"]
+    capsys.readouterr()
+    assert cli(args) == 0
+    assert json.loads(capsys.readouterr().out)["dataset_fingerprint"] == fp
+    shutil.move(tmp_path / "A", tmp_path / "moved")
+    assert cli(args) == 2
+    assert "--data" in capsys.readouterr().err
+    assert cli([*args, "--data", str(tmp_path / "moved")]) == 0
+
+
+def test_a_folder_of_30_files_gets_every_split_with_the_default_fractions(tmp_path: Path) -> None:
+    """The README's `prepare ~/my-notes`: 98/1/1 by hash gives these 30 files no test or valid file; the
+    small-folder rule moves the lowest-hash train files there, the same ones on every run."""
+    src = tmp_path / "notes"
+    src.mkdir()
+    for i, p in enumerate(_paragraphs(30)):
+        (src / f"note{i:02d}.md").write_text(p * 40)
+    assert all(split_of(f"note{i:02d}.md", PrepareOptions()) == "train" for i in range(30))  # the hash rule alone
+    m = prepare(src, tmp_path / "out", PrepareOptions(progress=False)).manifest
+    docs = {s: m["splits"][s]["documents"] for s in SPLITS}
+    assert docs["test"] >= 1 and docs["valid"] >= 1 and sum(docs.values()) == 30
+    assert all(m["splits"][s]["bytes"] >= PrepareOptions().min_split_bytes for s in SPLITS)
+    again = prepare(src, tmp_path / "again", PrepareOptions(progress=False)).manifest
+    assert again["fingerprint"] == m["fingerprint"]

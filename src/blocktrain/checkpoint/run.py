@@ -12,9 +12,11 @@ Layout::
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,14 +43,18 @@ class RunDir:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
+        self._data: dict[str, str] | None = None  # the data directory init() was given, to record in run.json
 
     # --- config -----------------------------------------------------------
     @property
     def config_path(self) -> Path:
         return self.root / "run.json"
 
-    def init(self, cfg: RunConfig) -> RunConfig:
-        """Create the run, or check that an existing run has the same architecture."""
+    def init(self, cfg: RunConfig, data_dir: Path | None = None) -> RunConfig:
+        """Create the run, or check that an existing run has the same architecture; ``data_dir``, the directory it
+        trains on, is recorded in run.json (``data``), so that eval and the other readers find it without --data."""
+        if data_dir is not None:
+            self._data = {"dir": str(Path(data_dir).expanduser().resolve()), "fingerprint": cfg.dataset}
         if self.config_path.exists():
             existing = self.load_config()
             if existing.dataset and cfg.dataset and existing.dataset != cfg.dataset:
@@ -64,13 +70,28 @@ class RunDir:
             if existing.dataset != cfg.dataset and not existing.dataset:  # a run from before fingerprints: record it
                 existing = existing.with_dataset(cfg.dataset)
                 self._write(existing)
+            elif data_dir is not None and self.recorded_data() != self._data:
+                self._write(existing)
             return existing if existing.train == cfg.train else cfg
         self._write(cfg)
         return cfg
 
     def _write(self, cfg: RunConfig) -> None:
-        payload = json.dumps({"format_version": RUN_FORMAT_VERSION, "config": cfg.to_dict()}, indent=2)
-        atomic_write_bytes(self.config_path, payload.encode())
+        doc: dict[str, Any] = {"format_version": RUN_FORMAT_VERSION, "config": cfg.to_dict()}
+        data = self._data or self.recorded_data()
+        if data:
+            doc["data"] = data
+        atomic_write_bytes(self.config_path, json.dumps(doc, indent=2).encode())
+
+    def recorded_data(self) -> dict[str, str] | None:
+        """``{"dir", "fingerprint"}`` of the data the run trains on, as run.json records it (None: not recorded)."""
+        if not self.config_path.is_file():
+            return None
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(self.config_path.read_text()).get("data")
+            if isinstance(data, dict) and isinstance(data.get("dir"), str):
+                return {"dir": data["dir"], "fingerprint": str(data.get("fingerprint", ""))}
+        return None
 
     def load_config(self) -> RunConfig:
         if not self.config_path.is_file():

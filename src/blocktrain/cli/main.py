@@ -63,7 +63,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from blocktrain.checkpoint.run import RunDir
     from blocktrain.config import Precision
-    from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.data.dataset import resolve_run_data
     from blocktrain.device import resolve_precision
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.report import evaluate_model
@@ -71,9 +71,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     precision = resolve_precision(Precision(args.precision), torch.device("cpu"))
     run = RunDir(Path(args.run))
     model = load_model_from_run(run, args.model, precision)
-    data_dir = resolve_data_dir(args.data)
+    trained_on = run.load_config().dataset
+    data_dir = resolve_run_data(args.data, run.recorded_data(), trained_on, args.run)
     data = data_dir.open(args.split)
-    trained_on, scoring = run.load_config().dataset, data_dir.fingerprint()
+    scoring = data_dir.fingerprint()
     if trained_on and trained_on != scoring:
         log.warning("%s trained on dataset %s but is scored on %s (%s); its CE is not comparable with the run's own",
                     args.run, trained_on[:12], data_dir.root, scoring[:12])

@@ -3,7 +3,7 @@
 A worker registers (checked against the run: its dataset's fingerprint, the block it asks for, quarantine), is
 assigned a block (the one it pins, the one it had, or the open block with the fewest live replicas) and holds a
 lease it renews with every heartbeat or work request; a lapsed lease takes it out of its round's quorum. Under
-the progressive schedule an unpinned worker on a waiting or finished block moves to an open one. The work answer
+every schedule an unpinned worker on a waiting or finished block moves to an open one. The work answer
 names the block, version, data stream and deadline of the worker's round. State lives in the ``workers`` table
 (:class:`.tables.WorkerTable`); the rounds themselves are :mod:`.rounds`'.
 """
@@ -109,12 +109,13 @@ class Roster:
         """The block with the fewest live replicas other than ``name`` (stack: among the open blocks, if any)."""
         live = self.live_replicas(now)
         live = {b: {w for w in names if w != name} for b, names in live.items()}
-        candidates = (self.rounds.open_blocks() if self.rounds.progressive else []) or list(range(self.n_blocks))
+        candidates = self.rounds.open_blocks() or list(range(self.n_blocks))
         return min(candidates, key=lambda b: (len(live[b]), b))
 
     def _should_move(self, k: int) -> bool:
-        """Progressive schedule: an unpinned worker leaves a waiting or finished block k for an open one."""
-        return self.rounds.progressive and self.rounds.state[k] is not BlockState.OPEN and bool(self.rounds.open_blocks())
+        """An unpinned worker leaves a waiting or finished block k for an open one (in every schedule: a diffusion
+        run's blocks all open at once, and a worker whose block finished moves to one that still trains)."""
+        return self.rounds.state[k] is not BlockState.OPEN and bool(self.rounds.open_blocks())
 
     def heartbeat(self, name: str) -> dict[str, Any]:
         with self.lock:

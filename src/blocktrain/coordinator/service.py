@@ -57,7 +57,7 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.run = RunDir(run_dir)
-        self.cfg = self.run.init(cfg)
+        self.cfg = self.run.init(cfg, data.root if data is not None else None)
         self.objective = get_objective(self.cfg)
         self.settings = settings.for_objective(self.objective.outer_step())
         self.clock = clock

@@ -53,6 +53,11 @@ def fingerprint_of(split_sha: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def _wikitext_fingerprint(flavour: str) -> str:
+    return fingerprint_of({s: KNOWN_SHA256[f"wiki.{s}.{flavour}"] for s in SPLITS})
+
+
+WIKITEXT_FINGERPRINTS = frozenset(_wikitext_fingerprint(f) for f in FLAVOURS)  # the published WikiText-2 files'
 _FINGERPRINTS: dict[tuple[str, int, int], str] = {}  # (split path, size, mtime_ns) -> sha256, per process
 
 
@@ -183,6 +188,31 @@ def resolve_data_dir(
 
     log.info("no data directory given; downloading WikiText-2 raw into %s", cached)
     return open_data_dir(download(cached))
+
+
+def resolve_run_data(explicit: str | Path | None, recorded: dict[str, str] | None, trained_on: str, what: str,
+                     *, download: Callable[[Path], Path] | None = None) -> DataDir:
+    """The data of a trained run (``what``, for messages): ``--data`` or ``$BLOCKTRAIN_DATA`` when given, else the
+    directory its run.json records (``recorded``, checked against the fingerprint it trained on), else the default
+    order of :func:`resolve_data_dir`, never a download for a run that trained on other data than WikiText-2."""
+    if explicit is not None or os.environ.get("BLOCKTRAIN_DATA"):
+        return resolve_data_dir(explicit, download=download)
+    if recorded is not None:
+        root = Path(recorded["dir"])
+        if find_flavour(root) is None:
+            raise DataError(f"{what} trained on the data at {root}, which is gone or no longer a dataset; pass "
+                            f"--data DIR with that data (fingerprint {trained_on[:12] or '?'})")
+        data = open_data_dir(root)
+        if trained_on and data.fingerprint() != trained_on:
+            raise DataError(f"{what} trained on dataset {trained_on[:12]}, but {root} now holds "
+                            f"{data.fingerprint()[:12]}; pass --data DIR with the run's own data")
+        log.info("%s: data from its run.json: %s", what, data.describe())
+        return data
+    cached = cache_dir() / "wikitext-2-raw"
+    if find_flavour(cached) is None and trained_on and trained_on not in WIKITEXT_FINGERPRINTS:
+        raise DataError(f"{what} trained on dataset {trained_on[:12]} and does not record where it is (a run made "
+                        "before runs recorded their data); pass --data DIR")
+    return resolve_data_dir(None, download=download)
 
 
 def eval_windows(n: int, context: int) -> list[tuple[int, int, int]]:

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20  # bytes read at a time
 BINARY_PROBE = 8192  # bytes inspected for a NUL to call a file binary
+SMALL_FOLDER_RULE = "train files of lowest hash moved to test, then valid, until each holds a context window"
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,36 @@ class SplitWriter:
         self.size += len(data)
 
 
+def _unit(key: str) -> float:
+    """u = sha256(key) / 2^256 in [0, 1), from the digest's first 8 bytes."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()[:8], "big") / 2**64
+
+
 def split_of(key: str, opts: PrepareOptions) -> str:
     """The split of the document keyed ``key``: u = sha256(key) / 2^256 against the fractions."""
-    u = int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()[:8], "big") / 2**64
+    u = _unit(key)
     if u < opts.test_fraction:
         return "test"
     if u < opts.test_fraction + opts.valid_fraction:
         return "valid"
     return "train"
+
+
+def directory_splits(sizes: dict[str, int], opts: PrepareOptions) -> dict[str, str]:
+    """Each file's split: :func:`split_of`, then, for a folder too small for the fractions to give test or valid
+    one context window, the train files of lowest u moved there (test first) while train keeps a window of its own.
+    The same folder gives the same splits on every run."""
+    split = {rel: split_of(rel, opts) for rel in sizes}
+    for name in ("test", "valid"):
+        def total(s: str) -> int:
+            return sum(sizes[r] for r in split if split[r] == s)
+
+        while total(name) < opts.min_split_bytes:
+            train = sorted((r for r in split if split[r] == "train"), key=_unit)
+            if len(train) < 2 or total("train") - sizes[train[0]] < opts.min_split_bytes:
+                break  # too small a folder: the size check names the split and what to do
+            split[train[0]] = name
+    return split
 
 
 def source_kind(src: Path) -> str:
@@ -162,7 +185,8 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
             if w.size < opts.min_split_bytes:
                 raise DataError(
                     f"split {w.name!r} would hold {w.size} bytes ({w.documents} documents), less than one context "
-                    f"window ({opts.min_split_bytes} bytes); add text, or raise --{w.name}-fraction"
+                    f"window ({opts.min_split_bytes} bytes); add text, or raise --{w.name}-fraction (of {total} "
+                    f"documents, a fraction near {min(0.45, 3 / total):.2g} gives it about three)"
                     if w.name != "train" else
                     f"split 'train' would hold {w.size} bytes, less than one context window; add text"
                 )
@@ -174,7 +198,9 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
                        "exclude": list(opts.exclude) if kind == "directory" else None,
                        "field": opts.field if kind == "jsonl" else None},
             "split_rule": {"valid_fraction": opts.valid_fraction, "test_fraction": opts.test_fraction,
-                           "hash": "sha256(document key)"} if kind != "wikitext" else {"wikitext": "official splits"},
+                           "hash": "sha256(document key)",
+                           "small_folder": SMALL_FOLDER_RULE if kind == "directory" else None}
+            if kind != "wikitext" else {"wikitext": "official splits"},
             "splits": {s: {"file": f"{s}.bin", "documents": w.documents, "bytes": w.size, "sha256": shas[s]}
                        for s, w in writers.items()},
             "binary_files_skipped": skipped,
@@ -268,6 +294,7 @@ def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOpt
     if unreadable:
         raise DataError(_unreadable_message(src, unreadable))
     skipped = 0
+    split = directory_splits(sizes, opts)
     with _bytes_bar(sum(sizes.values()), f"prepare {src.name}", opts) as bar:
         for rel, p in files:
             try:
@@ -277,7 +304,7 @@ def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOpt
                         skipped += 1
                     elif head:
                         rest = iter(lambda f=f: f.read(CHUNK), b"")  # type: ignore[misc]
-                        _append_document(writers[split_of(rel, opts)], itertools.chain([head], rest))
+                        _append_document(writers[split[rel]], itertools.chain([head], rest))
             except OSError:
                 unreadable.append(rel)
             bar.update(sizes[rel])

@@ -39,6 +39,7 @@ class ArmResult:
 
 def train_arm(cfg: RunConfig, data: DataDir, out: Path, k: int, *, isolate: bool, progress: bool = True) -> ArmResult:
     """Train block ``k`` (or the E2E reference, ``k == E2E``) of ``cfg`` into ``out``."""
+    RunDir(out).init(cfg, data.root)  # records the data directory for eval, generate, serve and bench
     if isolate:
         proc = _start(cfg, data, out, k, progress)
         proc.join()
@@ -55,7 +56,7 @@ def train_run(cfg: RunConfig, data: DataDir, out: Path, *, isolate: bool = True,
     ``parallel`` blocks at once where the objective lets blocks train independently (in fresh processes)."""
     from blocktrain.train.schedule import schedule_of, train_concurrent
 
-    RunDir(out).init(cfg)  # a run of another config is refused once, here, not once per block
+    RunDir(out).init(cfg, data.root)  # a run of another config is refused once, here, not once per block
     if schedule_of(cfg) is Schedule.CONCURRENT:
         train_concurrent(cfg, data, out, progress=progress)
         return [ArmResult(_name(k), {}) for k in range(cfg.model.n_blocks)]
