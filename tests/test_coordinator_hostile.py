@@ -169,3 +169,33 @@ def test_worker_round_prints_no_autograd_warning(tmp_path: Path, corpus: DataDir
         c.close()
     assert summary.rounds_pushed == 1
     assert not [w for w in caught if "requires_grad" in str(w.message)]
+
+
+def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path) -> None:
+    """--min-updates equal to the worker count: a worker refused in a round, then quarantined, stops counting at
+    once, and the honest workers' pushes close each round at quorum, well before its deadline."""
+    from fastapi.testclient import TestClient
+
+    from blocktrain.coordinator.app import create_app
+    from tests.distributed_utils import FakeClock
+
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=120, lease_seconds=600, min_updates=3,
+                         agree_min=None, refusal_burst=0, audit_fraction=0.0)
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+        for name in ("a", "b", "evil"):
+            api.register(name, block=0)
+
+        def push(name: str, v: int, seed: int, scale: float = 1e-3) -> tuple[int, dict[str, object]]:
+            return api.push(name, 0, pack_delta(small_delta(c, scale=scale, seed=seed), Compression.BF16, block=0,
+                                                base_version=v, base_sha=c.weights_sha[0], samples=4))
+
+        for v in range(3):
+            for i, name in enumerate(("a", "b")):
+                assert push(name, v, 10 * v + i)[0] == 202
+            status, doc = push("evil", v, 100 + v, scale=1.0)  # far above the honest norms
+            assert status in (403, 422), doc
+            c.tick()  # the service's periodic pass; the clock has not moved: no deadline has passed
+            assert c.version[0] == v + 1, f"round {v} held open by a refused or quarantined worker"
+        assert c.store.conduct.quarantined("evil")  # three refusals quarantine it (quarantine_after 3)
+    c.close()

@@ -183,16 +183,21 @@ class Rounds:
 
     # --- rounds ------------------------------------------------------------------
     def check_quorum(self, now: float) -> list[int]:
-        """Close every open round that each live replica of its block has reported to; returns their blocks."""
+        """Close every open round that each live replica of its block has reported to; returns their blocks.
+
+        The quorum counts only the workers that can still contribute: live (admitted, holding a lease; a quarantined
+        worker has left) and not refused in this round. ``min_updates`` is capped by their number, so a refused or
+        quarantined worker never holds a round to its deadline."""
         live = live_replicas(self.store.workers, self.n_blocks, now)
         closed = []
         for k in range(self.n_blocks):
             v = self.checkpoints.version[k]
             reported = self.store.updates.reporters(k, v)
             rnd = self.store.rounds.round(k, v)
-            enough = len(reported) >= self.settings.min_updates
-            done = reported | self.refused.get((k, v), set())  # a refused worker waits for the next version
-            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= done
+            refused = self.refused.get((k, v), set())  # a refused worker waits for the next version
+            able = (live[k] - refused) | reported  # who can still count in this round
+            enough = len(reported) >= min(self.settings.min_updates, len(able))
+            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported | refused
                     and int(rnd["n_updates"]) > 0):  # 0: every update it had was dropped (a quarantined worker's)
                 self.close_round(k, CloseReason.QUORUM, now)
                 closed.append(k)
