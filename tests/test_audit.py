@@ -195,3 +195,35 @@ def test_a_refused_worker_waits_for_the_next_version_instead_of_pushing_the_roun
     assert status["rejections"] == {"claim": 1} and not status["quarantined"], status
     assert reasons[:3] == ["quorum"] * 3  # round 1 did not wait for the refused worker's deadline
     assert workers[1].summary.rounds_pushed == 2  # versions 0 and 2; version 1 refused once, not pushed again
+
+
+def test_a_failed_audit_that_completed_the_quorum_leaves_nothing_applied(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Over HTTP: an honest worker and one that pushes 1.5 x its delta (audited, it completes the round's quorum).
+    The round waits for both audits; the bad push fails its replay, its worker is quarantined, and the published
+    weights equal the round of the honest worker alone (a coordinator that never saw the other)."""
+    def run(kinds: list[type[Worker]], root: Path) -> Coordinator:
+        c = make_coordinator(root / "run", corpus, rounds=1, **AUDIT_ALL)
+        tokens = [c.add_token(f"w{i}") for i in range(len(kinds))]
+        for i in range(len(kinds)):
+            c.register(f"w{i}", 0)  # in order: worker ids, and so their data streams, do not race
+        with ThreadServer(c) as srv:
+            threads = [threading.Thread(target=_run, args=(kind(WorkerOptions(
+                url=srv.url, token=t, block=0, progress=False, max_rejections=1, frozen_cache=root / f"f{i}"), corpus),),
+                daemon=True) for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=180)
+            assert not any(t.is_alive() for t in threads)
+        return c
+
+    both = run([Worker, Scaled], tmp_path / "both")
+    alone = run([Worker], tmp_path / "alone")
+    assert both.conduct.quarantined("w1") and not both.conduct.quarantined("w0")
+    assert both.version[0] == alone.version[0] == 1
+    states = {str(r["worker"]): str(r["state"]) for r in both.store.q("SELECT worker, state FROM updates WHERE block=0")}
+    assert states == {"w0": "applied", "w1": "dropped"}
+    for n, t in alone.weights[0].items():
+        assert torch.equal(both.weights[0][n], t), n
+    both.close()
+    alone.close()

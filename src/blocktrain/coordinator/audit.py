@@ -80,6 +80,7 @@ class Auditor:
         self._rng = random.SystemRandom()
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
+        self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
         self.passed = 0
         self.failed = 0
         self.replay_seconds: list[float] = []  # wall time of every replay
@@ -111,8 +112,11 @@ class Auditor:
         raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", "no_audit")
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
+        """The case awaiting ``worker``'s upload, now being replayed: its round stays held until :meth:`decided`."""
         with self._lock:
             case = self._pending.pop((worker, k, v), None)
+            if case is not None:
+                self._judging.add((worker, k, v))
         if case is None:
             raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", "no_audit")
         return case
@@ -122,6 +126,16 @@ class Auditor:
         with self._lock:
             late = [key for key, c in self._pending.items() if c.due < now]
             return [self._pending.pop(key) for key in late]
+
+    def holds(self, k: int, v: int) -> bool:
+        """Whether an accepted update of block k version v awaits its audit (its round must not close yet)."""
+        with self._lock:
+            return any(key[1] == k and key[2] == v for key in (*self._pending, *self._judging))
+
+    def decided(self, worker: str, k: int, v: int) -> None:
+        """The replay of ``worker``'s push for (k, v) is judged (and its worker quarantined if it failed)."""
+        with self._lock:
+            self._judging.discard((worker, k, v))
 
     def pending(self) -> int:
         with self._lock:

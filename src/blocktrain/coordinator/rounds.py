@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
@@ -58,9 +59,13 @@ class Rounds:
     """Block states and the rounds of every block: quorum, deadlines, aggregation into the next version."""
 
     def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, progressive: bool, store: Store,
-                 checkpoints: Checkpoints, intake: Intake, conduct: Conduct, lock: threading.RLock) -> None:
+                 checkpoints: Checkpoints, intake: Intake, conduct: Conduct, lock: threading.RLock,
+                 audits_pending: Callable[[int, int], bool] = lambda k, v: False) -> None:
         self.cfg, self.settings, self.progressive, self.store = cfg, settings, progressive, store
         self.checkpoints, self.intake, self.conduct, self.lock = checkpoints, intake, conduct, lock
+        # (block, version) -> whether an update of that round awaits its audit: the round does not close before
+        # every audit of it is decided (a pass keeps the update, a failure quarantines its worker and drops it)
+        self.audits_pending = audits_pending
         self.objective = get_objective(cfg)
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
@@ -198,7 +203,8 @@ class Rounds:
             able = (live[k] - refused) | reported  # who can still count in this round
             enough = len(reported) >= min(self.settings.min_updates, len(able))
             if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported | refused
-                    and int(rnd["n_updates"]) > 0):  # 0: every update it had was dropped (a quarantined worker's)
+                    and int(rnd["n_updates"]) > 0  # 0: every update it had was dropped (a quarantined worker's)
+                    and not self.audits_pending(k, v)):
                 self.close_round(k, CloseReason.QUORUM, now)
                 closed.append(k)
         return closed
@@ -210,6 +216,8 @@ class Rounds:
             rnd = self.store.rounds.round(k, v)
             if rnd is None or rnd["state"] != RoundState.OPEN.value or float(rnd["deadline"]) > now:
                 continue
+            if self.audits_pending(k, v):  # past its deadline, the round waits for its audits (each within
+                continue                   # --audit-timeout, else its worker is quarantined and its update dropped)
             if int(rnd["n_updates"]) > 0:
                 self.close_round(k, CloseReason.DEADLINE, now)
             else:  # nobody delivered: keep the round open for another period

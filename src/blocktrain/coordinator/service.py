@@ -71,10 +71,11 @@ class Coordinator:
         self.conduct = Conduct(self.settings, self.store)  # rate limit and quarantine
         if self.settings.gate and not self.intake.gating:
             log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
-        self.rounds = Rounds(self.cfg, self.settings, progressive, self.store, self.checkpoints, self.intake, self.conduct, self.lock)
+        self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
+        self.rounds = Rounds(self.cfg, self.settings, progressive, self.store, self.checkpoints, self.intake, self.conduct,
+                             self.lock, audits_pending=self.auditor.holds)  # a round waits for its audits
         with self.lock:
             self.rounds.start(self.clock())
-        self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
         self.tokens = Tokens(self.store, self.conduct, self.lock, clock)
         # the hivemind engine's authority and bootstrap peer (coordinator.groups)
         self.hub: PeerHub | None = PeerHub(self.run.root, self.store, settings.hivemind_host) if settings.hivemind else None

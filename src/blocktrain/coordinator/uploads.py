@@ -137,22 +137,30 @@ class Uploads:
             return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=audit).model_dump()
 
     def audit(self, name: str, k: int, v: int, body: bytes) -> dict[str, Any]:
-        """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it."""
+        """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it.
+
+        Its round has waited for this decision (``Rounds.audits_pending``): a failed push is dropped before the round
+        closes, so it is never applied, also where it completed the quorum."""
         self.checkpoints.check_block(k)
         case = self.auditor.take(name, k, v)
+        answer: AuditAnswer | None = None
+        why = "its replay broke"
         try:
             answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k])
+            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} > "
+                   f"{answer.tolerance:g}")
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
             why = f"its audit upload was refused ({exc})"
-        else:
-            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} > "
-                   f"{answer.tolerance:g}")
-        if answer.passed:
-            log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name, answer.relative_error, answer.seconds)
-        else:
+        finally:  # decided under the lock, before its round may close; a replay that broke fails it too
             with self.lock:
-                self.conduct.quarantine(name, f"failed audit: {why}", self.clock())
+                if answer is not None and answer.passed:
+                    log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name,
+                             answer.relative_error, answer.seconds)
+                else:
+                    self.conduct.quarantine(name, f"failed audit: {why}", self.clock())
+                self.auditor.decided(name, k, v)
+                self.rounds.check_quorum(self.clock())  # the decided audit may complete its round
         return answer.model_dump()
 
     def overdue_audits(self, now: float) -> None:
