@@ -112,7 +112,7 @@ def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: 
 
 def _one(preset: str, run: Path, updates: int, compression: Compression, n_clients: int, fsync: bool) -> float:
     store = Store(run)
-    tokens = [store.tokens.add_token(f"w{i:03d}", time.time()) for i in range(updates)]
+    tokens = [store.tokens.add_token(f"w{i:03d}", time.time()) for i in range(updates + 1)]  # the last never pushes
     store.close()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -121,7 +121,7 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
         [sys.executable, "-m", "blocktrain", "coordinator", "--run-dir", str(run), "--preset", preset,
          "--objective", "diffusion", "--port",  # the updates below are diffusion blocks
          str(port), "--no-eval", "--norm-k", "0", "--round-seconds", "3600", "--threads", "1",
-         "--min-updates", str(updates + 1),  # the round stays open: time the intake, not the aggregation
+         # one more live worker than push: the round stays open (time the intake, not the aggregation)
          *([] if fsync else ["--no-fsync"])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -142,6 +142,8 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
         for i, t in enumerate(tokens):
             auth = {"Authorization": f"Bearer {t}"}
             httpx.post(f"{url}/v1/register", json={"block": 0}, headers=auth, timeout=30)
+            if i == updates:  # the silent live replica
+                break
             sha = sha or str(httpx.get(f"{url}/v1/work", headers=auth, timeout=30).json()["weights_sha"])
             g = torch.Generator().manual_seed(i)
             delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}

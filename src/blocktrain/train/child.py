@@ -39,7 +39,8 @@ class ArmResult:
 
 def train_arm(cfg: RunConfig, data: DataDir, out: Path, k: int, *, isolate: bool, progress: bool = True) -> ArmResult:
     """Train block ``k`` (or the E2E reference, ``k == E2E``) of ``cfg`` into ``out``."""
-    RunDir(out).init(cfg, data.root)  # records the data directory for eval, generate, serve and bench
+    data.open("train")  # a missing or empty split fails here, before the run directory is made
+    RunDir(out).init(cfg, data.root)  # records the data directory for eval and the other readers
     if isolate:
         proc = _start(cfg, data, out, k, progress)
         proc.join()
