@@ -21,6 +21,7 @@ from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.intake import MAD_TO_SIGMA, Intake
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.errors import ProtocolError
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.messages import PROTOCOL_VERSION, WorkAnswer, parse_meta
 from tests.distributed_utils import FakeClock, make_coordinator
@@ -198,3 +199,33 @@ def test_the_gate_tolerance_is_calibrated_from_accepted_rises() -> None:
     want = med + 6.0 * MAD_TO_SIGMA * statistics.median(abs(r - med) for r in rises)
     assert intake.tolerance(0) == pytest.approx(max(0.01, want))
     assert Intake(CoordinatorSettings(gate_tolerance=0.5), {0: {"w": (2,)}}, None).tolerance(0) == 0.5
+
+
+def test_a_near_duplicate_checked_while_its_original_is_accepted_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race of the unlocked replay check: it stacks the accepted sketches while another thread accepts an
+    update (appending its sketch). The stack it then caches lacks that sketch; the locked re-check of a copy of the
+    accepted update must still refuse it."""
+    import blocktrain.coordinator.intake as intake_module
+
+    intake = Intake(CoordinatorSettings(), {0: {"w": (64,)}}, None)
+    g = torch.Generator().manual_seed(0)
+    sketches = [intake.sketch(0, {"w": torch.randn(64, generator=g)}) for _ in range(4)]
+    for sk in sketches[:2]:
+        intake.remember_sketch(0, sk)
+    original = sketches[2]
+    stack, raced = torch.stack, []
+
+    def stack_while_an_accept_lands(ts: list[torch.Tensor]) -> torch.Tensor:
+        out = stack(ts)
+        if not raced:  # the other thread's accept of `original`, between the unlocked read and its cache write
+            raced.append(True)
+            intake.remember_sketch(0, original)
+        return out
+
+    monkeypatch.setattr(intake_module.torch, "stack", stack_while_an_accept_lands)
+    intake.check_replay(0, sketches[3])  # an unrelated update, checked unlocked
+    monkeypatch.setattr(intake_module.torch, "stack", stack)
+    assert raced
+    with pytest.raises(ProtocolError) as info:  # the near-duplicate's check, under the lock
+        intake.check_replay(0, original.clone())  # a copy (a scaled copy has the same unit sketch)
+    assert info.value.status == 422 and info.value.reason == "replay"

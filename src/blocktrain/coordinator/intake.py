@@ -106,7 +106,9 @@ class Intake:
         self.rises: dict[int, deque[float]] = {k: deque(maxlen=settings.gate_history) for k in shapes}
         self._sketchers = {k: CountSketch(sh, settings.sketch_dim, seed=k) for k, sh in shapes.items()}
         self._sketches: dict[int, list[torch.Tensor]] = {k: [] for k in shapes}
-        self._stacked: dict[int, torch.Tensor | None] = {k: None for k in shapes}  # (n, dim) cache of _sketches[k]
+        # (n, dim) cache of _sketches[k]: valid while it has as many rows as the list (an unlocked check may store
+        # a stack taken before an accept appended to the list; its row count gives it away)
+        self._stacked: dict[int, torch.Tensor | None] = {k: None for k in shapes}
         self._before: dict[tuple[int, str], float] = {}  # (block, weights sha) -> held-out loss at W_v
         self.checked = 0  # updates that went through check()
         self.seconds = 0.0  # seconds spent in check(), in all
@@ -147,11 +149,12 @@ class Intake:
 
     def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
         """The largest cosine of ``sketch`` with block k's accepted sketches; refuses above ``replay_cosine``."""
-        if not self._sketches[k]:
+        sketches = self._sketches[k][:]  # a snapshot: the list only grows, and may grow while this runs unlocked
+        if not sketches:
             return None
         stacked = self._stacked[k]
-        if stacked is None:
-            stacked = self._stacked[k] = torch.stack(self._sketches[k])  # n x (dim,) -> (n, dim)
+        if stacked is None or stacked.shape[0] != len(sketches):  # a stack cached before an accept is stale
+            stacked = self._stacked[k] = torch.stack(sketches)  # n x (dim,) -> (n, dim)
         cos = float((stacked @ sketch).max())
         if self.settings.replay_cosine < 1 and cos > self.settings.replay_cosine:
             raise ProtocolError(422, f"the update repeats an accepted delta of block {k} (cosine {cos:.6f} > "
