@@ -57,8 +57,12 @@ def _run(w: Worker) -> None:
 
 
 def run_workers(c: Coordinator, data: DataDir, tmp_path: Path, kinds: list[type[Worker]],
-                block: int | None = 0) -> list[Worker]:
+                block: int | None = 0, in_order: bool = False) -> list[Worker]:
+    """``kinds`` as workers w0, w1, ... over HTTP until they stop; ``in_order``: registered first, in order, so their
+    ids (and so their data streams) do not race."""
     tokens = [c.add_token(f"w{i}") for i in range(len(kinds))]
+    for i in range(len(kinds) if in_order else 0):
+        c.register(f"w{i}", block)
     with ThreadServer(c) as srv:
         workers = [kind(WorkerOptions(url=srv.url, token=t, block=block, progress=False, max_rejections=1,
                                       frozen_cache=tmp_path / f"frozen{i}"), data)
@@ -203,18 +207,7 @@ def test_a_failed_audit_that_completed_the_quorum_leaves_nothing_applied(tmp_pat
     weights equal the round of the honest worker alone (a coordinator that never saw the other)."""
     def run(kinds: list[type[Worker]], root: Path) -> Coordinator:
         c = make_coordinator(root / "run", corpus, rounds=1, **AUDIT_ALL)
-        tokens = [c.add_token(f"w{i}") for i in range(len(kinds))]
-        for i in range(len(kinds)):
-            c.register(f"w{i}", 0)  # in order: worker ids, and so their data streams, do not race
-        with ThreadServer(c) as srv:
-            threads = [threading.Thread(target=_run, args=(kind(WorkerOptions(
-                url=srv.url, token=t, block=0, progress=False, max_rejections=1, frozen_cache=root / f"f{i}"), corpus),),
-                daemon=True) for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=180)
-            assert not any(t.is_alive() for t in threads)
+        run_workers(c, corpus, root, kinds, block=0, in_order=True)
         return c
 
     both = run([Worker, Scaled], tmp_path / "both")

@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.cli.main import main
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.generate import generate
 from blocktrain.evaluate.scoring import target_log_probs
 from blocktrain.serve.gateway.app import GatewayOptions
 from blocktrain.serve.runtime.loading import load_run_span
-from tests.conftest import write_data_dir
 from tests.serve_utils import ring
 from tests.test_gateway import serve_app
+from tests.test_gateway_scoring import stack_run  # noqa: F401  (a tiny stack trained in-process)
 
 lm_eval = pytest.importorskip("lm_eval")  # the dev extra installs it (scripts/test.sh)
+from benchmarks.serving.lm_eval_gateway import split_as_lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.openai_completions import LocalCompletionsAPI  # noqa: E402
 
@@ -33,30 +33,12 @@ TEXT = ("Senjo no Valkyria 3 : Unrecorded Chronicles is a tactical role @-@ play
         "predecessors , the story runs parallel to the first game and follows the Nameless , a penal military unit .")
 
 
-@pytest.fixture(scope="module")
-def stack_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("lmeval")
-    data = write_data_dir(root / "data")
-    for k in range(4):
-        assert main(["train-block", "--preset", "tiny", "--objective", "stack", "--block", str(k), "--steps", "3",
-                     "--out", str(root / "run"), "--data", str(data), "--no-progress", "--eval-bytes", "0"]) == 0
-    return root / "run"
-
-
 def local_log_probs(model: AssembledModel, data: bytes) -> torch.Tensor:
     """log p(data[j] | data[:j]) for j = 1..n-1, as ``blocktrain eval`` scores them."""
     return target_log_probs(lambda x: model.log_probs(x), data, model.context)
 
 
-def lm_eval_split(context: str, continuation: str) -> tuple[bytes, bytes]:
-    """lm-eval moves a context's trailing whitespace to the front of the continuation (``_encode_pair``)."""
-    n = len(context) - len(context.rstrip())
-    if n:
-        context, continuation = context[:-n], context[-n:] + continuation
-    return context.encode(), continuation.encode()
-
-
-def test_lm_eval_request_types_against_the_gateway_equal_local_scoring(stack_run: Path,
+def test_lm_eval_request_types_against_the_gateway_equal_local_scoring(stack_run: Path,  # noqa: F811
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     run = RunDir(stack_run)
     model = AssembledModel.load(run)
@@ -76,7 +58,7 @@ def test_lm_eval_request_types_against_the_gateway_equal_local_scoring(stack_run
         out = lm.generate_until([Instance("generate_until", {}, (g, dict(until)), i) for i, g in enumerate(gens)],
                                 disable_tqdm=True)
     for (ctx, cont), (served, _) in zip(pairs, ll, strict=True):
-        c, t = lm_eval_split(ctx, cont)
+        c, t = split_as_lm_eval(ctx, cont)
         want = float(local_log_probs(model, c + t)[len(c) - 1 :].sum())
         assert served == pytest.approx(want, abs=TOL), (ctx[-10:], cont)
     for doc, served in zip(docs, rolling, strict=True):  # one window each (max_length 2048): "\n" + doc, every byte
