@@ -183,3 +183,19 @@ def test_interrupt_after_optimizer_step_resumes_exactly(
     b, _ = load_file(RunDir(tmp_path / "resumed").block_path(0))
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_the_quality_footer_says_how_many_bytes_were_scored() -> None:
+    """A split shorter than the preset's test_bytes is scored whole, and the footer says so, as the table does."""
+    import copy
+    import json
+
+    from blocktrain.bench.quality_report import format_table
+
+    r = json.loads((Path(__file__).parents[1] / "benchmarks/results/house-repro-tiny-after.json").read_text())
+    assert "Scored on the first 65,536 bytes" in format_table(r)
+    short = copy.deepcopy(r)
+    for arm in (short, short["e2e"], *short["objectives"].values()):
+        arm["bytes_scored"] = 32_198
+    text = format_table(short)
+    assert "Scored on the first" not in text and "Scored on the whole test split, 32,198 bytes" in text

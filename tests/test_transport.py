@@ -83,3 +83,27 @@ def test_deflated_push_and_pull_through_the_coordinator(coordinator: Coordinator
         # an encoding the coordinator does not speak is refused and counted
         r = client.post("/v1/blocks/0/updates", content=wire, headers={**h, "Content-Encoding": "br"})
         assert r.status_code == 415
+
+
+def test_a_leaving_worker_gives_up_on_a_gone_coordinator_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM sets the worker's ``leaving``: a coordinator that is gone then ends its retries within
+    LEAVING_GIVE_UP_S (not the 600 s of --give-up-s), and a retry's back-off wait notices within a second."""
+    import socket
+    import threading
+    import time
+
+    from blocktrain.worker import client as client_module
+
+    monkeypatch.setattr(client_module, "LEAVING_GIVE_UP_S", 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    leaving = threading.Event()
+    c = client_module.CoordinatorClient(f"http://127.0.0.1:{port}", "t", give_up_s=600, max_delay=30, base_delay=30,
+                                        leaving=leaving)
+    threading.Timer(0.5, leaving.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ProtocolError) as info:
+        c.work()
+    assert info.value.reason == "unreachable" and time.monotonic() - t0 < 5
+    c.close()

@@ -67,10 +67,15 @@ def _cpu_has_native_bf16() -> bool:
         return False
 
 
+_WARNED_FP32: set[str] = set()  # device types whose fp32 fallback has been logged in this process
+
+
 def resolve_precision(precision: Precision, device: torch.device) -> Precision:
     """The precision actually used: bf16 falls back to fp32 (with a log line) where the device lacks it."""
     if precision is Precision.BF16 and not bf16_supported(device.type):
-        log.warning("bf16 is not native on %s (no AVX512-BF16/AMX on a CPU); computing in fp32", device)
+        if device.type not in _WARNED_FP32:  # once per process and device type, not once per block or arm
+            _WARNED_FP32.add(device.type)
+            log.warning("bf16 is not native on %s (no AVX512-BF16/AMX on a CPU); computing in fp32", device)
         return Precision.FP32
     return precision
 

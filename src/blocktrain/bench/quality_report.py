@@ -75,7 +75,10 @@ def format_table(r: dict[str, Any]) -> str:
         lr_note,
     ]
     if r.get("test_bytes_limit"):
-        notes.append(f"Scored on the first {r['test_bytes_limit']:,} bytes of the test split (the preset's test_bytes).")
+        limit, scored = int(r["test_bytes_limit"]), int(r.get("bytes_scored") or e["bytes_scored"])
+        notes.append(f"Scored on the first {limit:,} bytes of the test split (the preset's test_bytes)." if scored >= limit
+                     else f"Scored on the whole test split, {scored:,} bytes (shorter than the preset's test_bytes, "
+                          f"{limit:,}).")
     if not r.get("arms_isolated", True):
         notes.append("Every arm trained in this one process (--isolate no): no per-arm memory rows.")
     mfus = [e["mfu"], *(o["block_worker"]["mfu"] for o in objs.values())]

@@ -23,6 +23,7 @@ from blocktrain.protocol.messages import AuditAnswer, PushAnswer, RegisterReques
 from blocktrain.protocol.transport import DEFLATE, deflate
 
 log = logging.getLogger(__name__)
+LEAVING_GIVE_UP_S = 10.0  # seconds a leaving worker (SIGTERM) keeps retrying a coordinator that is gone
 
 
 class CoordinatorClient:
@@ -37,13 +38,15 @@ class CoordinatorClient:
         give_up_s: float = 600.0,
         verify: bool | str = True,
         stop: threading.Event | None = None,
+        leaving: threading.Event | None = None,
         deflate_pushes: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
         self.base_delay = base_delay
         self.max_delay = max_delay
         self.give_up_s = give_up_s
-        self.stop = stop or threading.Event()
+        self.stop = stop or threading.Event()  # abandon: no more retries at all
+        self.leaving = leaving or threading.Event()  # the worker is leaving: retry at most LEAVING_GIVE_UP_S more
         self.http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
@@ -53,6 +56,7 @@ class CoordinatorClient:
         self.deflate_pushes = deflate_pushes  # send update bodies with Content-Encoding: deflate
         self.bytes_sent = 0  # request body bytes, as sent on the wire
         self.bytes_received = 0  # response body bytes, as received on the wire (before any decoding)
+        self._leave_seen: float | None = None  # when a retry loop first saw ``leaving`` set
 
     def close(self) -> None:
         self.http.close()
@@ -78,14 +82,28 @@ class CoordinatorClient:
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             elapsed = time.monotonic() - start
-            if not retry or elapsed > self.give_up_s or self.stop.is_set():
+            if not retry or elapsed > self.give_up_s or self.stop.is_set() or self._left_long_ago():
                 raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}); check it is running",
                                     "unreachable")
             delay = min(self.max_delay, self.base_delay * 2**attempt) * (0.5 + random.random() / 2)
             log.warning("%s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
             attempt += 1
-            if self.stop.wait(delay):
-                raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
+            until = time.monotonic() + delay
+            while (left := until - time.monotonic()) > 0:  # woken within a second by abandon or a long leave
+                if self.stop.wait(min(left, 1.0)):
+                    raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
+                if self._left_long_ago():
+                    raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}) while leaving",
+                                        "unreachable")
+
+    def _left_long_ago(self) -> bool:
+        """The worker was told to leave (SIGTERM) more than LEAVING_GIVE_UP_S ago: a gone coordinator ends it."""
+        if not self.leaving.is_set():
+            self._leave_seen = None
+            return False
+        if self._leave_seen is None:
+            self._leave_seen = time.monotonic()
+        return time.monotonic() - self._leave_seen > LEAVING_GIVE_UP_S
 
     # --- protocol calls --------------------------------------------------------
     def register(self, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> Registration:

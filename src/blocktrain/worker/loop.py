@@ -124,7 +124,7 @@ class Worker:
         self.stop = stop or threading.Event()  # finish the current round, then leave
         self.abandon = abandon or threading.Event()  # leave at once
         self.client = CoordinatorClient(opts.url, opts.token, give_up_s=opts.give_up_s, stop=self.abandon,
-                                        verify=opts.verify_tls)
+                                        leaving=self.stop, verify=opts.verify_tls)
         self.summary = WorkerSummary()
         self._last_beat = 0.0
         self._slowest_push: float = 0.0  # seconds, for the margin kept before a deadline
