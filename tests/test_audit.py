@@ -8,8 +8,9 @@ it committed to, and one that never uploads are quarantined. Each test fails wit
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import WorkAnswer
 from blocktrain.worker.loop import Worker, WorkerOptions
-from tests.distributed_utils import FakeClock, ThreadServer, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import FakeClock, ThreadServer, corpus, make_coordinator, write_corpus  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -220,3 +221,36 @@ def test_a_failed_audit_that_completed_the_quorum_leaves_nothing_applied(tmp_pat
         assert torch.equal(both.weights[0][n], t), n
     both.close()
     alone.close()
+
+
+@dataclass(frozen=True)
+class ClaimedData(DataDir):
+    """Another corpus that claims the run's fingerprint (the dataset is a claim until a push is replayed)."""
+
+    claim: str = ""  # the fingerprint it reports
+
+    def fingerprint(self) -> str:
+        return self.claim
+
+
+class OtherData(Worker):
+    """Trains honestly on its own copy of a corpus (another draw of the synthetic WikiText) and says it is the run's."""
+
+    def __init__(self, opts: WorkerOptions, data: DataDir, **kw: Any) -> None:
+        other = write_corpus(Path(str(opts.frozen_cache)) / "other-data", seed=1)
+        super().__init__(opts, ClaimedData(other.root, other.flavour, claim=data.fingerprint()), **kw)
+
+
+def test_a_worker_on_other_data_is_caught_by_its_first_push_under_probation(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Random audits at (almost) zero: probation alone replays each worker's first pushes. The worker on other data
+    is quarantined at its first push, none of its updates is applied, and the honest worker passes every
+    probation audit."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=3, **{**AUDIT_ALL, "audit_fraction": 1e-9,
+                                                                "probation_pushes": 3})
+    honest, bad = run_workers(c, corpus, tmp_path, [Worker, OtherData], in_order=True)
+    assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
+    assert bad.summary.audits == 1 and c.auditor.summary()["failed"] == 1
+    assert honest.summary.audits == honest.summary.rounds_pushed == 3 and c.version[0] == 3
+    states = [str(r["state"]) for r in c.store.q("SELECT state FROM updates WHERE worker='w1'")]
+    assert states and set(states) == {"dropped"}
+    c.close()

@@ -90,11 +90,13 @@ class Auditor:
         return self.train is not None
 
     def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int, h: int,
-             now: float) -> bool:
-        """Whether to audit this accepted push (then it waits for the worker's upload)."""
+             now: float, accepted: int = 0) -> bool:
+        """Whether to audit this accepted push (then it waits for the worker's upload): every push of a worker on
+        probation (``accepted``, its accepted pushes so far, this one included, at most --probation-pushes), then a
+        random --audit-fraction."""
         if not self.enabled or upd.state_sha is None or upd.group:
             return False
-        if self._rng.random() >= self.settings.audit_fraction:
+        if accepted > self.settings.probation_pushes and self._rng.random() >= self.settings.audit_fraction:
             return False
         with self._lock:
             if len(self._pending) >= MAX_PENDING:

@@ -102,6 +102,7 @@ class CoordinatorSettings:
     refusal_burst: int = 10  # refused update requests a worker may make per refusal_window_s before a 429 (0 = no cap)
     refusal_window_s: float = 60.0  # seconds of the refusal rate limit's window
     audit_fraction: float = 0.05  # accepted pushes replayed by the coordinator (needs its --data; 0 = no audits)
+    probation_pushes: int = 3  # a worker's first this many accepted pushes are all replayed (probation; 0 = none)
     audit_tolerance: float = 1e-3  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this
     audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay.json)
     audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
@@ -157,5 +158,7 @@ class CoordinatorSettings:
         if not 0 <= self.audit_fraction <= 1 or min(self.audit_tolerance, self.audit_tolerance_bf16) < 0 \
                 or self.audit_timeout_s <= 0:
             raise ConfigError("audit_fraction must be in [0, 1], audit_tolerance >= 0 and audit_timeout_s > 0")
+        if self.probation_pushes < 0:
+            raise ConfigError(f"probation_pushes must be >= 0, got {self.probation_pushes}")
         if self.quarantine_after < 0 or self.refusal_burst < 0 or self.refusal_window_s <= 0:
             raise ConfigError("quarantine_after and refusal_burst must be >= 0 and refusal_window_s > 0")

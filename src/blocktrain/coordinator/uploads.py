@@ -131,8 +131,9 @@ class Uploads:
             self.intake.remember(k, checked)
             log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
             rounds, h = self.rounds.block_rounds(k), self.rounds.local_steps(k)
+            worker = s.workers.worker(name)
             audit = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h,
-                                      self.clock())
+                                      self.clock(), accepted=int(worker["accepted"]) if worker is not None else 0)
             closed = self.rounds.check_quorum(self.clock())
             return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=audit).model_dump()
 
