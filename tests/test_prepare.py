@@ -258,6 +258,13 @@ def test_a_run_remembers_its_data_and_eval_finds_it_without_data(
     assert cli(args) == 2
     assert "--data" in capsys.readouterr().err
     assert cli([*args, "--data", str(tmp_path / "moved")]) == 0
+    # a run from before runs recorded their data, on data other than WikiText-2: no hub download, --data named
+    doc = json.loads((run / "run.json").read_text())
+    del doc["data"]
+    (run / "run.json").write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert cli(args) == 2
+    assert "does not record where it is" in capsys.readouterr().err
 
 
 def test_a_folder_of_30_files_gets_every_split_with_the_default_fractions(tmp_path: Path) -> None:

@@ -170,8 +170,10 @@ def resolve_data_dir(
     explicit: str | Path | None = None,
     *,
     download: Callable[[Path], Path] | None = None,
+    no_download: str | None = None,
 ) -> DataDir:
-    """Find the data directory in the documented order; see the module docstring."""
+    """Find the data directory in the documented order; see the module docstring. ``no_download``: where nothing
+    is given or cached, fail with this message instead of downloading WikiText-2."""
     if explicit is not None:
         return open_data_dir(Path(explicit).expanduser())
     env = os.environ.get("BLOCKTRAIN_DATA")
@@ -180,6 +182,8 @@ def resolve_data_dir(
     cached = cache_dir() / "wikitext-2-raw"
     if find_flavour(cached) is not None:
         return open_data_dir(cached)
+    if no_download is not None:
+        raise DataError(no_download)
     if download is None:
         from blocktrain.data.download import download_wikitext
 
@@ -208,11 +212,10 @@ def resolve_run_data(explicit: str | Path | None, recorded: dict[str, str] | Non
                             f"{data.fingerprint()[:12]}; pass --data DIR with the run's own data")
         log.info("%s: data from its run.json: %s", what, data.describe())
         return data
-    cached = cache_dir() / "wikitext-2-raw"
-    if find_flavour(cached) is None and trained_on and trained_on not in WIKITEXT_FINGERPRINTS:
-        raise DataError(f"{what} trained on dataset {trained_on[:12]} and does not record where it is (a run made "
-                        "before runs recorded their data); pass --data DIR")
-    return resolve_data_dir(None, download=download)
+    foreign = bool(trained_on) and trained_on not in WIKITEXT_FINGERPRINTS  # WikiText-2 would be the wrong data
+    return resolve_data_dir(None, download=download, no_download=(
+        f"{what} trained on dataset {trained_on[:12]} and does not record where it is (a run made before runs "
+        "recorded their data); pass --data DIR") if foreign else None)
 
 
 def eval_windows(n: int, context: int) -> list[tuple[int, int, int]]:
