@@ -38,6 +38,8 @@ def _other_value(name: str, default: Any) -> tuple[list[str], Any]:
         return [flag_name(name), "0.25"], 0.25
     if isinstance(default, int):
         return [flag_name(name), str(default + 1)], default + 1
+    if name == "device":
+        return [flag_name(name), "cpu"], "cpu"
     if isinstance(default, str):  # an address
         return [flag_name(name), "127.0.0.1"], "127.0.0.1"
     value = default / 2 if default else 0.25

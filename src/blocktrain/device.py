@@ -12,24 +12,48 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 
 from blocktrain.config import Precision
 from blocktrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+CPU = torch.device("cpu")  # the host: bytes arrive from disks and the wire here, and leave from here
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is an error that says so."""
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """The one device rule: ``auto`` -> cuda when available, else cpu; ``cuda`` without a GPU is an error that says so.
+
+    Every path that computes (training, scoring, generation, serving, the coordinator's gate, evaluation and audit
+    replay, the in-process rounds) takes the device this returns, moves its weights there once and its batches
+    there once, and returns to the host only at its boundary (a figure, a frame on the wire, a file).
+    """
+    if isinstance(name, torch.device):
+        name = str(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but this torch has no CUDA device; use --device cpu or auto")
     return dev
+
+
+def built_on_host(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
+    """``build()`` run on the host, then moved to ``device`` once: a block's initial draw (and any buffer it makes) is
+    the same on every device, whatever default device a caller set."""
+    with torch.device(CPU):
+        module = build()
+    return module.to(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the host): a timer reads the clock only after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @functools.cache

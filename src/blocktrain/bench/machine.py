@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from blocktrain.device import bf16_supported
+from blocktrain.device import CPU, bf16_supported, synchronize
 
 
 def machine_info() -> dict[str, Any]:
@@ -48,7 +48,7 @@ def measure_peak_flops(device: torch.device | None = None, n: int | None = None,
     """
     import time
 
-    device = device or torch.device("cpu")
+    device = device or CPU
     n = n or (8192 if device.type == "cuda" else 2048)
     out: dict[str, float] = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -60,12 +60,12 @@ def measure_peak_flops(device: torch.device | None = None, n: int | None = None,
             b = torch.randn(size, size, device=device).to(dtype)
             for _ in range(2):
                 a @ b
-            _sync(device)
+            synchronize(device)
             reps, t0 = 0, time.perf_counter()
             while True:
                 a @ b
                 reps += 1
-                _sync(device)
+                synchronize(device)
                 elapsed = time.perf_counter() - t0
                 if elapsed >= seconds / 2:
                     break
@@ -74,6 +74,3 @@ def measure_peak_flops(device: torch.device | None = None, n: int | None = None,
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -177,13 +177,13 @@ def _planned_flops(opts: QualityOptions) -> float:
 
 def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     cfg = opts.cfg
+    device = resolve_device(cfg.train.device)  # before anything is made or deleted
     test = opts.data.open("test")
     if opts.out.exists():
         if not opts.fresh:
             raise RunError(f"{opts.out} exists; pass --fresh to delete it or choose another --out")
         shutil.rmtree(opts.out)
     opts.out.mkdir(parents=True)
-    device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     peak = measure_peak_flops(device)
     t0 = time.perf_counter()
@@ -235,15 +235,15 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
         return evaluate_model(model, test, max_bytes=opts.test_bytes, progress=opts.progress, **kw)
 
     if matched is not None:
-        matched["eval"] = score(E2EModel.load(RunDir(Path(matched["run_dir"])), precision=precision))
+        matched["eval"] = score(E2EModel.load(RunDir(Path(matched["run_dir"])), precision=precision, device=device))
     if opts.matched_steps:
-        e2e_eval = score(E2EModel.load(RunDir(e2e_dir), precision=precision))
+        e2e_eval = score(E2EModel.load(RunDir(e2e_dir), precision=precision, device=device))
     else:  # the one E2E run is the matched-FLOPs run; ``e2e`` reports it (its ``train_steps`` say so)
         assert matched is not None
         e2e_dir, e2e_eval = Path(matched["run_dir"]), matched["eval"]
     e2e_sum = dict(run_summary(RunDir(e2e_dir), "e2e"))
     for sec in sections.values():
-        model = AssembledModel.load(RunDir(Path(sec["run_dir"])), precision=precision)
+        model = AssembledModel.load(RunDir(Path(sec["run_dir"])), precision=precision, device=device)
         sec["eval"] = score(model, chains=opts.chains, blocks_alone=True)  # a deterministic model runs one chain
         if sec["eval"]["bytes_scored"] != e2e_eval["bytes_scored"]:
             raise RunError("E2E and the blocks were scored on different bytes")

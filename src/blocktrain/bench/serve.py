@@ -37,6 +37,7 @@ from blocktrain.bench.serve_report import render_markdown, summarise
 from blocktrain.bench.serve_spec import long_task, run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.data.dataset import resolve_data_dir
+from blocktrain.device import resolve_device
 from blocktrain.errors import BlockTrainError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
@@ -68,15 +69,17 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
     finally:
         pipe.stop()
 
-    e2e = E2EModel.load(run, cfg)
-    assembled = AssembledModel.load(run, cfg)
+    device = resolve_device(opts.device)
+    e2e = E2EModel.load(run, cfg, device=device)
+    assembled = AssembledModel.load(run, cfg, device=device)
     tasks = {**bt["tasks"], **bl["tasks"]}
     quality = {name: output_quality(e2e, [p for p, _ in pairs], res) for name, res in tasks.items()}
     reference = statistics.mean(generative_ce(e2e, p, c) for p, c in pairs)
     torch.set_num_threads(1)
     tf_local = score_split(lambda x: assembled.log_probs(x, seed=0), data, cfg.model.context,
-                           max_bytes=opts.tf_bytes, batch_size=8).ce_nats_per_byte
-    tf_e2e = score_split(e2e.log_probs, data, cfg.model.context, max_bytes=opts.tf_bytes, batch_size=8).ce_nats_per_byte
+                           max_bytes=opts.tf_bytes, batch_size=8, device=device).ce_nats_per_byte
+    tf_e2e = score_split(e2e.log_probs, data, cfg.model.context, max_bytes=opts.tf_bytes, batch_size=8,
+                         device=device).ce_nats_per_byte
     compute_s = traversal_compute_s(cfg, assembled, opts.prompt_bytes + opts.output_bytes)
     return {"tasks": tasks, "quality": quality, "reference_continuation_ce": reference,
             "teacher_forced": {"blocktrain_pipeline_score": bt.get("teacher_forced_ce_pipeline"),
@@ -87,6 +90,7 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
 
 def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None, command: str | None = None) -> dict[str, Any]:
     """The whole benchmark, its stages placed by ``placement`` (default: loopback); ``command`` is recorded."""
+    resolve_device(opts.device)  # a device this machine lacks fails before any stage starts
     run = RunDir(opts.run)
     cfg = run.load_config()
     if not run.has_blocks(cfg.model.n_blocks) or not run.has_e2e():
@@ -95,7 +99,7 @@ def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None,
     placement = placement or Placement()
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bt-serve-bench-") as tmp:
-        pipe = Pipeline(placement, opts.hop_delay_ms, opts.base_port, Path(tmp))
+        pipe = Pipeline(placement, opts.hop_delay_ms, opts.base_port, Path(tmp), opts.device)
         try:
             main = run_main_comparison(opts, pipe, run)
             result = summarise(opts, main, placement.describe())

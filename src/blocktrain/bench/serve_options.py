@@ -30,6 +30,7 @@ class ServeBenchOptions:
     stack_run: Path | None = None  # a trained stack run: adds the spec row (speculative decoding over the same stages)
     draft_min: int = 1  # bytes: spec row's shortest draft
     draft_max: int = 16  # bytes: spec row's longest draft
+    device: str = "auto"  # where the stages and the local references compute: auto, cpu, cuda or cuda:N
     long_output_bytes: int = 512  # bytes per output of the long rows (baseline; spec and ar on --stack-run): several
     # context windows, so the modes slide their windows; 0 = no long rows
 

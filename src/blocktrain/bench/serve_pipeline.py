@@ -74,8 +74,9 @@ class Placement:
 class Pipeline:
     """Three `blocktrain serve` processes, placed by ``placement``."""
 
-    def __init__(self, placement: Placement, delay_ms: float, base_port: int, log_dir: Path) -> None:
+    def __init__(self, placement: Placement, delay_ms: float, base_port: int, log_dir: Path, device: str = "auto") -> None:
         self.placement = placement
+        self.device = device  # every stage's --device
         self.inject_ms = 0.0 if placement.network_delays else delay_ms
         self.base_port = base_port
         self.log_dir = log_dir
@@ -89,7 +90,8 @@ class Pipeline:
             listen, nxt_host = f"{self.placement.listen_host(i)}:{port}", self.placement.next_host((i + 1) % n)
             cmd = [*self.placement.exec_prefix(i), sys.executable, "-m", "blocktrain", "serve", "--model", model, flag, f"{lo}-{hi}",
                    "--listen", listen, "--next", f"{nxt_host}:{nxt}", "--delay-ms", str(self.inject_ms),
-                   "--threads", str(threads), "--timeout", "900", "--max-frame-mib", "512", *source]
+                   "--threads", str(threads), "--timeout", "900", "--max-frame-mib", "512", "--device", self.device,
+                   *source]
             logf = (self.log_dir / f"{model}-stage{i}.log").open("wb")
             log.info("starting: %s", shlex.join(cmd))
             env = {**os.environ, "OMP_NUM_THREADS": str(threads)}

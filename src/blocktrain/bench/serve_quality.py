@@ -12,6 +12,7 @@ import torch
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.config import RunConfig
 from blocktrain.data.dataset import eval_windows, resolve_data_dir
+from blocktrain.device import synchronize
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 
 
@@ -27,16 +28,16 @@ def generative_ce(e2e: E2EModel, prompt: bytes, output: bytes) -> float:
         seq = (prompt + output)[-(e2e.context + 1) :]
         x = torch.tensor(list(seq[:-1]), dtype=torch.uint8).unsqueeze(0)
         y = torch.tensor(list(seq[1:]), dtype=torch.long)
-        logp = e2e.log_probs(x)[0, 0]
-        return float(-logp[-n:].gather(-1, y[-n:].unsqueeze(-1)).mean())
+        logp = e2e.log_probs(x)[0, 0]  # (t, 256) on the model's device
+        return float(-logp[-n:].gather(-1, y[-n:].to(logp.device).unsqueeze(-1)).mean())
     text = torch.tensor(list(prompt + output), dtype=torch.long)
     total = 0.0
     for start, length, first in eval_windows(len(text), e2e.context):
         x = text[start : start + length].to(torch.uint8).unsqueeze(0)
         y = text[start + 1 : start + length + 1]
         keep = max(first, len(prompt) - 1 - start)  # window position p predicts byte start + p + 1: the output's
-        logp = e2e.log_probs(x)[0, 0]  # (length, 256)
-        total -= float(logp[keep:].gather(-1, y[keep:].unsqueeze(-1)).sum())
+        logp = e2e.log_probs(x)[0, 0]  # (length, 256) on the model's device
+        total -= float(logp[keep:].gather(-1, y[keep:].to(logp.device).unsqueeze(-1)).sum())
     return total / n
 
 
@@ -65,11 +66,12 @@ def traversal_compute_s(cfg: RunConfig, model: AssembledModel, t: int, repeat: i
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        x = torch.randint(0, 256, (1, t), dtype=torch.uint8)
+        x = torch.randint(0, 256, (1, t), dtype=torch.uint8).to(model.device)
         times = []
         for i in range(repeat + 1):
             t0 = time.perf_counter()
             model.log_probs(x, seed=i)
+            synchronize(model.device)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
     finally:

@@ -19,6 +19,7 @@ from blocktrain.bench.serve_pipeline import Pipeline, split_blocks
 from blocktrain.bench.serve_quality import bench_prompts, output_quality
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Objective
+from blocktrain.device import resolve_device
 from blocktrain.errors import BlockTrainError
 from blocktrain.evaluate.assembled import E2EModel
 
@@ -105,7 +106,7 @@ def run_spec_row(
 def run_spec(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir, stack_run: Path, baseline_seconds: float) -> dict[str, Any]:
     """The spec row on the same prompts, temperature and top-k as the other rows; CE under ``run``'s E2E model."""
     _, pairs, base = bench_prompts(opts)
-    e2e = E2EModel.load(run, run.load_config())
+    e2e = E2EModel.load(run, run.load_config(), device=resolve_device(opts.device))
     return run_spec_row(opts, pipe, RunDir(stack_run), base, [p for p, _ in pairs], e2e, baseline_seconds)
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from blocktrain.data.dataset import DataDir
 
 log = logging.getLogger("blocktrain")
+DEVICE_HELP = "where the model computes: auto (cuda if available, else cpu), cpu, cuda or cuda:N"
 PREPARE_FLAGS = Flags(PrepareOptions, "prepare__")
 SPEED_FLAGS = Flags(SpeedOptions, "speed__", rename={"json_path": "--json"}, skip=("data", "command"))
 
@@ -28,8 +29,10 @@ SPEED_FLAGS = Flags(SpeedOptions, "speed__", rename={"json_path": "--json"}, ski
 def run_config(args: argparse.Namespace, open_train: bool = False) -> tuple[RunConfig, DataDir]:
     """The run's config tagged with its data's fingerprint, and the data directory (``--data`` or the default)."""
     from blocktrain.data.dataset import resolve_data_dir
+    from blocktrain.device import resolve_device
 
     cfg = config_from_args(args)  # a bad preset or flag fails before any data is looked for
+    resolve_device(cfg.train.device)  # so does a device this machine lacks, before any child process starts
     data = resolve_data_dir(args.data)
     if open_train:
         data.open("train")
@@ -59,18 +62,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
     from blocktrain.checkpoint.run import RunDir
     from blocktrain.config import Precision
     from blocktrain.data.dataset import resolve_run_data
-    from blocktrain.device import resolve_precision
+    from blocktrain.device import resolve_device, resolve_precision
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.report import evaluate_model
 
-    precision = resolve_precision(Precision(args.precision), torch.device("cpu"))
+    device = resolve_device(args.device)
+    precision = resolve_precision(Precision(args.precision), device)
     run = RunDir(Path(args.run))
-    model = load_model_from_run(run, args.model, precision)
+    model = load_model_from_run(run, args.model, precision, device)
     trained_on = run.load_config().dataset
     data_dir = resolve_run_data(args.data, run.recorded_data(), trained_on, args.run)
     data = data_dir.open(args.split)
@@ -95,6 +97,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from blocktrain.checkpoint.run import RunDir
+    from blocktrain.device import resolve_device
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.generate import generate
 
@@ -112,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         if not args.run:
             raise BlockTrainError("generate needs a RUN directory or --pipeline HOST:PORT")
-        model = load_model_from_run(RunDir(Path(args.run)), args.model)
+        model = load_model_from_run(RunDir(Path(args.run)), args.model, device=resolve_device(args.device))
         text = generate(
             model, args.prompt.encode(), args.bytes, temperature=args.temperature, top_k=args.top_k,
             seed=args.seed, progress=not args.no_progress, top_p=args.top_p,
@@ -240,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-bytes", type=int, default=None, help="score only the first N bytes (default: all)")
     s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="inference arithmetic (bf16: autocast, about 2x faster on CPU, CE within ~0.001)")
+    s.add_argument("--device", default="auto", help=DEVICE_HELP + "; the split and its windows live there too")
     s.add_argument("--batch-size", type=int, default=32, help="windows per forward pass")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--no-progress", action="store_true")
@@ -255,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample from the smallest set of most likely bytes whose mass reaches p (1 = all)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--model", default="auto", choices=["auto", "blocktrain", "e2e"])
+    s.add_argument("--device", default="auto", help=DEVICE_HELP + " (a local RUN; a --pipeline's stages have their own)")
     s.add_argument("--pipeline", default=None, help="HOST:PORT of the first serving stage")
     s.add_argument("--mode", default="ar", choices=["ar", "sweep", "spec", "baseline"],
                    help="serving mode with --pipeline (spec: speculative decoding)")
@@ -295,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(fn=cmd_bench_quality)
 
     q = bsub.add_parser("machine", help="dense matmul peak of this device in fp32 and bf16")
-    q.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    q.add_argument("--device", default="auto", help=DEVICE_HELP)
     q.add_argument("--seconds", type=float, default=1.0, help="timing budget per dtype")
     q.add_argument("--json", default=None, help="write the result JSON here")
     q.set_defaults(fn=cmd_bench_machine)

@@ -85,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from blocktrain.checkpoint.run import RunDir
     from blocktrain.config import Precision
+    from blocktrain.device import resolve_device, resolve_precision
     from blocktrain.errors import ConfigError, ServeError
     from blocktrain.serve.runtime import Span
     from blocktrain.serve.runtime.loading import (
@@ -108,21 +109,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         nxt = next_stages(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    precision = Precision(args.precision)
+    device = resolve_device(args.device)
+    precision = resolve_precision(Precision(args.precision), device)
     span: Span
     if args.random:
         cfg = parse_shape(args.random, objective=Objective(args.objective))
-        span = random_e2e_span(cfg, lo, hi, args.seed) if args.model == "e2e" else random_run_span(cfg, lo, hi, args.seed,
-                                                                                                  cache_options(args))
+        span = (random_e2e_span(cfg, lo, hi, args.seed, device) if args.model == "e2e"
+                else random_run_span(cfg, lo, hi, args.seed, cache_options(args), device))
         span.precision = precision
     elif args.run:
         run = RunDir(Path(args.run))
-        span = (load_e2e_span(run, lo, hi, precision) if args.model == "e2e"
-                else load_run_span(run, lo, hi, precision, cache_options(args)))
+        span = (load_e2e_span(run, lo, hi, precision, device) if args.model == "e2e"
+                else load_run_span(run, lo, hi, precision, cache_options(args), device))
     else:
         raise ConfigError("serve needs --run RUN (trained weights) or --random SHAPE (random weights)")
-    log.info("loaded %s %d-%d: %.1fM parameters, %s arithmetic", span.describe()["family"], lo, hi, span.n_params() / 1e6,
-             precision.value)
+    log.info("loaded %s %d-%d: %.1fM parameters, %s arithmetic on %s", span.describe()["family"], lo, hi,
+             span.n_params() / 1e6, precision.value, device)
     opts = stage_options(args, nxt)
     if not opts.token:
         log.warning("stage %s accepts unauthenticated connections; set BLOCKTRAIN_SERVE_TOKEN or --token-file "
@@ -183,11 +185,14 @@ def register(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction)
     s.add_argument("--objective", default="diffusion", choices=[o.value for o in Objective],
                    help="the blocks --random builds (a run directory names its own)")
     s.add_argument("--threads", type=int, default=1, help="torch threads of this process")
+    s.add_argument("--device", default="auto",
+                   help="where this stage's blocks, KV caches and arithmetic live: auto (cuda if available, else "
+                        "cpu), cpu, cuda or cuda:N; frames cross the wire from the host either way")
     STAGE_FLAGS.add(s)  # --delay-ms, --max-frame-mib, --batch-window-ms, --buffer-mib, --idle-timeout, ...
     s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                   help="arithmetic of this stage's blocks (bf16: autocast). fp32 by default: stages compute on "
-                        "the CPU, where one-row decode matmuls gain nothing from bf16, and fp32 keeps a pipeline's "
-                        "output equal to the local model's")
+                   help="arithmetic of this stage's blocks (bf16: autocast, fp32 where the device lacks it). fp32 "
+                        "by default: on a CPU one-row decode matmuls gain nothing from bf16, and fp32 keeps a "
+                        "pipeline's output equal to the local model's")
     CACHE_FLAGS.add(s)  # stack runs' KV cache: --cache-mib, --cache-ttl, --cache-requests
     s.add_argument("--token-file", default=None,
                    help="file holding the shared token that every connection must send first (default: "

@@ -51,7 +51,7 @@ def aggregate(
     names = list(deltas[0])
     out: dict[str, torch.Tensor] = {}
     if method in (Aggregation.MEAN, Aggregation.AGREE_MEAN):
-        w = torch.tensor(samples, dtype=torch.float64)
+        w = torch.tensor(samples, dtype=torch.float64, device=deltas[0][names[0]].device)
         w = w / w.sum()
         for n in names:
             acc = torch.zeros_like(deltas[0][n], dtype=torch.float64)

@@ -40,6 +40,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate
 from blocktrain.data.dataset import ByteSplit, DataDir
 from blocktrain.data.stream import TrainStream
+from blocktrain.device import CPU, resolve_device
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
@@ -77,6 +78,7 @@ class Auditor:
         self.settings = settings
         self.objective = get_objective(cfg)
         self.train: ByteSplit | None = data.open("train") if data is not None and settings.audit_fraction > 0 else None
+        self.device = resolve_device(settings.device)  # where replays train (the worker's may be another)
         self._rng = random.SystemRandom()
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
@@ -171,18 +173,21 @@ class Auditor:
         assert self.train is not None
         obj, k, upd = self.objective, case.update.block, case.update
         batch = self.cfg.train.batch_size
-        block = obj.build_block(k)
-        load_trainable(block, case.base.weights)
-        earlier = whole_blocks(obj, [w for _, w in case.base.frozen])
-        if obj.inherits():  # the frozen heads a stack variant reads, as the worker sets them every round
-            obj.inherit(block, k, earlier, at_init=False)
+        with torch.device(CPU):  # built on the host, as the worker's are, then moved
+            block = obj.build_block(k)
+            load_trainable(block, case.base.weights)
+            earlier = whole_blocks(obj, [w for _, w in case.base.frozen])
+            if obj.inherits():  # the frozen heads a stack variant reads, as the worker sets them every round
+                obj.inherit(block, k, earlier, at_init=False)
+        block = block.to(self.device)
         precision = Precision(upd.precision)  # the worker's arithmetic (bf16 autocast runs on a CPU too, slower)
-        frozen = [obj.freeze(b, frozen_dtype(self.cfg.train.frozen_storage, precision is Precision.BF16)) for b in earlier]
+        dtype = frozen_dtype(self.cfg.train.frozen_storage, precision is Precision.BF16)
+        frozen = [obj.freeze(b, dtype).to(self.device) for b in earlier]
         opt, names = make_optimizer(block, self.cfg.train)
         residual = load_inner_state(opt, names, tensors)
         stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream)
         schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps))
-        train_round(BlockTask(obj, k, frozen), block, opt, stream, steps=upd.samples // batch,
+        train_round(BlockTask(obj, k, frozen, self.device), block, opt, stream, steps=upd.samples // batch,
                     offset=upd.base_version * case.round_steps, schedule=schedule, precision=precision)
         local = trainable_state(block)
         delta = {n: local[n] - w for n, w in case.base.weights.items()}

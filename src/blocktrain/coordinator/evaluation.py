@@ -3,7 +3,8 @@
 Both go through the run's objective (:func:`blocktrain.objectives.get_objective`)
 and are cheap because blocks train locally: the gate runs one block (after the
 frozen copies of the blocks it reads, for ``stack``) on one held-out batch; the
-periodic eval composes every block over a validation slice.
+periodic eval composes every block over a validation slice. Both compute on the coordinator's ``--device``; the
+weights they receive (and every figure they return) are on the host.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from blocktrain.config import RunConfig
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import ByteSplit, DataDir
 from blocktrain.data.stream import TrainStream
+from blocktrain.device import built_on_host, resolve_device
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.scoring import score_split
@@ -37,6 +39,7 @@ class Evaluator:
         self.settings = settings
         self.objective = get_objective(cfg)
         self.valid: ByteSplit | None = data.open("valid") if data is not None else None
+        self.device = resolve_device(settings.device)
         self._lock = threading.Lock()
         self._gate_blocks: dict[int, nn.Module] = {}  # scratch block per schema (one for diffusion)
         self._frozen: dict[int, tuple[str, nn.Module]] = {}  # block j -> (sha, fp32 frozen copy)
@@ -50,7 +53,7 @@ class Evaluator:
     def _frozen_copy(self, j: int, sha: str, weights: dict[str, torch.Tensor]) -> nn.Module:
         cached = self._frozen.get(j)
         if cached is None or cached[0] != sha:
-            block = self.objective.build_block(j)
+            block = built_on_host(lambda: self.objective.build_block(j), self.device)
             load_trainable(block, weights)
             cached = (sha, self.objective.freeze(block, torch.float32))
             self._frozen[j] = cached
@@ -65,7 +68,7 @@ class Evaluator:
         with self._lock:
             key = 0 if self.objective.blocks_alike else k  # one template serves blocks of one schema
             if key not in self._gate_blocks:
-                self._gate_blocks[key] = self.objective.build_block(k)
+                self._gate_blocks[key] = built_on_host(lambda: self.objective.build_block(k), self.device)
             block = self._gate_blocks[key]
             load_trainable(block, weights)
             if self.objective.inherits():  # the frozen heads a stack variant reads from the earlier blocks
@@ -78,7 +81,8 @@ class Evaluator:
             )
             x, y = stream.batch(0)
             with torch.no_grad():
-                out = self.objective.block_loss(block, k, x, y, stream.generator(0, purpose=1), inputs)
+                out = self.objective.block_loss(block, k, x.to(self.device), y.to(self.device),
+                                                stream.generator(0, purpose=1), inputs)
             return float(out.loss)
 
     def evaluate(self, weights: dict[int, dict[str, torch.Tensor]], E: torch.Tensor | None) -> tuple[float, int]:
@@ -88,11 +92,12 @@ class Evaluator:
         if E is not None:  # the diffusion blocks' shared target embedding
             for b in blocks:
                 b.E.copy_(E)  # type: ignore[union-attr,operator]
-        model = AssembledModel(blocks, self.cfg)
+        model = AssembledModel(blocks, self.cfg, device=self.device)
         seed = self.cfg.train.seed
 
         def lp(x: torch.Tensor) -> torch.Tensor:
             return model.log_probs(x, chains=1, seed=seed)
 
-        res = score_split(lp, self.valid.data, self.cfg.model.context, max_bytes=self.settings.eval_bytes)
+        res = score_split(lp, self.valid.data, self.cfg.model.context, max_bytes=self.settings.eval_bytes,
+                          device=self.device)
         return res.ce_nats_per_byte, res.bytes_scored

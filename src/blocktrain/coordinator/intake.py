@@ -35,6 +35,7 @@ import torch
 from blocktrain.coordinator.evaluation import Evaluator, FrozenWeights
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate
+from blocktrain.device import CPU
 from blocktrain.errors import ProtocolError
 
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 x MAD for a normal distribution
@@ -85,11 +86,11 @@ class CountSketch:
         self.sign: dict[str, torch.Tensor] = {}
         for n in sorted(shapes):
             numel = int(torch.Size(shapes[n]).numel())
-            self.index[n] = torch.randint(dim, (numel,), generator=g)  # (numel,) bucket of each coordinate
-            self.sign[n] = torch.randint(2, (numel,), generator=g).float().mul_(2).sub_(1)  # (numel,) in {-1, +1}
+            self.index[n] = torch.randint(dim, (numel,), generator=g, device=g.device)  # (numel,) bucket of each entry
+            self.sign[n] = torch.randint(2, (numel,), generator=g, device=g.device).float().mul_(2).sub_(1)  # (numel,) ±1
 
     def __call__(self, delta: dict[str, torch.Tensor]) -> torch.Tensor:
-        s = torch.zeros(self.dim, dtype=torch.float64)
+        s = torch.zeros(self.dim, dtype=torch.float64, device=CPU)  # sketches live on the host, as the deltas do
         for n, idx in self.index.items():
             s.index_add_(0, idx, (delta[n].reshape(-1).float() * self.sign[n]).double())  # (...) -> (numel,)
         return (s / s.norm().clamp_min(1e-30)).float()

@@ -106,6 +106,7 @@ class CoordinatorSettings:
     audit_tolerance: float = 1e-3  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this
     audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay.json)
     audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
+    device: str = "auto"  # where the gate, evaluations and audit replays compute: auto, cpu, cuda or cuda:N
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation
     tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
@@ -126,6 +127,8 @@ class CoordinatorSettings:
         return NESTEROV_LR if outer is OuterOptimizer.NESTEROV else 1.0
 
     def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu") or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}; set --device")
         if self.round_seconds <= 0 or self.min_round_seconds <= 0:
             raise ConfigError("round_seconds and min_round_seconds must be positive")
         if not 0 < self.deadline_quantile <= 1 or self.deadline_slack <= 0:

@@ -40,7 +40,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.device import resolve_precision
+from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
@@ -125,13 +125,16 @@ class LocalRun:
         prefix 0..k, a diffusion block alone) on the first ``max_bytes`` test bytes."""
         objective = get_objective(cfg)
         self.block.eval()
+        device = next(self.block.parameters()).device
+        inputs = [f.to(device) for f in frozen]
 
         def log_probs(x: torch.Tensor) -> torch.Tensor:
-            logits = objective.local_logits(self.block, k, x, torch.Generator().manual_seed(0), frozen)
+            logits = objective.local_logits(self.block, k, x, torch.Generator().manual_seed(0), inputs)
             return torch.log_softmax(logits.float(), dim=-1)[None]  # (1, b, t, 256)
 
         with torch.no_grad():
-            return score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=max_bytes).ce_nats_per_byte
+            return score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=max_bytes,
+                               device=device).ce_nats_per_byte
 
     def bytes_per_worker_round(self, wire: bool = True) -> float:
         """Mean bytes one replica moves per round: its push plus the step it pulls (on the wire, or raw)."""
@@ -176,6 +179,8 @@ class BlockRun:
                  frozen: Sequence[nn.Module] = (), earlier: Sequence[nn.Module] = (),
                  hostile: Hostile | None = None) -> None:
         objective = self.objective = get_objective(cfg)
+        self.device = resolve_device(cfg.train.device)  # the replicas, their rounds and the in-process gate
+        settings = replace(settings, device=str(self.device))
         self.settings = settings = settings.for_objective(objective.outer_step())
         if len(frozen) != objective.frozen_inputs(k):
             raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
@@ -188,6 +193,7 @@ class BlockRun:
         if earlier:
             for r in self.replicas:
                 objective.inherit(r, k, earlier, at_init=True)
+        self.replicas = [r.to(self.device) for r in self.replicas]
         self.W = trainable_state(self.replicas[0])
         self.shapes = block_schema(self.replicas[0])
         self.optimisers = [self._inner(r) for r in self.replicas]
@@ -196,7 +202,7 @@ class BlockRun:
         self.train = data.open("train")
         self.intake = Intake(settings, {k: self.shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
         self.set_frozen(frozen)
-        self.precision = resolve_precision(tc.precision, torch.device("cpu"))
+        self.precision = resolve_precision(tc.precision, self.device)
         self.version = 0
         self.run = LocalRun(self.replicas[0], self.W)
         self._t0 = time.perf_counter()
@@ -207,7 +213,7 @@ class BlockRun:
     def set_frozen(self, frozen: Sequence[nn.Module]) -> None:
         """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before)."""
         self.frozen_weights = [("", trainable_state(b)) for b in frozen]
-        self.task = BlockTask(self.objective, self.k, frozen)
+        self.task = BlockTask(self.objective, self.k, [b.to(self.device) for b in frozen], self.device)
 
     def round(self, h: int, offset: int, workers: int | None = None) -> None:
         """Round ``self.version``: replicas 0..workers-1 train ``h`` steps from W_v at schedule position ``offset``

@@ -40,7 +40,7 @@ class TrainStream:
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.generator(step, purpose=0)
         hi = len(self.data) - self.context - 1
-        offsets = torch.randint(0, hi, (self.batch_size,), generator=g).numpy()
+        offsets = torch.randint(0, hi, (self.batch_size,), generator=g, device=g.device).numpy()
         # (batch, context+1) windows gathered with one fancy index
         idx = offsets[:, None] + np.arange(self.context + 1)[None, :]
         win = torch.from_numpy(np.asarray(self.data[idx], dtype=np.uint8))

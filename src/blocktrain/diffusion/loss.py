@@ -43,7 +43,7 @@ def block_loss(
     """Weighted CE of block ``k`` on bytes ``x`` (b, t) with next bytes ``y`` (b, t)."""
     b, t = x.shape
     sigma = partition.sample(k, (b, 1), generator).to(x.device)  # one sigma per sequence, as at inference
-    eps = torch.randn(b, t, block.cfg.d_model, generator=generator).to(x.device)
+    eps = torch.randn(b, t, block.cfg.d_model, generator=generator, device=generator.device).to(x.device)
     z = block.E[y.long()] + sigma.unsqueeze(-1) * eps  # (b, t, d)
     logits = block(x, z, sigma)
     # (b, t, 256) -> (b*t, 256)

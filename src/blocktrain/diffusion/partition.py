@@ -97,7 +97,7 @@ class NoisePartition:
             raise ConfigError(f"block index {k} is out of range for B={self.n_blocks} (valid: 0..{self.n_blocks - 1})")
         s = self.slices[k]
         u_lo, u_hi = self._cdf(s.sigma_lo), self._cdf(s.sigma_hi)
-        u = u_lo + (u_hi - u_lo) * torch.rand(shape, generator=generator, dtype=torch.float64)
+        u = u_lo + (u_hi - u_lo) * torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
         u = u.clamp(1e-12, 1 - 1e-12)
         ln_sigma = self.cfg.p_mean + self.cfg.p_std * torch.special.ndtri(u)
         return torch.exp(ln_sigma).clamp(s.sigma_lo, s.sigma_hi).to(torch.float32)

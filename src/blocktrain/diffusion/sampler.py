@@ -28,8 +28,9 @@ from blocktrain.model.block import BlockDenoiser
 def initial_noise(
     shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator
 ) -> torch.Tensor:
-    """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim)."""
-    return sigma_max * torch.randn(*shape, dim, generator=generator)
+    """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim), drawn on the host by the seeded CPU generator (so a
+    chain's draw is the same on every device; callers move it to theirs)."""
+    return sigma_max * torch.randn(*shape, dim, generator=generator, device=generator.device)
 
 
 def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Generator) -> torch.Tensor:
@@ -41,7 +42,7 @@ def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Gene
     """
     if not 1 <= t <= context:
         raise ValueError(f"need 1 <= t <= context, got t={t}, context={context}")
-    return torch.randn(b, context, dim, generator=generator)[:, :t]
+    return torch.randn(b, context, dim, generator=generator, device=generator.device)[:, :t]
 
 
 def block_steps(
@@ -57,12 +58,12 @@ def block_steps(
     sigmas = partition.block_steps(k, cfg.steps_per_block)
     logits = torch.empty(0)
     for j, (s, s_next) in enumerate(itertools.pairwise(sigmas)):
-        logits = block(x, z, torch.tensor(s))
+        logits = block(x, z, torch.tensor(s, device=z.device))
         d = (z - block.denoised(logits)) / s
         z_next = z + (s_next - s) * d
         final = is_last and j == len(sigmas) - 2
         if cfg.solver is Solver.HEUN and not final:
-            logits2 = block(x, z_next, torch.tensor(s_next))
+            logits2 = block(x, z_next, torch.tensor(s_next, device=z.device))
             d2 = (z_next - block.denoised(logits2)) / s_next
             z_next = z + (s_next - s) * 0.5 * (d + d2)
             logits = logits2
@@ -102,7 +103,7 @@ def chain_step(
     """Block k's share of the chain: its solver steps, plus the sigma_min readout when it is the last block."""
     z, logits = block_steps(block, k, x, z, partition, cfg, is_last)
     if is_last and cfg.readout is Readout.SIGMA_MIN:
-        logits = block(x, z, torch.tensor(cfg.sigma_min))
+        logits = block(x, z, torch.tensor(cfg.sigma_min, device=z.device))
     return z, logits
 
 
@@ -117,7 +118,7 @@ def block_alone_logits(
     """Block ``k`` used alone: fed pure noise z = s_k * eps at the top of its own slice."""
     s = partition.slices[k].step_hi
     z = initial_noise(tuple(x.shape), block.cfg.d_model, s, generator).to(x.device)  # type: ignore[arg-type]
-    return block(x, z, torch.tensor(s))
+    return block(x, z, torch.tensor(s, device=z.device))
 
 
 def evaluations_per_traversal(cfg: DiffusionConfig, n_blocks: int) -> int:

@@ -4,7 +4,9 @@ Both expose ``log_probs(x, chains, seed) -> (chains, b, t, 256)``. The E2E model
 and a stack are deterministic, so they return one "chain". Composition goes
 through the run's :class:`~blocktrain.objectives.base.Objective`; so do the
 single-block references (``reference_log_probs``: every prefix of a stack,
-every diffusion block alone). ``precision`` sets the inference arithmetic.
+every diffusion block alone). ``precision`` sets the inference arithmetic and ``device`` where it runs: the
+weights move there once, at construction, and ``log_probs`` moves its input there (a no-op when the caller, like
+:func:`~blocktrain.evaluate.scoring.score_split`, already holds its batches on the device).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import nn
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir, load_model
 from blocktrain.config import Precision, RunConfig
-from blocktrain.device import autocast
+from blocktrain.device import CPU, autocast
 from blocktrain.errors import RunError
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.objectives import compose_logits, get_objective
@@ -29,16 +31,18 @@ class AssembledModel:
 
     kind = "blocktrain"
 
-    def __init__(self, blocks: Sequence[nn.Module], cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
+    def __init__(
+        self, blocks: Sequence[nn.Module], cfg: RunConfig, precision: Precision = Precision.FP32,
+        device: torch.device = CPU,
+    ) -> None:
         if len(blocks) != cfg.model.n_blocks:
             raise RunError(f"expected {cfg.model.n_blocks} blocks, got {len(blocks)}")
         self.objective = get_objective(cfg)
         self.objective.check_composable(blocks)
-        for b in blocks:
-            b.eval()
-        self.blocks = list(blocks)
+        self.blocks = [b.to(device).eval() for b in blocks]
         self.cfg = cfg
         self.precision = precision
+        self.device = device
 
     @property
     def context(self) -> int:
@@ -50,9 +54,11 @@ class AssembledModel:
         return self.objective.deterministic
 
     @classmethod
-    def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> AssembledModel:
+    def load(
+        cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32, device: torch.device = CPU,
+    ) -> AssembledModel:
         cfg = cfg or run.load_config()
-        return cls([load_block(run, cfg, k) for k in range(cfg.model.n_blocks)], cfg, precision)
+        return cls([load_block(run, cfg, k) for k in range(cfg.model.n_blocks)], cfg, precision, device)
 
     def traversal_flops_per_byte(self) -> float:
         """Forward FLOPs per scored byte of one traversal."""
@@ -60,6 +66,7 @@ class AssembledModel:
 
     @torch.no_grad()
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
+        x = x.to(self.device)
         out = []
         for c in range(1 if self.deterministic else chains):
             g = Seed.CHAIN.generator(seed, c)
@@ -74,6 +81,7 @@ class AssembledModel:
 
         ``only=k``: block k alone, (1, b, t, 256) (diffusion; a stack's prefixes come in one pass).
         """
+        x = x.to(self.device)
         with autocast(self.precision, x.device):
             logits = self.objective.single_block_logits(self.blocks, x, seed, only)
         return torch.stack([torch.log_softmax(lg.float(), dim=-1) for lg in logits])
@@ -84,36 +92,44 @@ class E2EModel:
 
     deterministic = True
 
-    def __init__(self, model: E2ETransformer, cfg: RunConfig, precision: Precision = Precision.FP32) -> None:
-        self.model = model.eval()
+    def __init__(
+        self, model: E2ETransformer, cfg: RunConfig, precision: Precision = Precision.FP32, device: torch.device = CPU,
+    ) -> None:
+        self.model = model.to(device).eval()
         self.cfg = cfg
         self.precision = precision
+        self.device = device
 
     @property
     def context(self) -> int:
         return self.cfg.model.context
 
     @classmethod
-    def load(cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32) -> E2EModel:
+    def load(
+        cls, run: RunDir, cfg: RunConfig | None = None, precision: Precision = Precision.FP32, device: torch.device = CPU,
+    ) -> E2EModel:
         cfg = cfg or run.load_config()
         if not run.has_e2e():
             raise RunError(f"{run.root} has no E2E checkpoint; train it with 'blocktrain train-e2e'")
         model = E2ETransformer(cfg.model)
         load_model(run.e2e_path(), model, cfg, "e2e")
-        return cls(model, cfg, precision)
+        return cls(model, cfg, precision, device)
 
     def traversal_flops_per_byte(self) -> float:
         return 2.0 * sum(p.numel() for p in self.model.parameters())
 
     @torch.no_grad()
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
+        x = x.to(self.device)
         with autocast(self.precision, x.device):
             logits = self.model(x)
         return torch.log_softmax(logits.float(), dim=-1).unsqueeze(0)
 
 
-def load_model_from_run(run: RunDir, which: str = "auto", precision: Precision = Precision.FP32) -> AssembledModel | E2EModel:
-    """``which``: "blocktrain", "e2e" or "auto" (blocks if present, else E2E)."""
+def load_model_from_run(
+    run: RunDir, which: str = "auto", precision: Precision = Precision.FP32, device: torch.device = CPU,
+) -> AssembledModel | E2EModel:
+    """``which``: "blocktrain", "e2e" or "auto" (blocks if present, else E2E), on ``device``."""
     cfg = run.load_config()
     missing = [k for k in range(cfg.model.n_blocks) if not run.block_path(k).is_file()]
     if missing and (which == "blocktrain" or (which == "auto" and len(missing) < cfg.model.n_blocks)):
@@ -124,7 +140,7 @@ def load_model_from_run(run: RunDir, which: str = "auto", precision: Precision =
             f"the run was created with)" + (", or evaluate its E2E model with --model e2e" if run.has_e2e() else "")
         )
     if which == "blocktrain" or (which == "auto" and run.has_blocks(cfg.model.n_blocks)):
-        return AssembledModel.load(run, cfg, precision)
+        return AssembledModel.load(run, cfg, precision, device)
     if which in ("e2e", "auto"):
-        return E2EModel.load(run, cfg, precision)
+        return E2EModel.load(run, cfg, precision, device)
     raise RunError(f"unknown model kind {which!r}; use blocktrain, e2e or auto")

@@ -1,7 +1,8 @@
 """Autoregressive byte generation with temperature, top-k and top-p (:mod:`blocktrain.sampling`).
 
 For a BlockTrain model each new byte costs one traversal of the chain
-(B block steps); for the E2E model one forward pass.
+(B block steps); for the E2E model one forward pass. The model computes on its device; each byte's 256 log-probs
+come back to the host, where the seeded CPU generator draws it, so a continuation is the same on every device.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def generate(
     out = bytearray(prompt or b"\n")
     g = Seed.SAMPLER.generator(seed)
     for i in progress_bar(range(n_bytes), desc="generate", unit="byte", disable=not progress):
-        ctx = torch.tensor(list(out[-model.context :]), dtype=torch.uint8).unsqueeze(0)
+        ctx = torch.tensor(list(out[-model.context :]), dtype=torch.uint8, device=model.device).unsqueeze(0)  # (1, t)
         logp = model.log_probs(ctx, chains=1, seed=Seed.BYTE.derive(seed, i))  # (1, 1, t, 256)
-        out.append(sample_from_logits(logp[0, 0, -1], temperature, top_k, g, top_p))
+        out.append(sample_from_logits(logp[0, 0, -1].cpu(), temperature, top_k, g, top_p))  # the byte is the output
     return bytes(out[len(prompt or b"\n") :])

@@ -47,7 +47,7 @@ def evaluate_model(
 
     def score(fn: Callable[[torch.Tensor], torch.Tensor], desc: str) -> ScoreResult:
         return score_split(fn, split.data, model.context, batch_size=batch_size, max_bytes=max_bytes, progress=progress,
-                           desc=desc)
+                           desc=desc, device=model.device)
 
     res = score(log_probs, f"{model.kind} {split.name}")
     summary = res.to_dict()
@@ -63,6 +63,7 @@ def evaluate_model(
         **summary,
         "forward_flops_per_byte": model.traversal_flops_per_byte(),
         "precision": model.precision.value,
+        "device": str(model.device),
     }
     if blocks_alone and assembled is not None:
         if one_pass:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from blocktrain.data.dataset import eval_windows
+from blocktrain.device import CPU
 from blocktrain.progress import progress_bar
 
 LogProbFn = Callable[[torch.Tensor], torch.Tensor]  # x (b, t) -> log p (K, b, t, 256)
@@ -48,26 +49,32 @@ def score_split(
     progress: bool = False,
     desc: str = "eval",
     on_bytes: Callable[[torch.Tensor], None] | None = None,
+    device: torch.device | None = None,
 ) -> ScoreResult:
     """Score ``data`` (uint8) with ``log_prob_fn``; ``max_bytes`` truncates the split first.
 
+    The split moves to ``device`` (the host by default) once, and every batch is cut from it there, so ``log_prob_fn``
+    receives x (b, t) on the device; the sums stay there until the last batch.
+
     ``on_bytes`` receives, batch by batch, chain 0's log-prob of each scored byte, in the order of the text
-    (all of them together are log p(data[j] | data[:j]) for j = 1..n-1)."""
+    (all of them together are log p(data[j] | data[:j]) for j = 1..n-1), on the device."""
     n = len(data) if max_bytes is None else min(len(data), max_bytes + 1)
-    arr = np.asarray(data[:n], dtype=np.uint8)
     windows = eval_windows(n, context)
-    total = None  # (K,) summed log-probs of chain k
-    total_mix = 0.0
-    count = 0
+    device = device or CPU
+    text = torch.from_numpy(np.array(data[:n], dtype=np.uint8)).to(device)  # (n,): the split, resident on the device
+    starts = torch.tensor([s for s, _, _ in windows], device=device)  # (w,)
+    lengths = torch.tensor([length for _, length, _ in windows], device=device)  # (w,)
+    firsts = torch.tensor([first for _, _, first in windows], device=device)  # (w,)
+    pos = torch.arange(context, device=device)  # (t,): every window is read at the full width, a short last one padded
+    span = torch.arange(context + 1, device=device)  # (t+1,)
+    count = sum(length - first for _, length, first in windows)  # bytes scored, known before any is
+    total: torch.Tensor | None = None  # (K,) float64 summed log-probs of chain k, on the device until the end
+    total_mix = torch.zeros((), dtype=torch.float64, device=device)
     chains = 1
-    starts = torch.tensor([s for s, _, _ in windows])  # (w,)
-    lengths = torch.tensor([length for _, length, _ in windows])  # (w,)
-    firsts = torch.tensor([first for _, _, first in windows])  # (w,)
-    pos = torch.arange(context)  # (t,): every window is read at the full width, a short last one padded after its end
     for i in progress_bar(range(0, len(windows), batch_size), desc=desc, unit="batch", disable=not progress, dynamic_ncols=True):
         sl = slice(i, i + batch_size)
-        idx = (starts[sl, None] + torch.arange(context + 1)[None, :]).clamp(max=n - 1)  # (b, t+1)
-        win = torch.from_numpy(arr[idx.numpy()])  # (b, t+1): a padded tail repeats the last byte and is not scored
+        idx = (starts[sl, None] + span[None, :]).clamp(max=n - 1)  # (b, t+1)
+        win = text[idx]  # (b, t+1): a padded tail repeats the last byte and is not scored
         x, y = win[:, :-1], win[:, 1:].long()
         logp = log_prob_fn(x)  # (K, b, t, 256)
         chains = logp.shape[0]
@@ -78,25 +85,28 @@ def score_split(
             on_bytes(lp_y[0][mask])  # (scored,): row-major, so the windows' targets in the text's order
         total = per_chain if total is None else total + per_chain
         mix = torch.logsumexp(lp_y, dim=0) - math.log(chains)
-        total_mix += float((mix * mask).sum())
-        count += int(mask.sum())
+        total_mix += (mix * mask).sum().double()
     assert total is not None and count == n - 1, f"scored {count} of {n - 1} bytes"
-    ce = -float(total[0]) / count
+    sums = total.tolist()  # the one wait for the device: after the last batch
+    ce = -sums[0] / count
     return ScoreResult(
         ce_nats_per_byte=ce,
         bits_per_byte=ce / math.log(2),
         perplexity=math.exp(ce),
         bytes_scored=count,
         chains=chains,
-        ce_mixture_nats_per_byte=(-total_mix / count) if chains > 1 else None,
-        ce_per_chain=tuple(-float(v) / count for v in total),
+        ce_mixture_nats_per_byte=(-float(total_mix) / count) if chains > 1 else None,
+        ce_per_chain=tuple(-v / count for v in sums),
     )
 
 
-def target_log_probs(log_prob_fn: LogProbFn, data: bytes | np.ndarray, context: int, *, batch_size: int = 32) -> torch.Tensor:
+def target_log_probs(
+    log_prob_fn: LogProbFn, data: bytes | np.ndarray, context: int, *, batch_size: int = 32,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """log p(data[j] | data[:j]) for j = 1..n-1 (float64, shape (n-1,)), chain 0, in :func:`score_split`'s windows:
     the local reference a served or harness log-likelihood is checked against."""
     arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
     got: list[torch.Tensor] = []
-    score_split(log_prob_fn, arr, context, batch_size=batch_size, on_bytes=got.append)
-    return torch.cat(got).double()
+    score_split(log_prob_fn, arr, context, batch_size=batch_size, on_bytes=got.append, device=device)
+    return torch.cat(got).double().cpu()

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import FrozenStorage, RunConfig, Schedule
+from blocktrain.device import CPU
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,8 @@ def whole_blocks(objective: Objective, states: Sequence[Mapping[str, torch.Tenso
     from the blocks before it (:meth:`Objective.inherit`: a stack variant's frozen heads)."""
     blocks: list[nn.Module] = []
     for k, state in enumerate(states):
-        block = objective.build_block(k)
+        with torch.device(CPU):
+            block = objective.build_block(k)
         params = dict(block.named_parameters())
         for name, tensor in state.items():
             params[name].copy_(tensor)

@@ -71,7 +71,7 @@ def encode_delta(delta: dict[str, torch.Tensor], compression: Compression) -> di
         amax = float(d.abs().max()) if d.numel() else 0.0
         s = amax / 127.0 if amax > 0 else 1.0
         out[n] = torch.clamp(torch.round(d.float() / s), -127, 127).to(torch.int8)
-        out[n + SCALE_SUFFIX] = torch.tensor(s, dtype=torch.float32)
+        out[n + SCALE_SUFFIX] = torch.tensor(s, dtype=torch.float32, device=d.device)
     return out
 
 

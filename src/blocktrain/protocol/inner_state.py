@@ -32,17 +32,22 @@ def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
                 residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``opt``'s AdamW state and the error-feedback ``residual``, named as the module docstring says."""
+    """Host copies of ``opt``'s AdamW state and the error-feedback ``residual`` (on whatever device they live), named
+    as the module docstring says."""
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
     out: dict[str, torch.Tensor] = {}
     for i, p in enumerate(_params(opt)):
         st = opt.state.get(p)
         if not st:
             continue
         for m in MOMENTS:
-            out[f"{ADAM}{names[i]}/{m}"] = st[m].detach().float().clone()
-        out[f"{ADAM}{names[i]}/step"] = torch.as_tensor(st["step"], dtype=torch.float32).detach().clone().reshape(())
+            out[f"{ADAM}{names[i]}/{m}"] = host(st[m])
+        out[f"{ADAM}{names[i]}/step"] = host(torch.as_tensor(st["step"])).reshape(())
     for n, e in residual.items():
-        out[f"{RESIDUAL}{n}"] = e.detach().float().clone()
+        out[f"{RESIDUAL}{n}"] = host(e)
     return out
 
 
@@ -87,13 +92,20 @@ def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: i
 
 def load_inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
                      tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Put the AdamW state of ``tensors`` into ``opt`` (fresh: no state yet); returns the residual it holds."""
-    for i, p in enumerate(_params(opt)):
-        key = f"{ADAM}{names[i]}/"
-        if key + "step" not in tensors:
-            continue
-        st = opt.state[p]
-        for m in MOMENTS:
-            st[m] = tensors[key + m].clone().to(p.device)
-        st["step"] = tensors[key + "step"].clone()
+    """Put the AdamW state of ``tensors`` into ``opt`` (fresh: no state yet), on its parameters' device; returns the
+    residual it holds (on the host, where pushes are encoded).
+
+    The step counter goes where torch's own ``load_state_dict`` puts it: on the parameter's device for a fused or
+    capturable group (their kernels read it there), on the host otherwise."""
+    index = {id(q): j for j, q in enumerate(_params(opt))}
+    for group in opt.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            key = f"{ADAM}{names[index[id(p)]]}/"
+            if key + "step" not in tensors:
+                continue
+            st = opt.state[p]
+            for m in MOMENTS:
+                st[m] = tensors[key + m].to(p.device, copy=True)
+            st["step"] = tensors[key + "step"].to(p.device if on_device else "cpu", dtype=torch.float32, copy=True)
     return {n[len(RESIDUAL):]: t.clone() for n, t in tensors.items() if n.startswith(RESIDUAL)}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import Precision
-from blocktrain.device import autocast
+from blocktrain.device import CPU, autocast
 from blocktrain.train.metrics import JsonlWriter
 from blocktrain.train.step import optimizer_step
 
@@ -74,7 +74,7 @@ def train_steps(
     hooks: Sequence[Hook] = (),
 ) -> LoopResult:
     """Optimiser steps ``steps`` of ``module`` on ``loss_at(step)`` at ``lr(step)``; see the module docstring."""
-    device = device or torch.device("cpu")
+    device = device or CPU
     result = LoopResult(done=steps.start, last_loss=float("nan"), step_seconds=[])
     module.train()
     try:

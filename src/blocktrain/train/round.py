@@ -11,13 +11,14 @@ the replay of an honest worker's round is the same computation, step for step:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from blocktrain.config import Precision, TrainConfig
 from blocktrain.data.stream import TrainStream
+from blocktrain.device import CPU
 from blocktrain.objectives.base import Objective
 from blocktrain.train.loop import Hook, LoopResult, LossFn, train_steps
 from blocktrain.train.step import lr_at
@@ -32,7 +33,7 @@ class BlockTask:
     objective: Objective
     k: int  # the block index
     frozen: Sequence[nn.Module] = ()  # frozen copies of the blocks it reads (stack: 0..k-1)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device = CPU  # where block k, its frozen inputs and its batches live
 
     def loss_fn(self, block: nn.Module, stream: TrainStream, targets: Targets | None = None) -> LossFn:
         """step i -> block k's loss on the stream's batch i (``targets``: what a hostile replica trains on instead)."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import ByteSplit
-from blocktrain.device import autocast
+from blocktrain.device import CPU, autocast
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.progress import progress_bar
 from blocktrain.train.checkpointing import Checkpointer
@@ -79,7 +79,7 @@ def run_training(
     it is (the generator seeded by the run's seed at each evaluation); no evaluation without ``valid``.
     """
     tc = cfg.train
-    device = device or torch.device("cpu")
+    device = device or CPU
     tokens = tc.batch_size * cfg.model.context
 
     def eval_fn() -> dict[str, float]:
@@ -91,9 +91,10 @@ def run_training(
         def lp(x: torch.Tensor) -> torch.Tensor:
             with torch.no_grad(), autocast(precision, device):
                 out = logits(x.to(device), gen)
-            return torch.log_softmax(out.float(), dim=-1).cpu().unsqueeze(0)
+            return torch.log_softmax(out.float(), dim=-1).unsqueeze(0)
 
-        return {key: score_split(lp, valid.data, cfg.model.context, max_bytes=tc.eval_bytes).ce_nats_per_byte}
+        return {key: score_split(lp, valid.data, cfg.model.context, max_bytes=tc.eval_bytes,
+                                 device=device).ce_nats_per_byte}
 
     opt, names = make_optimizer(module, tc)
     ckpt = Checkpointer(name, module, opt, names, cfg, ckpt_path, state_path, save_meta, every=tc.checkpoint_every)

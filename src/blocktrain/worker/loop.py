@@ -121,6 +121,7 @@ class Worker:
                  abandon: threading.Event | None = None) -> None:
         self.opts = opts
         self.data = data
+        self.device = resolve_device(opts.device)  # a device this machine lacks fails here, before registering
         self.stop = stop or threading.Event()  # finish the current round, then leave
         self.abandon = abandon or threading.Event()  # leave at once
         self.client = CoordinatorClient(opts.url, opts.token, give_up_s=opts.give_up_s, stop=self.abandon,
@@ -148,7 +149,6 @@ class Worker:
         self.round_steps = reg.local_steps
         self.schedule = replace(self.cfg.train, steps=max(1, steps))
         self.objective = get_objective(self.cfg)
-        self.device = resolve_device(self.opts.device)
         self.precision = resolve_precision(self.opts.precision or self.cfg.train.precision, self.device)
         self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_cache, self.device,
                                    frozen_dtype(self.cfg.train.frozen_storage, self.precision is Precision.BF16))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from blocktrain.config import VOCAB_SIZE, Precision, RunConfig
-from blocktrain.device import autocast
+from blocktrain.device import CPU, autocast
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_step, initial_noise, position_noise
 from blocktrain.errors import WireError
@@ -42,23 +42,25 @@ class BlockSpan:
 
     def __init__(
         self, blocks: dict[int, BlockDenoiser], cfg: RunConfig, precision: Precision = Precision.FP32,
-        cache: CacheOptions | None = None,
+        cache: CacheOptions | None = None, device: torch.device = CPU,
     ) -> None:
         """``cache`` is accepted as every span's constructor takes it; diffusion stages keep no KV cache (each
-        traversal carries the whole text)."""
+        traversal carries the whole text). Noise is drawn on the host by the request's seeded CPU generators (the
+        same draw on every device) and moved to ``device``, where the blocks run."""
         self.cfg = cfg
         self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
+        self.device = device
         self.lo, self.hi = min(blocks), max(blocks)
         if sorted(blocks) != list(range(self.lo, self.hi + 1)):
             raise ValueError(f"a stage holds a contiguous span of blocks, got {sorted(blocks)}")
-        self.blocks = {k: b.eval() for k, b in blocks.items()}
+        self.blocks = {k: b.to(device).eval() for k, b in blocks.items()}
         self.n_last = cfg.model.n_blocks - 1
         self.partition = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.model.n_blocks,
                 "context": self.cfg.model.context, "d_model": self.cfg.model.d_model,
-                "modes": ["ar", "sweep", "spec", "score"], "cached": False}
+                "modes": ["ar", "sweep", "spec", "score"], "cached": False, "device": str(self.device)}
 
     def holds(self, index: int) -> bool:
         return self.lo <= index <= self.hi
@@ -155,18 +157,20 @@ class BlockSpan:
         if frame.mode is Mode.SWEEP:
             sweep_index = int(frame.params.get("sweep_index", 0))
             if x.shape[1] == int(frame.params["prompt_len"]):
-                pad = torch.full((x.shape[0], int(frame.params["n_new"])), PLACEHOLDER_BYTE, dtype=torch.uint8)
+                pad = torch.full((x.shape[0], int(frame.params["n_new"])), PLACEHOLDER_BYTE, dtype=torch.uint8,
+                                 device=x.device)
                 x = torch.cat([x, pad], dim=1)
             g = Seed.SWEEP_NOISE.generator(seed, sweep_index)
         else:
             g = Seed.CHAIN.generator(seed, 0)  # the draw of AssembledModel.log_probs(x, chains=1, seed): chain 0
-        return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g)
+        return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g).to(x.device)
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
         """Run this span on frames that share ``batch_key``; one output frame per input."""
-        with autocast(self.precision, torch.device("cpu")):
-            return self._run(frames)
+        with autocast(self.precision, self.device):
+            outs = self._run([f.to(self.device) for f in frames])
+        return [o.to(CPU) for o in outs]
 
     def _run(self, frames: Sequence[Frame]) -> list[Frame]:
         if frames[0].mode is Mode.SPEC:
@@ -175,8 +179,8 @@ class BlockSpan:
         rows = [x.shape[0] for x, _ in starts]
         lens = [x.shape[1] for x, _ in starts]
         t_max, b_all, d = max(lens), sum(rows), self.cfg.model.d_model
-        x = torch.zeros(b_all, t_max, dtype=torch.uint8)
-        z = torch.zeros(b_all, t_max, d)
+        x = torch.zeros(b_all, t_max, dtype=torch.uint8, device=self.device)
+        z = torch.zeros(b_all, t_max, d, device=self.device)
         offsets = [sum(rows[:i]) for i in range(len(rows))]
         for (xi, zi), r0, r, t in zip(starts, offsets, rows, lens, strict=True):
             x[r0 : r0 + r, :t] = xi
@@ -214,22 +218,22 @@ class BlockSpan:
             x = f.tensors["x"]
             text = x[0].tolist()
             g_noise = Seed.CHAIN.generator(sp.seed, 0)
-            eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise)  # (1, t + n, d), a window at most
+            eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise).to(self.device)  # (1, t + n, d), a window at most
             s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
             g = sp.draft_generator(int(f.params.get("pos", 0)) + len(text))
             draft: list[int] = []
             qs: list[torch.Tensor] = []
             for _ in range(n):
-                win = torch.tensor([(text + draft)[-c:]], dtype=torch.uint8)  # the whole text, or its last window
+                win = torch.tensor([(text + draft)[-c:]], dtype=torch.uint8, device=self.device)  # the text or its last window
                 t = win.shape[1]
-                logits = self.blocks[0](win, s0 * eps[:, :t], torch.tensor(s0))  # (1, t, 256)
+                logits = self.blocks[0](win, s0 * eps[:, :t], torch.tensor(s0, device=self.device))  # (1, t, 256)
                 byte, q = sp.draft_byte(logits[0, -1].float(), g)
                 draft.append(byte)
                 qs.append(q)
             if n:
-                carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)}
+                carried = {"draft": torch.tensor([draft], dtype=torch.uint8, device=self.device), "q": torch.stack(qs)}
             rows = windows(text, draft, c) if sp.window else [text + draft]  # windowed: every row is c bytes
-            x = torch.tensor(rows, dtype=torch.uint8)
+            x = torch.tensor(rows, dtype=torch.uint8, device=self.device)
             z = (self.cfg.diffusion.sigma_max * eps).expand(len(rows), -1, -1).clone()
         logits = torch.empty(0)
         for k in range(f.sigma_index, self.hi + 1):
@@ -248,7 +252,8 @@ class BlockSpan:
         temp = float(f.params.get("temperature", 0.0))
         if k < self.n_last and f.params.get("estimate", "sample") == "greedy":
             temp = 0.0  # intermediate estimates by argmax; only the last block samples
-        x[:, p : p + n] = sample_rows(est, temp, int(f.params.get("top_k", 0)), g).view(x.shape[0], n).to(torch.uint8)
+        drawn = sample_rows(est.float().cpu(), temp, int(f.params.get("top_k", 0)), g)  # (b*n,): the CPU generator draws
+        x[:, p : p + n] = drawn.view(x.shape[0], n).to(device=x.device, dtype=torch.uint8)
 
     def _output(self, f: Frame, x: torch.Tensor, z: torch.Tensor, logits: torch.Tensor) -> Frame:
         params = dict(f.params)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import ModelConfig, Precision
-from blocktrain.device import autocast
+from blocktrain.device import CPU, autocast
 from blocktrain.errors import WireError
 from blocktrain.model.layers import TransformerLayer
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
@@ -35,13 +35,15 @@ class E2ESpan:
         embed: tuple[nn.Embedding, nn.Embedding] | None,
         head: tuple[nn.LayerNorm, nn.Linear] | None,
         precision: Precision = Precision.FP32,
+        device: torch.device = CPU,
     ) -> None:
         self.cfg = cfg
         self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
+        self.device = device  # where the layers, the KV caches and run() live; frames arrive and leave on the host
         self.lo, self.hi = min(layers), max(layers)
-        self.layers = {i: m.eval() for i, m in layers.items()}
-        self.embed = embed
-        self.head = head
+        self.layers = {i: m.to(device).eval() for i, m in layers.items()}
+        self.embed = None if embed is None else (embed[0].to(device), embed[1].to(device))
+        self.head = None if head is None else (head[0].to(device), head[1].to(device))
         if (self.lo == 0) != (embed is not None) or (self.hi == cfg.n_layers - 1) != (head is not None):
             raise ValueError("the first E2E stage holds the embeddings and the last one the head")
         # 64 requests, 600 s idle, and no byte cap: the stage's --cache-* flags are not passed to E2E spans
@@ -49,7 +51,8 @@ class E2ESpan:
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.n_layers,
-                "context": self.cfg.context, "d_model": self.cfg.d_model, "modes": ["baseline", "score"], "cached": True}
+                "context": self.cfg.context, "d_model": self.cfg.d_model, "modes": ["baseline", "score"], "cached": True,
+                "device": str(self.device)}
 
     def holds(self, index: int) -> bool:
         return self.lo <= index <= self.hi
@@ -95,8 +98,9 @@ class E2ESpan:
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
-        with autocast(self.precision, torch.device("cpu")):
-            return [self._run_one(f) for f in frames]
+        with autocast(self.precision, self.device):
+            outs = [self._run_one(f.to(self.device)) for f in frames]
+        return [o.to(CPU) for o in outs]
 
     def _run_one(self, f: Frame) -> Frame:
         if f.mode is Mode.SCORE:
@@ -125,7 +129,7 @@ class E2ESpan:
             return f.tensors["h"].float()
         x = f.tensors["x"].long()
         tok, posemb = self.embed
-        return tok(x) + posemb(torch.arange(pos, pos + x.shape[1]))
+        return tok(x) + posemb(torch.arange(pos, pos + x.shape[1], device=x.device))
 
     def _output(self, f: Frame, h: torch.Tensor, scored: torch.Tensor) -> Frame:
         """WORK carrying h to the next stage, or (the last stage) RESULT with the logits of the ``scored`` part of h."""

@@ -18,6 +18,7 @@ from torch import nn
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import VOCAB_SIZE, ModelConfig, Objective, Precision, RunConfig
+from blocktrain.device import CPU
 from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import E2EModel
 from blocktrain.model.e2e import E2ETransformer
@@ -65,24 +66,26 @@ def _check_span(lo: int, hi: int, n: int, what: str) -> None:
 
 
 def load_run_span(
-    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None
+    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None,
+    device: torch.device = CPU,
 ) -> Span:
-    """Blocks lo..hi of a run, as the serving span its objective names (:func:`build_span`)."""
+    """Blocks lo..hi of a run, as the serving span its objective names (:func:`build_span`), on ``device``."""
     cfg = run.load_config()
     blocker = get_objective(cfg).serving_blocker()
     if blocker is not None:
         raise ConfigError(f"{run.root} cannot be served: {blocker}")
     _check_span(lo, hi, cfg.model.n_blocks, "blocks")
-    return build_span(cfg, {k: load_block(run, cfg, k) for k in range(lo, hi + 1)}, precision, cache)
+    return build_span(cfg, {k: load_block(run, cfg, k) for k in range(lo, hi + 1)}, precision, cache, device)
 
 
 def build_span(
     cfg: RunConfig, blocks: dict[int, nn.Module], precision: Precision = Precision.FP32, cache: CacheOptions | None = None,
+    device: torch.device = CPU,
 ) -> Span:
-    """The serving span of trained ``blocks``: the class the run's objective names in ``serving_span`` (objectives
-    never import serving code, so they name it)."""
+    """The serving span of trained ``blocks`` on ``device``: the class the run's objective names in ``serving_span``
+    (objectives never import serving code, so they name it)."""
     module, _, name = get_objective(cfg).serving_span.partition(":")
-    span = getattr(importlib.import_module(module), name)(blocks, cfg, precision, cache)
+    span = getattr(importlib.import_module(module), name)(blocks, cfg, precision, cache, device)
     return span  # type: ignore[no-any-return]
 
 
@@ -98,10 +101,12 @@ def _e2e_parts(model: E2ETransformer, lo: int, hi: int) -> Parts:
     return layers, embed, head  # type: ignore[return-value]
 
 
-def load_e2e_span(run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32) -> E2ESpan:
+def load_e2e_span(
+    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, device: torch.device = CPU,
+) -> E2ESpan:
     cfg = run.load_config()
     _check_span(lo, hi, cfg.model.n_layers, "layers")
-    return E2ESpan(cfg.model, *_e2e_parts(E2EModel.load(run, cfg).model, lo, hi), precision=precision)
+    return E2ESpan(cfg.model, *_e2e_parts(E2EModel.load(run, cfg).model, lo, hi), precision=precision, device=device)
 
 
 def _seeded(seed: int, role: Seed, *indices: int) -> None:
@@ -109,7 +114,7 @@ def _seeded(seed: int, role: Seed, *indices: int) -> None:
 
 
 def random_run_span(
-    cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None
+    cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None, device: torch.device = CPU,
 ) -> Span:
     """Blocks lo..hi of ``cfg``'s objective with random weights (seeded per block), as its serving span. For scale
     runs and tests, where no run exists."""
@@ -122,10 +127,10 @@ def random_run_span(
         z_in = getattr(blocks[k], "z_in", None)  # a denoiser's input projection: untrained, let z matter
         if z_in is not None:
             nn.init.normal_(z_in.weight, std=0.02)
-    return build_span(cfg, blocks, Precision.FP32, cache)
+    return build_span(cfg, blocks, Precision.FP32, cache, device)
 
 
-def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:
+def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0, device: torch.device = CPU) -> E2ESpan:
     """E2E layers lo..hi (+ embeddings/head where they belong) with random weights."""
     m = cfg.model
     _check_span(lo, hi, m.n_layers, "layers")
@@ -142,4 +147,4 @@ def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0) -> E2ESpan:
     if hi == m.n_layers - 1:
         _seeded(seed, Seed.RANDOM_HEAD)
         head = (nn.LayerNorm(m.d_model), nn.Linear(m.d_model, VOCAB_SIZE))
-    return E2ESpan(m, layers, embed, head)
+    return E2ESpan(m, layers, embed, head, device=device)

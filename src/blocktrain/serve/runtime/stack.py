@@ -32,8 +32,9 @@ Modes:
   row, and the last stage returns each row's last logits (n_draft + 1, 256).
 * ``sweep`` is refused: it is the diffusion objective's whole-continuation mode.
 
-Arithmetic runs under :func:`blocktrain.device.autocast` at the span's precision; h
-crosses the wire in fp32.
+Arithmetic runs on the span's device under :func:`blocktrain.device.autocast` at the span's precision; the KV
+caches stay on that device. A frame's tensors move to the device once, as ``run`` receives it, and the frames it
+answers move back to the host; h crosses the wire in fp32.
 """
 
 from __future__ import annotations
@@ -44,15 +45,13 @@ from typing import Any
 import torch
 
 from blocktrain.config import Precision, RunConfig
-from blocktrain.device import autocast
+from blocktrain.device import CPU, autocast
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
 from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
-
-CPU = torch.device("cpu")
 
 
 class StackSpan:
@@ -62,13 +61,14 @@ class StackSpan:
 
     def __init__(
         self, blocks: dict[int, StackBlock], cfg: RunConfig, precision: Precision = Precision.FP32,
-        cache: CacheOptions | None = None,
+        cache: CacheOptions | None = None, device: torch.device = CPU,
     ) -> None:
         self.cfg = cfg
         self.lo, self.hi = min(blocks), max(blocks)
         if sorted(blocks) != list(range(self.lo, self.hi + 1)):
             raise ValueError(f"a stage holds a contiguous span of blocks, got {sorted(blocks)}")
-        self.blocks = {k: b.eval() for k, b in blocks.items()}
+        self.device = device
+        self.blocks = {k: b.to(device).eval() for k, b in blocks.items()}
         self.n_last = cfg.model.n_blocks - 1
         self.precision = precision
         self.cache = KVCache(cache, name=f"stack[{self.lo}-{self.hi}]")
@@ -76,7 +76,8 @@ class StackSpan:
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.model.n_blocks,
                 "context": self.cfg.model.context, "d_model": self.cfg.model.d_model,
-                "modes": ["spec", "ar", "score"], "cached": True, "precision": self.precision.value, "cached_requests": len(self.cache),
+                "modes": ["spec", "ar", "score"], "cached": True, "precision": self.precision.value, "device": str(self.device),
+                "cached_requests": len(self.cache),
                 "cache_evictions": self.cache.evictions}
 
     def holds(self, index: int) -> bool:
@@ -166,8 +167,9 @@ class StackSpan:
     # --- compute -------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
-        with autocast(self.precision, CPU):
-            return [self._run_one(f) for f in frames]
+        with autocast(self.precision, self.device):
+            outs = [self._run_one(f.to(self.device)) for f in frames]
+        return [o.to(CPU) for o in outs]
 
     def _run_one(self, f: Frame) -> Frame:
         if f.mode is Mode.SPEC and SpecParams.read(f.params).window:
@@ -228,7 +230,7 @@ class StackSpan:
         draft: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(sp.n_draft + 1):  # row i is windows(text, draft, c)[i]: it needs the draft's first i bytes
-            hs.append(self._forward(torch.tensor([(text + draft)[-c:]], dtype=torch.uint8)))
+            hs.append(self._forward(torch.tensor([(text + draft)[-c:]], dtype=torch.uint8, device=self.device)))
             if i == sp.n_draft and not self.is_last:
                 break
             last.append(self.blocks[self.hi].logits(hs[-1])[0, -1].float())
@@ -236,7 +238,7 @@ class StackSpan:
                 byte, q = sp.draft_byte(last[-1], g)
                 draft.append(byte)
                 qs.append(q)
-        carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)} if draft else {}
+        carried = {"draft": torch.tensor([draft], dtype=torch.uint8, device=self.device), "q": torch.stack(qs)} if draft else {}
         if self.is_last:  # one stage holds the whole model: the draft model is the target
             return self._result(f, torch.stack(last), carried)
         return self._work(f, torch.cat(hs, dim=0), carried)
@@ -278,11 +280,12 @@ class StackSpan:
             byte, q = sp.draft_byte(last[-1], g)
             draft.append(byte)
             qs.append(q)
-            h, logits = self.cached_step(entry, torch.tensor([[draft[-1]]], dtype=torch.uint8), accepted_len + i)
+            nxt = torch.tensor([[draft[-1]]], dtype=torch.uint8, device=self.device)  # (1, 1)
+            h, logits = self.cached_step(entry, nxt, accepted_len + i)
             assert logits is not None
             hs.append(h)
             last.append(logits[0, -1])
-        carried = {"draft": torch.tensor([draft], dtype=torch.uint8), "q": torch.stack(qs)} if n else {}
+        carried = {"draft": torch.tensor([draft], dtype=torch.uint8, device=self.device), "q": torch.stack(qs)} if n else {}
         if self.is_last:  # one stage holds the whole model: the draft model is the target
             return self._result(f, torch.stack(last), carried)
         return self._work(f, torch.cat(hs, dim=1), carried)

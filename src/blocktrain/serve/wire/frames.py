@@ -25,6 +25,7 @@ matches it (compared in constant time); anything else gets an ERROR
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import hmac
 import json
@@ -125,6 +126,13 @@ class Frame:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     error: str = ""  # ERROR frames: human-readable message
     code: ErrorCode | None = None  # ERROR frames: reason
+
+    def to(self, device: torch.device) -> Frame:
+        """This frame with its tensors on ``device`` (itself when they are there already): a span moves the frames it
+        receives to its device once, and the frames it answers back to the host, where the wire encodes them."""
+        if all(t.device == device for t in self.tensors.values()):
+            return self
+        return dataclasses.replace(self, tensors={k: t.to(device) for k, t in self.tensors.items()})
 
     def header(self) -> dict[str, Any]:
         h: dict[str, Any] = {

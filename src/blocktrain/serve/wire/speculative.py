@@ -62,7 +62,7 @@ def accept_draft(draft: list[int], p: torch.Tensor, q: torch.Tensor, generator: 
         raise ValueError(f"need p (n+1, V) and q (n, V) for a draft of n={n}, got {tuple(p.shape)} and {tuple(q.shape)}")
     for i, x in enumerate(draft):
         p_x, q_x = float(p[i, x]), float(q[i, x])
-        u = float(torch.rand((), generator=generator))
+        u = float(torch.rand((), generator=generator, device=generator.device))
         if q_x <= 0.0 or u * q_x < p_x:  # u < min(1, p/q), without dividing by q
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)  # norm(max(0, p_i - q_i))
@@ -149,8 +149,9 @@ class SpecParams:
         return Seed.DRAFT.generator(self.seed, accepted_len)
 
     def draft_byte(self, logits: torch.Tensor, g: torch.Generator) -> tuple[int, torch.Tensor]:
-        """One draft byte from raw logits (256,): (the byte, q (256,) it was drawn from)."""
-        q = filtered_probs(logits.unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
+        """One draft byte from raw logits (256,) on any device: (the byte, q (256,) it was drawn from, on the host,
+        where the seeded CPU generator draws and the frame carries it)."""
+        q = filtered_probs(logits.float().cpu().unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
         x = int(q.argmax()) if self.temperature <= 0 else int(sample_probs(q, g)[0])
         return x, q[0]
 

@@ -1,0 +1,250 @@
+"""Every path computes on the device it is given (issue 42): eval, generate, serving spans and their KV caches, the
+coordinator's gate, evaluation and audit replay, the in-process rounds.
+
+No GPU is at hand in CI, so two checks stand in for one, and both fail when a path ignores its device:
+
+* **The host by name only where it is a boundary.** Product code names the CPU (``torch.device("cpu")``,
+  ``.cpu()``, a ``"cpu"`` autocast) only in the files listed in ``HOST_BOUNDARIES``, each with why: the device rule
+  itself, tensors leaving for a file or the wire, the seeded CPU generators that draw bytes and noise.
+* **No tensor made without a device.** Each path runs under ``with torch.device("meta")``, which sends every tensor
+  created without an explicit device to the meta device. The path is given the CPU, so any such tensor mixes with
+  the path's CPU tensors and the op fails: that tensor would have landed on the host beside a GPU model. The test
+  then checks that the model's parameters, the batches the model saw and the KV cache are on the device named.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from blocktrain.config import Objective, RunConfig
+from blocktrain.device import CPU, resolve_device
+from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.evaluate.generate import generate
+from blocktrain.evaluate.scoring import score_split
+from blocktrain.model.e2e import E2ETransformer
+from blocktrain.objectives import get_objective
+from blocktrain.presets import get_preset
+from blocktrain.serve.runtime.loading import build_span, random_e2e_span
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "blocktrain"
+HOST = re.compile(r"""torch\.device\(\s*["']cpu["']\s*\)|\.cpu\(\)|autocast\(\s*["']cpu["']|device=["']cpu["']|"cpu"\s*,\s*dtype""")
+HOST_BOUNDARIES = {  # file -> (uses of the host by name, why)
+    "device.py": (1, "the one device rule: CPU is the host constant"),
+    "checkpoint/safetensors_io.py": (2, "tensors leave for a file or the wire as safetensors"),
+    "protocol/weights.py": (1, "a block's weights leave for the wire"),
+    "protocol/inner_state.py": (2, "an audit's inner state leaves for the wire; AdamW's step lives where torch puts it"),
+    "evaluate/scoring.py": (1, "target_log_probs returns its figures to the caller"),
+    "evaluate/generate.py": (1, "each byte's 256 log-probs go to the host, where the seeded generator draws"),
+    "serve/runtime/diffusion.py": (1, "the sweep's estimate is drawn by the request's seeded CPU generator"),
+    "serve/wire/speculative.py": (1, "a draft byte is drawn by the request's seeded CPU generator; q rides the frame"),
+    "train/memory.py": (1, "the RSS warm-up loads the host's own kernels before a memory baseline"),
+}
+
+
+def test_product_code_names_the_host_only_at_its_boundaries() -> None:
+    found: dict[str, int] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        n = sum(len(HOST.findall(line)) for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        if n:
+            found[rel] = n
+    extra = {f: n for f, n in found.items() if n > HOST_BOUNDARIES.get(f, (0, ""))[0]}
+    assert not extra, f"the host named outside a boundary (move the tensor to the path's device instead): {extra}"
+    assert found == {f: n for f, (n, _) in HOST_BOUNDARIES.items()}, "a boundary was removed: update HOST_BOUNDARIES"
+
+
+@contextmanager
+def no_implicit_host() -> Iterator[None]:
+    """Tensors created without a device go to meta, and fail the first op that mixes them with the path's."""
+    with torch.device("meta"):
+        yield
+
+
+class Seen:
+    """Forward pre-hooks recording the device of every tensor input and parameter of the modules they watch."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.devices: set[torch.device] = set()
+        self.calls = 0
+        self.handles = [m.register_forward_pre_hook(self._hook) for m in modules]
+
+    def _hook(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        self.calls += 1
+        self.devices |= {a.device for a in args if isinstance(a, torch.Tensor)}
+        self.devices |= {p.device for p in module.parameters()}
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _cfg(objective: Objective) -> RunConfig:
+    cfg = get_preset("tiny")
+    return replace(cfg, objective=objective)
+
+
+def _blocks(cfg: RunConfig) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [get_objective(cfg).build_block(k) for k in range(cfg.model.n_blocks)]
+
+
+TEXT = np.frombuffer(b"The quick brown fox jumps over the lazy dog. " * 12, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("objective", [Objective.STACK, Objective.DIFFUSION])
+def test_eval_scores_on_the_device_named(objective: Objective) -> None:
+    cfg = _cfg(objective)
+    device = resolve_device("cpu")
+    model = AssembledModel(_blocks(cfg), cfg, device=device)
+    seen = Seen(model.blocks)
+    with no_implicit_host():
+        res = score_split(lambda x: model.log_probs(x), TEXT, cfg.model.context, batch_size=4, device=device)
+    seen.close()
+    assert res.bytes_scored == len(TEXT) - 1 and np.isfinite(res.ce_nats_per_byte)
+    assert seen.calls > 0 and seen.devices == {device}
+    assert {p.device for b in model.blocks for p in b.parameters()} == {device}
+
+
+def test_e2e_eval_and_generate_on_the_device_named() -> None:
+    cfg = _cfg(Objective.STACK)
+    torch.manual_seed(0)
+    model = E2EModel(E2ETransformer(cfg.model), cfg, device=CPU)
+    seen = Seen([model.model])
+    with no_implicit_host():
+        score_split(model.log_probs, TEXT, cfg.model.context, batch_size=4, device=CPU)
+        out = generate(model, b"The ", 5, seed=1)
+    seen.close()
+    assert len(out) == 5 and seen.devices == {CPU}
+
+
+def test_stack_generate_on_the_device_named() -> None:
+    cfg = _cfg(Objective.STACK)
+    model = AssembledModel(_blocks(cfg), cfg, device=CPU)
+    with no_implicit_host():
+        assert len(generate(model, b"The ", 4, seed=0)) == 4
+
+
+def _submit(mode: Mode, x: bytes, **params: object) -> Frame:
+    return Frame(FrameKind.SUBMIT, "r1", mode, 0, dict(params),
+                 {"x": torch.tensor([list(x)], dtype=torch.uint8)})
+
+
+def test_stack_span_runs_and_caches_on_its_device() -> None:
+    cfg = _cfg(Objective.STACK)
+    blocks = dict(enumerate(_blocks(cfg)))
+    span = build_span(cfg, blocks, device=CPU)
+    assert span.describe()["device"] == "cpu"
+    seen = Seen(list(blocks.values()))
+    frames = [_submit(Mode.SCORE, b"hello world"), _submit(Mode.AR, b"hello", pos=0),
+              _submit(Mode.SPEC, b"hello", pos=0, n_draft=3, temperature=0.8, top_k=0, seed=2)]
+    with no_implicit_host():
+        score, ar, spec = (span.run([f])[0] for f in frames)
+    seen.close()
+    assert score.kind is FrameKind.RESULT and ar.kind is FrameKind.RESULT and spec.kind is FrameKind.RESULT
+    assert all(t.device == CPU for f in (score, ar, spec) for t in f.tensors.values())  # answers leave on the host
+    entry = span.cache.peek("r1")  # type: ignore[attr-defined]
+    assert entry is not None and entry.kv and {t.device for pair in entry.kv.values() for t in pair} == {CPU}
+    assert seen.devices == {CPU}
+
+
+def test_diffusion_span_runs_on_its_device() -> None:
+    cfg = _cfg(Objective.DIFFUSION)
+    span = build_span(cfg, dict(enumerate(_blocks(cfg))), device=CPU)
+    frames = [_submit(Mode.AR, b"hello", seed=1),
+              _submit(Mode.SWEEP, b"hello", n_new=3, prompt_len=5, sweeps=1, temperature=0.8, seed=1),
+              _submit(Mode.SPEC, b"hello", n_draft=2, temperature=0.8, top_k=0, seed=1)]
+    with no_implicit_host():
+        out, sweep, spec = (span.run([f])[0] for f in frames)
+    assert out.kind is FrameKind.RESULT and sweep.kind is FrameKind.RESULT and spec.kind is FrameKind.RESULT
+
+
+def test_e2e_span_runs_and_caches_on_its_device() -> None:
+    cfg = _cfg(Objective.STACK)
+    span = random_e2e_span(cfg, 0, cfg.model.n_layers - 1, device=CPU)
+    frame = _submit(Mode.BASELINE, b"hello", pos=0)
+    with no_implicit_host():
+        out = span.run([frame])[0]
+    assert out.kind is FrameKind.RESULT
+    entry = span.cache.peek("r1")
+    assert entry is not None and {t.device for pair in entry.kv.values() for t in pair} == {CPU}
+    assert span.describe()["device"] == "cpu"
+
+
+NO_CUDA = "this torch has no CUDA device"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA: --device cuda must be refused")
+def test_every_command_takes_device_and_uses_it(tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device cuda`` reaches each command's device rule: on this CUDA-less machine each one refuses it at once,
+    naming the flag's way out, before it trains, loads, listens or registers."""
+    from blocktrain.cli.main import main
+
+    run = tmp_path / "run"
+    for k in range(4):
+        assert main(["train-block", "--preset", "tiny", "--steps", "1", "--out", str(run), "--data", str(data_dir),
+                     "--block", str(k), "--no-progress"]) == 0
+    commands = {
+        "eval": ["eval", str(run), "--data", str(data_dir), "--no-progress"],
+        "generate": ["generate", str(run), "--bytes", "2", "--no-progress"],
+        "serve": ["serve", "--run", str(run), "--blocks", "0-3", "--listen", "127.0.0.1:1"],
+        "coordinator": ["coordinator", "--preset", "tiny", "--run-dir", str(tmp_path / "coord"), "--data", str(data_dir),
+                        "--port", "1"],
+        "worker": ["worker", "--coordinator", "http://127.0.0.1:1", "--token", "t", "--data", str(data_dir)],
+        "train": ["train", "--preset", "tiny", "--out", str(tmp_path / "t"), "--data", str(data_dir), "--no-progress"],
+        "bench quality": ["bench", "quality", "--preset", "tiny", "--out", str(tmp_path / "q"), "--data", str(data_dir),
+                          "--no-progress"],
+        "bench speed": ["bench", "speed", "--preset", "tiny", "--out", str(tmp_path / "s"), "--data", str(data_dir)],
+        "bench serve": ["bench", "serve", "--run", str(run)],
+        "bench machine": ["bench", "machine"],
+    }
+    for name, argv in commands.items():
+        capsys.readouterr()
+        assert main([*argv, "--device", "cuda"]) == 2, name
+        err = capsys.readouterr().err
+        assert NO_CUDA in err and "--device cpu" in err, (name, err[-400:])
+    assert not (tmp_path / "t").exists() and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("objective", [Objective.STACK, Objective.DIFFUSION])
+def test_in_process_rounds_gate_and_eval_on_the_device_named(tmp_path: Path, objective: Objective) -> None:
+    """The in-process rounds (replicas, their inner steps, the coordinator's gate) and the block's test CE, under the
+    probe: block 1 of a stack reads block 0 frozen, so the frozen inputs are covered too."""
+    from blocktrain.coordinator.evaluation import Evaluator
+    from blocktrain.coordinator.settings import CoordinatorSettings
+    from blocktrain.coordinator.simulate import BlockRun, LocalRounds
+    from blocktrain.protocol.weights import trainable_state
+    from tests.distributed_utils import write_corpus
+
+    data = write_corpus(tmp_path / "data")
+    cfg = replace(_cfg(objective), train=replace(_cfg(objective).train, device="cpu", batch_size=2))
+    obj = get_objective(cfg)
+    k = 1 if obj.frozen_inputs(1) else 0
+    torch.manual_seed(0)
+    earlier = [obj.build_block(j) for j in range(k)]
+    frozen = [obj.freeze(b, torch.float32) for b in earlier]
+    settings = CoordinatorSettings(gate=True, agree_min=None)
+    # modules are built on the host (version 0 is the same draw on every device) and moved, so outside the probe
+    run = BlockRun(cfg, settings, LocalRounds(workers=2, local_steps=2, steps=4), data, k=k, frozen=frozen,
+                   earlier=earlier)
+    blocks = [obj.build_block(j) for j in range(cfg.model.n_blocks)]
+    evaluator = Evaluator(cfg, settings, data)
+    with no_implicit_host():
+        seen = Seen(run.replicas)
+        run.round(2, 0)
+        run.round(2, 2)
+        ce = run.finish().test_ce(cfg, data, 512, k=k, frozen=frozen)
+        seen.close()
+        assert run.device == CPU and seen.devices == {CPU}
+        assert [u.outcome for u in run.run.updates].count("accepted") >= 2 and np.isfinite(ce)
+        ce_all, n = evaluator.evaluate({j: trainable_state(b) for j, b in enumerate(blocks)}, None)
+        assert evaluator.device == CPU and n == settings.eval_bytes and np.isfinite(ce_all)
