@@ -248,3 +248,34 @@ def test_in_process_rounds_gate_and_eval_on_the_device_named(tmp_path: Path, obj
         assert [u.outcome for u in run.run.updates].count("accepted") >= 2 and np.isfinite(ce)
         ce_all, n = evaluator.evaluate({j: trainable_state(b) for j, b in enumerate(blocks)}, None)
         assert evaluator.device == CPU and n == settings.eval_bytes and np.isfinite(ce_all)
+
+
+def test_the_training_loop_reads_no_figure_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five steps without hooks read one number from a tensor (the last loss), not one per step: on a GPU each read
+    is a wait, and a loop that waits every step cannot keep the device busy."""
+    from blocktrain.train.loop import train_steps
+    from blocktrain.train.step import make_optimizer
+
+    cfg = _cfg(Objective.STACK)
+    torch.manual_seed(0)
+    model = E2ETransformer(cfg.model)
+    opt, _ = make_optimizer(model, cfg.train)
+    x = torch.randint(0, 256, (2, 16), dtype=torch.uint8)
+
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+        logits = model(x[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, 256).float(), x[:, 1:].reshape(-1).long()), {}
+
+    reads = []
+    for name in ("__float__", "item", "tolist", "__bool__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *a: object, _orig: object = original, _name: str = name) -> object:
+            reads.append(_name)
+            return _orig(self, *a)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    result = train_steps(model, opt, loss_at, range(5), lr=lambda s: 1e-3, grad_clip=1.0)
+    monkeypatch.undo()
+    assert result.done == 5 and np.isfinite(result.last_loss)
+    assert reads == ["__float__"], reads

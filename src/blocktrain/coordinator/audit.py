@@ -185,7 +185,8 @@ class Auditor:
         frozen = [obj.freeze(b, dtype).to(self.device) for b in earlier]
         opt, names = make_optimizer(block, self.cfg.train)
         residual = load_inner_state(opt, names, tensors)
-        stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream)
+        stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream,
+                             device=self.device)
         schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps))
         train_round(BlockTask(obj, k, frozen, self.device), block, opt, stream, steps=upd.samples // batch,
                     offset=upd.base_version * case.round_steps, schedule=schedule, precision=precision)

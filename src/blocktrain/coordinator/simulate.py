@@ -230,7 +230,7 @@ class BlockRun:
             load_trainable(block, W)
             block.train()
             stream = TrainStream(self.train.data, self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
-                                 stream=worker_stream(i + 1, k, v))  # worker ids start at 1, as the store's
+                                 stream=worker_stream(i + 1, k, v), device=self.device)  # worker ids start at 1, as the store's
             bad = self.hostile if i == opts.workers - 1 else None
             train_round(self.task, block, opt, stream, steps=h, offset=offset, schedule=self.schedule,
                         precision=self.precision, targets=bad.targets if bad is not None else None)

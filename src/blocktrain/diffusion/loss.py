@@ -27,8 +27,8 @@ from blocktrain.model.block import BlockDenoiser
 @dataclass(frozen=True)
 class LossOutput:
     loss: torch.Tensor  # weighted CE to minimise, scalar
-    noised_ce: float  # unweighted CE given the noised target (leaky; for monitoring only)
-    mean_sigma: float  # mean sigma of the batch
+    noised_ce: torch.Tensor  # unweighted CE given the noised target (leaky; for monitoring only), a scalar
+    mean_sigma: torch.Tensor  # mean sigma of the batch, a scalar
 
 
 def block_loss(
@@ -53,4 +53,4 @@ def block_loss(
     else:
         w = torch.ones_like(sigma)
     # w (b, 1) broadcasts over positions
-    return LossOutput(loss=(w * ce).mean(), noised_ce=float(ce.mean().detach()), mean_sigma=float(sigma.mean()))
+    return LossOutput(loss=(w * ce).mean(), noised_ce=ce.mean().detach(), mean_sigma=sigma.mean())

@@ -30,7 +30,7 @@ from blocktrain.device import CPU
 @dataclass(frozen=True)
 class LocalLoss:
     loss: torch.Tensor  # scalar to minimise (fp32)
-    metrics: dict[str, float]  # extra figures for the metrics log
+    metrics: dict[str, float | torch.Tensor]  # extra figures for the log (device scalars are read when logged)
 
 
 class Objective(Protocol):

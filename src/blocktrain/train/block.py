@@ -41,7 +41,8 @@ def train_block(
     objective = get_objective(cfg)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
-    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=block_stream(k, stream))
+    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed,
+                          stream=block_stream(k, stream), device=device)
     torch.manual_seed(init_seed(cfg.train.seed, k))
     warm_runtime()
     baseline = rss_bytes()  # frozen copies count towards the worker's training memory

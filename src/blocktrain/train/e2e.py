@@ -16,6 +16,7 @@ from blocktrain.model.flops import train_flops_per_token
 from blocktrain.model.layers import recompute_layers
 from blocktrain.model.loss import lm_loss
 from blocktrain.seeds import E2E_INIT, E2E_STREAM, init_seed
+from blocktrain.train.loop import Figures
 from blocktrain.train.memory import rss_bytes, warm_runtime
 from blocktrain.train.run import TrainSummary, run_training
 
@@ -28,14 +29,14 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     # A data stream of its own, distinct from every block's.
-    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=E2E_STREAM)
+    tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=E2E_STREAM, device=device)
     torch.manual_seed(init_seed(cfg.train.seed, E2E_INIT))
     warm_runtime()
     baseline = rss_bytes()
     model = E2ETransformer(cfg.model).to(device)
     recompute_layers(model, cfg.train.recompute)
 
-    def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def step_fn(step: int) -> tuple[torch.Tensor, Figures]:
         x, y = tstream.batch(step)
         return lm_loss(model(x.to(device)), y.to(device)), {}
 

@@ -20,7 +20,7 @@ from blocktrain.config import Precision, TrainConfig
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import CPU
 from blocktrain.objectives.base import Objective
-from blocktrain.train.loop import Hook, LoopResult, LossFn, train_steps
+from blocktrain.train.loop import Figures, Hook, LoopResult, LossFn, train_steps
 from blocktrain.train.step import lr_at
 
 Targets = Callable[[torch.Tensor, torch.Generator], torch.Tensor]  # (y, generator) -> the targets trained on
@@ -38,7 +38,7 @@ class BlockTask:
     def loss_fn(self, block: nn.Module, stream: TrainStream, targets: Targets | None = None) -> LossFn:
         """step i -> block k's loss on the stream's batch i (``targets``: what a hostile replica trains on instead)."""
 
-        def loss_at(i: int) -> tuple[torch.Tensor, dict[str, float]]:
+        def loss_at(i: int) -> tuple[torch.Tensor, Figures]:
             x, y = stream.batch(i)
             if targets is not None:
                 y = targets(y, stream.generator(i, purpose=2))

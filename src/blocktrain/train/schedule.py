@@ -67,7 +67,8 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
         opt, names = make_optimizer(block, tc)
         ckpts.append(Checkpointer(f"block_{k}", block, opt, names, cfg, run.block_path(k), run.block_state_path(k),
                                   block_save_meta(cfg, k)))
-    streams = [TrainStream(train.data, cfg.model.context, tc.batch_size, tc.seed, stream=block_stream(k)) for k in range(B)]
+    streams = [TrainStream(train.data, cfg.model.context, tc.batch_size, tc.seed, stream=block_stream(k), device=device)
+               for k in range(B)]
     metrics = [MetricsHook(JsonlWriter(run.metrics_path(f"block_{k}")), tc.log_every) for k in range(B)]
     period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
     start = _resume(run, ckpts)

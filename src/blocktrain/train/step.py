@@ -80,8 +80,11 @@ class MuonAdamW(torch.optim.Optimizer):
             part.zero_grad(set_to_none=set_to_none)
 
 
-def optimizer_step(module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> float:
-    """One update of ``module`` from ``loss``; returns the global gradient norm before clipping."""
+def optimizer_step(
+    module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float,
+) -> torch.Tensor:
+    """One update of ``module`` from ``loss``; returns the global gradient norm before clipping, a scalar on the
+    parameters' device (reading it waits for the device, so the loop leaves that to whoever logs it)."""
     for group in opt.param_groups:
         group["lr"] = lr
     loss.backward()
@@ -90,7 +93,7 @@ def optimizer_step(module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Te
     # Free the gradients now, not before the next backward: alive through the
     # next forward they sit between its activations and fragment the heap.
     opt.zero_grad(set_to_none=True)
-    return float(gnorm)
+    return gnorm.detach()
 
 
 def optimizer_bytes(module: nn.Module) -> int:

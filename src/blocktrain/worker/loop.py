@@ -257,7 +257,7 @@ class Worker:
         if self.objective.inherits():  # frozen heads from the earlier blocks (stack variants); trainable weights untouched
             self.objective.inherit(self.block, self.k, self.frozen.whole, at_init=False)
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
-                             stream=work.stream)
+                             stream=work.stream, device=self.device)
         H = min(self.H, work.steps)  # at most the round's budget
         if self.inner_reset:  # fresh moments every round, as the coordinator asks
             self.opt, self.opt_names = make_optimizer(self.block, self.cfg.train)
