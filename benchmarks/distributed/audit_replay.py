@@ -6,7 +6,10 @@ machines do differently: thread counts (reduction order), and bf16 autocast. Thi
 round (AdamW moments and the int8 error-feedback residual carried from its first, as the worker carries them) with
 ``--worker-threads``, replays it from the snapshot with each replay thread count, through the product's
 :func:`blocktrain.train.round.train_round`, and prints the relative error of the decoded int8 pushes. It also shows
-what the attacks the audit exists for look like on the same scale (labels shuffled, the delta scaled by 1.1).
+what the attacks the audit exists for look like on the same scale (labels shuffled, the delta scaled by 1.1), and each push's
+``scale``, the least-squares factor of the push on its replay, which the audit also bounds. ``--cross`` replays
+each push in the other arithmetic too (bf16 <-> fp32): with no GPU at hand, the stand-in for a GPU worker's rounding
+against a CPU coordinator's.
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
         --json benchmarks/results/audit-replay.json
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from blocktrain.config import Precision, RunConfig
+from blocktrain.coordinator.audit import replay_scale
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
 from blocktrain.objectives import get_objective
@@ -70,6 +74,14 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return delta_norm({n: a[n] - b[n] for n in b}) / delta_norm(b)
 
 
+def row(k: int, prec: Precision, worker_threads: int, replay: Precision, replay_threads: int, case: str,
+        replayed: dict[str, torch.Tensor], pushed: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One table row: the audit's two statistics of ``pushed`` against its replay (``replay_scale``)."""
+    return {"block": k, "precision": prec.value, "worker_threads": worker_threads, "replay_precision": replay.value,
+            "replay_threads": replay_threads, "case": case, "relative_error": rel(replayed, pushed),
+            "scale": replay_scale(pushed, replayed)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu-mini")
@@ -79,6 +91,8 @@ def main() -> int:
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--blocks", default="0,1")
     ap.add_argument("--data", default=None)
+    ap.add_argument("--cross", action="store_true",
+                    help="also replay each push in the other arithmetic (bf16 <-> fp32), a stand-in for another device")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cfg = replace(get_preset(args.preset), stack=stack_recipe())
@@ -95,22 +109,22 @@ def main() -> int:
             pushed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
             for t in (int(x) for x in args.replay_threads.split(",")):
                 replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, t)
-                rows.append({"block": k, "precision": prec.value, "worker_threads": args.worker_threads,
-                             "replay_threads": t, "case": "honest", "relative_error": rel(replayed, pushed)})
+                rows.append(row(k, prec, args.worker_threads, prec, t, "honest", replayed, pushed))
+            if args.cross:  # the other arithmetic: a stand-in for another device's rounding (no GPU at hand)
+                other = Precision.FP32 if prec is Precision.BF16 else Precision.BF16
+                replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, other, args.worker_threads)
+                rows.append(row(k, prec, args.worker_threads, other, args.worker_threads, "honest", replayed, pushed))
             replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
             bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads, targets=shuffled)
-            rows.append({"block": k, "precision": prec.value, "worker_threads": args.worker_threads,
-                         "replay_threads": args.worker_threads, "case": "labels shuffled",
-                         "relative_error": rel(replayed, bad)})
-            rows.append({"block": k, "precision": prec.value, "worker_threads": args.worker_threads,
-                         "replay_threads": args.worker_threads, "case": "delta x 1.1",
-                         "relative_error": rel(replayed, {n: 1.1 * d for n, d in pushed.items()})})
+            rows.append(row(k, prec, args.worker_threads, prec, args.worker_threads, "labels shuffled", replayed, bad))
+            rows.append(row(k, prec, args.worker_threads, prec, args.worker_threads, "delta x 1.1", replayed,
+                            {n: 1.1 * d for n, d in pushed.items()}))
             print(f"block {k} {prec.value} done", file=sys.stderr, flush=True)
-    print("| block | precision | worker threads | replay threads | case | relative error |")
-    print("|---|---|---|---|---|---|")
+    print("| block | precision | worker threads | replay in | replay threads | case | relative error | scale |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['replay_threads']} | {r['case']} "
-              f"| {r['relative_error']:.3g} |")
+        print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['replay_precision']} "
+              f"| {r['replay_threads']} | {r['case']} | {r['relative_error']:.3g} | {r['scale']:.4f} |")
     if args.json:
         command = "python benchmarks/distributed/audit_replay.py " + " ".join(sys.argv[1:])
         args.json.write_text(json.dumps({"preset": cfg.name, "h": args.h, "rows": rows, "command": command,

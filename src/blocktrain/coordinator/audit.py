@@ -11,11 +11,16 @@ its answer says ``audit``, the worker uploads the state, and the coordinator
 1. checks the state's sha256 against the commitment (a different state is a failed audit);
 2. replays the round with the worker's own code path (:func:`blocktrain.train.round.train_round`), encodes the result
    with the uploaded residual, and
-3. compares it with the decoded push: relative error ||replayed - pushed|| / ||pushed|| <= ``audit_tolerance``
-   (``audit_tolerance_bf16`` for a push trained in bf16, replayed in bf16). Measured honest differences
-   (``benchmarks/results/audit-replay.json``, cpu-mini, H=25, 2 worker threads against 1 replay thread): at most
-   8e-5 in fp32 and 0.023 in bf16 (CPU autocast); a delta scaled by 1.1 is 0.09 away, shuffled labels 1.0. A GPU
-   worker's bf16 against a CPU coordinator's bf16 replay was not measured (no GPU was at hand).
+3. compares it with the decoded push on two statistics, both bounded: the relative error
+   ||replayed - pushed|| / ||pushed|| <= ``audit_tolerance`` (``audit_tolerance_bf16`` for a push trained in bf16,
+   replayed in bf16), and the push's scale on its replay, s = <pushed, replayed> / ||replayed||^2, within
+   ``audit_scale_tolerance`` of 1. Honest rounding differences (other thread counts, another device's kernels) move
+   the replay in directions of their own, which the relative error sees and the scale hardly does (a difference
+   orthogonal to the push moves s by its square); a push scaled by c moves s to c whatever the rounding. So the
+   relative-error bound can leave room for another device's arithmetic while a push scaled by 1.1 still fails.
+   Measured (``benchmarks/results/audit-replay.json``, cpu-mini, H=25): see that file's rows and the settings'
+   comments; a GPU worker against a CPU replay was not measured (no GPU was at hand), the other arithmetic (bf16
+   against fp32) stands in for it.
 
 A failed audit, or one not answered within ``audit_timeout_s``, quarantines the worker (:mod:`.conduct`: token
 revoked, later updates refused, its updates not yet applied dropped). Group means (the hivemind engine) commit to no
@@ -54,6 +59,16 @@ from blocktrain.train.step import make_optimizer
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 64  # audits awaiting an upload at once (each holds one decoded delta); beyond it none is drawn
+
+
+def replay_scale(pushed: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> float:
+    """s = <pushed, replayed> / ||replayed||^2: the factor that best maps the replay onto the push (1 for an honest
+    push up to rounding, c for a push scaled by c); 1 when both are zero, inf when only the replay is."""
+    dot = sum(float((pushed[n].double() * r.double()).sum()) for n, r in replayed.items())
+    sq = sum(float(r.double().square().sum()) for r in replayed.values())
+    if sq == 0:
+        return 1.0 if all(not bool(pushed[n].any()) for n in replayed) else math.inf
+    return dot / sq
 
 
 @dataclass(frozen=True)
@@ -151,25 +166,26 @@ class Auditor:
         k, v = case.update.block, case.update.base_version
         tensors = unpack_state(body, shapes, block=k, version=v)
         if state_sha(tensors) != case.update.state_sha:
-            rel = math.inf
+            rel, scale = math.inf, math.inf
         else:
-            rel = self.replay_error(case, tensors)
+            rel, scale = self.replay_error(case, tensors)
         seconds = time.perf_counter() - t0
         tolerance = self.tolerance(case.update.precision)
-        passed = rel <= tolerance
+        passed = rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
         with self._lock:
             self.replay_seconds.append(seconds)
             self.passed += passed
             self.failed += not passed
         return AuditAnswer(passed=passed, relative_error=rel if math.isfinite(rel) else 1e30,
-                           tolerance=tolerance, seconds=seconds)
+                           tolerance=tolerance, seconds=seconds, scale=scale if math.isfinite(scale) else 1e30)
 
     def tolerance(self, precision: str) -> float:
         """The relative error an honest replay stays under: thread counts alone in fp32, bf16 rounding on top."""
         return self.settings.audit_tolerance_bf16 if precision == Precision.BF16.value else self.settings.audit_tolerance
 
-    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor]) -> float:
-        """||replayed - pushed|| / ||pushed|| of the round ``case`` names, started from the state ``tensors``."""
+    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(||replayed - pushed|| / ||pushed||, the push's scale on its replay) of the round ``case`` names, started
+        from the state ``tensors``."""
         assert self.train is not None
         obj, k, upd = self.objective, case.update.block, case.update
         batch = self.cfg.train.batch_size
@@ -194,7 +210,8 @@ class Auditor:
         delta = {n: local[n] - w for n, w in case.base.weights.items()}
         replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
         miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})
-        return miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
+        rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
+        return rel, replay_scale(upd.delta, replayed)
 
     def summary(self) -> dict[str, float | int]:
         with self._lock:

@@ -105,6 +105,7 @@ class CoordinatorSettings:
     probation_pushes: int = 3  # a worker's first this many accepted pushes are all replayed (probation; 0 = none)
     audit_tolerance: float = 1e-3  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this
     audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay.json)
+    audit_scale_tolerance: float = 0.02  # a replay passes only if the push's scale on it is within this of 1
     audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
     device: str = "auto"  # where the gate, evaluations and audit replays compute: auto, cpu, cuda or cuda:N
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
@@ -158,6 +159,9 @@ class CoordinatorSettings:
             raise ConfigError("lazy_fraction must be in [0, 1) and replay_cosine in (0, 1]")
         if self.agree_min is not None and not -1 <= self.agree_min < 1:
             raise ConfigError(f"agree_min must be in [-1, 1) or None, got {self.agree_min}")
+        if not 0 < self.audit_scale_tolerance < 0.1:
+            raise ConfigError(f"audit_scale_tolerance must be in (0, 0.1) (a push scaled by 1.1 must fail), got "
+                              f"{self.audit_scale_tolerance}; set --audit-scale-tolerance")
         if not 0 <= self.audit_fraction <= 1 or min(self.audit_tolerance, self.audit_tolerance_bf16) < 0 \
                 or self.audit_timeout_s <= 0:
             raise ConfigError("audit_fraction must be in [0, 1], audit_tolerance >= 0 and audit_timeout_s > 0")

@@ -128,6 +128,7 @@ class AuditAnswer(Message):
     relative_error: float = Field(ge=0)  # ||replayed - pushed|| / ||pushed||
     tolerance: float = Field(ge=0)  # the coordinator's audit_tolerance
     seconds: float = Field(ge=0)  # the replay's wall time on the coordinator
+    scale: float = 1.0  # <pushed, replayed> / ||replayed||^2; passing needs it within audit_scale_tolerance of 1
 
 
 class Status(Message):
