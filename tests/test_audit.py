@@ -50,6 +50,14 @@ class Scaled(Worker):
         return {n: 1.5 * d for n, d in delta.items()}, samples
 
 
+class ScaledSlightly(Worker):
+    """Pushes 1.1 x its honest delta: the audit's scale statistic reads 1.1 whatever the rounding."""
+
+    def _delta(self) -> tuple[dict[str, torch.Tensor], int]:
+        delta, samples = super()._delta()
+        return {n: 1.1 * d for n, d in delta.items()}, samples
+
+
 def _run(w: Worker) -> None:
     try:
         w.run()
@@ -89,7 +97,7 @@ def test_honest_workers_pass_every_audit_on_every_block(tmp_path: Path, corpus: 
     assert summary["failed"] == 0 and summary["passed"] == sum(w.summary.audits for w in workers) == pushed >= 8
 
 
-@pytest.mark.parametrize("kind", [ShuffledLabels, Scaled])
+@pytest.mark.parametrize("kind", [ShuffledLabels, Scaled, ScaledSlightly])
 def test_a_worker_whose_push_does_not_replay_is_quarantined(tmp_path: Path, corpus: DataDir,  # noqa: F811
                                                            kind: type[Worker]) -> None:
     c = make_coordinator(tmp_path / "run", corpus, rounds=3, **AUDIT_ALL)
@@ -254,3 +262,27 @@ def test_a_worker_on_other_data_is_caught_by_its_first_push_under_probation(tmp_
     states = [str(r["state"]) for r in c.store.q("SELECT state FROM updates WHERE worker='w1'")]
     assert states and set(states) == {"dropped"}
     c.close()
+
+
+def test_the_tolerance_rule_leaves_room_for_rounding_but_not_for_scaling() -> None:
+    """The two statistics on synthetic pushes at cpu-mini's measured scale: an honest replay whose rounding moved it
+    by 9% of the push (twice the 0.047 measured at H = 100, sideways) passes at H = 100; the same push scaled by 1.1,
+    9% away as well, fails on its scale."""
+    from blocktrain.coordinator.audit import Auditor, replay_scale
+
+    s = CoordinatorSettings()
+    auditor = Auditor(get_preset("tiny"), s, None)
+    assert auditor.tolerance("bf16", 25) == pytest.approx(0.05) and auditor.tolerance("fp32", 100) == pytest.approx(0.1)
+    g = torch.Generator().manual_seed(0)
+    replayed = {"w": torch.randn(4096, generator=g), "b": torch.randn(64, generator=g)}
+    noise = {n: torch.randn(t.shape, generator=g) for n, t in replayed.items()}
+    norm = lambda d: float(sum(t.double().square().sum() for t in d.values()) ** 0.5)  # noqa: E731
+    k = 0.09 * norm(replayed) / norm(noise)
+    honest = {n: t + k * noise[n] for n, t in replayed.items()}
+    scaled = {n: 1.1 * t for n, t in replayed.items()}
+    for push in (honest, scaled):
+        rel = norm({n: replayed[n] - push[n] for n in push}) / norm(push)
+        assert 0.08 < rel < auditor.tolerance("bf16", 100)  # the relative error alone passes both
+    assert abs(replay_scale(honest, replayed) - 1) < s.audit_scale_tolerance  # rounding: the scale barely moves
+    assert replay_scale(scaled, replayed) == pytest.approx(1.1)  # scaling: it moves by the factor
+    assert replay_scale({"w": torch.zeros(3)}, {"w": torch.zeros(3)}) == 1.0

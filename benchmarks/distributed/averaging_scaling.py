@@ -356,8 +356,10 @@ def main() -> int:
                     help="write the --preset stack's M x batch machine here, as the six-worker stack's reference")
     ap.add_argument("--table-only", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--device", default="cpu", help="where the replicas and the references train: cpu, cuda, auto")
     args = ap.parse_args()
     cfg = get_preset(args.preset)
+    cfg = replace(cfg, train=replace(cfg.train, device=args.device))
     torch.set_num_threads(args.threads)
     done = {r["key"] for r in _read(args.jsonl)}
     command = "python benchmarks/distributed/averaging_scaling.py " + " ".join(sys.argv[1:])

@@ -142,7 +142,7 @@ def run_row(row: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     coord = subprocess.Popen(
         [*BT, "coordinator", "--run-dir", str(run), "--preset", args.preset, "--steps", str(args.steps), "--data",
          str(args.data), "--port", str(port), "--rounds", str(args.steps // args.h), "--local-steps", str(args.h),
-         "--round-seconds", "300", "--lease-seconds", "120", "--eval-every", "0", "--threads", "1"],
+         "--round-seconds", "300", "--lease-seconds", "120", "--eval-every", "0", "--threads", "1", "--device", "cpu"],
         env=env, stdout=subprocess.DEVNULL, stderr=open(logs / f"{row}-coordinator.log", "w"))  # noqa: SIM115
     t0 = time.time()
     procs: list[subprocess.Popen[bytes]] = []
@@ -156,7 +156,7 @@ def run_row(row: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                     raise RuntimeError(f"the coordinator did not start; see {logs}/{row}-coordinator.log") from None
                 time.sleep(0.5)
         common = ["--coordinator", url, "--data", str(args.data), "--threads", "1", "--no-progress", "--frozen-cache",
-                  str(root / "frozen-cache" / row)]
+                  str(root / "frozen-cache" / row), "--device", args.device]
         for n in names:
             cmd = ([*BT, "worker", *common] if n.startswith("h")
                    else [sys.executable, __file__, "worker", "--attack", str(attack), *common])
@@ -216,11 +216,12 @@ def hostile_main(argv: list[str]) -> int:
     ap.add_argument("--frozen-cache", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--device", default="cpu")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(a.threads)
     opts = WorkerOptions(url=a.coordinator, token=os.environ["BLOCKTRAIN_TOKEN"], progress=False,
-                         frozen_cache=a.frozen_cache, max_rejections=1 << 20, give_up_s=60)
+                         frozen_cache=a.frozen_cache, max_rejections=1 << 20, give_up_s=60, device=a.device)
     w = HostileWorker(a.attack, opts, resolve_data_dir(str(a.data)))
     try:
         w.run()
@@ -242,6 +243,7 @@ def main() -> int:
     ap.add_argument("--data", default=str(SHARED_WIKITEXT), help="data dir (default: the shared byte-level WikiText-2)")
     ap.add_argument("--timeout-s", type=float, default=3600.0)
     ap.add_argument("--work", type=Path, default=Path("runs/hostile-http"))
+    ap.add_argument("--device", default="cpu", help="the workers' --device (the coordinator's replays stay on the CPU)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hostile-peers.json"))
     args = ap.parse_args()
     args.data = resolve_data_dir(args.data).root

@@ -148,8 +148,9 @@ class Uploads:
         why = "its replay broke"
         try:
             answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k])
-            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} > "
-                   f"{answer.tolerance:g}")
+            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} (at most "
+                   f"{answer.tolerance:.3g}), scale on its replay {answer.scale:.4f} (within "
+                   f"{self.settings.audit_scale_tolerance:g} of 1)")
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
             why = f"its audit upload was refused ({exc})"

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# The device suite (issue 42): one command that answers speed, depth, volunteers, live trust and serving on one GPU.
+#
+#   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H200, <= 8 minutes once started
+#   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py)
+#
+# Environment:
+#   SUITE    full | smoke
+#   DEVICE   cuda | cpu (every job's --device)
+#   RESULTS  result folder (default benchmarks/results/device-suite-$SUITE); packed into RESULTS.tar.gz every 15 s
+#            and at the end, so a run cut short still returns what it finished. A second run resumes: a job whose
+#            .done marker exists is skipped, and the depth rows already in depth.jsonl are not trained again.
+#   DATA     byte-level data directory (default ../shared/data/wikitext/wikitext-2-v1-tokens)
+#   PYTHON   interpreter (default python3): its own torch is used; nothing is installed from the network.
+#   WHEELS   optional folder of wheels, installed with pip --no-index before anything runs. Make it on a machine
+#            with the network and the device machine's Python version, for example:
+#              pip download --only-binary=:all: --python-version 3.11 -d wheels numpy safetensors tqdm httpx \
+#                  fastapi uvicorn pydantic opentelemetry-api   # torch is the machine's own: never in the folder
+#
+# Jobs, in priority order (a runs alone first: it times the chip; the others run side by side, each under its own
+# time limit, writing its results as it finishes):
+#   a. speed      bench speed on the paper preset and cpu-small                                  -> device-speed*.json
+#   b. depth      cpu-small stack vs E2E at matched FLOPs, lr x seeds, whole test split           -> depth.jsonl, device-depth.json
+#   c. paper      the paper preset at a short budget, one seed                                     -> device-paper.json
+#   d. averaging  volunteers at cpu-small: H in {24, 48}, M in {1, 6} vs one machine at 6x batch  -> device-averaging.json
+#   e. live       a coordinator (CPU) and GPU workers over loopback, honest and each attack       -> device-live.json
+#   f. serve      spec against the AR pipeline over loopback, with generative CE                   -> device-serve.json
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SUITE=${SUITE:-full}
+DEVICE=${DEVICE:-cuda}
+RESULTS=${RESULTS:-benchmarks/results/device-suite-$SUITE}
+DATA=${DATA:-../shared/data/wikitext/wikitext-2-v1-tokens}
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export BLOCKTRAIN_DATA="$DATA"
+BT=("$PY" -m blocktrain)
+
+case "$SUITE" in
+  full)  SPEED_PRESETS="paper cpu-small"; DEPTH_PRESET=cpu-small; LRS="1e-3 1.5e-3 2e-3 3e-3 4e-3"; SEEDS="0 1 2"
+         LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
+         AVG_H="24 48"; AVG_SEEDS="0,1,2"; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
+         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420 ;;
+  smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
+         AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
+         SERVE_PRESET=tiny; SPEED_STEPS=15; TEST_BYTES=4096; LIMIT=150 ;;
+  *) echo "SUITE must be full or smoke, got $SUITE" >&2; exit 2 ;;
+esac
+
+mkdir -p "$RESULTS"
+log() { echo "[device-suite $(date +%T)] $*" >&2; }
+
+if [ -n "${WHEELS:-}" ]; then
+  log "installing the wheels in $WHEELS (no network)"
+  "$PY" -m pip install --no-index --find-links "$WHEELS" --quiet "$WHEELS"/*.whl || { log "wheel install failed"; exit 2; }
+fi
+"$PY" -c "import torch, blocktrain; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
+  > "$RESULTS/machine.txt" 2>&1 || { cat "$RESULTS/machine.txt" >&2; exit 2; }
+
+pack() {  # the whole result folder as one archive, replaced atomically
+  tar -czf "$RESULTS.tar.gz.part" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" 2>/dev/null \
+    && mv -f "$RESULTS.tar.gz.part" "$RESULTS.tar.gz"
+}
+( while sleep 15; do pack; done ) &
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null; pack' EXIT
+
+job() {  # job NAME SECONDS CMD...: run once under its own limit; .done marks a finished job, .rc its exit status
+  local name=$1 limit=$2; shift 2
+  if [ -f "$RESULTS/$name.done" ]; then log "$name: done already, skipped"; return 0; fi
+  log "$name: start (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+  local rc=$?
+  echo "$rc $((SECONDS - t0))" > "$RESULTS/$name.rc"
+  if [ "$rc" = 0 ]; then touch "$RESULTS/$name.done"; fi
+  log "$name: exit $rc after $((SECONDS - t0))s"
+  return 0
+}
+
+# a. speed, alone
+for p in $SPEED_PRESETS; do
+  job "speed-$p" "$LIMIT" "${BT[@]}" bench speed --preset "$p" --steps "$SPEED_STEPS" --device "$DEVICE" --data "$DATA" \
+    --out "$RESULTS/runs/speed-$p" --json "$RESULTS/device-speed-$p.json"
+done
+
+# b. depth: one bench per (preset, lr, seed), each a row of depth.jsonl; then the summary
+depth_rows() {
+  local preset=$1 lrs=$2 seeds=$3
+  for lr in $lrs; do for seed in $seeds; do
+    local key="$preset-lr$lr-seed$seed"
+    if grep -q "\"key\": \"$key\"" "$RESULTS/depth.jsonl" 2>/dev/null; then continue; fi
+    if timeout "$LIMIT" "${BT[@]}" bench quality --preset "$preset" --objective stack --lr "$lr" --seed "$seed" \
+        --no-lr-sweep --no-matched-steps --isolate no --device "$DEVICE" --data "$DATA" --max-eval-bytes "$TEST_BYTES" \
+        --out "$RESULTS/runs/depth-$key" --fresh --no-progress --json "$RESULTS/runs/depth-$key.json" \
+        >> "$RESULTS/depth.log" 2>&1; then
+      "$PY" benchmarks/quality/device_depth.py row --key "$key" --preset "$preset" --lr "$lr" --seed "$seed" \
+        --bench "$RESULTS/runs/depth-$key.json" --jsonl "$RESULTS/depth.jsonl"
+    fi
+  done; done
+}
+depth() {
+  depth_rows "$DEPTH_PRESET" "$LRS" "$SEEDS"
+  if [ -n "$LONG_LRS" ]; then depth_rows cpu-small-long "$LONG_LRS" "$LONG_SEEDS"; fi
+  "$PY" benchmarks/quality/device_depth.py summary --jsonl "$RESULTS/depth.jsonl" --json "$RESULTS/device-depth.json"
+}
+
+paper() {
+  "${BT[@]}" bench quality --preset paper --objective stack --steps "$PAPER_STEPS" --no-lr-sweep --no-matched-steps \
+    --isolate no --device "$DEVICE" --data "$DATA" --out "$RESULTS/runs/paper" --fresh --no-progress \
+    --json "$RESULTS/device-paper.json"
+}
+
+averaging() {
+  for h in $AVG_H; do
+    "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --h "$h" \
+      --workers 1,6 --blocks cold,warm --seeds "$AVG_SEEDS" --device "$DEVICE" --data "$DATA" --no-progress \
+      --cache "$RESULTS/runs/averaging-cache" --jsonl "$RESULTS/averaging.jsonl" || return 1
+  done
+  "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --table-only \
+    --jsonl "$RESULTS/averaging.jsonl" --json "$RESULTS/device-averaging.json"
+}
+
+live() {
+  "$PY" benchmarks/distributed/hostile_http.py --preset "$LIVE_PRESET" --steps "$LIVE_STEPS" --h "$LIVE_H" \
+    --device "$DEVICE" --data "$DATA" --work "$RESULTS/runs/live" --out "$RESULTS/device-live.json" \
+    --timeout-s "$LIMIT" ${LIVE_ROWS:+--rows "$LIVE_ROWS"}
+}
+
+serve() {
+  local run="$RESULTS/runs/serve"
+  "${BT[@]}" train --preset "$SERVE_PRESET" --objective stack --device "$DEVICE" --data "$DATA" --out "$run" \
+    --no-progress || return 1
+  "${BT[@]}" train-e2e --preset "$SERVE_PRESET" --device "$DEVICE" --data "$DATA" --out "$run" --no-progress || return 1
+  "${BT[@]}" bench serve --run "$run" --stack-run "$run" --device "$DEVICE" --data "$DATA" \
+    --json "$RESULTS/device-serve.json" ${SERVE_FLAGS:-}
+}
+
+if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
+  job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth"
+  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS DEVICE DATA PY); averaging"
+  LIVE_ROWS=${LIVE_ROWS:-honest6,sign_flip}
+  job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
+else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
+  LIVE_ROWS=${LIVE_ROWS:-}
+  job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
+  job paper "$LIMIT" bash -c "$(declare -f paper); $(declare -p RESULTS PAPER_STEPS DEVICE DATA BT); paper" &
+  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS DEVICE DATA PY); averaging" &
+  job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live" &
+  SERVE_FLAGS=${SERVE_FLAGS:-}
+  job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve" &
+  wait
+fi
+log "finished; results in $RESULTS (and $RESULTS.tar.gz)"
+for f in "$RESULTS"/*.rc; do echo "$(basename "$f" .rc) $(cat "$f")"; done

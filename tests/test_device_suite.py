@@ -1,0 +1,53 @@
+"""The device suite's smoke (issue 42): ``SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh`` runs its jobs at
+the tiny preset on CPU, writes every result file, packs them into one archive, and a second run resumes (skips the
+finished jobs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed_utils import write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.timeout(420)]
+
+
+def _suite(results: Path, data: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**os.environ, "SUITE": "smoke", "DEVICE": "cpu", "RESULTS": str(results), "DATA": str(data),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh")], env=env, capture_output=True, text=True,
+                          timeout=400)
+    return done, time.perf_counter() - t0
+
+
+def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> None:
+    data = write_corpus(tmp_path / "data").root
+    results = tmp_path / "device-suite"
+    done, wall = _suite(results, data)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rcs = {p.stem: p.read_text().split()[0] for p in results.glob("*.rc")}
+    assert rcs == {"speed-tiny": "0", "depth": "0", "averaging": "0", "live": "0"}, (rcs, done.stderr[-3000:])
+    speed = json.loads((results / "device-speed-tiny.json").read_text())
+    assert speed["device"] == "cpu"
+    depth = json.loads((results / "device-depth.json").read_text())
+    (row,) = depth["rows"]
+    assert row["preset"] == "tiny" and set(row["ce"]) == {"stack", "stack_prefix0", "e2e_matched_flops"}
+    assert "gap_stack_minus_e2e" in depth["summary"]["tiny"]
+    assert json.loads((results / "device-averaging.json").read_text())
+    live = json.loads((results / "device-live.json").read_text())
+    assert {r["row"] for r in live["http"]["rows"]} == {"honest6", "sign_flip"}
+    with tarfile.open(f"{results}.tar.gz") as tar:  # the archive holds what the folder holds
+        names = set(tar.getnames())
+    assert f"{results.name}/device-depth.json" in names and f"{results.name}/device-live.json" in names
+    again, wall_again = _suite(results, data)
+    assert again.returncode == 0 and again.stderr.count("done already, skipped") == 4, again.stderr[-2000:]
+    assert wall_again < wall / 3
