@@ -40,10 +40,10 @@ BT=("$PY" -m blocktrain)
 case "$SUITE" in
   full)  SPEED_PRESETS="paper cpu-small"; DEPTH_PRESET=cpu-small; LRS="1e-3 1.5e-3 2e-3 3e-3 4e-3"; SEEDS="0 1 2"
          LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
-         AVG_H="24 48"; AVG_SEEDS="0,1,2"; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
+         AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
          SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420 ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
-         AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
+         AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
          SERVE_PRESET=tiny; SPEED_STEPS=15; TEST_BYTES=4096; LIMIT=150 ;;
   *) echo "SUITE must be full or smoke, got $SUITE" >&2; exit 2 ;;
 esac
@@ -115,7 +115,7 @@ paper() {
 averaging() {
   for h in $AVG_H; do
     "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --h "$h" \
-      --workers 1,6 --blocks cold,warm --seeds "$AVG_SEEDS" --device "$DEVICE" --data "$DATA" --no-progress \
+      --workers 1,6 --blocks "$AVG_BLOCKS" --seeds "$AVG_SEEDS" --device "$DEVICE" --data "$DATA" --no-progress \
       --cache "$RESULTS/runs/averaging-cache" --jsonl "$RESULTS/averaging.jsonl" || return 1
   done
   "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --table-only \
@@ -128,25 +128,30 @@ live() {
     --timeout-s "$LIMIT" ${LIVE_ROWS:+--rows "$LIVE_ROWS"}
 }
 
-serve() {
-  local run="$RESULTS/runs/serve"
-  "${BT[@]}" train --preset "$SERVE_PRESET" --objective stack --device "$DEVICE" --data "$DATA" --out "$run" \
+serve() {  # bench serve's rows: sweep and ar on a diffusion run beside its E2E pipeline, spec on a stack run
+  local run="$RESULTS/runs/serve" stack="$RESULTS/runs/serve-stack"
+  "${BT[@]}" train --preset "$SERVE_PRESET" --objective diffusion --device "$DEVICE" --data "$DATA" --out "$run" \
     --no-progress || return 1
-  "${BT[@]}" train-e2e --preset "$SERVE_PRESET" --device "$DEVICE" --data "$DATA" --out "$run" --no-progress || return 1
-  "${BT[@]}" bench serve --run "$run" --stack-run "$run" --device "$DEVICE" --data "$DATA" \
+  "${BT[@]}" train-e2e --preset "$SERVE_PRESET" --objective diffusion --device "$DEVICE" --data "$DATA" --out "$run" \
+    --no-progress || return 1
+  "${BT[@]}" train --preset "$SERVE_PRESET" --objective stack --device "$DEVICE" --data "$DATA" --out "$stack" \
+    --no-progress || return 1
+  "${BT[@]}" bench serve --run "$run" --stack-run "$stack" --device "$DEVICE" --data "$DATA" \
     --json "$RESULTS/device-serve.json" ${SERVE_FLAGS:-}
 }
 
 if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth"
-  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS DEVICE DATA PY); averaging"
+  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS DEVICE DATA PY); averaging"
   LIVE_ROWS=${LIVE_ROWS:-honest6,sign_flip}
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
+  SERVE_FLAGS=${SERVE_FLAGS:---output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300}
+  job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve"
 else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
   LIVE_ROWS=${LIVE_ROWS:-}
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
   job paper "$LIMIT" bash -c "$(declare -f paper); $(declare -p RESULTS PAPER_STEPS DEVICE DATA BT); paper" &
-  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS DEVICE DATA PY); averaging" &
+  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS DEVICE DATA PY); averaging" &
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live" &
   SERVE_FLAGS=${SERVE_FLAGS:-}
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve" &

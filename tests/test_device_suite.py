@@ -1,6 +1,6 @@
 """The device suite's smoke (issue 42): ``SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh`` runs its jobs at
-the tiny preset on CPU, writes every result file, packs them into one archive, and a second run resumes (skips the
-finished jobs)."""
+the tiny preset on CPU (the paper-width job is GPU-only), writes every result file, packs them into one archive,
+and a second run resumes (skips the finished jobs)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     done, wall = _suite(results, data)
     assert done.returncode == 0, done.stderr[-3000:]
     rcs = {p.stem: p.read_text().split()[0] for p in results.glob("*.rc")}
-    assert rcs == {"speed-tiny": "0", "depth": "0", "averaging": "0", "live": "0"}, (rcs, done.stderr[-3000:])
+    assert rcs == {"speed-tiny": "0", "depth": "0", "averaging": "0", "live": "0", "serve": "0"}, (rcs, done.stderr[-3000:])
     speed = json.loads((results / "device-speed-tiny.json").read_text())
     assert speed["device"] == "cpu"
     depth = json.loads((results / "device-depth.json").read_text())
@@ -49,5 +49,6 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
         names = set(tar.getnames())
     assert f"{results.name}/device-depth.json" in names and f"{results.name}/device-live.json" in names
     again, wall_again = _suite(results, data)
-    assert again.returncode == 0 and again.stderr.count("done already, skipped") == 4, again.stderr[-2000:]
+    assert json.loads((results / "device-serve.json").read_text())
+    assert again.returncode == 0 and again.stderr.count("done already, skipped") == 5, again.stderr[-2000:]
     assert wall_again < wall / 3
