@@ -12,6 +12,8 @@ import argparse
 import time
 from typing import Any
 
+import torch
+
 from blocktrain.cli.main import main as blocktrain_main
 from blocktrain.train import loop
 
@@ -20,7 +22,7 @@ def slowed(factor: float) -> Any:
     real = loop.optimizer_step
     last = [time.perf_counter()]
 
-    def step(*args: Any, **kwargs: Any) -> float:
+    def step(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = real(*args, **kwargs)
         now = time.perf_counter()
         time.sleep((factor - 1.0) * (now - last[0]))

@@ -85,7 +85,7 @@ def train_and_score(cfg: RunConfig, variant: str, data: Any, valid: Any, eval_by
         def logits_of(x: torch.Tensor) -> list[torch.Tensor]:
             return [e2e(x)]
 
-    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         x, y = stream.batch(step)
         heads = logits_of(x)
         return sum((lm_loss(lg, y) for lg in heads), torch.zeros((), device=y.device)) / len(heads), {}

@@ -74,7 +74,7 @@ def make_step(kind: str, cfg: Any, precision: Precision, opt_kind: str, compiled
     x = torch.randint(0, 256, (cfg.train.batch_size, cfg.model.context), generator=g, dtype=torch.uint8)
     y = torch.randint(0, 256, x.shape, generator=g)
 
-    def loss_at(i: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_at(i: int) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
         loss = lm_loss(fwd(x), y) if kind == "e2e" else obj.block_loss(model, 0, x, y, torch.Generator().manual_seed(i)).loss
         return loss, {}
 
