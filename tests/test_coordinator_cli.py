@@ -106,3 +106,17 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
         _parse(tmp_path, "--aggregation", "mode")
     with pytest.raises(SystemExit):
         _parse(tmp_path, "--rounds", "1.5")
+
+
+def test_the_worker_keeps_its_frozen_cache_in_its_own_directory(tmp_path: Path) -> None:
+    """No default writes outside the working directory: the frozen cache is WORK_DIR/frozen unless named."""
+    from blocktrain.cli.distributed import WORKER_FLAGS
+    from blocktrain.worker.loop import WorkerOptions
+
+    def opts(*flags: str) -> WorkerOptions:
+        args = build_parser().parse_args(["worker", "--coordinator", "http://127.0.0.1:1", *flags])
+        return WORKER_FLAGS.build(args, token="t", progress=False, verify_tls=True)
+
+    assert opts().frozen_dir == Path("runs/worker/frozen")
+    assert opts("--work-dir", str(tmp_path / "w")).frozen_dir == tmp_path / "w" / "frozen"
+    assert opts("--work-dir", str(tmp_path / "w"), "--frozen-cache", str(tmp_path / "c")).frozen_dir == tmp_path / "c"

@@ -163,7 +163,8 @@ def test_worker_round_prints_no_autograd_warning(tmp_path: Path, corpus: DataDir
     try:
         with ThreadServer(c) as srv, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            opts = WorkerOptions(url=srv.url, token=token, block=0, local_steps=2, progress=False, give_up_s=30)
+            opts = WorkerOptions(url=srv.url, token=token, block=0, local_steps=2, progress=False, give_up_s=30,
+                                 work_dir=tmp_path / "worker")
             summary = Worker(opts, corpus).run()
     finally:
         c.close()

@@ -105,3 +105,26 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     assert len(ces) == 2 and r["baseline_long_generative_ce"] == pytest.approx(sum(ces) / 2, rel=1e-12)
     assert r["baseline_long_generative_ce_sem"] == pytest.approx(abs(ces[0] - ces[1]) / 2, rel=1e-9)
     assert "| AR baseline (E2E, KV cache; re-prefills" in out.with_suffix(".md").read_text()
+
+
+def test_the_serving_bench_reads_the_data_its_run_trained_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --data: the directory run.json records, its fingerprint checked; a run whose data changed is refused."""
+    from dataclasses import replace
+
+    from blocktrain.bench.serve_options import ServeBenchOptions
+    from blocktrain.bench.serve_quality import bench_data
+    from blocktrain.checkpoint.run import RunDir
+    from blocktrain.data.dataset import open_data_dir
+    from blocktrain.errors import DataError
+    from tests.conftest import write_data_dir
+
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    data = write_data_dir(tmp_path / "data")
+    RunDir(tmp_path / "run").init(replace(tiny(), dataset=open_data_dir(data).fingerprint()), data)
+    opts = ServeBenchOptions(run=tmp_path / "run")
+    assert bench_data(opts).root == data.resolve()
+    for split in data.iterdir():
+        if split.is_file():
+            split.write_bytes(split.read_bytes() + b" changed")
+    with pytest.raises(DataError, match="--data"):
+        bench_data(opts)

@@ -199,3 +199,37 @@ def test_the_quality_footer_says_how_many_bytes_were_scored() -> None:
         arm["bytes_scored"] = 32_198
     text = format_table(short)
     assert "Scored on the first" not in text and "Scored on the whole test split, 32,198 bytes" in text
+
+
+def test_the_bench_bar_moves_while_an_arm_trains(tmp_path: Path) -> None:
+    """The bench's bar follows the steps an arm's trainer logs, within about a second, and ends at the arm's share."""
+    import io
+    import json
+    import time
+
+    from tqdm import tqdm
+
+    from blocktrain.bench.quality import _ArmProgress
+
+    metrics = tmp_path / "metrics" / "block_0.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text(json.dumps({"step": 90, "loss": 1.0}) + "\n")  # an earlier run's record: not this arm's progress
+    bar = tqdm(total=300.0, file=io.StringIO())
+    bar.update(100.0)  # arms trained before this one
+    follow = _ArmProgress(bar, metrics, steps=100, flops=200e9, interval_s=0.05)
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 10, "loss": 2.0}) + "\n" + json.dumps({"event": "eval", "step": 99}) + "\n")
+        f.write('{"step": 50, "lo')  # a line being written
+        f.flush()
+        deadline = time.monotonic() + 5.0
+        while bar.n < 120.0 - 1e-9 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert bar.n == pytest.approx(120.0)  # 100 + 200 GFLOP x 10/100; the eval record's step is not a training step
+        f.write('ss": 1.5}\n')
+        f.flush()
+        deadline = time.monotonic() + 5.0
+        while bar.n < 200.0 - 1e-9 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert bar.n == pytest.approx(200.0)
+    follow.close()
+    assert bar.n == pytest.approx(300.0)

@@ -24,12 +24,14 @@ import logging
 import math
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from blocktrain.bench.machine import machine_info, measure_peak_flops
 from blocktrain.bench.quality_report import format_table
@@ -44,7 +46,7 @@ from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
-from blocktrain.train.child import E2E, run_summary, train_arm
+from blocktrain.train.child import E2E, arm_name, run_summary, train_arm
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,56 @@ def _analytic(module: Any) -> dict[str, int]:
             "optimizer_bytes": 8 * params, "total_state_bytes": 16 * params}  # AdamW: two fp32 moments
 
 
+class _ArmProgress:
+    """Moves the bench's bar while one arm trains, from the steps its trainer logs to ``RUN/metrics/NAME.jsonl``
+    (every ``log_every`` steps), so the bar and its remaining time move within seconds, not once per arm."""
+
+    def __init__(self, bar: tqdm, metrics: Path, steps: int, flops: float, interval_s: float = 1.0) -> None:
+        self.bar, self.metrics, self.steps, self.gflops = bar, metrics, max(1, steps), flops / 1e9
+        self.start = float(bar.n)
+        self.offset = metrics.stat().st_size if metrics.exists() else 0  # records from an earlier run are not news
+        self.tail = b""  # a line the trainer has not finished writing
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._follow, args=(interval_s,), name="arm-progress", daemon=True)
+        self.thread.start()
+
+    def _follow(self, interval_s: float) -> None:
+        while not self.done.wait(interval_s):
+            step = self._latest_step()
+            if step is not None:
+                self._move_to(self.start + self.gflops * min(step, self.steps) / self.steps)
+
+    def _latest_step(self) -> int | None:
+        """The highest training step logged since the last look (None: no new step record)."""
+        try:
+            with self.metrics.open("rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except FileNotFoundError:
+            return None
+        self.offset += len(new)
+        *lines, self.tail = (self.tail + new).split(b"\n")
+        steps = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
+                steps.append(rec["step"])
+        return max(steps, default=None)
+
+    def _move_to(self, n: float) -> None:
+        if n > self.bar.n:
+            self.bar.update(n - self.bar.n)
+
+    def close(self) -> None:
+        """The arm has finished: its whole share of the bar, whatever was logged."""
+        self.done.set()
+        self.thread.join()
+        self._move_to(self.start + self.gflops)
+
+
 class _Bench:
     """Trains the arms (:func:`blocktrain.train.child.train_arm`: a fresh process each, or this one), with a progress
     bar over the planned training FLOPs (so its remaining-time estimate weighs an E2E step and a block step right)."""
@@ -124,9 +176,13 @@ class _Bench:
         t0 = time.perf_counter()
         log.info("training %s%s into %s (lr %g, %d steps)", "the E2E reference" if k == E2E else f"block {k}",
                  "" if k == E2E else f" ({cfg.objective})", out, cfg.train.lr, cfg.train.steps)
-        result = train_arm(cfg, self.o.data, out, k, isolate=self.o.isolate, progress=False)
+        steps = cfg.train.steps if k == E2E else get_objective(cfg).block_steps(k)
+        follow = _ArmProgress(self.bar, RunDir(out).metrics_path(arm_name(k)), steps, flops)
+        try:
+            result = train_arm(cfg, self.o.data, out, k, isolate=self.o.isolate, progress=False)
+        finally:
+            follow.close()
         self.arms += 1
-        self.bar.update(flops / 1e9)
         done, total, elapsed = self.bar.n, self.bar.total or 0.0, time.perf_counter() - self.t0
         eta = (total - done) * elapsed / done if 0 < done <= total else None  # None: nothing to extrapolate from
         left = f"; about {eta:.0f} s of training left" if eta is not None and math.isfinite(eta) else ""

@@ -32,11 +32,10 @@ import torch
 from blocktrain.bench.machine import machine_info
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, Placement, split_blocks, split_layers
-from blocktrain.bench.serve_quality import bench_prompts, generative_ce, output_quality, traversal_compute_s
+from blocktrain.bench.serve_quality import bench_data, bench_prompts, generative_ce, output_quality, traversal_compute_s
 from blocktrain.bench.serve_report import render_markdown, summarise
 from blocktrain.bench.serve_spec import long_task, run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.device import resolve_device
 from blocktrain.errors import BlockTrainError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
@@ -55,7 +54,7 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
     cfg = run.load_config()
     data, pairs, base = bench_prompts(opts)
     sweeps = list(opts.sweeps)
-    test_path = str(resolve_data_dir(opts.data).open("test").path)
+    test_path = str(bench_data(opts).open("test").path)
     pipe.start("blocktrain", split_blocks(cfg.model.n_blocks), ["--run", str(run.root)], threads=1)
     try:
         bt = pipe.client({**base, "tasks": _mode_tasks(sweeps, opts.draft_min, opts.draft_max), "teacher_forced_path": test_path,

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from blocktrain.bench.serve_options import ServeBenchOptions
+from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
-from blocktrain.data.dataset import eval_windows, resolve_data_dir
+from blocktrain.data.dataset import DataDir, eval_windows, resolve_run_data
 from blocktrain.device import synchronize
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 
@@ -90,9 +91,15 @@ def prompt_pairs(data: np.ndarray, k: int, p_len: int, n: int) -> list[tuple[byt
     return out
 
 
+def bench_data(opts: ServeBenchOptions) -> DataDir:
+    """The bench's data: --data, else the directory the run's run.json records (its fingerprint checked)."""
+    run = RunDir(opts.run)
+    return resolve_run_data(opts.data, run.recorded_data(), run.load_config().dataset, str(opts.run))
+
+
 def bench_prompts(opts: ServeBenchOptions) -> tuple[np.ndarray, list[tuple[bytes, bytes]], dict[str, Any]]:
     """The test split's bytes, the (prompt, true continuation) pairs, and the sampling every bench task shares."""
-    data = resolve_data_dir(opts.data).open("test").data
+    data = bench_data(opts).open("test").data
     pairs = prompt_pairs(np.asarray(data), opts.prompts, opts.prompt_bytes, opts.output_bytes)
     base = {"output_bytes": opts.output_bytes, "temperature": opts.temperature, "top_k": opts.top_k, "seed": 0,
             "prompts": [list(p) for p, _ in pairs]}

@@ -55,7 +55,9 @@ def train_block(
     block = block.to(device)
     steps = objective.block_steps(k)
     if steps != cfg.train.steps:
-        log.info("block %d trains %d steps (stack.step_ratio %g of %d per block)", k, steps, cfg.stack.step_ratio, cfg.train.steps)
+        log.info("block %d trains %d steps, not %d: stack.step_ratio %g gives earlier blocks more steps and later ones "
+                 "fewer, at the same total FLOPs as %d steps per block (--step-ratio 1 gives every block the same steps)",
+                 k, steps, cfg.train.steps, cfg.stack.step_ratio, cfg.train.steps)
         cfg = cfg.with_train(steps=steps)
 
     return run_training(

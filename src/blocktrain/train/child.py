@@ -48,7 +48,7 @@ def train_arm(cfg: RunConfig, data: DataDir, out: Path, k: int, *, isolate: bool
             raise ArmFailedError(k, proc.exitcode)
     else:
         _train(cfg, data, out, k, progress)
-    return ArmResult(_name(k), run_summary(RunDir(out), _name(k)))
+    return ArmResult(arm_name(k), run_summary(RunDir(out), arm_name(k)))
 
 
 def train_run(cfg: RunConfig, data: DataDir, out: Path, *, isolate: bool = True, progress: bool = True,
@@ -60,7 +60,7 @@ def train_run(cfg: RunConfig, data: DataDir, out: Path, *, isolate: bool = True,
     RunDir(out).init(cfg, data.root)  # a run of another config is refused once, here, not once per block
     if schedule_of(cfg) is Schedule.CONCURRENT:
         train_concurrent(cfg, data, out, progress=progress)
-        return [ArmResult(_name(k), {}) for k in range(cfg.model.n_blocks)]
+        return [ArmResult(arm_name(k), {}) for k in range(cfg.model.n_blocks)]
     ordered = get_objective(cfg).trains_in_order
     if ordered and parallel > 1:
         log.warning("the progressive schedule trains block k after block k-1 has finished; ignoring --parallel %d", parallel)
@@ -91,12 +91,12 @@ def _parallel(cfg: RunConfig, data: DataDir, out: Path, width: int, progress: bo
             failed.append(k)
     if failed:
         raise BlockTrainError(_failed(failed, ""))
-    return [ArmResult(_name(k), run_summary(RunDir(out), _name(k))) for k in range(cfg.model.n_blocks)]
+    return [ArmResult(arm_name(k), run_summary(RunDir(out), arm_name(k))) for k in range(cfg.model.n_blocks)]
 
 
 class ArmFailedError(BlockTrainError):
     def __init__(self, k: int, exitcode: int | None) -> None:
-        super().__init__(f"training {_name(k)} failed (exit {exitcode}); its error is printed above: fix its cause, then "
+        super().__init__(f"training {arm_name(k)} failed (exit {exitcode}); its error is printed above: fix its cause, then "
                          "run the same command again (it resumes from its last checkpoint)")
 
 
@@ -110,12 +110,12 @@ def _start(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> 
     ctx: Any = multiprocessing.get_context(START_METHOD)
     proc: multiprocessing.process.BaseProcess = ctx.Process(
         target=_child, args=(cfg.to_json(), str(data.root), str(out), k, progress, logging.getLogger().getEffectiveLevel()),
-        name=_name(k))
+        name=arm_name(k))
     proc.start()
     return proc
 
 
-def _name(k: int) -> str:
+def arm_name(k: int) -> str:
     return "e2e" if k == E2E else f"block_{k}"
 
 
@@ -124,7 +124,7 @@ def _train(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> 
     from blocktrain.train.e2e import train_e2e
 
     s = train_e2e(cfg, data, out, progress=progress) if k == E2E else train_block(cfg, data, out, k, progress=progress)
-    log.info("%s: %d steps in %.1fs, train memory %.1f MiB", _name(k).replace("_", " "), s.steps, s.wall_s,
+    log.info("%s: %d steps in %.1fs, train memory %.1f MiB", arm_name(k).replace("_", " "), s.steps, s.wall_s,
              s.train_mem_bytes / 2**20)
 
 

@@ -77,11 +77,17 @@ class WorkerOptions:
     verify_tls: bool | str = True  # TLS verification (or a CA bundle path)
     precision: Precision | None = None  # forward/backward arithmetic (None: the run config's, bf16 by default)
     device: str = "auto"  # where to train: auto, cpu, cuda or cuda:N
-    frozen_cache: Path = field(default_factory=lambda: Path("~/.cache/blocktrain/frozen"))  # frozen blocks on disk
+    work_dir: Path = field(default_factory=lambda: Path("runs/worker"))  # this worker's own files (its frozen cache)
+    frozen_cache: Path | None = None  # verified frozen blocks on disk (None: WORK_DIR/frozen)
     averaging: Averaging = Averaging.COORDINATOR  # engine that carries the delta (hivemind: pip install 'blocktrain[hivemind]')
     group_size: int = 16  # hivemind engine: peers per group at most
     matchmaking_s: float = 3.0  # hivemind engine: seconds a forming group waits for more peers
     p2p_host: str = "0.0.0.0"  # hivemind engine: IPv4 address this worker's DHT peer listens on
+
+    @property
+    def frozen_dir(self) -> Path:
+        """Where the verified frozen blocks are kept: --frozen-cache, else under the worker's own directory."""
+        return self.frozen_cache if self.frozen_cache is not None else self.work_dir / "frozen"
 
     def __post_init__(self) -> None:
         if self.local_steps is not None and self.local_steps < 1:
@@ -150,7 +156,7 @@ class Worker:
         self.schedule = replace(self.cfg.train, steps=max(1, steps))
         self.objective = get_objective(self.cfg)
         self.precision = resolve_precision(self.opts.precision or self.cfg.train.precision, self.device)
-        self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_cache, self.device,
+        self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_dir, self.device,
                                    frozen_dtype(self.cfg.train.frozen_storage, self.precision is Precision.BF16))
         self.train = self.data.open("train")
         self.block = self.objective.build_block(self.k).to(self.device)
