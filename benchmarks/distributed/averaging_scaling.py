@@ -50,6 +50,7 @@ from blocktrain.data.dataset import DataDir, resolve_data_dir
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression
+from blocktrain.protocol.moments import InnerStart
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.metrics import read_jsonl
 
@@ -62,12 +63,16 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
         rounds = LocalRounds(workers=1, local_steps=row["steps"], steps=row["steps"], compression=Compression.NONE,
                              batch_size=row["batch"] * row["workers"], inner=row.get("inner", "adamw"))
         return settings, rounds
-    settings = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=row["outer_lr"],
+    settings = CoordinatorSettings(outer=OuterOptimizer(row.get("outer", "nesterov")), outer_lr=row["outer_lr"],
                                    outer_momentum=row["outer_momentum"], gate=False,
-                                   aggregation=Aggregation(row.get("aggregation", "mean")))
+                                   aggregation=Aggregation(row.get("aggregation", "mean")),
+                                   outer_eps=row.get("outer_eps", 1e-8), outer_cap=row.get("outer_cap"))
     early = row.get("early")  # [steps, H] of an H schedule's early phase
+    start = row.get("inner_start")  # a shared start replaces reset_inner's fresh/carried choice
     rounds = LocalRounds(workers=row["workers"], local_steps=row["h"], steps=row["steps"], compression=Compression.INT8,
-                         batch_size=row["batch"], reset_inner=row["reset_inner"], inner=row.get("inner", "adamw"),
+                         batch_size=row["batch"], reset_inner=None if start else row["reset_inner"],
+                         inner_start=InnerStart(start) if start else None, share_every=row.get("share_every", 1),
+                         inner=row.get("inner", "adamw"),
                          early_steps=early[0] if early else 0, early_h=early[1] if early else 0)
     return settings, rounds
 
@@ -102,6 +107,16 @@ def _levers(row: dict[str, Any], sep: str) -> str:
         out += f"{sep}{row['aggregation']}"
     if row.get("early"):
         out += f"{sep}early={row['early'][0]}@H{row['early'][1]}"
+    if row.get("outer", "nesterov") != "nesterov":
+        out += f"{sep}outer={row['outer']}"
+    if row.get("outer_eps", 1e-8) != 1e-8:
+        out += f"{sep}eps={row['outer_eps']:g}"
+    if row.get("outer_cap") is not None:
+        out += f"{sep}cap={row['outer_cap']:g}"
+    if row.get("inner_start"):
+        out += f"{sep}start={row['inner_start']}"
+    if row.get("share_every", 1) != 1:
+        out += f"{sep}every={row['share_every']}"
     return out
 
 
@@ -135,7 +150,19 @@ def measure(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.N
     ce = run.test_ce(cfg, data, args.eval_bytes, k=k, frozen=frozen)
     return {**row, "key": row_key(row), "k": k, "outer_steps": rounds.rounds, "ce_nats_per_byte": ce,
             "eval_split": "test", "eval_bytes": args.eval_bytes, "wall_s": run.wall_s,
-            "refused": sum(1 for u in run.updates if u.outcome != "accepted")}
+            "refused": sum(1 for u in run.updates if u.outcome != "accepted"), **traffic(run)}
+
+
+def traffic(run: LocalRun) -> dict[str, float]:
+    """Bytes one worker moves per round (pushed: delta plus moments; pulled: the step plus published moments), on the
+    wire (deflated) and raw, over the block's fp32 size."""
+    fp32 = 4 * sum(t.numel() for t in run.weights.values())
+    mean = statistics.fmean
+    return {"block_fp32_bytes": fp32,
+            "push_ratio": mean(run.push_bytes) / fp32 if run.push_bytes else 0.0,
+            "push_ratio_raw": mean(run.raw_push_bytes) / fp32 if run.raw_push_bytes else 0.0,
+            "pull_ratio": mean(run.pull_bytes) / fp32 if run.pull_bytes else 0.0,
+            "pull_ratio_raw": mean(run.raw_pull_bytes) / fp32 if run.raw_pull_bytes else 0.0}
 
 
 def measure_stack(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.Namespace) -> dict[str, Any]:
@@ -329,6 +356,13 @@ def main() -> int:
     ap.add_argument("--reset-inner", action="store_true", help="fresh inner AdamW moments every round")
     ap.add_argument("--inner", default="adamw", choices=["adamw", "muon"], help="inner optimiser")
     ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation])
+    ap.add_argument("--outer", default="nesterov", choices=[o.value for o in OuterOptimizer], help="outer step")
+    ap.add_argument("--outer-eps", type=float, default=1e-8, help="outer adam: tau added to sqrt(u)")
+    ap.add_argument("--outer-cap", type=float, default=None, help="cap the outer step's norm at this x ||mean delta||")
+    ap.add_argument("--inner-start", default=None, choices=[x.value for x in InnerStart],
+                    help="what each round's inner AdamW starts from (replaces --reset-inner; shared_*: moments pushed "
+                         "and published)")
+    ap.add_argument("--share-every", type=int, default=1, help="shared moments every this many rounds (DES-LOC)")
     ap.add_argument("--early", default=None, metavar="STEPS@H",
                     help="H schedule: the first STEPS inner steps in rounds of H, then --h (e.g. 250@5)")
     ap.add_argument("--workers", default="1,2,4,6,12", help="comma-separated M")
@@ -376,6 +410,16 @@ def main() -> int:
                 todo.append({**common, "kind": "x", **({"inner": args.inner} if args.refs_inner else {})})
                 if not args.refs_only:
                     levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
+                    if args.outer != "nesterov":
+                        levers["outer"] = args.outer
+                    if args.outer_eps != 1e-8:
+                        levers["outer_eps"] = args.outer_eps
+                    if args.outer_cap is not None:
+                        levers["outer_cap"] = args.outer_cap
+                    if args.inner_start:
+                        levers["inner_start"] = args.inner_start
+                    if args.share_every != 1:
+                        levers["share_every"] = args.share_every
                     if args.early:
                         levers["early"] = [int(x) for x in args.early.split("@")]
                     todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,

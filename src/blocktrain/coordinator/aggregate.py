@@ -14,6 +14,19 @@ g = -Delta_bar,
 
 * ``average``:   step = eta * Delta_bar (eta = 1: plain averaging)
 * ``nesterov``:  m <- mu m + g;  step = -eta (g + mu m)
+* ``adam``:      FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2):
+                 m <- beta1 m + (1 - beta1) Delta_bar;  u <- beta2 u + (1 - beta2) Delta_bar^2;
+                 step = eta m / (sqrt(u) + tau)   (beta1 = mu, beta2 = ``outer_beta2``, tau = ``outer_eps``)
+
+With ``outer_cap`` c, a step longer than c ||Delta_bar|| is scaled down to it (an outer step that cannot amplify
+the round's mean delta more than c-fold).
+
+Shared inner moments (:mod:`blocktrain.train.inner`, issue 43): with the workers' pushed estimates v_i (and m_i),
+the round publishes v_bar = hold(aggregate(clip(v_i))): every v_i is clipped coordinate-wise into
+[med / moment_clip, med x moment_clip] around the round's coordinate-wise median med, aggregated like the deltas,
+then held within a factor ``moment_step`` of the previously published v_bar; m_bar is aggregated like the deltas
+and clipped into [-sqrt(v_bar), sqrt(v_bar)] (Adam's normalised step m / sqrt(v) stays within one lr). So no worker,
+however hostile, moves the shared v to zero or infinity.
 
 The published step is encoded like a delta (:mod:`blocktrain.protocol.delta`:
 int8 by default, with the coordinator's own error feedback), and both
@@ -33,10 +46,13 @@ import torch
 
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta
+from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, decode_moments, encode_moments
 from blocktrain.protocol.weights import apply_step
 
 MOMENTUM_PREFIX = "momentum/"  # durable outer state: momentum buffer tensor names
 RESIDUAL_PREFIX = "residual/"  # durable outer state: the step encoder's error-feedback residual
+SECOND_PREFIX = "second/"  # durable outer state: outer Adam's second moment u
+SHARED_PREFIX = "shared/"  # durable outer state: the published inner moments (m/NAME, v/NAME), as decoded
 
 
 def aggregate(
@@ -97,45 +113,105 @@ def _even_median(stacked: torch.Tensor) -> torch.Tensor:
 
 def outer_step(
     delta_bar: dict[str, torch.Tensor],
-    method: OuterOptimizer,
-    lr: float,
-    momentum: float,
+    settings: CoordinatorSettings,
     buf: dict[str, torch.Tensor] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-    """Return (float32 step, new momentum buffer): DiLoCo's outer step (Douillard et al. 2023, Alg. 1)."""
+    second: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+    """Return (float32 step, new momentum buffer, new second moment): the outer step of the module docstring."""
+    method = settings.outer
+    if method is None:
+        raise ValueError("no outer step chosen; resolve it with CoordinatorSettings.for_objective(objective.outer_step())")
+    lr, mu = settings.eta(method), settings.outer_momentum
+    new_buf: dict[str, torch.Tensor] | None = None
+    new_second: dict[str, torch.Tensor] | None = None
     if method is OuterOptimizer.AVERAGE:
-        return {n: lr * d for n, d in delta_bar.items()}, None
-    new_buf: dict[str, torch.Tensor] = {}
-    step: dict[str, torch.Tensor] = {}
-    for n, d in delta_bar.items():
-        g = -d
-        m = g.clone() if buf is None else momentum * buf[n] + g
-        new_buf[n] = m
-        step[n] = -lr * (g + momentum * m)
-    return step, new_buf
+        step = {n: lr * d for n, d in delta_bar.items()}
+    elif method is OuterOptimizer.NESTEROV:
+        new_buf, step = {}, {}
+        for n, d in delta_bar.items():
+            g = -d
+            m = g.clone() if buf is None else mu * buf[n] + g
+            new_buf[n] = m
+            step[n] = -lr * (g + mu * m)
+    else:  # FedAdam on the pseudo-gradient's negative, Delta_bar
+        new_buf, new_second, step = {}, {}, {}
+        b2, tau = settings.outer_beta2, settings.outer_eps
+        for n, d in delta_bar.items():
+            m = (1 - mu) * d if buf is None else mu * buf[n] + (1 - mu) * d
+            u = (1 - b2) * d * d if second is None else b2 * second[n] + (1 - b2) * d * d
+            new_buf[n], new_second[n] = m, u
+            step[n] = lr * m / (u.sqrt() + tau)
+    if settings.outer_cap is not None:
+        bound = settings.outer_cap * _norm(delta_bar)
+        length = _norm(step)
+        if length > bound > 0:
+            step = {n: t * (bound / length) for n, t in step.items()}
+    return step, new_buf, new_second
+
+
+def _norm(tensors: dict[str, torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((t.double().pow(2).sum() for t in tensors.values()), torch.zeros((), dtype=torch.float64))))
+
+
+def shared_moments(
+    moments: list[dict[str, torch.Tensor]],
+    samples: list[int],
+    settings: CoordinatorSettings,
+    previous: dict[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor]:
+    """The published inner moments of a round from the workers' pushed estimates (module docstring): v clipped around
+    the round's median, aggregated, held within ``moment_step`` of ``previous``; m aggregated and clipped by sqrt(v)."""
+    names = list(moments[0])
+    vs = [n for n in names if n.startswith(V_PREFIX)]
+    clipped: list[dict[str, torch.Tensor]] = [dict(x) for x in moments]
+    c = settings.moment_clip
+    for n in vs:
+        stacked = torch.stack([x[n].float() for x in moments])  # (workers, *shape)
+        med = stacked.median(dim=0).values if len(moments) % 2 else _even_median(stacked)
+        for x in clipped:
+            x[n] = torch.minimum(torch.maximum(x[n].float(), med / c), med * c)
+    out = aggregate(clipped, samples, settings.aggregation, settings.trim_fraction)
+    for n in vs:
+        out[n] = out[n].clamp_min(0.0)
+        if previous is not None and n in previous:
+            prev = previous[n].to(out[n].device)
+            out[n] = torch.minimum(torch.maximum(out[n], prev / settings.moment_step), prev * settings.moment_step)
+    for n in names:
+        if n.startswith(M_PREFIX) and V_PREFIX + n[len(M_PREFIX):] in out:
+            bound = out[V_PREFIX + n[len(M_PREFIX):]].sqrt()
+            out[n] = torch.minimum(torch.maximum(out[n], -bound), bound)
+    return out
 
 
 @dataclass
 class OuterState:
     """What the outer step carries from one round of a block to the next (persisted with each version)."""
 
-    momentum: dict[str, torch.Tensor] | None = None  # Nesterov buffer m (None: none yet, or plain averaging)
+    momentum: dict[str, torch.Tensor] | None = None  # Nesterov buffer, or outer Adam's first moment (None: none yet)
     residual: dict[str, torch.Tensor] = field(default_factory=dict)  # the step encoder's error-feedback residual
+    second: dict[str, torch.Tensor] | None = None  # outer Adam's second moment u (None: none yet, or no outer Adam)
+    shared: dict[str, torch.Tensor] | None = None  # the published inner moments, as the workers decode them
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat, prefixed tensors for a safetensors blob (empty: nothing to persist)."""
         out = {MOMENTUM_PREFIX + n: t for n, t in (self.momentum or {}).items()}
         out.update({RESIDUAL_PREFIX + n: t for n, t in self.residual.items()})
+        out.update({SECOND_PREFIX + n: t for n, t in (self.second or {}).items()})
+        out.update({SHARED_PREFIX + n: t for n, t in (self.shared or {}).items()})
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> OuterState:
         """Inverse of :meth:`tensors`; a blob of unprefixed names is a momentum buffer (format before residuals)."""
-        if not any(n.startswith((MOMENTUM_PREFIX, RESIDUAL_PREFIX)) for n in tensors):
+        prefixes = (MOMENTUM_PREFIX, RESIDUAL_PREFIX, SECOND_PREFIX, SHARED_PREFIX)
+        if not any(n.startswith(prefixes) for n in tensors):
             return cls(momentum=dict(tensors) or None)
-        m = {n[len(MOMENTUM_PREFIX):]: t for n, t in tensors.items() if n.startswith(MOMENTUM_PREFIX)}
-        r = {n[len(RESIDUAL_PREFIX):]: t for n, t in tensors.items() if n.startswith(RESIDUAL_PREFIX)}
-        return cls(momentum=m or None, residual=r)
+
+        def part(prefix: str) -> dict[str, torch.Tensor]:
+            return {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+
+        return cls(momentum=part(MOMENTUM_PREFIX) or None, residual=part(RESIDUAL_PREFIX),
+                   second=part(SECOND_PREFIX) or None, shared=part(SHARED_PREFIX) or None)
 
 
 @dataclass(frozen=True)
@@ -144,6 +220,7 @@ class RoundResult:
     step: dict[str, torch.Tensor]  # the encoded step as published (wire tensors)
     state: OuterState  # carried to the next round
     kept: tuple[int, ...]  # indices of the deltas the aggregate used (the others disagreed: settings.agree_min)
+    moments: dict[str, torch.Tensor] | None = None  # the published inner moments as encoded (None: none this round)
 
 
 def next_version(
@@ -152,20 +229,27 @@ def next_version(
     samples: list[int],
     settings: CoordinatorSettings,
     state: OuterState,
+    moments: list[dict[str, torch.Tensor]] | None = None,
 ) -> RoundResult:
-    """Close one round: screen (``agree_min``), aggregate, outer step, encode the step with error feedback, apply it.
+    """Close one round: screen (``agree_min``), aggregate, outer step, encode the step with error feedback, apply it;
+    with ``moments`` (the pushed inner moment estimates, one per delta), publish their bounded aggregate too.
 
-    W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step.
+    W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step and load the same decoded
+    moments.
     """
     if settings.outer is None:
         raise ValueError("no outer step chosen; resolve it with CoordinatorSettings.for_objective(objective.outer_step())")
     kept = agreeing(deltas, settings.agree_min) if settings.agree_min is not None else list(range(len(deltas)))
     delta_bar = aggregate([deltas[i] for i in kept], [samples[i] for i in kept], settings.aggregation, settings.trim_fraction)
-    step, buf = outer_step(delta_bar, settings.outer, settings.eta(settings.outer), settings.outer_momentum,
-                           state.momentum)
+    step, buf, second = outer_step(delta_bar, settings, state.momentum, state.second)
     codec = ErrorFeedback(settings.step_compression, state.residual)
     wire = codec.encode(step)
     new = apply_step(weights, decode_delta(wire, settings.step_compression))
     lossless = settings.step_compression is Compression.NONE
-    return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual), tuple(kept))
-
+    shared, published = state.shared, None
+    if moments:
+        mean = shared_moments([moments[i] for i in kept], [samples[i] for i in kept], settings, state.shared)
+        published = encode_moments(mean, settings.moment_codec)
+        shared = decode_moments(published, settings.moment_codec)
+    return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual, second, shared), tuple(kept),
+                       published)

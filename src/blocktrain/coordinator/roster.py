@@ -23,6 +23,7 @@ from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.tables import WorkerTable
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.messages import FrozenRef, Registration, WorkAnswer
+from blocktrain.protocol.moments import InnerStart
 from blocktrain.seeds import worker_stream
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class Roster:
                 worker=name, block=k, block_state=state.value, message=message, config=self.cfg.to_json(),
                 lease_seconds=self.settings.lease_seconds,
                 rounds=self.rounds.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
-                n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_reset=self.settings.inner_reset,
+                n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_reset=self.settings.inner_start is InnerStart.FRESH,
                 p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
             ).model_dump(mode="json", exclude_none=True)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.delta import Compression
+from blocktrain.protocol.moments import InnerStart, MomentCodec
 
 
 class Aggregation(enum.Enum):
@@ -20,9 +21,13 @@ NESTEROV_LR = 0.85  # the default outer lr of Nesterov with fresh inner moments:
 # 0.7 (two seeds); 1.0 diverged with moments carried across rounds (averaging-scaling.md)
 
 
+OUTER_ADAM_LR = 1e-3  # the default eta of outer Adam (an absolute step per coordinate, like an inner lr)
+
+
 class OuterOptimizer(enum.Enum):
     AVERAGE = "average"  # W <- W + eta * Delta_bar
     NESTEROV = "nesterov"  # DiLoCo outer Nesterov momentum
+    ADAM = "adam"  # FedAdam (Reddi et al. 2021) on the mean delta: eta m / (sqrt(u) + outer_eps)
 
 
 class WorkerState(enum.Enum):
@@ -79,10 +84,16 @@ class CoordinatorSettings:
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
     outer: OuterOptimizer | None = None  # outer step (None: the objective's; benchmarks/results/averaging-study.md)
     outer_lr: float | None = None  # eta of the outer step (None: 0.85 for nesterov, averaging-scaling.md; 1 for average)
-    outer_momentum: float = 0.9  # mu of Nesterov
+    outer_momentum: float = 0.9  # mu of Nesterov; beta1 of outer Adam
+    outer_beta2: float = 0.99  # outer Adam: decay of its second moment u
+    outer_eps: float = 1e-8  # outer Adam: tau, added to sqrt(u) (larger: less adaptive)
+    outer_cap: float | None = None  # the outer step's norm is at most this x ||mean delta|| (None: uncapped)
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
     local_steps: int = 25  # H: inner steps per work answer (0: per block, its steps // --rounds, all steps run); claims <= H x batch
-    inner_reset: bool = True  # workers start each round with fresh inner AdamW moments (averaging-scaling.md)
+    inner_start: InnerStart = InnerStart.FRESH  # what a worker's inner AdamW starts each round from (train.inner)
+    moment_codec: MomentCodec = MomentCodec.INT8  # encoding of pushed and published inner moments
+    moment_clip: float = 8.0  # a pushed v is clipped into [median / this, median x this] of the round's, per coordinate
+    moment_step: float = 4.0  # the published v moves at most this factor per round
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
     replay_cosine: float = 0.9999  # refuse an update whose sketch's cosine with any accepted delta of the block is above
     # (1 = off): a replay, re-encoded or not, is above 0.99999; honest updates reached 0.991 on a 20-word corpus
@@ -122,10 +133,11 @@ class CoordinatorSettings:
         return replace(self, outer=outer, outer_lr=self.eta(outer))
 
     def eta(self, outer: OuterOptimizer) -> float:
-        """The outer lr of ``outer``: ``outer_lr`` if set, else NESTEROV_LR for Nesterov and 1 for an average."""
+        """The outer lr of ``outer``: ``outer_lr`` if set, else NESTEROV_LR for Nesterov, OUTER_ADAM_LR for outer Adam
+        and 1 for an average."""
         if self.outer_lr is not None:
             return self.outer_lr
-        return NESTEROV_LR if outer is OuterOptimizer.NESTEROV else 1.0
+        return {OuterOptimizer.NESTEROV: NESTEROV_LR, OuterOptimizer.ADAM: OUTER_ADAM_LR}.get(outer, 1.0)
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or self.device.startswith("cuda:")):
@@ -146,6 +158,11 @@ class CoordinatorSettings:
             raise ConfigError(f"trim_fraction must be in [0, 0.5), got {self.trim_fraction}")
         if (self.outer_lr is not None and self.outer_lr <= 0) or not 0 <= self.outer_momentum < 1:
             raise ConfigError("outer_lr must be > 0 and outer_momentum in [0, 1)")
+        if not 0 <= self.outer_beta2 < 1 or self.outer_eps <= 0 or (self.outer_cap is not None and self.outer_cap <= 0):
+            raise ConfigError("outer_beta2 must be in [0, 1), outer_eps > 0 and outer_cap > 0 (or None)")
+        if self.moment_clip < 1 or self.moment_step < 1:
+            raise ConfigError(f"moment_clip and moment_step must be >= 1 (factors), got {self.moment_clip}, "
+                              f"{self.moment_step}")
         if self.gate_tolerance is not None and self.gate_tolerance < 0:
             raise ConfigError(f"gate_tolerance must be >= 0, got {self.gate_tolerance}")
         if min(self.gate_floor, self.gate_start, self.gate_z) < 0 or min(self.gate_history, self.gate_min_history,

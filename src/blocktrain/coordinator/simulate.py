@@ -5,14 +5,14 @@ M workers would against a coordinator, without HTTP, storage or processes:
 
 * every replica starts round v from the published W_v and takes H AdamW steps on
   the stream the coordinator hands worker i for (k, v) (:func:`blocktrain.seeds.worker_stream`), with
-  the block's lr schedule over ``rounds x H`` steps; its AdamW state starts afresh
-  each round, or persists across rounds, as ``settings.inner_reset`` says (:mod:`blocktrain.worker.loop`);
-* it pushes Delta_i = W_i - W_v encoded with error feedback
+  the block's lr schedule over ``rounds x H`` steps; its AdamW state starts each round as ``settings.inner_start``
+  says (:mod:`blocktrain.train.inner`: afresh, carried, or from the published shared moments);
+* it pushes Delta_i = W_i - W_v encoded with error feedback, and its moment estimates where they are shared
   (:func:`blocktrain.protocol.delta.pack_delta`), which is parsed and checked by
   the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
   bound, and the loss gate when ``gate_tolerance`` is set);
 * the round closes with :func:`.aggregate.next_version`, the function the
-  coordinator calls, and the replicas apply the decoded published step.
+  coordinator calls, and the replicas apply the decoded published step (and load the published moments).
 
 Bytes are the real payloads' sizes (safetensors, headers included), deflated as the
 worker and the coordinator send them (:mod:`blocktrain.protocol.transport`), and raw. Used by the
@@ -46,11 +46,13 @@ from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
+from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.seeds import init_seed, worker_stream
+from blocktrain.train.inner import RoundAdamW, make_round_optimizer, moment_estimates, start_round
 from blocktrain.train.round import BlockTask, train_round
-from blocktrain.train.step import MuonAdamW, make_optimizer
+from blocktrain.train.step import MuonAdamW, decay_groups, make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +71,18 @@ class LocalRounds:
     steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
     compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
     batch_size: int = 0  # sequences per inner step (0: the run config's)
-    reset_inner: bool | None = None  # fresh inner AdamW moments each round (None: the settings' inner_reset)
+    reset_inner: bool | None = None  # True: fresh inner moments each round, False: carried (None: inner_start)
+    inner_start: InnerStart | None = None  # what each round's inner AdamW starts from (None: reset_inner, else settings')
+    share_every: int = 1  # shared moments are pushed and published every this many rounds (DES-LOC; 1: every round)
     inner: str = "adamw"  # inner optimiser: "adamw", or "muon" (train.step.MuonAdamW; a measured lever)
     early_steps: int = 0  # H schedule: the first early_steps inner steps run at H = early_h (0: H fixed)
     early_h: int = 0  # H of those early rounds
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
-            raise ConfigError("workers and local_steps must be >= 1 and batch_size >= 0")
+        if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0 or self.share_every < 1:
+            raise ConfigError("workers, local_steps and share_every must be >= 1 and batch_size >= 0")
+        if self.reset_inner is not None and self.inner_start is not None:
+            raise ConfigError("set reset_inner or inner_start, not both")
         late = self.steps - self.early_steps
         if late < self.local_steps or late % self.local_steps:
             raise ConfigError(f"steps after the early ones ({late}) must be a positive multiple of local_steps "
@@ -196,6 +202,14 @@ class BlockRun:
         self.replicas = [r.to(self.device) for r in self.replicas]
         self.W = trainable_state(self.replicas[0])
         self.shapes = block_schema(self.replicas[0])
+        if opts.inner_start is not None:
+            self.start = opts.inner_start
+        elif opts.reset_inner is not None:
+            self.start = InnerStart.FRESH if opts.reset_inner else InnerStart.CARRIED
+        else:
+            self.start = settings.inner_start
+        if self.start.shares and opts.inner != "adamw":
+            raise ConfigError(f"inner_start {self.start.value} shares AdamW moments; inner {opts.inner!r} has none")
         self.optimisers = [self._inner(r) for r in self.replicas]
         self.feedback = [ErrorFeedback(opts.compression) for _ in self.replicas]
         self.state = OuterState()
@@ -204,10 +218,14 @@ class BlockRun:
         self.set_frozen(frozen)
         self.precision = resolve_precision(tc.precision, self.device)
         self.version = 0
+        self.published: dict[str, torch.Tensor] | None = None  # the shared moments of the latest version, if new
+        self.names = decay_groups(self.replicas[0], self.tc)[1]  # parameter index -> name, as pushes name them
         self.run = LocalRun(self.replicas[0], self.W)
         self._t0 = time.perf_counter()
 
     def _inner(self, module: nn.Module) -> torch.optim.Optimizer:
+        if self.start.shares:
+            return make_round_optimizer(module, self.tc)[0]
         return MuonAdamW(module, self.tc) if self.opts.inner == "muon" else make_optimizer(module, self.tc)[0]
 
     def set_frozen(self, frozen: Sequence[nn.Module]) -> None:
@@ -223,12 +241,17 @@ class BlockRun:
         budget = h * tc.batch_size  # what the coordinator's work answer assigns
         deltas, samples, pushed = [], [], []
         base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
-        if opts.reset_inner if opts.reset_inner is not None else self.settings.inner_reset:
+        if self.start is InnerStart.FRESH:
             self.optimisers = [self._inner(r) for r in self.replicas]
+        share = self.start.shares if (v + 1) % opts.share_every == 0 else ()  # this round pushes its moments
+        published, self.published = self.published, None  # a new publication is loaded once; else own state goes on
         m = opts.workers if workers is None else workers
+        moments: list[dict[str, torch.Tensor]] = []
         for i, (block, opt) in enumerate(zip(self.replicas[:m], self.optimisers[:m], strict=True)):
             load_trainable(block, W)
             block.train()
+            if isinstance(opt, RoundAdamW):  # a shared start
+                start_round(opt, self.names, self.start, published)
             stream = TrainStream(self.train.data, self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
                                  stream=worker_stream(i + 1, k, v), device=self.device)  # worker ids start at 1, as the store's
             bad = self.hostile if i == opts.workers - 1 else None
@@ -238,11 +261,13 @@ class BlockRun:
             delta = {n: local[n] - W[n] for n in W}
             if bad is not None:
                 delta = bad.delta(delta, stream.generator(0, purpose=3))
+            mine = moment_estimates(opt, self.names, share) if share and isinstance(opt, RoundAdamW) else None
             body = pack_delta(delta, opts.compression, block=k, base_version=v, base_sha=base.weights_sha,
-                              samples=budget, feedback=self.feedback[i])
+                              samples=budget, feedback=self.feedback[i], moments=mine,
+                              moment_codec=self.settings.moment_codec if mine is not None else None)
             run.raw_push_bytes.append(len(body))
             run.push_bytes.append(len(deflate(body)))
-            parsed = parse_update(body, k, self.shapes)  # what the coordinator decodes
+            parsed = parse_update(body, k, self.shapes, share)  # what the coordinator decodes
             try:
                 checked = self.intake.check(parsed, base, budget)
             except ProtocolError as exc:
@@ -253,11 +278,13 @@ class BlockRun:
             pushed.append(len(run.updates) - 1)
             deltas.append(parsed.delta)
             samples.append(parsed.samples)
+            if parsed.moments is not None:
+                moments.append(parsed.moments)
         self.version += 1
         if not deltas:  # every update refused: W stays, and the next round trains from it again
             run.skipped_rounds += 1
             return
-        result = next_version(W, deltas, samples, self.settings, self.state)
+        result = next_version(W, deltas, samples, self.settings, self.state, moments or None)
         for j, at in enumerate(pushed):
             if j not in result.kept:  # dropped by the agreement screen at the round's close
                 run.updates[at] = replace(run.updates[at], outcome="screened")
@@ -271,6 +298,11 @@ class BlockRun:
         if any(not torch.equal(self.W[n], result.weights[n]) for n in W):  # pragma: no cover - would break exactness
             raise AssertionError("the decoded published step does not reproduce the coordinator's weights")
         self.state = result.state
+        if result.moments is not None:  # what the workers download with the next version
+            body = pack(result.moments, {"kind": "moments", "block_index": str(k), "version": str(v + 1)})
+            run.raw_pull_bytes[-1] += len(body)
+            run.pull_bytes[-1] += len(deflate(body))
+            self.published = decode_moments(unpack(body, source="moments")[0], self.settings.moment_codec)
 
     def current(self) -> nn.Module:
         """Replica 0 holding the latest published weights (what a later block copies and reads)."""

@@ -24,6 +24,7 @@ from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
 from blocktrain.protocol.messages import parse_meta
+from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, MomentCodec, parse_moments
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ParsedUpdate:
     group: tuple[GroupMember, ...] = ()  # members whose sample-weighted mean this is (empty: one worker's delta)
     state_sha: str | None = None  # digest of the sender's inner state at the round's start (for an audit)
     precision: str = "fp32"  # the arithmetic the sender trained in (an audit replays in the same)
+    moments: dict[str, torch.Tensor] | None = None  # its inner moment estimates (m/NAME, v/NAME), decoded, if carried
 
 
 def _looks_like_safetensors(body: bytes) -> bool:
@@ -50,8 +52,10 @@ def _looks_like_safetensors(body: bytes) -> bool:
     return head == b"{"
 
 
-def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) -> ParsedUpdate:
-    """Parse and validate ``body`` as a delta for ``block`` with trainable ``shapes``."""
+def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
+                 moments: tuple[str, ...] = ()) -> ParsedUpdate:
+    """Parse and validate ``body`` as a delta for ``block`` with trainable ``shapes``; ``moments``: the inner moment
+    prefixes (``m/``, ``v/``) the push must carry beside the delta (empty: it must carry none)."""
     if not _looks_like_safetensors(body):
         raise ProtocolError(
             415,
@@ -78,6 +82,13 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
             raise ProtocolError(422, f"malformed group upload: {exc}", "group") from None
         if sum(x.samples for x in group) != samples:
             raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", "group")
+    carried = {n: t for n, t in tensors.items() if n.startswith((M_PREFIX, V_PREFIX))}
+    tensors = {n: t for n, t in tensors.items() if n not in carried}
+    if bool(moments) != (m.moments is not None):
+        want = f"its inner moments ({', '.join(moments)}) encoded as 'moments'" if moments else "no inner moments"
+        raise ProtocolError(422, f"this push must carry {want}; the worker must follow the coordinator's inner_start",
+                            "moments")
+    decoded = parse_moments(carried, shapes, moments, MomentCodec(m.moments)) if m.moments is not None else None
     schema = wire_schema(shapes, compression)
     missing = sorted(set(schema) - set(tensors))
     extra = sorted(set(tensors) - set(schema))
@@ -106,5 +117,5 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]]) ->
         raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", "non_finite")
     return ParsedUpdate(
         block=k, base_version=m.base_version, base_sha=m.base_sha, samples=samples, compression=compression, delta=delta, norm=norm,
-        group=group, state_sha=m.state_sha, precision=m.precision,
+        group=group, state_sha=m.state_sha, precision=m.precision, moments=decoded,
     )

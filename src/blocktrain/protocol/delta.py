@@ -30,8 +30,7 @@ import torch
 from blocktrain.checkpoint.safetensors_io import pack
 from blocktrain.protocol.group import GroupMember, encode_group
 from blocktrain.protocol.messages import UpdateMeta
-
-SCALE_SUFFIX = "@scale"  # int8 encoding: per-tensor scale tensor name suffix
+from blocktrain.protocol.moments import SCALE_SUFFIX, MomentCodec, encode_moments  # SCALE_SUFFIX: int8 scales
 
 
 class Compression(enum.Enum):
@@ -127,6 +126,8 @@ def pack_delta(
     group: list[GroupMember] | None = None,
     state_sha: str | None = None,
     precision: str = "fp32",
+    moments: dict[str, torch.Tensor] | None = None,
+    moment_codec: MomentCodec | None = None,
 ) -> bytes:
     """A worker's update as safetensors bytes (with ``feedback``: plus its carried residual, which it updates).
 
@@ -134,14 +135,20 @@ def pack_delta(
     from (the work answer's). ``group``: the delta is the sample-weighted mean of these members' deltas
     (:mod:`.group`), ``samples`` their sum. ``state_sha``: the digest of the sender's inner state at the round's
     start (:mod:`.inner_state`), which it uploads if the coordinator audits the push; ``precision`` the arithmetic it
-    trained in ("fp32" or "bf16"), which the audit replays.
+    trained in ("fp32" or "bf16"), which the audit replays. ``moments``: the inner moment estimates shared with the
+    delta (:mod:`.moments`, names ``m/NAME`` and ``v/NAME``), encoded with ``moment_codec``, in the same payload.
     """
     if group and sum(m.samples for m in group) != samples:
         raise ValueError("a group upload's samples must be the sum of its members'")
     meta = UpdateMeta(block_index=block, base_version=base_version, base_sha=base_sha, samples=samples,
                       compression=compression.value, group=encode_group(group) if group else None,
-                      state_sha=state_sha, precision=precision)
+                      state_sha=state_sha, precision=precision,
+                      moments=moment_codec.value if moments is not None and moment_codec is not None else None)
+    if moments is not None and moment_codec is None:
+        raise ValueError("pushed moments need their moment_codec")
     if feedback is not None and feedback.compression is not compression:
         raise ValueError(f"error feedback for {feedback.compression.value} cannot encode {compression.value}")
     wire = feedback.encode(delta) if feedback is not None else encode_delta(delta, compression)
+    if moments is not None and moment_codec is not None:
+        wire.update(encode_moments(moments, moment_codec))
     return pack(wire, meta.to_meta())

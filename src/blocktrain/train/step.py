@@ -31,22 +31,25 @@ def _decays(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2 and "emb" not in name
 
 
-def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, dict[int, str]]:
-    """AdamW over the trainable parameters, plus the index -> parameter-name map that checkpoints use."""
+def decay_groups(module: nn.Module, cfg: TrainConfig) -> tuple[list[dict], dict[int, str]]:
+    """The trainable parameters as AdamW's two groups (weight decay on matrices, none elsewhere), plus the
+    index -> parameter-name map that checkpoints and pushed moments use."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if _decays(n, p)]
     no_decay = [p for n, p in named if not _decays(n, p)]
-    devices = {p.device.type for _, p in named}
-    fused = bool(named) and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for _, p in named)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-        fused=fused or None,
-    )
     order = [id(p) for p in decay + no_decay]
     by_id = {id(p): n for n, p in named}
-    return opt, {i: by_id[pid] for i, pid in enumerate(order)}
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups, {i: by_id[pid] for i, pid in enumerate(order)}
+
+
+def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.AdamW, dict[int, str]]:
+    """AdamW over the trainable parameters, plus the index -> parameter-name map that checkpoints use."""
+    groups, names = decay_groups(module, cfg)
+    params = [p for g in groups for p in g["params"]]
+    devices = {p.device.type for p in params}
+    fused = bool(params) and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for p in params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None), names
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -1,0 +1,118 @@
+"""The inner optimiser of a round, and what it starts each round from (issue 43: volunteers that share their state).
+
+A worker trains H inner AdamW steps per round from the published weights W_v. What its two moments hold at the
+round's start decides how far those H steps go (``benchmarks/results/averaging-scaling.md``): from m = v = 0 the
+first steps are sign-like (step 1 moves every coordinate by lr whatever its gradient), so at H <= 6 six workers
+move the block about three times as far as one machine at six times the batch, and the outer step amplifies it.
+:class:`InnerStart` names what a round starts from:
+
+* ``fresh``:   m = 0, v = 0, both bias corrections restarted (DiLoCo with a reset inner state);
+* ``carried``: the worker's own m and v from its previous round (DiLoCo's inner optimiser kept);
+* ``shared_v``: v = the coordinator's published mean v_bar of the workers' second moments (a full estimate: no bias
+  correction), m = 0 with its own bias correction restarted, so step 1 is g / sqrt(v_bar), not sign(g);
+* ``shared_mv``: m and v the published means m_bar and v_bar (both full estimates);
+* ``local_m``: v = v_bar, m the worker's own, carried with its bias correction.
+
+:class:`RoundAdamW` is AdamW (Loshchilov & Hutter 2019, Alg. 2; torch's ``AdamW`` numerics) whose two moments keep
+separate bias corrections c1 = 1 - beta1^t1 and c2 = 1 - beta2^t2, stored as such (a loaded full estimate has c = 1):
+
+    m <- beta1 m + (1 - beta1) g ;  c1 <- 1 - beta1 (1 - c1)
+    v <- beta2 v + (1 - beta2) g^2 ;  c2 <- 1 - beta2 (1 - c2)
+    W <- W (1 - lr wd) - lr (m / c1) / (sqrt(v / c2) + eps)
+
+With c1 = c2 = 1 - beta^t it is torch's AdamW step for step (``tests/test_inner.py``). The moments a worker pushes
+are the bias-corrected estimates m / c1 and v / c2 (:func:`moment_estimates`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from blocktrain.config import TrainConfig
+from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
+from blocktrain.train.step import decay_groups
+
+__all__ = ["InnerStart", "RoundAdamW", "make_round_optimizer", "moment_estimates", "start_round"]
+
+
+class RoundAdamW(torch.optim.Optimizer):
+    """AdamW with a bias correction per moment (module docstring); state per parameter: ``exp_avg``,
+    ``exp_avg_sq`` (the parameter's shape and device) and the host floats ``c1``, ``c2``."""
+
+    def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8) -> None:
+        if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid RoundAdamW settings: lr {lr}, betas {betas}, eps {eps}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), c1=0.0, c2=0.0)
+                g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
+                st["c1"] = c1 = 1.0 - beta1 * (1.0 - st["c1"])
+                st["c2"] = c2 = 1.0 - beta2 * (1.0 - st["c2"])
+                p.mul_(1.0 - lr * wd)
+                m.lerp_(g, 1.0 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                denom = (v / c2).sqrt_().add_(eps)
+                p.addcdiv_(m, denom, value=-lr / c1)
+
+
+def make_round_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[RoundAdamW, dict[int, str]]:
+    """:class:`RoundAdamW` over ``module``'s trainable parameters, with :func:`make_optimizer`'s groups, betas and
+    index -> name map."""
+    groups, names = decay_groups(module, cfg)
+    return RoundAdamW(groups, lr=cfg.lr), names
+
+
+def _params(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, torch.Tensor]:
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    return {names[i]: p for i, p in enumerate(ps)}
+
+
+def moment_estimates(opt: RoundAdamW, names: Mapping[int, str], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The bias-corrected moments ``m / c1`` (``m/NAME``) and ``v / c2`` (``v/NAME``) of every parameter that has
+    stepped, as float32 on its device, for the prefixes asked."""
+    out: dict[str, torch.Tensor] = {}
+    for n, p in _params(opt, names).items():
+        st = opt.state.get(p)
+        if not st:
+            continue
+        if M_PREFIX in prefixes:
+            out[M_PREFIX + n] = (st["exp_avg"] / max(st["c1"], 1e-12)).float()
+        if V_PREFIX in prefixes:
+            out[V_PREFIX + n] = (st["exp_avg_sq"] / max(st["c2"], 1e-12)).float()
+    return out
+
+
+def start_round(opt: RoundAdamW, names: Mapping[int, str], start: InnerStart,
+                published: Mapping[str, torch.Tensor] | None) -> None:
+    """Set ``opt``'s state for a round under ``start``.
+
+    ``published``: the moment estimates (``m/NAME``, ``v/NAME``) published with the round's version, loaded as full
+    estimates (c = 1) where ``start`` shares them; None when nothing new was published since the worker's last round
+    (the block's first round, or between the syncs of moments shared every k rounds, DES-LOC), where the worker goes
+    on from its own state. Whatever the start, ``fresh`` zeroes both moments (c = 0) and ``shared_v`` zeroes m."""
+    for n, p in _params(opt, names).items():
+        st = opt.state[p]
+        if not st or start is InnerStart.FRESH:
+            st.clear()
+            st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), c1=0.0, c2=0.0)
+        if start is InnerStart.SHARED_V:
+            st["exp_avg"].zero_()
+            st["c1"] = 0.0
+        for prefix, moment, corr in ((M_PREFIX, "exp_avg", "c1"), (V_PREFIX, "exp_avg_sq", "c2")):
+            if published is not None and prefix in start.shares and prefix + n in published:
+                st[moment] = published[prefix + n].to(device=p.device, dtype=torch.float32, copy=True)
+                st[corr] = 1.0

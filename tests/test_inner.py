@@ -1,0 +1,195 @@
+"""Shared inner moments (issue 43): the round optimiser, the moments' wire encoding, their bounded aggregate, the
+outer steps, and the in-process rounds that carry them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from blocktrain.config import TrainConfig
+from blocktrain.coordinator.aggregate import OuterState, next_version, outer_step, shared_moments
+from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
+from blocktrain.coordinator.validate import parse_update
+from blocktrain.data.dataset import DataDir
+from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.presets import get_preset
+from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.moments import (
+    LOG_WINDOW,
+    InnerStart,
+    MomentCodec,
+    decode_moments,
+    encode_moments,
+    max_error,
+    parse_moments,
+)
+from blocktrain.train.inner import make_round_optimizer, moment_estimates, start_round
+from blocktrain.train.step import make_optimizer
+from tests.distributed_utils import corpus  # noqa: F401
+
+SHA = "0" * 64
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _steps(module: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int = 1, lr: float = 3e-3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(8, 6, generator=g)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        module(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_the_round_optimiser_from_zero_is_torch_adamw_step_for_step() -> None:
+    """With both bias corrections restarted (c = 0), RoundAdamW is torch's AdamW (same groups, betas and decay)
+    to float32 rounding (1e-6) over 20 steps."""
+    cfg = TrainConfig(weight_decay=0.1)
+    a, b = _net(), _net()
+    ref, _ = make_optimizer(a, cfg)
+    mine, _ = make_round_optimizer(b, cfg)
+    _steps(a, ref, 20)
+    _steps(b, mine, 20)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0), (p - q).abs().max()
+
+
+def test_a_shared_start_loads_full_estimates_and_restarts_m() -> None:
+    """shared_v: v = the published estimate with c2 = 1, m = 0 with c1 = 0; its first step is g / sqrt(v), not
+    sign(g). Without a new publication the worker goes on from its own v."""
+    cfg = TrainConfig(weight_decay=0.0)
+    net = _net()
+    opt, names = make_round_optimizer(net, cfg)
+    _steps(net, opt, 3)
+    own_v = moment_estimates(opt, names, ("v/",))
+    published = {n: torch.full_like(t, 4.0) for n, t in own_v.items()}
+    start_round(opt, names, InnerStart.SHARED_V, published)
+    for p in net.parameters():
+        st = opt.state[p]
+        assert st["c1"] == 0.0 and st["c2"] == 1.0 and not st["exp_avg"].any() and torch.all(st["exp_avg_sq"] == 4.0)
+    before = [p.detach().clone() for p in net.parameters()]
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(3))
+    for group in opt.param_groups:
+        group["lr"] = 1e-2
+    net(x).pow(2).mean().backward()
+    grads = [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
+    opt.step()
+    for p, p0, g in zip(net.parameters(), before, grads, strict=True):
+        v = 0.95 * 4.0 + 0.05 * g * g  # one step of v from the loaded estimate, no bias correction
+        assert torch.allclose(p0 - p, 1e-2 * g / (v.sqrt() + 1e-8), atol=1e-7)
+    start_round(opt, names, InnerStart.SHARED_V, None)  # nothing new: its own v goes on, m restarts
+    assert all(opt.state[p]["c2"] == 1.0 and not opt.state[p]["exp_avg"].any() for p in net.parameters())
+    start_round(opt, names, InnerStart.FRESH, published)  # fresh ignores what is published
+    assert all(opt.state[p]["c2"] == 0.0 and not opt.state[p]["exp_avg_sq"].any() for p in net.parameters())
+
+
+@pytest.mark.parametrize("codec", list(MomentCodec))
+def test_moments_survive_their_encoding_within_its_stated_error(codec: MomentCodec) -> None:
+    g = torch.Generator().manual_seed(0)
+    v = torch.exp(torch.empty(40, 7).uniform_(-20, -2, generator=g))  # eight decades of second moments
+    m = torch.randn(40, 7, generator=g) * 1e-3
+    back = decode_moments(encode_moments({"v/w": v, "m/w": m}, codec), codec)
+    assert float(((back["v/w"] - v).abs() / v).max()) <= max_error(codec) + 1e-6
+    assert float((back["m/w"] - m).abs().max()) <= float(m.abs().max()) / 127 * 0.51 + 1e-9
+    if codec is MomentCodec.INT8:
+        assert max_error(codec) < 0.05
+        tiny = v.clone()
+        tiny[0, 0] = 0.0  # below the window: raised to its low end, e^-LOG_WINDOW of the largest
+        low = decode_moments(encode_moments({"v/w": tiny}, codec), codec)["v/w"][0, 0]
+        assert math.isclose(float(low), float(v.max()) * math.exp(-LOG_WINDOW), rel_tol=0.05)
+
+
+def test_a_strangers_moments_are_checked_before_they_count() -> None:
+    shapes = {"w": (3, 2)}
+    good = encode_moments({"v/w": torch.ones(3, 2)}, MomentCodec.INT8)
+    assert set(parse_moments(good, shapes, ("v/",), MomentCodec.INT8)) == {"v/w"}
+    with pytest.raises(ProtocolError, match="exactly"):
+        parse_moments({}, shapes, ("v/",), MomentCodec.INT8)
+    with pytest.raises(ProtocolError, match="non-finite"):
+        parse_moments({"v/w": torch.full((3, 2), float("inf"))}, shapes, ("v/",), MomentCodec.NONE)
+    with pytest.raises(ProtocolError, match=">= 0"):
+        parse_moments({"v/w": -torch.ones(3, 2)}, shapes, ("v/",), MomentCodec.NONE)
+    with pytest.raises(ProtocolError, match="lo is above"):
+        parse_moments({**good, "v/w@lo": torch.tensor(5.0), "v/w@hi": torch.tensor(1.0)}, shapes, ("v/",),
+                      MomentCodec.INT8)
+    # a push must carry exactly what the coordinator shares
+    body = pack_delta({"w": torch.ones(3, 2)}, Compression.INT8, block=0, base_version=0, base_sha=SHA, samples=4)
+    with pytest.raises(ProtocolError, match="inner moments"):
+        parse_update(body, 0, shapes, ("v/",))
+    body = pack_delta({"w": torch.ones(3, 2)}, Compression.INT8, block=0, base_version=0, base_sha=SHA, samples=4,
+                      moments={"v/w": torch.ones(3, 2)}, moment_codec=MomentCodec.INT8)
+    assert parse_update(body, 0, shapes, ("v/",)).moments is not None
+    with pytest.raises(ProtocolError, match="no inner moments"):
+        parse_update(body, 0, shapes)
+
+
+@pytest.mark.parametrize("aggregation", [Aggregation.MEAN, Aggregation.MEDIAN])
+def test_a_hostile_v_can_move_the_shared_v_by_a_bounded_factor_only(aggregation: Aggregation) -> None:
+    """Three honest v of about 1 and a hostile 1e30 or 0: the published v stays within moment_clip of the honest
+    median in the first round, and within moment_step per round of the previous one."""
+    s = CoordinatorSettings(aggregation=aggregation)
+    honest = [{"v/w": torch.full((4,), x)} for x in (0.9, 1.0, 1.1)]
+    for bad in (1e30, 0.0):
+        out = shared_moments([*honest, {"v/w": torch.full((4,), bad)}], [1, 1, 1, 1], s, None)["v/w"]
+        assert bool((out > 1.0 / s.moment_clip).all() and (out < s.moment_clip).all()), out
+        held = shared_moments([{"v/w": torch.full((4,), bad)}] * 2, [1, 1], s, {"v/w": torch.ones(4)})["v/w"]
+        assert bool((held >= 1.0 / s.moment_step).all() and (held <= s.moment_step).all()), held
+    m = shared_moments([{"m/w": torch.full((2,), 5.0), "v/w": torch.full((2,), 4.0)}], [1], s, None)
+    assert torch.equal(m["m/w"], torch.full((2,), 2.0))  # |m| <= sqrt(v)
+
+
+def test_outer_adam_and_the_capped_step() -> None:
+    d = {"w": torch.tensor([1e-3, -4e-3])}
+    s = CoordinatorSettings(outer=OuterOptimizer.ADAM, outer_lr=1e-2, outer_momentum=0.9, outer_beta2=0.99,
+                            outer_eps=1e-8)
+    step, m, u = outer_step(d, s, None, None)
+    assert m is not None and u is not None
+    assert torch.allclose(step["w"], 1e-2 * (0.1 * d["w"]) / ((0.01 * d["w"] ** 2).sqrt() + 1e-8))
+    capped = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.85, outer_momentum=0.9, outer_cap=1.0)
+    step, _, _ = outer_step(d, capped, {"w": -d["w"] * 5}, None)
+    assert math.isclose(float(step["w"].norm()), float(d["w"].norm()), rel_tol=1e-5)
+    with pytest.raises(ConfigError):
+        CoordinatorSettings(outer_cap=0.0)
+    state = OuterState(momentum=m, second=u, shared={"v/w": torch.ones(2)}, residual={"w": torch.zeros(2)})
+    back = OuterState.from_tensors(state.tensors())
+    assert back.second is not None and torch.equal(back.second["w"], u["w"])
+    assert back.shared is not None and torch.equal(back.shared["v/w"], torch.ones(2))
+
+
+def test_next_version_publishes_the_decoded_moments_it_keeps() -> None:
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0)
+    W = {"w": torch.zeros(3)}
+    deltas = [{"w": torch.full((3,), x)} for x in (0.1, 0.2, 0.3)]
+    moments = [{"v/w": torch.full((3,), x)} for x in (1.0, 2.0, 3.0)]
+    r = next_version(W, deltas, [1, 1, 1], s, OuterState(), moments)
+    assert r.moments is not None and r.state.shared is not None
+    assert torch.equal(decode_moments(r.moments, s.moment_codec)["v/w"], r.state.shared["v/w"])
+    assert torch.allclose(r.state.shared["v/w"], torch.full((3,), 2.0), rtol=max_error(s.moment_codec))
+    assert next_version(W, deltas, [1, 1, 1], s, r.state).state.shared is r.state.shared  # kept without new pushes
+
+
+@pytest.mark.parametrize("start", [InnerStart.SHARED_V, InnerStart.SHARED_MV, InnerStart.LOCAL_M])
+def test_the_in_process_rounds_share_moments_and_count_their_bytes(start: InnerStart, corpus: DataDir) -> None:  # noqa: F811
+    """Three replicas of tiny's block 0 push their moments with their deltas (every push accepted), the pushes grow
+    by the moments' bytes, and moments shared every 2 rounds are pushed only in every second round."""
+    cfg = get_preset("tiny")
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, gate=False)
+    fresh = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=InnerStart.FRESH), corpus)
+    shared = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=start), corpus)
+    assert all(u.outcome == "accepted" for u in shared.updates)
+    n = len(start.shares)
+    assert shared.raw_push_bytes[0] > fresh.raw_push_bytes[0] * (1 + 0.8 * n)  # int8 moments: as large as the delta
+    assert not all(torch.equal(shared.weights[k], fresh.weights[k]) for k in fresh.weights)
+    every2 = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=start, share_every=2),
+                              corpus)
+    sizes = every2.raw_push_bytes
+    assert sizes[0] < sizes[3] and sizes[0] == sizes[6]  # round 1 (replicas 3..5) pushes moments, rounds 0 and 2 not
