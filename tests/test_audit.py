@@ -17,7 +17,6 @@ import torch
 from fastapi.testclient import TestClient
 
 from blocktrain.config import Objective
-from blocktrain.coordinator import observe
 from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
@@ -202,7 +201,7 @@ def test_a_refused_worker_waits_for_the_next_version_instead_of_pushing_the_roun
         for t in threads:
             t.join(timeout=180)
         assert not any(t.is_alive() for t in threads)
-        status = observe.status(c)
+        status = c.status().model_dump(mode="json")
         reasons = [r["close_reason"] for r in c.store.q("SELECT close_reason FROM rounds WHERE block=0 ORDER BY version")]
     c.close()
     assert status["rejections"] == {"claim": 1} and not status["quarantined"], status

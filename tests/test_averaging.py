@@ -169,15 +169,13 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     with pytest.raises(ProtocolError) as exc:
         c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))
     assert exc.value.reason == "norm"
-    from blocktrain.coordinator.observe import status
-
-    assert status(c)["rejections"] == {"norm": 1}
+    assert c.status().rejections == {"norm": 1}
     third = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()}
     body = pack_delta(third, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4)
     c.submit("c", 0, body)  # the quorum closes the round
-    st = status(c)
+    st = c.status().model_dump(mode="json")
     assert st["blocks"][0]["outer"] == {"method": "average", "lr": 1.0, "momentum": None, "step_encoding": "int8",
-                                        "aggregation": "median"}  # the defaults of a diffusion run (tiny)
+                                        "aggregation": "median", "inner_start": "fresh"}  # a diffusion run's (tiny)
     rnd = next(r for r in st["rounds"] if r["block"] == 0 and r["version"] == 0)
     assert rnd["updates"] == 3 and rnd["rejected"] == {"norm": 1}
     assert rnd["push_bytes"] == 3 * len(body)  # three int8 bodies of the same schema

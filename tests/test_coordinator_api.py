@@ -389,3 +389,28 @@ def test_small_routes_cap_their_bodies_before_auth(api: Api) -> None:
     assert r.status_code == 413 and r.json()["error"] == "too_large"
     r = api.client.post("/v1/heartbeat", content=big, headers={**api.h("w0"), "content-type": "application/json"})
     assert r.status_code == 413
+
+
+def test_the_openapi_schema_lists_every_response_model(tmp_path: Path) -> None:
+    """Every JSON route declares its model: its success response refers to a schema component, and every refusal
+    (4XX) to the error body's."""
+    c = make_coordinator(tmp_path / "run", None)
+    try:
+        schema = create_app(c, background=False).openapi()
+    finally:
+        c.close()
+    components = set(schema["components"]["schemas"])
+    assert {"Registration", "WorkAnswer", "Heartbeat", "Left", "PushAnswer", "AuditAnswer", "Status", "ErrorBody",
+            "BlockStatus", "WorkerStatus", "RoundStatus", "EvalStatus"} <= components
+    binary = {"/v1/blocks/{k}/weights", "/v1/blocks/{k}/steps/{v}", "/v1/blocks/{k}/frozen"}
+    for path, ops in schema["paths"].items():
+        for method, op in ops.items():
+            if path in ("/", "/metrics"):  # the dashboard's HTML and Prometheus text: open, never refused
+                continue
+            codes = op["responses"]
+            assert codes["4XX"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorBody"), (path, method)
+            if path in binary:
+                continue
+            ok = next(v for code, v in codes.items() if code.startswith("2"))
+            ref = ok["content"]["application/json"]["schema"]["$ref"]
+            assert ref.rsplit("/", 1)[-1] in components, (path, method, ref)

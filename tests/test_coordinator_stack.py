@@ -25,7 +25,7 @@ from blocktrain.config import Objective, Precision, Schedule
 from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.service import Coordinator
-from blocktrain.coordinator.settings import BlockState, CoordinatorSettings
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream, mix_seed
 from blocktrain.diffusion.loss import block_loss
@@ -34,6 +34,7 @@ from blocktrain.errors import CheckpointError, ConfigError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
+from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
@@ -126,11 +127,11 @@ def test_block_one_opens_after_block_zero_finishes_and_restart_keeps_states(tmp_
     run = tmp_path / "run"
     c = stack_coordinator(run, clock=FakeClock(), rounds=2)
     c.add_token("mover")
-    assert c.register("mover", None)["block"] == 0
+    assert c.register("mover", None).block == 0
     c.leave("mover")  # not a live replica of block 0, so one update closes each of its rounds
     finish_block(c, 0, "seed")
     assert c.state == {0: BlockState.FINISHED, 1: BlockState.OPEN, 2: BlockState.WAITING, 3: BlockState.WAITING}
-    work = c.work("mover")  # unpinned: moved from the finished block to the open one
+    work = c.work("mover").model_dump(mode="json")  # unpinned: moved from the finished block to the open one
     assert work["block"] == 1 and work["block_state"] == "open" and work["round_state"] == "open"
     assert work["frozen"] == [{"block": 0, "version": 2, "weights_sha": c.weights_sha[0]}]
     v, sha, payload = c.frozen_bytes(0)
@@ -145,7 +146,7 @@ def test_block_one_opens_after_block_zero_finishes_and_restart_keeps_states(tmp_
     rows = c2.store.q("SELECT block, state FROM block_states ORDER BY block")
     assert [(r["block"], r["state"]) for r in rows] == [(0, "finished"), (1, "open"), (2, "waiting"), (3, "waiting")]
     assert c2.frozen_bytes(0)[:2] == (2, sha)
-    assert c2.work("mover")["block"] == 1
+    assert c2.work("mover").block == 1
     c2.close()
 
 
@@ -164,8 +165,8 @@ def test_h_per_block_gives_every_block_all_its_steps_in_at_least_the_rounds(tmp_
     for k in range(4):
         c.add_token(f"w{k}")
         reg = c.register(f"w{k}", k)
-        assert (reg["rounds"], reg["local_steps"]) == (rounds[k], want[k])
-        assert c.work(f"w{k}")["steps"] == want[k]
+        assert (reg.rounds, reg.local_steps) == (rounds[k], want[k])
+        assert c.work(f"w{k}").steps == want[k]
         c.leave(f"w{k}")
         assert c.block_rounds(k) == rounds[k] and objective.block_steps(k) - rounds[k] * want[k] < want[k]
     token = c.add_token("greedy")
@@ -214,15 +215,15 @@ def test_a_worker_whose_diffusion_block_finishes_moves_to_one_still_open(tmp_pat
     and only once every block has finished is it told so (the README's one-worker run then ends)."""
     c = Coordinator(tmp_path / "run", get_preset("tiny"), CoordinatorSettings(rounds=1, fsync=False, eval_every=0))
     c.add_token("w")
-    assert c.register("w", None)["block"] == 0
+    assert c.register("w", None).block == 0
     c.leave("w")
     for k in range(c.n_blocks):
         finish_block(c, k, f"seed{k}")
-        work = c.work("w")
+        work = c.work("w").model_dump(mode="json")
         c.leave("w")  # not a live replica of its new block: the seed worker's updates close its rounds
         if k < c.n_blocks - 1:
             assert (work["block"], work["block_state"], work["finished"]) == (k + 1, "open", False), k
-    assert work["finished"] and c.finished
+    assert work["finished"] and c.finished()
     c.close()
 
 

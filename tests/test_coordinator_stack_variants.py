@@ -13,7 +13,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import unpack
 from blocktrain.config import Objective, Precision, StackConfig, StackHead, StackInit
 from blocktrain.coordinator.service import Coordinator
-from blocktrain.coordinator.settings import BlockState, CoordinatorSettings
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.evaluate.assembled import AssembledModel
@@ -21,6 +21,7 @@ from blocktrain.model.stack import StackBlock
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import whole_blocks
 from blocktrain.presets import get_preset
+from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step

@@ -84,8 +84,9 @@ def _register(c: object, names: list[str], keys: list[RSAPrivateKey]) -> list[by
     for name, key in zip(names, keys, strict=True):
         c.add_token(name)  # type: ignore[attr-defined]
         reg = c.register(name, 0, None, key.get_public_key().to_bytes().decode())  # type: ignore[attr-defined]
-        assert set(reg["p2p"]) == {"token", "run", "initial_peers", "authority"} and reg["p2p"]["initial_peers"]
-        out.append(base64.b64decode(reg["p2p"]["token"]))
+        assert reg.p2p is not None and set(reg.p2p) == {"token", "run", "initial_peers", "authority"}
+        assert reg.p2p["initial_peers"]
+        out.append(base64.b64decode(reg.p2p["token"]))
     return out
 
 
@@ -120,8 +121,8 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         with pytest.raises(ProtocolError, match="not a member"):  # w3 uploads the mean of w1 and w2
             c.submit("w3", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))
         # an honest group of two (a zero delta passes the gate at tolerance 0), then w3 alone: the round closes
-        assert c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))["accepted"]
-        assert c.work("w2")["submitted"] and c.store.updates.groups(0, 0) == {"w1": ["w1", "w2"]}
+        assert c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0)).accepted
+        assert c.work("w2").submitted and c.store.updates.groups(0, 0) == {"w1": ["w1", "w2"]}
         with pytest.raises(ProtocolError, match="already counts"):
             c.submit("w2", 0, pack_delta({n: torch.zeros(s) for n, s in c.block_shapes[0].items()}, Compression.NONE,
                                          block=0, base_version=0, base_sha=c.weights_sha[0], samples=8))
@@ -138,9 +139,7 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             c.register("w2", 0)
         with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts
             c.submit("w3", 0, _group_body(c, names[1:], KEYS[1:3], ["PB", "PC"], 0.0, v=1))
-        from blocktrain.coordinator.observe import status
-
-        s = status(c)
+        s = c.status().model_dump(mode="json")
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
     finally:
         c.close()

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from blocktrain.checkpoint.safetensors_io import RESERVED, unpack
 from blocktrain.coordinator.app import create_app
-from blocktrain.coordinator.intake import MAD_TO_SIGMA, Intake
+from blocktrain.coordinator.intake import MAD_TO_SIGMA, Checked, Intake, Published, replay_cosine
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import ProtocolError
@@ -142,12 +142,12 @@ def test_repeated_refusals_quarantine_the_worker_and_drop_its_pending_update(tmp
         honest, bad = peers(c, client, 2)
         base = direction(c, 0)
         assert bad.push(near(base, 5)) == (202, "")  # accepted, waiting for its round
-        assert c.store.rounds.round(0, 0)["n_updates"] == 1
+        assert c.store.rounds.round(0, 0).n_updates == 1
         for _ in range(3):
             assert bad.push(near(base, 6), samples=1 << 30) in {(422, "claim"), (409, "duplicate")}
         # three claims: quarantined, its token revoked, its pending update dropped from the round
         assert c.store.conduct.quarantined("w1")
-        assert c.store.rounds.round(0, 0)["n_updates"] == 0
+        assert c.store.rounds.round(0, 0).n_updates == 0
         r = client.get("/v1/work", headers=bad.headers)
         assert r.status_code == 403 and r.json()["error"] == "quarantined"
         assert honest.push(near(base, 7)) == (202, "")
@@ -194,38 +194,80 @@ def test_the_gate_tolerance_is_calibrated_from_accepted_rises() -> None:
     intake = Intake(s, {0: {"w": (2,)}}, None)
     assert intake.tolerance(0) == s.gate_start == 0.1  # too few rises known: the loose start
     rises = [-0.2, -0.1, 0.05, -0.15, -0.12, 0.3]
-    intake.rises[0].extend(rises)
+    for r in rises:  # accepted updates' loss rises, as the gate measured them
+        intake.remember(0, Checked(1.0, torch.zeros(s.sketch_dim), (1.0, 1.0 + r)))
     med = statistics.median(rises)
     want = med + 6.0 * MAD_TO_SIGMA * statistics.median(abs(r - med) for r in rises)
     assert intake.tolerance(0) == pytest.approx(max(0.01, want))
     assert Intake(CoordinatorSettings(gate_tolerance=0.5), {0: {"w": (2,)}}, None).tolerance(0) == 0.5
 
 
-def test_a_near_duplicate_checked_while_its_original_is_accepted_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The race of the unlocked replay check: it stacks the accepted sketches while another thread accepts an
-    update (appending its sketch). The stack it then caches lacks that sketch; the locked re-check of a copy of the
-    accepted update must still refuse it."""
-    import blocktrain.coordinator.intake as intake_module
-
+def test_a_near_duplicate_checked_on_a_snapshot_taken_before_its_original_was_accepted_is_refused() -> None:
+    """The checks of an update run unlocked on a snapshot of its block's history (:class:`IntakeView`). A copy of an
+    update, checked on a snapshot taken before that update was accepted, passes the snapshot's replay check; the
+    check under the lock that accepts it, against every sketch accepted by then, refuses it. Later appends never
+    change a snapshot taken before them."""
     intake = Intake(CoordinatorSettings(), {0: {"w": (64,)}}, None)
     g = torch.Generator().manual_seed(0)
-    sketches = [intake.sketch(0, {"w": torch.randn(64, generator=g)}) for _ in range(4)]
-    for sk in sketches[:2]:
+    sketches = [intake.sketch(0, {"w": torch.randn(64, generator=g)}) for _ in range(20)]
+    for sk in sketches[:15]:
         intake.remember_sketch(0, sk)
-    original = sketches[2]
-    stack, raced = torch.stack, []
-
-    def stack_while_an_accept_lands(ts: list[torch.Tensor]) -> torch.Tensor:
-        out = stack(ts)
-        if not raced:  # the other thread's accept of `original`, between the unlocked read and its cache write
-            raced.append(True)
-            intake.remember_sketch(0, original)
-        return out
-
-    monkeypatch.setattr(intake_module.torch, "stack", stack_while_an_accept_lands)
-    intake.check_replay(0, sketches[3])  # an unrelated update, checked unlocked
-    monkeypatch.setattr(intake_module.torch, "stack", stack)
-    assert raced
-    with pytest.raises(ProtocolError) as info:  # the near-duplicate's check, under the lock
+    base = Published(0, 0, "0" * 64, {"w": torch.zeros(64)})
+    view = intake.view(base)  # taken under the lock, before the original is accepted
+    assert view.sketches is not None and view.sketches.shape[0] == 15
+    original = sketches[15]
+    intake.remember_sketch(0, original)  # another thread accepts the original
+    for sk in sketches[16:]:
+        intake.remember_sketch(0, sk)  # the buffer grows past its capacity: the snapshot must not change
+    assert view.sketches.shape[0] == 15 and torch.equal(view.sketches, torch.stack(sketches[:15]))
+    assert replay_cosine(0, original.clone(), view.sketches, intake.settings) < 0.9  # the stale snapshot lets it pass
+    with pytest.raises(ProtocolError) as info:  # the near-duplicate's check under the lock that would accept it
         intake.check_replay(0, original.clone())  # a copy (a scaled copy has the same unit sketch)
     assert info.value.status == 422 and info.value.reason == "replay"
+
+def test_a_near_duplicate_sent_while_its_original_is_being_accepted_is_refused(tmp_path: Path) -> None:
+    """Two tokens, two threads, one coordinator: b sends a scaled copy of a's update; b's checks run (unlocked, on
+    their snapshot) while a's update is accepted. The check under the lock that would accept b's copy refuses it,
+    and the round holds one update."""
+    import threading
+
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=30, lease_seconds=60,
+                         min_updates=3, gate=False, audit_fraction=0.0)
+    try:
+        for name in ("a", "b", "c"):
+            c.add_token(name)
+            c.register(name, 0)
+        original = direction(c, 1)
+        copy = {n: 1.0001 * t for n, t in original.items()}
+        sha = c.weights_sha[0]
+        bodies = {n: pack_delta(d, Compression.INT8, block=0, base_version=0, base_sha=sha, samples=4)
+                  for n, d in (("a", original), ("b", copy))}
+        checking, accepted = threading.Event(), threading.Event()
+        check = c.intake.check
+
+        def check_then_wait(*args: object, **kwargs: object) -> object:
+            out = check(*args, **kwargs)  # type: ignore[arg-type]
+            if threading.current_thread().name == "b":  # b's checks passed on a snapshot without a's update
+                checking.set()
+                assert accepted.wait(30)
+            return out
+
+        c.intake.check = check_then_wait  # type: ignore[method-assign]
+        outcome: dict[str, object] = {}
+
+        def push_b() -> None:
+            try:
+                outcome["b"] = c.submit("b", 0, bodies["b"])
+            except ProtocolError as exc:
+                outcome["b"] = exc
+
+        t = threading.Thread(target=push_b, name="b")
+        t.start()
+        assert checking.wait(30)
+        assert c.submit("a", 0, bodies["a"]).accepted  # a's update is accepted while b's copy waits after its checks
+        accepted.set()
+        t.join(30)
+        assert isinstance(outcome["b"], ProtocolError) and outcome["b"].reason == "replay", outcome
+        assert [r["worker"] for r in c.store.q("SELECT worker FROM updates")] == ["a"]
+    finally:
+        c.close()

@@ -3,9 +3,10 @@
 - No module outside ``cli/`` imports ``argparse``: the library takes option objects, never argparse namespaces.
 - Model, objective and diffusion code never imports network code (serve, coordinator, worker, protocol).
 - ``model/`` imports nothing from ``diffusion/`` (the layer above it).
-- No import circles among the modules that once had them: ``data/dataset`` and ``data/download``,
-  ``serve/client/pipeline`` and ``serve/client/decoding`` (imports under ``if TYPE_CHECKING:`` do not run, so do
-  not count).
+- No import circle anywhere in the package, imports under ``if TYPE_CHECKING:`` counted: a module that names
+  another's types knows it.
+- The coordinator's parts take no lock and write no other part's attributes: only its front (``service.py``) owns
+  the lock; no ``sqlite3.Row`` leaves ``coordinator/tables.py``.
 - ``serve/``'s subpackages import only downward: wire <- runtime <- stage, wire <- client <- gateway.
 """
 
@@ -23,10 +24,16 @@ NETWORK = ("blocktrain.serve", "blocktrain.coordinator", "blocktrain.worker", "b
 
 def runtime_imports(path: Path) -> set[str]:
     """Modules ``path`` imports when it runs (anywhere in the file, functions included; not under TYPE_CHECKING)."""
+    return imports(path, type_checking=False)
+
+
+def imports(path: Path, *, type_checking: bool) -> set[str]:
+    """Modules ``path`` imports (anywhere in the file, functions included), those under ``if TYPE_CHECKING:`` too
+    where ``type_checking``: a module that names another's types knows it, whether or not the import runs."""
     tree = ast.parse(path.read_text())
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for child in node.body for n in ast.walk(child))
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -113,10 +120,10 @@ def test_objective_kinds_are_named_only_in_the_objective_seam() -> None:
 
 
 def test_no_import_circle_anywhere_in_the_package() -> None:
-    """The whole graph of runtime imports between blocktrain's modules has no cycle (Tarjan's strongly connected
-    components; a package's ``__init__`` counts as the package)."""
+    """The whole graph of imports between blocktrain's modules, those under ``if TYPE_CHECKING:`` included, has no
+    cycle (Tarjan's strongly connected components; a package's ``__init__`` counts as the package)."""
     files = {name_of(p).removesuffix(".__init__"): p for p in modules()}
-    graph = {n: sorted(m for m in runtime_imports(p) if m in files and m != n) for n, p in files.items()}
+    graph = {n: sorted(m for m in imports(p, type_checking=True) if m in files and m != n) for n, p in files.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -150,3 +157,65 @@ def test_the_library_never_calls_the_command_line() -> None:
     assert offenders == []
     spawners = [name_of(p) for p in modules() if re.search(r'"-m",\s*"blocktrain",\s*"train', p.read_text())]
     assert spawners == []  # no training started as `python -m blocktrain train...` (train.child.train_arm instead)
+
+
+COORDINATOR_FRONT = {"service.py", "app.py"}  # the lock's owner, and the HTTP layer over it
+MUTATORS = {"append", "appendleft", "extend", "add", "update", "setdefault", "pop", "popleft", "clear", "discard",
+            "remove", "insert"}
+
+
+def test_no_coordinator_part_takes_a_lock_or_writes_another_parts_state() -> None:
+    """Only the front takes the shared lock (no part creates, takes or is handed one); a part changes another part's
+    state only through that part's methods: no ``self.<part>.<attr> = ...`` and no ``self.<part>.<attr>.append(...)``."""
+    offenders: dict[str, list[str]] = {}
+    for path in modules("coordinator"):
+        if path.name in COORDINATOR_FRONT:
+            continue
+        tree = ast.parse(path.read_text())
+        found = []
+        for node in ast.walk(tree):
+            text = ast.unparse(node) if isinstance(node, ast.expr | ast.stmt) else ""
+            if isinstance(node, ast.Call) and re.search(r"\b(R?Lock|Semaphore|Condition)\(", ast.unparse(node.func) + "("):
+                found.append(f"line {node.lineno}: creates {ast.unparse(node.func)}")
+            if isinstance(node, ast.With) and "lock" in text.split(":")[0].lower():
+                found.append(f"line {node.lineno}: takes a lock")
+            if isinstance(node, ast.arg) and node.arg == "lock":
+                found.append(f"line {node.lineno}: is handed a lock")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+            for t in targets:
+                while isinstance(t, ast.Subscript):
+                    t = t.value
+                if isinstance(t, ast.Attribute) and _through_another_part(t.value):
+                    found.append(f"line {node.lineno}: assigns {ast.unparse(t)}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
+                    and isinstance(node.func.value, ast.Attribute) and _through_another_part(node.func.value.value)):
+                found.append(f"line {node.lineno}: mutates {ast.unparse(node.func.value)}")
+        if found:
+            offenders[name_of(path)] = found
+    assert offenders == {}
+
+
+def _through_another_part(node: ast.expr) -> bool:
+    """``self.<x>``: an attribute of another object this part holds (its own state is ``self.<x>`` itself)."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def test_no_sqlite_row_leaves_the_tables() -> None:
+    """Table accessors return frozen row types; only ``coordinator/db.py`` and ``coordinator/tables.py`` see
+    ``sqlite3.Row``, and no public method of ``tables.py`` returns one."""
+    named = [name_of(p) for p in modules() if "sqlite3.Row" in p.read_text() and p.name not in ("db.py", "tables.py")]
+    assert named == []
+    tree = ast.parse((SRC / "coordinator" / "tables.py").read_text())
+    leaking = [f"{cls.name}.{fn.name}" for cls in tree.body if isinstance(cls, ast.ClassDef) for fn in cls.body
+               if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_") and fn.returns is not None
+               and "sqlite3.Row" in ast.unparse(fn.returns) and fn.name != "of"]
+    assert leaking == []
+
+
+def test_no_coordinator_route_returns_a_bare_dict() -> None:
+    """Every JSON route of the coordinator returns a model (``response_model``), not ``dict[str, Any]``."""
+    tree = ast.parse((SRC / "coordinator" / "app.py").read_text())
+    routes = [fn for fn in ast.walk(tree) if isinstance(fn, ast.AsyncFunctionDef)
+              and any("app." in ast.unparse(d) for d in fn.decorator_list)]
+    assert routes and [fn.name for fn in routes if fn.returns is not None and "dict" in ast.unparse(fn.returns)] == []
+

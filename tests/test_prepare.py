@@ -193,10 +193,8 @@ def test_coordinator_refuses_every_worker_with_another_dataset(tmp_path: Path) -
             c.submit("stranger", 0, pack_delta({n: __import__("torch").zeros(s) for n, s in c.shapes.items()},
                                                Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
         assert c.store.meta.counters().get("updates_accepted", 0) == 0
-        assert c.register("friend", 0, fp)["block"] == 0
-        from blocktrain.coordinator.observe import status
-
-        assert status(c)["dataset"] == fp
+        assert c.register("friend", 0, fp).block == 0
+        assert c.status().dataset == fp
     finally:
         c.close()
 

@@ -37,10 +37,21 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from blocktrain.coordinator.dashboard import DASHBOARD_HTML
-from blocktrain.coordinator.observe import prometheus, status
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.messages import PROTOCOL_VERSION, RegisterRequest
+from blocktrain.protocol.codes import Reason
+from blocktrain.protocol.messages import (
+    PROTOCOL_VERSION,
+    AuditAnswer,
+    ErrorBody,
+    Heartbeat,
+    Left,
+    PushAnswer,
+    RegisterRequest,
+    Registration,
+    WorkAnswer,
+)
+from blocktrain.protocol.status import Status
 from blocktrain.protocol.transport import DEFLATE, accepts_deflate, decode_body, deflate
 
 log = logging.getLogger(__name__)
@@ -125,18 +136,18 @@ class ByteCounter:
 async def _read_capped(request: Request, cap: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise ProtocolError(413, f"body of {declared} bytes exceeds the cap of {cap} bytes", "too_large")
+        raise ProtocolError(413, f"body of {declared} bytes exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > cap:
-                raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", "too_large")
+                raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
             chunks.append(chunk)
     except ClientDisconnect:
         # The client went away mid-body (a worker that lost its network): an ordinary aborted upload.
         raise ProtocolError(
-            400, f"the client closed the connection after {size} bytes of the update body; push it again", "aborted"
+            400, f"the client closed the connection after {size} bytes of the update body; push it again", Reason.ABORTED
         ) from None
     return b"".join(chunks)
 
@@ -176,49 +187,50 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
                 t.join(timeout=30)
             c.flush_bytes()
 
-    app = FastAPI(title="BlockTrain coordinator", version="1", lifespan=lifespan)
+    errors: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorBody, "description": "a refusal: its reason and what to do"}}
+    app = FastAPI(title="BlockTrain coordinator", version="1", lifespan=lifespan, responses=errors)
     app.add_middleware(ByteCounter, coordinator=c)  # type: ignore[arg-type]
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=exc.status, headers=headers)
+        return JSONResponse(ErrorBody(error=exc.reason, detail=str(exc)).model_dump(), status_code=exc.status,
+                            headers=headers)
 
     def auth(request: Request) -> str:
-        return c.authenticate(_bearer(request.headers.get("authorization", "")))
+        return c.authenticate(_bearer(request.headers.get("authorization", "")))  # the lock only for an unknown token
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(DASHBOARD_HTML)
 
-    @app.get("/v1/status")
-    async def get_status() -> dict[str, Any]:
-        return await run_in_threadpool(status, c)
+    @app.get("/v1/status", response_model=Status)
+    async def get_status() -> Status:
+        return await run_in_threadpool(c.status)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        text = await run_in_threadpool(prometheus, c)
+        text = await run_in_threadpool(c.metrics)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/register")
-    async def register(request: Request, body: RegisterRequest) -> dict[str, Any]:
+    @app.post("/v1/register", response_model=Registration, response_model_exclude_none=True)
+    async def register(request: Request, body: RegisterRequest) -> Registration:
         name = auth(request)
         if body.protocol != PROTOCOL_VERSION:
             raise ProtocolError(426, f"this worker speaks protocol {body.protocol}, the coordinator {PROTOCOL_VERSION}; run the "
-                                "same BlockTrain version on both sides", "protocol")
+                                "same BlockTrain version on both sides", Reason.PROTOCOL)
         return await run_in_threadpool(c.register, name, body.block, body.dataset, body.p2p_key)
 
-    @app.post("/v1/heartbeat")
-    async def heartbeat(request: Request) -> dict[str, Any]:
+    @app.post("/v1/heartbeat", response_model=Heartbeat)
+    async def heartbeat(request: Request) -> Heartbeat:
         return await run_in_threadpool(c.heartbeat, auth(request))
 
-    @app.post("/v1/leave")
-    async def leave(request: Request) -> dict[str, Any]:
-        await run_in_threadpool(c.leave, auth(request))
-        return {"left": True}
+    @app.post("/v1/leave", response_model=Left)
+    async def leave(request: Request) -> Left:
+        return await run_in_threadpool(c.leave, auth(request))
 
-    @app.get("/v1/work")
-    async def work(request: Request) -> dict[str, Any]:
+    @app.get("/v1/work", response_model=WorkAnswer)
+    async def work(request: Request) -> WorkAnswer:
         return await run_in_threadpool(c.work, auth(request))
 
     @app.get("/v1/blocks/{k}/weights", response_class=Response,
@@ -251,8 +263,8 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         v, sha, payload = await run_in_threadpool(c.frozen_bytes, k)
         return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v), "X-Weights-Sha": sha})
 
-    @app.post("/v1/blocks/{k}/updates", status_code=202, openapi_extra=BINARY_BODY)
-    async def update(request: Request, k: int) -> dict[str, Any]:
+    @app.post("/v1/blocks/{k}/updates", status_code=202, openapi_extra=BINARY_BODY, response_model=PushAnswer)
+    async def update(request: Request, k: int) -> PushAnswer:
         name = None
         try:
             name = auth(request)
@@ -266,11 +278,11 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             raise
         return await run_in_threadpool(c.submit, name, k, body)
 
-    @app.post("/v1/blocks/{k}/audits/{v}", openapi_extra=BINARY_BODY)
-    async def audit(request: Request, k: int, v: int) -> dict[str, Any]:
+    @app.post("/v1/blocks/{k}/audits/{v}", openapi_extra=BINARY_BODY, response_model=AuditAnswer)
+    async def audit(request: Request, k: int, v: int) -> AuditAnswer:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
         name = auth(request)
-        c.auditor.expect(name, k, v)  # a stranger's upload is refused before its body is read
+        await run_in_threadpool(c.expect_audit, name, k, v)  # a stranger's upload is refused before its body is read
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
         body = await run_in_threadpool(decode_body, await _read_capped(request, cap),
                                        request.headers.get("content-encoding"), cap)

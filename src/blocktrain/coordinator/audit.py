@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -52,6 +51,7 @@ from blocktrain.device import CPU, resolve_device
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
+from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import ErrorFeedback, decode_delta, delta_norm
 from blocktrain.protocol.inner_state import load_inner_state, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
@@ -90,7 +90,9 @@ class AuditCase:
 
 
 class Auditor:
-    """Draws audits, keeps them until their upload, replays and judges them."""
+    """Draws audits, keeps them until their upload, replays and judges them. Every method but :meth:`judge` is called
+    under the coordinator's lock; :meth:`judge` replays one taken case, unlocked, and touches no state of the
+    auditor's (:meth:`record` counts its answer, under the lock)."""
 
     def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, data: DataDir | None) -> None:
         self.cfg = cfg
@@ -99,7 +101,6 @@ class Auditor:
         self.train: ByteSplit | None = data.open("train") if data is not None and settings.audit_fraction > 0 else None
         self.device = resolve_device(settings.device)  # where replays train (the worker's may be another)
         self._rng = random.SystemRandom()
-        self._lock = threading.Lock()
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
         self.passed = 0
@@ -119,50 +120,42 @@ class Auditor:
             return False
         if accepted > self.settings.probation_pushes and self._rng.random() >= self.settings.audit_fraction:
             return False
-        with self._lock:
-            if len(self._pending) >= MAX_PENDING:
-                return False
-            self._pending[(worker, upd.block, upd.base_version)] = AuditCase(
-                worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
-                now + self.settings.audit_timeout_s)
+        if len(self._pending) >= MAX_PENDING:
+            return False
+        self._pending[(worker, upd.block, upd.base_version)] = AuditCase(
+            worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h, now + self.settings.audit_timeout_s)
         return True
 
     def expect(self, worker: str, k: int, v: int) -> None:
         """404 unless an audit of ``worker`` for (k, v) awaits its upload (checked before the body is read)."""
-        with self._lock:
-            if (worker, k, v) in self._pending:
-                return
-        raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", "no_audit")
+        if (worker, k, v) in self._pending:
+            return
+        raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", Reason.NO_AUDIT)
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
         """The case awaiting ``worker``'s upload, now being replayed: its round stays held until :meth:`decided`."""
-        with self._lock:
-            case = self._pending.pop((worker, k, v), None)
-            if case is not None:
-                self._judging.add((worker, k, v))
+        case = self._pending.pop((worker, k, v), None)
+        if case is not None:
+            self._judging.add((worker, k, v))
         if case is None:
-            raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", "no_audit")
+            raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", Reason.NO_AUDIT)
         return case
 
     def overdue(self, now: float) -> list[AuditCase]:
         """Cases whose upload is late (removed): the coordinator quarantines their workers."""
-        with self._lock:
-            late = [key for key, c in self._pending.items() if c.due < now]
-            return [self._pending.pop(key) for key in late]
+        late = [key for key, c in self._pending.items() if c.due < now]
+        return [self._pending.pop(key) for key in late]
 
     def holds(self, k: int, v: int) -> bool:
         """Whether an accepted update of block k version v awaits its audit (its round must not close yet)."""
-        with self._lock:
-            return any(key[1] == k and key[2] == v for key in (*self._pending, *self._judging))
+        return any(key[1] == k and key[2] == v for key in (*self._pending, *self._judging))
 
     def decided(self, worker: str, k: int, v: int) -> None:
         """The replay of ``worker``'s push for (k, v) is judged (and its worker quarantined if it failed)."""
-        with self._lock:
-            self._judging.discard((worker, k, v))
+        self._judging.discard((worker, k, v))
 
     def pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
+        return len(self._pending)
 
     def judge(self, case: AuditCase, body: bytes, shapes: dict[str, tuple[int, ...]]) -> AuditAnswer:
         """Replay ``case`` from the uploaded state ``body``; the answer says whether it reproduced the push."""
@@ -176,10 +169,6 @@ class Auditor:
         seconds = time.perf_counter() - t0
         tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
         passed = rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
-        with self._lock:
-            self.replay_seconds.append(seconds)
-            self.passed += passed
-            self.failed += not passed
         return AuditAnswer(passed=passed, relative_error=rel if math.isfinite(rel) else 1e30,
                            tolerance=tolerance, seconds=seconds, scale=scale if math.isfinite(scale) else 1e30)
 
@@ -222,8 +211,13 @@ class Auditor:
         rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
         return rel, replay_scale(upd.delta, replayed)
 
+    def record(self, answer: AuditAnswer) -> None:
+        """Count a judged replay."""
+        self.replay_seconds.append(answer.seconds)
+        self.passed += answer.passed
+        self.failed += not answer.passed
+
     def summary(self) -> dict[str, float | int]:
-        with self._lock:
-            secs = sorted(self.replay_seconds)
+        secs = sorted(self.replay_seconds)
         return {"passed": self.passed, "failed": self.failed, "pending": self.pending(),
                 "median_replay_s": secs[len(secs) // 2] if secs else 0.0}

@@ -5,19 +5,24 @@ cached in memory; a lookup compares the request's hash with every cached one in 
 re-reads the table (a token added while the coordinator runs), at most once per :data:`TOKEN_RELOAD_SECONDS`. A
 quarantined worker's token is revoked (:mod:`.conduct`) and answered 403. Updates refused for want of a valid
 token are counted in memory only, and logged at a limited rate: unauthenticated traffic writes nothing to disk.
+
+:meth:`Tokens.worker_for_token` and :meth:`Tokens.refused` are called without the coordinator's lock (from every
+request, in the HTTP layer's threads): the first reads the cache, which is replaced whole, never changed in place;
+the second appends to a queue that :meth:`Tokens.unauthenticated_rejections` folds in, under the lock, as every other
+method is called.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import threading
 import time
-from collections.abc import Callable
+from collections import deque
 
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.store import Store, hash_token
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 
 log = logging.getLogger(__name__)
 
@@ -28,73 +33,66 @@ UNAUTH_LOG_SECONDS = 10.0  # at most one log line per this many seconds about un
 class Tokens:
     """The token cache of one coordinator and its count of unauthenticated refusals."""
 
-    def __init__(self, store: Store, conduct: Conduct, lock: threading.RLock, clock: Callable[[], float]) -> None:
-        self.store, self.conduct, self.lock, self.clock = store, conduct, lock, clock
-        self._tokens: dict[str, str] = {}  # token hash -> worker name
+    def __init__(self, store: Store, conduct: Conduct) -> None:
+        self.store, self.conduct = store, conduct
+        self._tokens: dict[str, str] = {}  # token hash -> worker name (replaced whole on a re-read)
         self._last_reload = float("-inf")  # time.monotonic() of the last re-read of the token table
-        self._unauth_lock = threading.Lock()
+        self._unauth: deque[str] = deque()  # reasons of refused unauthenticated updates, not yet counted
         self._unauth_counts: dict[str, int] = {}  # reason -> refused unauthenticated updates (never stored)
         self._unauth_logged = float("-inf")  # time.monotonic() of the last log line about them
         self._unauth_quiet = 0  # refusals not logged since that line
-        with self.lock:
-            self._reload()
+        self._reload()
 
     def _reload(self) -> None:
         self._tokens = {h: name for name, h in self.store.tokens.token_hashes()}
 
     def worker_for_token(self, token: str) -> str | None:
-        """Constant-time comparison against every stored hash; None if unknown."""
+        """(Unlocked.) Constant-time comparison against every cached hash; None if unknown or revoked since cached."""
         h = hash_token(token)
         found = None
-        for known, name in list(self._tokens.items()):
+        for known, name in self._tokens.items():
             if hmac.compare_digest(h, known):
                 found = name
-        return found
+        return None if found in self.conduct.revoked else found
 
     def authenticate(self, token: str | None) -> str:
+        """The worker a request's token names (an unknown token re-reads the table, at most once per
+        TOKEN_RELOAD_SECONDS, so unknown tokens cannot hammer the database); 401 or 403 otherwise."""
         if not token:
-            raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", "auth")
+            raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", Reason.AUTH)
         name = self.worker_for_token(token)
-        if name is not None and name in self.conduct.revoked:  # quarantined since its token was cached
-            with self.lock:
-                self._reload()
-            name = None
         now = time.monotonic()
         if name is None and now - self._last_reload >= TOKEN_RELOAD_SECONDS:
-            # A token may have been added by 'blocktrain token add' while we run; re-read the table,
-            # at most once per TOKEN_RELOAD_SECONDS so unknown tokens cannot hammer the database.
-            with self.lock:
-                self._last_reload = now
-                self._reload()
+            self._last_reload = now  # a token may have been added by 'blocktrain token add' while we run
+            self._reload()
             name = self.worker_for_token(token)
         if name is None:
-            with self.lock:
-                revoked = self.store.conduct.quarantined_token(hash_token(token))
+            revoked = self.store.conduct.quarantined_token(hash_token(token))
             if revoked is not None:
                 raise ProtocolError(403, f"worker {revoked!r} is quarantined and its token revoked: its updates were "
-                                    "refused too often for what they are or do; ask the run's operator", "quarantined")
-            raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", "auth")
+                                    "refused too often for what they are or do; ask the run's operator", Reason.QUARANTINED)
+            raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", Reason.AUTH)
         return name
 
-    def add_token(self, name: str) -> str:
-        with self.lock:
-            token = self.store.tokens.add_token(name, self.clock())
-            self._reload()
-            return token
+    def add_token(self, name: str, now: float) -> str:
+        token = self.store.tokens.add_token(name, now)
+        self._reload()
+        return token
 
     def refused(self, k: int | None, exc: ProtocolError) -> None:
-        """Count (in memory) and log, at a limited rate, an update refused for want of a valid token."""
-        with self._unauth_lock:
-            self._unauth_counts[exc.reason] = self._unauth_counts.get(exc.reason, 0) + 1
-            now = time.monotonic()
-            if now - self._unauth_logged < UNAUTH_LOG_SECONDS:
-                self._unauth_quiet += 1
-                return
-            quiet, self._unauth_quiet, self._unauth_logged = self._unauth_quiet, 0, now
+        """(Unlocked.) Count (in memory) and log, at a limited rate, an update refused for want of a valid token."""
+        self._unauth.append(exc.reason)
+        now = time.monotonic()
+        if now - self._unauth_logged < UNAUTH_LOG_SECONDS:  # a race between two threads costs one log line at most
+            self._unauth_quiet += 1
+            return
+        quiet, self._unauth_quiet, self._unauth_logged = self._unauth_quiet, 0, now
         more = f" (and {quiet} more in the last {UNAUTH_LOG_SECONDS:g} s)" if quiet else ""
         log.warning("rejected unauthenticated update for block %s: %d %s: %s%s", k, exc.status, exc.reason, exc, more)
 
     def unauthenticated_rejections(self) -> dict[str, int]:
         """Refused unauthenticated updates since start-up, by reason (kept in memory only)."""
-        with self._unauth_lock:
-            return dict(self._unauth_counts)
+        while self._unauth:
+            reason = self._unauth.popleft()
+            self._unauth_counts[reason] = self._unauth_counts.get(reason, 0) + 1
+        return dict(self._unauth_counts)

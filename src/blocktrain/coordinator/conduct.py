@@ -22,11 +22,13 @@ from collections import deque
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 
 log = logging.getLogger(__name__)
 
-COUNTED = ("claim", "norm", "lazy", "replay", "gate", "screened", "metadata", "schema", "non_finite", "not_safetensors",
-           "group", "commitment")  # refusal reasons that count toward quarantine
+COUNTED = (Reason.CLAIM, Reason.NORM, Reason.LAZY, Reason.REPLAY, Reason.GATE, Reason.SCREENED, Reason.METADATA,
+           Reason.SCHEMA, Reason.NON_FINITE, Reason.NOT_SAFETENSORS, Reason.GROUP, Reason.COMMITMENT,
+           Reason.MOMENTS)  # refusal reasons that count toward quarantine
 GROUP_REFUSALS = 2  # refused group means a worker may be a member of before it is quarantined (hivemind engine)
 
 
@@ -47,7 +49,7 @@ class Conduct:
         """403 if ``name`` is quarantined, 429 if it is over its refusal rate; else nothing."""
         if self.quarantined(name):
             raise ProtocolError(403, f"worker {name!r} is quarantined: its updates were refused too often for what "
-                                "they are or do; ask the run's operator", "quarantined")
+                                "they are or do; ask the run's operator", Reason.QUARANTINED)
         burst = self.settings.refusal_burst
         recent = self._recent(name)
         if burst and len(recent) >= burst:
@@ -55,7 +57,7 @@ class Conduct:
             wait = self.settings.refusal_window_s - (time.monotonic() - recent[0])
             raise ProtocolError(429, f"worker {name!r} had {len(recent)} updates refused in the last "
                                 f"{self.settings.refusal_window_s:g} s; wait {wait:.0f} s and fix what they said",
-                                "rate_limited")
+                                Reason.RATE_LIMITED)
 
     def _recent(self, name: str) -> deque[float]:
         recent = self._refused.setdefault(name, deque())
@@ -66,7 +68,7 @@ class Conduct:
 
     def refused(self, name: str, reason: str, at: float) -> bool:
         """Count a refusal of ``name``'s update (already stored as a rejection); True if it is now quarantined."""
-        if reason in ("rate_limited", "quarantined"):
+        if reason in (Reason.RATE_LIMITED, Reason.QUARANTINED):
             return False
         self._recent(name).append(time.monotonic())
         if reason not in COUNTED or not self.settings.quarantine_after or self.store.conduct.quarantined(name):

@@ -21,6 +21,7 @@ from typing import Any
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.group import GroupMember, round_scope
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class PeerHub:
         try:
             token = self.authority.issue(worker, public_key.encode())
         except ValueError:
-            raise ProtocolError(422, "p2p_key is not an RSA public key in OpenSSH form", "p2p_key") from None
+            raise ProtocolError(422, "p2p_key is not an RSA public key in OpenSSH form", Reason.P2P_KEY) from None
         with self.store.tx():
             self.store.meta.set_meta(f"p2p_key:{worker}", public_key)  # checks its proofs in group uploads
         return {"token": base64.b64encode(token).decode(), **self.status()}
@@ -76,10 +77,10 @@ class PeerHub:
             key = self.store.meta.get_meta(f"p2p_key:{m.worker}")
             if key is None or not proof_verifies(key.encode(), m.peer, scope, m.proof):
                 raise ProtocolError(403, f"group member {m.peer} ({m.worker!r}) has no proof this coordinator admitted "
-                                    f"for block {k} v{v}; the group's mean is refused whole", "group_member")
+                                    f"for block {k} v{v}; the group's mean is refused whole", Reason.GROUP_MEMBER)
         names = [m.worker for m in group]
         if len(set(names)) != len(names):
-            raise ProtocolError(422, "a worker appears twice in the group", "group")
+            raise ProtocolError(422, "a worker appears twice in the group", Reason.GROUP)
         return names
 
     def close(self) -> None:
@@ -87,15 +88,16 @@ class PeerHub:
 
 
 def check_members(store: Store, conduct: Conduct, uploader: str, names: list[str], k: int, v: int) -> None:
-    """Every member registered on block k, not quarantined, not already counted for v; the uploader among them."""
+    """Every member registered on block k, not quarantined, not already counted for v; the uploader among them
+    (called under the coordinator's lock)."""
     if uploader not in names:
-        raise ProtocolError(403, f"worker {uploader!r} uploads a group it is not a member of", "group")
+        raise ProtocolError(403, f"worker {uploader!r} uploads a group it is not a member of", Reason.GROUP)
     for name in names:
         row = store.workers.worker(name)
-        if row is None or row["block"] is None or int(row["block"]) != k:
-            raise ProtocolError(409, f"group member {name!r} is not registered on block {k}", "group_member")
+        if row is None or row.block != k:
+            raise ProtocolError(409, f"group member {name!r} is not registered on block {k}", Reason.GROUP_MEMBER)
         if conduct.quarantined(name):
-            raise ProtocolError(403, f"group member {name!r} is quarantined; the group's mean is refused", "quarantined")
+            raise ProtocolError(403, f"group member {name!r} is quarantined; the group's mean is refused", Reason.QUARANTINED)
         if store.updates.submitted(k, v, name):
-            raise ProtocolError(409, f"group member {name!r} already counts for block {k} version {v}", "duplicate")
+            raise ProtocolError(409, f"group member {name!r} already counts for block {k} version {v}", Reason.DUPLICATE)
 

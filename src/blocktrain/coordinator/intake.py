@@ -18,14 +18,17 @@ a :class:`ProtocolError` with its reason):
    per version) by at most a tolerance calibrated from the rises of the block's recent accepted updates:
    max(gate_floor, median + gate_z x 1.4826 MAD). ``gate_tolerance`` fixes it instead.
 
-:meth:`Intake.remember` records an accepted update's norm, sketch and rise. What comes after acceptance (the agreement
-screen at the round's close, quarantine) is in :mod:`.aggregate` and :mod:`.conduct`.
+:meth:`Intake.view` takes what the checks read of a block's history (call under the coordinator's lock); :meth:`Intake.check`
+then runs on that snapshot, unlocked, and touches no state of the intake's; :meth:`Intake.remember` records an accepted
+update's norm, sketch and rise (under the lock). The replay check runs twice: on the snapshot, and again under the
+lock that accepts the update (:meth:`Intake.check_replay`), against every sketch accepted meanwhile, so two copies
+sent at once are not both accepted. What comes after acceptance (the agreement screen at the round's close,
+quarantine) is in :mod:`.aggregate` and :mod:`.conduct`.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate
 from blocktrain.device import CPU
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 x MAD for a normal distribution
 
@@ -51,7 +55,7 @@ def check_norm(k: int, norm: float, history: Sequence[float], settings: Coordina
             422,
             f"update norm {norm:.4g} exceeds {settings.norm_k:g} x the median {med:.4g} of recent updates "
             f"of block {k}; check the worker's learning rate and data",
-            "norm",
+            Reason.NORM,
         )
 
 
@@ -96,21 +100,62 @@ class CountSketch:
         return (s / s.norm().clamp_min(1e-30)).float()
 
 
+@dataclass(frozen=True)
+class IntakeView:
+    """What the checks of one update read of its block's history, taken under the coordinator's lock (its tensors are
+    not shared with the intake, which may append to its history while the checks run)."""
+
+    norms: tuple[float, ...]  # the block's recent accepted norms, oldest first
+    tolerance: float  # nats: the gate's tolerance now
+    sketches: torch.Tensor | None  # (n, sketch_dim) the block's accepted sketches (None: none yet)
+    before: float | None  # held-out loss at the published version and frozen inputs (None: no gate)
+
+
+def replay_cosine(k: int, sketch: torch.Tensor, sketches: torch.Tensor | None, settings: CoordinatorSettings) -> float | None:
+    """The largest cosine of ``sketch`` with the accepted ``sketches`` of block k; refuses above ``replay_cosine``."""
+    if sketches is None:
+        return None
+    cos = float((sketches @ sketch).max())  # (n, dim) @ (dim,) -> (n,)
+    if settings.replay_cosine < 1 and cos > settings.replay_cosine:
+        raise ProtocolError(422, f"the update repeats an accepted delta of block {k} (cosine {cos:.6f} > "
+                            f"{settings.replay_cosine:g}); train on the round's own stream", Reason.REPLAY)
+    return cos
+
+
+class SketchRows:
+    """A block's accepted sketches as rows of one growing buffer (capacity doubles): :meth:`rows` is a view of the rows
+    so far, which later appends never change, so a snapshot taken under the lock stays valid without a copy."""
+
+    def __init__(self, dim: int) -> None:
+        self._buf = torch.empty(0, dim, device=CPU)  # (capacity, dim): sketches live on the host, as the deltas do
+        self.n = 0  # rows in use
+
+    def append(self, sketch: torch.Tensor) -> None:
+        if self.n == self._buf.shape[0]:
+            grown = torch.empty(max(16, 2 * self.n), self._buf.shape[1], device=CPU)
+            grown[: self.n] = self._buf[: self.n]
+            self._buf = grown
+        self._buf[self.n] = sketch
+        self.n += 1
+
+    def rows(self) -> torch.Tensor | None:
+        """(n, dim) the sketches so far (None: none yet)."""
+        return self._buf[: self.n] if self.n else None
+
+
 class Intake:
-    """The checks of one coordinator (or one in-process run) and the per-block history they read."""
+    """The checks of one coordinator (or one in-process run) and the per-block history they read. Every method but
+    :meth:`check` is called under the coordinator's lock; :meth:`check` reads only its :class:`IntakeView`."""
 
     def __init__(self, settings: CoordinatorSettings, shapes: dict[int, dict[str, tuple[int, ...]]],
                  evaluator: Evaluator | None) -> None:
         self.settings = settings
         self.evaluator = evaluator if settings.gate and evaluator is not None and evaluator.valid is not None else None
-        self.norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in shapes}
-        self.rises: dict[int, deque[float]] = {k: deque(maxlen=settings.gate_history) for k in shapes}
+        self._norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in shapes}
+        self._rises: dict[int, deque[float]] = {k: deque(maxlen=settings.gate_history) for k in shapes}
         self._sketchers = {k: CountSketch(sh, settings.sketch_dim, seed=k) for k, sh in shapes.items()}
-        self._sketches: dict[int, list[torch.Tensor]] = {k: [] for k in shapes}
-        # (n, dim) cache of _sketches[k]: valid while it has as many rows as the list (an unlocked check may store
-        # a stack taken before an accept appended to the list; its row count gives it away)
-        self._stacked: dict[int, torch.Tensor | None] = {k: None for k in shapes}
-        self._before: dict[tuple[int, str], float] = {}  # (block, weights sha) -> held-out loss at W_v
+        self._sketches = {k: SketchRows(settings.sketch_dim) for k in shapes}  # the accepted deltas' sketches
+        self._before: dict[tuple[int, str], float] = {}  # (block, weights and frozen sha) -> held-out loss at W_v
         self.checked = 0  # updates that went through check()
         self.seconds = 0.0  # seconds spent in check(), in all
 
@@ -118,94 +163,93 @@ class Intake:
     def gating(self) -> bool:
         return self.evaluator is not None
 
-    def check(self, upd: ParsedUpdate, base: Published, budget: int) -> Checked:
-        """Every check of the module docstring for ``upd`` against ``base``; ``budget``: samples assigned for it."""
-        t0 = time.perf_counter()
-        try:
-            return self._check(upd, base, budget)
-        finally:
-            self.checked += 1
-            self.seconds += time.perf_counter() - t0
+    def view(self, base: Published) -> IntakeView:
+        """The snapshot the checks of an update against ``base`` read; computes the held-out loss at ``base`` once."""
+        k = base.block
+        before = None
+        if self.evaluator is not None:
+            key = (k, base.weights_sha + "".join(sha for sha, _ in base.frozen))
+            before = self._before.get(key)
+            if before is None:
+                before = self.evaluator.gate_loss(k, base.weights, base.frozen)
+                self._before = {kk: b for kk, b in self._before.items() if kk[0] != k}  # one version per block
+                self._before[key] = before
+        return IntakeView(tuple(self._norms[k]), self.tolerance(k), self._sketches[k].rows(), before)
 
-    def _check(self, upd: ParsedUpdate, base: Published, budget: int) -> Checked:
+    def check(self, upd: ParsedUpdate, base: Published, budget: int, view: IntakeView | None = None) -> Checked:
+        """Every check of the module docstring for ``upd`` against ``base``; ``budget``: samples assigned for it.
+        ``view``: the snapshot to check against (None: take it now, for a caller with no concurrent updates)."""
+        view = view if view is not None else self.view(base)
         k = base.block
         if upd.base_version != base.version or upd.base_sha != base.weights_sha:
             raise ProtocolError(409, f"the delta names version {upd.base_version} (sha256 {upd.base_sha[:12]}) but block {k} "
                                 f"is at version {base.version} (sha256 {base.weights_sha[:12]}); pull the published weights "
-                                "and train from them", "stale" if upd.base_version != base.version else "base")
+                                "and train from them", Reason.STALE if upd.base_version != base.version else Reason.BASE)
         if upd.samples > budget:
             raise ProtocolError(422, f"the update claims {upd.samples} samples but its round assigned at most {budget}; "
-                                "a worker claims the sequences it trained on, steps x batch", "claim")
-        history = self.norms[k]
-        check_norm(k, upd.norm, history, self.settings)
-        if self.settings.lazy_fraction > 0 and len(history) >= self.settings.norm_min_history:
-            least = self.settings.lazy_fraction * statistics.median(history) * upd.samples / budget
+                                "a worker claims the sequences it trained on, steps x batch", Reason.CLAIM)
+        check_norm(k, upd.norm, view.norms, self.settings)
+        if self.settings.lazy_fraction > 0 and len(view.norms) >= self.settings.norm_min_history:
+            least = self.settings.lazy_fraction * statistics.median(view.norms) * upd.samples / budget
             if upd.norm < least:
                 raise ProtocolError(422, f"update norm {upd.norm:.4g} is below {least:.4g}, the least the {upd.samples} samples "
-                                    f"it claims move block {k}; push what you trained", "lazy")
-        sketch = self._sketchers[k](upd.delta)
-        cos = self.check_replay(k, sketch)
-        gate = self._gate(base, upd.delta) if self.evaluator is not None else None
+                                    f"it claims move block {k}; push what you trained", Reason.LAZY)
+        sketch = self.sketch(k, upd.delta)
+        cos = replay_cosine(k, sketch, view.sketches, self.settings)
+        gate = self._gate(base, upd.delta, view) if view.before is not None else None
         return Checked(upd.norm, sketch, gate, cos)
 
     def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
-        """The largest cosine of ``sketch`` with block k's accepted sketches; refuses above ``replay_cosine``."""
-        sketches = self._sketches[k][:]  # a snapshot: the list only grows, and may grow while this runs unlocked
-        if not sketches:
-            return None
-        stacked = self._stacked[k]
-        if stacked is None or stacked.shape[0] != len(sketches):  # a stack cached before an accept is stale
-            stacked = self._stacked[k] = torch.stack(sketches)  # n x (dim,) -> (n, dim)
-        cos = float((stacked @ sketch).max())
-        if self.settings.replay_cosine < 1 and cos > self.settings.replay_cosine:
-            raise ProtocolError(422, f"the update repeats an accepted delta of block {k} (cosine {cos:.6f} > "
-                                f"{self.settings.replay_cosine:g}); train on the round's own stream", "replay")
-        return cos
+        """The replay check against every sketch block k has accepted by now (under the lock that accepts)."""
+        return replay_cosine(k, sketch, self._sketches[k].rows(), self.settings)
 
     def tolerance(self, k: int) -> float:
         """The gate's tolerance for block k now (nats)."""
         s = self.settings
         if s.gate_tolerance is not None:
             return s.gate_tolerance
-        rises = self.rises[k]
+        rises = self._rises[k]
         if len(rises) < s.gate_min_history:  # too few honest rises known to calibrate on: a loose start
             return max(s.gate_floor, s.gate_start)
         med = statistics.median(rises)
         mad = statistics.median(abs(r - med) for r in rises)
         return max(s.gate_floor, med + s.gate_z * MAD_TO_SIGMA * mad)
 
-    def _gate(self, base: Published, delta: dict[str, torch.Tensor]) -> tuple[float, float]:
-        assert self.evaluator is not None
-        k = base.block
-        key = (k, base.weights_sha + "".join(sha for sha, _ in base.frozen))
-        before = self._before.get(key)
-        if before is None:
-            before = self.evaluator.gate_loss(k, base.weights, base.frozen)
-            self._before = {kk: b for kk, b in self._before.items() if kk[0] != k}  # one version per block
-            self._before[key] = before
+    def _gate(self, base: Published, delta: dict[str, torch.Tensor], view: IntakeView) -> tuple[float, float]:
+        assert self.evaluator is not None and view.before is not None
+        k, before = base.block, view.before
         after = self.evaluator.gate_loss(k, {n: w + delta[n] for n, w in base.weights.items()}, base.frozen)
-        tol = self.tolerance(k)
-        if after > before + tol:
+        if after > before + view.tolerance:
             raise ProtocolError(422, f"the update makes block {k}'s held-out loss worse ({before:.4f} -> {after:.4f}, "
-                                f"tolerance {tol:.4g})", "gate")
+                                f"tolerance {view.tolerance:.4g})", Reason.GATE)
         return before, after
 
     def remember(self, k: int, checked: Checked) -> None:
         """Count an accepted update in block k's history: its norm, sketch and loss rise."""
-        self.norms[k].append(checked.norm)
+        self._norms[k].append(checked.norm)
         self.remember_sketch(k, checked.sketch)
         if checked.gate is not None:
-            self.rises[k].append(checked.gate[1] - checked.gate[0])
+            self._rises[k].append(checked.gate[1] - checked.gate[0])
+
+    def count(self, seconds: float) -> None:
+        """One update went through :meth:`check`, taking ``seconds``."""
+        self.checked += 1
+        self.seconds += seconds
+
+    def restore(self, k: int, norms: Sequence[float], deltas: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Block k's history again after a restart: its recent accepted norms (oldest first) and every accepted delta."""
+        self._norms[k].extend(norms)
+        for d in deltas:
+            self.remember_sketch(k, self.sketch(k, d))
 
     def summary(self) -> dict[str, object]:
         """What the intake costs and how tight its gate is, for ``/v1/status``."""
         return {"updates_checked": self.checked, "ms_per_update": 1e3 * self.seconds / max(1, self.checked),
-                "gate": self.gating, "gate_tolerance": {k: self.tolerance(k) for k in self.rises} if self.gating else None}
+                "gate": self.gating, "gate_tolerance": {k: self.tolerance(k) for k in self._rises} if self.gating else None}
 
     def remember_sketch(self, k: int, sketch: torch.Tensor) -> None:
         self._sketches[k].append(sketch)
-        self._stacked[k] = None
 
     def sketch(self, k: int, delta: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The unit count sketch of ``delta`` for block k (a restarted coordinator re-reads its accepted deltas)."""
+        """The unit count sketch of ``delta`` for block k."""
         return self._sketchers[k](delta)

@@ -1,165 +1,148 @@
-"""Observability: byte counting (:class:`Traffic`), the ``/v1/status`` document and Prometheus text for ``/metrics``.
+"""Observability: byte counting (:class:`Traffic`), the ``/v1/status`` document (:class:`Observed`) and Prometheus
+text for ``/metrics``.
 
 The status is read from the coordinator's parts through their public methods and tables, under its lock.
 """
 
 from __future__ import annotations
 
-import json
-import threading
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from dataclasses import dataclass
 
-from blocktrain.coordinator.settings import BlockState, OuterOptimizer, RoundState, WorkerState
+from blocktrain.config import RunConfig
+from blocktrain.coordinator.audit import Auditor
+from blocktrain.coordinator.auth import Tokens
+from blocktrain.coordinator.checkpoints import Checkpoints
+from blocktrain.coordinator.conduct import Conduct
+from blocktrain.coordinator.groups import PeerHub
+from blocktrain.coordinator.intake import Intake
+from blocktrain.coordinator.rounds import Rounds
+from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.store import Store
-from blocktrain.protocol.messages import Status
-
-if TYPE_CHECKING:
-    from blocktrain.coordinator.service import Coordinator
+from blocktrain.protocol.codes import BlockState, RoundState
+from blocktrain.protocol.status import BlockStatus, EvalStatus, OuterStatus, RoundStatus, Status, WorkerStatus
 
 
 class Traffic:
-    """Body bytes of every request, counted in memory as they cross the wire and flushed to the store on each tick."""
+    """Body bytes of every request, counted as they cross the wire (from the HTTP layer's threads, unlocked: each count
+    is one append to a queue) and flushed to the store on each tick (under the coordinator's lock)."""
 
-    def __init__(self, store: Store, lock: threading.RLock) -> None:
-        self.store, self.lock = store, lock
-        self._bytes_lock = threading.Lock()
-        self._pending: dict[str | None, list[int]] = {}  # worker (None: no valid token) -> [in, out], not yet stored
-        self._routes: dict[str, list[int]] = {}  # route kind -> [in, out], not yet stored
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._counts: deque[tuple[str | None, int, int, str]] = deque()  # (worker, in, out, route), not yet stored
 
     def count_bytes(self, name: str | None, n_in: int, n_out: int, route: str = "control") -> None:
         """Body bytes of one request; ``route``: "updates", "weights" (weights, steps, frozen blocks) or "control".
         By route only for workers' requests: traffic without a valid token adds no row to the database."""
-        with self._bytes_lock:
-            acc = self._pending.setdefault(name, [0, 0])
-            acc[0] += n_in
-            acc[1] += n_out
-            if name is None:
-                return
-            by_route = self._routes.setdefault(route, [0, 0])
-            by_route[0] += n_in
-            by_route[1] += n_out
+        self._counts.append((name, n_in, n_out, route))
 
     def flush_bytes(self) -> None:
-        with self._bytes_lock:
-            pending, self._pending = self._pending, {}
-            routes, self._routes = self._routes, {}
+        """Store the counts queued so far (call under the lock)."""
+        pending: dict[str | None, list[int]] = {}
+        routes: dict[str, list[int]] = {}
+        while self._counts:
+            name, n_in, n_out, route = self._counts.popleft()
+            acc = pending.setdefault(name, [0, 0])
+            acc[0] += n_in
+            acc[1] += n_out
+            if name is not None:
+                by_route = routes.setdefault(route, [0, 0])
+                by_route[0] += n_in
+                by_route[1] += n_out
         if not pending:
             return
-        with self.lock, self.store.tx():
-            for name, (n_in, n_out) in pending.items():
-                self.store.workers.add_bytes(name, n_in, n_out)
+        with self.store.tx():
+            for who, (n_in, n_out) in pending.items():
+                self.store.workers.add_bytes(who, n_in, n_out)
             for route, (n_in, n_out) in routes.items():
                 self.store.meta.add_counter(f"bytes_in:{route}", n_in)
                 self.store.meta.add_counter(f"bytes_out:{route}", n_out)
 
 
-def status(c: Coordinator, recent_rounds: int = 50) -> dict[str, Any]:
-    """Everything the dashboard shows, as JSON-ready data."""
-    c.traffic.flush_bytes()
-    with c.lock:
-        now = c.clock()
-        s, ck = c.store, c.checkpoints
-        live = c.roster.live_replicas(now)
+@dataclass(frozen=True)
+class Observed:
+    """The parts the status document reads (through their own methods and tables, under the coordinator's lock)."""
+
+    cfg: RunConfig  # the run's config
+    settings: CoordinatorSettings  # the coordinator's settings
+    store: Store  # the durable state
+    checkpoints: Checkpoints  # the published versions
+    rounds: Rounds  # block states and rounds
+    conduct: Conduct  # quarantine and the rate limit
+    intake: Intake  # the intake's cost and the gate's tolerances
+    auditor: Auditor  # the audits
+    tokens: Tokens  # unauthenticated refusals
+    hub: PeerHub | None  # the hivemind engine (None: off)
+
+    def status(self, now: float, recent_rounds: int = 50) -> Status:
+        """Everything the dashboard shows (call under the lock, after the byte counters were flushed)."""
+        s, ck, st = self.store, self.checkpoints, self.settings
+        live = s.workers.live_by_block(self.cfg.model.n_blocks, now)
+        outer = OuterStatus(method=st.outer.value if st.outer else None, lr=st.outer_lr,
+                            momentum=st.outer_momentum if st.outer is OuterOptimizer.NESTEROV else None,
+                            step_encoding=st.step_compression.value, aggregation=st.aggregation.value,
+                            inner_start=st.inner_start.value)
         blocks = []
-        st = c.settings
-        outer = {"method": st.outer.value if st.outer else None, "lr": st.outer_lr,
-                 "momentum": st.outer_momentum if st.outer is OuterOptimizer.NESTEROV else None,
-                 "step_encoding": st.step_compression.value, "aggregation": st.aggregation.value}
-        for k in range(c.n_blocks):
-            v = ck.version[k]
-            rnd = s.rounds.round(k, v)
-            state = c.rounds.state[k]
-            blocks.append({
-                "block": k,
-                "state": state.value,  # waiting, open or finished
-                "version": v,
-                "weights_sha": ck.weights_sha[k],
-                "round_state": (
-                    BlockState.WAITING.value if state is BlockState.WAITING
-                    else rnd["state"] if rnd is not None else RoundState.FINISHED.value
-                ),
-                "deadline_in": (float(rnd["deadline"]) - now) if rnd is not None else 0.0,
-                "updates_in_round": int(rnd["n_updates"]) if rnd is not None else 0,
-                "live_replicas": len(live[k]),
-                "outer": outer,  # the outer step in use on this block
-            })
-        workers = [
-            {
-                "name": r["name"],
-                "block": r["block"],
-                "pinned": bool(r["pinned"]),
-                "state": r["state"],
-                "live": r["state"] == WorkerState.ACTIVE.value and float(r["lease_until"]) >= now,
-                "lease_in": float(r["lease_until"]) - now,
-                "bytes_in": int(r["bytes_in"]),
-                "bytes_out": int(r["bytes_out"]),
-                "updates_accepted": int(r["accepted"]),
-                "updates_rejected": int(r["rejected"]),
-            }
-            for r in s.workers.workers()
-        ]
-        rounds = [
-            {
-                "block": int(r["block"]),
-                "version": int(r["version"]),
-                "state": r["state"],
-                "opened": float(r["opened"]),
-                "closed": None if r["closed"] is None else float(r["closed"]),
-                "close_reason": r["close_reason"],
-                "updates": int(r["n_updates"]),  # accepted and applied
-                # refused while the round was open, by reason; the accepted updates' and the published step's bytes
-                **s.rounds.round_traffic(int(r["block"]), int(r["version"]), float(r["opened"]), float(r["closed"])),
-                "groups": [len(m) for m in s.updates.groups(int(r["block"]), int(r["version"])).values()],  # sizes (hivemind)
-            }
-            for r in s.rounds.closed_rounds(recent_rounds)
-        ]
-        evals = [
-            {"epoch": int(r["epoch"]), "versions": json.loads(r["versions"]), "ce_nats_per_byte": float(r["ce"]),
-             "bytes": int(r["bytes"]), "at": float(r["at"])}
-            for r in s.evals.evals()
-        ]
+        for k in range(self.cfg.model.n_blocks):
+            current = ck.current(k)
+            rnd = s.rounds.round(k, current.version)
+            state = self.rounds.state[k]
+            blocks.append(BlockStatus(
+                block=k, state=state, version=current.version, weights_sha=current.sha,
+                round_state=(RoundState.WAITING if state is BlockState.WAITING
+                             else rnd.state if rnd is not None else RoundState.FINISHED),
+                deadline_in=(rnd.deadline - now) if rnd is not None else 0.0,
+                updates_in_round=rnd.n_updates if rnd is not None else 0, live_replicas=len(live[k]), outer=outer))
+        workers = [WorkerStatus(name=w.name, block=w.block, pinned=w.pinned, state=w.state.value, live=w.live(now),
+                                lease_in=w.lease_until - now, bytes_in=w.bytes_in, bytes_out=w.bytes_out,
+                                updates_accepted=w.accepted, updates_rejected=w.rejected) for w in s.workers.workers()]
+        rounds = []
+        for r in s.rounds.closed_rounds(recent_rounds):
+            moved = s.rounds.round_traffic(r.block, r.version, r.opened, r.closed if r.closed is not None else now)
+            rounds.append(RoundStatus(
+                block=r.block, version=r.version, state=r.state, opened=r.opened, closed=r.closed,
+                close_reason=r.close_reason.value if r.close_reason is not None else None, updates=r.n_updates,
+                push_bytes=moved.push_bytes, step_bytes=moved.step_bytes, rejected=moved.rejected,
+                groups=[len(m) for m in s.updates.groups(r.block, r.version).values()]))  # group sizes (hivemind)
+        evals = [EvalStatus(epoch=e.epoch, versions=e.versions, ce_nats_per_byte=e.ce, bytes=e.bytes, at=e.at)
+                 for e in s.evals.evals()]
         counters = s.meta.counters()
-        quarantined = s.conduct.quarantined_workers()
-        intake = c.intake.summary()
-    rejections = {k.split(":", 1)[1]: v for k, v in counters.items() if k.startswith("rejected:")}
-    for reason, n in c.tokens.unauthenticated_rejections().items():  # in memory only: since this process started
-        rejections[reason] = rejections.get(reason, 0) + n
-    return Status(
-        preset=c.cfg.name,
-        objective=str(c.cfg.objective),
-        dataset=c.cfg.dataset or None,  # the fingerprint every worker's data must have
-        n_blocks=c.n_blocks,
-        block_fp32_bytes=ck.block_fp32_bytes,
-        finished=c.rounds.finished(),
-        rounds_closed=counters.get("rounds_closed", 0),
-        updates_accepted=counters.get("updates_accepted", 0),
-        rejections=rejections,
-        rate_limited=c.conduct.rate_limited,  # update requests answered 429 since start-up (kept in memory)
-        quarantined=quarantined,  # worker -> why
-        intake=intake,  # its cost per update and the loss gate's current tolerance per block
-        audits=c.auditor.summary(),  # replays passed, failed, awaiting their upload, median replay seconds
-        bytes_in=counters.get("bytes_in", 0),
-        bytes_out=counters.get("bytes_out", 0),
-        # workers' bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)
-        bytes_by_route={r: {"in": counters.get(f"bytes_in:{r}", 0), "out": counters.get(f"bytes_out:{r}", 0)}
-                        for r in ("updates", "weights", "control")},
-        latest_eval_ce=evals[-1]["ce_nats_per_byte"] if evals else None,
-        blocks=blocks,
-        workers=workers,
-        rounds=rounds,
-        evals=evals,
-        # the hivemind engine: the DHT workers join first, the authority that signs their tokens (--hivemind)
-        p2p=c.hub.status() if c.hub is not None else None,
-    ).model_dump(mode="json")
+        rejections = {key.split(":", 1)[1]: n for key, n in counters.items() if key.startswith("rejected:")}
+        for reason, n in self.tokens.unauthenticated_rejections().items():  # in memory only: since this process started
+            rejections[reason] = rejections.get(reason, 0) + n
+        return Status(
+            preset=self.cfg.name,
+            objective=str(self.cfg.objective),
+            dataset=self.cfg.dataset or None,  # the fingerprint every worker's data must have
+            n_blocks=self.cfg.model.n_blocks,
+            block_fp32_bytes=ck.block_fp32_bytes,
+            finished=self.rounds.finished(),
+            rounds_closed=counters.get("rounds_closed", 0),
+            updates_accepted=counters.get("updates_accepted", 0),
+            rejections=rejections,
+            rate_limited=self.conduct.rate_limited,  # update requests answered 429 since start-up (kept in memory)
+            quarantined=s.conduct.quarantined_workers(),  # worker -> why
+            intake=self.intake.summary(),  # its cost per update and the loss gate's current tolerance per block
+            audits=self.auditor.summary(),  # replays passed, failed, awaiting their upload, median replay seconds
+            bytes_in=counters.get("bytes_in", 0),
+            bytes_out=counters.get("bytes_out", 0),
+            # workers' bytes by what they moved: deltas in, weights and steps out, control (register, work, heartbeats)
+            bytes_by_route={r: {"in": counters.get(f"bytes_in:{r}", 0), "out": counters.get(f"bytes_out:{r}", 0)}
+                            for r in ("updates", "weights", "control")},
+            latest_eval_ce=evals[-1].ce_nats_per_byte if evals else None,
+            blocks=blocks, workers=workers, rounds=rounds, evals=evals,
+            # the hivemind engine: the DHT workers join first, the authority that signs their tokens (--hivemind)
+            p2p=self.hub.status() if self.hub is not None else None,
+        )
 
 
 def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def prometheus(c: Coordinator) -> str:
-    """Prometheus text exposition format 0.0.4."""
-    st = status(c, recent_rounds=0)
+def prometheus(status: Status) -> str:
+    """Prometheus text exposition format 0.0.4 of a status document."""
+    st = status.model_dump(mode="json")
     out: list[str] = []
 
     def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], float]]) -> None:

@@ -5,75 +5,62 @@ assigned a block (the one it pins, the one it had, or the open block with the fe
 lease it renews with every heartbeat or work request; a lapsed lease takes it out of its round's quorum. Under
 every schedule an unpinned worker on a waiting or finished block moves to an open one. The work answer
 names the block, version, data stream and deadline of the worker's round. State lives in the ``workers`` table
-(:class:`.tables.WorkerTable`); the rounds themselves are :mod:`.rounds`'.
+(:class:`.tables.WorkerTable`); the rounds themselves are :mod:`.rounds`'. Every method is called under the
+coordinator's lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from blocktrain.config import RunConfig
+from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.groups import PeerHub
-from blocktrain.coordinator.settings import BlockState, CoordinatorSettings, RoundState
+from blocktrain.coordinator.rounds import Rounds
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.tables import WorkerTable
+from blocktrain.coordinator.tables import WorkerRow
 from blocktrain.errors import ProtocolError
-from blocktrain.protocol.messages import FrozenRef, Registration, WorkAnswer
-from blocktrain.protocol.moments import InnerStart
+from blocktrain.protocol.codes import BlockState, Reason, RoundState
+from blocktrain.protocol.messages import Heartbeat, Registration, WorkAnswer
 from blocktrain.seeds import worker_stream
 
-if TYPE_CHECKING:
-    from blocktrain.coordinator.rounds import Rounds
-
 log = logging.getLogger(__name__)
-
-
-def live_replicas(workers: WorkerTable, n_blocks: int, now: float) -> dict[int, set[str]]:
-    """Block -> names of the active workers on it that hold a lease at ``now``."""
-    live: dict[int, set[str]] = {k: set() for k in range(n_blocks)}
-    for name, block in workers.live_workers(now):
-        if block is not None and 0 <= block < n_blocks:
-            live[int(block)].add(name)
-    return live
 
 
 class Roster:
     """Registration, leases and assignment of the workers of one coordinator."""
 
-    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, store: Store, rounds: Rounds, conduct: Conduct,
-                 hub: PeerHub | None, lock: threading.RLock, clock: Callable[[], float]) -> None:
-        self.cfg, self.settings, self.store, self.rounds, self.conduct, self.hub = cfg, settings, store, rounds, conduct, hub
-        self.lock, self.clock = lock, clock
+    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, store: Store, rounds: Rounds,
+                 checkpoints: Checkpoints, conduct: Conduct, hub: PeerHub | None) -> None:
+        self.cfg, self.settings, self.store, self.rounds = cfg, settings, store, rounds
+        self.checkpoints, self.conduct, self.hub = checkpoints, conduct, hub
         self.n_blocks = cfg.model.n_blocks
 
     def live_replicas(self, now: float) -> dict[int, set[str]]:
         """Block -> names of the active workers on it that hold a lease at ``now``."""
-        return live_replicas(self.store.workers, self.n_blocks, now)
+        return self.store.workers.live_by_block(self.n_blocks, now)
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> WorkerRow:
         """The row of registered worker ``name``; 409 if it is not registered."""
         row = self.store.workers.worker(name)
-        if row is None or row["block"] is None:
-            raise ProtocolError(409, f"worker {name!r} is not registered; POST /v1/register first", "not_registered")
+        if row is None or row.block is None:
+            raise ProtocolError(409, f"worker {name!r} is not registered; POST /v1/register first", Reason.NOT_REGISTERED)
         return row
 
-    def register(self, name: str, block: int | None, dataset: str | None = None,
-                 p2p_key: str | None = None) -> dict[str, Any]:
+    def register(self, name: str, block: int | None, now: float, dataset: str | None = None,
+                 p2p_key: str | None = None) -> Registration:
         """Assign ``name`` a block; ``dataset`` is the fingerprint of the worker's data (checked against the run's);
         ``p2p_key``: the worker averages on hivemind with this RSA key, and is issued a token for it."""
-        with self.lock:  # every use of the store is under the lock
-            if self.conduct.quarantined(name):
-                raise ProtocolError(403, f"worker {name!r} is quarantined: its updates (or group means it was a member "
-                                    "of) were refused too often; ask the run's operator", "quarantined")
+        if self.conduct.quarantined(name):
+            raise ProtocolError(403, f"worker {name!r} is quarantined: its updates (or group means it was a member "
+                                "of) were refused too often; ask the run's operator", Reason.QUARANTINED)
         if p2p_key is not None and self.hub is None:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; start it with --hivemind, "
-                                "or run the worker with --averaging coordinator", "hivemind_off")
+                                "or run the worker with --averaging coordinator", Reason.HIVEMIND_OFF)
         if block is not None and not 0 <= block < self.n_blocks:
-            raise ProtocolError(422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", "block")
+            raise ProtocolError(422, f"block {block} does not exist; this run has B={self.n_blocks} (0..{self.n_blocks - 1})", Reason.BLOCK)
         if self.cfg.dataset and dataset != self.cfg.dataset:
             have = f"dataset {dataset[:12]}" if dataset else "no dataset fingerprint"
             raise ProtocolError(
@@ -81,30 +68,28 @@ class Roster:
                 f"worker {name!r} has {have}, but this run trains on dataset {self.cfg.dataset[:12]} "
                 f"(fingerprint {self.cfg.dataset}); point --data at the same prepared directory as the coordinator's "
                 "(compare 'fingerprint' in its manifest.json)",
-                "dataset",
+                Reason.DATASET,
             )
-        with self.lock:
-            now = self.clock()
-            row = self.store.workers.worker(name)
-            if block is None and row is not None and row["block"] is not None and not self._should_move(int(row["block"])):
-                k = int(row["block"])  # a returning worker keeps its block (stack: while it is open)
-            elif block is None:
-                k = self._least_replicated(name, now)
-            else:
-                k = block
-            lease = now + self.settings.lease_seconds
-            with self.store.tx():
-                self.store.workers.register_worker(name, k, block is not None, now, lease)
-            state = self.rounds.state[k]
-            message = self.rounds.state_message(k)
-            log.info("worker %s registered on block %d (%s)%s", name, k, state.value, f": {message}" if message else "")
-            return Registration(
-                worker=name, block=k, block_state=state.value, message=message, config=self.cfg.to_json(),
-                lease_seconds=self.settings.lease_seconds,
-                rounds=self.rounds.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
-                n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_reset=self.settings.inner_start is InnerStart.FRESH,
-                p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
-            ).model_dump(mode="json", exclude_none=True)
+        row = self.store.workers.worker(name)
+        if block is None and row is not None and row.block is not None and not self._should_move(row.block):
+            k = row.block  # a returning worker keeps its block (stack: while it is open)
+        elif block is None:
+            k = self._least_replicated(name, now)
+        else:
+            k = block
+        lease = now + self.settings.lease_seconds
+        with self.store.tx():
+            self.store.workers.register_worker(name, k, block is not None, now, lease)
+        state = self.rounds.state[k]
+        message = self.rounds.state_message(k)
+        log.info("worker %s registered on block %d (%s)%s", name, k, state.value, f": {message}" if message else "")
+        return Registration(
+            worker=name, block=k, block_state=state, message=message, config=self.cfg.to_json(),
+            lease_seconds=self.settings.lease_seconds,
+            rounds=self.rounds.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
+            n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_start=self.settings.inner_start,
+            p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
+        )
 
     def _least_replicated(self, name: str, now: float) -> int:
         """The block with the fewest live replicas other than ``name`` (stack: among the open blocks, if any)."""
@@ -118,21 +103,18 @@ class Roster:
         run's blocks all open at once, and a worker whose block finished moves to one that still trains)."""
         return self.rounds.state[k] is not BlockState.OPEN and bool(self.rounds.open_blocks())
 
-    def heartbeat(self, name: str) -> dict[str, Any]:
-        with self.lock:
-            self.get(name)
-            now = self.clock()
-            with self.store.tx():
-                self.store.workers.renew_lease(name, now + self.settings.lease_seconds)
-            return {"lease_seconds": self.settings.lease_seconds}
+    def heartbeat(self, name: str, now: float) -> Heartbeat:
+        self.get(name)
+        with self.store.tx():
+            self.store.workers.renew_lease(name, now + self.settings.lease_seconds)
+        return Heartbeat(lease_seconds=self.settings.lease_seconds)
 
     def leave(self, name: str) -> None:
-        with self.lock:
-            self.get(name)
-            with self.store.tx():
-                self.store.workers.worker_left(name)
-            log.info("worker %s left", name)
-            self.rounds.check_quorum(self.clock())
+        """``name`` gives its lease back (the front then checks its block's quorum)."""
+        self.get(name)
+        with self.store.tx():
+            self.store.workers.worker_left(name)
+        log.info("worker %s left", name)
 
     def lapse(self, now: float) -> None:
         """Workers whose lease expired leave their rounds (call under the lock)."""
@@ -143,38 +125,36 @@ class Roster:
                     self.store.workers.lapse_worker(name)
                     log.warning("worker %s: lease lapsed; it leaves the round", name)
 
-    def work(self, name: str) -> dict[str, Any]:
+    def work(self, name: str, now: float) -> WorkAnswer:
         """Renew the lease and say what to do: block, version, data stream, deadline."""
-        rounds, ck = self.rounds, self.rounds.checkpoints
-        with self.lock:
-            row = self.get(name)
-            now = self.clock()
-            k = int(row["block"])
-            if not row["pinned"] and self._should_move(k):
-                old, k = k, self._least_replicated(name, now)  # its block is waiting or finished: move it
-                with self.store.tx():
-                    self.store.workers.move_worker(name, k)
-                log.info("worker %s moved from block %d (%s) to open block %d", name, old, rounds.state[old].value, k)
-            v = ck.version[k]
-            rnd = self.store.rounds.round(k, v)
-            block_state = rounds.state[k]
-            state = RoundState(rnd["state"]) if rnd is not None else RoundState.FINISHED
-            stream = worker_stream(int(row["id"]), k, v)
-            submitted = self.store.updates.submitted(k, v, name)
+        rounds, ck = self.rounds, self.checkpoints
+        row = self.get(name)
+        k = row.block
+        assert k is not None  # get() refuses a worker with no block
+        if not row.pinned and self._should_move(k):
+            old, k = k, self._least_replicated(name, now)  # its block is waiting or finished: move it
             with self.store.tx():
-                self.store.workers.renew_lease(name, now + self.settings.lease_seconds)
-                if state is RoundState.OPEN:
-                    self.store.updates.record_seed(name, k, v, self.cfg.train.seed, stream)
-            return WorkAnswer(
-                block=k, version=v, weights_sha=ck.weights_sha[k], block_state=block_state.value,
-                message=rounds.state_message(k),
-                frozen=tuple(FrozenRef(**r) for r in rounds.frozen_refs(k)),  # the finished blocks block k reads
-                # a waiting block has no round yet
-                round_state=BlockState.WAITING.value if block_state is BlockState.WAITING else state.value,
-                deadline_in=(float(rnd["deadline"]) - now) if rnd is not None else 0.0,
-                seed=self.cfg.train.seed, stream=stream,
-                steps=rounds.local_steps(k), batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
-                submitted=submitted,
-                fetch_first=ck.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
-                finished=block_state is BlockState.FINISHED,  # this worker's block has no more rounds
-            ).model_dump(mode="json")
+                self.store.workers.move_worker(name, k)
+            log.info("worker %s moved from block %d (%s) to open block %d", name, old, rounds.state[old].value, k)
+        current = ck.current(k)
+        rnd = self.store.rounds.round(k, current.version)
+        block_state = rounds.state[k]
+        state = rnd.state if rnd is not None else RoundState.FINISHED
+        stream = worker_stream(row.id, k, current.version)
+        submitted = self.store.updates.submitted(k, current.version, name)
+        with self.store.tx():
+            self.store.workers.renew_lease(name, now + self.settings.lease_seconds)
+            if state is RoundState.OPEN:
+                self.store.updates.record_seed(name, k, current.version, self.cfg.train.seed, stream)
+        return WorkAnswer(
+            block=k, version=current.version, weights_sha=current.sha, block_state=block_state,
+            message=rounds.state_message(k),
+            frozen=rounds.frozen_refs(k),  # the finished blocks block k reads
+            round_state=RoundState.WAITING if block_state is BlockState.WAITING else state,  # no round yet
+            deadline_in=(rnd.deadline - now) if rnd is not None else 0.0,
+            seed=self.cfg.train.seed, stream=stream,
+            steps=rounds.local_steps(k), batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
+            submitted=submitted,
+            fetch_first=ck.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
+            finished=block_state is BlockState.FINISHED,  # this worker's block has no more rounds
+        )

@@ -5,7 +5,7 @@ deltas against v; the round closes when every live replica of k has reported
 (quorum) or at its deadline, whichever comes first. A round that reaches its
 deadline with no delta is extended rather than closed, so version v+1 always
 contains at least one update. State is durable (see :mod:`.store`); :class:`Rounds`
-holds a cache of the block states and is used under the coordinator's lock. The
+holds a cache of the block states, and every method of it is called under the coordinator's lock. The
 published weights are :mod:`.checkpoints`'s, the aggregation :mod:`.aggregate`'s;
 workers are the :mod:`.roster`'s, and update intake is :mod:`.uploads`'s.
 
@@ -21,22 +21,22 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable
-from typing import Any
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import RunConfig, Schedule
-from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.aggregate import RoundResult, next_version
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.intake import Intake
-from blocktrain.coordinator.roster import live_replicas
-from blocktrain.coordinator.settings import BlockState, CloseReason, CoordinatorSettings, RoundState, UpdateState, per_block_h
+from blocktrain.coordinator.settings import CloseReason, CoordinatorSettings, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
+from blocktrain.coordinator.tables import UpdateRow
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
-from blocktrain.protocol.delta import Compression, decode_delta
+from blocktrain.protocol.codes import BlockState, Reason, RoundState
+from blocktrain.protocol.delta import decode_delta
+from blocktrain.protocol.messages import FrozenRef
 
 log = logging.getLogger(__name__)
 
@@ -59,17 +59,17 @@ class Rounds:
     """Block states and the rounds of every block: quorum, deadlines, aggregation into the next version."""
 
     def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, progressive: bool, store: Store,
-                 checkpoints: Checkpoints, intake: Intake, conduct: Conduct, lock: threading.RLock,
+                 checkpoints: Checkpoints, intake: Intake, conduct: Conduct,
                  audits_pending: Callable[[int, int], bool] = lambda k, v: False) -> None:
         self.cfg, self.settings, self.progressive, self.store = cfg, settings, progressive, store
-        self.checkpoints, self.intake, self.conduct, self.lock = checkpoints, intake, conduct, lock
+        self.checkpoints, self.intake, self.conduct = checkpoints, intake, conduct
         # (block, version) -> whether an update of that round awaits its audit: the round does not close before
         # every audit of it is decided (a pass keeps the update, a failure quarantines its worker and drops it)
         self.audits_pending = audits_pending
         self.objective = get_objective(cfg)
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
-        self.refused: dict[tuple[int, int], set[str]] = {}  # (block, version) -> workers whose update it refused
+        self._refused: dict[tuple[int, int], set[str]] = {}  # (block, version) -> workers whose update it refused
 
     # --- start-up -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -92,11 +92,11 @@ class Rounds:
                 ck.save_checkpoint(k)
                 continue
             v = ck.resume(k, row)
-            for norm in s.updates.recent_norms(k, self.settings.norm_history):  # newest first
-                self.intake.norms[k].appendleft(norm)
-            for digest, compression in s.updates.update_blobs(k):  # the replay check knows every accepted delta again
+            accepted = []  # the replay check knows every accepted delta again
+            for digest, compression in s.updates.update_blobs(k):
                 tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
-                self.intake.remember_sketch(k, self.intake.sketch(k, decode_delta(tensors, Compression(compression))))
+                accepted.append(decode_delta(tensors, compression))
+            self.intake.restore(k, s.updates.recent_norms(k, self.settings.norm_history)[::-1], accepted)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
@@ -111,7 +111,7 @@ class Rounds:
         if rnd is None:
             state = BlockState.WAITING
         else:
-            state = BlockState.FINISHED if rnd["state"] == RoundState.FINISHED.value else BlockState.OPEN
+            state = BlockState.FINISHED if rnd.state is RoundState.FINISHED else BlockState.OPEN
         with self.store.tx():
             self.store.rounds.set_block_state(k, state, now)
         return state
@@ -134,7 +134,7 @@ class Rounds:
         return per_block_h(self.objective.block_steps(k), self.settings.rounds)
 
     def finished(self) -> bool:
-        version = self.checkpoints.version
+        version = self.checkpoints.versions()
         return self.settings.rounds > 0 and all(version[k] >= self.block_rounds(k) for k in range(self.n_blocks))
 
     def state_message(self, k: int) -> str:
@@ -154,37 +154,40 @@ class Rounds:
     def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:
         """(version, weights sha256, safetensors) of finished block k, the frozen input of later blocks."""
         self.checkpoints.check_block(k)
-        with self.lock:
-            state = self.state[k]
-            if state is not BlockState.FINISHED:
-                raise ProtocolError(
-                    409, f"block {k} is {state.value}, not finished; only a finished block is served as a frozen input "
-                    f"(it finishes after {self.block_rounds(k)} rounds); wait and retry, see GET /v1/status", "not_finished",
-                )
-            return self.checkpoints.version[k], self.checkpoints.weights_sha[k], self.checkpoints.frozen_payload(k)
+        state = self.state[k]
+        if state is not BlockState.FINISHED:
+            raise ProtocolError(
+                409, f"block {k} is {state.value}, not finished; only a finished block is served as a frozen input "
+                f"(it finishes after {self.block_rounds(k)} rounds); wait and retry, see GET /v1/status", Reason.NOT_FINISHED,
+            )
+        now = self.checkpoints.current(k)
+        return now.version, now.sha, self.checkpoints.frozen_payload(k)
 
-    def frozen_refs(self, k: int) -> list[dict[str, Any]]:
+    def frozen_refs(self, k: int) -> tuple[FrozenRef, ...]:
         """Version and sha256 of each frozen input of block k (empty until all of them have finished)."""
         needed = range(self.objective.frozen_inputs(k))
         if any(self.state[j] is not BlockState.FINISHED for j in needed):
-            return []
-        ck = self.checkpoints
-        return [{"block": j, "version": ck.version[j], "weights_sha": ck.weights_sha[j]} for j in needed]
+            return ()
+        current = self.checkpoints.current
+        return tuple(FrozenRef(block=j, version=current(j).version, weights_sha=current(j).sha) for j in needed)
 
     def check_version(self, k: int, base: int) -> None:
         """409 unless block k's round at version ``base`` is open and takes updates."""
-        with self.lock:
-            v = self.checkpoints.version[k]
-            rnd = self.store.rounds.round(k, v)
-            if base != v:
-                raise ProtocolError(
-                    409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
-                    "stale",
-                )
-            if self.state[k] is BlockState.WAITING:
-                raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", "waiting")
-            if rnd is None or rnd["state"] != RoundState.OPEN.value:
-                raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", "finished")
+        v = self.checkpoints.current(k).version
+        rnd = self.store.rounds.round(k, v)
+        if base != v:
+            raise ProtocolError(
+                409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
+                Reason.STALE,
+            )
+        if self.state[k] is BlockState.WAITING:
+            raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", Reason.WAITING)
+        if rnd is None or rnd.state is not RoundState.OPEN:
+            raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", Reason.FINISHED)
+
+    def mark_refused(self, k: int, v: int, names: list[str]) -> None:
+        """The round (k, v) refused these workers' update: it does not wait for them (they wait for the next version)."""
+        self._refused.setdefault((k, v), set()).update(names)
 
     # --- rounds ------------------------------------------------------------------
     def check_quorum(self, now: float) -> list[int]:
@@ -193,17 +196,17 @@ class Rounds:
         The quorum counts only the workers that can still contribute: live (admitted, holding a lease; a quarantined
         worker has left) and not refused in this round. ``min_updates`` is capped by their number, so a refused or
         quarantined worker never holds a round to its deadline."""
-        live = live_replicas(self.store.workers, self.n_blocks, now)
+        live = self.store.workers.live_by_block(self.n_blocks, now)
         closed = []
         for k in range(self.n_blocks):
-            v = self.checkpoints.version[k]
+            v = self.checkpoints.current(k).version
             reported = self.store.updates.reporters(k, v)
             rnd = self.store.rounds.round(k, v)
-            refused = self.refused.get((k, v), set())  # a refused worker waits for the next version
+            refused = self._refused.get((k, v), set())  # a refused worker waits for the next version
             able = (live[k] - refused) | reported  # who can still count in this round
             enough = len(reported) >= min(self.settings.min_updates, len(able))
-            if (rnd is not None and rnd["state"] == RoundState.OPEN.value and enough and live[k] <= reported | refused
-                    and int(rnd["n_updates"]) > 0  # 0: every update it had was dropped (a quarantined worker's)
+            if (rnd is not None and rnd.state is RoundState.OPEN and enough and live[k] <= reported | refused
+                    and rnd.n_updates > 0  # 0: every update it had was dropped (a quarantined worker's)
                     and not self.audits_pending(k, v)):
                 self.close_round(k, CloseReason.QUORUM, now)
                 closed.append(k)
@@ -212,31 +215,40 @@ class Rounds:
     def close_due_rounds(self, now: float) -> None:
         """Close rounds past their deadline; extend those that received nothing."""
         for k in range(self.n_blocks):
-            v = self.checkpoints.version[k]
+            v = self.checkpoints.current(k).version
             rnd = self.store.rounds.round(k, v)
-            if rnd is None or rnd["state"] != RoundState.OPEN.value or float(rnd["deadline"]) > now:
+            if rnd is None or rnd.state is not RoundState.OPEN or rnd.deadline > now:
                 continue
             if self.audits_pending(k, v):  # past its deadline, the round waits for its audits (each within
                 continue                   # --audit-timeout, else its worker is quarantined and its update dropped)
-            if int(rnd["n_updates"]) > 0:
+            if rnd.n_updates > 0:
                 self.close_round(k, CloseReason.DEADLINE, now)
             else:  # nobody delivered: keep the round open for another period
                 with self.store.tx():
                     self.store.rounds.extend_round(k, v, now + self.settings.round_seconds)
 
     def close_round(self, k: int, reason: CloseReason, now: float) -> None:
-        s, ck = self.store, self.checkpoints
-        v = ck.version[k]
-        self.refused.pop((k, v), None)
-        rows = s.updates.accepted_updates(k, v)
-        deltas, samples = [], []
-        for r in rows:
-            tensors, _ = unpack(s.blobs.get_blob(r["blob"]), source=f"update {r['id']}")
-            deltas.append(decode_delta(tensors, Compression(r["compression"])))
-            samples.append(int(r["samples"]))
-        cfg = self.settings
-        result = next_version(ck.weights[k], deltas, samples, cfg, ck.outer.get(k) or OuterState())
+        """Collect the round's updates, make the next version, persist it, advance the schedule."""
+        v = self.checkpoints.current(k).version
+        self._refused.pop((k, v), None)
+        rows, result = self._next_version(k, v)
         screened = [r for i, r in enumerate(rows) if i not in result.kept]
+        changed, warm = self._persist(k, v, rows, screened, result, reason, now)
+        self._advance(k, v, len(rows), screened, changed, warm, reason, now)
+
+    def _next_version(self, k: int, v: int) -> tuple[list[UpdateRow], RoundResult]:
+        """The round's accepted updates, and :func:`.aggregate.next_version` of them."""
+        s = self.store
+        rows = s.updates.accepted_updates(k, v)
+        deltas = [decode_delta(unpack(s.blobs.get_blob(r.blob), source=f"update {r.id}")[0], r.compression) for r in rows]
+        current = self.checkpoints.current(k)
+        return rows, next_version(current.weights, deltas, [r.samples for r in rows], self.settings, current.outer)
+
+    def _persist(self, k: int, v: int, rows: list[UpdateRow], screened: list[UpdateRow], result: RoundResult,
+                 reason: CloseReason, now: float) -> tuple[dict[int, BlockState], int | None]:
+        """Store version v + 1 (weights, step, outer state), close round v, open the next round or block; returns the
+        blocks whose state changed and the block to warm-start (None: none)."""
+        s, ck, cfg = self.store, self.checkpoints, self.settings
         w = result.weights
         payload = ck.payload(k, v + 1, w)
         w_digest = s.blobs.put_blob(payload)
@@ -247,41 +259,45 @@ class Rounds:
         )
         carried = result.state.tensors()
         m_digest = s.blobs.put_blob(pack(carried, {"kind": "outer_state", "block_index": str(k)})) if carried else None
-        arrivals = sorted(float(r["arrival_s"]) for r in rows)
+        arrivals = sorted(r.arrival_s for r in rows)
         paced = arrivals[max(0, math.ceil(cfg.deadline_quantile * len(arrivals)) - 1)]  # 1.0: the slowest
         seconds = cfg.round_seconds
-        changed: dict[int, BlockState] = {}
-        warm: int | None = None  # the block that opens now and starts from this one (stack.init)
         if cfg.adaptive_deadline:
             seconds = min(cfg.round_seconds, max(cfg.min_round_seconds, cfg.deadline_slack * paced))
+        changed: dict[int, BlockState] = {}
+        warm: int | None = None  # the block that opens now and starts from this one (stack.init)
         with s.tx():
             s.rounds.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
             s.rounds.close_round(k, v, now, reason)  # its updates are applied
-            s.updates.set_update_state([int(r["id"]) for r in screened], UpdateState.SCREENED)
+            s.updates.set_update_state([r.id for r in screened], UpdateState.SCREENED)
             for r in screened:
-                s.conduct.record_rejection(str(r["worker"]), k, 422, "screened", f"dropped at the close of round {v}: "
+                s.conduct.record_rejection(r.worker, k, 422, Reason.SCREENED, f"dropped at the close of round {v}: "
                                            "it points away from what the round's other updates agree on", now)
             if cfg.rounds and v + 1 >= self.block_rounds(k):
                 s.rounds.finish_round(k, v + 1, now)
                 changed[k] = BlockState.FINISHED
                 nxt = k + 1
                 if self.progressive and nxt < self.n_blocks and self.state[nxt] is BlockState.WAITING:
-                    warm = nxt if self.objective.inherits() and ck.version[nxt] == 0 else None
-                    s.rounds.open_round(nxt, ck.version[nxt], now, now + cfg.round_seconds)
+                    warm = nxt if self.objective.inherits() and ck.current(nxt).version == 0 else None
+                    s.rounds.open_round(nxt, ck.current(nxt).version, now, now + cfg.round_seconds)
                     changed[nxt] = BlockState.OPEN
                 for j, state in changed.items():
                     s.rounds.set_block_state(j, state, now)
             else:
                 s.rounds.open_round(k, v + 1, now, now + seconds)
-        ck.publish(k, v + 1, w, payload)
-        ck.outer[k] = result.state
+        ck.publish(k, v + 1, w, payload, result.state)
         ck.save_checkpoint(k)
+        return changed, warm
+
+    def _advance(self, k: int, v: int, n_updates: int, screened: list[UpdateRow], changed: dict[int, BlockState],
+                 warm: int | None, reason: CloseReason, now: float) -> None:
+        """What follows a stored close: the warm start of a block that opened, screened workers' refusals, states."""
         if warm is not None:
-            ck.warm_start(warm)
-        log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, len(rows), v + 1)
+            self.checkpoints.warm_start(warm)
+        log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, n_updates, v + 1)
         for r in screened:
-            log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r["worker"])
-            self.conduct.refused(str(r["worker"]), "screened", now)
+            log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r.worker)
+            self.conduct.refused(r.worker, Reason.SCREENED, now)
         for j, state in changed.items():
             self.state[j] = state
             log.info("block %d is now %s", j, state.value)

@@ -1,15 +1,18 @@
-"""The coordinator service: a thin front over the parts that each own their state, independent of HTTP.
+"""The coordinator service: the front over its parts, the one owner of their lock, independent of HTTP.
 
-:class:`Coordinator` builds the parts, holds the one lock they share, and exposes what the HTTP layer
-(:mod:`.app`) calls. The parts, none of which inherits from another:
+:class:`Coordinator` builds the parts, each with exactly the collaborators it uses, and is the only object that takes
+the lock they share. Every operation the HTTP layer (:mod:`.app`) calls runs here in named phases: unlocked parsing
+and screening, then a locked admit, record or quorum; the slow work of a push (its checks against a snapshot of the
+block's history, the staging of its body on disk) and of an audit (the replay) runs between them, unlocked. The
+parts, none of which inherits from another and none of which takes a lock:
 
 * :class:`.auth.Tokens`: bearer tokens, authentication, unauthenticated refusals.
 * :class:`.roster.Roster`: registration, leases, assignment to blocks, the work answer.
-* :class:`.uploads.Uploads`: update pushes through the :class:`.intake.Intake` to a stored update; audits
-  (:class:`.audit.Auditor`); refusals, with their consequences (:class:`.conduct.Conduct`).
+* :class:`.uploads.Uploads`: the steps of an update push and of an audit upload; refusals, with their consequences
+  (:class:`.conduct.Conduct`); the :class:`.intake.Intake` every update passes; audits (:class:`.audit.Auditor`).
 * :class:`.rounds.Rounds`: block states, round open and close, aggregation, the progressive schedule.
-* :class:`.checkpoints.Checkpoints`: the published weights, the checkpoint mirror, downloads, evaluation.
-* :class:`.observe.Traffic`: byte counting; :func:`.observe.status` reads the parts for ``/v1/status``.
+* :class:`.checkpoints.Checkpoints`: the published versions, the checkpoint mirror, downloads.
+* :class:`.observe.Traffic`: byte counting; :class:`.observe.Observed`: the ``/v1/status`` document.
 * :class:`.groups.PeerHub`: the hivemind engine's authority and bootstrap peer (``--hivemind``).
 
 Durable state is the :class:`.store.Store`'s, one accessor per table owner.
@@ -20,11 +23,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
+
+import torch
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
+from blocktrain.coordinator.aggregate import OuterState
 from blocktrain.coordinator.audit import Auditor
 from blocktrain.coordinator.auth import Tokens
 from blocktrain.coordinator.checkpoints import Checkpoints
@@ -32,7 +39,7 @@ from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.groups import PeerHub
 from blocktrain.coordinator.intake import Intake
-from blocktrain.coordinator.observe import Traffic
+from blocktrain.coordinator.observe import Observed, Traffic, prometheus
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds, progressive_schedule
 from blocktrain.coordinator.settings import CoordinatorSettings
@@ -41,6 +48,9 @@ from blocktrain.coordinator.uploads import Uploads
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
+from blocktrain.protocol.codes import BlockState
+from blocktrain.protocol.messages import AuditAnswer, Heartbeat, Left, PushAnswer, Registration, WorkAnswer
+from blocktrain.protocol.status import Status
 
 log = logging.getLogger(__name__)
 
@@ -62,44 +72,178 @@ class Coordinator:
         self.settings = settings.for_objective(self.objective.outer_step())
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
-        self.lock = threading.RLock()  # serialises every state change, and every use of the store
+        self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
         self.n_blocks = self.cfg.model.n_blocks
-        progressive = progressive_schedule(self.cfg, settings)
         self.evaluator = Evaluator(self.cfg, settings, data)
-        self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store, self.evaluator, self.lock, clock)
+        self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store)
         self.intake = Intake(self.settings, self.checkpoints.block_shapes, self.evaluator)  # what every update passes
         self.conduct = Conduct(self.settings, self.store)  # rate limit and quarantine
         if self.settings.gate and not self.intake.gating:
             log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
         self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
-        self.rounds = Rounds(self.cfg, self.settings, progressive, self.store, self.checkpoints, self.intake, self.conduct,
-                             self.lock, audits_pending=self.auditor.holds)  # a round waits for its audits
-        with self.lock:
-            self.rounds.start(self.clock())
-        self.tokens = Tokens(self.store, self.conduct, self.lock, clock)
+        self.rounds = Rounds(self.cfg, self.settings, progressive_schedule(self.cfg, settings), self.store,
+                             self.checkpoints, self.intake, self.conduct,
+                             audits_pending=self.auditor.holds)  # a round waits for its audits
+        self.tokens = Tokens(self.store, self.conduct)
         # the hivemind engine's authority and bootstrap peer (coordinator.groups)
         self.hub: PeerHub | None = PeerHub(self.run.root, self.store, settings.hivemind_host) if settings.hivemind else None
-        self.roster = Roster(self.cfg, self.settings, self.store, self.rounds, self.conduct, self.hub, self.lock, clock)
-        self.uploads = Uploads(self.roster, self.intake, self.auditor, self.conduct, self.hub)
-        self.traffic = Traffic(self.store, self.lock)
-        # Read-only views of the parts' state (the same objects, updated in place): tests and benchmarks read them.
-        ck = self.checkpoints
-        self.version, self.weights, self.weights_sha, self.outer = ck.version, ck.weights, ck.weights_sha, ck.outer
-        self.block_shapes, self.shapes, self.E = ck.block_shapes, ck.shapes, ck.E
-        self.block_fp32_bytes, self.max_body_bytes = ck.block_fp32_bytes, ck.max_body_bytes
-        self.state = self.rounds.state
-        # What the HTTP layer calls, each the method of the part that owns it.
-        self.worker_for_token, self.authenticate, self.add_token = (self.tokens.worker_for_token, self.tokens.authenticate,
-                                                                    self.tokens.add_token)
-        self.unauthenticated_rejections = self.tokens.unauthenticated_rejections
-        self.register, self.heartbeat, self.leave, self.work = (self.roster.register, self.roster.heartbeat,
-                                                                self.roster.leave, self.roster.work)
-        self.live_replicas = self.roster.live_replicas
-        self.submit, self.audit = self.uploads.submit, self.uploads.audit
-        self.weights_bytes, self.step_bytes = ck.weights_bytes, ck.step_bytes
-        self.frozen_bytes, self.block_rounds, self.finished = (self.rounds.frozen_bytes, self.rounds.block_rounds, self.rounds.finished)
-        self.maybe_evaluate = ck.maybe_evaluate
-        self.count_bytes, self.flush_bytes = self.traffic.count_bytes, self.traffic.flush_bytes
+        self.roster = Roster(self.cfg, self.settings, self.store, self.rounds, self.checkpoints, self.conduct, self.hub)
+        self.uploads = Uploads(self.cfg, self.settings, self.store, self.roster, self.rounds, self.checkpoints,
+                               self.intake, self.auditor, self.conduct, self.hub)
+        self.traffic = Traffic(self.store)
+        self.observed = Observed(self.cfg, self.settings, self.store, self.checkpoints, self.rounds, self.conduct,
+                                 self.intake, self.auditor, self.tokens, self.hub)
+        with self.lock:
+            self.rounds.start(self.clock())
+
+    # --- read-only views (tests, benchmarks, the HTTP layer's caps) -----------------------
+    @property
+    def version(self) -> Mapping[int, int]:
+        """Block -> its published version."""
+        with self.lock:
+            return MappingProxyType(self.checkpoints.versions())
+
+    @property
+    def weights(self) -> Mapping[int, dict[str, torch.Tensor]]:
+        """Block -> its published weights W_v."""
+        with self.lock:
+            return MappingProxyType({k: self.checkpoints.current(k).weights for k in range(self.n_blocks)})
+
+    @property
+    def weights_sha(self) -> Mapping[int, str]:
+        """Block -> the sha256 of its published weights."""
+        with self.lock:
+            return MappingProxyType({k: self.checkpoints.current(k).sha for k in range(self.n_blocks)})
+
+    @property
+    def state(self) -> Mapping[int, BlockState]:
+        """Block -> waiting, open or finished."""
+        with self.lock:
+            return MappingProxyType(dict(self.rounds.state))
+
+    @property
+    def block_shapes(self) -> Mapping[int, dict[str, tuple[int, ...]]]:
+        """Block -> its trainable tensors' shapes."""
+        return MappingProxyType(self.checkpoints.block_shapes)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Block 0's trainable tensors' shapes (every block's, for diffusion)."""
+        return self.checkpoints.shapes
+
+    @property
+    def outer(self) -> Mapping[int, OuterState]:
+        """Block -> what its outer step carries to the next round."""
+        with self.lock:
+            return MappingProxyType({k: self.checkpoints.current(k).outer for k in range(self.n_blocks)})
+
+    @property
+    def block_fp32_bytes(self) -> int:
+        """Bytes of the largest block in float32."""
+        return self.checkpoints.block_fp32_bytes
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The cap on an update's body."""
+        return self.checkpoints.max_body_bytes
+
+    def block_rounds(self, k: int) -> int:
+        return self.rounds.block_rounds(k)
+
+    def finished(self) -> bool:
+        with self.lock:
+            return self.rounds.finished()
+
+    def live_replicas(self, now: float) -> dict[int, set[str]]:
+        with self.lock:
+            return self.roster.live_replicas(now)
+
+    # --- who is asking ---------------------------------------------------------------------
+    def worker_for_token(self, token: str) -> str | None:
+        """(Unlocked: every request's byte count asks.) The worker a token names, from the cache."""
+        return self.tokens.worker_for_token(token)
+
+    def authenticate(self, token: str | None) -> str:
+        if token:
+            name = self.tokens.worker_for_token(token)
+            if name is not None:
+                return name
+        with self.lock:
+            return self.tokens.authenticate(token)
+
+    def add_token(self, name: str) -> str:
+        with self.lock:
+            return self.tokens.add_token(name, self.clock())
+
+    # --- workers ---------------------------------------------------------------------------
+    def register(self, name: str, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> Registration:
+        with self.lock:
+            return self.roster.register(name, block, self.clock(), dataset, p2p_key)
+
+    def heartbeat(self, name: str) -> Heartbeat:
+        with self.lock:
+            return self.roster.heartbeat(name, self.clock())
+
+    def leave(self, name: str) -> Left:
+        with self.lock:
+            self.roster.leave(name)
+            self.rounds.check_quorum(self.clock())
+        return Left()
+
+    def work(self, name: str) -> WorkAnswer:
+        with self.lock:
+            return self.roster.work(name, self.clock())
+
+    # --- downloads ---------------------------------------------------------------------------
+    def weights_bytes(self, k: int) -> tuple[int, bytes]:
+        with self.lock:
+            return self.checkpoints.weights_bytes(k)
+
+    def step_bytes(self, k: int, from_version: int) -> bytes:
+        with self.lock:
+            return self.checkpoints.step_bytes(k, from_version)
+
+    def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:
+        with self.lock:
+            return self.rounds.frozen_bytes(k)
+
+    # --- a push ------------------------------------------------------------------------------
+    def submit(self, name: str, k: int, body: bytes) -> PushAnswer:
+        """Validate and store one update; close the round if that makes a quorum."""
+        try:
+            return self._submit(name, k, body)
+        except ProtocolError as exc:
+            self.record_rejection(name, k, exc)
+            raise
+
+    def _submit(self, name: str, k: int, body: bytes) -> PushAnswer:
+        up = self.uploads
+        arrived = self.clock()
+        with self.lock:  # admit: registered on block k, not quarantined, not over its refusal rate
+            worker = up.admit(name, k)
+        upd = up.parse(k, body)  # unlocked: size, tensors, metadata
+        with self.lock:  # screen against the round; snapshot what the checks read
+            resend = up.screen(name, upd, body)
+            if resend is not None:
+                return resend
+            members = up.members(name, upd)
+            base = self.checkpoints.published(k)
+            view = self.intake.view(base)
+        t0 = time.perf_counter()
+        try:  # unlocked: budget, norm, replay and the loss gate, on the snapshot
+            checked = self.intake.check(upd, base, up.budget(k, members), view)
+        except ProtocolError as exc:
+            with self.lock:
+                self.intake.count(time.perf_counter() - t0)
+                up.refused(name, upd, members, exc, self.clock())
+            raise
+        staged = self.store.blobs.stage_blob(body)  # unlocked: written and fsynced, named only once accepted
+        try:
+            with self.lock:  # record: checked again against the round as it is now, stored, audited, quorum
+                self.intake.count(time.perf_counter() - t0)
+                return up.accept(name, worker, upd, checked, staged, arrived, members, base, self.clock())
+        finally:
+            self.store.blobs.discard_blob(staged)  # no-op once committed
 
     def record_rejection(self, name: str | None, k: int | None, exc: ProtocolError) -> None:
         """Log and count a refused update; durably (a ``rejections`` row) only for an authenticated worker.
@@ -109,18 +253,83 @@ class Coordinator:
         """
         if name is None:
             self.tokens.refused(k, exc)
-        else:
-            self.uploads.record_rejection(name, k, exc)
+            return
+        with self.lock:
+            self.uploads.record_rejection(name, k, exc, self.clock())
 
+    # --- an audit ------------------------------------------------------------------------------
+    def expect_audit(self, name: str, k: int, v: int) -> None:
+        """404 unless an audit of ``name`` for (k, v) awaits its upload (asked before the body is read)."""
+        with self.lock:
+            self.auditor.expect(name, k, v)
+
+    def audit(self, name: str, k: int, v: int, body: bytes) -> AuditAnswer:
+        """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it.
+
+        Its round has waited for this decision (``Rounds.audits_pending``): a failed push is dropped before the round
+        closes, so it is never applied, also where it completed the quorum."""
+        self.checkpoints.check_block(k)
+        with self.lock:
+            case = self.auditor.take(name, k, v)  # its round stays held until decided
+        answer: AuditAnswer | None = None
+        why = "its replay broke"
+        try:  # unlocked: the replay
+            answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k])
+            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} (at most "
+                   f"{answer.tolerance:.3g}), scale on its replay {answer.scale:.4f} (within "
+                   f"{self.settings.audit_scale_tolerance:g} of 1)")
+        except ProtocolError as exc:  # a malformed state fails the audit too
+            answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
+            why = f"its audit upload was refused ({exc})"
+        finally:  # decided under the lock, before its round may close; a replay that broke fails it too
+            with self.lock:
+                self.uploads.decide(name, k, v, answer, why, self.clock())
+        return answer
+
+    # --- time, evaluation, observation -----------------------------------------------------------
     def tick(self) -> None:
-        """Lapse expired leases, close rounds at quorum or deadline, flush byte counters."""
+        """Lapse expired leases, quarantine late audits, close rounds at quorum or deadline, flush byte counters."""
         with self.lock:
             now = self.clock()
             self.roster.lapse(now)
             self.uploads.overdue_audits(now)
             self.rounds.check_quorum(now)
             self.rounds.close_due_rounds(now)
-            self.flush_bytes()
+            self.traffic.flush_bytes()
+            self.tokens.unauthenticated_rejections()  # folds the queued counts
+
+    def maybe_evaluate(self, force: bool = False) -> float | None:
+        """Evaluate the assembled model if an epoch (the least version over the blocks) is due: the weights are taken
+        under the lock, scored without it."""
+        if not self.evaluator.enabled:
+            return None
+        with self.lock:
+            due = self.checkpoints.eval_due(force)
+        if due is None:
+            return None
+        epoch, versions, snapshot = due
+        ce, n = self.evaluator.evaluate(snapshot, self.checkpoints.E)
+        with self.lock, self.store.tx():
+            self.store.evals.record_eval(epoch, versions, ce, n, self.clock())
+        log.info("eval at epoch %d (versions %s): CE %.4f nats/byte on %d bytes", epoch, versions, ce, n)
+        return ce
+
+    def count_bytes(self, name: str | None, n_in: int, n_out: int, route: str = "control") -> None:
+        """(Unlocked: the HTTP layer counts every request.)"""
+        self.traffic.count_bytes(name, n_in, n_out, route)
+
+    def flush_bytes(self) -> None:
+        with self.lock:
+            self.traffic.flush_bytes()
+
+    def status(self, recent_rounds: int = 50) -> Status:
+        with self.lock:
+            self.traffic.flush_bytes()
+            return self.observed.status(self.clock(), recent_rounds)
+
+    def metrics(self) -> str:
+        """Prometheus text for ``/metrics``."""
+        return prometheus(self.status(recent_rounds=0))
 
     def close(self) -> None:
         self.flush_bytes()

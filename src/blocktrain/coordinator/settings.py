@@ -36,18 +36,6 @@ class WorkerState(enum.Enum):
     LEFT = "left"  # said goodbye (SIGINT/SIGTERM)
 
 
-class RoundState(enum.Enum):
-    OPEN = "open"  # taking deltas against this version
-    CLOSED = "closed"  # aggregated into the next version
-    FINISHED = "finished"  # the block reached its last round; nothing more is taken
-
-
-class BlockState(enum.Enum):
-    WAITING = "waiting"  # not trained yet: a stack block waits for blocks 0..k-1 to finish (progressive schedule)
-    OPEN = "open"  # rounds are running
-    FINISHED = "finished"  # reached its last round; its weights are final (and served as a frozen input)
-
-
 class UpdateState(enum.Enum):
     ACCEPTED = "accepted"  # validated and stored, waiting for its round to close
     APPLIED = "applied"  # part of an aggregate

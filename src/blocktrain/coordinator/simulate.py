@@ -310,7 +310,5 @@ class BlockRun:
         return self.replicas[0]
 
     def finish(self) -> LocalRun:
-        self.run.block = self.current()
-        self.run.weights = self.W
-        self.run.wall_s = time.perf_counter() - self._t0
-        return self.run
+        """The run as it ends: the last published weights in replica 0, and its wall time."""
+        return replace(self.run, block=self.current(), weights=self.W, wall_s=time.perf_counter() - self._t0)

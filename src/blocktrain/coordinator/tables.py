@@ -1,7 +1,9 @@
-"""The coordinator's SQLite tables, one accessor class per owner, over the one shared connection (:class:`.store.Db`).
+"""The coordinator's SQLite tables, one accessor class per owner, over the one shared connection (:class:`.db.Db`).
 
-Every SQL statement of the coordinator is here or in :mod:`.store`, behind a method named by what it does
-(``record_update``, ``open_round``, ``live_workers``, ...). Each class serves one part of the coordinator:
+Every SQL statement of the coordinator is here or in :mod:`.db`, behind a method named by what it does
+(``record_update``, ``open_round``, ``live_workers``, ...), and every row leaves as a frozen row type with typed
+fields (:class:`WorkerRow`, :class:`VersionRow`, :class:`RoundRow`, :class:`UpdateRow`, :class:`EvalRow`): no
+``sqlite3.Row`` leaves this module. Each class serves one part of the coordinator:
 
 * :class:`TokenTable` (``tokens``): the bearer tokens (:mod:`.auth`).
 * :class:`WorkerTable` (``workers``): identities, leases, blocks, per-worker byte counts (:mod:`.roster`).
@@ -9,6 +11,7 @@ Every SQL statement of the coordinator is here or in :mod:`.store`, behind a met
 * :class:`UpdateTable` (``updates``, ``seeds``, ``group_members``): accepted updates (:mod:`.uploads`).
 * :class:`ConductTable` (``rejections``, ``quarantine``, ``group_refusals``): refusals (:mod:`.conduct`).
 * :class:`EvalTable` (``evals``): the periodic evaluations (:mod:`.checkpoints`).
+* :class:`MetaTable` (``meta``, ``counters``): run-wide settings and counters.
 
 A write that keeps another table's count in step (an accepted update counts in its round and for its worker) does so
 in the same statement group. Write methods begin no transaction: the caller groups them in :meth:`.store.Db.tx`.
@@ -21,17 +24,120 @@ import json
 import secrets
 import sqlite3
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from blocktrain.coordinator.blobs import BlobStore
-from blocktrain.coordinator.settings import BlockState, CloseReason, RoundState, UpdateState, WorkerState
-
-if TYPE_CHECKING:
-    from blocktrain.coordinator.store import Db
+from blocktrain.coordinator.db import Db
+from blocktrain.coordinator.settings import CloseReason, UpdateState, WorkerState
+from blocktrain.protocol.codes import BlockState, RoundState
+from blocktrain.protocol.delta import Compression
 
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    """A ``workers`` row."""
+
+    id: int  # the worker's number (it names its data streams: seeds.worker_stream)
+    name: str  # its token's name
+    block: int | None  # the block it trains (None: never assigned)
+    pinned: bool  # it asked for that block (--block) and keeps it
+    state: WorkerState  # active, lapsed or left
+    registered: float  # coordinator clock time of its first registration
+    lease_until: float  # coordinator clock time its lease ends
+    bytes_in: int  # request body bytes it sent
+    bytes_out: int  # response body bytes it was sent
+    accepted: int  # its updates accepted
+    rejected: int  # its updates refused
+
+    def live(self, now: float) -> bool:
+        """Active and holding its lease at ``now``."""
+        return self.state is WorkerState.ACTIVE and self.lease_until >= now
+
+    @classmethod
+    def of(cls, r: sqlite3.Row) -> WorkerRow:
+        return cls(int(r["id"]), str(r["name"]), None if r["block"] is None else int(r["block"]), bool(r["pinned"]),
+                   WorkerState(r["state"]), float(r["registered"]), float(r["lease_until"]), int(r["bytes_in"]),
+                   int(r["bytes_out"]), int(r["accepted"]), int(r["rejected"]))
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    """A ``versions`` row: what block ``block`` published as ``version``."""
+
+    block: int  # k
+    version: int  # v
+    weights_blob: str  # digest of W_v's safetensors payload
+    step_blob: str | None  # digest of the published step that made it (None for v = 0)
+    momentum_blob: str | None  # digest of the outer state carried from it (None: nothing to carry)
+    weights_sha: str  # tensors_sha256 of W_v
+    created: float  # coordinator clock time it was published
+
+    @classmethod
+    def of(cls, r: sqlite3.Row) -> VersionRow:
+        return cls(int(r["block"]), int(r["version"]), str(r["weights_blob"]), r["step_blob"] or None,
+                   r["momentum_blob"] or None, str(r["weights_sha"]), float(r["created"]))
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """A ``rounds`` row: round ``version`` of block ``block``."""
+
+    block: int  # k
+    version: int  # v: the round takes deltas against W_v
+    state: RoundState  # open, closed or finished
+    opened: float  # coordinator clock time it opened
+    deadline: float  # coordinator clock time of its deadline
+    closed: float | None  # when it closed (None: not yet)
+    close_reason: CloseReason | None  # why it closed (None: not yet)
+    n_updates: int  # accepted updates that count in it (dropped ones subtracted)
+
+    @classmethod
+    def of(cls, r: sqlite3.Row) -> RoundRow:
+        return cls(int(r["block"]), int(r["version"]), RoundState(r["state"]), float(r["opened"]), float(r["deadline"]),
+                   None if r["closed"] is None else float(r["closed"]),
+                   None if r["close_reason"] is None else CloseReason(r["close_reason"]), int(r["n_updates"]))
+
+
+@dataclass(frozen=True)
+class UpdateRow:
+    """An ``updates`` row: one accepted push."""
+
+    id: int  # arrival order
+    block: int  # k
+    version: int  # v it was trained against
+    worker: str  # who pushed it (a group mean's uploader)
+    samples: int  # sequences behind it (its weight)
+    norm: float  # ||Delta||
+    compression: Compression  # its wire encoding
+    blob: str  # digest of its body
+    arrived: float  # coordinator clock time it arrived
+    arrival_s: float  # seconds after its round opened
+    state: UpdateState  # accepted, applied, screened or dropped
+
+    @classmethod
+    def of(cls, r: sqlite3.Row) -> UpdateRow:
+        return cls(int(r["id"]), int(r["block"]), int(r["version"]), str(r["worker"]), int(r["samples"]),
+                   float(r["norm"]), Compression(r["compression"]), str(r["blob"]), float(r["arrived"]),
+                   float(r["arrival_s"]), UpdateState(r["state"]))
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    """An ``evals`` row: one evaluation of the assembled model."""
+
+    epoch: int  # the least version over the blocks when it ran
+    versions: dict[int, int]  # block -> version evaluated
+    ce: float  # nats/byte on the validation bytes scored
+    bytes: int  # validation bytes scored
+    at: float  # coordinator clock time
+
+    @classmethod
+    def of(cls, r: sqlite3.Row) -> EvalRow:
+        return cls(int(r["epoch"]), {int(k): int(v) for k, v in json.loads(r["versions"]).items()}, float(r["ce"]),
+                   int(r["bytes"]), float(r["at"]))
 
 
 @dataclass(frozen=True)
@@ -56,13 +162,14 @@ class WorkerTable:
 
     db: Db  # the shared connection
 
-    def worker(self, name: str) -> sqlite3.Row | None:
+    def worker(self, name: str) -> WorkerRow | None:
         """The row of worker ``name`` (None if it never registered)."""
-        return self.db.q1("SELECT * FROM workers WHERE name=?", name)
+        row = self.db.q1("SELECT * FROM workers WHERE name=?", name)
+        return None if row is None else WorkerRow.of(row)
 
-    def workers(self) -> list[sqlite3.Row]:
+    def workers(self) -> list[WorkerRow]:
         """Every worker's row, by name."""
-        return self.db.q("SELECT * FROM workers ORDER BY name")
+        return [WorkerRow.of(r) for r in self.db.q("SELECT * FROM workers ORDER BY name")]
 
     def register_worker(self, name: str, block: int, pinned: bool, now: float, lease_until: float) -> None:
         """Add worker ``name``, or re-register it (block, pin, active, lease; its first ``registered`` time is kept)."""
@@ -92,10 +199,14 @@ class WorkerTable:
     def lapse_worker(self, name: str) -> None:
         self.db.execute("UPDATE workers SET state=? WHERE name=?", (WorkerState.LAPSED.value, name))
 
-    def live_workers(self, now: float) -> list[tuple[str, int | None]]:
-        """(name, block) of every active worker that holds a lease at ``now``."""
+    def live_by_block(self, n_blocks: int, now: float) -> dict[int, set[str]]:
+        """Block -> names of the active workers on it that hold a lease at ``now``."""
+        live: dict[int, set[str]] = {k: set() for k in range(n_blocks)}
         rows = self.db.q("SELECT name, block FROM workers WHERE state=? AND lease_until>=?", WorkerState.ACTIVE.value, now)
-        return [(str(r["name"]), r["block"]) for r in rows]
+        for r in rows:
+            if r["block"] is not None and 0 <= int(r["block"]) < n_blocks:
+                live[int(r["block"])].add(str(r["name"]))
+        return live
 
     def add_bytes(self, name: str | None, n_in: int, n_out: int) -> None:
         """Count body bytes received and sent, in total and (``name`` not None) for that worker."""
@@ -106,15 +217,25 @@ class WorkerTable:
 
 
 @dataclass(frozen=True)
+class RoundTraffic:
+    """What one closed round moved and refused."""
+
+    push_bytes: int  # its accepted updates' body bytes
+    step_bytes: int  # the published step's bytes
+    rejected: dict[str, int]  # refusals while it was open, by reason
+
+
+@dataclass(frozen=True)
 class RoundTable:
     """Published versions, block states and rounds of every block (and what each closed round moved)."""
 
     db: Db  # the shared connection
     blobs: BlobStore  # where the versions' and steps' tensors are
 
-    def latest_version(self, k: int) -> sqlite3.Row | None:
+    def latest_version(self, k: int) -> VersionRow | None:
         """The newest ``versions`` row of block k (None before its first)."""
-        return self.db.q1("SELECT * FROM versions WHERE block=? ORDER BY version DESC LIMIT 1", k)
+        row = self.db.q1("SELECT * FROM versions WHERE block=? ORDER BY version DESC LIMIT 1", k)
+        return None if row is None else VersionRow.of(row)
 
     def add_version(self, k: int, v: int, weights_blob: str, weights_sha: str, created: float, *,
                     step_blob: str | None = None, momentum_blob: str | None = None) -> None:
@@ -142,9 +263,10 @@ class RoundTable:
     def set_block_state(self, k: int, state: BlockState, now: float) -> None:
         self.db.execute("INSERT OR REPLACE INTO block_states(block, state, changed) VALUES(?,?,?)", (k, state.value, now))
 
-    def round(self, k: int, v: int) -> sqlite3.Row | None:
+    def round(self, k: int, v: int) -> RoundRow | None:
         """The round of block k at version v (None if it was never opened)."""
-        return self.db.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+        row = self.db.q1("SELECT * FROM rounds WHERE block=? AND version=?", k, v)
+        return None if row is None else RoundRow.of(row)
 
     def open_round(self, k: int, v: int, opened: float, deadline: float) -> None:
         self.db.execute("INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
@@ -166,11 +288,12 @@ class RoundTable:
         self.db.execute("INSERT OR REPLACE INTO rounds(block, version, state, opened, deadline) VALUES(?,?,?,?,?)",
                         (k, v, RoundState.FINISHED.value, now, now))
 
-    def closed_rounds(self, limit: int) -> list[sqlite3.Row]:
+    def closed_rounds(self, limit: int) -> list[RoundRow]:
         """The ``limit`` most recently closed rounds, newest first."""
-        return self.db.q("SELECT * FROM rounds WHERE state=? ORDER BY closed DESC LIMIT ?", RoundState.CLOSED.value, limit)
+        rows = self.db.q("SELECT * FROM rounds WHERE state=? ORDER BY closed DESC LIMIT ?", RoundState.CLOSED.value, limit)
+        return [RoundRow.of(r) for r in rows]
 
-    def round_traffic(self, k: int, v: int, opened: float, closed: float) -> dict[str, Any]:
+    def round_traffic(self, k: int, v: int, opened: float, closed: float) -> RoundTraffic:
         """What one round of block k moved and refused: its updates' body bytes, the step's bytes, refusals by reason."""
         def size(digest: str | None) -> int:
             path = None if digest is None else self.blobs.blob_path(digest)
@@ -181,7 +304,7 @@ class RoundTable:
             "SELECT reason, COUNT(*) AS n FROM rejections WHERE block=? AND at>=? AND at<=? GROUP BY reason",
             k, opened, closed)}
         # the step the round published is stored with the version it made
-        return {"push_bytes": push, "step_bytes": size(self.step_blob(k, v + 1)), "rejected": rejected}
+        return RoundTraffic(push, size(self.step_blob(k, v + 1)), rejected)
 
 
 @dataclass(frozen=True)
@@ -230,15 +353,17 @@ class UpdateTable:
             out.setdefault(str(r["uploader"]), []).append(str(r["worker"]))
         return out
 
-    def accepted_updates(self, k: int, v: int) -> list[sqlite3.Row]:
+    def accepted_updates(self, k: int, v: int) -> list[UpdateRow]:
         """The accepted, not yet applied updates of block k version v, in arrival order."""
-        return self.db.q("SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v, UpdateState.ACCEPTED.value)
+        rows = self.db.q("SELECT * FROM updates WHERE block=? AND version=? AND state=? ORDER BY id", k, v,
+                         UpdateState.ACCEPTED.value)
+        return [UpdateRow.of(r) for r in rows]
 
-    def update_blobs(self, k: int) -> list[tuple[str, str]]:
+    def update_blobs(self, k: int) -> list[tuple[str, Compression]]:
         """(blob digest, compression) of every accepted or applied update of block k, oldest first."""
         rows = self.db.q("SELECT blob, compression FROM updates WHERE block=? AND state IN (?, ?) ORDER BY id", k,
                          UpdateState.ACCEPTED.value, UpdateState.APPLIED.value)
-        return [(str(r["blob"]), str(r["compression"])) for r in rows]
+        return [(str(r["blob"]), Compression(r["compression"])) for r in rows]
 
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
@@ -324,6 +449,26 @@ class EvalTable:
         self.db.execute("INSERT INTO evals(epoch, versions, ce, bytes, at) VALUES(?,?,?,?,?)",
                         (epoch, json.dumps(versions), ce, n_bytes, at))
 
-    def evals(self) -> list[sqlite3.Row]:
-        """Every evaluation, oldest first (``versions`` is JSON)."""
-        return self.db.q("SELECT * FROM evals ORDER BY id")
+    def evals(self) -> list[EvalRow]:
+        """Every evaluation, oldest first."""
+        return [EvalRow.of(r) for r in self.db.q("SELECT * FROM evals ORDER BY id")]
+
+
+class MetaTable:
+    """Run-wide settings (``meta``: the config, the schema version, hivemind keys) and counters (``counters``)."""
+
+    def __init__(self, db: Db) -> None:
+        self.db = db
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.q1("SELECT value FROM meta WHERE key=?", key)
+        return None if row is None else str(row["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, value))
+
+    def add_counter(self, key: str, delta: int) -> None:
+        self.db.add_counter(key, delta)
+
+    def counters(self) -> dict[str, int]:
+        return {r["key"]: int(r["value"]) for r in self.db.q("SELECT key, value FROM counters")}

@@ -21,6 +21,7 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import RESERVED, unpack
 from blocktrain.errors import CheckpointError, ProtocolError
+from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
 from blocktrain.protocol.messages import parse_meta
@@ -60,34 +61,34 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
         raise ProtocolError(
             415,
             "the body is not a safetensors file; updates must be safetensors (pickle and other formats are refused)",
-            "not_safetensors",
+            Reason.NOT_SAFETENSORS,
         )
     try:
         tensors, meta = unpack(body, source="update")
     except CheckpointError as exc:
-        raise ProtocolError(400, f"the update could not be read: {exc}; resend the whole body", "corrupt") from None
+        raise ProtocolError(400, f"the update could not be read: {exc}; resend the whole body", Reason.CORRUPT) from None
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:  # pragma: no cover - unpack wraps these
-        raise ProtocolError(400, f"the update could not be read: {exc}", "corrupt") from None
+        raise ProtocolError(400, f"the update could not be read: {exc}", Reason.CORRUPT) from None
     m = parse_meta({n: t for n, t in meta.items() if n not in RESERVED})  # typed and bounded (422 names the field)
     compression = Compression(m.compression)
     k = m.block_index
     if k != block:
-        raise ProtocolError(422, f"the update is for block {k} but was sent to block {block}'s endpoint", "metadata")
+        raise ProtocolError(422, f"the update is for block {k} but was sent to block {block}'s endpoint", Reason.METADATA)
     samples = m.samples
     group: tuple[GroupMember, ...] = ()
     if m.group is not None:
         try:
             group = decode_group(m.group)
         except ValueError as exc:
-            raise ProtocolError(422, f"malformed group upload: {exc}", "group") from None
+            raise ProtocolError(422, f"malformed group upload: {exc}", Reason.GROUP) from None
         if sum(x.samples for x in group) != samples:
-            raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", "group")
+            raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", Reason.GROUP)
     carried = {n: t for n, t in tensors.items() if n.startswith((M_PREFIX, V_PREFIX))}
     tensors = {n: t for n, t in tensors.items() if n not in carried}
     if bool(moments) != (m.moments is not None):
         want = f"its inner moments ({', '.join(moments)}) encoded as 'moments'" if moments else "no inner moments"
         raise ProtocolError(422, f"this push must carry {want}; the worker must follow the coordinator's inner_start",
-                            "moments")
+                            Reason.MOMENTS)
     decoded = parse_moments(carried, shapes, moments, MomentCodec(m.moments)) if m.moments is not None else None
     schema = wire_schema(shapes, compression)
     missing = sorted(set(schema) - set(tensors))
@@ -97,7 +98,7 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
             422,
             f"tensor names do not match block {block}: missing {missing[:5]}, unexpected {extra[:5]}; "
             "the worker must use the coordinator's preset",
-            "schema",
+            Reason.SCHEMA,
         )
     for name, spec in schema.items():
         t = tensors[name]
@@ -105,16 +106,16 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
             raise ProtocolError(
                 422,
                 f"tensor {name!r} is {t.dtype} {list(t.shape)}, expected {spec.dtype} {list(spec.shape)}",
-                "schema",
+                Reason.SCHEMA,
             )
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ProtocolError(
-                422, f"tensor {name!r} holds NaN or infinite values; the update is discarded", "non_finite"
+                422, f"tensor {name!r} holds NaN or infinite values; the update is discarded", Reason.NON_FINITE
             )
     delta = decode_delta(tensors, compression)
     norm = delta_norm(delta)
     if not norm < float("inf"):
-        raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", "non_finite")
+        raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", Reason.NON_FINITE)
     return ParsedUpdate(
         block=k, base_version=m.base_version, base_sha=m.base_sha, samples=samples, compression=compression, delta=delta, norm=norm,
         group=group, state_sha=m.state_sha, precision=m.precision, moments=decoded,

@@ -18,6 +18,7 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 
 ADAM = "adam/"
 RESIDUAL = "residual/"
@@ -69,24 +70,24 @@ def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: i
     tensors, meta = unpack(body, source="inner state")
     if meta.get("kind") != "inner_state" or meta.get("state_format") != STATE_FORMAT:
         raise ProtocolError(422, f"an audit upload is an inner_state of format {STATE_FORMAT}; got "
-                            f"{meta.get('kind')!r} format {meta.get('state_format')!r}", "audit_format")
+                            f"{meta.get('kind')!r} format {meta.get('state_format')!r}", Reason.AUDIT_FORMAT)
     if meta.get("block_index") != str(block) or meta.get("base_version") != str(version):
         raise ProtocolError(422, f"the state is for block {meta.get('block_index')} version {meta.get('base_version')}, "
-                            f"the audit asks for block {block} version {version}", "audit_format")
+                            f"the audit asks for block {block} version {version}", Reason.AUDIT_FORMAT)
     for name, t in tensors.items():
         if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
-            raise ProtocolError(422, f"state tensor {name!r} must be finite float32", "audit_format")
+            raise ProtocolError(422, f"state tensor {name!r} must be finite float32", Reason.AUDIT_FORMAT)
         if name.startswith(RESIDUAL) and name[len(RESIDUAL):] in shapes:
             want: tuple[int, ...] = shapes[name[len(RESIDUAL):]]
         elif name.startswith(ADAM) and name.count("/") >= 2:
             param, _, leaf = name[len(ADAM):].rpartition("/")
             if param not in shapes or leaf not in (*MOMENTS, "step"):
-                raise ProtocolError(422, f"unknown state tensor {name!r}", "audit_format")
+                raise ProtocolError(422, f"unknown state tensor {name!r}", Reason.AUDIT_FORMAT)
             want = () if leaf == "step" else shapes[param]
         else:
-            raise ProtocolError(422, f"unknown state tensor {name!r}", "audit_format")
+            raise ProtocolError(422, f"unknown state tensor {name!r}", Reason.AUDIT_FORMAT)
         if tuple(t.shape) != want:
-            raise ProtocolError(422, f"state tensor {name!r} has shape {tuple(t.shape)}, expected {want}", "audit_format")
+            raise ProtocolError(422, f"state tensor {name!r} has shape {tuple(t.shape)}, expected {want}", Reason.AUDIT_FORMAT)
     return tensors
 
 

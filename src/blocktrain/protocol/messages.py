@@ -22,8 +22,10 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import BlockState, Reason, RoundState
+from blocktrain.protocol.moments import InnerStart
 
-PROTOCOL_VERSION = 3  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits)
+PROTOCOL_VERSION = 4  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -48,14 +50,14 @@ class Registration(Message):
     model_config = ConfigDict(frozen=True, extra="ignore")  # a newer coordinator may add fields
     worker: str = Field(max_length=128)  # the name the coordinator admitted this token under
     block: int = Field(ge=0)  # the block this worker trains
-    block_state: str = Field(max_length=16)  # waiting, open or finished
+    block_state: BlockState  # waiting, open or finished
     message: str = Field(default="", max_length=1024)  # what the worker should know about its block's state
     config: str = Field(max_length=1 << 16)  # the run config (RunConfig.to_json)
     lease_seconds: float = Field(gt=0)  # seconds: heartbeat at least this often
     rounds: int = Field(ge=0)  # this block's rounds (0: no limit)
     n_blocks: int = Field(ge=1)  # blocks of the run
     local_steps: int = Field(ge=1, le=MAX_STEPS)  # H: inner steps per round the coordinator assigns
-    inner_reset: bool = False  # start each round with fresh inner AdamW moments (else carry them across rounds)
+    inner_start: InnerStart = InnerStart.FRESH  # what each round's inner AdamW starts from (blocktrain.train.inner)
     p2p: dict[str, Any] | None = None  # hivemind engine: token, authority, initial peers, run
 
 
@@ -71,10 +73,10 @@ class WorkAnswer(Message):
     block: int = Field(ge=0)  # the block to train
     version: int = Field(ge=0)  # its published version W_v
     weights_sha: str = Field(pattern=SHA256_HEX)  # sha256 of W_v: the update names it back
-    block_state: Literal["waiting", "open", "finished"]  # the block's state
+    block_state: BlockState  # the block's state
     message: str = Field(default="", max_length=1024)  # what the worker should know about it
     frozen: tuple[FrozenRef, ...] = Field(default=(), max_length=4096)  # the finished blocks it reads
-    round_state: Literal["waiting", "open", "closed", "finished"]  # whether round v takes updates
+    round_state: RoundState  # whether round v takes updates (waiting: the block has no round yet)
     deadline_in: float  # seconds until round v's deadline (0: no round)
     seed: int  # the run's seed
     stream: int = Field(ge=0)  # the data stream of (this worker, block, version)
@@ -88,6 +90,29 @@ class WorkAnswer(Message):
     def sequences(self) -> int:
         """The most samples an update for this round may claim."""
         return self.steps * self.batch
+
+
+class Heartbeat(Message):
+    """The answer to a heartbeat."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    lease_seconds: float = Field(gt=0)  # seconds: heartbeat at least this often
+
+
+class Left(Message):
+    """The answer to a worker's goodbye."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    left: bool = True  # its lease is given back
+
+
+class ErrorBody(BaseModel):
+    """Every refusal's JSON body (4xx): ``error`` is a :class:`blocktrain.protocol.codes.Reason`, ``detail`` says what
+    was wrong and what to do."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    error: str  # the reason, a machine-readable code
+    detail: str  # the message
 
 
 class UpdateMeta(Message):
@@ -133,50 +158,19 @@ class AuditAnswer(Message):
     scale: float = 1.0  # <pushed, replayed> / ||replayed||^2; passing needs it within audit_scale_tolerance of 1
 
 
-class Status(Message):
-    """``GET /v1/status``: the run as the coordinator sees it (the dashboard's and the scripts' one source).
-
-    Its parts that list rows (blocks, workers, rounds, evaluations) are kept as JSON objects: they grow fields as the
-    coordinator learns to show more, and a reader takes what it knows."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
-    preset: str  # the run's preset name
-    objective: str  # stack or diffusion (or a registered kind)
-    dataset: str | None = Field(default=None, max_length=64)  # the fingerprint every worker's data must have
-    n_blocks: int = Field(ge=1)  # B
-    block_fp32_bytes: int = Field(ge=0)  # bytes of the largest block in fp32
-    finished: bool  # every block has trained its rounds
-    rounds_closed: int = Field(ge=0)  # rounds closed since the run began
-    updates_accepted: int = Field(ge=0)  # updates accepted since the run began
-    rejections: dict[str, int]  # refused requests by reason
-    rate_limited: int = Field(ge=0)  # update requests answered 429 since start-up
-    quarantined: dict[str, str]  # worker -> why it was quarantined
-    intake: dict[str, Any]  # the intake's cost per update and the loss gate's tolerance per block
-    audits: dict[str, int | float]  # replays passed, failed, awaiting their upload; the median replay seconds
-    bytes_in: int = Field(ge=0)  # request body bytes received
-    bytes_out: int = Field(ge=0)  # response body bytes sent
-    bytes_by_route: dict[str, dict[str, int]]  # workers' bytes by what they moved (updates, weights, control)
-    latest_eval_ce: float | None  # nats/byte of the latest evaluation of the assembled model
-    blocks: list[dict[str, Any]]  # one object per block: state, version, round, replicas, outer step
-    workers: list[dict[str, Any]]  # one object per worker: block, state, lease, bytes, refusals
-    rounds: list[dict[str, Any]]  # the most recent closed rounds
-    evals: list[dict[str, Any]]  # every evaluation of the assembled model
-    p2p: dict[str, Any] | None = None  # the hivemind engine's DHT and authority (--hivemind)
-
-
 def parse(model: type[M], doc: Any, what: str, status: int = 422) -> M:
     """``doc`` as ``model``: a :class:`ProtocolError` naming the first bad field, or the version to upgrade to."""
     if isinstance(doc, dict):
         got = doc.get("protocol", PROTOCOL_VERSION)
         if got != PROTOCOL_VERSION and str(got) != str(PROTOCOL_VERSION):
             raise ProtocolError(status if status != 422 else 426, f"{what} speaks protocol {got}, this BlockTrain "
-                                f"speaks {PROTOCOL_VERSION}; run the same BlockTrain version on both sides", "protocol")
+                                f"speaks {PROTOCOL_VERSION}; run the same BlockTrain version on both sides", Reason.PROTOCOL)
     try:
         return model.model_validate(doc)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first.get("loc", ())) or "(body)"
-        raise ProtocolError(status, f"{what}: field {field!r}: {first.get('msg')}", "metadata" if status == 422 else "schema"
+        raise ProtocolError(status, f"{what}: field {field!r}: {first.get('msg')}", Reason.METADATA if status == 422 else Reason.SCHEMA
                             ) from None
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 
 M_PREFIX = "m/"  # first-moment estimates m / c1, per parameter name (blocktrain.train.inner)
 V_PREFIX = "v/"  # second-moment estimates v / c2, per parameter name
@@ -128,20 +129,20 @@ def parse_moments(wire: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[i
     if set(wire) != set(want):
         missing, extra = sorted(set(want) - set(wire))[:3], sorted(set(wire) - set(want))[:3]
         raise ProtocolError(422, f"the pushed moments must be exactly {len(want)} tensors ({'/'.join(prefixes)} of every "
-                            f"parameter); missing {missing}, unexpected {extra}", "moments")
+                            f"parameter); missing {missing}, unexpected {extra}", Reason.MOMENTS)
     for n, (shape, dtype) in want.items():
         t = wire[n]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ProtocolError(422, f"moment tensor {n!r} must be {dtype} of shape {shape}, got {t.dtype} "
-                                f"{tuple(t.shape)}", "moments")
+                                f"{tuple(t.shape)}", Reason.MOMENTS)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ProtocolError(422, f"moment tensor {n!r} holds a non-finite value", "moments")
+            raise ProtocolError(422, f"moment tensor {n!r} holds a non-finite value", Reason.MOMENTS)
     out = decode_moments(wire, codec)
     for n, t in out.items():
         if _is_v(n) and not (bool(torch.isfinite(t).all()) and bool((t >= 0).all())):
-            raise ProtocolError(422, f"second moment {n!r} must be finite and >= 0", "moments")
+            raise ProtocolError(422, f"second moment {n!r} must be finite and >= 0", Reason.MOMENTS)
         if codec is MomentCodec.INT8 and _is_v(n) and float(wire[n + LO_SUFFIX]) > float(wire[n + HI_SUFFIX]):
-            raise ProtocolError(422, f"second moment {n!r}: its window's lo is above its hi", "moments")
+            raise ProtocolError(422, f"second moment {n!r}: its window's lo is above its hi", Reason.MOMENTS)
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import zlib
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 
 DEFLATE = "deflate"  # the Content-Encoding name; zlib format, as HTTP defines it
 LEVEL = 1  # zlib level: int8 data compresses about as well at 1 as at 6, several times faster
@@ -28,11 +29,11 @@ def inflate(body: bytes, cap: int) -> bytes:
     try:
         out = d.decompress(body, cap + 1)
     except zlib.error as exc:
-        raise ProtocolError(400, f"the deflate-encoded body does not decode ({exc}); resend it", "corrupt") from None
+        raise ProtocolError(400, f"the deflate-encoded body does not decode ({exc}); resend it", Reason.CORRUPT) from None
     if len(out) > cap or d.unconsumed_tail:
-        raise ProtocolError(413, f"the deflate-encoded body expands past the cap of {cap} bytes", "too_large")
+        raise ProtocolError(413, f"the deflate-encoded body expands past the cap of {cap} bytes", Reason.TOO_LARGE)
     if not d.eof or d.unused_data:
-        raise ProtocolError(400, "the deflate-encoded body is truncated or has trailing bytes; resend it", "corrupt")
+        raise ProtocolError(400, "the deflate-encoded body is truncated or has trailing bytes; resend it", Reason.CORRUPT)
     return out
 
 
@@ -43,7 +44,7 @@ def decode_body(body: bytes, encoding: str | None, cap: int) -> bytes:
         return body
     if enc == DEFLATE:
         return inflate(body, cap)
-    raise ProtocolError(415, f"Content-Encoding {encoding!r} is not supported; send identity or deflate", "encoding")
+    raise ProtocolError(415, f"Content-Encoding {encoding!r} is not supported; send identity or deflate", Reason.ENCODING)
 
 
 def accepts_deflate(accept_encoding: str | None) -> bool:

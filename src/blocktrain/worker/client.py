@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.messages import AuditAnswer, PushAnswer, RegisterRequest, Registration, WorkAnswer, parse
 from blocktrain.protocol.transport import DEFLATE, deflate
 
@@ -84,17 +85,17 @@ class CoordinatorClient:
             elapsed = time.monotonic() - start
             if not retry or elapsed > self.give_up_s or self.stop.is_set() or self._left_long_ago():
                 raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}); check it is running",
-                                    "unreachable")
+                                    Reason.UNREACHABLE)
             delay = min(self.max_delay, self.base_delay * 2**attempt) * (0.5 + random.random() / 2)
             log.warning("%s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
             attempt += 1
             until = time.monotonic() + delay
             while (left := until - time.monotonic()) > 0:  # woken within a second by abandon or a long leave
                 if self.stop.wait(min(left, 1.0)):
-                    raise ProtocolError(503, "stopped while waiting for the coordinator", "stopped")
+                    raise ProtocolError(503, "stopped while waiting for the coordinator", Reason.STOPPED)
                 if self._left_long_ago():
                     raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}) while leaving",
-                                        "unreachable")
+                                        Reason.UNREACHABLE)
 
     def _left_long_ago(self) -> bool:
         """The worker was told to leave (SIGTERM) more than LEAVING_GIVE_UP_S ago: a gone coordinator ends it."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, tensors_sha
 from blocktrain.errors import CheckpointError
 from blocktrain.objectives import Objective
 from blocktrain.objectives.base import whole_blocks
+from blocktrain.protocol.messages import FrozenRef
 from blocktrain.protocol.weights import block_schema
 from blocktrain.worker.client import CoordinatorClient
 
@@ -47,9 +47,9 @@ class FrozenInputs:
         self.whole: list[nn.Module] = []  # the earlier blocks whole (fp32, CPU), kept only for Objective.inherit
         self.downloads = 0  # frozen blocks downloaded from the coordinator (cache hits excluded)
 
-    def ensure(self, refs: Sequence[dict[str, Any]]) -> list[nn.Module]:
+    def ensure(self, refs: Sequence[FrozenRef]) -> list[nn.Module]:
         """The frozen copies the coordinator's ``refs`` name; loaded again only when a version changes."""
-        key: FrozenKey = tuple((int(r["block"]), int(r["version"]), str(r["weights_sha"])) for r in refs)
+        key: FrozenKey = tuple((r.block, r.version, r.weights_sha) for r in refs)
         if key == self.key and len(self.modules) == len(key):
             return self.modules
         states = []

@@ -43,9 +43,11 @@ from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
+from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
+from blocktrain.protocol.moments import InnerStart
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -148,7 +150,7 @@ class Worker:
         self.k = reg.block
         self.lease_s = reg.lease_seconds
         self.H = min(self.opts.local_steps or reg.local_steps, reg.local_steps)  # the coordinator assigns the budget
-        self.inner_reset = reg.inner_reset
+        self.inner_start = reg.inner_start
         rounds = reg.rounds
         # the lr schedule spans the block's rounds x the coordinator's H, the position a round's version gives
         steps = rounds * reg.local_steps if rounds else self.cfg.train.steps
@@ -194,7 +196,7 @@ class Worker:
 
         if not isinstance(p2p, dict) or not {"token", "authority", "initial_peers", "run"} <= set(p2p):
             raise ProtocolError(502, "the coordinator's registration carries no hivemind token; it must run with "
-                                "--hivemind (or use --averaging coordinator)", "p2p")
+                                "--hivemind (or use --averaging coordinator)", Reason.P2P)
         token, authority = base64.b64decode(p2p["token"]), str(p2p["authority"]).encode()
         if self.groups is not None:
             self.groups.token = token
@@ -236,7 +238,7 @@ class Worker:
                 log.warning("block %d: could not apply the step to v%d (%s); pulling full weights", self.k, v, exc)
         tensors, meta = unpack(self.client.weights(self.k), source="weights")
         if meta.get("block_index") != str(self.k) or {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
-            raise ProtocolError(422, f"the coordinator sent weights that do not fit block {self.k}", "schema")
+            raise ProtocolError(422, f"the coordinator sent weights that do not fit block {self.k}", Reason.SCHEMA)
         self._set_base({n: t.float() for n, t in tensors.items()}, int(meta.get("version", v)))
 
     def _set_base(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -265,7 +267,7 @@ class Worker:
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
                              stream=work.stream, device=self.device)
         H = min(self.H, work.steps)  # at most the round's budget
-        if self.inner_reset:  # fresh moments every round, as the coordinator asks
+        if self.inner_start is InnerStart.FRESH:  # fresh moments every round, as the coordinator asks
             self.opt, self.opt_names = make_optimizer(self.block, self.cfg.train)
         self.round_state = inner_state(self.opt, self.opt_names, self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
@@ -321,11 +323,11 @@ class Worker:
 
     def _frozen(self, work: WorkAnswer) -> list[torch.nn.Module]:
         """The verified frozen copies of the blocks this block reads (fetched once per published version)."""
-        refs = [r.model_dump() for r in work.frozen]
+        refs = list(work.frozen)
         if len(refs) != self.objective.frozen_inputs(self.k):
             raise ProtocolError(
                 502, f"the coordinator names {len(refs)} frozen inputs for block {self.k}, which reads "
-                f"{self.objective.frozen_inputs(self.k)}; check that it runs the same BlockTrain version", "frozen",
+                f"{self.objective.frozen_inputs(self.k)}; check that it runs the same BlockTrain version", Reason.FROZEN,
             )
         before = self.frozen.downloads
         modules = self.frozen.ensure(refs)
@@ -407,7 +409,7 @@ class Worker:
                 try:
                     work = self.client.work()
                 except ProtocolError as exc:
-                    if exc.reason == "not_registered":
+                    if exc.reason == Reason.NOT_REGISTERED:
                         self._register()
                         continue
                     raise
@@ -421,10 +423,10 @@ class Worker:
                 if work.version != self.base_version or work.weights_sha != self.base_sha:
                     self._sync(work)  # a new version, or version 0 replaced by a warm start as the block opened
                     continue
-                if work.block_state == "waiting" and not waiting:
+                if work.block_state is BlockState.WAITING and not waiting:
                     log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
-                waiting = work.block_state == "waiting"
-                if (work.round_state != "open" or work.submitted or self._grouped_version == work.version
+                waiting = work.block_state is BlockState.WAITING
+                if (work.round_state is not RoundState.OPEN or work.submitted or self._grouped_version == work.version
                         or self._refused == (work.block, work.version)):
                     self._await_next(work.version)
                     continue

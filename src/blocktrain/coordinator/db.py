@@ -1,0 +1,102 @@
+"""The coordinator's SQLite connection and schema, below every table accessor (:mod:`.tables`).
+
+One :class:`Db` per run: WAL, ``synchronous=FULL`` unless fsync is off, ``sqlite3.Row`` rows, which never leave
+:mod:`.tables` (its accessors return frozen row types). Write methods begin no transaction: callers group them
+in :meth:`Db.tx`. Nothing here knows what a table means.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = "1"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens(name TEXT PRIMARY KEY, hash TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS workers(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT UNIQUE NOT NULL, block INTEGER, pinned INTEGER NOT NULL,
+    state TEXT NOT NULL, registered REAL NOT NULL, lease_until REAL NOT NULL,
+    bytes_in INTEGER NOT NULL DEFAULT 0, bytes_out INTEGER NOT NULL DEFAULT 0,
+    accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS versions(
+    block INTEGER NOT NULL, version INTEGER NOT NULL, weights_blob TEXT NOT NULL, step_blob TEXT,
+    momentum_blob TEXT, weights_sha TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY(block, version));
+CREATE TABLE IF NOT EXISTS rounds(
+    block INTEGER NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL, opened REAL NOT NULL,
+    deadline REAL NOT NULL, closed REAL, close_reason TEXT, n_updates INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY(block, version));
+CREATE TABLE IF NOT EXISTS updates(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, block INTEGER NOT NULL, version INTEGER NOT NULL,
+    worker TEXT NOT NULL, samples INTEGER NOT NULL, norm REAL NOT NULL, compression TEXT NOT NULL,
+    blob TEXT NOT NULL, arrived REAL NOT NULL, arrival_s REAL NOT NULL, state TEXT NOT NULL,
+    UNIQUE(block, version, worker));
+CREATE TABLE IF NOT EXISTS seeds(
+    worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL, seed INTEGER NOT NULL,
+    stream INTEGER NOT NULL, PRIMARY KEY(worker, block, version));
+CREATE TABLE IF NOT EXISTS rejections(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT, block INTEGER, status INTEGER NOT NULL,
+    reason TEXT NOT NULL, message TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS evals(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, epoch INTEGER NOT NULL, versions TEXT NOT NULL,
+    ce REAL NOT NULL, bytes INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS counters(key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS block_states(block INTEGER PRIMARY KEY, state TEXT NOT NULL, changed REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS group_members(
+    block INTEGER NOT NULL, version INTEGER NOT NULL, worker TEXT NOT NULL, uploader TEXT NOT NULL,
+    PRIMARY KEY(block, version, worker));
+CREATE TABLE IF NOT EXISTS quarantine(
+    worker TEXT PRIMARY KEY, token_hash TEXT, reason TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS group_refusals(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL,
+    uploader TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
+"""
+
+
+class Db:
+    """The one SQLite connection of a run's coordinator state, shared by every table accessor. Not thread-safe: the
+    caller holds the coordinator's lock."""
+
+    def __init__(self, path: Path, fsync: bool = True) -> None:
+        self.path = path
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        conn.executescript(_SCHEMA)
+        self.conn = conn
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
+        self.conn.execute(sql, args)
+
+    def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        self.conn.executemany(sql, rows)
+
+    def q(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+        return list(self.conn.execute(sql, args))
+
+    def q1(self, sql: str, *args: Any) -> sqlite3.Row | None:
+        return self.conn.execute(sql, args).fetchone()
+
+    def add_counter(self, key: str, delta: int) -> None:
+        self.conn.execute(
+            "INSERT INTO counters(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=value+excluded.value",
+            (key, delta),
+        )
+
+    def close(self) -> None:
+        self.conn.close()
