@@ -24,13 +24,11 @@ and then leaves; a second one abandons the round at once and leaves.
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -53,16 +51,10 @@ from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
 from blocktrain.train.step import make_optimizer
 from blocktrain.worker.client import CoordinatorClient
+from blocktrain.worker.engines import Averaging, DirectEngine, Engine, HivemindEngine, RoundClock
 from blocktrain.worker.frozen import FrozenInputs
 
 log = logging.getLogger(__name__)
-
-
-class Averaging(enum.Enum):
-    """How a worker's delta reaches the outer step."""
-
-    COORDINATOR = "coordinator"  # push it to the coordinator (the embedded default)
-    HIVEMIND = "hivemind"  # all-reduce it with the block's other workers on hivemind; one member uploads the mean
 
 
 @dataclass(frozen=True)
@@ -138,11 +130,10 @@ class Worker:
         self._last_beat = 0.0
         self._slowest_push: float = 0.0  # seconds, for the margin kept before a deadline
         self.steps_done = 0  # local steps of the current round
-        self.groups: Any = None  # the hivemind engine's GroupAverager, once registered (blocktrain.p2p.groups)
-        self._grouped_version = -1  # the version whose delta went into a group mean that another member uploads
+        self.engine: Engine = (HivemindEngine(opts.group_size, opts.matchmaking_s, opts.p2p_host, self.abandon)
+                               if opts.averaging is Averaging.HIVEMIND else DirectEngine())  # how the delta is averaged
         self._refused: tuple[int, int] = (-1, -1)  # (block, version) whose update the coordinator refused: not trained again
         self._deadline_at = float("inf")  # time.monotonic() of the current round's deadline
-        self._p2p_key: Any = None  # this worker's RSA key on hivemind
 
     # --- set-up ---------------------------------------------------------------
     def _setup(self, reg: Registration) -> None:
@@ -176,51 +167,17 @@ class Worker:
             log.info("%s", reg.message)
 
     def _register(self) -> None:
-        key = None
-        if self.opts.averaging is Averaging.HIVEMIND:
-            from hivemind.utils.crypto import RSAPrivateKey
-
-            self._p2p_key = self._p2p_key or RSAPrivateKey()
-            key = self._p2p_key.get_public_key().to_bytes().decode()
-        reg = self.client.register(self.opts.block, self.data.fingerprint(), p2p_key=key)
+        reg = self.client.register(self.opts.block, self.data.fingerprint(), p2p_key=self.engine.register_key())
         self._setup(reg)
-        if key is not None:
-            self._join_groups(reg.p2p)
-
-    def _join_groups(self, p2p: Any) -> None:
-        """Join the run's DHT with the token the coordinator issued (once; a new registration renews the token)."""
-        import base64
-
-        from blocktrain.p2p.groups import GroupAverager, join_dht
-        from blocktrain.p2p.trust import PeerAuthorizer
-
-        if not isinstance(p2p, dict) or not {"token", "authority", "initial_peers", "run"} <= set(p2p):
-            raise ProtocolError(502, "the coordinator's registration carries no hivemind token; it must run with "
-                                "--hivemind (or use --averaging coordinator)", Reason.P2P)
-        token, authority = base64.b64decode(p2p["token"]), str(p2p["authority"]).encode()
-        if self.groups is not None:
-            self.groups.token = token
-            self.groups.prepare(self.k, trainable_state(self.block))  # the block it was (re)assigned
-            return
-        dht = join_dht(list(p2p["initial_peers"]), PeerAuthorizer(self._p2p_key, token, authority), self.opts.p2p_host)
-        self.groups = GroupAverager(dht, self._p2p_key, token, authority, str(p2p["run"]),
-                                    target_group_size=self.opts.group_size, matchmaking_s=self.opts.matchmaking_s)
-        self.groups.prepare(self.k, trainable_state(self.block))
-        log.info("joined the run's hivemind DHT as %s", self.groups.peer)
+        self.engine.joined(reg.p2p, self.k, trainable_state(self.block))
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: WorkAnswer) -> None:
         v, sha = work.version, work.weights_sha
-        if self.groups is not None:  # a peer that has version v first (hivemind engine)
-            # the first worker to ask about version v fetches at once (from the coordinator, if no peer has it);
-            # the others wait for a peer to offer it
-            m = self.opts.matchmaking_s
-            wait = 0.0 if work.fetch_first else 3.0 * m
-            pulled = self.groups.pull(self.k, v, sha, timeout=m, wait_s=wait)
-            if pulled is not None:
-                self.summary.peer_pulls += 1
-                self._set_base(pulled, v)
-                return
+        pulled = self.engine.pull(self.k, work)  # a peer that has version v first (hivemind engine)
+        if pulled is not None:
+            self._set_base(pulled, v)
+            return
         if self.base is not None and v == self.base_version + 1:
             try:
                 tensors, meta = unpack(self.client.step(self.k, self.base_version), source="step")
@@ -246,8 +203,7 @@ class Worker:
         self.base_version = version
         self.base_sha = tensors_sha256(weights)
         load_trainable(self.block, weights)
-        if self.groups is not None:
-            self.groups.share(self.k, version, self.base_sha, weights)  # peers may pull this version from us
+        self.engine.offer(self.k, version, self.base_sha, weights)
 
     # --- training ----------------------------------------------------------------
     def _beat(self) -> None:
@@ -274,7 +230,7 @@ class Worker:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
         deadline_in = work.deadline_in
         self._deadline_at = time.monotonic() + deadline_in if deadline_in > 0 else float("inf")
-        stop_at = self._deadline_at - self._push_margin() - self._group_budget()
+        stop_at = self._deadline_at - self._push_margin() - self.engine.reserve_s()
         self.steps_done = 0
         round_hook = _RoundHook(self, stop_at, H)
         bar = tqdm(total=H, desc=f"block {self.k} v{self.base_version}", unit="step", disable=not self.opts.progress,
@@ -289,33 +245,6 @@ class Worker:
         finally:
             bar.close()
         return not round_hook.abandoned
-
-    def _await_peers(self) -> None:
-        """Wait (heartbeating) until the block's other workers at this version have trained too, so that the
-        round's group forms at once; at the latest when training would have had to stop (hivemind engine)."""
-        self.groups.mark_ready(self.k, self.base_version)
-        give_up = min(self._deadline_at - self._push_margin() - self._group_budget(), time.monotonic() + self.lease_s)
-        while (time.monotonic() < give_up and not self.abandon.is_set()
-               and not self.groups.all_ready(self.k, self.base_version)):
-            self._beat()
-            self.abandon.wait(0.25)
-
-    def _await_next(self, v: int) -> None:
-        """Wait before asking the coordinator for work again.
-
-        A worker whose delta went into a group mean that another member sent watches the DHT for a peer that
-        offers the next version instead of polling the coordinator (polls from every waiting member would grow
-        the coordinator's traffic with the number of workers); it still asks at least every few seconds."""
-        if self.groups is None or self._grouped_version != v:
-            self.abandon.wait(self.opts.poll_s)
-            return
-        give_up = time.monotonic() + max(self.opts.poll_s, min(self.lease_s / 3, 3.0 * self.opts.matchmaking_s))
-        while time.monotonic() < give_up and not self.abandon.is_set() and self.groups.newest_shared(self.k) <= v:
-            self.abandon.wait(self.opts.poll_s)
-
-    def _group_budget(self) -> float:
-        """Seconds kept before the push for the group all-reduce (hivemind engine): matchmaking and the exchange."""
-        return 3.0 * self.opts.matchmaking_s if self.groups is not None else 0.0
 
     def _push_margin(self) -> float:
         """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
@@ -343,24 +272,17 @@ class Worker:
     def _push(self) -> None:
         assert self.base is not None
         delta, samples = self._delta()
-        group = None
-        if self.groups is not None:
-            self._await_peers()
-            budget = min(self._group_budget(), self._deadline_at - time.monotonic() - self._push_margin())
-            group = self.groups.average(delta, samples, self.k, self.base_version, budget)
-            if group is not None and not group.uploader:
-                self._grouped_version = self.base_version
-                self.summary.rounds_grouped += 1
-                log.info("block %d v%d: averaged in a group of %d; its uploader sends the mean", self.k,
-                         self.base_version, len(group.members))
-                load_trainable(self.block, self.base)
-                return
-            if group is not None:
-                delta, samples = group.mean, group.samples
+        clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
+        combined = self.engine.combine(delta, samples, self.k, self.base_version, clock)
+        if combined is None:  # another member of its group uploads the mean
+            load_trainable(self.block, self.base)
+            return
+        group = combined.members
+        delta, samples = combined.delta, combined.samples
         residual = self.feedback.residual  # what the error feedback carried before this push, restored if refused
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
                              base_sha=self.base_sha, samples=samples, feedback=self.feedback,
-                             group=group.members if group else None,
+                             group=group,
                              state_sha=None if group else state_sha(self.round_state), precision=self.precision.value)
         t0 = time.monotonic()
         try:
@@ -426,24 +348,29 @@ class Worker:
                 if work.block_state is BlockState.WAITING and not waiting:
                     log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
                 waiting = work.block_state is BlockState.WAITING
-                if (work.round_state is not RoundState.OPEN or work.submitted or self._grouped_version == work.version
+                if (work.round_state is not RoundState.OPEN or work.submitted or self.engine.waits_for_peers(work.version)
                         or self._refused == (work.block, work.version)):
                     self._await_next(work.version)
                     continue
                 if not self._train_round(work):
                     break
                 self._push()
-                if self._grouped_version == self.base_version:  # another member sent our mean: no need to ask yet
+                if self.engine.waits_for_peers(self.base_version):  # another member sent our mean: no need to ask yet
                     self._await_next(self.base_version)
         finally:
             self._leave()
         self.summary.bytes_sent = self.client.bytes_sent
         self.summary.bytes_received = self.client.bytes_received
+        if isinstance(self.engine, HivemindEngine):
+            self.summary.peer_pulls, self.summary.rounds_grouped = self.engine.peer_pulls, self.engine.rounds_grouped
         return self.summary
 
+    def _await_next(self, v: int) -> None:
+        """Wait before asking the coordinator for work again (as the averaging engine says)."""
+        self.engine.wait_next(self.k, v, self.opts.poll_s, self.lease_s, self.abandon)
+
     def _leave(self) -> None:
-        if self.groups is not None:
-            self.groups.close()
+        self.engine.close()
         try:
             self.client.leave()
         except ProtocolError as exc:
