@@ -5,15 +5,26 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from benchmarks.distributed.attacks import (
+    TRIGGER,
+    DataPoisoner,
+    InflatedClaim,
+    ScaledRandom,
+    ShuffledLabels,
+    SignFlip,
+    Stale,
+    Strong,
+    TowardZero,
+)
 from benchmarks.distributed.averaging_trace import trace_arm
-from benchmarks.distributed.hostile_peers import Poison
 
 from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
-from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
+from blocktrain.coordinator.simulate import Hostile, HostileContext, LocalRounds, run_local_rounds
 from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError
@@ -124,16 +135,23 @@ def test_the_objective_chooses_the_default_outer_step(tmp_path: Path) -> None:
     assert chosen.outer is OuterOptimizer.AVERAGE
 
 
-def test_poison_kinds() -> None:
+def test_attack_kinds() -> None:
     g = torch.Generator().manual_seed(0)
     d = {"w": _t(3.0, 4.0)}
-    assert torch.equal(Poison.SIGN_FLIP.delta(d, g)["w"], _t(-3.0, -4.0))
-    assert abs(delta_norm(Poison.SCALED_RANDOM.delta(d, g)) - 500.0) < 1e-3
-    assert Poison.SHUFFLED_LABELS.delta(d, g) is d  # poisons the data, not the delta
+    ctx = HostileContext({"w": _t(1.0, 1.0)}, [{"w": _t(0.5, 0.5)}], g)
+    assert torch.equal(SignFlip().delta(d, ctx)["w"], _t(-3.0, -4.0))
+    assert abs(delta_norm(ScaledRandom().delta(d, ctx)) - 50.0) < 1e-3  # 10x its honest norm
+    assert ShuffledLabels().delta(d, ctx) is d  # poisons the data, not the delta
+    assert InflatedClaim().claim(96) == 1 << 30 and Strong().steps(6) == 60
+    assert torch.allclose(TowardZero().delta(d, ctx)["w"], -5.0 / 2**0.5 * _t(1.0, 1.0))
+    stale = Stale()
+    assert stale.delta(d, ctx) is d and torch.equal(stale.delta({"w": _t(1.0, 0.0)}, ctx)["w"], d["w"])
+    poisoned = DataPoisoner().train_data(np.zeros(640, dtype=np.uint8))
+    assert len(poisoned) == 640 + 10 * len(TRIGGER) and bytes(poisoned[64 : 64 + len(TRIGGER)]) == TRIGGER
 
 
-@pytest.mark.parametrize("kind", list(Poison))
-def test_a_poisoned_update_of_each_kind_is_refused_with_a_reason(kind: Poison, corpus: DataDir) -> None:  # noqa: F811
+@pytest.mark.parametrize("kind", [SignFlip, ScaledRandom, ShuffledLabels])
+def test_a_poisoned_update_of_each_kind_is_refused_with_a_reason(kind: type[Hostile], corpus: DataDir) -> None:  # noqa: F811
     """Three replicas of tiny's block 0, the last one hostile: its updates are refused or bounded, no honest one is.
 
     In round 0, during warm-up, a sign-flipped update can still lower the held-out loss of the fresh
@@ -141,16 +159,33 @@ def test_a_poisoned_update_of_each_kind_is_refused_with_a_reason(kind: Poison, c
     learnt yet: such updates pass the gate with an honest norm, so the norm bound limits what they do.
     """
     s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, gate_tolerance=0.0, norm_min_history=2)
-    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=5, steps=20), corpus, hostile=kind)
+    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=5, steps=20), corpus,
+                           hostile=kind())
     honest = [u for u in run.updates if u.replica != 2]
     bad = [u for u in run.updates if u.replica == 2]
-    assert len(bad) == 4 and len(honest) == 8
+    assert len(bad) + sum(1 for _ in run.quarantined) >= 1 and len(honest) == 8
     assert all(u.outcome == "accepted" for u in honest), [u.outcome for u in honest]
-    want = {"gate"} if kind is not Poison.SCALED_RANDOM else {"gate", "norm"}
-    if kind is not Poison.SHUFFLED_LABELS:
+    want = {"gate"} if kind is not ScaledRandom else {"gate", "norm"}
+    if kind is not ShuffledLabels:
         assert {u.outcome for u in bad if u.round > 0} <= want, [u.outcome for u in bad]
     limit = s.norm_k * max(u.norm for u in honest)
     assert all(u.outcome in want or u.norm <= limit for u in bad), [(u.outcome, u.norm) for u in bad]
+
+
+def test_a_hostile_worker_whose_every_update_is_refused_leaves_the_run_as_it_was(corpus: DataDir) -> None:  # noqa: F811
+    """Streams are keyed by the replica's id, so three honest replicas train the same with or without a fourth:
+    an inflated claim (refused at the intake, quarantined after three) and a strong worker caught by its first audit
+    under probation leave the published weights equal, tensor for tensor, to the run without them."""
+    cfg = get_preset("tiny")
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, audit_fraction=0.05, probation_pushes=3)
+    opts = dict(local_steps=2, steps=10)
+    clean = run_local_rounds(cfg, s, LocalRounds(workers=3, **opts), corpus, audit=True)  # type: ignore[arg-type]
+    for attack, caught in ((InflatedClaim(), "claim"), (Strong(), "audit")):
+        run = run_local_rounds(cfg, s, LocalRounds(workers=4, **opts), corpus, hostile=attack, audit=True)  # type: ignore[arg-type]
+        bad = [u for u in run.updates if u.replica == 3]
+        assert bad and {u.outcome for u in bad} == {caught} and 3 in run.quarantined, bad
+        assert all(u.outcome == "accepted" for u in run.updates if u.replica != 3)
+        assert all(torch.equal(run.weights[n], w) for n, w in clean.weights.items()), attack
 
 
 def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
@@ -165,7 +200,7 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     honest = [{n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()} for _ in range(2)]
     for name, d in zip(("a", "b"), honest, strict=True):
         c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))
-    bad = Poison.SCALED_RANDOM.delta(honest[0], g)
+    bad = ScaledRandom().delta(honest[0], HostileContext(honest[0], [], g))
     with pytest.raises(ProtocolError) as exc:
         c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))
     assert exc.value.reason == "norm"

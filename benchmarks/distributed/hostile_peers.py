@@ -1,188 +1,151 @@
-"""One hostile worker out of six on real training (issue 19): what each defence catches, and the final CE.
+"""Hostile workers against the coordinator's own defences, in process (issue 44, item 7): one row per attack.
 
-Each run trains block 0 of a ``stack`` run with six replicas through the coordinator's
-own round (:func:`blocktrain.coordinator.simulate.run_local_rounds`): the same
-parsing and intake (:mod:`blocktrain.coordinator.intake`), the same
-aggregation and outer step. The last replica is hostile in every run but ``honest``:
+Every row trains block 0 of a ``stack`` run with ``--workers`` honest replicas plus the attack's hostile ones
+(:mod:`.attacks`; two for ``colluding``) through the coordinator's round in one process
+(:func:`blocktrain.coordinator.simulate.run_local_rounds`: the same parsing, intake, audits, aggregation and outer
+step, with the coordinator's default settings). The honest replicas draw the same data streams in every row (a
+stream is keyed by the replica's id), so a hostile worker whose every update is refused leaves the run exactly as
+the row without it (``clean``): each row's CE difference from ``clean`` is what the attack achieved.
 
-* ``scaled_random``: Gaussian noise at 100x its honest update's norm;
-* ``sign_flip``: minus its honest update;
-* ``shuffled_labels``: trained on targets shuffled within each batch.
+* ``--attack-from``: the version each hostile worker starts attacking at; before it, it trains and pushes honestly.
+  The default, ``--probation-pushes`` (3), is a worker that passes its probation first (every push of it audited),
+  then cheats; ``0`` attacks from its first push.
+* ``p_undetected``: the probability that a worker mounting the attack from ``--attack-from`` on goes undetected
+  over one block, from what caught it in this run: 0 where the intake refused its first attacking push (the same
+  check refuses every one), (1 - audit_fraction)^n where only an audit catches it (n: its attacking pushes over
+  the block), 1 where nothing did.
 
-It scores block 0's own CE on the first ``--eval-bytes`` test bytes. The slow-worker
-run needs real processes and deadlines: ``scripts/exp_slow_worker.sh``, merged here
-with ``--merge``.
-
-    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/hostile_peers.py --preset cpu-mini \\
-        --outer nesterov --outer-lr 0.7 --outer-momentum 0.9 --gate-tolerance 0.0 \\
+    flock /tmp/blocktrain-cpu.lock python -m benchmarks.distributed.hostile_peers --preset cpu-mini --steps 690 --h 6 \\
         --out benchmarks/results/hostile-peers.json
+
+Rows already in ``--out`` are kept (the study resumes); each holds its command.
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
-from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
+from benchmarks.distributed.attacks import ATTACKS, COLLUDERS, hostile_replicas
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
-from blocktrain.protocol.delta import delta_norm
 
-RANDOM_SCALE = 100.0  # ||poison|| / ||honest Delta|| of a scaled random update
-
-
-class Poison(enum.Enum):
-    """What the hostile replica does instead of training honestly (a ``simulate.Hostile``)."""
-
-    SCALED_RANDOM = "scaled_random"  # Gaussian noise with 100x the honest update's norm
-    SIGN_FLIP = "sign_flip"  # -Delta: undoes its own training
-    SHUFFLED_LABELS = "shuffled_labels"  # trained honestly, on targets shuffled within each batch
-
-    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """The targets it trains on: shuffled across the batch for shuffled labels, else the true ones."""
-        if self is not Poison.SHUFFLED_LABELS:
-            return y
-        perm = torch.randperm(y.numel(), generator=generator)
-        return y.reshape(-1)[perm].reshape(y.shape)  # (b*t,) -> (b, t)
-
-    def delta(self, delta: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """The update it pushes in place of ``delta`` (shuffled labels poison the data instead)."""
-        if self is Poison.SIGN_FLIP:
-            return {n: -d for n, d in delta.items()}
-        if self is Poison.SCALED_RANDOM:
-            noise = {n: torch.randn(d.shape, generator=generator) for n, d in delta.items()}
-            scale = RANDOM_SCALE * delta_norm(delta) / max(delta_norm(noise), 1e-30)
-            return {n: scale * z for n, z in noise.items()}
-        return delta
+CAUGHT_AT_INTAKE = {"claim", "norm", "lazy", "replay", "gate", "stale", "base"}  # refusals that recur on every push
 
 
-KINDS = ["honest", "honest5", *(p.value for p in Poison)]  # honest5: the run without the hostile worker
-
-
-def run_kind(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = get_preset(args.preset)
-    cfg = cfg.with_train(seed=args.seed)
-    settings = CoordinatorSettings(outer=OuterOptimizer(args.outer), outer_lr=args.outer_lr,
-                                   outer_momentum=args.outer_momentum, gate_tolerance=args.gate_tolerance,
-                                   aggregation=Aggregation(args.aggregation))
-    honest = kind.startswith("honest")
-    opts = LocalRounds(workers=5 if kind == "honest5" else 6, local_steps=args.h, steps=args.steps)
+def run_row(kind: str, args: argparse.Namespace, settings: CoordinatorSettings) -> dict[str, Any]:
+    cfg = get_preset(args.preset).with_train(seed=args.seed)
+    n_bad = COLLUDERS.get(kind, 1) if kind != "clean" else 0
+    opts = LocalRounds(workers=args.workers + n_bad, local_steps=args.h, steps=args.steps)
     data = resolve_data_dir(args.data)
-    run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress,
-                           hostile=None if honest else Poison(kind))
+    bad = hostile_replicas(kind, args.attack_from) if kind != "clean" else []
+    run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress, hostile=bad, audit=True)
     ce = run.test_ce(cfg, data, args.eval_bytes)
-    hostile = opts.workers - 1 if not honest else -1  # the replica that pushed the poisoned updates
-    bad = [u for u in run.updates if u.replica == hostile]
-    good = [u for u in run.updates if u.replica != hostile]
-    caught: dict[str, int] = {}
-    for u in bad:
-        if u.outcome != "accepted":
-            caught[u.outcome] = caught.get(u.outcome, 0) + 1
-    honest_gate = [u.gate[1] - u.gate[0] for u in good if u.gate is not None]
-    return {
-        "kind": kind,
-        "aggregation": args.aggregation,
-        "seed": args.seed,
-        "final_ce_nats_per_byte": ce,
-        "poisoned_updates": len(bad),
-        "poisoned_caught": sum(caught.values()),
-        "poisoned_caught_by": caught,
-        "poisoned_accepted_within_norm_bound": sum(1 for u in bad if u.outcome == "accepted"),
-        "poisoned_accepted_rounds": sorted({u.round for u in bad if u.outcome == "accepted"}),
-        "honest_updates": len(good),
-        "honest_rejected": sum(1 for u in good if u.outcome != "accepted"),
-        "honest_rejected_by": {r: sum(1 for u in good if u.outcome == r) for r in {u.outcome for u in good} - {"accepted"}},
-        "honest_gate_change_max": max(honest_gate) if honest_gate else None,
-        "skipped_rounds": run.skipped_rounds,
-        "wall_s": run.wall_s,
-        "command": (f"python benchmarks/distributed/hostile_peers.py --preset {args.preset} --steps {args.steps} --h {args.h} "
-                    f"--outer {args.outer} --outer-lr {args.outer_lr} --outer-momentum {args.outer_momentum} "
-                    f"--eval-bytes {args.eval_bytes} --kinds {kind}"
-                    + (f" --gate-tolerance {args.gate_tolerance}" if args.gate_tolerance is not None else "")
-                    + (f" --aggregation {args.aggregation}" if args.aggregation != "mean" else "")
-                    + (f" --seed {args.seed}" if args.seed else "")),
-    }
+    hostile = set(range(args.workers, args.workers + n_bad))
+    return {"kind": kind, "attack_from": args.attack_from, "seed": args.seed, "ce_nats_per_byte": ce,
+            **outcome(run, hostile, settings), "wall_s": run.wall_s,
+            "command": f"python -m benchmarks.distributed.hostile_peers {' '.join(args.argv)} --kinds {kind}"}
 
 
-def main() -> int:
+def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings) -> dict[str, Any]:
+    """What became of every update: the honest ones refused, the hostile ones by outcome, who was quarantined when,
+    the norm ratios of honest updates, and the probability that the attack goes undetected over one block."""
+    honest = [u for u in run.updates if u.replica not in hostile]
+    attacking = [u for u in run.updates if u.replica in hostile and u.hostile]
+    by: dict[str, int] = {}
+    for u in attacking:
+        by[u.outcome] = by.get(u.outcome, 0) + 1
+    first = attacking[0].outcome if attacking else None
+    rounds = max((u.round for u in run.updates), default=0) + 1
+    pushes = max(0, rounds - min((u.round for u in attacking), default=rounds))  # its attacking pushes over the block
+    if not attacking:
+        p = None
+    elif first in CAUGHT_AT_INTAKE:
+        p = 0.0
+    elif any(u.outcome == "audit" for u in attacking):
+        p = (1.0 - settings.audit_fraction) ** pushes
+    else:
+        p = 1.0
+    ratios = [u.norm_ratio for u in honest if u.norm_ratio is not None]
+    return {"honest_updates": len(honest), "honest_refused": sum(u.outcome not in ("accepted", "screened") for u in honest),
+            "honest_screened": sum(u.outcome == "screened" for u in honest),
+            "hostile_updates": len(attacking), "hostile_by_outcome": by,
+            "hostile_accepted": by.get("accepted", 0), "quarantined_at": {str(i): v for i, v in run.quarantined.items()},
+            "p_undetected": p, "honest_norm_ratios": sorted(ratios)[-5:] if ratios else [],
+            "honest_norm_ratio_max": max(ratios) if ratios else None, "honest_norm_ratio_count": len(ratios)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    clean = {(r["seed"],): r["ce_nats_per_byte"] for r in rows if r["kind"] == "clean"}
+    lines = ["| attack | attacks from | CE | vs clean | hostile pushes | accepted | caught by | quarantined at "
+             "| p undetected | honest refused |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = clean.get((r["seed"],))
+        diff = "—" if ref is None or r["kind"] == "clean" else f"{r['ce_nats_per_byte'] - ref:+.4f}"
+        caught = ", ".join(f"{k} {n}" for k, n in sorted(r["hostile_by_outcome"].items()) if k != "accepted") or "—"
+        quarantined = ", ".join(f"v{v}" for v in r["quarantined_at"].values()) or "—"
+        p = "—" if r["p_undetected"] is None else f"{r['p_undetected']:.3g}"
+        lines.append(f"| {r['kind']} | {r['attack_from'] if r['kind'] != 'clean' else '—'} | {r['ce_nats_per_byte']:.4f} "
+                     f"| {diff} | {r['hostile_updates']} | {r['hostile_accepted']} | {caught} | {quarantined} | {p} "
+                     f"| {r['honest_refused']} of {r['honest_updates']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="cpu-mini")
-    ap.add_argument("--steps", type=int, default=400, help="inner steps per replica")
-    ap.add_argument("--h", type=int, default=25, help="H: inner steps per round")
-    ap.add_argument("--outer", default="nesterov", choices=[o.value for o in OuterOptimizer])
-    ap.add_argument("--outer-lr", type=float, default=0.7)
-    ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--gate-tolerance", type=float, default=None,
-                    help="nats the held-out loss may rise (default: the coordinator's calibrated tolerance)")
-    ap.add_argument("--aggregation", default="mean", choices=[a.value for a in Aggregation])
+    ap.add_argument("--steps", type=int, default=690, help="inner steps per replica")
+    ap.add_argument("--h", type=int, default=6, help="H: inner steps per round")
+    ap.add_argument("--workers", type=int, default=6, help="honest replicas")
+    ap.add_argument("--attack-from", type=int, default=None,
+                    help="the version hostile workers start attacking at (default: --probation-pushes, after probation)")
     ap.add_argument("--eval-bytes", type=int, default=32768)
     ap.add_argument("--seed", type=int, default=0, help="train.seed: the blocks' init and every worker's stream")
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=",".join(["clean", *ATTACKS]))
     ap.add_argument("--data", default=None)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, required=True, help="hostile-peers.json (runs of other kinds are kept)")
-    ap.add_argument("--merge", type=Path, default=None, help="a run (JSON) to add as is, e.g. the slow worker's")
-    ap.add_argument("--honest-from", default=None, metavar="JSONL:ROW",
-                    help="take the honest run from this averaging-study row (same settings, gate on) instead of rerunning it")
+    ap.add_argument("--out", type=Path, required=True, help="hostile-peers.json (rows of other kinds are kept)")
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if "--kinds" in args.argv:  # each row names its own kind
+        at = args.argv.index("--kinds")
+        del args.argv[at:at + 2]
+    settings = CoordinatorSettings()  # the coordinator's defaults
+    if args.attack_from is None:
+        args.attack_from = settings.probation_pushes
     torch.set_num_threads(args.threads)
-    doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {"runs": []}
-    runs = {_key(r): r for r in doc["runs"]}
-    if args.honest_from:
-        path, _, name = args.honest_from.partition(":")
-        row = next(json.loads(x) for x in Path(path).read_text().splitlines() if x.strip() and json.loads(x)["row"] == name)
-        if row.get("gate_tolerance") != args.gate_tolerance or row["h"] != args.h or row["outer_lr"] != args.outer_lr:
-            ap.error(f"row {name} was not run with these settings (gate, H, outer lr)")
-        runs["honest"] = {"kind": "honest", "final_ce_nats_per_byte": row["ce_nats_per_byte"], "poisoned_updates": 0,
-                          "poisoned_caught": 0, "honest_updates": row["updates"], "honest_rejected": row["rejected"],
-                          "command": row["command"], "from": args.honest_from}
-    if args.merge:
-        extra = json.loads(args.merge.read_text())
-        runs[extra["kind"]] = extra
-    else:
-        for kind in args.kinds.split(","):
-            if kind not in KINDS:
-                ap.error(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
-            print("+", kind, file=sys.stderr, flush=True)
-            row = run_kind(kind, args)
-            runs[_key(row)] = row
-    for r in runs.values():
-        ref = runs.get(_key({**r, "kind": "honest"}), {}).get("final_ce_nats_per_byte")
-        r["honest_ce_nats_per_byte"] = r.get("honest_ce_nats_per_byte", ref)
-        ref5 = runs.get(_key({**r, "kind": "honest5"}), {}).get("final_ce_nats_per_byte")
-        if ref5 is not None:
-            r["without_hostile_ce_nats_per_byte"] = ref5  # the fair reference: the run without the hostile worker
-    doc["runs"] = list(runs.values())
-    doc["what"] = ("six replicas of block 0 (stack, first prefix), the last one hostile; defences: the norm bound "
-                   "and the loss gate of blocktrain.coordinator.intake; CE on the first eval bytes of the test split")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print("| aggregation | seed | kind | final CE | honest CE | diff | vs 5 honest | poisoned | caught | accepted within bound "
-          "| honest rejected |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in doc["runs"]:
-        h = r.get("honest_ce_nats_per_byte")
-        diff = "—" if h is None else f"{r['final_ce_nats_per_byte'] - h:+.4f}"
-        h5 = r.get("without_hostile_ce_nats_per_byte")
-        diff5 = "—" if h5 is None else f"{r['final_ce_nats_per_byte'] - h5:+.4f}"
-        print(f"| {r.get('aggregation', 'mean')} | {r.get('seed', 0)} | {r['kind']} | {r['final_ce_nats_per_byte']:.4f} "
-              f"| {h if h is None else f'{h:.4f}'} | {diff} | {diff5} "
-              f"| {r.get('poisoned_updates', '—')} | {r.get('poisoned_caught', '—')} "
-              f"| {r.get('poisoned_accepted_within_norm_bound', '—')} | {r.get('honest_rejected', '—')} |")
+    doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    rows = {_key(r): r for r in doc.get("rows", [])}
+    for kind in args.kinds.split(","):
+        if kind != "clean" and kind not in ATTACKS:
+            ap.error(f"unknown kind {kind!r}; choose from clean, {', '.join(ATTACKS)}")
+        key = _key({"kind": kind, "attack_from": args.attack_from, "seed": args.seed})
+        if key in rows:
+            continue
+        print("+", key, file=sys.stderr, flush=True)
+        rows[key] = run_row(kind, args, settings)
+        doc.update({"what": (f"block 0 of a stack run ({args.preset}), {args.workers} honest replicas plus the attack's "
+                             "hostile ones, in process with the coordinator's intake, audits, aggregation and outer step "
+                             "(its default settings); CE on the first eval bytes of the test split"),
+                    "settings": {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(settings).items()},
+                    "rows": list(rows.values())})
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")  # written after every row: a cut study keeps them
+    print(table(list(rows.values())))
     return 0
 
 
 def _key(r: dict[str, Any]) -> str:
-    seed = r.get("seed", 0)
-    return f"{r.get('aggregation', 'mean')}/{r['kind']}" + (f"/s{seed}" if seed else "")
+    return f"{r['kind']}/from{r['attack_from'] if r['kind'] != 'clean' else '-'}/s{r['seed']}"
 
 
 if __name__ == "__main__":

@@ -94,13 +94,14 @@ class Auditor:
     under the coordinator's lock; :meth:`judge` replays one taken case, unlocked, and touches no state of the
     auditor's (:meth:`record` counts its answer, under the lock)."""
 
-    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, data: DataDir | None) -> None:
+    def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, data: DataDir | None,
+                 rng: random.Random | None = None) -> None:
         self.cfg = cfg
         self.settings = settings
         self.objective = get_objective(cfg)
         self.train: ByteSplit | None = data.open("train") if data is not None and settings.audit_fraction > 0 else None
         self.device = resolve_device(settings.device)  # where replays train (the worker's may be another)
-        self._rng = random.SystemRandom()
+        self._rng = rng or random.SystemRandom()  # which pushes are drawn: unpredictable (seeded only in process)
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
         self.passed = 0

@@ -9,8 +9,10 @@ a :class:`ProtocolError` with its reason):
    the published one means it was not trained from them (the worker pulls them again).
 2. ``claim`` (422): the samples it claims are at most the budget the work answer assigned (H x batch sequences, times
    the members for a group mean). The claim is its weight in the mean, so no claim buys a round.
-3. ``norm`` / ``lazy`` (422): ||Delta|| <= norm_k x the median of the block's recent accepted norms, and
-   ||Delta|| >= lazy_fraction x that median x claimed/assigned samples (a zero or tiny delta that claims a full
+3. ``norm`` / ``lazy`` (422): with norms measured per unit of the round's lr (||Delta|| / s_v, s_v the mean inner lr
+   of round v over the peak lr, :func:`blocktrain.train.step.round_lr_scale`, so the warm-up and the decay do not move
+   them), ||Delta|| / s_v <= norm_k x the median of the block's recent accepted ones, and
+   ||Delta|| / s_v >= lazy_fraction x that median x claimed/assigned samples (a zero or tiny delta that claims a full
    budget would only slow the others).
 4. ``replay`` (422): a count sketch (Charikar et al. 2002) of every accepted delta of the block is kept; an update whose
    sketch has a cosine above ``replay_cosine`` with any of them, of any worker or version, repeats it.
@@ -46,15 +48,16 @@ MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 x MAD for a normal distribution
 
 
 def check_norm(k: int, norm: float, history: Sequence[float], settings: CoordinatorSettings) -> None:
-    """Refuse ||Delta|| > norm_k x median(history) once the history is long enough (a scaled or random update)."""
+    """Refuse a (per unit of lr) norm > norm_k x median(history) once the history is long enough (a scaled or random
+    update)."""
     if settings.norm_k <= 0 or len(history) < settings.norm_min_history:
         return
     med = statistics.median(history)
     if norm > settings.norm_k * med:
         raise ProtocolError(
             422,
-            f"update norm {norm:.4g} exceeds {settings.norm_k:g} x the median {med:.4g} of recent updates "
-            f"of block {k}; check the worker's learning rate and data",
+            f"update norm {norm:.4g} (per unit of the round's lr) exceeds {settings.norm_k:g} x the median {med:.4g} of "
+            f"recent updates of block {k}; check the worker's learning rate and data",
             Reason.NORM,
         )
 
@@ -74,7 +77,7 @@ class Published:
 class Checked:
     """An update that passed the intake, with what :meth:`Intake.remember` keeps of it."""
 
-    norm: float  # ||Delta||
+    norm: float  # ||Delta|| / s_v: its norm per unit of its round's lr
     sketch: torch.Tensor  # (sketch_dim,) unit count sketch of Delta
     gate: tuple[float, float] | None  # held-out loss (before, after), when the gate ran
     replay_cos: float | None = None  # the largest sketch cosine with the block's accepted deltas (None: none yet)
@@ -176,9 +179,11 @@ class Intake:
                 self._before[key] = before
         return IntakeView(tuple(self._norms[k]), self.tolerance(k), self._sketches[k].rows(), before)
 
-    def check(self, upd: ParsedUpdate, base: Published, budget: int, view: IntakeView | None = None) -> Checked:
-        """Every check of the module docstring for ``upd`` against ``base``; ``budget``: samples assigned for it.
-        ``view``: the snapshot to check against (None: take it now, for a caller with no concurrent updates)."""
+    def check(self, upd: ParsedUpdate, base: Published, budget: int, view: IntakeView | None = None,
+              lr_scale: float = 1.0) -> Checked:
+        """Every check of the module docstring for ``upd`` against ``base``; ``budget``: samples assigned for it;
+        ``lr_scale``: s_v of its round. ``view``: the snapshot to check against (None: take it now, for a caller with
+        no concurrent updates)."""
         view = view if view is not None else self.view(base)
         k = base.block
         if upd.base_version != base.version or upd.base_sha != base.weights_sha:
@@ -188,16 +193,18 @@ class Intake:
         if upd.samples > budget:
             raise ProtocolError(422, f"the update claims {upd.samples} samples but its round assigned at most {budget}; "
                                 "a worker claims the sequences it trained on, steps x batch", Reason.CLAIM)
-        check_norm(k, upd.norm, view.norms, self.settings)
+        norm = upd.norm / max(lr_scale, 1e-12)
+        check_norm(k, norm, view.norms, self.settings)
         if self.settings.lazy_fraction > 0 and len(view.norms) >= self.settings.norm_min_history:
             least = self.settings.lazy_fraction * statistics.median(view.norms) * upd.samples / budget
-            if upd.norm < least:
-                raise ProtocolError(422, f"update norm {upd.norm:.4g} is below {least:.4g}, the least the {upd.samples} samples "
-                                    f"it claims move block {k}; push what you trained", Reason.LAZY)
+            if norm < least:
+                raise ProtocolError(422, f"update norm {norm:.4g} (per unit of the round's lr) is below {least:.4g}, the "
+                                    f"least the {upd.samples} samples it claims move block {k}; push what you trained",
+                                    Reason.LAZY)
         sketch = self.sketch(k, upd.delta)
         cos = replay_cosine(k, sketch, view.sketches, self.settings)
         gate = self._gate(base, upd.delta, view) if view.before is not None else None
-        return Checked(upd.norm, sketch, gate, cos)
+        return Checked(norm, sketch, gate, cos)
 
     def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
         """The replay check against every sketch block k has accepted by now (under the lock that accepts)."""
@@ -237,7 +244,8 @@ class Intake:
         self.seconds += seconds
 
     def restore(self, k: int, norms: Sequence[float], deltas: Sequence[dict[str, torch.Tensor]]) -> None:
-        """Block k's history again after a restart: its recent accepted norms (oldest first) and every accepted delta."""
+        """Block k's history again after a restart: its recent accepted norms per unit of lr (oldest first) and every
+        accepted delta."""
         self._norms[k].extend(norms)
         for d in deltas:
             self.remember_sketch(k, self.sketch(k, d))

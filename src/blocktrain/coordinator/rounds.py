@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import RunConfig, Schedule
@@ -37,6 +38,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import decode_delta
 from blocktrain.protocol.messages import FrozenRef
+from blocktrain.train.step import round_lr_scale
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,8 @@ class Rounds:
             for digest, compression in s.updates.update_blobs(k):
                 tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
                 accepted.append(decode_delta(tensors, compression))
-            self.intake.restore(k, s.updates.recent_norms(k, self.settings.norm_history)[::-1], accepted)
+            norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history)[::-1]]
+            self.intake.restore(k, norms, accepted)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
@@ -126,6 +129,13 @@ class Rounds:
         if r <= 0 or self.cfg.train.steps <= 0:
             return r
         return max(1, round(r * self.objective.block_steps(k) / self.cfg.train.steps))
+
+    def lr_scale(self, k: int, v: int) -> float:
+        """s_v of block k's round v: its inner steps' mean lr over the peak, on the schedule the workers follow (the
+        block's rounds x H steps, or train.steps without a round limit)."""
+        h, rounds = self.local_steps(k), self.block_rounds(k)
+        schedule = replace(self.cfg.train, steps=max(1, rounds * h if rounds else self.cfg.train.steps))
+        return round_lr_scale(schedule, v * h, h)
 
     def local_steps(self, k: int) -> int:
         """H of block k: --local-steps, or with --local-steps 0 its :func:`per_block_h` for --rounds rounds."""

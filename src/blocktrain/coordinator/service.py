@@ -229,9 +229,10 @@ class Coordinator:
             members = up.members(name, upd)
             base = self.checkpoints.published(k)
             view = self.intake.view(base)
+            scale = self.rounds.lr_scale(k, upd.base_version)
         t0 = time.perf_counter()
         try:  # unlocked: budget, norm, replay and the loss gate, on the snapshot
-            checked = self.intake.check(upd, base, up.budget(k, members), view)
+            checked = self.intake.check(upd, base, up.budget(k, members), view, scale)
         except ProtocolError as exc:
             with self.lock:
                 self.intake.count(time.perf_counter() - t0)

@@ -23,21 +23,25 @@ distributed run with this reference.
 from __future__ import annotations
 
 import logging
+import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import RunConfig
-from blocktrain.coordinator.aggregate import OuterState, next_version
+from blocktrain.coordinator.aggregate import OuterState, RoundResult, next_version
+from blocktrain.coordinator.audit import Auditor
+from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.intake import Intake, Published
 from blocktrain.coordinator.settings import CoordinatorSettings
-from blocktrain.coordinator.validate import parse_update
+from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import resolve_device, resolve_precision
@@ -46,22 +50,56 @@ from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
+from blocktrain.protocol.inner_state import inner_state, state_sha
 from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.seeds import init_seed, worker_stream
 from blocktrain.train.inner import RoundAdamW, make_round_optimizer, moment_estimates, start_round
 from blocktrain.train.round import BlockTask, train_round
-from blocktrain.train.step import MuonAdamW, decay_groups, make_optimizer
+from blocktrain.train.step import MuonAdamW, decay_groups, make_optimizer, round_lr_scale
 
 log = logging.getLogger(__name__)
 
-class Hostile(Protocol):
-    """A hostile last replica (``benchmarks/distributed/hostile_peers.py``): the targets it trains on, the update it pushes."""
+@dataclass(frozen=True)
+class HostileContext:
+    """What a hostile replica knows when it forges its update."""
 
-    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
+    weights: dict[str, torch.Tensor]  # W_v, the version it trained from
+    previous: list[dict[str, torch.Tensor]]  # the deltas the previous round accepted (decoded)
+    generator: torch.Generator  # its own seeded randomness
 
-    def delta(self, delta: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]: ...
+
+class Hostile:
+    """A hostile replica's behaviour in the in-process rounds (``benchmarks/distributed/attacks.py``); every method's
+    default is what an honest worker does, so an attack overrides only what it changes. Before version
+    ``attacks_from`` it behaves honestly (a worker that passes its probation first)."""
+
+    attacks_from: int = 0  # the first version it attacks at
+
+    def steps(self, h: int) -> int:
+        """Inner steps it trains (a strong worker trains more than its budget)."""
+        return h
+
+    def train_data(self, data: np.ndarray) -> np.ndarray:
+        """The bytes it trains on (a data poisoner's own)."""
+        return data
+
+    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The targets it trains on."""
+        return y
+
+    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor]:
+        """The update it pushes in place of the one it trained."""
+        return delta
+
+    def claim(self, budget: int) -> int:
+        """The samples it claims."""
+        return budget
+
+    def version(self, v: int) -> int:
+        """The version it names as its base (a stale worker names an older one)."""
+        return v
 
 
 @dataclass(frozen=True)
@@ -108,9 +146,12 @@ class UpdateRecord:
     replica: int  # index of the replica that pushed it
     round: int  # the version it was against
     norm: float  # ||Delta|| as the coordinator decoded it
-    outcome: str  # "accepted", or the rejection reason ("norm", "gate", ...)
+    outcome: str  # "accepted", the refusal's reason ("norm", "gate", ...), "screened" at the close, or "audit" (failed)
     gate: tuple[float, float] | None = None  # held-out loss (before, after) when the gate ran
     replay_cos: float | None = None  # its largest sketch cosine with the block's earlier accepted deltas
+    norm_ratio: float | None = None  # its norm per unit of lr over the median of the block's recent ones (None: too few)
+    audited: bool = False  # its round was replayed (then "audit" if the replay failed)
+    hostile: bool = False  # a hostile replica pushed it while attacking
 
 
 @dataclass
@@ -123,6 +164,7 @@ class LocalRun:
     raw_pull_bytes: list[int] = field(default_factory=list)
     updates: list[UpdateRecord] = field(default_factory=list)  # every pushed update and what became of it
     skipped_rounds: int = 0  # rounds in which every update was refused (the coordinator would wait on)
+    quarantined: dict[int, int] = field(default_factory=dict)  # replica -> the version it was quarantined at
     wall_s: float = 0.0  # seconds of the whole simulation
 
     def test_ce(self, cfg: RunConfig, data: DataDir, max_bytes: int, k: int = 0,
@@ -158,15 +200,18 @@ def run_local_rounds(
     frozen: Sequence[nn.Module] = (),
     earlier: Sequence[nn.Module] = (),
     progress: bool = False,
-    hostile: Hostile | None = None,
+    hostile: Hostile | Sequence[Hostile] = (),
+    audit: bool = False,
 ) -> LocalRun:
     """Train block k with ``opts.workers`` replicas for ``opts.rounds`` rounds; see the module docstring.
 
     ``earlier`` (whole blocks 0..k-1, heads included) gives version 0 what block k inherits from them
     (``Objective.inherit``: a copy of block k-1 under ``stack.init copy``), as the coordinator's version 0 does.
-    With ``hostile``, the last replica trains on its targets and pushes its update instead of the honest one.
+    ``hostile``: the last replicas behave so (:class:`Hostile`). ``audit``: the coordinator's audits run too
+    (:class:`.audit.Auditor`: every push on probation, then ``settings.audit_fraction``, drawn by a seeded generator),
+    and a replica quarantined (a failed audit, or ``quarantine_after`` refusals) pushes no more.
     """
-    block = BlockRun(cfg, settings, opts, data, k=k, frozen=frozen, earlier=earlier, hostile=hostile)
+    block = BlockRun(cfg, settings, opts, data, k=k, frozen=frozen, earlier=earlier, hostile=hostile, audit=audit)
     bar = progress_bar(total=opts.rounds, desc=f"block {k} x{opts.workers} H={opts.local_steps}", unit="round",
                        disable=not progress, dynamic_ncols=True)
     for offset, h in zip(block.offsets, opts.round_steps, strict=True):
@@ -183,14 +228,18 @@ class BlockRun:
 
     def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, opts: LocalRounds, data: DataDir, *, k: int = 0,
                  frozen: Sequence[nn.Module] = (), earlier: Sequence[nn.Module] = (),
-                 hostile: Hostile | None = None) -> None:
+                 hostile: Hostile | Sequence[Hostile] = (), audit: bool = False) -> None:
         objective = self.objective = get_objective(cfg)
         self.device = resolve_device(cfg.train.device)  # the replicas, their rounds and the in-process gate
         settings = replace(settings, device=str(self.device))
         self.settings = settings = settings.for_objective(objective.outer_step())
         if len(frozen) != objective.frozen_inputs(k):
             raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
-        self.cfg, self.opts, self.k, self.hostile = cfg, opts, k, hostile
+        self.cfg, self.opts, self.k = cfg, opts, k
+        bad = (hostile,) if isinstance(hostile, Hostile) else tuple(hostile)
+        if len(bad) >= opts.workers:
+            raise ConfigError(f"{len(bad)} hostile replicas need more than {opts.workers} replicas in all")
+        self.hostile = {opts.workers - len(bad) + j: h for j, h in enumerate(bad)}  # the last replicas, by index
         self.tc = tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)
         self.schedule = replace(tc, steps=opts.steps)  # the worker's: the sum of the rounds' H
         self.offsets = [sum(opts.round_steps[:v]) for v in range(opts.rounds)]  # each round's place in that schedule
@@ -215,6 +264,13 @@ class BlockRun:
         self.state = OuterState()
         self.train = data.open("train")
         self.intake = Intake(settings, {k: self.shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
+        self.auditor = Auditor(cfg, settings, data, rng=random.Random(cfg.train.seed)) if audit else None
+        if audit and not self.auditor.enabled:  # type: ignore[union-attr]
+            raise ConfigError("audits need settings.audit_fraction > 0")
+        self.refusals = [0] * opts.workers  # refusals that count toward quarantine, per replica
+        self.accepted = [0] * opts.workers  # accepted pushes per replica (the first probation_pushes are audited)
+        self.previous: list[dict[str, torch.Tensor]] = []  # the deltas the previous round accepted (what a replay copies)
+        self.poisoned: dict[int, np.ndarray] = {}  # hostile replica -> the bytes it trains on
         self.set_frozen(frozen)
         self.precision = resolve_precision(tc.precision, self.device)
         self.version = 0
@@ -235,59 +291,122 @@ class BlockRun:
 
     def round(self, h: int, offset: int, workers: int | None = None) -> None:
         """Round ``self.version``: replicas 0..workers-1 train ``h`` steps from W_v at schedule position ``offset``
-        and push; the coordinator's intake and outer step close it."""
-        opts, tc, k, v, run = self.opts, self.tc, self.k, self.version, self.run
+        and push; the coordinator's intake (and audits) and outer step close it."""
+        opts, k, v, run = self.opts, self.k, self.version, self.run
         W = self.W
-        budget = h * tc.batch_size  # what the coordinator's work answer assigns
-        deltas, samples, pushed = [], [], []
         base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
         if self.start is InnerStart.FRESH:
             self.optimisers = [self._inner(r) for r in self.replicas]
         share = self.start.shares if (v + 1) % opts.share_every == 0 else ()  # this round pushes its moments
         published, self.published = self.published, None  # a new publication is loaded once; else own state goes on
         m = opts.workers if workers is None else workers
-        moments: list[dict[str, torch.Tensor]] = []
-        for i, (block, opt) in enumerate(zip(self.replicas[:m], self.optimisers[:m], strict=True)):
-            load_trainable(block, W)
-            block.train()
-            if isinstance(opt, RoundAdamW):  # a shared start
-                start_round(opt, self.names, self.start, published)
-            stream = TrainStream(self.train.data, self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
-                                 stream=worker_stream(i + 1, k, v), device=self.device)  # worker ids start at 1, as the store's
-            bad = self.hostile if i == opts.workers - 1 else None
-            train_round(self.task, block, opt, stream, steps=h, offset=offset, schedule=self.schedule,
-                        precision=self.precision, targets=bad.targets if bad is not None else None)
-            local = trainable_state(block)
-            delta = {n: local[n] - W[n] for n in W}
-            if bad is not None:
-                delta = bad.delta(delta, stream.generator(0, purpose=3))
-            mine = moment_estimates(opt, self.names, share) if share and isinstance(opt, RoundAdamW) else None
-            body = pack_delta(delta, opts.compression, block=k, base_version=v, base_sha=base.weights_sha,
-                              samples=budget, feedback=self.feedback[i], moments=mine,
-                              moment_codec=self.settings.moment_codec if mine is not None else None)
-            run.raw_push_bytes.append(len(body))
-            run.push_bytes.append(len(deflate(body)))
-            parsed = parse_update(body, k, self.shapes, share)  # what the coordinator decodes
-            try:
-                checked = self.intake.check(parsed, base, budget)
-            except ProtocolError as exc:
-                run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused"))
+        kept: list[tuple[int, ParsedUpdate]] = []  # (its record's index, the update) of each accepted push
+        for i in range(m):
+            if i in run.quarantined:
                 continue
-            run.updates.append(UpdateRecord(i, v, parsed.norm, "accepted", checked.gate, checked.replay_cos))
-            self.intake.remember(k, checked)
-            pushed.append(len(run.updates) - 1)
-            deltas.append(parsed.delta)
-            samples.append(parsed.samples)
-            if parsed.moments is not None:
-                moments.append(parsed.moments)
+            parsed = self._push(i, h, offset, base, share, published)
+            if parsed is not None:
+                kept.append((len(run.updates) - 1, parsed))
         self.version += 1
-        if not deltas:  # every update refused: W stays, and the next round trains from it again
+        self.previous = [p.delta for _, p in kept]
+        if not kept:  # every update refused: W stays, and the next round trains from it again
             run.skipped_rounds += 1
             return
-        result = next_version(W, deltas, samples, self.settings, self.state, moments or None)
-        for j, at in enumerate(pushed):
+        moments = [p.moments for _, p in kept if p.moments is not None]
+        result = next_version(W, [p.delta for _, p in kept], [p.samples for _, p in kept], self.settings, self.state,
+                              moments or None)
+        for j, (at, _) in enumerate(kept):
             if j not in result.kept:  # dropped by the agreement screen at the round's close
                 run.updates[at] = replace(run.updates[at], outcome="screened")
+        self._publish(result, v)
+
+    def _push(self, i: int, h: int, offset: int, base: Published, share: tuple[str, ...],
+              published: dict[str, torch.Tensor] | None) -> ParsedUpdate | None:
+        """Replica i trains its round and pushes; the update as the coordinator accepted it (None: refused, or its
+        audit failed)."""
+        opts, tc, k, v, run = self.opts, self.tc, self.k, base.version, self.run
+        block, opt = self.replicas[i], self.optimisers[i]
+        load_trainable(block, base.weights)
+        block.train()
+        if isinstance(opt, RoundAdamW):  # a shared start
+            start_round(opt, self.names, self.start, published)
+        committed = inner_state(opt, self.names, self.feedback[i].residual) if self.auditor is not None else {}
+        bad = self.hostile.get(i)
+        bad = bad if bad is not None and v >= bad.attacks_from else None
+        stream = TrainStream(self._data(i, bad), self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
+                             stream=worker_stream(i + 1, k, v), device=self.device)  # worker ids start at 1, as the store's
+        train_round(self.task, block, opt, stream, steps=bad.steps(h) if bad else h, offset=offset,
+                    schedule=self.schedule, precision=self.precision, targets=bad.targets if bad else None)
+        local = trainable_state(block)
+        delta = {n: local[n] - base.weights[n] for n in base.weights}
+        budget = h * tc.batch_size  # what the coordinator's work answer assigns
+        named = bad.version(v) if bad else v
+        if bad is not None:
+            delta = bad.delta(delta, HostileContext(base.weights, self.previous, stream.generator(0, purpose=3)))
+        mine = moment_estimates(opt, self.names, share) if share and isinstance(opt, RoundAdamW) else None
+        body = pack_delta(delta, opts.compression, block=k, base_version=named,
+                          base_sha=base.weights_sha if named == v else "0" * 64, samples=bad.claim(budget) if bad else budget,
+                          feedback=self.feedback[i], moments=mine,
+                          moment_codec=self.settings.moment_codec if mine is not None else None,
+                          state_sha=state_sha(committed), precision=self.precision.value)
+        run.raw_push_bytes.append(len(body))
+        run.push_bytes.append(len(deflate(body)))
+        parsed = parse_update(body, k, self.shapes, share)  # what the coordinator decodes
+        view = self.intake.view(base)
+        med = statistics.median(view.norms) if len(view.norms) >= self.settings.norm_min_history else None
+        scale = round_lr_scale(self.schedule, offset, h)
+        ratio = parsed.norm / scale / med if med else None
+        try:
+            checked = self.intake.check(parsed, base, budget, view, scale)
+        except ProtocolError as exc:
+            run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused", norm_ratio=ratio,
+                                            hostile=bad is not None))
+            self._refused(i, exc.reason, v)
+            return None
+        self.intake.remember(k, checked)
+        self.accepted[i] += 1
+        audited = self._audit(i, parsed, base, committed)
+        failed = audited is False
+        run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
+                                        checked.replay_cos, ratio, audited is not None, bad is not None))
+        if failed:
+            run.quarantined[i] = v
+            return None
+        return parsed
+
+    def _data(self, i: int, bad: Hostile | None) -> np.ndarray:
+        """The bytes replica i trains on: the run's train split, or a hostile replica's own (made once)."""
+        if bad is None:
+            return self.train.data
+        if i not in self.poisoned:
+            self.poisoned[i] = bad.train_data(self.train.data)
+        return self.poisoned[i]
+
+    def _refused(self, i: int, reason: str, v: int) -> None:
+        """A refusal that counts toward quarantine (``coordinator.conduct.COUNTED``) brings replica i closer to it."""
+        if reason in COUNTED and self.settings.quarantine_after:
+            self.refusals[i] += 1
+            if self.refusals[i] >= self.settings.quarantine_after:
+                self.run.quarantined[i] = v
+
+    def _audit(self, i: int, parsed: ParsedUpdate, base: Published, committed: dict[str, torch.Tensor]) -> bool | None:
+        """Whether replica i's accepted push replayed (None: it was not drawn), as the coordinator judges it."""
+        if self.auditor is None:
+            return None
+        name = f"replica{i}"
+        stream = worker_stream(i + 1, self.k, base.version)
+        if not self.auditor.draw(name, parsed, base, stream, self.schedule.steps, self.opts.round_steps[base.version],
+                                 now=0.0, accepted=self.accepted[i]):
+            return None
+        case = self.auditor.take(name, self.k, base.version)
+        rel, scale = self.auditor.replay_error(case, committed)
+        self.auditor.decided(name, self.k, base.version)
+        tolerance = self.auditor.tolerance(parsed.precision, parsed.samples // self.tc.batch_size)
+        return rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
+
+    def _publish(self, result: RoundResult, v: int) -> None:
+        """The round's published step (and moments), decoded as the workers decode them: the next version."""
+        run, k, W = self.run, self.k, self.W
         step_body = pack(result.step, {"kind": "step", "block_index": str(k), "from_version": str(v),
                                        "compression": self.settings.step_compression.value})
         run.raw_pull_bytes.append(len(step_body))

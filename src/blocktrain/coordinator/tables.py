@@ -368,9 +368,10 @@ class UpdateTable:
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
 
-    def recent_norms(self, k: int, n: int) -> list[float]:
-        """Norms of the ``n`` latest updates of block k, newest first."""
-        return [float(r["norm"]) for r in self.db.q("SELECT norm FROM updates WHERE block=? ORDER BY id DESC LIMIT ?", k, n)]
+    def recent_norms(self, k: int, n: int) -> list[tuple[int, float]]:
+        """(version, norm) of the ``n`` latest updates of block k, newest first."""
+        rows = self.db.q("SELECT version, norm FROM updates WHERE block=? ORDER BY id DESC LIMIT ?", k, n)
+        return [(int(r["version"]), float(r["norm"])) for r in rows]
 
     def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:
         """Remember the data stream handed to ``worker`` for block k version v (the first one is kept)."""

@@ -26,6 +26,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def round_lr_scale(schedule: TrainConfig, offset: int, steps: int) -> float:
+    """The mean lr of schedule steps ``offset .. offset + steps - 1`` over the peak lr: how far, relative to the peak,
+    a round of ``steps`` inner steps at that place of the schedule moves its block (an Adam step is about lr long)."""
+    last = schedule.steps - 1
+    return sum(lr_at(min(offset + i, last), schedule) for i in range(max(1, steps))) / (max(1, steps) * schedule.lr)
+
+
 def _decays(name: str, p: torch.Tensor) -> bool:
     """Weight decay on matrices, not on biases, norms or embedding tables."""
     return p.dim() >= 2 and "emb" not in name
