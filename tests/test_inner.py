@@ -193,3 +193,10 @@ def test_the_in_process_rounds_share_moments_and_count_their_bytes(start: InnerS
                               corpus)
     sizes = every2.raw_push_bytes
     assert sizes[0] < sizes[3] and sizes[0] == sizes[6]  # round 1 (replicas 3..5) pushes moments, rounds 0 and 2 not
+
+
+def test_the_mean_v_is_the_v_of_the_workers_mean_gradient() -> None:
+    """m and v of six workers whose gradients have mean 1 and variance 6: one worker's v is 1 + 6, the mean's 1 + 1."""
+    s = CoordinatorSettings(aggregation=Aggregation.MEAN, moment_mean_v=True)
+    out = shared_moments([{"m/w": torch.ones(3), "v/w": torch.full((3,), 7.0)}] * 6, [1] * 6, s, None)
+    assert torch.allclose(out["v/w"], torch.full((3,), 2.0))

@@ -66,7 +66,8 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
     settings = CoordinatorSettings(outer=OuterOptimizer(row.get("outer", "nesterov")), outer_lr=row["outer_lr"],
                                    outer_momentum=row["outer_momentum"], gate=False,
                                    aggregation=Aggregation(row.get("aggregation", "mean")),
-                                   outer_eps=row.get("outer_eps", 1e-8), outer_cap=row.get("outer_cap"))
+                                   outer_eps=row.get("outer_eps", 1e-8), outer_cap=row.get("outer_cap"),
+                                   moment_mean_v=row.get("mean_v", False))
     early = row.get("early")  # [steps, H] of an H schedule's early phase
     start = row.get("inner_start")  # a shared start replaces reset_inner's fresh/carried choice
     rounds = LocalRounds(workers=row["workers"], local_steps=row["h"], steps=row["steps"], compression=Compression.INT8,
@@ -117,6 +118,8 @@ def _levers(row: dict[str, Any], sep: str) -> str:
         out += f"{sep}start={row['inner_start']}"
     if row.get("share_every", 1) != 1:
         out += f"{sep}every={row['share_every']}"
+    if row.get("mean_v"):
+        out += f"{sep}mean_v"
     return out
 
 
@@ -363,6 +366,8 @@ def main() -> int:
                     help="what each round's inner AdamW starts from (replaces --reset-inner; shared_*: moments pushed "
                          "and published)")
     ap.add_argument("--share-every", type=int, default=1, help="shared moments every this many rounds (DES-LOC)")
+    ap.add_argument("--mean-v", action="store_true",
+                    help="with shared m and v: publish the v of the workers' mean gradient (moment_mean_v)")
     ap.add_argument("--early", default=None, metavar="STEPS@H",
                     help="H schedule: the first STEPS inner steps in rounds of H, then --h (e.g. 250@5)")
     ap.add_argument("--workers", default="1,2,4,6,12", help="comma-separated M")
@@ -420,6 +425,8 @@ def main() -> int:
                         levers["inner_start"] = args.inner_start
                     if args.share_every != 1:
                         levers["share_every"] = args.share_every
+                    if args.mean_v:
+                        levers["mean_v"] = True
                     if args.early:
                         levers["early"] = [int(x) for x in args.early.split("@")]
                     todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,

@@ -26,7 +26,10 @@ the round publishes v_bar = hold(aggregate(clip(v_i))): every v_i is clipped coo
 [med / moment_clip, med x moment_clip] around the round's coordinate-wise median med, aggregated like the deltas,
 then held within a factor ``moment_step`` of the previously published v_bar; m_bar is aggregated like the deltas
 and clipped into [-sqrt(v_bar), sqrt(v_bar)] (Adam's normalised step m / sqrt(v) stays within one lr). So no worker,
-however hostile, moves the shared v to zero or infinity.
+however hostile, moves the shared v to zero or infinity. With ``moment_mean_v`` (m shared too), the published v is
+that of the M workers' mean gradient rather than of one worker's: v = E[g^2] = mu^2 + sigma^2 for one worker's batch,
+mu^2 + sigma^2 / M for their mean, so v_M = m_bar^2 + (v_bar - m_bar^2) / M (m_bar^2 estimates mu^2; clamped to
+[m_bar^2, v_bar]): the step one machine at M times the batch would take.
 
 The published step is encoded like a delta (:mod:`blocktrain.protocol.delta`:
 int8 by default, with the coordinator's own error feedback), and both
@@ -178,8 +181,12 @@ def shared_moments(
             out[n] = torch.minimum(torch.maximum(out[n], prev / settings.moment_step), prev * settings.moment_step)
     for n in names:
         if n.startswith(M_PREFIX) and V_PREFIX + n[len(M_PREFIX):] in out:
-            bound = out[V_PREFIX + n[len(M_PREFIX):]].sqrt()
+            v = V_PREFIX + n[len(M_PREFIX):]
+            bound = out[v].sqrt()
             out[n] = torch.minimum(torch.maximum(out[n], -bound), bound)
+            if settings.moment_mean_v:  # v of the M workers' mean gradient, in [m^2, v]
+                mu2 = out[n].square()
+                out[v] = mu2 + (out[v] - mu2) / len(moments)
     return out
 
 

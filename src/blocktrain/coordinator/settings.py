@@ -82,6 +82,7 @@ class CoordinatorSettings:
     moment_codec: MomentCodec = MomentCodec.INT8  # encoding of pushed and published inner moments
     moment_clip: float = 8.0  # a pushed v is clipped into [median / this, median x this] of the round's, per coordinate
     moment_step: float = 4.0  # the published v moves at most this factor per round
+    moment_mean_v: bool = False  # with m and v shared: publish the v of the workers' mean gradient, m^2 + (v - m^2) / M
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
     replay_cosine: float = 0.9999  # refuse an update whose sketch's cosine with any accepted delta of the block is above
     # (1 = off): a replay, re-encoded or not, is above 0.99999; honest updates reached 0.991 on a 20-word corpus
