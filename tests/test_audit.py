@@ -285,3 +285,37 @@ def test_the_tolerance_rule_leaves_room_for_rounding_but_not_for_scaling() -> No
     assert abs(replay_scale(honest, replayed) - 1) < s.audit_scale_tolerance  # rounding: the scale barely moves
     assert replay_scale(scaled, replayed) == pytest.approx(1.1)  # scaling: it moves by the factor
     assert replay_scale({"w": torch.zeros(3)}, {"w": torch.zeros(3)}) == 1.0
+
+
+def test_an_audit_drawn_before_a_restart_still_holds_its_round(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The coordinator draws a push for audit, then dies before the worker uploads its state. The restarted
+    coordinator reads the audit back from its store: the round does not close at its deadline, the worker's upload
+    is still taken, and the push, which does not replay, is dropped: block 0 is still at version 0 and its weights
+    are the initial ones. It fails when audits live only in memory (the restarted round closes with the push in it)."""
+    clock = FakeClock()
+    knobs = {**AUDIT_ALL, "round_seconds": 30.0, "lease_seconds": 600.0, "audit_timeout_s": 3600.0, "norm_k": 0.0}
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
+    c.add_token("a")
+    c.register("a", 0)
+    w0 = {n: t.clone() for n, t in c.weights[0].items()}
+    g = torch.Generator().manual_seed(0)
+    delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()}
+    work = c.work("a")
+    committed: dict[str, torch.Tensor] = {}  # a fresh optimiser's state: nothing yet
+    body = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=work.weights_sha,
+                      samples=work.sequences, state_sha=state_sha(committed))
+    assert c.submit("a", 0, body).audit  # on probation: drawn
+    c.close()  # the coordinator dies before the upload
+    c2 = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
+    try:
+        c2.expect_audit("a", 0, 0)  # the restarted coordinator still waits for it
+        clock.advance(120.0)
+        c2.tick()  # past the deadline: the round waits for its audit
+        assert c2.version[0] == 0
+        answer = c2.audit("a", 0, 0, pack_state(committed, block=0, version=0))
+        assert not answer.passed and c2.store.conduct.quarantined("a")
+        c2.tick()
+        assert c2.version[0] == 0 and all(torch.equal(c2.weights[0][n], w) for n, w in w0.items())
+        assert c2.store.q("SELECT * FROM audits") == []
+    finally:
+        c2.close()

@@ -113,19 +113,29 @@ class Auditor:
         return self.train is not None
 
     def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int, h: int,
-             now: float, accepted: int = 0) -> bool:
-        """Whether to audit this accepted push (then it waits for the worker's upload): every push of a worker on
-        probation (``accepted``, its accepted pushes so far, this one included, at most --probation-pushes), then a
-        random --audit-fraction."""
+             now: float, accepted: int = 0, outlier: bool = False) -> AuditCase | None:
+        """The case if this accepted push is audited (it then waits for the worker's upload), else None: every push of
+        a worker on probation (``accepted``, its accepted pushes so far, this one included, at most
+        --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``."""
         if not self.enabled or upd.state_sha is None or upd.group:
-            return False
-        if accepted > self.settings.probation_pushes and self._rng.random() >= self.settings.audit_fraction:
-            return False
+            return None
+        rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
+        if accepted > self.settings.probation_pushes and self._rng.random() >= max(rate, self.settings.audit_fraction):
+            return None
         if len(self._pending) >= MAX_PENDING:
-            return False
-        self._pending[(worker, upd.block, upd.base_version)] = AuditCase(
-            worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h, now + self.settings.audit_timeout_s)
-        return True
+            return None
+        case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
+                         now + self.settings.audit_timeout_s)
+        self._pending[(worker, upd.block, upd.base_version)] = case
+        return case
+
+    def restore(self, case: AuditCase) -> None:
+        """A case drawn before a restart, read back from the store: it waits for its upload again."""
+        self._pending[(case.worker, case.update.block, case.update.base_version)] = case
+
+    def forget(self, case: AuditCase) -> None:
+        """A drawn case whose push was not stored after all."""
+        self._pending.pop((case.worker, case.update.block, case.update.base_version), None)
 
     def expect(self, worker: str, k: int, v: int) -> None:
         """404 unless an audit of ``worker`` for (k, v) awaits its upload (checked before the body is read)."""

@@ -51,6 +51,9 @@ CREATE TABLE IF NOT EXISTS group_members(
     PRIMARY KEY(block, version, worker));
 CREATE TABLE IF NOT EXISTS quarantine(
     worker TEXT PRIMARY KEY, token_hash TEXT, reason TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS audits(
+    worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL, blob TEXT NOT NULL, stream INTEGER NOT NULL,
+    schedule_steps INTEGER NOT NULL, round_steps INTEGER NOT NULL, due REAL NOT NULL, PRIMARY KEY(worker, block, version));
 CREATE TABLE IF NOT EXISTS group_refusals(
     id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL,
     uploader TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);

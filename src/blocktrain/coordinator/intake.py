@@ -81,6 +81,7 @@ class Checked:
     sketch: torch.Tensor  # (sketch_dim,) unit count sketch of Delta
     gate: tuple[float, float] | None  # held-out loss (before, after), when the gate ran
     replay_cos: float | None = None  # the largest sketch cosine with the block's accepted deltas (None: none yet)
+    outlier: bool = False  # its norm or its loss rise is unusual for the block: audited more often (settings)
 
 
 class CountSketch:
@@ -204,7 +205,10 @@ class Intake:
         sketch = self.sketch(k, upd.delta)
         cos = replay_cosine(k, sketch, view.sketches, self.settings)
         gate = self._gate(base, upd.delta, view) if view.before is not None else None
-        return Checked(norm, sketch, gate, cos)
+        s = self.settings
+        outlier = ((len(view.norms) >= s.norm_min_history and norm > s.audit_outlier_ratio * statistics.median(view.norms))
+                   or (gate is not None and gate[1] - gate[0] > 0.5 * view.tolerance))
+        return Checked(norm, sketch, gate, cos, outlier)
 
     def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
         """The replay check against every sketch block k has accepted by now (under the lock that accepts)."""

@@ -33,6 +33,7 @@ from blocktrain.coordinator.intake import Intake
 from blocktrain.coordinator.settings import CloseReason, CoordinatorSettings, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.tables import UpdateRow
+from blocktrain.coordinator.validate import parse_update
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
@@ -247,12 +248,17 @@ class Rounds:
         self._advance(k, v, len(rows), screened, changed, warm, reason, now)
 
     def _next_version(self, k: int, v: int) -> tuple[list[UpdateRow], RoundResult]:
-        """The round's accepted updates, and :func:`.aggregate.next_version` of them."""
-        s = self.store
+        """The round's accepted updates, and :func:`.aggregate.next_version` of them. They are read back from the
+        store, not kept from their intake: a round closes from what is durable, whether or not a restart came
+        between (decoding an accepted update costs less than keeping every one in memory)."""
+        s, shares = self.store, self.settings.inner_start.shares
         rows = s.updates.accepted_updates(k, v)
-        deltas = [decode_delta(unpack(s.blobs.get_blob(r.blob), source=f"update {r.id}")[0], r.compression) for r in rows]
+        shapes = self.checkpoints.block_shapes[k]
+        updates = [parse_update(s.blobs.get_blob(r.blob), k, shapes, shares) for r in rows]
+        moments = [u.moments for u in updates if u.moments is not None]
         current = self.checkpoints.current(k)
-        return rows, next_version(current.weights, deltas, [r.samples for r in rows], self.settings, current.outer)
+        return rows, next_version(current.weights, [u.delta for u in updates], [u.samples for u in updates],
+                                  self.settings, current.outer, moments or None)
 
     def _persist(self, k: int, v: int, rows: list[UpdateRow], screened: list[UpdateRow], result: RoundResult,
                  reason: CloseReason, now: float) -> tuple[dict[int, BlockState], int | None]:

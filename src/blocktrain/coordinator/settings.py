@@ -103,6 +103,9 @@ class CoordinatorSettings:
     refusal_window_s: float = 60.0  # seconds of the refusal rate limit's window
     audit_fraction: float = 0.05  # accepted pushes replayed by the coordinator (needs its --data; 0 = no audits)
     probation_pushes: int = 3  # a worker's first this many accepted pushes are all replayed (probation; 0 = none)
+    audit_outlier_fraction: float = 0.5  # after probation, an outlier push is replayed with this probability
+    audit_outlier_ratio: float = 2.0  # an outlier: its norm per unit of lr above this x the block's recent median, or a
+    # loss rise above half the gate's tolerance
     audit_tolerance: float = 0.05  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this x sqrt(H/25)
     audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay*.json)
     audit_scale_tolerance: float = 0.02  # a replay passes only if the push's scale on it is within this of 1
@@ -173,5 +176,7 @@ class CoordinatorSettings:
             raise ConfigError("audit_fraction must be in [0, 1], audit_tolerance >= 0 and audit_timeout_s > 0")
         if self.probation_pushes < 0:
             raise ConfigError(f"probation_pushes must be >= 0, got {self.probation_pushes}")
+        if not 0 <= self.audit_outlier_fraction <= 1 or self.audit_outlier_ratio < 1:
+            raise ConfigError("audit_outlier_fraction must be in [0, 1] and audit_outlier_ratio >= 1")
         if self.quarantine_after < 0 or self.refusal_burst < 0 or self.refusal_window_s <= 0:
             raise ConfigError("quarantine_after and refusal_burst must be >= 0 and refusal_window_s > 0")

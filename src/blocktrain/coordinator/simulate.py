@@ -365,7 +365,7 @@ class BlockRun:
             return None
         self.intake.remember(k, checked)
         self.accepted[i] += 1
-        audited = self._audit(i, parsed, base, committed)
+        audited = self._audit(i, parsed, base, committed, checked.outlier)
         failed = audited is False
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
                                         checked.replay_cos, ratio, audited is not None, bad is not None))
@@ -389,14 +389,15 @@ class BlockRun:
             if self.refusals[i] >= self.settings.quarantine_after:
                 self.run.quarantined[i] = v
 
-    def _audit(self, i: int, parsed: ParsedUpdate, base: Published, committed: dict[str, torch.Tensor]) -> bool | None:
+    def _audit(self, i: int, parsed: ParsedUpdate, base: Published, committed: dict[str, torch.Tensor],
+               outlier: bool) -> bool | None:
         """Whether replica i's accepted push replayed (None: it was not drawn), as the coordinator judges it."""
         if self.auditor is None:
             return None
         name = f"replica{i}"
         stream = worker_stream(i + 1, self.k, base.version)
-        if not self.auditor.draw(name, parsed, base, stream, self.schedule.steps, self.opts.round_steps[base.version],
-                                 now=0.0, accepted=self.accepted[i]):
+        if self.auditor.draw(name, parsed, base, stream, self.schedule.steps, self.opts.round_steps[base.version],
+                             now=0.0, accepted=self.accepted[i], outlier=outlier) is None:
             return None
         case = self.auditor.take(name, self.k, base.version)
         rel, scale = self.auditor.replay_error(case, committed)

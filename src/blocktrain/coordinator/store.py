@@ -15,7 +15,7 @@ updates leave nothing behind.
 A :class:`Store` composes one SQLite connection (:class:`.db.Db`, shared), the blob
 directory (:class:`.blobs.BlobStore`) and one accessor per owner of its tables
 (:mod:`.tables`): ``store.tokens``, ``store.workers``, ``store.rounds``,
-``store.updates``, ``store.conduct``, ``store.evals``, and ``store.meta`` (the
+``store.updates``, ``store.conduct``, ``store.evals``, ``store.audits`` and ``store.meta`` (the
 ``meta`` and ``counters`` tables). Write methods begin no transaction: the caller
 groups them in :meth:`Store.tx`. ``q``/``q1`` remain for read-only audits (tests), as plain dicts.
 """
@@ -30,6 +30,7 @@ from typing import Any
 from blocktrain.coordinator.blobs import BlobStore
 from blocktrain.coordinator.db import SCHEMA_VERSION, Db
 from blocktrain.coordinator.tables import (
+    AuditTable,
     ConductTable,
     EvalTable,
     MetaTable,
@@ -59,6 +60,7 @@ class Store:
         self.updates = UpdateTable(self.db)
         self.conduct = ConductTable(self.db)
         self.evals = EvalTable(self.db)
+        self.audits = AuditTable(self.db)
         got = self.meta.get_meta("schema_version")
         if got is None:
             self.meta.set_meta("schema_version", SCHEMA_VERSION)

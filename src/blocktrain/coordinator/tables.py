@@ -10,6 +10,7 @@ fields (:class:`WorkerRow`, :class:`VersionRow`, :class:`RoundRow`, :class:`Upda
 * :class:`RoundTable` (``versions``, ``block_states``, ``rounds``): what every block published (:mod:`.rounds`).
 * :class:`UpdateTable` (``updates``, ``seeds``, ``group_members``): accepted updates (:mod:`.uploads`).
 * :class:`ConductTable` (``rejections``, ``quarantine``, ``group_refusals``): refusals (:mod:`.conduct`).
+* :class:`AuditTable` (``audits``): the audits drawn and not yet decided, so a restart still holds their rounds.
 * :class:`EvalTable` (``evals``): the periodic evaluations (:mod:`.checkpoints`).
 * :class:`MetaTable` (``meta``, ``counters``): run-wide settings and counters.
 
@@ -434,6 +435,40 @@ class ConductTable:
         """The quarantined worker whose revoked token has this hash, if any."""
         row = self.db.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)
         return None if row is None else str(row["worker"])
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """An ``audits`` row: a push drawn for audit, not yet decided."""
+
+    worker: str  # who pushed it
+    block: int  # k
+    version: int  # v it was trained against
+    blob: str  # digest of its body (its update row names the same)
+    stream: int  # the stream id the work answer named
+    schedule_steps: int  # the span of the block's lr schedule
+    round_steps: int  # H
+    due: float  # coordinator clock time by which the worker must upload its state
+
+
+@dataclass(frozen=True)
+class AuditTable:
+    """The audits drawn and not yet decided."""
+
+    db: Db  # the shared connection
+
+    def record_audit(self, a: AuditRow) -> None:
+        self.db.execute("INSERT OR REPLACE INTO audits(worker, block, version, blob, stream, schedule_steps, round_steps, "
+                        "due) VALUES(?,?,?,?,?,?,?,?)", (a.worker, a.block, a.version, a.blob, a.stream,
+                                                         a.schedule_steps, a.round_steps, a.due))
+
+    def drop_audit(self, worker: str, k: int, v: int) -> None:
+        self.db.execute("DELETE FROM audits WHERE worker=? AND block=? AND version=?", (worker, k, v))
+
+    def pending_audits(self) -> list[AuditRow]:
+        rows = self.db.q("SELECT * FROM audits ORDER BY block, version, worker")
+        return [AuditRow(str(r["worker"]), int(r["block"]), int(r["version"]), str(r["blob"]), int(r["stream"]),
+                         int(r["schedule_steps"]), int(r["round_steps"]), float(r["due"])) for r in rows]
 
 
 @dataclass(frozen=True)

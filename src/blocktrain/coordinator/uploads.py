@@ -18,7 +18,7 @@ import hashlib
 import logging
 
 from blocktrain.config import RunConfig
-from blocktrain.coordinator.audit import Auditor
+from blocktrain.coordinator.audit import AuditCase, Auditor
 from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
@@ -28,7 +28,7 @@ from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.tables import WorkerRow
+from blocktrain.coordinator.tables import AuditRow, WorkerRow
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
@@ -63,7 +63,7 @@ class Uploads:
         ck = self.checkpoints
         if len(body) > ck.max_body_bytes:
             raise ProtocolError(413, f"update of {len(body)} bytes exceeds the cap of {ck.max_body_bytes}", Reason.TOO_LARGE)
-        upd = parse_update(body, k, ck.block_shapes[k])
+        upd = parse_update(body, k, ck.block_shapes[k], self.settings.inner_start.shares)
         if self.auditor.enabled and not upd.group and upd.state_sha is None:
             raise ProtocolError(422, "this coordinator audits updates: an update must name the sha256 of the worker's "
                                 "inner state at the round's start (state_sha); run the same BlockTrain version",
@@ -124,21 +124,46 @@ class Uploads:
         self.intake.check_replay(k, checked.sketch)  # again, against every delta accepted since its checks' snapshot
         rnd = s.rounds.round(k, v)
         opened = rnd.opened if rnd is not None else arrived
-        s.blobs.commit_blob(staged)  # durable before the row that names it
-        with s.tx():
-            s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
-                                    blob=staged.digest, arrived=arrived, arrival_s=arrived - opened)
-            if members:
-                s.updates.record_group(k, v, name, members)
-        self.intake.remember(k, checked)
-        log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
         rounds, h = self.rounds.block_rounds(k), self.rounds.local_steps(k)
         stream = worker_stream(worker.id, k, v)  # the stream the work answer named
-        after = s.workers.worker(name)  # its accepted pushes, this one included
-        audit = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
-                                  accepted=after.accepted if after is not None else 0)
+        now_row = s.workers.worker(name)  # its accepted pushes so far
+        case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
+                                 accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier)
+        try:
+            s.blobs.commit_blob(staged)  # durable before the row that names it
+            with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
+                s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
+                                        blob=staged.digest, arrived=arrived, arrival_s=arrived - opened)
+                if members:
+                    s.updates.record_group(k, v, name, members)
+                if case is not None:
+                    s.audits.record_audit(AuditRow(name, k, v, staged.digest, stream, case.schedule_steps, h, case.due))
+        except BaseException:
+            if case is not None:
+                self.auditor.forget(case)
+            raise
+        self.intake.remember(k, checked)
+        log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
         closed = self.rounds.check_quorum(now)
-        return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=audit)
+        return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=case is not None)
+
+    def restore_audits(self) -> None:
+        """(Locked, at start-up.) The audits drawn before a restart and not decided wait for their uploads again, so
+        their rounds stay held; one whose round has moved on, or whose update was dropped, is forgotten."""
+        s = self.store
+        for a in s.audits.pending_audits():
+            current = self.checkpoints.current(a.block)
+            pending = {r.worker for r in s.updates.accepted_updates(a.block, a.version)}
+            if current.version != a.version or a.worker not in pending:
+                with s.tx():
+                    s.audits.drop_audit(a.worker, a.block, a.version)
+                continue
+            upd = parse_update(s.blobs.get_blob(a.blob), a.block, self.checkpoints.block_shapes[a.block],
+                               self.settings.inner_start.shares)
+            self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
+                                           a.stream, a.schedule_steps, a.round_steps, a.due))
+            log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
+                     a.version, a.worker)
 
     # --- an audit upload ---------------------------------------------------------------
     def decide(self, name: str, k: int, v: int, answer: AuditAnswer | None, why: str, now: float) -> None:
@@ -152,11 +177,15 @@ class Uploads:
         if answer is not None:
             self.auditor.record(answer)
         self.auditor.decided(name, k, v)
+        with self.store.tx():
+            self.store.audits.drop_audit(name, k, v)
         self.rounds.check_quorum(now)  # the decided audit may complete its round
 
     def overdue_audits(self, now: float) -> None:
         """(Locked.) Quarantine the workers whose audit uploads are late."""
         for case in self.auditor.overdue(now):
+            with self.store.tx():
+                self.store.audits.drop_audit(case.worker, case.update.block, case.update.base_version)
             if not self.conduct.quarantined(case.worker):
                 self.conduct.quarantine(case.worker, f"failed audit: no state uploaded for block {case.update.block} "
                                         f"v{case.update.base_version} within {self.settings.audit_timeout_s:g} s", now)
