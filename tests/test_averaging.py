@@ -25,6 +25,7 @@ from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import Hostile, HostileContext, LocalRounds, run_local_rounds
+from blocktrain.protocol.moments import InnerStart
 from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError
@@ -218,10 +219,13 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     c.close()
 
 
-def test_workers_over_http_match_the_in_process_reference(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+@pytest.mark.parametrize("start", [InnerStart.FRESH, InnerStart.SHARED_MV])
+def test_workers_over_http_match_the_in_process_reference(start: InnerStart, tmp_path: Path,
+                                                          corpus: DataDir) -> None:  # noqa: F811
     """Two real workers through the HTTP coordinator land on the weights of :func:`run_local_rounds`.
 
-    Same streams, inner AdamW, int8 pushes with error feedback (deflated on the wire), Nesterov outer
+    Same streams, inner AdamW (fresh each round, or started from the published shared moments, which travel with
+    the pushes and the versions), int8 pushes with error feedback (deflated on the wire), Nesterov outer
     step and int8 published step: the distributed run is the local reference, to float32 rounding.
     """
     import threading
@@ -230,7 +234,7 @@ def test_workers_over_http_match_the_in_process_reference(tmp_path: Path, corpus
     from tests.distributed_utils import ThreadServer
 
     knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0,
-             "local_steps": 3}  # H, the budget every work answer assigns
+             "local_steps": 3, "inner_start": start}  # H, the budget every work answer assigns
     c = make_coordinator(tmp_path / "run", corpus, **knobs)
     tokens = [c.add_token(f"w{i}") for i in range(2)]
     with ThreadServer(c) as srv:

@@ -200,3 +200,46 @@ def test_the_mean_v_is_the_v_of_the_workers_mean_gradient() -> None:
     s = CoordinatorSettings(aggregation=Aggregation.MEAN, moment_mean_v=True)
     out = shared_moments([{"m/w": torch.ones(3), "v/w": torch.full((3,), 7.0)}] * 6, [1] * 6, s, None)
     assert torch.allclose(out["v/w"], torch.full((3,), 2.0))
+
+
+def test_a_hostile_workers_moments_cannot_move_the_shared_v_to_zero_or_infinity_over_http(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Over HTTP, shared v under the sample-weighted mean: two honest workers push v ~ 1e-6, a third 1e30, then 0.
+    The published v stays within moment_clip of the honest ones, then moves at most moment_step a round. Without
+    the bound the mean would publish ~3e29, then ~0."""
+    from fastapi.testclient import TestClient
+
+    from blocktrain.checkpoint.safetensors_io import unpack
+    from blocktrain.coordinator.app import create_app
+    from tests.distributed_utils import FakeClock, make_coordinator
+
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), inner_start=InnerStart.SHARED_V,
+                         aggregation=Aggregation.MEAN, gate=False, norm_k=0.0, agree_min=None, audit_fraction=0.0,
+                         lazy_fraction=0.0, replay_cosine=1.0, min_updates=3)
+    s = c.settings
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            heads = {}
+            for name in ("a", "b", "bad"):
+                heads[name] = {"Authorization": f"Bearer {c.add_token(name)}"}
+                assert client.post("/v1/register", json={"block": 0}, headers=heads[name]).status_code == 200
+            g = torch.Generator().manual_seed(0)
+            published = []
+            for v, bad in ((0, 1e30), (1, 0.0)):
+                for name, value in (("a", 1e-6), ("b", 2e-6), ("bad", bad)):
+                    work = client.get("/v1/work", headers=heads[name]).json()
+                    delta = {n: 1e-3 * torch.randn(sh, generator=g) for n, sh in c.shapes.items()}
+                    moments = {f"v/{n}": torch.full(sh, value) for n, sh in c.shapes.items()}
+                    body = pack_delta(delta, Compression.INT8, block=0, base_version=v, base_sha=work["weights_sha"],
+                                      samples=work["steps"] * work["batch"], moments=moments, moment_codec=s.moment_codec)
+                    r = client.post("/v1/blocks/0/updates", content=body, headers=heads[name])
+                    assert r.status_code == 202, r.text
+                got = client.get(f"/v1/blocks/0/moments/{v + 1}", headers=heads["a"])
+                assert got.status_code == 200
+                published.append(decode_moments(unpack(got.content, source="moments")[0], s.moment_codec))
+        first = torch.cat([t.flatten() for t in published[0].values()])
+        assert float(first.max()) <= 2e-6 * s.moment_clip * 1.05 and float(first.min()) >= 1e-6 / 1.05, first
+        for n, t in published[1].items():  # the second round may move v by moment_step at most
+            assert bool((t >= published[0][n] / s.moment_step / 1.05).all()), n
+        assert client.get("/v1/blocks/0/moments/0", headers=heads["a"]).status_code == 404  # v0 publishes none
+    finally:
+        c.close()

@@ -14,6 +14,7 @@ Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
     GET  /v1/blocks/{k}/weights      safetensors: the current weights of block k
     GET  /v1/blocks/{k}/steps/{v}    safetensors: the encoded step from version v to v+1 (deflated on the
                                      wire when the client accepts it)
+    GET  /v1/blocks/{k}/moments/{v}  safetensors: the inner moments published with version v (shared moments)
     GET  /v1/blocks/{k}/frozen       safetensors: the final weights of finished block k (409 before),
                                      the frozen input of later stack blocks; headers X-Block-Version, X-Weights-Sha
     POST /v1/blocks/{k}/updates      safetensors body: a delta against the current version (may be sent
@@ -255,6 +256,13 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             while len(deflated) > 4 * c.n_blocks:
                 deflated.pop(next(iter(deflated)))
         return Response(body, media_type=SAFETENSORS, headers={"Content-Encoding": DEFLATE})
+
+    @app.get("/v1/blocks/{k}/moments/{v}", response_class=Response,
+             responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors: the inner moments of version v"}})
+    async def moments(request: Request, k: int, v: int) -> Response:
+        auth(request)
+        payload = await run_in_threadpool(c.moments_bytes, k, v)
+        return Response(payload, media_type=SAFETENSORS)
 
     @app.get("/v1/blocks/{k}/frozen", response_class=Response,
              responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors: finished block k"}})

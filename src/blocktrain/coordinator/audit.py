@@ -56,8 +56,8 @@ from blocktrain.protocol.delta import ErrorFeedback, decode_delta, delta_norm
 from blocktrain.protocol.inner_state import load_inner_state, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.weights import load_trainable, trainable_state
+from blocktrain.train.inner import make_inner_optimizer
 from blocktrain.train.round import BlockTask, train_round
-from blocktrain.train.step import make_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class Auditor:
         precision = Precision(upd.precision)  # the worker's arithmetic (bf16 autocast runs on a CPU too, slower)
         dtype = frozen_dtype(self.cfg.train.frozen_storage, precision is Precision.BF16)
         frozen = [obj.freeze(b, dtype).to(self.device) for b in earlier]
-        opt, names = make_optimizer(block, self.cfg.train)
+        opt, names = make_inner_optimizer(block, self.cfg.train, self.settings.inner_start)
         residual = load_inner_state(opt, names, tensors)
         stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream,
                              device=self.device)

@@ -166,6 +166,15 @@ class Checkpoints:
             self._served[k] = now.sha
         return self.store.blobs.get_blob(digest)
 
+    def moments_bytes(self, k: int, v: int) -> bytes:
+        """The inner moments published with version v of block k (shared moments: ``inner_start``)."""
+        self.check_block(k)
+        digest = self.store.rounds.moments_blob(k, v) if 0 <= v <= self._current[k].version else None
+        if digest is None:
+            raise ProtocolError(404, f"block {k} published no inner moments with version {v}; start the round from "
+                                "the worker's own state", Reason.NO_MOMENTS)
+        return self.store.blobs.get_blob(digest)
+
     def frozen_payload(self, k: int) -> bytes:
         """The frozen download of finished block k (built once: a finished block never changes)."""
         if k not in self._frozen_payload:

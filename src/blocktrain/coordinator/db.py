@@ -25,7 +25,7 @@ CREATE TABLE IF NOT EXISTS workers(
     accepted INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS versions(
     block INTEGER NOT NULL, version INTEGER NOT NULL, weights_blob TEXT NOT NULL, step_blob TEXT,
-    momentum_blob TEXT, weights_sha TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY(block, version));
+    momentum_blob TEXT, weights_sha TEXT NOT NULL, created REAL NOT NULL, moments_blob TEXT, PRIMARY KEY(block, version));
 CREATE TABLE IF NOT EXISTS rounds(
     block INTEGER NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL, opened REAL NOT NULL,
     deadline REAL NOT NULL, closed REAL, close_reason TEXT, n_updates INTEGER NOT NULL DEFAULT 0,
@@ -60,6 +60,9 @@ CREATE TABLE IF NOT EXISTS group_refusals(
 """
 
 
+ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"),)  # (table, column, type) added since schema 1, NULL in old rows
+
+
 class Db:
     """The one SQLite connection of a run's coordinator state, shared by every table accessor. Not thread-safe: the
     caller holds the coordinator's lock."""
@@ -71,6 +74,9 @@ class Db:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         conn.executescript(_SCHEMA)
+        for table, column, kind in ADDED_COLUMNS:  # a store written before the column: add it, NULL in old rows
+            if column not in {r["name"] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
         self.conn = conn
 
     @contextmanager

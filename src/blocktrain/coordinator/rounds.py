@@ -275,6 +275,11 @@ class Rounds:
         )
         carried = result.state.tensors()
         m_digest = s.blobs.put_blob(pack(carried, {"kind": "outer_state", "block_index": str(k)})) if carried else None
+        moments_digest = None
+        if result.moments is not None:  # what the workers load at the start of round v + 1
+            moments_digest = s.blobs.put_blob(pack(result.moments, {"kind": "moments", "block_index": str(k),
+                                                                    "version": str(v + 1),
+                                                                    "codec": cfg.moment_codec.value}))
         arrivals = sorted(r.arrival_s for r in rows)
         paced = arrivals[max(0, math.ceil(cfg.deadline_quantile * len(arrivals)) - 1)]  # 1.0: the slowest
         seconds = cfg.round_seconds
@@ -283,7 +288,8 @@ class Rounds:
         changed: dict[int, BlockState] = {}
         warm: int | None = None  # the block that opens now and starts from this one (stack.init)
         with s.tx():
-            s.rounds.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest)
+            s.rounds.add_version(k, v + 1, w_digest, sha, now, step_blob=step_digest, momentum_blob=m_digest,
+                                 moments_blob=moments_digest)
             s.rounds.close_round(k, v, now, reason)  # its updates are applied
             s.updates.set_update_state([r.id for r in screened], UpdateState.SCREENED)
             for r in screened:

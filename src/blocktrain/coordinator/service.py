@@ -204,6 +204,10 @@ class Coordinator:
         with self.lock:
             return self.checkpoints.step_bytes(k, from_version)
 
+    def moments_bytes(self, k: int, v: int) -> bytes:
+        with self.lock:
+            return self.checkpoints.moments_bytes(k, v)
+
     def frozen_bytes(self, k: int) -> tuple[int, str, bytes]:
         with self.lock:
             return self.rounds.frozen_bytes(k)

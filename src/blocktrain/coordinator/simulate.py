@@ -55,9 +55,9 @@ from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.seeds import init_seed, worker_stream
-from blocktrain.train.inner import RoundAdamW, make_round_optimizer, moment_estimates, start_round
+from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
 from blocktrain.train.round import BlockTask, train_round
-from blocktrain.train.step import MuonAdamW, decay_groups, make_optimizer, round_lr_scale
+from blocktrain.train.step import MuonAdamW, decay_groups, round_lr_scale
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,14 @@ class BlockRun:
                  hostile: Hostile | Sequence[Hostile] = (), audit: bool = False) -> None:
         objective = self.objective = get_objective(cfg)
         self.device = resolve_device(cfg.train.device)  # the replicas, their rounds and the in-process gate
-        settings = replace(settings, device=str(self.device))
+        if opts.inner_start is not None:
+            start = opts.inner_start
+        elif opts.reset_inner is not None:
+            start = InnerStart.FRESH if opts.reset_inner else InnerStart.CARRIED
+        else:
+            start = settings.inner_start
+        self.start = start  # what each round's inner AdamW starts from: the settings' as the audits read them
+        settings = replace(settings, device=str(self.device), inner_start=start)
         self.settings = settings = settings.for_objective(objective.outer_step())
         if len(frozen) != objective.frozen_inputs(k):
             raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
@@ -251,12 +258,6 @@ class BlockRun:
         self.replicas = [r.to(self.device) for r in self.replicas]
         self.W = trainable_state(self.replicas[0])
         self.shapes = block_schema(self.replicas[0])
-        if opts.inner_start is not None:
-            self.start = opts.inner_start
-        elif opts.reset_inner is not None:
-            self.start = InnerStart.FRESH if opts.reset_inner else InnerStart.CARRIED
-        else:
-            self.start = settings.inner_start
         if self.start.shares and opts.inner != "adamw":
             raise ConfigError(f"inner_start {self.start.value} shares AdamW moments; inner {opts.inner!r} has none")
         self.optimisers = [self._inner(r) for r in self.replicas]
@@ -280,9 +281,7 @@ class BlockRun:
         self._t0 = time.perf_counter()
 
     def _inner(self, module: nn.Module) -> torch.optim.Optimizer:
-        if self.start.shares:
-            return make_round_optimizer(module, self.tc)[0]
-        return MuonAdamW(module, self.tc) if self.opts.inner == "muon" else make_optimizer(module, self.tc)[0]
+        return MuonAdamW(module, self.tc) if self.opts.inner == "muon" else make_inner_optimizer(module, self.tc, self.start)[0]
 
     def set_frozen(self, frozen: Sequence[nn.Module]) -> None:
         """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before)."""

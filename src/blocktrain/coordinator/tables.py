@@ -75,11 +75,12 @@ class VersionRow:
     momentum_blob: str | None  # digest of the outer state carried from it (None: nothing to carry)
     weights_sha: str  # tensors_sha256 of W_v
     created: float  # coordinator clock time it was published
+    moments_blob: str | None = None  # digest of the inner moments published with it (None: none)
 
     @classmethod
     def of(cls, r: sqlite3.Row) -> VersionRow:
         return cls(int(r["block"]), int(r["version"]), str(r["weights_blob"]), r["step_blob"] or None,
-                   r["momentum_blob"] or None, str(r["weights_sha"]), float(r["created"]))
+                   r["momentum_blob"] or None, str(r["weights_sha"]), float(r["created"]), r["moments_blob"] or None)
 
 
 @dataclass(frozen=True)
@@ -239,12 +240,14 @@ class RoundTable:
         return None if row is None else VersionRow.of(row)
 
     def add_version(self, k: int, v: int, weights_blob: str, weights_sha: str, created: float, *,
-                    step_blob: str | None = None, momentum_blob: str | None = None) -> None:
-        """Publish version v of block k (its weights, and the step and momentum that made it)."""
+                    step_blob: str | None = None, momentum_blob: str | None = None,
+                    moments_blob: str | None = None) -> None:
+        """Publish version v of block k (its weights, the step and momentum that made it, the moments published
+        with it)."""
         self.db.execute(
-            "INSERT INTO versions(block, version, weights_blob, step_blob, momentum_blob, weights_sha, created) "
-            "VALUES(?,?,?,?,?,?,?)",
-            (k, v, weights_blob, step_blob, momentum_blob, weights_sha, created),
+            "INSERT INTO versions(block, version, weights_blob, step_blob, momentum_blob, weights_sha, created, "
+            "moments_blob) VALUES(?,?,?,?,?,?,?,?)",
+            (k, v, weights_blob, step_blob, momentum_blob, weights_sha, created, moments_blob),
         )
 
     def replace_weights(self, k: int, v: int, weights_blob: str, weights_sha: str) -> None:
@@ -255,6 +258,11 @@ class RoundTable:
         """Digest of the published step that made version v of block k (None for v = 0 or unknown)."""
         row = self.db.q1("SELECT step_blob FROM versions WHERE block=? AND version=?", k, v)
         return None if row is None or not row["step_blob"] else str(row["step_blob"])
+
+    def moments_blob(self, k: int, v: int) -> str | None:
+        """Digest of the inner moments published with version v of block k (None: none)."""
+        row = self.db.q1("SELECT moments_blob FROM versions WHERE block=? AND version=?", k, v)
+        return None if row is None or not row["moments_blob"] else str(row["moments_blob"])
 
     def block_state(self, k: int) -> BlockState | None:
         """The stored state of block k (None in a store written before block states existed)."""

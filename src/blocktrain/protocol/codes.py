@@ -54,6 +54,7 @@ class Reason(enum.StrEnum):
     WRONG_BLOCK = "wrong_block"  # pushed to another block than its own
     NOT_REGISTERED = "not_registered"  # a request before registration
     NO_STEP = "no_step"  # no published step from that version
+    NO_MOMENTS = "no_moments"  # no inner moments published with that version
     NO_AUDIT = "no_audit"  # an audit upload nobody asked for
     AUDIT_FORMAT = "audit_format"  # an audit upload that is not the state it should be
     # the request and its sender

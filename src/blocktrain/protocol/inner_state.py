@@ -6,7 +6,9 @@ The worker commits to the sha256 of that state with every push (``UpdateMeta.sta
 coordinator audits the push (:mod:`blocktrain.coordinator.audit`). Names:
 
 * ``adam/<param>/exp_avg``, ``adam/<param>/exp_avg_sq`` (the parameter's shape, float32) and ``adam/<param>/step``
-  (a float32 scalar), for every trainable parameter that has taken a step;
+  (a float32 scalar), for every trainable parameter that has taken a step; for the round optimiser of shared moments
+  (:class:`blocktrain.train.inner.RoundAdamW`) ``adam/<param>/c1`` and ``adam/<param>/c2`` (its two bias
+  corrections, float32 scalars) in place of ``step``;
 * ``residual/<param>``: the error-feedback residual e (the parameter's shape, float32), once a lossy push was sent.
 """
 
@@ -23,6 +25,7 @@ from blocktrain.protocol.codes import Reason
 ADAM = "adam/"
 RESIDUAL = "residual/"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALARS = ("step", "c1", "c2")  # torch AdamW's step counter; RoundAdamW's bias corrections
 STATE_FORMAT = "1"  # bumped when the names or their meaning change
 
 
@@ -46,7 +49,9 @@ def inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
             continue
         for m in MOMENTS:
             out[f"{ADAM}{names[i]}/{m}"] = host(st[m])
-        out[f"{ADAM}{names[i]}/step"] = host(torch.as_tensor(st["step"])).reshape(())
+        for leaf in SCALARS:
+            if leaf in st:
+                out[f"{ADAM}{names[i]}/{leaf}"] = host(torch.as_tensor(st[leaf])).reshape(())
     for n, e in residual.items():
         out[f"{RESIDUAL}{n}"] = host(e)
     return out
@@ -81,9 +86,9 @@ def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: i
             want: tuple[int, ...] = shapes[name[len(RESIDUAL):]]
         elif name.startswith(ADAM) and name.count("/") >= 2:
             param, _, leaf = name[len(ADAM):].rpartition("/")
-            if param not in shapes or leaf not in (*MOMENTS, "step"):
+            if param not in shapes or leaf not in (*MOMENTS, *SCALARS):
                 raise ProtocolError(422, f"unknown state tensor {name!r}", Reason.AUDIT_FORMAT)
-            want = () if leaf == "step" else shapes[param]
+            want = () if leaf in SCALARS else shapes[param]
         else:
             raise ProtocolError(422, f"unknown state tensor {name!r}", Reason.AUDIT_FORMAT)
         if tuple(t.shape) != want:
@@ -97,16 +102,21 @@ def load_inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
     residual it holds (on the host, where pushes are encoded).
 
     The step counter goes where torch's own ``load_state_dict`` puts it: on the parameter's device for a fused or
-    capturable group (their kernels read it there), on the host otherwise."""
+    capturable group (their kernels read it there), on the host otherwise; a round optimiser's bias corrections are
+    host floats."""
     index = {id(q): j for j, q in enumerate(_params(opt))}
     for group in opt.param_groups:
         on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             key = f"{ADAM}{names[index[id(p)]]}/"
-            if key + "step" not in tensors:
+            if key + MOMENTS[0] not in tensors:
                 continue
             st = opt.state[p]
             for m in MOMENTS:
                 st[m] = tensors[key + m].to(p.device, copy=True)
-            st["step"] = tensors[key + "step"].to(p.device if on_device else "cpu", dtype=torch.float32, copy=True)
+            if key + "step" in tensors:
+                st["step"] = tensors[key + "step"].to(p.device if on_device else "cpu", dtype=torch.float32, copy=True)
+            for leaf in ("c1", "c2"):
+                if key + leaf in tensors:
+                    st[leaf] = float(tensors[key + leaf])
     return {n[len(RESIDUAL):]: t.clone() for n, t in tensors.items() if n.startswith(RESIDUAL)}

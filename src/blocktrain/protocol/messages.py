@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
-from blocktrain.protocol.moments import InnerStart
+from blocktrain.protocol.moments import InnerStart, MomentCodec
 
 PROTOCOL_VERSION = 4  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
@@ -58,6 +58,7 @@ class Registration(Message):
     n_blocks: int = Field(ge=1)  # blocks of the run
     local_steps: int = Field(ge=1, le=MAX_STEPS)  # H: inner steps per round the coordinator assigns
     inner_start: InnerStart = InnerStart.FRESH  # what each round's inner AdamW starts from (blocktrain.train.inner)
+    moment_codec: MomentCodec = MomentCodec.INT8  # how shared moments are encoded, pushed and published
     p2p: dict[str, Any] | None = None  # hivemind engine: token, authority, initial peers, run
 
 

@@ -33,9 +33,9 @@ from torch import nn
 
 from blocktrain.config import TrainConfig
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
-from blocktrain.train.step import decay_groups
+from blocktrain.train.step import decay_groups, make_optimizer
 
-__all__ = ["InnerStart", "RoundAdamW", "make_round_optimizer", "moment_estimates", "start_round"]
+__all__ = ["InnerStart", "RoundAdamW", "make_inner_optimizer", "make_round_optimizer", "moment_estimates", "start_round"]
 
 
 class RoundAdamW(torch.optim.Optimizer):
@@ -74,6 +74,13 @@ def make_round_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[RoundAdam
     index -> name map."""
     groups, names = decay_groups(module, cfg)
     return RoundAdamW(groups, lr=cfg.lr), names
+
+
+def make_inner_optimizer(module: nn.Module, cfg: TrainConfig, start: InnerStart) -> tuple[torch.optim.Optimizer, dict[int, str]]:
+    """The inner optimiser a round starting under ``start`` uses, with its index -> name map: :class:`RoundAdamW`
+    where moments are shared (its bias corrections are per moment), torch's (fused) AdamW otherwise. The worker, the
+    in-process rounds and the audit's replay all build it here."""
+    return make_round_optimizer(module, cfg) if start.shares else make_optimizer(module, cfg)
 
 
 def _params(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, torch.Tensor]:

@@ -127,6 +127,9 @@ class CoordinatorClient:
     def step(self, k: int, from_version: int) -> bytes:
         return self.request("GET", f"/v1/blocks/{k}/steps/{from_version}").content
 
+    def moments(self, k: int, v: int) -> bytes:
+        return self.request("GET", f"/v1/blocks/{k}/moments/{v}").content
+
     def frozen(self, k: int) -> bytes:
         """The finished block k's weights (safetensors), the frozen input of later stack blocks."""
         return self.request("GET", f"/v1/blocks/{k}/frozen").content

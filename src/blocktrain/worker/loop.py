@@ -45,11 +45,11 @@ from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
-from blocktrain.protocol.moments import InnerStart
+from blocktrain.protocol.moments import InnerStart, parse_moments
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
+from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
-from blocktrain.train.step import make_optimizer
 from blocktrain.worker.client import CoordinatorClient
 from blocktrain.worker.engines import Averaging, DirectEngine, Engine, HivemindEngine, RoundClock
 from blocktrain.worker.frozen import FrozenInputs
@@ -154,7 +154,9 @@ class Worker:
         self.train = self.data.open("train")
         self.block = self.objective.build_block(self.k).to(self.device)
         self.shapes = block_schema(self.block)
-        self.opt, self.opt_names = make_optimizer(self.block, self.cfg.train)
+        self.moment_codec = reg.moment_codec
+        self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
+        self._moments_version = -1  # the version whose published moments this worker loaded last
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
         self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
@@ -169,7 +171,9 @@ class Worker:
     def _register(self) -> None:
         reg = self.client.register(self.opts.block, self.data.fingerprint(), p2p_key=self.engine.register_key())
         self._setup(reg)
-        self.engine.joined(reg.p2p, self.k, trainable_state(self.block))
+        weights = trainable_state(self.block)  # what a group averages: the delta, and the moments this run shares
+        like = {**weights, **{p + n: torch.zeros_like(t) for p in self.inner_start.shares for n, t in weights.items()}}
+        self.engine.joined(reg.p2p, self.k, like)
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: WorkAnswer) -> None:
@@ -224,7 +228,9 @@ class Worker:
                              stream=work.stream, device=self.device)
         H = min(self.H, work.steps)  # at most the round's budget
         if self.inner_start is InnerStart.FRESH:  # fresh moments every round, as the coordinator asks
-            self.opt, self.opt_names = make_optimizer(self.block, self.cfg.train)
+            self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
+        elif isinstance(self.opt, RoundAdamW):  # shared moments: the published ones, else its own go on
+            start_round(self.opt, self.opt_names, self.inner_start, self._published_moments())
         self.round_state = inner_state(self.opt, self.opt_names, self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
@@ -245,6 +251,24 @@ class Worker:
         finally:
             bar.close()
         return not round_hook.abandoned
+
+    def _published_moments(self) -> dict[str, torch.Tensor] | None:
+        """The inner moments published with the base version, checked, once per version (None: none published, or
+        already loaded)."""
+        v = self.base_version
+        if v <= 0 or v == self._moments_version:
+            return None
+        try:
+            tensors, meta = unpack(self.client.moments(self.k, v), source="moments")
+        except ProtocolError as exc:
+            if exc.status == 404:  # none published with v: its own state goes on
+                return None
+            raise
+        if meta.get("block_index") != str(self.k) or meta.get("version") != str(v):
+            raise ProtocolError(502, f"the coordinator sent moments of block {meta.get('block_index')} version "
+                                f"{meta.get('version')} for block {self.k} version {v}", Reason.MOMENTS)
+        self._moments_version = v
+        return parse_moments(tensors, self.shapes, self.inner_start.shares, self.moment_codec)
 
     def _push_margin(self) -> float:
         """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
@@ -272,18 +296,23 @@ class Worker:
     def _push(self) -> None:
         assert self.base is not None
         delta, samples = self._delta()
+        if isinstance(self.opt, RoundAdamW) and self.inner_start.shares:  # its moments travel with the delta
+            delta.update(moment_estimates(self.opt, self.opt_names, self.inner_start.shares))
         clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
         combined = self.engine.combine(delta, samples, self.k, self.base_version, clock)
         if combined is None:  # another member of its group uploads the mean
             load_trainable(self.block, self.base)
             return
         group = combined.members
-        delta, samples = combined.delta, combined.samples
+        samples = combined.samples
+        delta = {n: t for n, t in combined.delta.items() if not n.startswith(self.inner_start.shares)}
+        moments = {n: t for n, t in combined.delta.items() if n not in delta} or None
         residual = self.feedback.residual  # what the error feedback carried before this push, restored if refused
         payload = pack_delta(delta, self.opts.compression, block=self.k, base_version=self.base_version,
                              base_sha=self.base_sha, samples=samples, feedback=self.feedback,
                              group=group,
-                             state_sha=None if group else state_sha(self.round_state), precision=self.precision.value)
+                             state_sha=None if group else state_sha(self.round_state), precision=self.precision.value,
+                             moments=moments, moment_codec=self.moment_codec if moments is not None else None)
         t0 = time.monotonic()
         try:
             answer = self.client.push(self.k, payload)
