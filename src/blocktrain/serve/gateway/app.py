@@ -167,11 +167,10 @@ class GatewayApp(FastAPI):
     """The gateway's FastAPI app; its OpenAPI schema also lists the stream chunk models the routes name."""
 
     def openapi(self) -> dict[str, Any]:
-        if self.openapi_schema is None:
-            schema = super().openapi()
-            _, defs = models_json_schema([(m, "serialization") for m in CHUNKS], ref_template="#/components/schemas/{model}")
-            schema["components"]["schemas"].update(defs["$defs"])
-        return self.openapi_schema or {}
+        schema = super().openapi()  # built on the first call, then kept
+        _, defs = models_json_schema([(m, "serialization") for m in CHUNKS], ref_template="#/components/schemas/{model}")
+        schema["components"]["schemas"].update(defs["$defs"])
+        return schema
 
 
 def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> FastAPI:

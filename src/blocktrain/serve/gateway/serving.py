@@ -96,6 +96,7 @@ def sse(event: BaseModel) -> bytes:
 
 
 def b64(data: bytes) -> str:
+    """``raw_bytes``: bytes as base64 text."""
     return base64.b64encode(data).decode()
 
 
@@ -105,6 +106,7 @@ def finish_reason(g: Generation, scan: StopScanner, got: int) -> FinishReason:
 
 
 def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+    """``POST /detokenize``: the tokens' bytes as text (invalid UTF-8 replaced)."""
     return DetokenizeResponse(prompt=req.tokens.decode("utf-8", errors="replace"))
 
 
@@ -132,6 +134,7 @@ class Gateway:
             raise unavailable(exc) from exc
 
     async def close(self) -> None:
+        """Close the pipeline connection (when the app shuts down)."""
         if self._connected:
             await self.client.close()
             self._connected = False
@@ -141,11 +144,13 @@ class Gateway:
         return self.opts.model_name or f"{stage.family}-n{stage.n}-d{stage.d_model}-ctx{stage.context}"
 
     async def models(self) -> ModelList:
+        """``GET /v1/models``: the one model, its context and the modes the pipeline runs (its default first)."""
         stage = await self.stage()
         return ModelList(data=[ModelCard(id=self.model_id(stage), created=self.created, context_length=stage.context,
                                          modes=[m.value for m in runnable_modes(stage)])])
 
     async def model(self, name: str) -> ModelCard:
+        """``GET /v1/models/{name}``: the model's card, 404 for any other name."""
         card = (await self.models()).data[0]
         if name != card.id:
             raise RequestError(404, f"the model {name!r} does not exist; this gateway serves {card.id!r}",
@@ -153,12 +158,14 @@ class Gateway:
         return card
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """``POST /tokenize``: the text's bytes as tokens, and the model's window."""
         data = req.data
         context = (await self.stage()).context
         return TokenizeResponse(count=len(data), max_model_len=context, tokens=list(data),
                                 token_strs=[token_str(b) for b in data] if req.return_token_strs else None)
 
     async def tokenizer_info(self) -> TokenizerInfo:
+        """``GET /tokenizer_info``: bytes as tokens, and the model's window."""
         return TokenizerInfo(model_max_length=(await self.stage()).context)
 
     async def complete(self, req: CompletionRequest) -> CompletionResponse | Events:
@@ -191,6 +198,7 @@ class Gateway:
         return g, stage, head
 
     def too_slow(self) -> RequestError:
+        """The 504 of a request past the gateway's time limit."""
         return RequestError(504, f"the pipeline did not finish within {self.opts.request_timeout_s:.0f}s; ask for fewer "
                                  "bytes or raise the gateway's --timeout", "timeout")
 
