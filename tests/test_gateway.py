@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -17,6 +16,7 @@ import openai
 import pytest
 import torch
 import uvicorn
+from starlette.testclient import TestClient
 
 from blocktrain.cli.main import main
 from blocktrain.config import Objective
@@ -24,12 +24,16 @@ from blocktrain.errors import ServeError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.stack import StackBlock
 from blocktrain.presets import tiny
-from blocktrain.serve.client.pipeline import PipelineClient, generate_with
+from blocktrain.serve.client.decoding import Sampling, decode
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.gateway import app as gateway_mod
 from blocktrain.serve.gateway.app import GatewayOptions, make_app
-from blocktrain.serve.gateway.backend import PipelineBackend, RequestError, Utf8Stream, parse_completion
+from blocktrain.serve.gateway.generation import max_tokens_of, sampling_of
+from blocktrain.serve.gateway.protocol import CompletionRequest
+from blocktrain.serve.gateway.serving import Utf8Stream
 from blocktrain.serve.runtime.stack import StackSpan
-from blocktrain.serve.wire.frames import Mode
+from blocktrain.serve.wire.frames import Frame, Mode
 from blocktrain.serve.wire.modes import MODE_RULES
 from tests.serve_utils import SPANS, block_spans, free_ports, local_models, ring, tiny_models
 
@@ -55,7 +59,7 @@ def serve_app(opts: GatewayOptions, client: Any = None) -> Iterator[str]:
 
 
 class FakeClient:
-    """Stands in for PipelineClient: an entry description and every mode's method yielding the same fixed chunks."""
+    """Stands in for PipelineClient: an entry stage's description, and every mode decoding to the same fixed chunks."""
 
     def __init__(self, chunks: list[bytes], *, context: int = 64, delays_s: tuple[float, ...] = (),
                  family: str = "diffusion", modes: tuple[str, ...] = ("ar", "sweep", "spec")) -> None:
@@ -64,29 +68,21 @@ class FakeClient:
         self.modes = modes  # what the entry stage reports it runs (a diffusion run's by default)
         self.context = context
         self.delays_s = delays_s  # seconds before each chunk (none: no wait)
-        self.entry: dict[str, Any] = {}
-        self.calls: list[tuple[bytes, int, dict[str, Any]]] = []
+        self.calls: list[tuple[bytes, int, Sampling]] = []
 
     async def connect(self) -> None:
-        self.entry = {"family": self.family, "modes": list(self.modes), "n": 4, "d_model": 32, "context": self.context}
+        self.stage = StageInfo(family=self.family, n=4, d_model=32, context=self.context, cached=False, state="serving",
+                               modes=tuple(Mode(m) for m in self.modes))
 
     async def close(self) -> None:
-        self.entry = {}
+        pass
 
-    async def iter_ar(self, prompt: bytes, n_new: int, **kw: Any) -> AsyncIterator[bytes]:
-        self.calls.append((prompt, n_new, kw))
+    async def decode(self, mode: Mode, prompt: bytes, n_new: int, sampling: Sampling, stats: Any = None
+                     ) -> AsyncIterator[bytes]:
+        self.calls.append((prompt, n_new, sampling))
         for i, c in enumerate(self.chunks):
             await asyncio.sleep(self.delays_s[i] if i < len(self.delays_s) else 0.0)
             yield c
-
-    iter_spec = iter_baseline = iter_ar
-
-    async def generate_spec(self, prompt: bytes, n_new: int, **kw: Any) -> SimpleNamespace:
-        data = b"".join([c async for c in self.iter_spec(prompt, n_new, **kw)])
-        return SimpleNamespace(data=data, traversals=1, drafted=0, accepted=0)
-
-    async def sweep(self, prompt: bytes, n_new: int, **kw: Any) -> bytes:
-        return b"".join([c async for c in self.iter_ar(prompt, n_new, **kw)])
 
 
 def opts(**kw: Any) -> GatewayOptions:
@@ -116,6 +112,13 @@ def test_utf8_stream_replaces_invalid_bytes() -> None:
 
 
 # --- request validation -----------------------------------------------------------------------------------
+def refusal_of(body: dict[str, Any], path: str = "/v1/completions", **kw: Any) -> tuple[int, dict[str, Any]]:
+    """The status and error a gateway (in process, a FakeClient's pipeline, max_tokens_cap 64) answers ``body`` with."""
+    client = TestClient(make_app(opts(max_tokens_cap=64), FakeClient([b"abc"], **kw)))
+    r = client.post(path, json=body)
+    return r.status_code, r.json().get("error", {})
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "a", "mode": "beam"}, "mode"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
@@ -132,18 +135,22 @@ def test_utf8_stream_replaces_invalid_bytes() -> None:
     ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "sweeps": 2, "mode": "ar"}, "sweeps"),
+    ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),  # strict: a string is not a number
+    ({"prompt": "a", "stream": 1}, "stream"),  # nor a number a flag
+    ({"prompt": "a", "best_of": 2}, "best_of"),  # taken at its neutral value only
 ])
-def test_parse_completion_rejects_bad_parameters(body: dict[str, Any], param: str) -> None:
-    with pytest.raises(RequestError) as info:
-        parse_completion(body, max_tokens_cap=64)
-    assert (info.value.status, info.value.param) == (400, param)
+def test_bad_parameters_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
+    status, err = refusal_of(body)
+    assert (status, err["param"]) == (400, param), err
+    assert err["message"].startswith(param) and err["code"] in ("invalid_value", "invalid_type", "unsupported_parameter")
 
 
-def test_parse_completion_defaults() -> None:
-    req = parse_completion({"prompt": ["é"], "seed": 3}, max_tokens_cap=64)
-    assert (req.prompt, req.max_tokens, req.mode, req.temperature, req.top_p, req.top_k, req.seed, req.stream) == (
+def test_request_defaults() -> None:
+    req = CompletionRequest.model_validate({"prompt": ["é"], "seed": 3, "temperature": None})  # null: the default
+    s = sampling_of(req)
+    assert (req.prompt, max_tokens_of(req, 64), req.mode, s.temperature, s.top_p, s.top_k, s.seed, req.stream) == (
         "é".encode(), 16, None, 0.8, 1.0, 40, 3, False)  # mode None: the pipeline's default
-    assert parse_completion({"prompt": "a", "top_k": -1}, 64).top_k == 0
+    assert sampling_of(CompletionRequest(prompt="a", top_k=-1)).top_k == 0
 
 
 # --- HTTP: errors, token, streaming with a fake pipeline -------------------------------------------------
@@ -183,6 +190,34 @@ def test_http_errors_have_the_openai_shape() -> None:
     assert len(fake.calls) == 1  # no refused request reached the pipeline
 
 
+def test_openapi_schema_declares_every_answer() -> None:
+    """Every route declares its answer's model and the error model; the streaming routes also name their chunk
+    model; every model a route names is in components/schemas."""
+    schema = make_app(opts()).openapi()
+    models = schema["components"]["schemas"]
+    assert {"ErrorResponse", "CompletionChunk", "ChatCompletionChunk"} <= set(models)
+
+    def model_of(content: dict[str, Any], media: str = "application/json") -> str:
+        ref = content[media]["schema"]["$ref"]
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in models, ref
+        return str(ref.rsplit("/", 1)[1])
+
+    routes = {(method.upper(), path): op for path, ops in schema["paths"].items() for method, op in ops.items()}
+    assert set(routes) == {("GET", "/v1/models"), ("GET", "/v1/models/{name}"), ("POST", "/v1/completions"),
+                           ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                           ("GET", "/tokenizer_info")}
+    for (method, path), op in routes.items():
+        assert model_of(op["responses"]["200"]["content"]), (method, path)
+        assert {model_of(op["responses"][s]["content"]) for s in ("4XX", "5XX")} == {"ErrorResponse"}
+        assert "422" not in op["responses"]  # a bad body is a 400 with the error model
+        if method == "POST":
+            assert model_of(op["requestBody"]["content"]).endswith("Request")
+    assert model_of(routes["POST", "/v1/completions"]["responses"]["200"]["content"], "text/event-stream") == \
+        "CompletionChunk"
+    assert model_of(routes["POST", "/v1/chat/completions"]["responses"]["200"]["content"], "text/event-stream") == \
+        "ChatCompletionChunk"
+
+
 def test_hostile_numbers_and_nesting_get_a_400_never_a_500() -> None:
     """Numbers of hundreds or thousands of digits, 1e400, deep nesting: all 400 with the OpenAI error shape."""
     fake = FakeClient([b"abc"], context=16)
@@ -204,10 +239,12 @@ def test_hostile_numbers_and_nesting_get_a_400_never_a_500() -> None:
 
 
 def test_tiny_temperatures_sample_greedily_and_huge_top_k_keeps_every_byte() -> None:
-    req = parse_completion({"prompt": "a", "temperature": 1e-300}, 64)
-    assert req.temperature == 0.0  # greedy, instead of logits / 1e-300 overflowing to inf and nan
-    assert parse_completion({"prompt": "a", "temperature": 0.5}, 64).temperature == 0.5
-    assert parse_completion({"prompt": "a", "top_k": 10_000}, 64).top_k == 0  # >= 256 bytes: off
+    def sampling(**kw: Any) -> Sampling:
+        return sampling_of(CompletionRequest.model_validate({"prompt": "a", **kw}))
+
+    assert sampling(temperature=1e-300).temperature == 0.0  # greedy, instead of logits / 1e-300 overflowing to inf and nan
+    assert sampling(temperature=0.5).temperature == 0.5
+    assert sampling(top_k=10_000).top_k == 0  # >= 256 bytes: off
 
 
 def test_modes_the_pipeline_does_not_report_are_refused() -> None:
@@ -222,55 +259,48 @@ def test_modes_the_pipeline_does_not_report_are_refused() -> None:
     assert len(fake.calls) == 2
 
 
+class FrameSentError(Exception):
+    """A frame reached the pipeline."""
+
+
+class FirstFrame:
+    """A Traversal to a pipeline running every mode: records the mode of the first frame a loop sends, then stops."""
+
+    def __init__(self) -> None:
+        self.stage = StageInfo(family="any", n=4, d_model=32, context=32, modes=tuple(MODE_RULES), cached=True,
+                               state="serving")
+        self.max_frame_bytes = 1 << 20
+        self.modes: list[Mode] = []
+
+    def new_id(self) -> str:
+        return "r"
+
+    async def call(self, frame: Frame) -> Frame:
+        self.modes.append(frame.mode)
+        raise FrameSentError
+
+    async def release(self, request_id: str, mode: Mode) -> None:
+        pass
+
+
 def test_gateway_and_client_read_one_table_of_mode_rules() -> None:
-    """For every mode, the gateway (resolve) and the client (generate_with) agree with MODE_RULES on top_p, and
-    the gateway refuses a text of three windows exactly in the modes that do not slide."""
-
-    class Recorder:  # the client's generation methods, recording what reaches them
-        def __init__(self) -> None:
-            self.calls: list[str] = []
-
-        async def generate_spec(self, prompt: bytes, n: int, **kw: Any) -> SimpleNamespace:
-            self.calls.append("spec")
-            return SimpleNamespace(data=b"x" * n)
-
-        async def generate_ar(self, prompt: bytes, n: int, **kw: Any) -> bytes:
-            self.calls.append("ar")
-            return b"x" * n
-
-        async def generate_baseline(self, prompt: bytes, n: int, **kw: Any) -> bytes:
-            self.calls.append("baseline")
-            return b"x" * n
-
-        async def sweep(self, prompt: bytes, n: int, **kw: Any) -> bytes:
-            self.calls.append("sweep")
-            return b"x" * n
-
-    backend = PipelineBackend(FakeClient([]))  # type: ignore[arg-type]
-    entry = {"family": "any", "modes": [m.value for m in MODE_RULES], "context": 32}
+    """For every mode, the gateway and the client's dispatcher (decode) agree with MODE_RULES on top_p, and the
+    gateway refuses a text of three windows exactly in the modes that do not slide."""
+    modes = tuple(m.value for m in MODE_RULES)
     for mode, rules in MODE_RULES.items():
-        nucleus = parse_completion({"prompt": "a", "mode": mode.value, "top_p": 0.5}, 4096)
+        status, err = refusal_of({"prompt": "a", "mode": mode.value, "top_p": 0.5}, modes=modes)
+        assert status == 200 or err["param"] == "top_p", err
+        t = FirstFrame()
         try:
-            backend.resolve(nucleus, entry)
-            gateway_top_p = True
-        except RequestError as exc:
-            assert exc.param == "top_p"
-            gateway_top_p = False
-        rec = Recorder()
-        try:
-            asyncio.run(generate_with(rec, mode.value, b"a", 2, top_p=0.5))  # type: ignore[arg-type]
-            client_top_p = True
+            asyncio.run(anext(decode(mode, t, b"a", 2, Sampling(top_p=0.5))))  # type: ignore[arg-type]
+        except FrameSentError:
+            pass
         except ServeError:
-            client_top_p = False
-        assert gateway_top_p == client_top_p == rules.top_p, mode
-        assert rec.calls == ([mode.value] if rules.top_p else [])
-        long = parse_completion({"prompt": "a" * 40, "mode": mode.value, "max_tokens": 56}, 4096)  # 3 windows of 32
-        try:
-            fits = backend.resolve(long, entry).mode is mode
-        except RequestError as exc:
-            assert exc.reason == "context_length_exceeded"
-            fits = False
-        assert fits == rules.slides, mode
+            assert not t.modes
+        assert (status == 200) == (t.modes == [mode]) == rules.top_p, mode
+        status, err = refusal_of({"prompt": "a" * 40, "mode": mode.value, "max_tokens": 56}, modes=modes, context=32)
+        assert status == 200 or err["code"] == "context_length_exceeded", err
+        assert (status == 200) == rules.slides, mode
     assert [m for m, r in MODE_RULES.items() if not r.slides] == [Mode.SWEEP]  # spec, ar and baseline slide
 
 
@@ -317,7 +347,7 @@ def test_stream_keeps_characters_split_across_chunks() -> None:
     assert events[-2].model_extra["blocktrain"] == {"mode": "ar", "seed": 5}
     assert events[-1].usage is not None and events[-1].choices == []
     assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (1, len(data))
-    assert fake.calls == [(b"p", len(data), {"temperature": 0.8, "top_k": 7, "seed": 5})]
+    assert fake.calls == [(b"p", len(data), Sampling(temperature=0.8, top_k=7, seed=5))]
 
 
 def test_chat_completions_with_the_openai_client() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from pydantic import ValidationError
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
@@ -27,8 +29,15 @@ from blocktrain.model.stack import StackBlock
 from blocktrain.presets import tiny
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.app import GatewayOptions
-from blocktrain.serve.gateway.backend import MAX_STOPS, RequestError, chat_prompt, parse_chat, parse_completion
+from blocktrain.serve.gateway.checks import MAX_STOPS, refusal
+from blocktrain.serve.gateway.generation import max_tokens_of
 from blocktrain.serve.gateway.logprobs import StopScanner, text_offsets, token_str
+from blocktrain.serve.gateway.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    chat_prompt,
+)
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.runtime.loading import load_run_span
 from blocktrain.serve.runtime.stack import StackSpan
@@ -78,35 +87,55 @@ def test_token_strings_are_unique_and_offsets_count_characters() -> None:
     ({"prompt": "a", "logprobs": 1, "stream": True}, "stream"),
 ])
 def test_scoring_parameters_out_of_range_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
-    with pytest.raises(RequestError) as info:
-        parse_completion(body, 64)
-    assert info.value.status == 400 and info.value.param == param
+    from tests.test_gateway import refusal_of
+
+    status, err = refusal_of(body)
+    assert status == 400 and err["param"] == param, err
+
+
+def invalid(body: dict[str, Any], model: type[CompletionRequest | ChatCompletionRequest]) -> tuple[str | None, str]:
+    """The param and message the gateway answers a body that fails ``model``'s validation with."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    err = refusal(info.value.errors())
+    assert err.status == 400
+    return err.param, str(err)
 
 
 def test_token_id_prompts_and_chat_fields() -> None:
-    assert parse_completion({"prompt": [104, 105, 255]}, 64).prompt == b"hi\xff"
-    assert parse_completion({"prompt": [[104, 105]]}, 64).prompt == b"hi"
-    req = parse_completion({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 0, "n": 2, "stop": "\n"}, 64)
-    assert (req.echo, req.max_tokens, req.logprobs, req.n, req.stop) == (True, 0, 0, 2, (b"\n",))
-    stops = [f"s{i}" for i in range(MAX_STOPS)]  # lm-eval and code tasks send more than OpenAI's 4
-    assert len(parse_completion({"prompt": "x", "stop": stops}, 64).stop) == MAX_STOPS >= 16
     hi = [{"role": "user", "content": "hi"}]
-    chat = parse_chat({"messages": hi, "stop": ["User:"], "n": 2}, 64)
-    assert chat.stop == (b"User:",) and chat.n == 2
-    assert chat.max_tokens == 64 and chat.logprobs is None  # no max_tokens: to a stop or the gateway's cap
-    assert parse_chat({"messages": hi, "max_tokens": 5}, 64).max_tokens == 5
-    assert parse_chat({"messages": hi, "max_completion_tokens": 7}, 64).max_tokens == 7
-    assert parse_chat({"messages": hi, "logprobs": True}, 64).logprobs == 0
-    assert parse_chat({"messages": hi, "logprobs": True, "top_logprobs": 3}, 64).logprobs == 3
+
+    def completion(**body: Any) -> CompletionRequest:
+        return CompletionRequest.model_validate(body)
+
+    def chat(**body: Any) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": hi, **body})
+
+    assert completion(prompt=[104, 105, 255]).prompt == b"hi\xff"
+    assert completion(prompt=[[104, 105]]).prompt == b"hi"
+    req = completion(prompt="x", echo=True, max_tokens=0, logprobs=0, n=2, stop="\n")
+    assert (req.echo, max_tokens_of(req, 64), req.alternatives, req.n, req.stop) == (True, 0, 0, 2, (b"\n",))
+    stops = [f"s{i}" for i in range(MAX_STOPS)]  # lm-eval and code tasks send more than OpenAI's 4
+    assert len(completion(prompt="x", stop=stops).stop) == MAX_STOPS >= 16
+    req_chat = chat(stop=["User:"], n=2)
+    assert req_chat.stop == (b"User:",) and req_chat.n == 2 and req_chat.prompt == b"User: hi\nAssistant:"
+    assert max_tokens_of(req_chat, 64) == 64 and req_chat.alternatives is None  # no max_tokens: to a stop or the cap
+    assert max_tokens_of(chat(max_tokens=5), 64) == 5
+    assert max_tokens_of(chat(max_tokens=5, max_completion_tokens=7), 64) == 7
+    assert chat(logprobs=True).alternatives == 0
+    assert chat(logprobs=True, top_logprobs=3).alternatives == 3
     for body, param in (({"logprobs": 1}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-                        ({"logprobs": True, "stream": True}, "stream"),
-                        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages")):
-        with pytest.raises(RequestError) as info:
-            parse_chat({"messages": hi, **body}, 64)
-        assert info.value.status == 400 and info.value.param == param, body
-    with pytest.raises(RequestError, match=r"prompt\[0\] is null.*bos_token '\\n', id 10"):
-        parse_completion({"prompt": [[None, 104]]}, 64)
+                        ({"logprobs": True, "stream": True}, "stream"), ({"echo": True}, "echo"),
+                        ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages"),
+                        ({"messages": [{"role": "wizard", "content": "a"}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+                        ({"messages": []}, "messages"), ({"messages": None}, "messages")):
+        assert invalid({"messages": hi, **body}, ChatCompletionRequest)[0] == param, body
+    assert invalid({"messages": [hi[0], {"role": "user", "content": "a\ud800"}]}, ChatCompletionRequest)[1].startswith(
+        "messages[1].content: is not encodable as UTF-8")
+    param, message = invalid({"prompt": [[None, 104]]}, CompletionRequest)
+    assert param == "prompt" and re.match(r"prompt\[0\]\[0\]: null is not a token id.*bos_token '\\n', id 10", message)
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +310,12 @@ def test_a_stage_naming_the_old_family_is_read_as_diffusion(monkeypatch: pytest.
     cfg, blocks, _ = tiny_models()
     monkeypatch.setattr(BlockSpan, "family", "blocktrain")
 
-    async def entry(addr: Any) -> dict[str, Any]:
+    async def family(addr: Any) -> str:
         async with PipelineClient(addr, timeout_s=30) as c:
-            return c.entry
+            return c.stage.family
 
     with ring(block_spans(cfg, blocks, [(0, 3)])) as stages:
-        assert asyncio.run(entry(stages[0].address))["family"] == "diffusion"
+        assert asyncio.run(family(stages[0].address)) == "diffusion"
 
 
 CHATS: list[list[dict[str, str]]] = [  # one message, then a two-turn chat (both transcripts exceed a context of 32)
@@ -316,7 +345,7 @@ def test_chat_logprobs_and_defaults_as_the_openai_client_reads_them(stack_run: P
         chat = client.chat.completions.create(model=mid, messages=CHATS[1], temperature=0, logprobs=True,  # type: ignore[arg-type]
                                               top_logprobs=3)
         raw = base64.b64decode(chat.choices[0].model_extra["raw_bytes"])  # type: ignore[index]
-        transcript = chat_prompt(CHATS[1]).encode()
+        transcript = chat_prompt([ChatMessage.model_validate(m) for m in CHATS[1]]).encode()
         comp = client.completions.create(model=mid, prompt=list(transcript + raw), max_tokens=0, echo=True, logprobs=3)
         invalid = client.completions.create(model=mid, prompt=[97, 0xE2, 0xFF, 98], max_tokens=0, echo=True, logprobs=0)
     assert chat.usage is not None and chat.usage.completion_tokens == cap == len(raw)

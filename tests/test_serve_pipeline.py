@@ -12,6 +12,7 @@ from blocktrain.errors import WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.layers import Cache
+from blocktrain.serve.client.decoding import ar_logits
 from blocktrain.serve.client.pipeline import PipelineClient, generate_remote
 from blocktrain.serve.runtime.e2e import E2ESpan
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
@@ -49,7 +50,7 @@ def test_ar_equals_local_generate(models) -> None:  # type: ignore[no-untyped-de
         async with PipelineClient(addr, timeout_s=20) as c:
             text = await c.generate_ar(prompt, 24, temperature=0.8, top_k=40, seed=4)  # crosses the context of 32
             ctx = torch.tensor([list(prompt)], dtype=torch.uint8)
-            return text, await c.ar_logits(ctx, seed=9)
+            return text, await ar_logits(c, ctx, seed=9)
 
     with ring(block_spans(cfg, blocks, SPANS)) as stages:
         text, logits = asyncio.run(run(stages[0].address))

@@ -23,12 +23,13 @@ from blocktrain.errors import ConfigError, WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.sampling import filtered_probs
+from blocktrain.serve.client.decoding import Sampling
 from blocktrain.serve.client.pipeline import PipelineClient, generate_remote
 from blocktrain.serve.runtime.kvcache import CacheEntry
 from blocktrain.serve.runtime.loading import load_run_span
 from blocktrain.serve.runtime.stack import StackSpan
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
-from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate, windows
+from blocktrain.serve.wire.speculative import accept_draft, next_draft_len, update_rate, windows
 from tests.forked_cli import spawn
 from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run
@@ -93,7 +94,7 @@ def test_draft_length_follows_acceptance() -> None:
     assert next_draft_len(1.0, 1, 16) == 16 and next_draft_len(1.0, 1, 8) == 8 and next_draft_len(0.0, 3, 8) == 3
     assert update_rate(0.5, 4, 4) == 0.75 and update_rate(0.5, 0, 0) == 0.5
     with pytest.raises(ConfigError):
-        SpecOptions(draft_min=4, draft_max=2)
+        Sampling(draft_min=4, draft_max=2)
 
 
 # --- over the pipeline ------------------------------------------------------------------

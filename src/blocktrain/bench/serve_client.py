@@ -35,7 +35,7 @@ async def wait_ready(addrs: list[tuple[str, int]], deadline_s: float) -> None:
         while True:
             try:
                 async with PipelineClient(addr, timeout_s=5, connect_attempts=1) as c:
-                    if c.entry.get("state") == "serving":
+                    if c.stage.state == "serving":
                         break
             except ServeError:
                 pass
@@ -130,12 +130,12 @@ async def run_plan(plan: dict[str, Any]) -> dict[str, Any]:
                     windows.append(x)
                     return torch.zeros(1, *x.shape, 256)
 
-                score_split(fn, data, int(c.entry["context"]), batch_size=8)
+                score_split(fn, data, c.stage.context, batch_size=8)
                 got = await asyncio.gather(*(c.score(w, seed=0) for w in windows))
                 for i, g in enumerate(got):
                     results[i] = torch.log_softmax(g.float(), -1).unsqueeze(0)
                 it = iter(range(len(windows)))
-                res = score_split(lambda x: results[next(it)], data, int(c.entry["context"]), batch_size=8)
+                res = score_split(lambda x: results[next(it)], data, c.stage.context, batch_size=8)
                 return res.ce_nats_per_byte
 
             t0 = time.perf_counter()

@@ -1,2 +1,4 @@
-"""Clients of a pipeline: :mod:`~blocktrain.serve.client.pipeline` (one connection to the entry stage, the modes)
-and :mod:`~blocktrain.serve.client.decoding` (the byte-at-a-time and speculative loops). Imports only ``wire``."""
+"""Clients of a pipeline: :mod:`~blocktrain.serve.client.pipeline` (one connection to the entry stage),
+:mod:`~blocktrain.serve.client.decoding` (the decoding loops and ``decode``, the one dispatcher from a mode to its
+loop) and :mod:`~blocktrain.serve.client.stage_info` (the entry stage's description). ``pipeline`` imports
+``decoding``, never the other way round. Imports only ``wire``."""

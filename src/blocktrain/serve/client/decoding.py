@@ -1,4 +1,9 @@
-"""Client-side decoding loops over a pipeline: byte-at-a-time AR and speculative decoding.
+"""Client-side decoding loops over a pipeline (ar and baseline byte at a time, spec, sweep) and :func:`decode`,
+the one place a generation mode becomes its loop.
+
+The loops ask of a pipeline connection only what :class:`Traversal` names (the entry stage's
+:class:`~blocktrain.serve.client.stage_info.StageInfo`, request ids, one frame out and its answer back, a
+RELEASE); :class:`~blocktrain.serve.client.pipeline.PipelineClient` is one.
 
 Where the speculative loop runs: in the *client*. Each traversal is one SPEC
 frame sent to the entry stage with params ``pos`` (positions every stage may
@@ -33,27 +38,73 @@ still verified on exactly the window ``generate`` reads, n_draft + 1 windows in 
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from blocktrain.errors import ServeError
+from blocktrain.errors import ConfigError, ServeError
 from blocktrain.sampling import filtered_probs, sample_byte
 from blocktrain.seeds import Seed
+from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
-from blocktrain.serve.wire.speculative import SpecOptions, accept_draft, next_draft_len, update_rate, windowed_draft_cap
-
-if TYPE_CHECKING:
-    from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.wire.modes import GENERATION_MODES, MODE_RULES, modes_taking
+from blocktrain.serve.wire.speculative import accept_draft, next_draft_len, update_rate, windowed_draft_cap
 
 log = logging.getLogger(__name__)
 
 INITIAL_RATE = 0.75  # acceptance rate assumed before the first traversal (first draft: 4 bytes)
+
+
+class Traversal(Protocol):
+    """What the decoding loops ask of a connection to a pipeline's entry stage."""
+
+    @property
+    def stage(self) -> StageInfo:
+        """The entry stage's description, read when the connection opened."""
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Bytes: the largest frame the connection carries."""
+
+    def new_id(self) -> str:
+        """A request id not used before on this connection."""
+
+    async def call(self, frame: Frame) -> Frame:
+        """Send one frame and return the frame answering its id; ServeError on an ERROR answer."""
+
+    async def release(self, request_id: str, mode: Mode) -> None:
+        """Ask the stages to drop a request's KV caches (best effort)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one generation samples, in any mode; a mode's loop reads the settings it takes (:data:`MODE_RULES`)."""
+
+    temperature: float = 0.8  # softmax temperature (0 = greedy); in spec, of both p and q
+    top_k: int = 40  # sample among the k most likely bytes (0 = all)
+    top_p: float = 1.0  # nucleus mass kept (1 = all); < 1 only in the modes whose rules take top_p
+    seed: int = 0  # seeds every draw of the generation (per byte, per draft, per acceptance)
+    sweeps: int = 1  # mode sweep: traversals per continuation
+    draft_min: int = 1  # mode spec: bytes, the shortest draft
+    draft_max: int = 16  # mode spec: bytes, the longest draft
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = all bytes), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.sweeps < 1:
+            raise ConfigError(f"sweeps must be >= 1, got {self.sweeps}")
+        if not 1 <= self.draft_min <= self.draft_max:
+            raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; "
+                              "set --draft-min/--draft-max")
 
 
 @dataclass
@@ -67,77 +118,110 @@ class SpecResult:
     seconds: float = 0.0  # wall time of the generation
 
 
-async def call_cached(client: PipelineClient, rid: str, mode: Mode, params: dict[str, Any], text: bytes, pos: int) -> Frame:
+def runnable_modes(stage: StageInfo) -> tuple[Mode, ...]:
+    """The generation modes :func:`decode` runs on the pipeline ``stage`` describes, its default first: those the
+    entry stage reports, and ar where it reports the baseline but no ar (decode runs ar as the baseline there)."""
+    modes = tuple(m for m in stage.modes if m in GENERATION_MODES)
+    return (*modes, Mode.AR) if Mode.BASELINE in modes and Mode.AR not in modes else modes
+
+
+def decode(mode: Mode, t: Traversal, prompt: bytes, n_new: int, sampling: Sampling,
+           stats: SpecResult | None = None) -> AsyncIterator[bytes]:
+    """The ``n_new`` bytes after ``prompt`` in ``mode``, as chunks of new bytes as the pipeline produces them: a byte
+    per chunk in ar and baseline, the bytes a traversal accepts in spec (counted in ``stats``), one chunk in sweep.
+
+    ServeError for a mode that is not a generation mode, or top_p < 1 in a mode that samples without it."""
+    if mode not in MODE_RULES:
+        raise ServeError(f"unknown serving mode {mode.value!r}; use one of {', '.join(m.value for m in GENERATION_MODES)}")
+    if sampling.top_p < 1 and not MODE_RULES[mode].top_p:
+        raise ServeError(f"top_p < 1 is sampled by modes {modes_taking('top_p')}, not {mode.value}")
+    if mode is Mode.SPEC:
+        return spec_steps(t, prompt, n_new, sampling, stats or SpecResult(b""))
+    if mode is Mode.SWEEP:
+        return sweep_steps(t, prompt, n_new, sampling)
+    if mode is Mode.AR and Mode.AR not in t.stage.modes:
+        mode = Mode.BASELINE  # an E2E pipeline runs ar as its baseline
+    return ar_steps(t, prompt, n_new, sampling, mode)
+
+
+async def call_cached(t: Traversal, rid: str, mode: Mode, params: dict[str, Any], text: bytes, pos: int) -> Frame:
     """Send text[pos:] at ``pos``; when a stage lost the request's cache (evicted, restarted), prefill text afresh."""
     def frame(p: int) -> Frame:
         return Frame(FrameKind.SUBMIT, rid, mode, params={**params, "pos": p},
                      tensors={"x": torch.tensor([list(text[p:])], dtype=torch.uint8)})
 
     try:
-        return await client.call(frame(pos))
+        return await t.call(frame(pos))
     except UnknownRequestError as exc:
         if pos == 0:
             raise
         log.warning("request %s: %s; prefilling its %d bytes again", rid, exc, len(text))
-        return await client.call(frame(0))
+        return await t.call(frame(0))
 
 
-async def _release(client: PipelineClient, rid: str, mode: Mode) -> None:
-    if client.conn is not None and not client.conn.closed:
-        with contextlib.suppress(ServeError):
-            await client.conn.send(Frame(FrameKind.RELEASE, rid, mode))
+async def ar_logits(t: Traversal, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Logits (b, 256) of the byte after x (b, t) on stateless stages: one traversal, B block steps."""
+    f = Frame(FrameKind.SUBMIT, t.new_id(), Mode.AR, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
+    return (await t.call(f)).tensors["logits"]
 
 
-async def iter_ar(
-    client: PipelineClient, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-    top_p: float = 1.0, mode: Mode | None = None,
-) -> AsyncIterator[bytes]:
-    """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)``.
+async def ar_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling, mode: Mode) -> AsyncIterator[bytes]:
+    """One byte per traversal, yielded as it comes; the same bytes as ``generate(local model, ...)`` (top_p 1).
 
-    ``mode`` BASELINE (the default where the pipeline runs no ar: the E2E baseline) prefills the prompt, then runs
-    one KV-cached step per byte; both slide their window as ``generate`` does."""
-    mode = mode or (Mode.AR if Mode.AR in client.modes else Mode.BASELINE)
-    context = int(client.entry.get("context", 0))
+    ``mode`` BASELINE (the E2E baseline) prefills the prompt, then runs one KV-cached step per byte, as AR does on
+    cached stages; both slide their window as ``generate`` does."""
+    context = t.stage.context
     out = bytearray(prompt or b"\n")
-    g = Seed.SAMPLER.generator(seed)
-    if mode is Mode.AR and not client.entry.get("cached"):  # stateless stages (diffusion blocks): the whole window
+    g = Seed.SAMPLER.generator(s.seed)
+    if mode is Mode.AR and not t.stage.cached:  # stateless stages (diffusion blocks): the whole window
         for i in range(n_new):
             ctx = torch.tensor(list(out[-context:]), dtype=torch.uint8).unsqueeze(0)
-            logits = await client.ar_logits(ctx, seed=Seed.BYTE.derive(seed, i))
-            out.append(sample_byte(logits[0], temperature, top_k, top_p, g))
+            logits = await ar_logits(t, ctx, seed=Seed.BYTE.derive(s.seed, i))
+            out.append(sample_byte(logits[0], s.temperature, s.top_k, s.top_p, g))
             yield bytes(out[-1:])
         return
-    rid, cached = client.new_id(), 0
+    rid, cached = t.new_id(), 0
     try:
         for i in range(n_new):
             window = bytes(out[-context:])  # the whole text until it outgrows the context, then a fresh prefill
             pos = cached if len(out) <= context else 0
-            params = {"seed": Seed.BYTE.derive(seed, i)} if mode is Mode.AR else {}
-            logits = (await call_cached(client, rid, mode, params, window, pos)).tensors["logits"]
+            params = {"seed": Seed.BYTE.derive(s.seed, i)} if mode is Mode.AR else {}
+            logits = (await call_cached(t, rid, mode, params, window, pos)).tensors["logits"]
             cached = len(window)
-            out.append(sample_byte(logits[0], temperature, top_k, top_p, g))
+            out.append(sample_byte(logits[0], s.temperature, s.top_k, s.top_p, g))
             yield bytes(out[-1:])
     finally:
-        await _release(client, rid, mode)
+        await t.release(rid, mode)
 
 
-async def spec_steps(
-    client: PipelineClient, prompt: bytes, n_new: int, opts: SpecOptions, stats: SpecResult
-) -> AsyncIterator[bytes]:
+async def sweep_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling) -> AsyncIterator[bytes]:
+    """A whole n_new-byte continuation from one traversal (per sweep), as one chunk."""
+    context = t.stage.context or len(prompt) + n_new
+    if n_new < 1 or n_new >= context:
+        raise ServeError(f"sweep needs 1 <= bytes < context ({context}), got {n_new}")
+    p = (prompt or b"\n")[-(context - n_new) :]
+    params = {"seed": s.seed, "n_new": n_new, "prompt_len": len(p), "sweeps": s.sweeps,
+              "temperature": float(s.temperature), "top_k": int(s.top_k)}
+    x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
+    reply = await t.call(Frame(FrameKind.SUBMIT, t.new_id(), Mode.SWEEP, params=params, tensors={"x": x}))
+    yield bytes(reply.tensors["bytes"][0].tolist())
+
+
+async def spec_steps(t: Traversal, prompt: bytes, n_new: int, opts: Sampling, stats: SpecResult) -> AsyncIterator[bytes]:
     """Speculative decoding over the pipeline: yields the bytes each traversal adds, updating ``stats``."""
-    if Mode.SPEC not in client.modes:
+    if Mode.SPEC not in t.stage.modes:
         raise ServeError(f"spec needs a pipeline whose entry stage drafts with its first blocks; this one serves "
-                         f"{client.entry.get('family')!r} (modes {', '.join(m.value for m in client.modes)}): "
+                         f"{t.stage.family!r} (modes {', '.join(m.value for m in t.stage.modes)}): "
                          "use --mode baseline")
-    stateless = not client.entry.get("cached")  # stages keep no cache: every traversal sends the whole text
-    context = int(client.entry.get("context", 0))
+    stateless = not t.stage.cached  # stages keep no cache: every traversal sends the whole text
+    context = t.stage.context
     if n_new < 0 or context < 1:
         raise ServeError(f"spec generates 0 or more bytes on a model with a context, got {n_new} (context {context})")
-    windowed_cap = windowed_draft_cap(context, int(client.entry.get("d_model", 1)), client.max_frame_bytes)
+    windowed_cap = windowed_draft_cap(context, t.stage.d_model, t.max_frame_bytes)
     text = bytearray(prompt or b"\n")
     start, cached, rate = len(text), 0, INITIAL_RATE
     g = Seed.SAMPLER.generator(opts.seed)
-    rid = client.new_id()
+    rid = t.new_id()
     t0 = time.perf_counter()
     try:
         while (done := len(text) - start) < n_new:
@@ -150,9 +234,9 @@ async def spec_steps(
             if windowed:
                 params.update(window=True, pos=len(text) - context)
                 x = torch.tensor([list(text[-context:])], dtype=torch.uint8)
-                reply = await client.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
+                reply = await t.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
             else:
-                reply = await call_cached(client, rid, Mode.SPEC, params, bytes(text), cached)
+                reply = await call_cached(t, rid, Mode.SPEC, params, bytes(text), cached)
             p = filtered_probs(reply.tensors["logits"], opts.temperature, opts.top_k, opts.top_p)  # (n + 1, 256)
             draft = reply.tensors["draft"][0].tolist() if n else []
             q = reply.tensors["q"].float() if n else torch.empty(0, p.shape[-1])  # (n, 256)
@@ -169,4 +253,4 @@ async def spec_steps(
             yield new
     finally:
         if not stateless:  # diffusion stages hold nothing to release
-            await _release(client, rid, Mode.SPEC)
+            await t.release(rid, Mode.SPEC)

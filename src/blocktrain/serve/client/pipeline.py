@@ -1,12 +1,13 @@
 """Client of a serving pipeline: one persistent connection to the entry stage.
 
 Many requests can be in flight on one connection (each has its own id); the
-entry stage batches those that arrive together. ``generate_ar`` and
+entry stage batches those that arrive together. The entry stage's description is read once, on connecting
+(:attr:`PipelineClient.stage`). Generation runs the loops of :mod:`blocktrain.serve.client.decoding` over the
+connection (:meth:`PipelineClient.decode`, for any mode; ``iter_*``/``generate_*`` per mode): ``generate_ar`` and
 ``generate_baseline`` reproduce :func:`blocktrain.evaluate.generate.generate`
 (same seeds, same sampling), so a pipeline and a local model give the same text;
 on a stack run's pipeline ``generate_ar`` keeps a KV cache per request in every
-stage. ``generate_spec``/``iter_spec`` run speculative decoding on a stack or diffusion run
-(the loop runs here, see :mod:`blocktrain.serve.client.decoding`); ``iter_ar`` and
+stage. ``generate_spec``/``iter_spec`` run speculative decoding on a stack or diffusion run; ``iter_ar`` and
 ``iter_spec`` yield bytes as they are accepted, for streaming.
 
 When the stages share a token (``blocktrain serve`` with ``BLOCKTRAIN_SERVE_TOKEN``
@@ -29,11 +30,11 @@ from typing import Any
 import torch
 
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
-from blocktrain.serve.client.decoding import SpecResult, iter_ar, spec_steps
+from blocktrain.serve.client.decoding import Sampling, SpecResult, decode
+from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.serve.wire.links import Address, Conn, Counters, open_conn, parse_address
-from blocktrain.serve.wire.modes import MODE_RULES, generation_mode, modes_taking
-from blocktrain.serve.wire.speculative import SpecOptions
+from blocktrain.serve.wire.modes import generation_mode
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ def error_from_frame(frame: Frame) -> ServeError:
         return WireError(msg)
     return ServeError(msg)
 
-
-LEGACY_FAMILIES = {"blocktrain": "diffusion"}  # family names stages once used -> today's
 
 class PipelineClient:
     """Async client; use as ``async with PipelineClient(addr) as c: ...``."""
@@ -85,7 +84,7 @@ class PipelineClient:
         self._refusal: ServeError | None = None  # why the entry stage hung up on us, when it said so
         self._opened = False  # connect() succeeded and close() was not called: reopen a dropped connection
         self._reopen = asyncio.Lock()
-        self.entry: dict[str, Any] = {}
+        self._stage: StageInfo | None = None  # read on connecting
 
     async def __aenter__(self) -> PipelineClient:
         await self.connect()
@@ -117,16 +116,15 @@ class PipelineClient:
             )
         self._refusal = None
         self._reader = asyncio.create_task(self._read_loop(self.conn))
-        self.entry = (await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params
-        if self.entry.get("family") in LEGACY_FAMILIES:  # a stage of an older release names its family the old way
-            self.entry["family"] = LEGACY_FAMILIES[self.entry["family"]]
+        self._stage = StageInfo.from_pong((await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params)
         self._opened = True
 
     @property
-    def modes(self) -> tuple[Mode, ...]:
-        """The modes the pipeline runs, its default first, as the entry stage reports them."""
-        known = {m.value for m in Mode}
-        return tuple(Mode(m) for m in self.entry.get("modes", ()) if m in known)
+    def stage(self) -> StageInfo:
+        """The entry stage's description, read when the client connected; ServeError before that."""
+        if self._stage is None:
+            raise ServeError(f"not connected to {self.where}; call connect() first")
+        return self._stage
 
     async def close(self) -> None:
         self._opened = False
@@ -212,97 +210,57 @@ class PipelineClient:
         f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.SCORE, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
         return (await self.call(f)).tensors["logits"]
 
-    async def ar_logits(self, x: torch.Tensor, seed: int) -> torch.Tensor:
-        """Logits (b, 256) of the byte after x (b, t): one traversal, B block steps."""
-        f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.AR, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
-        return (await self.call(f)).tensors["logits"]
+    async def release(self, request_id: str, mode: Mode) -> None:
+        """Ask the stages to drop a request's KV caches; nothing when the connection is gone (they expire them)."""
+        if self.conn is not None and not self.conn.closed:
+            with contextlib.suppress(ServeError):
+                await self.conn.send(Frame(FrameKind.RELEASE, request_id, mode))
 
-    async def sweep(
-        self, prompt: bytes, n_new: int, *, sweeps: int = 1, temperature: float = 0.8, top_k: int = 40, seed: int = 0
-    ) -> bytes:
-        """A whole n_new-byte continuation from one traversal (per sweep)."""
-        context = int(self.entry.get("context", 0)) or len(prompt) + n_new
-        if n_new < 1 or n_new >= context:
-            raise ServeError(f"sweep needs 1 <= bytes < context ({context}), got {n_new}")
-        p = (prompt or b"\n")[-(context - n_new) :]
-        params = {"seed": seed, "n_new": n_new, "prompt_len": len(p), "sweeps": sweeps,
-                  "temperature": float(temperature), "top_k": int(top_k)}
-        x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
-        f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.SWEEP, params=params, tensors={"x": x})
-        return bytes((await self.call(f)).tensors["bytes"][0].tolist())
+    def decode(self, mode: Mode, prompt: bytes, n_new: int, sampling: Sampling,
+               stats: SpecResult | None = None) -> AsyncIterator[bytes]:
+        """The ``n_new`` bytes after ``prompt`` in ``mode``, in chunks as they come (:func:`~.decoding.decode`)."""
+        return decode(mode, self, prompt, n_new, sampling, stats)
 
-    def iter_ar(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-        top_p: float = 1.0,
-    ) -> AsyncIterator[bytes]:
+    async def generate(self, mode: Mode, prompt: bytes, n_new: int, sampling: Sampling) -> bytes:
+        """The ``n_new`` bytes after ``prompt`` in ``mode``, whole."""
+        return b"".join([chunk async for chunk in self.decode(mode, prompt, n_new, sampling)])
+
+    # ``sampling`` below: the fields of :class:`~.decoding.Sampling` (temperature, top_k, top_p, seed, and the mode's own)
+    def iter_ar(self, prompt: bytes, n_new: int, **sampling: Any) -> AsyncIterator[bytes]:
         """One byte per traversal, yielded as it is sampled (KV-cached on stack and E2E pipelines).
 
         With top_p = 1 the bytes equal ``generate(local model, ...)`` at the same seed.
         """
-        return iter_ar(self, prompt, n_new, temperature=temperature, top_k=top_k, seed=seed, top_p=top_p)
+        return self.decode(Mode.AR, prompt, n_new, Sampling(**sampling))
 
-    async def generate_ar(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-        top_p: float = 1.0,
-    ) -> bytes:
+    async def generate_ar(self, prompt: bytes, n_new: int, **sampling: Any) -> bytes:
         """Same bytes as ``generate(assembled_model, ...)``: one traversal per byte."""
-        return b"".join([b async for b in self.iter_ar(prompt, n_new, temperature=temperature, top_k=top_k, seed=seed,
-                                                       top_p=top_p)])
+        return await self.generate(Mode.AR, prompt, n_new, Sampling(**sampling))
 
-    def iter_baseline(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-        top_p: float = 1.0,
-    ) -> AsyncIterator[bytes]:
+    async def generate_baseline(self, prompt: bytes, n_new: int, **sampling: Any) -> bytes:
         """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
-        return iter_ar(self, prompt, n_new, temperature=temperature, top_k=top_k, seed=seed, top_p=top_p,
-                       mode=Mode.BASELINE)
+        return await self.generate(Mode.BASELINE, prompt, n_new, Sampling(**sampling))
 
-    async def generate_baseline(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-        top_p: float = 1.0,
-    ) -> bytes:
-        """E2E baseline: prefill the prompt, then one token per traversal with a KV cache in every stage."""
-        return b"".join([b async for b in self.iter_baseline(prompt, n_new, temperature=temperature, top_k=top_k,
-                                                             seed=seed, top_p=top_p)])
+    async def sweep(self, prompt: bytes, n_new: int, **sampling: Any) -> bytes:
+        """A whole n_new-byte continuation from one traversal (per sweep)."""
+        return await self.generate(Mode.SWEEP, prompt, n_new, Sampling(**sampling))
 
-    def iter_spec(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
-        seed: int = 0, draft_min: int = 1, draft_max: int = 16,
-    ) -> AsyncIterator[bytes]:
-        """Speculative decoding: yields the bytes each traversal accepts (see serve.decoding)."""
-        opts = SpecOptions(temperature, top_k, top_p, seed, draft_min, draft_max)
-        return spec_steps(self, prompt, n_new, opts, SpecResult(b""))
+    def iter_spec(self, prompt: bytes, n_new: int, **sampling: Any) -> AsyncIterator[bytes]:
+        """Speculative decoding: yields the bytes each traversal accepts."""
+        return self.decode(Mode.SPEC, prompt, n_new, Sampling(**sampling))
 
-    async def generate_spec(
-        self, prompt: bytes, n_new: int, *, temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0,
-        seed: int = 0, draft_min: int = 1, draft_max: int = 16,
-    ) -> SpecResult:
+    async def generate_spec(self, prompt: bytes, n_new: int, **sampling: Any) -> SpecResult:
         """Speculative decoding: n_new bytes drafted by the entry stage and verified one traversal per draft."""
         result = SpecResult(b"")
-        opts = SpecOptions(temperature, top_k, top_p, seed, draft_min, draft_max)
-        async for _ in spec_steps(self, prompt, n_new, opts, result):
+        async for _ in self.decode(Mode.SPEC, prompt, n_new, Sampling(**sampling), result):
             pass
         return result
 
 
-async def generate_with(client: PipelineClient, mode: str, prompt: bytes, n: int, **kw: Any) -> bytes:
-    """``n`` bytes after ``prompt`` in ``mode``; ``kw``: temperature, top_k, seed, top_p, and the settings the mode's
-    rules (:data:`~blocktrain.serve.wire.modes.MODE_RULES`) let it take (sweeps; draft_min, draft_max); the others
-    are ignored."""
-    which = generation_mode(mode)
-    rules = MODE_RULES[which]
-    draft = {k: kw.pop(k) for k in ("draft_min", "draft_max") if k in kw}  # the CLI passes its defaults in any mode
-    sweeps = int(kw.pop("sweeps", 1))
-    top_p = float(kw.pop("top_p", 1.0))
-    if top_p < 1 and not rules.top_p:
-        raise ServeError(f"top_p < 1 is sampled by modes {modes_taking('top_p')}, not {mode}")
-    if which is Mode.SWEEP:
-        return await client.sweep(prompt, n, sweeps=sweeps, **kw)
-    if which is Mode.SPEC:
-        return (await client.generate_spec(prompt, n, **kw, **draft, top_p=top_p)).data
-    if which is Mode.AR:
-        return await client.generate_ar(prompt, n, **kw, top_p=top_p)
-    return await client.generate_baseline(prompt, n, **kw, top_p=top_p)
+async def generate_with(client: PipelineClient, mode: str, prompt: bytes, n: int, **sampling: Any) -> bytes:
+    """``n`` bytes after ``prompt`` in the mode named ``mode``; ``sampling``: the fields of
+    :class:`~.decoding.Sampling` (a mode ignores those it does not take; ServeError for top_p < 1 where none is)."""
+    return await client.generate(generation_mode(mode), prompt, n, Sampling(**sampling))
 
 
 def generate_remote(

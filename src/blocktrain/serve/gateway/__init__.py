@@ -1,2 +1,5 @@
-"""The HTTP gateway over a pipeline: :mod:`~blocktrain.serve.gateway.app` (routes), :mod:`~blocktrain.serve.gateway.backend`
-(request validation, modes, UTF-8) and :mod:`~blocktrain.serve.gateway.logprobs`. Imports ``client`` and ``wire`` only."""
+"""The HTTP gateway over a pipeline: :mod:`~blocktrain.serve.gateway.app` (the routes),
+:mod:`~blocktrain.serve.gateway.protocol` (the request, answer and error models), :mod:`~blocktrain.serve.gateway.checks`
+(their field checks), :mod:`~blocktrain.serve.gateway.generation` (a request settled against the pipeline),
+:mod:`~blocktrain.serve.gateway.serving` (a request served from the pipeline) and
+:mod:`~blocktrain.serve.gateway.logprobs` (bytes as tokens). Imports ``client`` and ``wire`` only."""

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.dataset import eval_windows
+from blocktrain.serve.gateway.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
-MAX_LOGPROBS = 20  # the most alternatives per position a request may ask for (vLLM's limit)
-MAX_TOKEN_IDS = 1 << 20  # the most token ids one /tokenize answer or /detokenize request may hold
 MAX_SCORED_BYTES = 1 << 16  # the most bytes (prompt and continuation) one request may have scored
 WINDOWS_PER_CALL = 32  # windows sent to the pipeline in one score call
 ScoreFn = Callable[[torch.Tensor], Awaitable[torch.Tensor]]  # bytes (b, t) uint8 -> logits (b, t, 256)
@@ -72,53 +69,37 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Ten
     return out
 
 
-@dataclass(frozen=True)
-class Logprobs:
-    """The OpenAI Completions ``logprobs`` object for ``data[skip:]``, scored with ``data[:skip]`` as history."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-    @classmethod
-    def of(cls, data: bytes, lp: torch.Tensor, top: int, skip: int = 0) -> Logprobs:
-        """``lp`` from :func:`byte_log_probs`; ``top`` alternatives per position (the token itself is always listed)."""
-        offsets = text_offsets(data)
-        base = offsets[skip] if skip < len(offsets) else 0
-        tokens: list[str] = []
-        chosen: list[float | None] = []
-        tops: list[dict[str, float] | None] = []
-        where: list[int] = []
-        for i in range(skip, len(data)):
-            b = data[i]
-            tokens.append(token_str(b))
-            where.append(offsets[i] - base)
-            if i == 0:  # the first byte has no history: OpenAI's null
-                chosen.append(None)
-                tops.append(None)
-                continue
-            row = lp[i]
-            chosen.append(float(row[b]))
-            best = torch.topk(row, top).indices.tolist() if top > 0 else []
-            tops.append({token_str(t): float(row[t]) for t in [*best, b]})
-        return cls(tokens, chosen, tops, where)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
-                "text_offset": self.text_offset}
+def completion_logprobs(data: bytes, lp: torch.Tensor, top: int, skip: int = 0) -> CompletionLogprobs:
+    """The OpenAI Completions ``logprobs`` of ``data[skip:]``, scored with ``data[:skip]`` as history: ``lp`` from
+    :func:`byte_log_probs`, ``top`` alternatives per position (the token itself is always listed)."""
+    offsets = text_offsets(data)
+    base = offsets[skip] if skip < len(offsets) else 0
+    chosen: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    for i in range(skip, len(data)):
+        if i == 0:  # the first byte has no history: OpenAI's null
+            chosen.append(None)
+            tops.append(None)
+            continue
+        row, b = lp[i], data[i]
+        chosen.append(float(row[b]))
+        best = torch.topk(row, top).indices.tolist() if top > 0 else []
+        tops.append({token_str(t): float(row[t]) for t in [*best, b]})
+    return CompletionLogprobs(tokens=[token_str(b) for b in data[skip:]], token_logprobs=chosen, top_logprobs=tops,
+                              text_offset=[o - base for o in offsets[skip:]])
 
 
-def chat_logprobs(data: bytes, lp: torch.Tensor, top: int, skip: int) -> dict[str, Any]:
-    """The OpenAI Chat Completions ``logprobs`` object of ``data[skip:]`` (the answer, ``skip`` >= 1 bytes of
+def chat_logprobs(data: bytes, lp: torch.Tensor, top: int, skip: int) -> ChatLogprobs:
+    """The OpenAI Chat Completions ``logprobs`` of ``data[skip:]`` (the answer, ``skip`` >= 1 bytes of
     transcript before it): per byte its token, log-prob, bytes and the ``top`` most likely alternatives, best first."""
     content = []
     for i in range(skip, len(data)):
         row = lp[i]
         best = torch.topk(row, top).indices.tolist() if top > 0 else []
-        content.append({"token": token_str(data[i]), "logprob": float(row[data[i]]), "bytes": [data[i]],
-                        "top_logprobs": [{"token": token_str(t), "logprob": float(row[t]), "bytes": [t]} for t in best]})
-    return {"content": content, "refusal": None}
+        content.append(TokenLogprob(token=token_str(data[i]), logprob=float(row[data[i]]), bytes=[data[i]],
+                                    top_logprobs=[TopLogprob(token=token_str(t), logprob=float(row[t]), bytes=[t])
+                                                  for t in best]))
+    return ChatLogprobs(content=content)
 
 
 class StopScanner:

@@ -1,7 +1,7 @@
 """The serving modes' rules, in one table keyed by :class:`~blocktrain.serve.wire.frames.Mode`.
 
 The gateway (which request fields a mode takes, whether prompt and continuation must fit one window) and the
-client (``generate_with``: which sampling settings a mode's loop takes) both read :data:`MODE_RULES`; nothing else
+client (``decoding.decode``: whether a mode's loop samples with top_p) both read :data:`MODE_RULES`; nothing else
 decides these by the mode's name. Which modes a pipeline runs is what its entry stage reports (``modes`` in the
 PONG), not this table.
 """

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from blocktrain.config import VOCAB_SIZE
-from blocktrain.errors import ConfigError, WireError
+from blocktrain.errors import WireError
 from blocktrain.sampling import filtered_probs, sample_probs
 from blocktrain.seeds import Seed
 from blocktrain.serve.wire.frames import frame_number, frame_param
@@ -87,29 +87,6 @@ def next_draft_len(rate: float, draft_min: int, draft_max: int) -> int:
     """
     r = min(max(rate, 0.0), MAX_RATE)
     return max(draft_min, min(draft_max, math.ceil(r / (1.0 - r) - 1e-9) + 1))  # 1e-9: 0.9 / 0.1 is 9.000000000000002
-
-
-@dataclass(frozen=True)
-class SpecOptions:
-    """Sampling and draft-length settings of one speculative generation."""
-
-    temperature: float = 0.8  # softmax temperature of p and q (0 = greedy)
-    top_k: int = 40  # sample among the k most likely bytes (0 = all)
-    top_p: float = 1.0  # nucleus mass kept (1 = all)
-    seed: int = 0  # seeds the draft draws (per traversal) and the acceptance draws
-    draft_min: int = 1  # bytes: the shortest draft
-    draft_max: int = 16  # bytes: the longest draft
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 = all bytes), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 1 <= self.draft_min <= self.draft_max:
-            raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; "
-                              "set --draft-min/--draft-max")
 
 
 # --- the spec frame's parameters, as every serving span reads them ----------------------------
