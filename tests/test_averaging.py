@@ -25,13 +25,13 @@ from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.simulate import Hostile, HostileContext, LocalRounds, run_local_rounds
-from blocktrain.protocol.moments import InnerStart
 from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
+from blocktrain.protocol.moments import InnerStart
 from blocktrain.train.step import MuonAdamW
 from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
 

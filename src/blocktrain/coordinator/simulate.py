@@ -269,6 +269,7 @@ class BlockRun:
         if audit and not self.auditor.enabled:  # type: ignore[union-attr]
             raise ConfigError("audits need settings.audit_fraction > 0")
         self.refusals = [0] * opts.workers  # refusals that count toward quarantine, per replica
+        self.quarantined: dict[int, int] = {}  # replica -> the version it was quarantined at
         self.accepted = [0] * opts.workers  # accepted pushes per replica (the first probation_pushes are audited)
         self.previous: list[dict[str, torch.Tensor]] = []  # the deltas the previous round accepted (what a replay copies)
         self.poisoned: dict[int, np.ndarray] = {}  # hostile replica -> the bytes it trains on
@@ -301,7 +302,7 @@ class BlockRun:
         m = opts.workers if workers is None else workers
         kept: list[tuple[int, ParsedUpdate]] = []  # (its record's index, the update) of each accepted push
         for i in range(m):
-            if i in run.quarantined:
+            if i in self.quarantined:
                 continue
             parsed = self._push(i, h, offset, base, share, published)
             if parsed is not None:
@@ -369,7 +370,7 @@ class BlockRun:
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
                                         checked.replay_cos, ratio, audited is not None, bad is not None))
         if failed:
-            run.quarantined[i] = v
+            self.quarantined[i] = v
             return None
         return parsed
 
@@ -386,7 +387,7 @@ class BlockRun:
         if reason in COUNTED and self.settings.quarantine_after:
             self.refusals[i] += 1
             if self.refusals[i] >= self.settings.quarantine_after:
-                self.run.quarantined[i] = v
+                self.quarantined[i] = v
 
     def _audit(self, i: int, parsed: ParsedUpdate, base: Published, committed: dict[str, torch.Tensor],
                outlier: bool) -> bool | None:
@@ -430,4 +431,5 @@ class BlockRun:
 
     def finish(self) -> LocalRun:
         """The run as it ends: the last published weights in replica 0, and its wall time."""
-        return replace(self.run, block=self.current(), weights=self.W, wall_s=time.perf_counter() - self._t0)
+        return replace(self.run, block=self.current(), weights=self.W, quarantined=dict(self.quarantined),
+                       wall_s=time.perf_counter() - self._t0)
