@@ -402,7 +402,7 @@ def test_the_openapi_schema_lists_every_response_model(tmp_path: Path) -> None:
     components = set(schema["components"]["schemas"])
     assert {"Registration", "WorkAnswer", "Heartbeat", "Left", "PushAnswer", "AuditAnswer", "Status", "ErrorBody",
             "BlockStatus", "WorkerStatus", "RoundStatus", "EvalStatus"} <= components
-    binary = {"/v1/blocks/{k}/weights", "/v1/blocks/{k}/steps/{v}", "/v1/blocks/{k}/frozen"}
+    binary = {"/v1/blocks/{k}/weights", "/v1/blocks/{k}/steps/{v}", "/v1/blocks/{k}/frozen", "/v1/blocks/{k}/moments/{v}"}
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
             if path in ("/", "/metrics"):  # the dashboard's HTML and Prometheus text: open, never refused
