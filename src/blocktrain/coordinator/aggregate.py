@@ -16,7 +16,9 @@ g = -Delta_bar,
 * ``nesterov``:  m <- mu m + g;  step = -eta (g + mu m)
 * ``adam``:      FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2):
                  m <- beta1 m + (1 - beta1) Delta_bar;  u <- beta2 u + (1 - beta2) Delta_bar^2;
-                 step = eta m / (sqrt(u) + tau)   (beta1 = mu, beta2 = ``outer_beta2``, tau = ``outer_eps``)
+                 step = eta s_v m / (sqrt(u) + tau)   (beta1 = mu, beta2 = ``outer_beta2``, tau = ``outer_eps``; s_v the
+                 round's mean inner lr over the peak, so the outer step decays with the inner schedule, as the
+                 deltas the other steps scale do)
 
 With ``outer_cap`` c, a step longer than c ||Delta_bar|| is scaled down to it (an outer step that cannot amplify
 the round's mean delta more than c-fold).
@@ -119,6 +121,7 @@ def outer_step(
     settings: CoordinatorSettings,
     buf: dict[str, torch.Tensor] | None,
     second: dict[str, torch.Tensor] | None = None,
+    lr_scale: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
     """Return (float32 step, new momentum buffer, new second moment): the outer step of the module docstring."""
     method = settings.outer
@@ -143,7 +146,7 @@ def outer_step(
             m = (1 - mu) * d if buf is None else mu * buf[n] + (1 - mu) * d
             u = (1 - b2) * d * d if second is None else b2 * second[n] + (1 - b2) * d * d
             new_buf[n], new_second[n] = m, u
-            step[n] = lr * m / (u.sqrt() + tau)
+            step[n] = lr * lr_scale * m / (u.sqrt() + tau)
     if settings.outer_cap is not None:
         bound = settings.outer_cap * _norm(delta_bar)
         length = _norm(step)
@@ -237,9 +240,11 @@ def next_version(
     settings: CoordinatorSettings,
     state: OuterState,
     moments: list[dict[str, torch.Tensor]] | None = None,
+    lr_scale: float = 1.0,
 ) -> RoundResult:
     """Close one round: screen (``agree_min``), aggregate, outer step, encode the step with error feedback, apply it;
     with ``moments`` (the pushed inner moment estimates, one per delta), publish their bounded aggregate too.
+    ``lr_scale``: s_v of the round (:func:`blocktrain.train.step.round_lr_scale`), which outer Adam's step follows.
 
     W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step and load the same decoded
     moments.
@@ -248,7 +253,7 @@ def next_version(
         raise ValueError("no outer step chosen; resolve it with CoordinatorSettings.for_objective(objective.outer_step())")
     kept = agreeing(deltas, settings.agree_min) if settings.agree_min is not None else list(range(len(deltas)))
     delta_bar = aggregate([deltas[i] for i in kept], [samples[i] for i in kept], settings.aggregation, settings.trim_fraction)
-    step, buf, second = outer_step(delta_bar, settings, state.momentum, state.second)
+    step, buf, second = outer_step(delta_bar, settings, state.momentum, state.second, lr_scale)
     codec = ErrorFeedback(settings.step_compression, state.residual)
     wire = codec.encode(step)
     new = apply_step(weights, decode_delta(wire, settings.step_compression))

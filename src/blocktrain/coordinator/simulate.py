@@ -314,7 +314,7 @@ class BlockRun:
             return
         moments = [p.moments for _, p in kept if p.moments is not None]
         result = next_version(W, [p.delta for _, p in kept], [p.samples for _, p in kept], self.settings, self.state,
-                              moments or None)
+                              moments or None, round_lr_scale(self.schedule, offset, h))
         for j, (at, _) in enumerate(kept):
             if j not in result.kept:  # dropped by the agreement screen at the round's close
                 run.updates[at] = replace(run.updates[at], outcome="screened")
