@@ -153,7 +153,14 @@ def measure(cfg: RunConfig, row: dict[str, Any], data: DataDir, args: argparse.N
     ce = run.test_ce(cfg, data, args.eval_bytes, k=k, frozen=frozen)
     return {**row, "key": row_key(row), "k": k, "outer_steps": rounds.rounds, "ce_nats_per_byte": ce,
             "eval_split": "test", "eval_bytes": args.eval_bytes, "wall_s": run.wall_s,
-            "refused": sum(1 for u in run.updates if u.outcome != "accepted"), **traffic(run)}
+            "refused": sum(1 for u in run.updates if u.outcome != "accepted"), **traffic(run), **norm_ratios(run)}
+
+
+def norm_ratios(run: LocalRun) -> dict[str, Any]:
+    """Every update's norm per unit of lr over the median of the block's recent ones, as the intake saw it: the
+    spread of honest norms that the norm bound is set from (issue 44)."""
+    ratios = sorted(u.norm_ratio for u in run.updates if u.norm_ratio is not None)
+    return {"norm_ratios": [round(r, 4) for r in ratios]}
 
 
 def traffic(run: LocalRun) -> dict[str, float]:
