@@ -32,6 +32,7 @@ from blocktrain.p2p.trust import Authority, Card, PeerAuthorizer, parse_token  #
 from blocktrain.presets import get_preset  # noqa: E402
 from blocktrain.protocol.delta import Compression, pack_delta  # noqa: E402
 from blocktrain.protocol.group import GroupMember, decode_group, encode_group, round_scope  # noqa: E402
+from blocktrain.protocol.moments import InnerStart, MomentCodec  # noqa: E402
 from tests.distributed_utils import (  # noqa: E402, F401
     add_token,
     corpus,
@@ -207,16 +208,20 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
         dht0.shutdown()
 
 
-def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Path, corpus: DataDir, procs) -> None:  # noqa: F811
+@pytest.mark.parametrize("start", [InnerStart.FRESH, InnerStart.SHARED_MV])
+def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerStart, tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                   procs) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """A coordinator and three workers as processes, averaging on hivemind, fp32 deltas and steps: the groups'
-    means land where the in-process rounds of three replicas land, whatever groups formed; the status shows them."""
+    means land where the in-process rounds of three replicas land, whatever groups formed; the status shows them.
+    With shared moments (fp32 on the wire) the groups average the moments with the deltas."""
     run, port = tmp_path / "run", free_port()
     url = f"http://127.0.0.1:{port}"
     tokens = [add_token(run, f"w{i}") for i in range(3)]
     procs.append(_blocktrain("coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port),
                              "--no-eval", "--threads", "1", "--rounds", "2", "--round-seconds", "120", "--outer",
                              "nesterov", "--step-compression", "none", "--hivemind", "--hivemind-host", "127.0.0.1",
-                             "--local-steps", "3", "--aggregation", "mean"))  # a group mean is associative; a median is not
+                             "--local-steps", "3", "--aggregation", "mean",  # a group mean is associative; a median is not
+                             "--inner-start", start.value, "--moment-codec", "none"))
     try:
         status = wait_for(lambda: get_status(url), 60, "the coordinator")
         assert status["p2p"]["initial_peers"] and status["p2p"]["authority"].startswith("ssh-rsa ")
@@ -238,7 +243,7 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(tmp_path: Pat
                 p.wait(timeout=60)
     weights = unpack((run / "coordinator" / "blobs" / f"{_latest_weights(run)}.safetensors").read_bytes())[0]
     knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE,
-             "aggregation": Aggregation.MEAN}
+             "aggregation": Aggregation.MEAN, "inner_start": start, "moment_codec": MomentCodec.NONE}
     tiny = get_preset("tiny")  # the workers ran with --precision fp32: so does the reference, on any CPU
     tiny = replace(tiny, train=replace(tiny.train, precision=Precision.FP32))
     ref = run_local_rounds(tiny, CoordinatorSettings(**knobs),

@@ -24,9 +24,9 @@ With ``outer_cap`` c, a step longer than c ||Delta_bar|| is scaled down to it (a
 the round's mean delta more than c-fold).
 
 Shared inner moments (:mod:`blocktrain.train.inner`, issue 43): with the workers' pushed estimates v_i (and m_i),
-the round publishes v_bar = hold(aggregate(clip(v_i))): every v_i is clipped coordinate-wise into
-[med / moment_clip, med x moment_clip] around the round's coordinate-wise median med, aggregated like the deltas,
-then held within a factor ``moment_step`` of the previously published v_bar; m_bar is aggregated like the deltas
+the round publishes v_bar = hold(aggregate(clip(v_i))): every v_i is clipped coordinate-wise around the round's
+coordinate-wise median and its tensor's typical scale (:func:`shared_moments`), aggregated like the deltas, then
+held within a factor ``moment_step`` of the previously published v_bar; m_bar is aggregated like the deltas
 and clipped into [-sqrt(v_bar), sqrt(v_bar)] (Adam's normalised step m / sqrt(v) stays within one lr). So no worker,
 however hostile, moves the shared v to zero or infinity. With ``moment_mean_v`` (m shared too), the published v is
 that of the M workers' mean gradient rather than of one worker's: v = E[g^2] = mu^2 + sigma^2 for one worker's batch,
@@ -165,23 +165,33 @@ def shared_moments(
     settings: CoordinatorSettings,
     previous: dict[str, torch.Tensor] | None,
 ) -> dict[str, torch.Tensor]:
-    """The published inner moments of a round from the workers' pushed estimates (module docstring): v clipped around
-    the round's median, aggregated, held within ``moment_step`` of ``previous``; m aggregated and clipped by sqrt(v)."""
+    """The published inner moments of a round from the workers' pushed estimates (module docstring).
+
+    With c = ``moment_clip``, med the coordinate-wise median of the round's v_i and s the median over the workers of
+    each v tensor's mean (its typical scale), every v_i is clipped into [med / c, c max(med, s)] (a coordinate most
+    workers never touched, a rare byte's embedding row, keeps its honest values), aggregated like the deltas, then
+    held within [prev / step, prev x step] of the previously published v (step = ``moment_step``; c s where prev is
+    0: a coordinate no round has published yet). m is
+    aggregated like the deltas and clipped by sqrt(v)."""
     names = list(moments[0])
     vs = [n for n in names if n.startswith(V_PREFIX)]
     clipped: list[dict[str, torch.Tensor]] = [dict(x) for x in moments]
     c = settings.moment_clip
+    scale: dict[str, torch.Tensor] = {}
     for n in vs:
         stacked = torch.stack([x[n].float() for x in moments])  # (workers, *shape)
         med = stacked.median(dim=0).values if len(moments) % 2 else _even_median(stacked)
+        means = stacked.reshape(len(moments), -1).mean(dim=1)  # (workers,) each one's tensor mean
+        scale[n] = means.median() if len(moments) % 2 else _even_median(means[:, None])[0]
         for x in clipped:
-            x[n] = torch.minimum(torch.maximum(x[n].float(), med / c), med * c)
+            x[n] = torch.minimum(torch.maximum(x[n].float(), med / c), c * torch.maximum(med, scale[n]))
     out = aggregate(clipped, samples, settings.aggregation, settings.trim_fraction)
     for n in vs:
         out[n] = out[n].clamp_min(0.0)
         if previous is not None and n in previous:
             prev = previous[n].to(out[n].device)
-            out[n] = torch.minimum(torch.maximum(out[n], prev / settings.moment_step), prev * settings.moment_step)
+            hi = torch.where(prev > 0, prev * settings.moment_step, c * scale[n])  # a coordinate never published: s
+            out[n] = torch.minimum(torch.maximum(out[n], prev / settings.moment_step), hi)
     for n in names:
         if n.startswith(M_PREFIX) and V_PREFIX + n[len(M_PREFIX):] in out:
             v = V_PREFIX + n[len(M_PREFIX):]

@@ -59,7 +59,8 @@ class Checkpoints:
         self.shapes = self.block_shapes[0]  # every block's schema for diffusion
         fp32_bytes = max(sum(4 * int(torch.Size(s).numel()) for s in sh.values()) for sh in self.block_shapes.values())
         self.block_fp32_bytes = fp32_bytes  # of the largest block
-        self.max_body_bytes = settings.max_body_bytes or 2 * fp32_bytes + 65536
+        tensors = 1 + len(settings.inner_start.shares)  # the delta, and the moments pushed with it
+        self.max_body_bytes = settings.max_body_bytes or 2 * tensors * fp32_bytes + 65536
         self._current: dict[int, BlockVersion] = {}  # block -> what it publishes now
         self._frozen_payload: dict[int, bytes] = {}  # finished block -> its frozen download (built once)
         self._served: dict[int, str] = {}  # block -> sha256 of the last weights someone fetched or was told to fetch

@@ -64,7 +64,7 @@ class CoordinatorSettings:
     lease_seconds: float = 30.0  # a worker without a heartbeat this long leaves the round
     rounds: int = 0  # rounds per block before the run finishes (0 = never)
     min_updates: int = 1  # a round closes by quorum only with at least this many deltas (deadline: 1)
-    max_body_bytes: int = 0  # cap on an update body (0 = 2 x the block's fp32 size + 64 KiB)
+    max_body_bytes: int = 0  # cap on an update body (0 = 2 x the block's fp32 size x (1 + shared moments) + 64 KiB)
     norm_k: float = 10.0  # reject ||Delta|| > norm_k x median of recent norms (0 = off)
     norm_history: int = 16  # recent accepted norms of the block used for that median
     norm_min_history: int = 2  # the norm check starts once this many norms are known
