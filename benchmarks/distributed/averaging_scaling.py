@@ -50,7 +50,7 @@ from blocktrain.data.dataset import DataDir, resolve_data_dir
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression
-from blocktrain.protocol.moments import InnerStart
+from blocktrain.protocol.moments import InnerStart, MomentCodec
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.metrics import read_jsonl
 
@@ -67,7 +67,8 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
                                    outer_momentum=row["outer_momentum"], gate=False,
                                    aggregation=Aggregation(row.get("aggregation", "mean")),
                                    outer_eps=row.get("outer_eps", 1e-8), outer_cap=row.get("outer_cap"),
-                                   moment_mean_v=row.get("mean_v", False))
+                                   moment_mean_v=row.get("mean_v", False),
+                                   moment_codec=MomentCodec(row.get("moment_codec", "int8")))
     early = row.get("early")  # [steps, H] of an H schedule's early phase
     start = row.get("inner_start")  # a shared start replaces reset_inner's fresh/carried choice
     rounds = LocalRounds(workers=row["workers"], local_steps=row["h"], steps=row["steps"], compression=Compression.INT8,
@@ -120,6 +121,8 @@ def _levers(row: dict[str, Any], sep: str) -> str:
         out += f"{sep}every={row['share_every']}"
     if row.get("mean_v"):
         out += f"{sep}mean_v"
+    if row.get("moment_codec", "int8") != "int8":
+        out += f"{sep}codec={row['moment_codec']}"
     return out
 
 
@@ -373,6 +376,8 @@ def main() -> int:
                     help="what each round's inner AdamW starts from (replaces --reset-inner; shared_*: moments pushed "
                          "and published)")
     ap.add_argument("--share-every", type=int, default=1, help="shared moments every this many rounds (DES-LOC)")
+    ap.add_argument("--moment-codec", default="int8", choices=[c.value for c in MomentCodec],
+                    help="encoding of shared moments on the wire")
     ap.add_argument("--mean-v", action="store_true",
                     help="with shared m and v: publish the v of the workers' mean gradient (moment_mean_v)")
     ap.add_argument("--early", default=None, metavar="STEPS@H",
@@ -434,6 +439,8 @@ def main() -> int:
                         levers["share_every"] = args.share_every
                     if args.mean_v:
                         levers["mean_v"] = True
+                    if args.moment_codec != "int8":
+                        levers["moment_codec"] = args.moment_codec
                     if args.early:
                         levers["early"] = [int(x) for x in args.early.split("@")]
                     todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,

@@ -272,6 +272,6 @@ def next_version(
     if moments:
         mean = shared_moments([moments[i] for i in kept], [samples[i] for i in kept], settings, state.shared)
         published = encode_moments(mean, settings.moment_codec)
-        shared = decode_moments(published, settings.moment_codec)
+        shared = decode_moments(published, settings.moment_codec, {n: tuple(w.shape) for n, w in weights.items()})
     return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual, second, shared), tuple(kept),
                        published)

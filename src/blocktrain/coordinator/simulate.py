@@ -422,7 +422,7 @@ class BlockRun:
             body = pack(result.moments, {"kind": "moments", "block_index": str(k), "version": str(v + 1)})
             run.raw_pull_bytes[-1] += len(body)
             run.pull_bytes[-1] += len(deflate(body))
-            self.published = decode_moments(unpack(body, source="moments")[0], self.settings.moment_codec)
+            self.published = decode_moments(unpack(body, source="moments")[0], self.settings.moment_codec, self.shapes)
 
     def current(self) -> nn.Module:
         """Replica 0 holding the latest published weights (what a later block copies and reads)."""

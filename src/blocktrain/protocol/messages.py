@@ -129,7 +129,7 @@ class UpdateMeta(Message):
     precision: str = Field(default="fp32", pattern=r"^(fp32|bf16)$")  # the arithmetic it trained in (an audit replays in the same)
     state_sha: str | None = Field(default=None, pattern=SHA256_HEX)  # sha256 of the worker's inner state at the
     # round's start (protocol.inner_state): what it uploads if the push is audited (None: a group mean, not auditable)
-    moments: Literal["none", "bf16", "int8"] | None = None  # encoding of the inner moment estimates carried beside the
+    moments: Literal["none", "bf16", "int8", "factored"] | None = None  # encoding of the inner moment estimates carried beside the
     # delta (protocol.moments: m/NAME, v/NAME tensors; None: none carried)
 
     def to_meta(self) -> dict[str, str]:

@@ -5,7 +5,11 @@ second-moment estimate v / c2), each of the parameter's shape. Encodings (:class
 
 * ``none``: float32;
 * ``bf16``: bfloat16 (half the bytes);
-* ``int8`` (the default): a quarter of the bytes. ``v`` is positive, smooth and spans decades, so it travels as
+* ``factored``: m as ``int8``; v of a matrix (a tensor of 2 or more dimensions, its trailing ones flattened) as its
+  row and column means r and c (float32, ``NAME@row`` and ``NAME@col``), decoded v_ij = r_i c_j / mean(r), the
+  rank-1 factorisation of Adafactor (Shazeer & Stern 2018, sec. 3); a vector's v as ``int8``. A matrix's v costs
+  rows + columns floats, not rows x columns bytes: a push of delta, m and v is about half the block's fp32 size.
+* ``int8``: a quarter of the bytes. ``v`` is positive, smooth and spans decades, so it travels as
   log-scale int8 over a window of ``LOG_WINDOW`` nats below the tensor's largest value:
   q = round(254 (ln max(v, e^lo) - lo) / (hi - lo)) - 127 with hi = ln max v, lo = hi - LOG_WINDOW (or ln min v when
   the tensor spans less), carried with the float32 scalars ``NAME@lo`` and ``NAME@hi``; decoded
@@ -30,6 +34,7 @@ from blocktrain.protocol.codes import Reason
 M_PREFIX = "m/"  # first-moment estimates m / c1, per parameter name (blocktrain.train.inner)
 V_PREFIX = "v/"  # second-moment estimates v / c2, per parameter name
 LO_SUFFIX, HI_SUFFIX = "@lo", "@hi"  # log-int8 v: the window's ends, float32 scalars
+ROW_SUFFIX, COL_SUFFIX = "@row", "@col"  # factored v of a matrix: its row and column means, float32
 SCALE_SUFFIX = "@scale"  # int8 (a delta's, a step's and m's): a tensor's float32 scale s, x ~= s q
 LOG_WINDOW = 24.0  # nats: the log-int8 window below a tensor's largest second moment (e^24 ~ 2.6e10)
 
@@ -61,14 +66,29 @@ class MomentCodec(enum.Enum):
     NONE = "none"  # float32
     BF16 = "bf16"  # bfloat16
     INT8 = "int8"  # v log-scale int8, m linear int8 (a quarter of the bytes)
+    FACTORED = "factored"  # m linear int8, a matrix's v as its row and column means (Adafactor), a vector's as int8
 
 
 def _is_v(name: str) -> bool:
     return name.startswith(V_PREFIX)
 
 
+def _factored(name: str, shape: tuple[int, ...], codec: MomentCodec) -> bool:
+    return codec is MomentCodec.FACTORED and _is_v(name) and len(shape) >= 2
+
+
 def encode_moments(moments: Mapping[str, torch.Tensor], codec: MomentCodec) -> dict[str, torch.Tensor]:
     """Wire tensors for ``moments`` (``m/NAME`` and ``v/NAME``, float32)."""
+    if codec is MomentCodec.FACTORED:
+        factors: dict[str, torch.Tensor] = {}
+        rest = {}
+        for n, t in moments.items():
+            if _factored(n, tuple(t.shape), codec):
+                v = t.float().reshape(t.shape[0], -1)  # (*shape) -> (rows, cols)
+                factors[n + ROW_SUFFIX], factors[n + COL_SUFFIX] = v.mean(dim=1).contiguous(), v.mean(dim=0).contiguous()
+            else:
+                rest[n] = t
+        return {**factors, **encode_moments(rest, MomentCodec.INT8)}
     if codec is not MomentCodec.INT8:
         dtype = torch.bfloat16 if codec is MomentCodec.BF16 else torch.float32
         return {n: t.to(dtype).contiguous() for n, t in moments.items()}
@@ -91,8 +111,22 @@ def encode_moments(moments: Mapping[str, torch.Tensor], codec: MomentCodec) -> d
     return out
 
 
-def decode_moments(wire: Mapping[str, torch.Tensor], codec: MomentCodec) -> dict[str, torch.Tensor]:
-    """Wire tensors -> float32 moments per name (the inverse of :func:`encode_moments`, up to its rounding)."""
+def decode_moments(wire: Mapping[str, torch.Tensor], codec: MomentCodec,
+                   shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """Wire tensors -> float32 moments per name (the inverse of :func:`encode_moments`, up to its rounding; ``shapes``
+    gives a factored v its shape)."""
+    if codec is MomentCodec.FACTORED:
+        full = decode_moments({n: t for n, t in wire.items() if not n.endswith((ROW_SUFFIX, COL_SUFFIX))},
+                              MomentCodec.INT8)
+        for n, r in wire.items():
+            if n.endswith(ROW_SUFFIX):
+                base = n.removesuffix(ROW_SUFFIX)
+                c = wire[base + COL_SUFFIX].float()
+                v = r.float()[:, None] * c[None, :] / r.float().mean().clamp_min(torch.finfo(torch.float32).tiny)
+                if shapes is None:
+                    raise ValueError("decoding a factored second moment needs the block's shapes")
+                full[base] = v.reshape(shapes[base.removeprefix(V_PREFIX)])  # (rows, cols) -> (*shape)
+        return full
     if codec is not MomentCodec.INT8:
         return {n: t.float() for n, t in wire.items()}
     out: dict[str, torch.Tensor] = {}
@@ -111,11 +145,16 @@ def moment_schema(shapes: Mapping[str, tuple[int, ...]], prefixes: tuple[str, ..
                   codec: MomentCodec) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The exact (shape, dtype) of every wire tensor of the moments ``prefixes`` of a block with ``shapes``."""
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    dtype = {MomentCodec.NONE: torch.float32, MomentCodec.BF16: torch.bfloat16, MomentCodec.INT8: torch.int8}[codec]
+    dtype = {MomentCodec.NONE: torch.float32, MomentCodec.BF16: torch.bfloat16, MomentCodec.INT8: torch.int8,
+             MomentCodec.FACTORED: torch.int8}[codec]
     for prefix in prefixes:
         for n, s in shapes.items():
+            if _factored(prefix + n, tuple(s), codec):
+                rows, cols = s[0], int(torch.Size(s[1:]).numel())
+                out[prefix + n + ROW_SUFFIX], out[prefix + n + COL_SUFFIX] = ((rows,), torch.float32), ((cols,), torch.float32)
+                continue
             out[prefix + n] = (tuple(s), dtype)
-            if codec is MomentCodec.INT8:
+            if codec in (MomentCodec.INT8, MomentCodec.FACTORED):
                 extra = (LO_SUFFIX, HI_SUFFIX) if prefix == V_PREFIX else (SCALE_SUFFIX,)
                 out.update({prefix + n + x: ((), torch.float32) for x in extra})
     return out
@@ -137,20 +176,24 @@ def parse_moments(wire: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[i
                                 f"{tuple(t.shape)}", Reason.MOMENTS)
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ProtocolError(422, f"moment tensor {n!r} holds a non-finite value", Reason.MOMENTS)
-    out = decode_moments(wire, codec)
+    for n, t in wire.items():
+        if n.endswith((ROW_SUFFIX, COL_SUFFIX)) and not bool((t >= 0).all()):
+            raise ProtocolError(422, f"factored second moment {n!r} must be >= 0", Reason.MOMENTS)
+    out = decode_moments(wire, codec, shapes)
     for n, t in out.items():
         if _is_v(n) and not (bool(torch.isfinite(t).all()) and bool((t >= 0).all())):
             raise ProtocolError(422, f"second moment {n!r} must be finite and >= 0", Reason.MOMENTS)
-        if codec is MomentCodec.INT8 and _is_v(n) and float(wire[n + LO_SUFFIX]) > float(wire[n + HI_SUFFIX]):
+        if n + LO_SUFFIX in wire and float(wire[n + LO_SUFFIX]) > float(wire[n + HI_SUFFIX]):
             raise ProtocolError(422, f"second moment {n!r}: its window's lo is above its hi", Reason.MOMENTS)
     return out
 
 
 def moment_bytes_ratio(codec: MomentCodec) -> float:
     """Bytes per value of a moment on the wire over float32's (tensor payloads only)."""
-    return {MomentCodec.NONE: 1.0, MomentCodec.BF16: 0.5, MomentCodec.INT8: 0.25}[codec]
+    return {MomentCodec.NONE: 1.0, MomentCodec.BF16: 0.5, MomentCodec.INT8: 0.25, MomentCodec.FACTORED: 0.25}[codec]
 
 
 def max_error(codec: MomentCodec) -> float:
     """The largest relative error the encoding puts on a second moment within its window."""
-    return {MomentCodec.NONE: 0.0, MomentCodec.BF16: 2.0**-8, MomentCodec.INT8: math.expm1(LOG_WINDOW / 508)}[codec]
+    return {MomentCodec.NONE: 0.0, MomentCodec.BF16: 2.0**-8, MomentCodec.INT8: math.expm1(LOG_WINDOW / 508),
+            MomentCodec.FACTORED: math.expm1(LOG_WINDOW / 508)}[codec]  # factored: of a vector's v
