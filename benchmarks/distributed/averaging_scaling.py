@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from dataclasses import replace
@@ -358,6 +359,79 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def planned_rows(args: argparse.Namespace, cfg: RunConfig) -> list[dict[str, Any]]:
+    """The rows the flags ask for: per block, seed and M, the references and the M-worker row with its levers."""
+    todo: list[dict[str, Any]] = []
+    for block in ["stack"] if args.stack else args.blocks.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for m in (int(x) for x in args.workers.split(",")):
+                steps = args.steps or (cfg.train.steps if block == "stack" else 1000)  # a stack splits train.steps
+                common = {"preset": cfg.name, "block": block, "seed": seed, "steps": steps, "workers": m,
+                          "batch": cfg.train.batch_size}
+                if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
+                    common.update({"h": args.h, **({"rounds": args.rounds} if args.rounds else {})})
+                    todo.append({**common, "kind": "x", "workers": 1})
+                todo.append({**common, "kind": "x", **({"inner": args.inner} if args.refs_inner else {})})
+                if not args.refs_only:
+                    levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
+                    if args.outer != "nesterov":
+                        levers["outer"] = args.outer
+                    if args.outer_eps != 1e-8:
+                        levers["outer_eps"] = args.outer_eps
+                    if args.outer_cap is not None:
+                        levers["outer_cap"] = args.outer_cap
+                    if args.inner_start:
+                        levers["inner_start"] = args.inner_start
+                    if args.share_every != 1:
+                        levers["share_every"] = args.share_every
+                    if args.mean_v:
+                        levers["mean_v"] = True
+                    if args.moment_codec != "int8":
+                        levers["moment_codec"] = args.moment_codec
+                    if args.early:
+                        levers["early"] = [int(x) for x in args.early.split("@")]
+                    todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,
+                                 "outer_momentum": args.outer_momentum, "reset_inner": args.reset_inner, **levers})
+    return todo
+
+
+def winner_section(ap: argparse.ArgumentParser, cfg: RunConfig, flags: str, every: list[dict[str, Any]],
+                   http: Path | None) -> dict[str, Any]:
+    """The chosen setting (``--winner FLAGS``: the study's own flags): its recovered fraction per seed on block 0 and
+    on the whole stack, the live HTTP run, and its traffic per worker and round over the block's fp32 size."""
+    by = {r["key"]: r for r in recovered(every)}
+    summary = stack_summary([r for r in every if r["preset"] == cfg.name])
+
+    def part(extra: str) -> dict[str, Any]:
+        wanted = planned_rows(ap.parse_args([*shlex.split(flags), *shlex.split(extra), "--jsonl", "-"]), cfg)
+        rows = [by[row_key(w)] for w in wanted if w["kind"] == "m" and row_key(w) in by]
+        fr = {r["seed"]: r["recovered_fraction"] for r in rows if r["recovered_fraction"] is not None}
+        return {"seeds": sorted(fr), "recovered": [fr[s] for s in sorted(fr)],
+                "mean": statistics.fmean(fr.values()) if fr else None, "worst": min(fr.values()) if fr else None,
+                "keys": [r["key"] for r in rows]}
+
+    block0 = part("--blocks cold --steps 690 --workers 6 --seeds 0,1,2,3,4")
+    stack: dict[str, Any] = {"seeds": [], "recovered": [], "mean": None, "worst": None}
+    wanted = planned_rows(ap.parse_args([*shlex.split(flags), "--stack", "--rounds", "100", "--workers", "6",
+                                         "--seeds", "0,1,2,3,4", "--jsonl", "-"]), cfg)
+    keys = {row_key(w) for w in wanted if w["kind"] == "m"}
+    arms = [r for r in every if r["key"] in keys]
+    if summary is not None and arms:
+        group = next((g for g in summary["settings"] if g["setting"] == _setting(arms[0])), None)
+        fr = {p["seed"]: p["recovered_fraction"] for p in (group or {}).get("seeds", [])
+              if p["recovered_fraction"] is not None}
+        stack = {"seeds": sorted(fr), "recovered": [fr[x] for x in sorted(fr)],
+                 "mean": statistics.fmean(fr.values()) if fr else None, "worst": min(fr.values()) if fr else None,
+                 "six_worker_ce": group["six_worker_ce"] if group else None,
+                 "single_ce": group["single_ce"] if group else None, "batch96_ce": group["batch96_ce"] if group else None}
+    traffic = [by[k] for k in block0["keys"]]
+    return {"setting": flags, "block0": block0, "stack": stack,
+            "http": json.loads(http.read_text()) if http is not None and http.is_file() else None,
+            "traffic_ratio": statistics.fmean(r["push_ratio"] for r in traffic) if traffic else None,
+            "traffic_ratio_note": "bytes pushed per worker per round (delta plus moments, deflated as sent) over the "
+                                  "block's fp32 bytes; pull_ratio in the rows: the published step plus moments"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="depth-proxy")
@@ -406,6 +480,9 @@ def main() -> int:
     ap.add_argument("--batch96-json", type=Path, default=None,
                     help="write the --preset stack's M x batch machine here, as the six-worker stack's reference")
     ap.add_argument("--table-only", action="store_true")
+    ap.add_argument("--winner", default=None, metavar="FLAGS",
+                    help="with --json: the chosen setting, as this study's flags; its summary goes under 'winner'")
+    ap.add_argument("--http-json", type=Path, default=None, help="the winner's live HTTP run (for 'winner')")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--device", default="cpu", help="where the replicas and the references train: cpu, cuda, auto")
     args = ap.parse_args()
@@ -414,37 +491,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     done = {r["key"] for r in _read(args.jsonl)}
     command = "python benchmarks/distributed/averaging_scaling.py " + " ".join(sys.argv[1:])
-    todo: list[dict[str, Any]] = []
-    for block in ["stack"] if args.stack else args.blocks.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            for m in (int(x) for x in args.workers.split(",")):
-                steps = args.steps or (cfg.train.steps if block == "stack" else 1000)  # a stack splits train.steps
-                common = {"preset": cfg.name, "block": block, "seed": seed, "steps": steps, "workers": m,
-                          "batch": cfg.train.batch_size}
-                if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
-                    common.update({"h": args.h, **({"rounds": args.rounds} if args.rounds else {})})
-                    todo.append({**common, "kind": "x", "workers": 1})
-                todo.append({**common, "kind": "x", **({"inner": args.inner} if args.refs_inner else {})})
-                if not args.refs_only:
-                    levers: dict[str, Any] = {"inner": args.inner, "aggregation": args.aggregation}
-                    if args.outer != "nesterov":
-                        levers["outer"] = args.outer
-                    if args.outer_eps != 1e-8:
-                        levers["outer_eps"] = args.outer_eps
-                    if args.outer_cap is not None:
-                        levers["outer_cap"] = args.outer_cap
-                    if args.inner_start:
-                        levers["inner_start"] = args.inner_start
-                    if args.share_every != 1:
-                        levers["share_every"] = args.share_every
-                    if args.mean_v:
-                        levers["mean_v"] = True
-                    if args.moment_codec != "int8":
-                        levers["moment_codec"] = args.moment_codec
-                    if args.early:
-                        levers["early"] = [int(x) for x in args.early.split("@")]
-                    todo.append({**common, "kind": "m", "h": args.h, "outer_lr": args.outer_lr,
-                                 "outer_momentum": args.outer_momentum, "reset_inner": args.reset_inner, **levers})
+    todo = planned_rows(args, cfg)
     if not args.table_only:
         data = resolve_data_dir(args.data)
         for row in todo:
@@ -467,6 +514,9 @@ def main() -> int:
         doc = {"rows": recovered(every),  # every preset's rows, each naming its preset
                "stack": stacks.get(args.stack_preset or cfg.name),
                "stacks": {p: s for p, s in stacks.items() if s is not None}}
+        if args.winner:
+            doc["winner"] = winner_section(ap, cfg, args.winner, [r for r in every if r["preset"] == cfg.name],
+                                           args.http_json)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     if args.batch96_json:
         write_reference(stack_summary(rows), args.batch96_json)
