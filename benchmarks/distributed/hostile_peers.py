@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         args.attack_from = settings.probation_pushes
     torch.set_num_threads(args.threads)
     doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if "runs" in doc:  # the study before these rows (other settings and attacks): kept as it was
+        doc["earlier_runs"] = {"what": doc.pop("what", None), "command": doc.pop("command", None), "runs": doc.pop("runs")}
     rows = {_key(r): r for r in doc.get("rows", [])}
     for kind in args.kinds.split(","):
         if kind != "clean" and kind not in ATTACKS:
