@@ -17,8 +17,8 @@ class Aggregation(enum.Enum):
     AGREE_MEAN = "agree_mean"  # the mean scaled by per-coordinate sign agreement (a measured lever, averaging-scaling.md)
 
 
-NESTEROV_LR = 0.85  # the default outer lr of Nesterov with fresh inner moments: 0.99 of the 6x-batch gain against 0.90 at
-# 0.7 (two seeds); 1.0 diverged with moments carried across rounds (averaging-scaling.md)
+NESTEROV_LR = 0.5  # the default outer lr of Nesterov (mu 0.5) on shared moments: 0.72 of the 6x-batch gain on cpu-mini's
+# block 0 over five seeds, worst 0.65, against 0.45 (worst 0.04) for eta 0.85 mu 0.9 on fresh moments (averaging-scaling.md)
 
 
 OUTER_ADAM_LR = 1e-3  # the default eta of outer Adam (an absolute step per coordinate, like an inner lr)
@@ -72,17 +72,18 @@ class CoordinatorSettings:
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
     outer: OuterOptimizer | None = None  # outer step (None: the objective's; benchmarks/results/averaging-study.md)
     outer_lr: float | None = None  # eta of the outer step (None: 0.85 for nesterov, averaging-scaling.md; 1 for average)
-    outer_momentum: float = 0.9  # mu of Nesterov; beta1 of outer Adam
+    outer_momentum: float = 0.5  # mu of Nesterov; beta1 of outer Adam
     outer_beta2: float = 0.99  # outer Adam: decay of its second moment u
     outer_eps: float = 1e-8  # outer Adam: tau, added to sqrt(u) (larger: less adaptive)
     outer_cap: float | None = None  # the outer step's norm is at most this x ||mean delta|| (None: uncapped)
     step_compression: Compression = Compression.INT8  # encoding of the published step (with error feedback)
     local_steps: int = 25  # H: inner steps per work answer (0: per block, its steps // --rounds, all steps run); claims <= H x batch
-    inner_start: InnerStart = InnerStart.FRESH  # what a worker's inner AdamW starts each round from (train.inner)
-    moment_codec: MomentCodec = MomentCodec.INT8  # encoding of pushed and published inner moments
+    inner_start: InnerStart = InnerStart.SHARED_MV  # what a worker's inner AdamW starts each round from (train.inner;
+    # shared m and v: averaging-scaling.md)
+    moment_codec: MomentCodec = MomentCodec.FACTORED  # encoding of pushed and published inner moments (a push ~0.45x)
     moment_clip: float = 8.0  # a pushed v is clipped into [median / this, median x this] of the round's, per coordinate
     moment_step: float = 4.0  # the published v moves at most this factor per round
-    moment_mean_v: bool = False  # with m and v shared: publish the v of the workers' mean gradient, m^2 + (v - m^2) / M
+    moment_mean_v: bool = True  # with m and v shared: publish the v of the workers' mean gradient, m^2 + (v - m^2) / M
     lazy_fraction: float = 0.1  # refuse norm < this x median of recent norms x claimed/assigned samples (0 = off)
     replay_cosine: float = 0.9999  # refuse an update whose sketch's cosine with any accepted delta of the block is above
     # (1 = off): a replay, re-encoded or not, is above 0.99999; honest updates reached 0.991 on a 20-word corpus
