@@ -20,6 +20,7 @@ from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir, open_data_dir
 from blocktrain.presets import get_preset
+from blocktrain.protocol.moments import InnerStart
 from tests.forked_cli import spawn
 
 WORDS = [
@@ -70,6 +71,9 @@ NO_SCREEN: dict[str, Any] = {"agree_min": None, "quarantine_after": 0, "refusal_
 
 
 def make_coordinator(run: Path, data: DataDir | None, clock: Any = None, **settings: Any) -> Coordinator:
+    """A coordinator of the tiny preset. Tests that push hand-made deltas (not a worker's) start rounds fresh unless they
+    say otherwise: the default, shared moments, asks every push for its moments (tests/test_inner.py covers them)."""
+    settings.setdefault("inner_start", InnerStart.FRESH)
     if clock is None:
         return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data)
     return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data, clock=clock)

@@ -87,12 +87,12 @@ def test_all_flags_at_once_and_old_flag_names(tmp_path: Path) -> None:
         norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.AVERAGE,
         outer_lr=None, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
     )
-    # by default the objective chooses the outer step (the averaging study's: Nesterov for a stack), eta 0.85 for
-    # Nesterov and 1 for a plain average, mu 0.9
+    # by default the objective chooses the outer step (the averaging study's: Nesterov for a stack), eta 0.5 for
+    # Nesterov and 1 for a plain average, mu 0.5
     default = settings_from_args(_parse(tmp_path))
-    assert (default.outer, default.outer_lr, default.outer_momentum) == (None, None, 0.9)
+    assert (default.outer, default.outer_lr, default.outer_momentum) == (None, None, 0.5)
     assert (default.for_objective("nesterov").outer, default.for_objective("nesterov").outer_lr) == (
-        OuterOptimizer.NESTEROV, 0.85)
+        OuterOptimizer.NESTEROV, 0.5)
     assert default.for_objective("average").outer_lr == 1.0
     assert settings_from_args(_parse(tmp_path, "--outer", "average")).for_objective("nesterov").outer is OuterOptimizer.AVERAGE
     # an explicit --outer-lr wins; the run's own eval flags stay apart

@@ -30,10 +30,12 @@ from typing import Any
 import httpx
 import torch
 
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression, pack_delta
+from blocktrain.protocol.moments import V_PREFIX
 from blocktrain.protocol.weights import block_schema
 
 log = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: 
                                    fsync)
         shapes = block_schema(BlockDenoiser(cfg.model, cfg.diffusion.sigma_data))
         body = pack_delta({n: torch.zeros(s) for n, s in shapes.items()}, Compression(compression), block=0,
-                          base_version=0, base_sha="0" * 64, samples=1)
+                          base_version=0, base_sha="0" * 64, samples=1, **_moments(shapes, torch.Generator()))
         copy = plain_copy_mbps(body, updates)
         result.update(
             block_fp32_bytes=sum(4 * torch.Size(s).numel() for s in shapes.values()),
@@ -108,6 +110,17 @@ def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: 
         if tmp is not None:
             tmp.cleanup()
     return result
+
+
+def _moments(shapes: dict[str, tuple[int, ...]], g: torch.Generator) -> dict[str, Any]:
+    """The inner moments a worker pushes with its delta under the coordinator's default (shared moments)."""
+    s = CoordinatorSettings()
+    moments = {}
+    for prefix in s.inner_start.shares:
+        for n, shape in shapes.items():
+            x = 1e-3 * torch.randn(shape, generator=g)
+            moments[prefix + n] = x.square() if prefix == V_PREFIX else x
+    return {"moments": moments or None, "moment_codec": s.moment_codec if moments else None}
 
 
 def _one(preset: str, run: Path, updates: int, compression: Compression, n_clients: int, fsync: bool) -> float:
@@ -147,7 +160,8 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
             sha = sha or str(httpx.get(f"{url}/v1/work", headers=auth, timeout=30).json()["weights_sha"])
             g = torch.Generator().manual_seed(i)
             delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in shapes.items()}
-            bodies.append(pack_delta(delta, compression, block=0, base_version=0, base_sha=sha, samples=1))
+            bodies.append(pack_delta(delta, compression, block=0, base_version=0, base_sha=sha, samples=1,
+                                     **_moments(shapes, g)))
         errors: list[str] = []
 
         def push(idx: list[int]) -> None:

@@ -164,6 +164,7 @@ def shared_moments(
     samples: list[int],
     settings: CoordinatorSettings,
     previous: dict[str, torch.Tensor] | None,
+    workers: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The published inner moments of a round from the workers' pushed estimates (module docstring).
 
@@ -172,7 +173,8 @@ def shared_moments(
     workers never touched, a rare byte's embedding row, keeps its honest values), aggregated like the deltas, then
     held within [prev / step, prev x step] of the previously published v (step = ``moment_step``; c s where prev is
     0: a coordinate no round has published yet). m is
-    aggregated like the deltas and clipped by sqrt(v)."""
+    aggregated like the deltas and clipped by sqrt(v). ``workers``: M, the workers whose moments these are (a group
+    mean counts its members; None: one per push)."""
     names = list(moments[0])
     vs = [n for n in names if n.startswith(V_PREFIX)]
     clipped: list[dict[str, torch.Tensor]] = [dict(x) for x in moments]
@@ -199,7 +201,7 @@ def shared_moments(
             out[n] = torch.minimum(torch.maximum(out[n], -bound), bound)
             if settings.moment_mean_v:  # v of the M workers' mean gradient, in [m^2, v]
                 mu2 = out[n].square()
-                out[v] = mu2 + (out[v] - mu2) / len(moments)
+                out[v] = mu2 + (out[v] - mu2) / (workers or len(moments))
     return out
 
 
@@ -251,10 +253,12 @@ def next_version(
     state: OuterState,
     moments: list[dict[str, torch.Tensor]] | None = None,
     lr_scale: float = 1.0,
+    members: list[int] | None = None,
 ) -> RoundResult:
     """Close one round: screen (``agree_min``), aggregate, outer step, encode the step with error feedback, apply it;
     with ``moments`` (the pushed inner moment estimates, one per delta), publish their bounded aggregate too.
-    ``lr_scale``: s_v of the round (:func:`blocktrain.train.step.round_lr_scale`), which outer Adam's step follows.
+    ``lr_scale``: s_v of the round (:func:`blocktrain.train.step.round_lr_scale`), which outer Adam's step follows;
+    ``members``: how many workers each update's moments stand for (a group mean's members; None: one each).
 
     W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step and load the same decoded
     moments.
@@ -270,7 +274,8 @@ def next_version(
     lossless = settings.step_compression is Compression.NONE
     shared, published = state.shared, None
     if moments:
-        mean = shared_moments([moments[i] for i in kept], [samples[i] for i in kept], settings, state.shared)
+        workers = sum(members[i] for i in kept) if members is not None else None
+        mean = shared_moments([moments[i] for i in kept], [samples[i] for i in kept], settings, state.shared, workers)
         published = encode_moments(mean, settings.moment_codec)
         shared = decode_moments(published, settings.moment_codec, {n: tuple(w.shape) for n, w in weights.items()})
     return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual, second, shared), tuple(kept),

@@ -258,7 +258,8 @@ class Rounds:
         moments = [u.moments for u in updates if u.moments is not None]
         current = self.checkpoints.current(k)
         return rows, next_version(current.weights, [u.delta for u in updates], [u.samples for u in updates],
-                                  self.settings, current.outer, moments or None, self.lr_scale(k, v))
+                                  self.settings, current.outer, moments or None, self.lr_scale(k, v),
+                                  [max(1, len(u.group)) for u in updates])  # a group mean stands for its members
 
     def _persist(self, k: int, v: int, rows: list[UpdateRow], screened: list[UpdateRow], result: RoundResult,
                  reason: CloseReason, now: float) -> tuple[dict[int, BlockState], int | None]:
