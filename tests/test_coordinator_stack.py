@@ -36,6 +36,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta
+from blocktrain.protocol.moments import InnerStart
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerOptions, WorkerSummary
@@ -52,10 +53,13 @@ from tests.distributed_utils import (  # noqa: F401
 )
 
 STACK = replace(get_preset("tiny"), objective=Objective.STACK)
+HANDMADE = {"inner_start": InnerStart.FRESH}  # tests whose pushes are hand-made (no moments) start rounds fresh
 
 
 def stack_coordinator(run: Path, data: DataDir | None = None, clock: Any = None, **settings: Any) -> Coordinator:
+    """A stack coordinator; rounds start fresh unless a test says otherwise (hand-made pushes carry no moments)."""
     settings.setdefault("fsync", False)
+    settings.setdefault("inner_start", HANDMADE["inner_start"])
     if clock is None:
         return Coordinator(run, STACK, CoordinatorSettings(**settings), data)
     return Coordinator(run, STACK, CoordinatorSettings(**settings), data, clock=clock)
@@ -156,7 +160,7 @@ def test_h_per_block_gives_every_block_all_its_steps_in_at_least_the_rounds(tmp_
     default 25); the registration, the work answer and the sample cap all use it."""
     cfg = replace(STACK, stack=replace(STACK.stack, step_ratio=0.7))
     n = 5  # --rounds
-    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=n, local_steps=0, fsync=False), clock=FakeClock())
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=n, local_steps=0, fsync=False, **HANDMADE), clock=FakeClock())
     objective = get_objective(cfg)
     want = [max(1, objective.block_steps(k) // n) for k in range(4)]
     rounds = [objective.block_steps(k) // want[k] for k in range(4)]
@@ -190,12 +194,12 @@ def test_stack_coordinator_needs_rounds_and_the_progressive_schedule(tmp_path: P
         stack_coordinator(tmp_path / "a", rounds=0)
     concurrent = replace(STACK, train=replace(STACK.train, schedule=Schedule.CONCURRENT))
     with pytest.raises(ConfigError, match="progressive"):
-        Coordinator(tmp_path / "b", concurrent, CoordinatorSettings(rounds=1, fsync=False))
+        Coordinator(tmp_path / "b", concurrent, CoordinatorSettings(rounds=1, fsync=False, **HANDMADE))
 
 
 def test_diffusion_blocks_all_open_and_gate_loss_unchanged(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     cfg = get_preset("tiny")
-    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=1, fsync=False, gate_tolerance=0.1), corpus)
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=1, fsync=False, gate_tolerance=0.1, **HANDMADE), corpus)
     assert set(c.state.values()) == {BlockState.OPEN}
     # the gate through the objective computes what diffusion.loss.block_loss computes on the same batch and noise
     k = 2
@@ -213,7 +217,7 @@ def test_diffusion_blocks_all_open_and_gate_loss_unchanged(tmp_path: Path, corpu
 def test_a_worker_whose_diffusion_block_finishes_moves_to_one_still_open(tmp_path: Path) -> None:
     """A diffusion run opens every block at once: the unpinned worker of a finished block is moved to an open one,
     and only once every block has finished is it told so (the README's one-worker run then ends)."""
-    c = Coordinator(tmp_path / "run", get_preset("tiny"), CoordinatorSettings(rounds=1, fsync=False, eval_every=0))
+    c = Coordinator(tmp_path / "run", get_preset("tiny"), CoordinatorSettings(rounds=1, fsync=False, eval_every=0, **HANDMADE))
     c.add_token("w")
     assert c.register("w", None).block == 0
     c.leave("w")

@@ -27,7 +27,7 @@ from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerSummary
 from tests.distributed_utils import ThreadServer, corpus, wait_for  # noqa: F401
-from tests.test_coordinator_stack import finish_block, worker_opts
+from tests.test_coordinator_stack import HANDMADE, finish_block, worker_opts
 
 VARIANT = replace(get_preset("tiny"), objective=Objective.STACK,
                   stack=StackConfig(init=StackInit.IDENTITY, head=StackHead.RESIDUAL))
@@ -66,7 +66,8 @@ def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torc
 
 def coordinator(run: Path, data: DataDir) -> Coordinator:
     return Coordinator(run, VARIANT, CoordinatorSettings(rounds=1, round_seconds=60, lease_seconds=60, fsync=False,
-                                                         gate_tolerance=5.0, eval_bytes=512, audit_fraction=0.0), data)
+                                                         gate_tolerance=5.0, eval_bytes=512, audit_fraction=0.0,
+                                                         **HANDMADE), data)
 
 
 def test_variant_run_warm_starts_and_replays_exactly(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
@@ -113,7 +114,7 @@ def test_a_worker_waiting_on_a_block_trains_its_warm_start_not_the_stale_version
 
 def test_a_step_split_gives_each_block_its_rounds(tmp_path: Path) -> None:
     cfg = replace(VARIANT, stack=replace(VARIANT.stack, step_ratio=0.5), train=replace(VARIANT.train, steps=40))
-    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=8, fsync=False))
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(rounds=8, fsync=False, **HANDMADE))
     obj = get_objective(cfg)
     rounds = [c.block_rounds(k) for k in range(4)]
     assert rounds == [round(8 * obj.block_steps(k) / 40) for k in range(4)] and rounds[0] > rounds[3] >= 1

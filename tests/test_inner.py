@@ -188,7 +188,7 @@ def test_the_in_process_rounds_share_moments_and_count_their_bytes(start: InnerS
     """Three replicas of tiny's block 0 push their moments with their deltas (every push accepted), the pushes grow
     by the moments' bytes, and moments shared every 2 rounds are pushed only in every second round."""
     cfg = get_preset("tiny")
-    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, gate=False)
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, gate=False, moment_codec=MomentCodec.INT8)
     fresh = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=InnerStart.FRESH), corpus)
     shared = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=start), corpus)
     assert all(u.outcome == "accepted" for u in shared.updates)
@@ -219,7 +219,8 @@ def test_a_hostile_workers_moments_cannot_move_the_shared_v_to_zero_or_infinity_
     from tests.distributed_utils import FakeClock, make_coordinator
 
     c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), inner_start=InnerStart.SHARED_V,
-                         aggregation=Aggregation.MEAN, gate=False, norm_k=0.0, agree_min=None, audit_fraction=0.0,
+                         aggregation=Aggregation.MEAN, moment_codec=MomentCodec.INT8, gate=False, norm_k=0.0,
+                         agree_min=None, audit_fraction=0.0,
                          lazy_fraction=0.0, replay_cosine=1.0, min_updates=3)
     s = c.settings
     try:
