@@ -190,10 +190,11 @@ def test_a_hostile_worker_whose_every_update_is_refused_leaves_the_run_as_it_was
 
 
 def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
-    """Through the coordinator: a 100x random update after two honest ones is refused as ``norm`` in /v1/status."""
+    """Through the coordinator, at the default norm bound: a x10 random update after two honest ones is refused by
+    the norm check itself (``norm`` in /v1/status), the loss gate off."""
     from blocktrain.errors import ProtocolError
 
-    c = make_coordinator(tmp_path / "run", corpus, norm_k=10.0, norm_min_history=2, eval_every=0, gate=False,
+    c = make_coordinator(tmp_path / "run", corpus, norm_min_history=2, eval_every=0, gate=False,
                          audit_fraction=0.0, **NO_SCREEN)
     for name in ("a", "b", "c"):
         c.register(name, 0)
