@@ -70,10 +70,16 @@ class FakeClock:
 NO_SCREEN: dict[str, Any] = {"agree_min": None, "quarantine_after": 0, "refusal_burst": 0}
 
 
+# Settings for tests that push hand-made deltas (not a worker's): rounds start fresh (the default, shared moments, asks
+# every push for its moments; tests/test_inner.py covers them), and the norm bound is loose, since a hand-made delta
+# has one size whatever its round's lr, where a trained one follows it (the calibrated default, 3, is for those).
+HANDMADE: dict[str, Any] = {"inner_start": InnerStart.FRESH, "norm_k": 10.0}
+
+
 def make_coordinator(run: Path, data: DataDir | None, clock: Any = None, **settings: Any) -> Coordinator:
-    """A coordinator of the tiny preset. Tests that push hand-made deltas (not a worker's) start rounds fresh unless they
-    say otherwise: the default, shared moments, asks every push for its moments (tests/test_inner.py covers them)."""
-    settings.setdefault("inner_start", InnerStart.FRESH)
+    """A coordinator of the tiny preset, with :data:`HANDMADE`'s settings unless a test says otherwise."""
+    for name, value in HANDMADE.items():
+        settings.setdefault(name, value)
     if clock is None:
         return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data)
     return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data, clock=clock)

@@ -181,10 +181,11 @@ def test_a_hostile_worker_whose_every_update_is_refused_leaves_the_run_as_it_was
     s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, audit_fraction=0.05, probation_pushes=3)
     opts = dict(local_steps=2, steps=10)
     clean = run_local_rounds(cfg, s, LocalRounds(workers=3, **opts), corpus, audit=True)  # type: ignore[arg-type]
-    for attack, caught in ((InflatedClaim(), "claim"), (Strong(), "audit")):
+    # the strong worker's norm ratio is about 3 at H = 2: the norm bound refuses some of its pushes, the audit the rest
+    for attack, caught in ((InflatedClaim(), {"claim"}), (Strong(), {"audit", "norm"})):
         run = run_local_rounds(cfg, s, LocalRounds(workers=4, **opts), corpus, hostile=attack, audit=True)  # type: ignore[arg-type]
         bad = [u for u in run.updates if u.replica == 3]
-        assert bad and {u.outcome for u in bad} == {caught} and 3 in run.quarantined, bad
+        assert bad and {u.outcome for u in bad} <= caught and 3 in run.quarantined, bad
         assert all(u.outcome == "accepted" for u in run.updates if u.replica != 3)
         assert all(torch.equal(run.weights[n], w) for n, w in clean.weights.items()), attack
 
@@ -194,7 +195,8 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     the norm check itself (``norm`` in /v1/status), the loss gate off."""
     from blocktrain.errors import ProtocolError
 
-    c = make_coordinator(tmp_path / "run", corpus, norm_min_history=2, eval_every=0, gate=False,
+    c = make_coordinator(tmp_path / "run", corpus, norm_k=CoordinatorSettings().norm_k, norm_min_history=2, eval_every=0,
+                         gate=False,
                          audit_fraction=0.0, **NO_SCREEN)
     for name in ("a", "b", "c"):
         c.register(name, 0)

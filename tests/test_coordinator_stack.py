@@ -36,11 +36,11 @@ from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta
-from blocktrain.protocol.moments import InnerStart
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerOptions, WorkerSummary
 from tests.distributed_utils import (  # noqa: F401
+    HANDMADE,
     FakeClock,
     ThreadServer,
     add_token,
@@ -53,13 +53,13 @@ from tests.distributed_utils import (  # noqa: F401
 )
 
 STACK = replace(get_preset("tiny"), objective=Objective.STACK)
-HANDMADE = {"inner_start": InnerStart.FRESH}  # tests whose pushes are hand-made (no moments) start rounds fresh
 
 
 def stack_coordinator(run: Path, data: DataDir | None = None, clock: Any = None, **settings: Any) -> Coordinator:
-    """A stack coordinator; rounds start fresh unless a test says otherwise (hand-made pushes carry no moments)."""
+    """A stack coordinator with :data:`HANDMADE`'s settings unless a test says otherwise."""
     settings.setdefault("fsync", False)
-    settings.setdefault("inner_start", HANDMADE["inner_start"])
+    for name, value in HANDMADE.items():
+        settings.setdefault(name, value)
     if clock is None:
         return Coordinator(run, STACK, CoordinatorSettings(**settings), data)
     return Coordinator(run, STACK, CoordinatorSettings(**settings), data, clock=clock)

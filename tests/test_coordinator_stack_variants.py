@@ -26,8 +26,8 @@ from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerSummary
-from tests.distributed_utils import ThreadServer, corpus, wait_for  # noqa: F401
-from tests.test_coordinator_stack import HANDMADE, finish_block, worker_opts
+from tests.distributed_utils import HANDMADE, ThreadServer, corpus, wait_for  # noqa: F401
+from tests.test_coordinator_stack import finish_block, worker_opts
 
 VARIANT = replace(get_preset("tiny"), objective=Objective.STACK,
                   stack=StackConfig(init=StackInit.IDENTITY, head=StackHead.RESIDUAL))

@@ -25,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+import urllib.request
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -42,6 +43,7 @@ class Ran:
     command: str  # as written in the README
     ran: str  # as run, after the substitutions
     seconds: float  # wall time (a server: until it listened)
+    facts: dict[str, float | int | bool | str] = field(default_factory=dict)  # what it printed or left, for the text
 
 
 def blocks(text: str) -> list[tuple[str, str, str]]:
@@ -161,8 +163,27 @@ def run_readme(root: Path, table: list[tuple[str, str]], servers: list[subproces
                 check_output(line, r.returncode, r.stdout + r.stderr)
                 if argv[1:3] == ["token", "add"]:
                     token = r.stdout.strip().splitlines()[-1]
-            ran.append(Ran(section, written.split("  #")[0].strip(), line, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            ran.append(Ran(section, written.split("  #")[0].strip(), line, seconds, facts(argv, r.stdout if argv[1]
+                                                                                           not in SERVERS else "")))
     return ran
+
+
+def facts(argv: list[str], out: str) -> dict[str, float | int | bool | str]:
+    """What the README's text says of a command: a worker's run as its coordinator reports it afterwards (finished,
+    rounds, bytes pushed per accepted update over the block's fp32 bytes), an eval's CE."""
+    if argv[1] == "worker":
+        url = argv[argv.index("--coordinator") + 1]
+        with urllib.request.urlopen(f"{url}/v1/status", timeout=30) as resp:
+            st = json.load(resp)
+        pushed = sum(w["bytes_in"] for w in st["workers"])
+        return {"finished": st["finished"], "rounds": sum(b["version"] for b in st["blocks"]),
+                "updates_accepted": st["updates_accepted"],
+                "bytes_in_per_update_over_fp32": pushed / max(1, st["updates_accepted"]) / st["block_fp32_bytes"]}
+    if argv[1] == "eval":
+        ce = re.findall(r"(\d+\.\d+) nats/byte", out)
+        return {"ce": float(ce[0])} if ce else {}  # the CE line comes first (a gain line follows)
+    return {}
 
 
 def stop(servers: list[subprocess.Popen[bytes]]) -> None:
