@@ -47,6 +47,9 @@ case "$SUITE" in
          SERVE_PRESET=tiny; SPEED_STEPS=15; TEST_BYTES=4096; LIMIT=150 ;;
   *) echo "SUITE must be full or smoke, got $SUITE" >&2; exit 2 ;;
 esac
+AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
+# The volunteers' default (issue 43's winner), as the study's flags: the rows measure what the coordinator runs
+AVG_FLAGS="--aggregation median --inner-start shared_mv --mean-v --moment-codec factored --outer nesterov --outer-lr 0.5 --outer-momentum 0.5"
 
 mkdir -p "$RESULTS"
 log() { echo "[device-suite $(date +%T)] $*" >&2; }
@@ -113,11 +116,15 @@ paper() {
 }
 
 averaging() {
+  # shellcheck disable=SC2086  # AVG_FLAGS: several flags
   for h in $AVG_H; do
-    "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --h "$h" \
+    "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --h "$h" $AVG_FLAGS \
       --workers 1,6 --blocks "$AVG_BLOCKS" --seeds "$AVG_SEEDS" --device "$DEVICE" --data "$DATA" --no-progress \
       --cache "$RESULTS/runs/averaging-cache" --jsonl "$RESULTS/averaging.jsonl" || return 1
   done
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --stack --rounds "$AVG_ROUNDS" --workers 6 \
+    $AVG_FLAGS --seeds 0 --device "$DEVICE" --data "$DATA" --no-progress --jsonl "$RESULTS/averaging.jsonl" || return 1
   "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --table-only \
     --jsonl "$RESULTS/averaging.jsonl" --json "$RESULTS/device-averaging.json"
 }
@@ -142,7 +149,7 @@ serve() {  # bench serve's rows: sweep and ar on a diffusion run beside its E2E 
 
 if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth"
-  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS DEVICE DATA PY); averaging"
+  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging"
   LIVE_ROWS=${LIVE_ROWS:-honest6,sign_flip}
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
   SERVE_FLAGS=${SERVE_FLAGS:---output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300}
@@ -151,7 +158,7 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
   LIVE_ROWS=${LIVE_ROWS:-}
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
   job paper "$LIMIT" bash -c "$(declare -f paper); $(declare -p RESULTS PAPER_STEPS DEVICE DATA BT); paper" &
-  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS DEVICE DATA PY); averaging" &
+  job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging" &
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live" &
   SERVE_FLAGS=${SERVE_FLAGS:-}
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve" &

@@ -43,6 +43,9 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert row["preset"] == "tiny" and set(row["ce"]) == {"stack", "stack_prefix0", "e2e_matched_flops"}
     assert "gap_stack_minus_e2e" in depth["summary"]["tiny"]
     assert json.loads((results / "device-averaging.json").read_text())
+    avg = [json.loads(line) for line in (results / "averaging.jsonl").read_text().splitlines()]
+    workers = [r for r in avg if r["kind"] == "m"]  # the volunteers' rows run the coordinator's default
+    assert {r["block"] for r in workers} == {"cold", "stack"} and {r["inner_start"] for r in workers} == {"shared_mv"}
     live = json.loads((results / "device-live.json").read_text())
     assert {r["row"] for r in live["http"]["rows"]} == {"honest6", "sign_flip"}
     with tarfile.open(f"{results}.tar.gz") as tar:  # the archive holds what the folder holds

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
-from blocktrain.config import RunConfig
+from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer, per_block_h
 from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
 from blocktrain.data.dataset import DataDir, resolve_data_dir
@@ -462,7 +462,8 @@ def main() -> int:
     ap.add_argument("--refs-only", action="store_true", help="only the one-machine rows")
     ap.add_argument("--refs-inner", action="store_true",
                     help="the one-machine rows train with --inner too (the reference of a lever that changes the optimiser)")
-    ap.add_argument("--stack", action="store_true", help="the whole stack, progressively (--blocks is ignored)")
+    ap.add_argument("--stack", action="store_true", help="the whole stack, progressively, with the stack objective whatever the preset's "
+                         "(--blocks is ignored)")
     ap.add_argument("--rounds", type=int, default=0,
                     help="--stack: H per block, the largest that gives every block at least this many outer steps "
                          "(0: --h for every block)")
@@ -488,6 +489,8 @@ def main() -> int:
     args = ap.parse_args()
     cfg = get_preset(args.preset)
     cfg = replace(cfg, train=replace(cfg.train, device=args.device))
+    if args.stack:  # the whole stack, whatever the preset's own objective (tiny's is diffusion)
+        cfg = replace(cfg, objective=Objective.STACK)
     torch.set_num_threads(args.threads)
     done = {r["key"] for r in _read(args.jsonl)}
     command = "python benchmarks/distributed/averaging_scaling.py " + " ".join(sys.argv[1:])
