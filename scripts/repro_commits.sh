@@ -4,7 +4,7 @@
 #   BEFORE=445e5c8 AFTER=HEAD PRESETS="tiny cpu-quick" OUT=benchmarks/results/house-refactor-repro.json \
 #     flock /tmp/blocktrain-cpu.lock bash scripts/repro_commits.sh
 # Each commit runs in its own git worktree under $WORK (default /tmp/repro-commits) with this checkout's .venv and
-# its own sources first on PYTHONPATH; DATA defaults to the shared WikiText-2 tokens.
+# its own sources first on PYTHONPATH; DATA defaults to the shared WikiText-2 tokens. Timing fields are not compared.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -12,7 +12,7 @@ BEFORE=${BEFORE:?set BEFORE to a commit}; AFTER=${AFTER:-HEAD}; PRESETS=${PRESET
 OUT=${OUT:?set OUT to the result JSON}; WORK=${WORK:-/tmp/repro-commits}
 DATA=${DATA:-$ROOT/../shared/data/wikitext/wikitext-2-v1-tokens}
 mkdir -p "$WORK"
-for side in before after; do
+for side in $([ "${COMPARE_ONLY:-0}" = 1 ] || echo before after); do  # COMPARE_ONLY=1: compare $WORK's results again
   commit=$([ $side = before ] && echo "$BEFORE" || echo "$AFTER")
   tree="$WORK/$side"
   [ -d "$tree" ] && git worktree remove --force "$tree"
@@ -27,12 +27,13 @@ done
 import json, subprocess, sys
 out, before, after, *presets = sys.argv[1:]
 work = __import__("os").environ.get("WORK", "/tmp/repro-commits")
+TIMINGS = ("wall", "seconds", "_s_", "mfu", "peak", "per_s", "memory", "mib")
 def floats(x, path=""):
     if isinstance(x, float):
         yield path, x
     elif isinstance(x, dict):
         for k, v in x.items():
-            if k not in ("bench_wall_s", "train_wall_s") and not k.endswith(("_s", "_seconds", "wall")):
+            if not any(t in k for t in TIMINGS):  # a speed figure, not a result of the arithmetic
                 yield from floats(v, f"{path}/{k}")
     elif isinstance(x, list):
         for i, v in enumerate(x):

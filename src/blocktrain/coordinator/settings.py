@@ -81,7 +81,7 @@ class CoordinatorSettings:
     local_steps: int = 25  # H: inner steps per work answer (0: per block, its steps // --rounds, all steps run); claims <= H x batch
     inner_start: InnerStart = InnerStart.SHARED_MV  # what a worker's inner AdamW starts each round from (train.inner;
     # shared m and v: averaging-scaling.md)
-    moment_codec: MomentCodec = MomentCodec.FACTORED  # encoding of pushed and published inner moments (a push ~0.45x)
+    moment_codec: MomentCodec = MomentCodec.FACTORED  # encoding of pushed and published inner moments (a push: 0.39x the fp32 block)
     moment_clip: float = 8.0  # a pushed v is clipped into [median / this, median x this] of the round's, per coordinate
     moment_step: float = 4.0  # the published v moves at most this factor per round
     moment_mean_v: bool = True  # with m and v shared: publish the v of the workers' mean gradient, m^2 + (v - m^2) / M
