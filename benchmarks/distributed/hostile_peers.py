@@ -12,8 +12,9 @@ the row without it (``clean``): each row's CE difference from ``clean`` is what 
   then cheats; ``0`` attacks from its first push.
 * ``p_undetected``: the probability that a worker mounting the attack from ``--attack-from`` on goes undetected
   over one block, from what caught it in this run: 0 where the intake refused its first attacking push (the same
-  check refuses every one), (1 - audit_fraction)^n where only an audit catches it (n: its attacking pushes over
-  the block), 1 where nothing did.
+  check refuses every one) or its refusals quarantined it later (``hostile_accepted``: what was applied before),
+  (1 - audit_fraction)^n where only an audit catches it (n: its attacking pushes over the block), 1 where nothing
+  did.
 
     flock /tmp/blocktrain-cpu.lock python -m benchmarks.distributed.hostile_peers --preset cpu-mini --steps 690 --h 6 \\
         --out benchmarks/results/hostile-peers.json
@@ -72,6 +73,8 @@ def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings) -> 
         p = 0.0
     elif any(u.outcome == "audit" for u in attacking):
         p = (1.0 - settings.audit_fraction) ** pushes
+    elif hostile & set(run.quarantined):  # its refusals quarantined it (what it pushed before is in hostile_accepted)
+        p = 0.0
     else:
         p = 1.0
     ratios = [u.norm_ratio for u in honest if u.norm_ratio is not None]
@@ -84,17 +87,24 @@ def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings) -> 
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """One line per row. ``vs clean``: its CE minus the run without the hostile worker. ``vs probation``: minus the
+    run whose hostile worker pushes honestly until ``attacks from`` and is refused at every push after (the inflated
+    claim's row, refused by the claim check from its first attacking push): what the attack added to the honest
+    pushes it made on probation."""
     clean = {(r["seed"],): r["ce_nats_per_byte"] for r in rows if r["kind"] == "clean"}
-    lines = ["| attack | attacks from | CE | vs clean | hostile pushes | accepted | caught by | quarantined at "
-             "| p undetected | honest refused |", "|---|---|---|---|---|---|---|---|---|---|"]
+    probation = {(r["seed"], r["attack_from"]): r["ce_nats_per_byte"] for r in rows if r["kind"] == "inflated_claim"}
+    lines = ["| attack | attacks from | CE | vs clean | vs probation | hostile pushes | accepted | caught by "
+             "| quarantined at | p undetected | honest refused |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = clean.get((r["seed"],))
         diff = "—" if ref is None or r["kind"] == "clean" else f"{r['ce_nats_per_byte'] - ref:+.4f}"
+        pref = probation.get((r["seed"], r["attack_from"]))
+        pdiff = "—" if pref is None or r["kind"] == "clean" else f"{r['ce_nats_per_byte'] - pref:+.4f}"
         caught = ", ".join(f"{k} {n}" for k, n in sorted(r["hostile_by_outcome"].items()) if k != "accepted") or "—"
         quarantined = ", ".join(f"v{v}" for v in r["quarantined_at"].values()) or "—"
         p = "—" if r["p_undetected"] is None else f"{r['p_undetected']:.3g}"
         lines.append(f"| {r['kind']} | {r['attack_from'] if r['kind'] != 'clean' else '—'} | {r['ce_nats_per_byte']:.4f} "
-                     f"| {diff} | {r['hostile_updates']} | {r['hostile_accepted']} | {caught} | {quarantined} | {p} "
+                     f"| {diff} | {pdiff} | {r['hostile_updates']} | {r['hostile_accepted']} | {caught} | {quarantined} | {p} "
                      f"| {r['honest_refused']} of {r['honest_updates']} |")
     return "\n".join(lines)
 
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True, help="hostile-peers.json (rows of other kinds are kept)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--table-only", action="store_true", help="print the table of the rows in --out; run nothing")
     args = ap.parse_args(argv)
     args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
     if "--kinds" in args.argv:  # each row names its own kind
@@ -127,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if "runs" in doc:  # the study before these rows (other settings and attacks): kept as it was
         doc["earlier_runs"] = {"what": doc.pop("what", None), "command": doc.pop("command", None), "runs": doc.pop("runs")}
     rows = {_key(r): r for r in doc.get("rows", [])}
-    for kind in args.kinds.split(","):
+    for r in rows.values():  # rows written before a worker quarantined by its refusals counted as detected
+        if r["p_undetected"] == 1.0 and r["quarantined_at"]:
+            r["p_undetected"] = 0.0
+    for kind in [] if args.table_only else args.kinds.split(","):
         if kind != "clean" and kind not in ATTACKS:
             ap.error(f"unknown kind {kind!r}; choose from clean, {', '.join(ATTACKS)}")
         key = _key({"kind": kind, "attack_from": args.attack_from, "seed": args.seed})
@@ -142,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": list(rows.values())})
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")  # written after every row: a cut study keeps them
+    if rows:  # the rows as they stand (a migrated p_undetected included)
+        doc["rows"] = list(rows.values())
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(table(list(rows.values())))
     return 0
 
