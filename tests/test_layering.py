@@ -219,3 +219,13 @@ def test_no_coordinator_route_returns_a_bare_dict() -> None:
               and any("app." in ast.unparse(d) for d in fn.decorator_list)]
     assert routes and [fn.name for fn in routes if fn.returns is not None and "dict" in ast.unparse(fn.returns)] == []
 
+
+
+def test_every_source_folder_is_a_package_an_install_ships() -> None:
+    """setuptools' find (pyproject.toml) ships only folders with an __init__.py: a folder without one would be
+    missing from a non-editable install (coordinator/ and worker/ were)."""
+    from setuptools import find_packages
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    folders = {str(p.parent.relative_to(src)).replace("/", ".") for p in src.rglob("*.py")}
+    assert folders <= set(find_packages(str(src))), sorted(folders - set(find_packages(str(src))))
