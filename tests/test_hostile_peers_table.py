@@ -27,11 +27,14 @@ def test_each_row_is_read_against_the_clean_run_and_against_its_probation() -> N
     assert "| — | — |" in lines["clean"]
 
 
-def test_a_worker_its_refusals_quarantined_counts_as_detected(tmp_path: Path) -> None:
+def test_a_worker_its_refusals_or_its_probation_caught_counts_as_detected(tmp_path: Path) -> None:
     out = tmp_path / "hostile-peers.json"
     out.write_text(json.dumps({"rows": [row("clean", 1.5, p_undetected=None, hostile_by_outcome={}),
                                         row("data_poisoner", 1.6, p_undetected=1.0, quarantined_at={"6": 19},
-                                            hostile_by_outcome={"accepted": 14, "gate": 3}, hostile_accepted=14)]}))
+                                            hostile_by_outcome={"accepted": 14, "gate": 3}, hostile_accepted=14),
+                                        row("strong", 1.5, attack_from=0, p_undetected=0.95**115, quarantined_at={"6": 0},
+                                            hostile_by_outcome={"audit": 1})]}))
     assert main(["--out", str(out), "--table-only"]) == 0
     rows = {r["kind"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["data_poisoner"]["p_undetected"] == 0.0 and rows["data_poisoner"]["hostile_accepted"] == 14
+    assert rows["strong"]["p_undetected"] == 0.0  # it attacked on probation: its first push was audited for sure

@@ -13,8 +13,8 @@ the row without it (``clean``): each row's CE difference from ``clean`` is what 
 * ``p_undetected``: the probability that a worker mounting the attack from ``--attack-from`` on goes undetected
   over one block, from what caught it in this run: 0 where the intake refused its first attacking push (the same
   check refuses every one) or its refusals quarantined it later (``hostile_accepted``: what was applied before),
-  (1 - audit_fraction)^n where only an audit catches it (n: its attacking pushes over the block), 1 where nothing
-  did.
+  (1 - audit_fraction)^n where only a sampled audit catches it (n: its attacking pushes over the block; 0 where it
+  attacks on probation, when every push is audited), 1 where nothing did.
 
     flock /tmp/blocktrain-cpu.lock python -m benchmarks.distributed.hostile_peers --preset cpu-mini --steps 690 --h 6 \\
         --out benchmarks/results/hostile-peers.json
@@ -52,11 +52,11 @@ def run_row(kind: str, args: argparse.Namespace, settings: CoordinatorSettings) 
     ce = run.test_ce(cfg, data, args.eval_bytes)
     hostile = set(range(args.workers, args.workers + n_bad))
     return {"kind": kind, "attack_from": args.attack_from, "seed": args.seed, "ce_nats_per_byte": ce,
-            **outcome(run, hostile, settings), "wall_s": run.wall_s,
+            **outcome(run, hostile, settings, args.attack_from), "wall_s": run.wall_s,
             "command": f"python -m benchmarks.distributed.hostile_peers {' '.join(args.argv)} --kinds {kind}"}
 
 
-def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings) -> dict[str, Any]:
+def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings, attack_from: int) -> dict[str, Any]:
     """What became of every update: the honest ones refused, the hostile ones by outcome, who was quarantined when,
     the norm ratios of honest updates, and the probability that the attack goes undetected over one block."""
     honest = [u for u in run.updates if u.replica not in hostile]
@@ -71,8 +71,8 @@ def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings) -> 
         p = None
     elif first in CAUGHT_AT_INTAKE:
         p = 0.0
-    elif any(u.outcome == "audit" for u in attacking):
-        p = (1.0 - settings.audit_fraction) ** pushes
+    elif any(u.outcome == "audit" for u in attacking):  # on probation every push is audited: caught for sure
+        p = 0.0 if attack_from < settings.probation_pushes else (1.0 - settings.audit_fraction) ** pushes
     elif hostile & set(run.quarantined):  # its refusals quarantined it (what it pushed before is in hostile_accepted)
         p = 0.0
     else:
@@ -138,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if "runs" in doc:  # the study before these rows (other settings and attacks): kept as it was
         doc["earlier_runs"] = {"what": doc.pop("what", None), "command": doc.pop("command", None), "runs": doc.pop("runs")}
     rows = {_key(r): r for r in doc.get("rows", [])}
-    for r in rows.values():  # rows written before a worker quarantined by its refusals counted as detected
-        if r["p_undetected"] == 1.0 and r["quarantined_at"]:
+    for r in rows.values():  # rows written before these rules: a worker its refusals quarantined, or one whose
+        caught = r["quarantined_at"] and (r["p_undetected"] == 1.0  # attack an audit on probation caught, is detected
+                                          or ("audit" in r["hostile_by_outcome"] and r["attack_from"] < settings.probation_pushes))
+        if caught:
             r["p_undetected"] = 0.0
     for kind in [] if args.table_only else args.kinds.split(","):
         if kind != "clean" and kind not in ATTACKS:
