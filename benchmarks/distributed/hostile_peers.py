@@ -69,12 +69,10 @@ def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings, att
     pushes = max(0, rounds - min((u.round for u in attacking), default=rounds))  # its attacking pushes over the block
     if not attacking:
         p = None
-    elif first in CAUGHT_AT_INTAKE:
+    elif first in CAUGHT_AT_INTAKE or caught_for_sure(by, bool(hostile & set(run.quarantined)), attack_from, settings):
         p = 0.0
-    elif any(u.outcome == "audit" for u in attacking):  # on probation every push is audited: caught for sure
-        p = 0.0 if attack_from < settings.probation_pushes else (1.0 - settings.audit_fraction) ** pushes
-    elif hostile & set(run.quarantined):  # its refusals quarantined it (what it pushed before is in hostile_accepted)
-        p = 0.0
+    elif "audit" in by:
+        p = (1.0 - settings.audit_fraction) ** pushes
     else:
         p = 1.0
     ratios = [u.norm_ratio for u in honest if u.norm_ratio is not None]
@@ -84,6 +82,13 @@ def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings, att
             "hostile_accepted": by.get("accepted", 0), "quarantined_at": {str(i): v for i, v in run.quarantined.items()},
             "p_undetected": p, "honest_norm_ratios": sorted(ratios)[-5:] if ratios else [],
             "honest_norm_ratio_max": max(ratios) if ratios else None, "honest_norm_ratio_count": len(ratios)}
+
+
+def caught_for_sure(by_outcome: dict[str, int], quarantined: bool, attack_from: int,
+                    settings: CoordinatorSettings) -> bool:
+    """A quarantined worker was caught for sure unless a sampled audit caught it: its refusals quarantined it (what
+    it pushed before is in ``hostile_accepted``), or it attacked on probation, when every push is audited."""
+    return quarantined and ("audit" not in by_outcome or attack_from < settings.probation_pushes)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -138,10 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     if "runs" in doc:  # the study before these rows (other settings and attacks): kept as it was
         doc["earlier_runs"] = {"what": doc.pop("what", None), "command": doc.pop("command", None), "runs": doc.pop("runs")}
     rows = {_key(r): r for r in doc.get("rows", [])}
-    for r in rows.values():  # rows written before these rules: a worker its refusals quarantined, or one whose
-        caught = r["quarantined_at"] and (r["p_undetected"] == 1.0  # attack an audit on probation caught, is detected
-                                          or ("audit" in r["hostile_by_outcome"] and r["attack_from"] < settings.probation_pushes))
-        if caught:
+    for r in rows.values():  # rows written before caught_for_sure counted such a worker as detected
+        if caught_for_sure(r["hostile_by_outcome"], bool(r["quarantined_at"]), r["attack_from"], settings):
             r["p_undetected"] = 0.0
     for kind in [] if args.table_only else args.kinds.split(","):
         if kind != "clean" and kind not in ATTACKS:

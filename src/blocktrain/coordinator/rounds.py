@@ -39,7 +39,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import decode_delta
 from blocktrain.protocol.messages import FrozenRef
-from blocktrain.protocol.moments import M_PREFIX, V_PREFIX
+from blocktrain.protocol.moments import split_moments
 from blocktrain.train.step import round_lr_scale
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,7 @@ class Rounds:
             accepted = []  # the replay check knows every accepted delta again
             for digest, compression in s.updates.update_blobs(k):
                 tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
-                delta = {n: t for n, t in tensors.items() if not n.startswith((M_PREFIX, V_PREFIX))}  # the moments pushed
-                accepted.append(decode_delta(delta, compression))  # beside it are not part of the delta
+                accepted.append(decode_delta(split_moments(tensors)[0], compression))  # the delta, not its moments
             norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history)[::-1]]
             self.intake.restore(k, norms, accepted)
             self.state[k] = self._resumed_state(k, v, now)

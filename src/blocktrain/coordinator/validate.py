@@ -25,7 +25,7 @@ from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
 from blocktrain.protocol.messages import parse_meta
-from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, MomentCodec, parse_moments
+from blocktrain.protocol.moments import MomentCodec, parse_moments, split_moments
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,7 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
             raise ProtocolError(422, f"malformed group upload: {exc}", Reason.GROUP) from None
         if sum(x.samples for x in group) != samples:
             raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", Reason.GROUP)
-    carried = {n: t for n, t in tensors.items() if n.startswith((M_PREFIX, V_PREFIX))}
-    tensors = {n: t for n, t in tensors.items() if n not in carried}
+    tensors, carried = split_moments(tensors)
     if bool(moments) != (m.moments is not None):
         want = f"its inner moments ({', '.join(moments)}) encoded as 'moments'" if moments else "no inner moments"
         raise ProtocolError(422, f"this push must carry {want}; the worker must follow the coordinator's inner_start",

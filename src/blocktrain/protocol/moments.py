@@ -69,6 +69,12 @@ class MomentCodec(enum.Enum):
     FACTORED = "factored"  # m linear int8, a matrix's v as its row and column means (Adafactor), a vector's as int8
 
 
+def split_moments(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """An update payload's tensors as (the delta's, the inner moments' carried beside it: ``m/``, ``v/``)."""
+    moments = {n: t for n, t in tensors.items() if n.startswith((M_PREFIX, V_PREFIX))}
+    return {n: t for n, t in tensors.items() if n not in moments}, moments
+
+
 def _is_v(name: str) -> bool:
     return name.startswith(V_PREFIX)
 
