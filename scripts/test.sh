@@ -16,15 +16,18 @@ MYPY_PID=$!
 echo "== pytest"
 # One pytest worker per core (pytest-xdist), each test on one torch thread; every test has a 300 s timeout
 # (pytest-timeout, pyproject.toml). PYTEST_WORKERS=0 runs the tests in this one process.
+# The whole run is bounded too (SUITE_LIMIT_S), so that a hang outside any test ends with a message, not CI's kill.
 WORKERS=${PYTEST_WORKERS:-auto}
+LIMIT=(timeout --kill-after=30 "${SUITE_LIMIT_S:-3600}")
 export BLOCKTRAIN_TEST_THREADS=${BLOCKTRAIN_TEST_THREADS:-1}
 set +e
 if [ "$WORKERS" = 0 ]; then
-  pytest -q -p no:cacheprovider "$@"
+  "${LIMIT[@]}" pytest -q -p no:cacheprovider "$@"
 else
-  pytest -q -p no:cacheprovider -n "$WORKERS" --dist worksteal "$@"
+  "${LIMIT[@]}" pytest -q -p no:cacheprovider -n "$WORKERS" --dist worksteal "$@"
 fi
 PYTEST_RC=$?
+if [ "$PYTEST_RC" = 124 ] || [ "$PYTEST_RC" = 137 ]; then echo "pytest did not finish within ${SUITE_LIMIT_S:-3600} s"; fi
 wait "$MYPY_PID"
 MYPY_RC=$?
 set -e

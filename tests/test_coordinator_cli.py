@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
+import signal
+import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from blocktrain.cli.distributed import settings_from_args
+from blocktrain.cli.distributed import handling_signals, settings_from_args
 from blocktrain.cli.fields import field_comments, flag_name
 from blocktrain.cli.main import build_parser
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
@@ -120,3 +123,28 @@ def test_the_worker_keeps_its_frozen_cache_in_its_own_directory(tmp_path: Path) 
     assert opts().frozen_dir == Path("runs/worker/frozen")
     assert opts("--work-dir", str(tmp_path / "w")).frozen_dir == tmp_path / "w" / "frozen"
     assert opts("--work-dir", str(tmp_path / "w"), "--frozen-cache", str(tmp_path / "c")).frozen_dir == tmp_path / "c"
+
+
+def test_signal_handlers_are_the_commands_own_and_a_forked_child_dies_on_sigterm() -> None:
+    """The worker's SIGTERM handler finishes its round; a process it forks (hivemind's DHT peer) inherits the handler,
+    and must still die when its owner terminates it, or the worker's exit waits on it forever. After the command its
+    caller's handler is back."""
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[int] = []
+    with handling_signals({signal.SIGTERM: lambda signum, frame: seen.append(signum)}):
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: sleeps, unless SIGTERM ends it (os._exit: never back into pytest)
+            os.write(ready_w, b"1")  # a signal that came before Python's after-fork reset would be forgotten
+            time.sleep(20)
+            os._exit(0)
+        os.read(ready_r, 1)
+        os.close(ready_r)
+        os.close(ready_w)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)  # bounded: the child's sleep
+        os.kill(os.getpid(), signal.SIGTERM)  # here the command's own handler runs
+        time.sleep(0.1)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert seen == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -426,10 +426,22 @@ def winner_section(ap: argparse.ArgumentParser, cfg: RunConfig, flags: str, ever
                  "single_ce": group["single_ce"] if group else None, "batch96_ce": group["batch96_ce"] if group else None}
     traffic = [by[k] for k in block0["keys"]]
     return {"setting": flags, "block0": block0, "stack": stack,
-            "http": json.loads(http.read_text()) if http is not None and http.is_file() else None,
+            "http": http_section(http, stack.get("batch96_ce")) if http is not None and http.is_file() else None,
             "traffic_ratio": statistics.fmean(r["push_ratio"] for r in traffic) if traffic else None,
             "traffic_ratio_note": "bytes pushed per worker per round (delta plus moments, deflated as sent) over the "
                                   "block's fp32 bytes; pull_ratio in the rows: the published step plus moments"}
+
+
+def http_section(path: Path, batch96_ce: float | None) -> dict[str, Any]:
+    """The live run (``scripts/exp_six_workers.sh``'s JSON: six worker processes over HTTP on the coordinator's
+    defaults, and ``blocktrain train`` as its single machine) against the in-process one-machine-at-6x-batch reference
+    of the same stack: recovered = (single - six) / (single - batch96)."""
+    run = json.loads(path.read_text())
+    six, single = run["six_worker_ce_nats_per_byte"], run["single_machine_ce_nats_per_byte"]
+    gain = None if batch96_ce is None else single - batch96_ce
+    return {"six_worker_ce": six, "single_ce": single, "batch96_ce": batch96_ce,
+            "recovered": (single - six) / gain if gain else None, "command": run["command"], "file": str(path),
+            "batch96_note": "the in-process reference's mean over the stack's seeds (one machine at 6x the batch)"}
 
 
 def main() -> int:
@@ -491,11 +503,11 @@ def main() -> int:
     cfg = replace(cfg, train=replace(cfg.train, device=args.device))
     if args.stack:  # the whole stack, whatever the preset's own objective (tiny's is diffusion)
         cfg = replace(cfg, objective=Objective.STACK)
-    torch.set_num_threads(args.threads)
     done = {r["key"] for r in _read(args.jsonl)}
     command = "python benchmarks/distributed/averaging_scaling.py " + " ".join(sys.argv[1:])
     todo = planned_rows(args, cfg)
     if not args.table_only:
+        torch.set_num_threads(args.threads)  # only where it trains: a table is made in its caller's threads
         data = resolve_data_dir(args.data)
         for row in todo:
             if row_key(row) in done:

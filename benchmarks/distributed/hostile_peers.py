@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = CoordinatorSettings()  # the coordinator's defaults
     if args.attack_from is None:
         args.attack_from = settings.probation_pushes
-    torch.set_num_threads(args.threads)
+    if not args.table_only:
+        torch.set_num_threads(args.threads)  # only where it trains: a table is made in its caller's threads
     doc: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if "runs" in doc:  # the study before these rows (other settings and attacks): kept as it was
         doc["earlier_runs"] = {"what": doc.pop("what", None), "command": doc.pop("command", None), "runs": doc.pop("runs")}

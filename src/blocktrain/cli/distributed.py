@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -10,8 +11,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from blocktrain.cli.common import add_run_args, config_from_args
 from blocktrain.cli.fields import Flags
@@ -54,9 +57,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     c = Coordinator(Path(args.run_dir), cfg, settings, data if needs_data else None)
     # SIGTERM (a service manager's stop) ends the run as Ctrl-C does, through close(): its default action would
     # kill the process before it could stop the processes it started (the hivemind DHT peer).
-    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
+        with handling_signals({signal.SIGTERM: _interrupt}):
+            run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
     except KeyboardInterrupt:
         # Not a training checkpoint: every acknowledged update and published version is already stored.
         sys.stderr.write(
@@ -72,6 +75,30 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def handling_signals(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
+    """These signal handlers for the block, the earlier ones back after it: a command run in-process (a test, a
+    notebook) leaves its caller's handlers as it found them. A process forked meanwhile inherits them (hivemind's DHT
+    peer is one): there each takes the signal's default action, so that its owner's ``terminate()`` still ends it."""
+    owner = os.getpid()
+
+    def here_only(fn: Any) -> Any:
+        def handle(signum: int, frame: FrameType | None) -> None:
+            if os.getpid() != owner:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            fn(signum, frame)
+        return handle
+
+    earlier = {sig: signal.signal(sig, here_only(fn)) for sig, fn in handlers.items()}
+    try:
+        yield
+    finally:
+        for sig, fn in earlier.items():
+            signal.signal(sig, fn)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -100,9 +127,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
             log.warning("signal %d: finishing the current round, then leaving (signal again to abandon)", signum)
             stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    summary = Worker(opts, resolve_data_dir(args.data), stop=stop, abandon=abandon).run()
+    with handling_signals({signal.SIGINT: on_signal, signal.SIGTERM: on_signal}):
+        summary = Worker(opts, resolve_data_dir(args.data), stop=stop, abandon=abandon).run()
     log.info("worker done: %s", summary)
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(summary.__dict__, indent=2))
