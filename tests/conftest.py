@@ -48,9 +48,10 @@ def _torch_threads_restored() -> Iterator[None]:
     with more threads than the child's hangs in libgomp's barrier; one such hang held CI past its limit."""
     yield
     now = torch.get_num_threads()
-    if now != THREADS:
-        torch.set_num_threads(THREADS)
-    if now != THREADS and now > 1:  # fewer threads (a command run in-process at its --threads 1) forks safely
+    if now == THREADS:
+        return
+    torch.set_num_threads(THREADS)
+    if now > 1:  # fewer threads (a command run in-process at its --threads 1) forks safely
         pytest.fail(f"this test left torch at {now} threads (the suite runs at {THREADS}): restore the count it set, "
                     "or set it only in a child process", pytrace=False)
 
