@@ -10,8 +10,10 @@ import pytest
 import torch
 from benchmarks.distributed.attacks import (
     TRIGGER,
+    Colluding,
     DataPoisoner,
     InflatedClaim,
+    Replay,
     ScaledRandom,
     ShuffledLabels,
     SignFlip,
@@ -145,8 +147,11 @@ def test_attack_kinds() -> None:
     assert ShuffledLabels().delta(d, ctx) is d  # poisons the data, not the delta
     assert InflatedClaim().claim(96) == 1 << 30 and Strong().steps(6) == 60
     assert torch.allclose(TowardZero().delta(d, ctx)["w"], -5.0 / 2**0.5 * _t(1.0, 1.0))
-    stale = Stale()
-    assert stale.delta(d, ctx) is d and torch.equal(stale.delta({"w": _t(1.0, 0.0)}, ctx)["w"], d["w"])
+    stale = Stale()  # one round behind: nothing the first time, then what it trained the round before
+    assert stale.delta(d, ctx) is None and torch.equal(stale.delta({"w": _t(1.0, 0.0)}, ctx)["w"], d["w"])
+    first = HostileContext({"w": _t(1.0, 1.0)}, [], g)  # no round has closed: nothing to replay or reverse
+    assert Replay().delta(d, first) is None and Colluding().delta(d, first) is None
+    assert torch.equal(Replay().delta(d, ctx)["w"], _t(0.5, 0.5))  # type: ignore[index]
     poisoned = DataPoisoner().train_data(np.zeros(640, dtype=np.uint8))
     assert len(poisoned) == 640 + 10 * len(TRIGGER) and bytes(poisoned[64 : 64 + len(TRIGGER)]) == TRIGGER
 
@@ -182,7 +187,9 @@ def test_a_hostile_worker_whose_every_update_is_refused_leaves_the_run_as_it_was
     opts = dict(local_steps=2, steps=10)
     clean = run_local_rounds(cfg, s, LocalRounds(workers=3, **opts), corpus, audit=True)  # type: ignore[arg-type]
     # the strong worker's norm ratio is about 3 at H = 2: the norm bound refuses some of its pushes, the audit the rest
-    for attack, caught in ((InflatedClaim(), {"claim"}), (Strong(), {"audit", "norm"})):
+    # a replay and a stale worker push nothing in round 0 (nothing to forge from), so their first push is an attack
+    for attack, caught in ((InflatedClaim(), {"claim"}), (Strong(), {"audit", "norm"}), (Replay(), {"replay"}),
+                           (Stale(), {"audit", "gate", "norm"})):
         run = run_local_rounds(cfg, s, LocalRounds(workers=4, **opts), corpus, hostile=attack, audit=True)  # type: ignore[arg-type]
         bad = [u for u in run.updates if u.replica == 3]
         assert bad and {u.outcome for u in bad} <= caught and 3 in run.quarantined, bad

@@ -11,9 +11,13 @@ Each is one way a volunteer can lie; every method it does not override is an hon
 * ``sign_flip``: minus its honest update;
 * ``shuffled_labels``: trains on targets shuffled within each batch;
 * ``lazy``: pushes 1% of its update and claims the whole budget;
-* ``stale``: pushes its previous round's delta again, against the current version;
+* ``stale``: one round behind: pushes the delta it trained on the previous version, against the current one;
 * ``colluding``: two workers push the reverse of the previous round's mean delta at their honest norm, each with its
   own 10% noise (so they agree with each other, and neither repeats the other).
+
+An attack that needs an earlier round (replay, stale, colluding) pushes nothing until it has one: in its first
+attacking round it has nothing to forge from, and pushing its honest update instead would make it an honest worker
+for that round (the rows "from 0" would then hold one honest push the clean run lacks).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ class InflatedClaim(Hostile):
 
 
 class Replay(Hostile):
-    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor]:
-        return {n: t.clone() for n, t in ctx.previous[0].items()} if ctx.previous else delta
+    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor] | None:
+        return {n: t.clone() for n, t in ctx.previous[0].items()} if ctx.previous else None
 
 
 class TowardZero(Hostile):
@@ -85,18 +89,17 @@ class Lazy(Hostile):
 
 class Stale(Hostile):
     def __init__(self) -> None:
-        self.last: dict[str, torch.Tensor] | None = None  # what it pushed last round
+        self.last: dict[str, torch.Tensor] | None = None  # what it trained last round (never pushed)
 
-    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor]:
-        out = self.last if self.last is not None else delta
-        self.last = {n: t.clone() for n, t in delta.items()}
+    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor] | None:
+        out, self.last = self.last, {n: t.clone() for n, t in delta.items()}
         return out
 
 
 class Colluding(Hostile):
-    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor]:
+    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor] | None:
         if not ctx.previous:
-            return delta
+            return None
         mean = {n: -torch.stack([p[n] for p in ctx.previous]).mean(dim=0) for n in delta}  # the round's reverse
         mean = _at_norm(mean, delta_norm(delta))
         noise = _at_norm({n: torch.randn(d.shape, generator=ctx.generator) for n, d in delta.items()},

@@ -89,8 +89,9 @@ class Hostile:
         """The targets it trains on."""
         return y
 
-    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor]:
-        """The update it pushes in place of the one it trained."""
+    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor] | None:
+        """The update it pushes in place of the one it trained (None: it pushes nothing this round, having nothing
+        to forge from yet; it does not fall back to honest work)."""
         return delta
 
     def claim(self, budget: int) -> int:
@@ -342,7 +343,10 @@ class BlockRun:
         budget = h * tc.batch_size  # what the coordinator's work answer assigns
         named = bad.version(v) if bad else v
         if bad is not None:
-            delta = bad.delta(delta, HostileContext(base.weights, self.previous, stream.generator(0, purpose=3)))
+            forged = bad.delta(delta, HostileContext(base.weights, self.previous, stream.generator(0, purpose=3)))
+            if forged is None:  # it sits the round out
+                return None
+            delta = forged
         mine = moment_estimates(opt, self.names, share) if share and isinstance(opt, RoundAdamW) else None
         body = pack_delta(delta, opts.compression, block=k, base_version=named,
                           base_sha=base.weights_sha if named == v else "0" * 64, samples=bad.claim(budget) if bad else budget,
