@@ -226,6 +226,8 @@ def test_a_failed_audit_that_completed_the_quorum_leaves_nothing_applied(tmp_pat
     assert states == {"w0": "applied", "w1": "dropped"}
     for n, t in alone.weights[0].items():
         assert torch.equal(both.weights[0][n], t), n
+    # nor does it leave its norm for the next pushes to be judged by: the intake's norm history is the honest one's
+    assert list(both.intake._norms[0]) == list(alone.intake._norms[0]) and len(alone.intake._norms[0]) == 1
     both.close()
     alone.close()
 
@@ -291,7 +293,8 @@ def test_an_audit_drawn_before_a_restart_still_holds_its_round(tmp_path: Path, c
     """The coordinator draws a push for audit, then dies before the worker uploads its state. The restarted
     coordinator reads the audit back from its store: the round does not close at its deadline, the worker's upload
     is still taken, and the push, which does not replay, is dropped: block 0 is still at version 0 and its weights
-    are the initial ones. It fails when audits live only in memory (the restarted round closes with the push in it)."""
+    are the initial ones, and its norm is not in the restored history. It fails when audits live only in memory (the
+    restarted round closes with the push in it)."""
     clock = FakeClock()
     knobs = {**AUDIT_ALL, "round_seconds": 30.0, "lease_seconds": 600.0, "audit_timeout_s": 3600.0, "norm_k": 0.0}
     c = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
@@ -309,6 +312,7 @@ def test_an_audit_drawn_before_a_restart_still_holds_its_round(tmp_path: Path, c
     c2 = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
     try:
         c2.expect_audit("a", 0, 0)  # the restarted coordinator still waits for it
+        assert not c2.intake._norms[0]  # a push awaiting its audit adds no norm, after a restart too
         clock.advance(120.0)
         c2.tick()  # past the deadline: the round waits for its audit
         assert c2.version[0] == 0

@@ -202,6 +202,29 @@ def test_the_gate_tolerance_is_calibrated_from_accepted_rises() -> None:
     assert Intake(CoordinatorSettings(gate_tolerance=0.5), {0: {"w": (2,)}}, None).tolerance(0) == 0.5
 
 
+def test_a_push_held_for_its_audit_counts_its_norm_and_rise_only_once_the_audit_passed() -> None:
+    """A push drawn for audit is remembered as held: its sketch counts at once (a copy is a replay whatever the audit
+    decides), its norm and loss rise only once its audit passed; a failed one leaves neither behind."""
+    s = CoordinatorSettings()
+    intake = Intake(s, {0: {"w": (8,)}}, None)
+    base = Published(0, 0, "0" * 64, {"w": torch.zeros(8)})
+    g = torch.Generator().manual_seed(0)
+    deltas = [{"w": torch.randn(8, generator=g)} for _ in range(3)]
+    intake.remember(0, Checked(1.0, intake.sketch(0, deltas[0]), (1.0, 1.05)))  # not audited: counts at once
+    intake.remember(0, Checked(9.0, intake.sketch(0, deltas[1]), (1.0, 1.5)), held=("bad", 0, 0))
+    intake.remember(0, Checked(2.0, intake.sketch(0, deltas[2]), (1.0, 1.1)), held=("good", 0, 0))
+    view = intake.view(base)
+    assert view.norms == (1.0,) and list(intake._rises[0]) == pytest.approx([0.05])
+    assert view.sketches is not None and view.sketches.shape[0] == 3
+    with pytest.raises(ProtocolError) as info:  # the held push's copy is a replay already
+        intake.check_replay(0, intake.sketch(0, deltas[1]))
+    assert info.value.reason == "replay"
+    intake.release(("bad", 0, 0), passed=False)
+    intake.release(("good", 0, 0), passed=True)
+    intake.release(("restored", 0, 0), passed=True)  # a key it never held (an audit restored after a restart): no-op
+    assert intake.view(base).norms == (1.0, 2.0) and list(intake._rises[0]) == pytest.approx([0.05, 0.1])
+
+
 def test_a_near_duplicate_checked_on_a_snapshot_taken_before_its_original_was_accepted_is_refused() -> None:
     """The checks of an update run unlocked on a snapshot of its block's history (:class:`IntakeView`). A copy of an
     update, checked on a snapshot taken before that update was accepted, passes the snapshot's replay check; the

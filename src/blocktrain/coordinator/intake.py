@@ -22,7 +22,8 @@ a :class:`ProtocolError` with its reason):
 
 :meth:`Intake.view` takes what the checks read of a block's history (call under the coordinator's lock); :meth:`Intake.check`
 then runs on that snapshot, unlocked, and touches no state of the intake's; :meth:`Intake.remember` records an accepted
-update's norm, sketch and rise (under the lock). The replay check runs twice: on the snapshot, and again under the
+update's norm, sketch and rise (under the lock; for a push drawn for audit, its norm and rise only once the audit
+passed, :meth:`Intake.release`). The replay check runs twice: on the snapshot, and again under the
 lock that accepts the update (:meth:`Intake.check_replay`), against every sketch accepted meanwhile, so two copies
 sent at once are not both accepted. What comes after acceptance (the agreement screen at the round's close,
 quarantine) is in :mod:`.aggregate` and :mod:`.conduct`.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,7 @@ class Intake:
         self._sketchers = {k: CountSketch(sh, settings.sketch_dim, seed=k) for k, sh in shapes.items()}
         self._sketches = {k: SketchRows(settings.sketch_dim) for k in shapes}  # the accepted deltas' sketches
         self._before: dict[tuple[int, str], float] = {}  # (block, weights and frozen sha) -> held-out loss at W_v
+        self._held: dict[Hashable, tuple[int, Checked]] = {}  # accepted pushes awaiting their audit -> (block, checks)
         self.checked = 0  # updates that went through check()
         self.seconds = 0.0  # seconds spent in check(), in all
 
@@ -235,10 +237,26 @@ class Intake:
                                 f"tolerance {view.tolerance:.4g})", Reason.GATE)
         return before, after
 
-    def remember(self, k: int, checked: Checked) -> None:
-        """Count an accepted update in block k's history: its norm, sketch and loss rise."""
-        self._norms[k].append(checked.norm)
+    def remember(self, k: int, checked: Checked, held: Hashable | None = None) -> None:
+        """Count an accepted update in block k's history. Its sketch counts at once (a copy of it is a replay whatever
+        its audit decides). Its norm and loss rise count at once too, unless the push awaits its audit (``held``: a
+        key for it): then they count when :meth:`release` says the audit passed, so a push that fails its audit leaves
+        nothing the next pushes are judged by."""
         self.remember_sketch(k, checked.sketch)
+        if held is not None:
+            self._held[held] = (k, checked)
+        else:
+            self._count(k, checked)
+
+    def release(self, held: Hashable, passed: bool) -> None:
+        """The audit of the push remembered under ``held`` is decided: its norm and rise join its block's history if
+        it passed (no-op for a key not held, e.g. an audit restored after a restart)."""
+        entry = self._held.pop(held, None)
+        if entry is not None and passed:
+            self._count(*entry)
+
+    def _count(self, k: int, checked: Checked) -> None:
+        self._norms[k].append(checked.norm)
         if checked.gate is not None:
             self._rises[k].append(checked.gate[1] - checked.gate[0])
 

@@ -367,10 +367,11 @@ class BlockRun:
                                             hostile=bad is not None))
             self._refused(i, exc.reason, v)
             return None
-        self.intake.remember(k, checked)
+        self.intake.remember(k, checked, held=(i, v))  # as the service holds a push drawn for audit
         self.accepted[i] += 1
         audited = self._audit(i, parsed, base, committed, checked.outlier)
         failed = audited is False
+        self.intake.release((i, v), passed=not failed)
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
                                         checked.replay_cos, ratio, audited is not None, bad is not None))
         if failed:

@@ -142,7 +142,7 @@ class Uploads:
             if case is not None:
                 self.auditor.forget(case)
             raise
-        self.intake.remember(k, checked)
+        self.intake.remember(k, checked, held=(name, k, v) if case is not None else None)
         log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
         closed = self.rounds.check_quorum(now)
         return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=case is not None)
@@ -169,6 +169,7 @@ class Uploads:
     def decide(self, name: str, k: int, v: int, answer: AuditAnswer | None, why: str, now: float) -> None:
         """(Locked.) An audit's outcome, before its round may close: a failure (or a replay that broke, ``answer``
         None) quarantines the worker and drops its update; either way the round may now close."""
+        self.intake.release((name, k, v), passed=answer is not None and answer.passed)
         if answer is not None and answer.passed:
             log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name,
                      answer.relative_error, answer.seconds)
@@ -184,6 +185,7 @@ class Uploads:
     def overdue_audits(self, now: float) -> None:
         """(Locked.) Quarantine the workers whose audit uploads are late."""
         for case in self.auditor.overdue(now):
+            self.intake.release((case.worker, case.update.block, case.update.base_version), passed=False)
             with self.store.tx():
                 self.store.audits.drop_audit(case.worker, case.update.block, case.update.base_version)
             if not self.conduct.quarantined(case.worker):
