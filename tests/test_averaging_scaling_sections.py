@@ -1,4 +1,5 @@
-"""The averaging study's winner section reads the live HTTP run as the issue names its fields."""
+"""The averaging study's winner section reads the live HTTP run as the issue names its fields; its references run
+with any inner optimiser."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from benchmarks.distributed.averaging_scaling import http_section
+from benchmarks.distributed.averaging_scaling import http_section, settings_for
+
+from blocktrain.coordinator.simulate import run_local_rounds
+from blocktrain.data.dataset import DataDir
+from blocktrain.presets import get_preset
+from tests.distributed_utils import corpus  # noqa: F401
 
 
 def test_the_http_section_scores_the_live_run_against_the_in_process_reference(tmp_path: Path) -> None:
@@ -18,3 +24,14 @@ def test_the_http_section_scores_the_live_run_against_the_in_process_reference(t
     assert got["recovered"] == pytest.approx((1.78 - 1.55) / (1.78 - 1.42), abs=1e-12)
     assert got["command"] == "OBJECTIVE=stack scripts/exp_six_workers.sh"
     assert http_section(run, batch96_ce=None)["recovered"] is None  # no reference: no fraction, not a made-up one
+
+
+def test_a_one_machine_reference_with_muon_starts_its_one_round_fresh(corpus: DataDir) -> None:  # noqa: F811
+    """The coordinator's default start shares AdamW moments, which Muon has none of: the one-machine reference of a
+    Muon row (``--refs-inner --inner muon``) runs its one round from a fresh optimiser instead of refusing."""
+    row = {"kind": "x", "steps": 4, "batch": 2, "workers": 2, "inner": "muon"}
+    settings, rounds = settings_for(row)
+    assert rounds.reset_inner is True and rounds.inner == "muon"
+    run = run_local_rounds(get_preset("tiny"), settings, rounds, corpus)
+    assert len(run.updates) == 1 and run.updates[0].outcome == "accepted"
+    assert settings_for({**row, "inner": "adamw"})[1].reset_inner is None  # AdamW's references are as they were

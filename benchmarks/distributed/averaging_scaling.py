@@ -61,8 +61,10 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
     if row["kind"] == "x":  # one machine at M times the batch: one round of every step, plain and lossless
         settings = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, step_compression=Compression.NONE,
                                        gate=False)
+        inner = row.get("inner", "adamw")  # one round: another inner optimiser starts fresh (it has no shared moments)
         rounds = LocalRounds(workers=1, local_steps=row["steps"], steps=row["steps"], compression=Compression.NONE,
-                             batch_size=row["batch"] * row["workers"], inner=row.get("inner", "adamw"))
+                             batch_size=row["batch"] * row["workers"], inner=inner,
+                             reset_inner=True if inner != "adamw" else None)
         return settings, rounds
     settings = CoordinatorSettings(outer=OuterOptimizer(row.get("outer", "nesterov")), outer_lr=row["outer_lr"],
                                    outer_momentum=row["outer_momentum"], gate=False,
