@@ -312,12 +312,13 @@ def test_an_audit_drawn_before_a_restart_still_holds_its_round(tmp_path: Path, c
     c2 = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
     try:
         c2.expect_audit("a", 0, 0)  # the restarted coordinator still waits for it
-        assert not c2.intake._norms[0]  # a push awaiting its audit adds no norm, after a restart too
+        assert not c2.intake._norms[0] and ("a", 0, 0) in c2.intake._held  # held again until its audit is decided
         clock.advance(120.0)
         c2.tick()  # past the deadline: the round waits for its audit
         assert c2.version[0] == 0
         answer = c2.audit("a", 0, 0, pack_state(committed, block=0, version=0))
         assert not answer.passed and c2.store.conduct.quarantined("a")
+        assert not c2.intake._held and not c2.intake._norms[0]  # failed: its norm never counts
         c2.tick()
         assert c2.version[0] == 0 and all(torch.equal(c2.weights[0][n], w) for n, w in w0.items())
         assert c2.store.q("SELECT * FROM audits") == []

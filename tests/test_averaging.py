@@ -148,7 +148,7 @@ def test_attack_kinds() -> None:
     assert InflatedClaim().claim(96) == 1 << 30 and Strong().steps(6) == 60
     assert torch.allclose(TowardZero().delta(d, ctx)["w"], -5.0 / 2**0.5 * _t(1.0, 1.0))
     stale = Stale()  # one round behind: nothing the first time, then what it trained the round before
-    assert stale.delta(d, ctx) is None and torch.equal(stale.delta({"w": _t(1.0, 0.0)}, ctx)["w"], d["w"])
+    assert stale.delta(d, ctx) is None and torch.equal(stale.delta({"w": _t(1.0, 0.0)}, ctx)["w"], d["w"])  # type: ignore[index]
     first = HostileContext({"w": _t(1.0, 1.0)}, [], g)  # no round has closed: nothing to replay or reverse
     assert Replay().delta(d, first) is None and Colluding().delta(d, first) is None
     assert torch.equal(Replay().delta(d, ctx)["w"], _t(0.5, 0.5))  # type: ignore[index]

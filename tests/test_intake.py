@@ -221,8 +221,11 @@ def test_a_push_held_for_its_audit_counts_its_norm_and_rise_only_once_the_audit_
     assert info.value.reason == "replay"
     intake.release(("bad", 0, 0), passed=False)
     intake.release(("good", 0, 0), passed=True)
-    intake.release(("restored", 0, 0), passed=True)  # a key it never held (an audit restored after a restart): no-op
+    intake.release(("never", 0, 0), passed=True)  # a key it never held: no-op
     assert intake.view(base).norms == (1.0, 2.0) and list(intake._rises[0]) == pytest.approx([0.05, 0.1])
+    intake.hold(("restored", 0, 0), 0, 3.0)  # an audit restored after a restart: its norm held again, no rise stored
+    intake.release(("restored", 0, 0), passed=True)
+    assert intake.view(base).norms == (1.0, 2.0, 3.0) and len(intake._rises[0]) == 2
 
 
 def test_a_near_duplicate_checked_on_a_snapshot_taken_before_its_original_was_accepted_is_refused() -> None:

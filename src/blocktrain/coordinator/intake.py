@@ -161,7 +161,7 @@ class Intake:
         self._sketchers = {k: CountSketch(sh, settings.sketch_dim, seed=k) for k, sh in shapes.items()}
         self._sketches = {k: SketchRows(settings.sketch_dim) for k in shapes}  # the accepted deltas' sketches
         self._before: dict[tuple[int, str], float] = {}  # (block, weights and frozen sha) -> held-out loss at W_v
-        self._held: dict[Hashable, tuple[int, Checked]] = {}  # accepted pushes awaiting their audit -> (block, checks)
+        self._held: dict[Hashable, tuple[int, float, float | None]] = {}  # pushes awaiting their audit -> (k, norm, rise)
         self.checked = 0  # updates that went through check()
         self.seconds = 0.0  # seconds spent in check(), in all
 
@@ -243,22 +243,28 @@ class Intake:
         key for it): then they count when :meth:`release` says the audit passed, so a push that fails its audit leaves
         nothing the next pushes are judged by."""
         self.remember_sketch(k, checked.sketch)
+        rise = checked.gate[1] - checked.gate[0] if checked.gate is not None else None
         if held is not None:
-            self._held[held] = (k, checked)
+            self.hold(held, k, checked.norm, rise)
         else:
-            self._count(k, checked)
+            self._count(k, checked.norm, rise)
+
+    def hold(self, held: Hashable, k: int, norm: float, rise: float | None = None) -> None:
+        """Keep a push's norm (per unit of lr) and loss rise under ``held`` until its audit is decided (also an audit
+        restored after a restart, whose rise was not stored)."""
+        self._held[held] = (k, norm, rise)
 
     def release(self, held: Hashable, passed: bool) -> None:
-        """The audit of the push remembered under ``held`` is decided: its norm and rise join its block's history if
-        it passed (no-op for a key not held, e.g. an audit restored after a restart)."""
+        """The audit of the push held under ``held`` is decided: its norm and rise join its block's history if it
+        passed (no-op for a key not held)."""
         entry = self._held.pop(held, None)
         if entry is not None and passed:
             self._count(*entry)
 
-    def _count(self, k: int, checked: Checked) -> None:
-        self._norms[k].append(checked.norm)
-        if checked.gate is not None:
-            self._rises[k].append(checked.gate[1] - checked.gate[0])
+    def _count(self, k: int, norm: float, rise: float | None) -> None:
+        self._norms[k].append(norm)
+        if rise is not None:
+            self._rises[k].append(rise)
 
     def count(self, seconds: float) -> None:
         """One update went through :meth:`check`, taking ``seconds``."""

@@ -162,6 +162,7 @@ class Uploads:
                                self.settings.inner_start.shares)
             self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
                                            a.stream, a.schedule_steps, a.round_steps, a.due))
+            self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
 
