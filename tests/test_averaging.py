@@ -229,14 +229,16 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     c.close()
 
 
-@pytest.mark.parametrize("start", [InnerStart.FRESH, InnerStart.SHARED_MV])
-def test_workers_over_http_match_the_in_process_reference(start: InnerStart, tmp_path: Path,
+@pytest.mark.parametrize(("start", "every"), [(InnerStart.FRESH, 1), (InnerStart.SHARED_MV, 1), (InnerStart.SHARED_MV, 2)])
+def test_workers_over_http_match_the_in_process_reference(start: InnerStart, every: int, tmp_path: Path,
                                                           corpus: DataDir) -> None:  # noqa: F811
     """Two real workers through the HTTP coordinator land on the weights of :func:`run_local_rounds`.
 
     Same streams, inner AdamW (fresh each round, or started from the published shared moments, which travel with
     the pushes and the versions), int8 pushes with error feedback (deflated on the wire), Nesterov outer
-    step and int8 published step: the distributed run is the local reference, to float32 rounding.
+    step and int8 published step: the distributed run is the local reference, to float32 rounding. With moments
+    shared every second round, round 0 pushes none and round 1 goes on from its own, round 1 pushes them and round 2
+    starts from their published mean: only version 2 has moments (the coordinator refuses a push that does otherwise).
     """
     import threading
 
@@ -244,7 +246,7 @@ def test_workers_over_http_match_the_in_process_reference(start: InnerStart, tmp
     from tests.distributed_utils import ThreadServer
 
     knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0,
-             "local_steps": 3, "inner_start": start}  # H, the budget every work answer assigns
+             "local_steps": 3, "inner_start": start, "moment_every": every}  # H, the budget every work answer assigns
     c = make_coordinator(tmp_path / "run", corpus, **knobs)
     tokens = [c.add_token(f"w{i}") for i in range(2)]
     with ThreadServer(c) as srv:
@@ -257,6 +259,8 @@ def test_workers_over_http_match_the_in_process_reference(start: InnerStart, tmp
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads)
     assert c.version[0] == 3 and all(w.summary.rounds_pushed == 3 for w in workers)
+    published = [c.store.rounds.moments_blob(0, v) is not None for v in range(4)]
+    assert published == [False, start.shares != () and every == 1, start.shares != (), start.shares != () and every == 1]
     got = {n: t.clone() for n, t in c.weights[0].items()}
     c.close()
     ref = run_local_rounds(get_preset("tiny"), CoordinatorSettings(**knobs),

@@ -208,13 +208,15 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
         dht0.shutdown()
 
 
-@pytest.mark.parametrize("start", [InnerStart.FRESH, InnerStart.SHARED_MV])
-def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerStart, tmp_path: Path, corpus: DataDir,  # noqa: F811
+@pytest.mark.parametrize(("start", "every"), [(InnerStart.FRESH, 1), (InnerStart.SHARED_MV, 1), (InnerStart.SHARED_MV, 2)])
+def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerStart, every: int, tmp_path: Path,
+                                                                   corpus: DataDir,  # noqa: F811
                                                                    procs) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
     """A coordinator and three workers as processes, averaging on hivemind, fp32 deltas and steps: the groups'
     means land where the in-process rounds of three replicas land, whatever groups formed; the status shows them.
     With shared moments (fp32 on the wire) the groups average the moments with the deltas (the clip of single pushes
-    set wide: a group's upload is already a mean, which the clip around the round's median would not touch)."""
+    set wide: a group's upload is already a mean, which the clip around the round's median would not touch). Shared
+    every second round, round 0's groups average zeros in the moments' slots and upload none."""
     run, port = tmp_path / "run", free_port()
     url = f"http://127.0.0.1:{port}"
     tokens = [add_token(run, f"w{i}") for i in range(3)]
@@ -222,7 +224,7 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerS
                              "--no-eval", "--threads", "1", "--rounds", "2", "--round-seconds", "120", "--outer",
                              "nesterov", "--step-compression", "none", "--hivemind", "--hivemind-host", "127.0.0.1",
                              "--local-steps", "3", "--aggregation", "mean",  # a group mean is associative; a median is not
-                             "--inner-start", start.value, "--moment-codec", "none",
+                             "--inner-start", start.value, "--moment-codec", "none", "--moment-every", str(every),
                              "--moment-clip", "1e6"))  # a group's upload is a mean: clipping single pushes is not
     try:
         status = wait_for(lambda: get_status(url), 60, "the coordinator")
@@ -245,7 +247,8 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerS
                 p.wait(timeout=60)
     weights = unpack((run / "coordinator" / "blobs" / f"{_latest_weights(run)}.safetensors").read_bytes())[0]
     knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE,
-             "aggregation": Aggregation.MEAN, "inner_start": start, "moment_codec": MomentCodec.NONE, "moment_clip": 1e6}
+             "aggregation": Aggregation.MEAN, "inner_start": start, "moment_codec": MomentCodec.NONE, "moment_clip": 1e6,
+             "moment_every": every}
     tiny = get_preset("tiny")  # the workers ran with --precision fp32: so does the reference, on any CPU
     tiny = replace(tiny, train=replace(tiny.train, precision=Precision.FP32))
     ref = run_local_rounds(tiny, CoordinatorSettings(**knobs),

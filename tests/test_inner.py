@@ -4,6 +4,7 @@ outer steps, and the in-process rounds that carry them."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from blocktrain.coordinator.validate import parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.presets import get_preset
+from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.moments import (
     LOG_WINDOW,
@@ -26,6 +28,7 @@ from blocktrain.protocol.moments import (
     encode_moments,
     max_error,
     parse_moments,
+    shares_moments,
 )
 from blocktrain.train.inner import make_round_optimizer, moment_estimates, start_round
 from blocktrain.train.step import make_optimizer
@@ -136,6 +139,21 @@ def test_a_strangers_moments_are_checked_before_they_count() -> None:
     assert parse_update(body, 0, shapes, ("v/",)).moments is not None
     with pytest.raises(ProtocolError, match="no inner moments"):
         parse_update(body, 0, shapes)
+    # shared every third round: the round from version 2 carries them, the one from version 0 must not
+    assert [shares_moments(v, 3) for v in range(6)] == [False, False, True, False, False, True]
+    with pytest.raises(ProtocolError, match="version 0 must carry no inner moments") as err:
+        parse_update(body, 0, shapes, ("v/",), moments_every=3)
+    assert err.value.status == 422 and err.value.reason == Reason.MOMENTS
+    late = pack_delta({"w": torch.ones(3, 2)}, Compression.INT8, block=0, base_version=2, base_sha=SHA, samples=4,
+                      moments={"v/w": torch.ones(3, 2)}, moment_codec=MomentCodec.INT8)
+    assert parse_update(late, 0, shapes, ("v/",), moments_every=3).moments is not None
+    bare = pack_delta({"w": torch.ones(3, 2)}, Compression.INT8, block=0, base_version=2, base_sha=SHA, samples=4)
+    with pytest.raises(ProtocolError, match="version 2 must carry its inner moments"):
+        parse_update(bare, 0, shapes, ("v/",), moments_every=3)
+    with pytest.raises(ConfigError, match="moment_every"):
+        CoordinatorSettings(moment_every=0)
+    assert CoordinatorSettings(moment_every=3).moments_at(5) == InnerStart.SHARED_MV.shares
+    assert CoordinatorSettings(moment_every=3).moments_at(4) == ()
 
 
 @pytest.mark.parametrize("aggregation", [Aggregation.MEAN, Aggregation.MEDIAN])
@@ -188,15 +206,16 @@ def test_the_in_process_rounds_share_moments_and_count_their_bytes(start: InnerS
     """Three replicas of tiny's block 0 push their moments with their deltas (every push accepted), the pushes grow
     by the moments' bytes, and moments shared every 2 rounds are pushed only in every second round."""
     cfg = get_preset("tiny")
-    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, gate=False, moment_codec=MomentCodec.INT8)
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, gate=False, moment_codec=MomentCodec.INT8,
+                            moment_every=1)
     fresh = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=InnerStart.FRESH), corpus)
     shared = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=start), corpus)
     assert all(u.outcome == "accepted" for u in shared.updates)
     n = len(start.shares)
     assert shared.raw_push_bytes[0] > fresh.raw_push_bytes[0] * (1 + 0.8 * n)  # int8 moments: as large as the delta
     assert not all(torch.equal(shared.weights[k], fresh.weights[k]) for k in fresh.weights)
-    every2 = run_local_rounds(cfg, s, LocalRounds(workers=3, local_steps=2, steps=6, inner_start=start, share_every=2),
-                              corpus)
+    every2 = run_local_rounds(cfg, replace(s, moment_every=2),
+                              LocalRounds(workers=3, local_steps=2, steps=6, inner_start=start), corpus)
     sizes = every2.raw_push_bytes
     assert sizes[0] < sizes[3] and sizes[0] == sizes[6]  # round 1 (replicas 3..5) pushes moments, rounds 0 and 2 not
 
@@ -221,7 +240,7 @@ def test_a_hostile_workers_moments_cannot_move_the_shared_v_to_zero_or_infinity_
     c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), inner_start=InnerStart.SHARED_V,
                          aggregation=Aggregation.MEAN, moment_codec=MomentCodec.INT8, gate=False, norm_k=0.0,
                          agree_min=None, audit_fraction=0.0,
-                         lazy_fraction=0.0, replay_cosine=1.0, min_updates=3)
+                         lazy_fraction=0.0, replay_cosine=1.0, min_updates=3, moment_every=1)
     s = c.settings
     try:
         with TestClient(create_app(c, background=False)) as client:

@@ -113,7 +113,8 @@ def run_ingest_bench(preset: str = "cpu-small", updates: int = 40, compression: 
 
 
 def _moments(shapes: dict[str, tuple[int, ...]], g: torch.Generator) -> dict[str, Any]:
-    """The inner moments a worker pushes with its delta under the coordinator's default (shared moments)."""
+    """The inner moments a worker pushes with its delta under the coordinator's default (shared moments), on a round
+    that shares them: every push here is one (the coordinator runs with --moment-every 1), the largest a worker sends."""
     s = CoordinatorSettings()
     moments = {}
     for prefix in s.inner_start.shares:
@@ -133,7 +134,7 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
     proc = subprocess.Popen(
         [sys.executable, "-m", "blocktrain", "coordinator", "--run-dir", str(run), "--preset", preset,
          "--objective", "diffusion", "--port",  # the updates below are diffusion blocks
-         str(port), "--no-eval", "--norm-k", "0", "--round-seconds", "3600", "--threads", "1",
+         str(port), "--no-eval", "--norm-k", "0", "--round-seconds", "3600", "--threads", "1", "--moment-every", "1",
          # one more live worker than push: the round stays open (time the intake, not the aggregation)
          *([] if fsync else ["--no-fsync"])],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -70,13 +70,13 @@ def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]
                                    outer_momentum=row["outer_momentum"], gate=False,
                                    aggregation=Aggregation(row.get("aggregation", "mean")),
                                    outer_eps=row.get("outer_eps", 1e-8), outer_cap=row.get("outer_cap"),
-                                   moment_mean_v=row.get("mean_v", False),
+                                   moment_mean_v=row.get("mean_v", False), moment_every=row.get("share_every", 1),
                                    moment_codec=MomentCodec(row.get("moment_codec", "int8")))
     early = row.get("early")  # [steps, H] of an H schedule's early phase
     start = row.get("inner_start")  # a shared start replaces reset_inner's fresh/carried choice
     rounds = LocalRounds(workers=row["workers"], local_steps=row["h"], steps=row["steps"], compression=Compression.INT8,
                          batch_size=row["batch"], reset_inner=None if start else row["reset_inner"],
-                         inner_start=InnerStart(start) if start else None, share_every=row.get("share_every", 1),
+                         inner_start=InnerStart(start) if start else None,
                          inner=row.get("inner", "adamw"),
                          early_steps=early[0] if early else 0, early_h=early[1] if early else 0)
     return settings, rounds
@@ -463,7 +463,9 @@ def main() -> int:
     ap.add_argument("--inner-start", default=None, choices=[x.value for x in InnerStart],
                     help="what each round's inner AdamW starts from (replaces --reset-inner; shared_*: moments pushed "
                          "and published)")
-    ap.add_argument("--share-every", type=int, default=1, help="shared moments every this many rounds (DES-LOC)")
+    ap.add_argument("--share-every", type=int, default=1,
+                    help="shared moments every this many rounds (DES-LOC; the coordinator's --moment-every, whose "
+                         "default is 3; 1 here, as in the rows before it)")
     ap.add_argument("--moment-codec", default="int8", choices=[c.value for c in MomentCodec],
                     help="encoding of shared moments on the wire")
     ap.add_argument("--mean-v", action="store_true",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,8 @@ def run_row(kind: str, args: argparse.Namespace, settings: CoordinatorSettings) 
     run = run_local_rounds(cfg, settings, opts, data, progress=not args.no_progress, hostile=bad, audit=True)
     ce = run.test_ce(cfg, data, args.eval_bytes)
     hostile = set(range(args.workers, args.workers + n_bad))
-    return {"kind": kind, "attack_from": args.attack_from, "seed": args.seed, "ce_nats_per_byte": ce,
+    return {"kind": kind, "attack_from": args.attack_from, "seed": args.seed, "moment_every": settings.moment_every,
+            "ce_nats_per_byte": ce,
             **outcome(run, hostile, settings, args.attack_from), "wall_s": run.wall_s,
             "command": f"python -m benchmarks.distributed.hostile_peers {' '.join(args.argv)} --kinds {kind}"}
 
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, required=True, help="hostile-peers.json (rows of other kinds are kept)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--moment-every", type=int, default=None,
+                    help="shared moments every this many rounds (default: the coordinator's; the committed rows ran at 1)")
     ap.add_argument("--table-only", action="store_true", help="print the table of the rows in --out; run nothing")
     args = ap.parse_args(argv)
     args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         at = args.argv.index("--kinds")
         del args.argv[at:at + 2]
     settings = CoordinatorSettings()  # the coordinator's defaults
+    if args.moment_every is not None:
+        settings = replace(settings, moment_every=args.moment_every)
     if args.attack_from is None:
         args.attack_from = settings.probation_pushes
     if not args.table_only:
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind in [] if args.table_only else args.kinds.split(","):
         if kind != "clean" and kind not in ATTACKS:
             ap.error(f"unknown kind {kind!r}; choose from clean, {', '.join(ATTACKS)}")
-        key = _key({"kind": kind, "attack_from": args.attack_from, "seed": args.seed})
+        key = _key({"kind": kind, "attack_from": args.attack_from, "seed": args.seed, "moment_every": settings.moment_every})
         if key in rows:
             continue
         print("+", key, file=sys.stderr, flush=True)
@@ -170,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(r: dict[str, Any]) -> str:
-    return f"{r['kind']}/from{r['attack_from'] if r['kind'] != 'clean' else '-'}/s{r['seed']}"
+    every = r.get("moment_every", 1)  # rows written before moment_every's default became 3 ran at 1
+    return f"{r['kind']}/from{r['attack_from'] if r['kind'] != 'clean' else '-'}/s{r['seed']}" + \
+        (f"/every{every}" if every != 1 else "")
 
 
 if __name__ == "__main__":

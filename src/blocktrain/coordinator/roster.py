@@ -88,7 +88,7 @@ class Roster:
             lease_seconds=self.settings.lease_seconds,
             rounds=self.rounds.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
             n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_start=self.settings.inner_start,
-            moment_codec=self.settings.moment_codec,
+            moment_codec=self.settings.moment_codec, moment_every=self.settings.moment_every,
             p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
         )
 

@@ -252,7 +252,7 @@ class Rounds:
         """The round's accepted updates, and :func:`.aggregate.next_version` of them. They are read back from the
         store, not kept from their intake: a round closes from what is durable, whether or not a restart came
         between (decoding an accepted update costs less than keeping every one in memory)."""
-        s, shares = self.store, self.settings.inner_start.shares
+        s, shares = self.store, self.settings.moments_at(v)
         rows = s.updates.accepted_updates(k, v)
         shapes = self.checkpoints.block_shapes[k]
         updates = [parse_update(s.blobs.get_blob(r.blob), k, shapes, shares) for r in rows]

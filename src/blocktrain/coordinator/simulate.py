@@ -112,14 +112,13 @@ class LocalRounds:
     batch_size: int = 0  # sequences per inner step (0: the run config's)
     reset_inner: bool | None = None  # True: fresh inner moments each round, False: carried (None: inner_start)
     inner_start: InnerStart | None = None  # what each round's inner AdamW starts from (None: reset_inner, else settings')
-    share_every: int = 1  # shared moments are pushed and published every this many rounds (DES-LOC; 1: every round)
     inner: str = "adamw"  # inner optimiser: "adamw", or "muon" (train.step.MuonAdamW; a measured lever)
     early_steps: int = 0  # H schedule: the first early_steps inner steps run at H = early_h (0: H fixed)
     early_h: int = 0  # H of those early rounds
 
     def __post_init__(self) -> None:
-        if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0 or self.share_every < 1:
-            raise ConfigError("workers, local_steps and share_every must be >= 1 and batch_size >= 0")
+        if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
+            raise ConfigError("workers and local_steps must be >= 1 and batch_size >= 0")
         if self.reset_inner is not None and self.inner_start is not None:
             raise ConfigError("set reset_inner or inner_start, not both")
         late = self.steps - self.early_steps
@@ -298,14 +297,13 @@ class BlockRun:
         base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
         if self.start is InnerStart.FRESH:
             self.optimisers = [self._inner(r) for r in self.replicas]
-        share = self.start.shares if (v + 1) % opts.share_every == 0 else ()  # this round pushes its moments
         published, self.published = self.published, None  # a new publication is loaded once; else own state goes on
         m = opts.workers if workers is None else workers
         kept: list[tuple[int, ParsedUpdate]] = []  # (its record's index, the update) of each accepted push
         for i in range(m):
             if i in self.quarantined:
                 continue
-            parsed = self._push(i, h, offset, base, share, published)
+            parsed = self._push(i, h, offset, base, published)
             if parsed is not None:
                 kept.append((len(run.updates) - 1, parsed))
         self.version += 1
@@ -321,7 +319,7 @@ class BlockRun:
                 run.updates[at] = replace(run.updates[at], outcome="screened")
         self._publish(result, v)
 
-    def _push(self, i: int, h: int, offset: int, base: Published, share: tuple[str, ...],
+    def _push(self, i: int, h: int, offset: int, base: Published,
               published: dict[str, torch.Tensor] | None) -> ParsedUpdate | None:
         """Replica i trains its round and pushes; the update as the coordinator accepted it (None: refused, or its
         audit failed)."""
@@ -347,6 +345,7 @@ class BlockRun:
             if forged is None:  # it sits the round out
                 return None
             delta = forged
+        share = self.settings.moments_at(named)  # a sharing round's push carries its moments (moment_every)
         mine = moment_estimates(opt, self.names, share) if share and isinstance(opt, RoundAdamW) else None
         body = pack_delta(delta, opts.compression, block=k, base_version=named,
                           base_sha=base.weights_sha if named == v else "0" * 64, samples=bad.claim(budget) if bad else budget,
@@ -355,7 +354,7 @@ class BlockRun:
                           state_sha=state_sha(committed), precision=self.precision.value)
         run.raw_push_bytes.append(len(body))
         run.push_bytes.append(len(deflate(body)))
-        parsed = parse_update(body, k, self.shapes, share)  # what the coordinator decodes
+        parsed = parse_update(body, k, self.shapes, self.start.shares, self.settings.moment_every)  # as the coordinator
         view = self.intake.view(base)
         med = statistics.median(view.norms) if len(view.norms) >= self.settings.norm_min_history else None
         scale = round_lr_scale(self.schedule, offset, h)

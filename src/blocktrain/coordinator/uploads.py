@@ -63,7 +63,7 @@ class Uploads:
         ck = self.checkpoints
         if len(body) > ck.max_body_bytes:
             raise ProtocolError(413, f"update of {len(body)} bytes exceeds the cap of {ck.max_body_bytes}", Reason.TOO_LARGE)
-        upd = parse_update(body, k, ck.block_shapes[k], self.settings.inner_start.shares)
+        upd = parse_update(body, k, ck.block_shapes[k], self.settings.inner_start.shares, self.settings.moment_every)
         if self.auditor.enabled and not upd.group and upd.state_sha is None:
             raise ProtocolError(422, "this coordinator audits updates: an update must name the sha256 of the worker's "
                                 "inner state at the round's start (state_sha); run the same BlockTrain version",
@@ -159,7 +159,7 @@ class Uploads:
                     s.audits.drop_audit(a.worker, a.block, a.version)
                 continue
             upd = parse_update(s.blobs.get_blob(a.blob), a.block, self.checkpoints.block_shapes[a.block],
-                               self.settings.inner_start.shares)
+                               self.settings.inner_start.shares, self.settings.moment_every)
             self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
                                            a.stream, a.schedule_steps, a.round_steps, a.due))
             self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))

@@ -25,7 +25,7 @@ from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
 from blocktrain.protocol.messages import parse_meta
-from blocktrain.protocol.moments import MomentCodec, parse_moments, split_moments
+from blocktrain.protocol.moments import MomentCodec, parse_moments, shares_moments, split_moments
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,11 @@ def _looks_like_safetensors(body: bytes) -> bool:
 
 
 def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
-                 moments: tuple[str, ...] = ()) -> ParsedUpdate:
+                 moments: tuple[str, ...] = (), moments_every: int = 1) -> ParsedUpdate:
     """Parse and validate ``body`` as a delta for ``block`` with trainable ``shapes``; ``moments``: the inner moment
-    prefixes (``m/``, ``v/``) the push must carry beside the delta (empty: it must carry none)."""
+    prefixes (``m/``, ``v/``) a push carries beside the delta on the rounds that share them, every ``moments_every``-th
+    (:func:`~blocktrain.protocol.moments.shares_moments` of its base version); on the others, and with ``moments``
+    empty, it must carry none."""
     if not _looks_like_safetensors(body):
         raise ProtocolError(
             415,
@@ -84,10 +86,12 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
         if sum(x.samples for x in group) != samples:
             raise ProtocolError(422, f"samples={samples} is not the sum of the group members' samples", Reason.GROUP)
     tensors, carried = split_moments(tensors)
+    if not shares_moments(m.base_version, moments_every):
+        moments = ()
     if bool(moments) != (m.moments is not None):
         want = f"its inner moments ({', '.join(moments)}) encoded as 'moments'" if moments else "no inner moments"
-        raise ProtocolError(422, f"this push must carry {want}; the worker must follow the coordinator's inner_start",
-                            Reason.MOMENTS)
+        raise ProtocolError(422, f"a push against version {m.base_version} must carry {want}; the worker must follow "
+                            "the coordinator's inner_start and moment_every", Reason.MOMENTS)
     decoded = parse_moments(carried, shapes, moments, MomentCodec(m.moments)) if m.moments is not None else None
     schema = wire_schema(shapes, compression)
     missing = sorted(set(schema) - set(tensors))

@@ -25,7 +25,8 @@ from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.moments import InnerStart, MomentCodec
 
-PROTOCOL_VERSION = 4  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start)
+PROTOCOL_VERSION = 5  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start;
+# 5: moment_every)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -59,6 +60,8 @@ class Registration(Message):
     local_steps: int = Field(ge=1, le=MAX_STEPS)  # H: inner steps per round the coordinator assigns
     inner_start: InnerStart = InnerStart.FRESH  # what each round's inner AdamW starts from (blocktrain.train.inner)
     moment_codec: MomentCodec = MomentCodec.INT8  # how shared moments are encoded, pushed and published
+    moment_every: int = Field(default=1, ge=1, le=MAX_STEPS)  # rounds: shared moments are pushed every this many
+    # (protocol.moments.shares_moments), the worker's own carried between
     p2p: dict[str, Any] | None = None  # hivemind engine: token, authority, initial peers, run
 
 

@@ -69,6 +69,15 @@ class MomentCodec(enum.Enum):
     FACTORED = "factored"  # m linear int8, a matrix's v as its row and column means (Adafactor), a vector's as int8
 
 
+def shares_moments(version: int, every: int) -> bool:
+    """Whether the round trained from ``version`` pushes its inner moments, so that its close publishes their mean
+    with ``version + 1``: every ``every``-th round (DES-LOC's periodic moment sync, arXiv 2505.22549; 1: every round).
+    Between two syncs a worker goes on from its own moments."""
+    if every < 1:
+        raise ValueError(f"moments are shared every >= 1 rounds, got {every}")
+    return (version + 1) % every == 0
+
+
 def split_moments(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """An update payload's tensors as (the delta's, the inner moments' carried beside it: ``m/``, ``v/``)."""
     moments = {n: t for n, t in tensors.items() if n.startswith((M_PREFIX, V_PREFIX))}

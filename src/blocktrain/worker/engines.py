@@ -131,6 +131,7 @@ class HivemindEngine:
         self.grouped_version = -1  # the version whose delta went into a group mean that another member uploads
         self.peer_pulls = 0  # published versions fetched from a peer, not the coordinator
         self.rounds_grouped = 0  # rounds whose delta another member uploaded in its group's mean
+        self.like: dict[str, torch.Tensor] = {}  # what the block's averager all-reduces: the delta and shared moments
 
     def register_key(self) -> str | None:
         return str(self.key.get_public_key().to_bytes().decode())
@@ -153,6 +154,7 @@ class HivemindEngine:
             log.info("joined the run's hivemind DHT as %s", self.groups.peer)
         else:
             self.groups.token = token
+        self.like = weights
         self.groups.prepare(k, weights)  # the block it was (re)assigned
 
     def pull(self, k: int, work: WorkAnswer) -> dict[str, torch.Tensor] | None:
@@ -173,7 +175,10 @@ class HivemindEngine:
     def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
         self._await_peers(k, v, clock)
         budget = min(self.reserve_s(), clock.give_up_at + self.reserve_s() - time.monotonic())
-        group = self.groups.average(delta, samples, k, v, budget)
+        # the averager's tensors are fixed when it starts: a round that shares no moments fills their slots with
+        # zeros, which every member of its group does alike, and drops them from the mean
+        idle = {n: torch.zeros_like(t) for n, t in self.like.items() if n not in delta}
+        group = self.groups.average({**delta, **idle}, samples, k, v, budget)
         if group is None:  # no group formed: push its own delta
             return Combined(delta, samples)
         if not group.uploader:
@@ -181,7 +186,7 @@ class HivemindEngine:
             self.rounds_grouped += 1
             log.info("block %d v%d: averaged in a group of %d; its uploader sends the mean", k, v, len(group.members))
             return None
-        return Combined(group.mean, group.samples, group.members)
+        return Combined({n: t for n, t in group.mean.items() if n not in idle}, group.samples, group.members)
 
     def _await_peers(self, k: int, v: int, clock: RoundClock) -> None:
         """Wait (heartbeating) until the block's other workers at this version have trained too, so that the

@@ -1,9 +1,9 @@
 """The worker: register, pull its block, train H local steps, push the delta, repeat.
 
-The inner AdamW starts each round afresh where the coordinator says so (``inner_reset``, its default: six
-workers recover 0.90 of the six-fold batch's gain against 0.70 with moments carried across rounds,
-``benchmarks/results/averaging-scaling.md``), else its state persists across rounds (DiLoCo's inner optimiser);
-the weights are reset to each new published version. The local learning rate
+The inner AdamW starts each round as the coordinator's ``inner_start`` says: by default from the moments the
+coordinator published with the round's version (the workers' aggregated m and v, pushed with the deltas every
+``moment_every``-th round), and from its own between those; ``fresh`` zeroes them every round
+(``benchmarks/results/averaging-scaling.md``). The weights are reset to each new published version. The local learning rate
 follows the preset's schedule over ``rounds x H`` local steps. Data comes from
 the stream id the coordinator hands out for (worker, block, round), so replicas
 never repeat one another and the run can be audited.
@@ -45,7 +45,7 @@ from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
-from blocktrain.protocol.moments import InnerStart, parse_moments
+from blocktrain.protocol.moments import InnerStart, parse_moments, shares_moments
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
 from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
@@ -155,6 +155,7 @@ class Worker:
         self.block = self.objective.build_block(self.k).to(self.device)
         self.shapes = block_schema(self.block)
         self.moment_codec = reg.moment_codec
+        self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)
         self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
         self._moments_version = -1  # the version whose published moments this worker loaded last
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
@@ -256,8 +257,8 @@ class Worker:
         """The inner moments published with the base version, checked, once per version (None: none published, or
         already loaded)."""
         v = self.base_version
-        if v <= 0 or v == self._moments_version:
-            return None
+        if v <= 0 or v == self._moments_version or not shares_moments(v - 1, self.moment_every):
+            return None  # between syncs its own moments go on
         try:
             tensors, meta = unpack(self.client.moments(self.k, v), source="moments")
         except ProtocolError as exc:
@@ -296,8 +297,9 @@ class Worker:
     def _push(self) -> None:
         assert self.base is not None
         delta, samples = self._delta()
-        if isinstance(self.opt, RoundAdamW) and self.inner_start.shares:  # its moments travel with the delta
-            delta.update(moment_estimates(self.opt, self.opt_names, self.inner_start.shares))
+        shares = self.inner_start.shares if shares_moments(self.base_version, self.moment_every) else ()
+        if isinstance(self.opt, RoundAdamW) and shares:  # on a sharing round its moments travel with the delta
+            delta.update(moment_estimates(self.opt, self.opt_names, shares))
         clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
         combined = self.engine.combine(delta, samples, self.k, self.base_version, clock)
         if combined is None:  # another member of its group uploads the mean
