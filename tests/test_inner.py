@@ -269,3 +269,34 @@ def test_a_hostile_workers_moments_cannot_move_the_shared_v_to_zero_or_infinity_
         assert client.get("/v1/blocks/0/moments/0", headers=heads["a"]).status_code == 404  # v0 publishes none
     finally:
         c.close()
+
+
+def test_a_worker_loads_moments_at_a_sharing_version_and_a_late_joiner_the_newest_before(corpus: DataDir) -> None:  # noqa: F811
+    """Moments shared every third round are published with versions 3, 6, ...: a worker that trained the block loads
+    those of its base version when it is one and goes on from its own otherwise; one that joins at version 4, before
+    training the block, loads version 3's instead of starting from zero moments."""
+    from blocktrain.checkpoint.safetensors_io import pack
+    from blocktrain.worker.loop import Worker, WorkerOptions
+
+    asked: list[int] = []
+    v_of = {n: torch.full((3, 2), 2.0) for n in ("v/w",)}
+
+    class Client:
+        def moments(self, k: int, v: int) -> bytes:
+            asked.append(v)
+            return pack(encode_moments(v_of, MomentCodec.NONE), {"kind": "moments", "block_index": str(k), "version": str(v)})
+
+    w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False), corpus)
+    w.client = Client()  # type: ignore[assignment]
+    w.k, w.shapes, w.inner_start, w.moment_codec, w.moment_every = 0, {"w": (3, 2)}, InnerStart.SHARED_V, MomentCodec.NONE, 3
+    w._moments_version, w._trained_block = -1, False
+    w.base_version = 4  # joined between two shares, nothing trained yet: the newest publication, version 3
+    got = w._published_moments()
+    assert asked == [3] and got is not None and torch.equal(got["v/w"], v_of["v/w"])
+    w._trained_block = True
+    for v in (4, 5):  # between syncs its own moments go on
+        w.base_version = v
+        assert w._published_moments() is None
+    w.base_version = 6
+    assert w._published_moments() is not None and asked == [3, 6]
+    assert w._published_moments() is None and asked == [3, 6]  # each publication once

@@ -97,14 +97,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     run whose hostile worker pushes honestly until ``attacks from`` and is refused at every push after (the inflated
     claim's row, refused by the claim check from its first attacking push): what the attack added to the honest
     pushes it made on probation."""
-    clean = {(r["seed"],): r["ce_nats_per_byte"] for r in rows if r["kind"] == "clean"}
-    probation = {(r["seed"], r["attack_from"]): r["ce_nats_per_byte"] for r in rows if r["kind"] == "inflated_claim"}
+
+    def every(r: dict[str, Any]) -> int:  # a row is read against the references run at its moment cadence
+        return int(r.get("moment_every", 1))
+
+    clean = {(r["seed"], every(r)): r["ce_nats_per_byte"] for r in rows if r["kind"] == "clean"}
+    probation = {(r["seed"], r["attack_from"], every(r)): r["ce_nats_per_byte"] for r in rows if r["kind"] == "inflated_claim"}
     lines = ["| attack | attacks from | CE | vs clean | vs probation | hostile pushes | accepted | caught by "
              "| quarantined at | p undetected | honest refused |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ref = clean.get((r["seed"],))
+        ref = clean.get((r["seed"], every(r)))
         diff = "—" if ref is None or r["kind"] == "clean" else f"{r['ce_nats_per_byte'] - ref:+.4f}"
-        pref = probation.get((r["seed"], r["attack_from"]))
+        pref = probation.get((r["seed"], r["attack_from"], every(r)))
         pdiff = "—" if pref is None or r["kind"] == "clean" else f"{r['ce_nats_per_byte'] - pref:+.4f}"
         caught = ", ".join(f"{k} {n}" for k, n in sorted(r["hostile_by_outcome"].items()) if k != "accepted") or "—"
         quarantined = ", ".join(f"v{v}" for v in r["quarantined_at"].values()) or "—"

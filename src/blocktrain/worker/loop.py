@@ -158,6 +158,7 @@ class Worker:
         self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)
         self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
         self._moments_version = -1  # the version whose published moments this worker loaded last
+        self._trained_block = False  # whether it trained a round of this block (its own moments exist)
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
         self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
@@ -251,24 +252,30 @@ class Worker:
                         hooks=[round_hook, ProgressHook(bar)], targets=self.targets)
         finally:
             bar.close()
+        self._trained_block = True
         return not round_hook.abandoned
 
     def _published_moments(self) -> dict[str, torch.Tensor] | None:
-        """The inner moments published with the base version, checked, once per version (None: none published, or
-        already loaded)."""
+        """The inner moments to start this round from, checked, each publication once (None: its own go on).
+
+        Moments are published with every ``moment_every``-th version (:func:`shares_moments` of the round before);
+        a worker loads those of its base version when it is one, and a worker that has not trained this block yet
+        (it joined between two shares) loads the newest published before its base version instead of starting from
+        zero moments."""
         v = self.base_version
-        if v <= 0 or v == self._moments_version or not shares_moments(v - 1, self.moment_every):
-            return None  # between syncs its own moments go on
+        at = v - v % self.moment_every  # the newest version published with moments, at or before v
+        if at <= 0 or at == self._moments_version or (at != v and self._trained_block):
+            return None  # none published yet, loaded already, or between syncs its own moments go on
         try:
-            tensors, meta = unpack(self.client.moments(self.k, v), source="moments")
+            tensors, meta = unpack(self.client.moments(self.k, at), source="moments")
         except ProtocolError as exc:
             if exc.status == 404:  # none published with v: its own state goes on
                 return None
             raise
-        if meta.get("block_index") != str(self.k) or meta.get("version") != str(v):
+        if meta.get("block_index") != str(self.k) or meta.get("version") != str(at):
             raise ProtocolError(502, f"the coordinator sent moments of block {meta.get('block_index')} version "
-                                f"{meta.get('version')} for block {self.k} version {v}", Reason.MOMENTS)
-        self._moments_version = v
+                                f"{meta.get('version')} for block {self.k} version {at}", Reason.MOMENTS)
+        self._moments_version = at
         return parse_moments(tensors, self.shapes, self.inner_start.shares, self.moment_codec)
 
     def _push_margin(self) -> float:
