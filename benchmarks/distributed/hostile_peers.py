@@ -113,7 +113,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         caught = ", ".join(f"{k} {n}" for k, n in sorted(r["hostile_by_outcome"].items()) if k != "accepted") or "—"
         quarantined = ", ".join(f"v{v}" for v in r["quarantined_at"].values()) or "—"
         p = "—" if r["p_undetected"] is None else f"{r['p_undetected']:.3g}"
-        lines.append(f"| {r['kind']} | {r['attack_from'] if r['kind'] != 'clean' else '—'} | {r['ce_nats_per_byte']:.4f} "
+        cadence = f" (moments every {every(r)} rounds)" if every(r) != 1 else ""
+        lines.append(f"| {r['kind']}{cadence} | {r['attack_from'] if r['kind'] != 'clean' else '—'} | {r['ce_nats_per_byte']:.4f} "
                      f"| {diff} | {pdiff} | {r['hostile_updates']} | {r['hostile_accepted']} | {caught} | {quarantined} | {p} "
                      f"| {r['honest_refused']} of {r['honest_updates']} |")
     return "\n".join(lines)
