@@ -252,10 +252,10 @@ class Rounds:
         """The round's accepted updates, and :func:`.aggregate.next_version` of them. They are read back from the
         store, not kept from their intake: a round closes from what is durable, whether or not a restart came
         between (decoding an accepted update costs less than keeping every one in memory)."""
-        s, shares = self.store, self.settings.moments_at(v)
+        s, shares, every = self.store, self.settings.inner_start.shares, self.settings.moment_every
         rows = s.updates.accepted_updates(k, v)
         shapes = self.checkpoints.block_shapes[k]
-        updates = [parse_update(s.blobs.get_blob(r.blob), k, shapes, shares) for r in rows]
+        updates = [parse_update(s.blobs.get_blob(r.blob), k, shapes, shares, every) for r in rows]
         moments = [u.moments for u in updates if u.moments is not None]
         current = self.checkpoints.current(k)
         return rows, next_version(current.weights, [u.delta for u in updates], [u.samples for u in updates],

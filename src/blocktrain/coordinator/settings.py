@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.delta import Compression
-from blocktrain.protocol.moments import InnerStart, MomentCodec, shares_moments
+from blocktrain.protocol.moments import InnerStart, MomentCodec
 
 
 class Aggregation(enum.Enum):
@@ -139,7 +139,7 @@ class CoordinatorSettings:
     def moments_at(self, version: int) -> tuple[str, ...]:
         """The moment prefixes a push against ``version`` carries (``m/``, ``v/``): the inner start's on every
         ``moment_every``-th round (:func:`~blocktrain.protocol.moments.shares_moments`), else none."""
-        return self.inner_start.shares if shares_moments(version, self.moment_every) else ()
+        return self.inner_start.shares_at(version, self.moment_every)
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or self.device.startswith("cuda:")):

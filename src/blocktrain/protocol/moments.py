@@ -54,6 +54,11 @@ class InnerStart(enum.Enum):
         return {InnerStart.SHARED_V: (V_PREFIX,), InnerStart.LOCAL_M: (V_PREFIX,),
                 InnerStart.SHARED_MV: (M_PREFIX, V_PREFIX)}.get(self, ())
 
+    def shares_at(self, version: int, every: int) -> tuple[str, ...]:
+        """The moment prefixes a push against ``version`` carries: :attr:`shares` on the rounds that share them
+        (:func:`shares_moments`), else none."""
+        return self.shares if shares_moments(version, every) else ()
+
     @property
     def keeps_own(self) -> bool:
         """Whether a worker's own state from its previous round survives into the next (what is not replaced)."""

@@ -45,7 +45,7 @@ from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
-from blocktrain.protocol.moments import InnerStart, parse_moments, shares_moments
+from blocktrain.protocol.moments import InnerStart, parse_moments
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
 from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
@@ -304,7 +304,7 @@ class Worker:
     def _push(self) -> None:
         assert self.base is not None
         delta, samples = self._delta()
-        shares = self.inner_start.shares if shares_moments(self.base_version, self.moment_every) else ()
+        shares = self.inner_start.shares_at(self.base_version, self.moment_every)
         if isinstance(self.opt, RoundAdamW) and shares:  # on a sharing round its moments travel with the delta
             delta.update(moment_estimates(self.opt, self.opt_names, shares))
         clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
