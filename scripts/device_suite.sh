@@ -17,14 +17,17 @@
 #              pip download --only-binary=:all: --python-version 3.11 -d wheels numpy safetensors tqdm httpx \
 #                  fastapi uvicorn pydantic opentelemetry-api   # torch is the machine's own: never in the folder
 #
-# Jobs, in priority order (a runs alone first: it times the chip; the others run side by side, each under its own
-# time limit, writing its results as it finishes):
-#   a. speed      bench speed on the paper preset and cpu-small                                  -> device-speed*.json
+# Jobs, in priority order (0 and a run alone first: a times the chip; the others run side by side, each under its
+# own time limit, writing its results as it finishes):
+#   0. checks     the device against the CPU: counter noise bit for bit, TF32, triton            -> device-checks.json
+#   a. speed      bench speed on the paper preset and cpu-small, each bf16 run profiled, cpu-small also compiled
+#                 with CUDA graphs (reduce-overhead)                                              -> device-speed*.json
 #   b. depth      cpu-small stack vs E2E at matched FLOPs, lr x seeds, whole test split           -> depth.jsonl, device-depth.json
 #   c. paper      the paper preset at a short budget, one seed                                     -> device-paper.json
 #   d. averaging  volunteers at cpu-small: H in {24, 48}, M in {1, 6} vs one machine at 6x batch  -> device-averaging.json
 #   e. live       a coordinator (CPU) and GPU workers over loopback, honest and each attack       -> device-live.json
 #   f. serve      spec against the AR pipeline over loopback, with generative CE                   -> device-serve.json
+#   g. speed-paper-compiled  bench speed on the paper preset under torch.compile, alone, last     -> device-speed-paper-compiled.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,10 +44,10 @@ case "$SUITE" in
   full)  SPEED_PRESETS="paper cpu-small"; DEPTH_PRESET=cpu-small; LRS="1e-3 1.5e-3 2e-3 3e-3 4e-3"; SEEDS="0 1 2"
          LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
          AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
-         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420 ;;
+         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
-         SERVE_PRESET=tiny; SPEED_STEPS=15; TEST_BYTES=4096; LIMIT=150 ;;
+         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE="" ;;
   *) echo "SUITE must be full or smoke, got $SUITE" >&2; exit 2 ;;
 esac
 AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
@@ -82,10 +85,15 @@ job() {  # job NAME SECONDS CMD...: run once under its own limit; .done marks a 
   return 0
 }
 
-# a. speed, alone
+# 0. the device against the CPU, alone (seconds)
+job checks 120 "$PY" benchmarks/quality/device_checks.py --device "$DEVICE" --json "$RESULTS/device-checks.json"
+
+# a. speed, alone; SPEED_COMPILE lists PRESET:MODE pairs also timed under torch.compile
 for p in $SPEED_PRESETS; do
+  mode=off
+  for pair in $SPEED_COMPILE; do [ "${pair%%:*}" = "$p" ] && mode=${pair#*:}; done
   job "speed-$p" "$LIMIT" "${BT[@]}" bench speed --preset "$p" --steps "$SPEED_STEPS" --device "$DEVICE" --data "$DATA" \
-    --out "$RESULTS/runs/speed-$p" --json "$RESULTS/device-speed-$p.json"
+    --profile --compile "$mode" --out "$RESULTS/runs/speed-$p" --json "$RESULTS/device-speed-$p.json"
 done
 
 # b. depth: one bench per (preset, lr, seed), each a row of depth.jsonl; then the summary
@@ -163,6 +171,12 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
   SERVE_FLAGS=${SERVE_FLAGS:-}
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve" &
   wait
+  # g. the paper preset compiled, alone again: the last priority (its eager rows are job a's)
+  if [ -n "$PAPER_COMPILE" ]; then
+    job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset paper --steps "$SPEED_STEPS" --device "$DEVICE" \
+      --data "$DATA" --profile --compile "$PAPER_COMPILE" --out "$RESULTS/runs/speed-paper-compiled" \
+      --json "$RESULTS/device-speed-paper-compiled.json"
+  fi
 fi
 log "finished; results in $RESULTS (and $RESULTS.tar.gz)"
 for f in "$RESULTS"/*.rc; do echo "$(basename "$f" .rc) $(cat "$f")"; done

@@ -9,6 +9,7 @@ from benchmarks.quality import ablation_recipes
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_logits
 from blocktrain.model.block import BlockDenoiser
+from blocktrain.noise import normal
 from blocktrain.presets import tiny
 from blocktrain.seeds import init_seed
 
@@ -50,7 +51,7 @@ def test_boost_chain_reads_out_the_running_logit_sum() -> None:
         _, total, steps = ablation_recipes.chain_state("boost", obj, blocks, x, torch.Generator().manual_seed(3), len(blocks))
         # by hand: z_0 = sigma_max eps, then z <- z + (s' - s)(z - softmax(sum) @ E) / s
         g = torch.Generator().manual_seed(3)
-        z = cfg.diffusion.sigma_max * torch.randn(2, 16, cfg.model.d_model, generator=g)
+        z = cfg.diffusion.sigma_max * normal((2, 16, cfg.model.d_model), g)
         acc = torch.zeros(2, 16, 256)
         for k, blk in enumerate(blocks):
             s, s_next = obj.partition.block_steps(k, 1)

@@ -35,9 +35,15 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     done, wall = _suite(results, data)
     assert done.returncode == 0, done.stderr[-3000:]
     rcs = {p.stem: p.read_text().split()[0] for p in results.glob("*.rc")}
-    assert rcs == {"speed-tiny": "0", "depth": "0", "averaging": "0", "live": "0", "serve": "0"}, (rcs, done.stderr[-3000:])
+    assert rcs == {"checks": "0", "speed-tiny": "0", "depth": "0", "averaging": "0", "live": "0", "serve": "0"}, (
+        rcs, done.stderr[-3000:])
+    checks = json.loads((results / "device-checks.json").read_text())
+    assert checks["ok"] and checks["noise_hashes_equal"] and checks["device"] == "cpu"
     speed = json.loads((results / "device-speed-tiny.json").read_text())
     assert speed["device"] == "cpu"
+    for trainer in ("e2e", "block", "stack_block"):  # every bf16 run profiled: its top operators, by own time
+        ops = speed[trainer]["bf16_profile"]
+        assert ops and all(0 <= o["share"] <= 1 and o["calls"] >= 1 for o in ops)
     depth = json.loads((results / "device-depth.json").read_text())
     (row,) = depth["rows"]
     assert row["preset"] == "tiny" and set(row["ce"]) == {"stack", "stack_prefix0", "e2e_matched_flops"}
@@ -53,5 +59,5 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert f"{results.name}/device-depth.json" in names and f"{results.name}/device-live.json" in names
     again, wall_again = _suite(results, data)
     assert json.loads((results / "device-serve.json").read_text())
-    assert again.returncode == 0 and again.stderr.count("done already, skipped") == 5, again.stderr[-2000:]
+    assert again.returncode == 0 and again.stderr.count("done already, skipped") == 6, again.stderr[-2000:]
     assert wall_again < wall / 3

@@ -66,6 +66,15 @@ class Precision(enum.Enum):
     FP32 = "fp32"  # everything in fp32
 
 
+class CompileMode(enum.Enum):
+    """torch.compile of the modules a training step runs: the trained module and the frozen blocks it reads."""
+
+    OFF = "off"  # eager
+    DEFAULT = "default"  # inductor: fused elementwise and normalisation kernels
+    REDUCE_OVERHEAD = "reduce-overhead"  # inductor plus CUDA graphs: a step's kernels launched as a few graphs (CUDA)
+    MAX_AUTOTUNE = "max-autotune"  # inductor, matmul kernels tuned per shape (minutes of compilation)
+
+
 class FrozenStorage(enum.Enum):
     """How a worker stores its frozen copies of the earlier blocks it reads (their matmul weights)."""
 
@@ -220,12 +229,14 @@ class TrainConfig:
     schedule: Schedule = Schedule.PROGRESSIVE  # stack objective: when block k may train
     frozen_storage: FrozenStorage = FrozenStorage.AUTO  # stack objective: storage of the frozen earlier blocks' weights
     recompute: bool = False  # activation checkpointing: layers keep only their input, recompute in the backward
+    compile: CompileMode = CompileMode.OFF  # torch.compile of the step's modules (bench speed --compile measures it)
+    profile_steps: int = 0  # steps profiled by torch.profiler at the end of the run (0 = none): metrics/NAME.profile.*
     round_steps: int = 10  # concurrent schedule: optimiser steps per round, per block
     refresh_rounds: int = 1  # concurrent schedule: rounds between refreshes of the frozen copies
 
     def __post_init__(self) -> None:
         _check_all(self, lambda v: v >= 0, ">= 0", "steps", "warmup_steps", "weight_decay", "grad_clip", "eval_bytes",
-                   "eval_every", "test_bytes")
+                   "eval_every", "test_bytes", "profile_steps")
         _check_all(self, lambda v: v > 0, "positive", "batch_size", "checkpoint_every", "log_every", "round_steps",
                    "refresh_rounds")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from blocktrain.config import Precision
+from blocktrain.config import CompileMode, Precision
 from blocktrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,28 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but this torch has no CUDA device; use --device cpu or auto")
+    if dev.type == "cuda":
+        _allow_tf32()
     return dev
+
+
+@functools.cache
+def _allow_tf32() -> None:
+    """fp32 matmuls and convolutions on CUDA run on tensor cores in TF32 (10-bit mantissa products, fp32 sums): the
+    fp32 arithmetic of a GPU worker, a GPU audit replay or a GPU reference. Its replay error against a CPU's fp32
+    is below bf16's, which the audit tolerance was set from (benchmarks/results/audit-replay.json)."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    log.info("CUDA: fp32 matmuls use TF32")
+
+
+def compile_module(module: nn.Module, mode: CompileMode) -> nn.Module:
+    """``module`` with its forward compiled in place by torch.compile (the same module: parameters, buffers and
+    state-dict keys unchanged); OFF leaves it eager. Compilation happens at the first call, and again for a new
+    shape (evaluation batches), with shapes marked dynamic after the first change."""
+    if mode is not CompileMode.OFF:
+        module.compile(mode=mode.value)
+    return module
 
 
 def built_on_host(build: Callable[[], nn.Module], device: torch.device) -> nn.Module:
@@ -48,6 +69,14 @@ def built_on_host(build: Callable[[], nn.Module], device: torch.device) -> nn.Mo
     with torch.device(CPU):
         module = build()
     return module.to(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting: on CUDA it is copied from pinned memory, queued behind the
+    work already there (a pageable copy would wait for the device); elsewhere it is moved as usual."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def synchronize(device: torch.device) -> None:

@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 import torch
 
-from blocktrain.device import CPU
+from blocktrain.device import CPU, to_device
 from blocktrain.errors import DataError
 
 RESIDENT_MAX_BYTES = 2**30  # bytes: a split up to this size is kept on an accelerator; a larger one is cut on the host
@@ -68,8 +68,7 @@ class TrainStream:
         hi = len(self.data) - self.context - 1
         offsets = torch.randint(0, hi, (self.batch_size,), generator=g, device=g.device)  # (batch,) on the host
         if self._text is not None and self._span is not None:
-            off = offsets.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else offsets
-            win = self._text[off[:, None] + self._span[None, :]]  # (batch, context+1), cut on the device
+            win = self._text[to_device(offsets, self.device)[:, None] + self._span[None, :]]  # (batch, context+1), cut on the device
         else:
             # (batch, context+1) windows gathered with one fancy index
             idx = offsets.numpy()[:, None] + np.arange(self.context + 1)[None, :]

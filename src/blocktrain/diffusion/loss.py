@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from blocktrain.config import VOCAB_SIZE, DiffusionConfig, LossWeighting
+from blocktrain.device import to_device
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.schedule import edm_loss_weight
 from blocktrain.model.block import BlockDenoiser
+from blocktrain.noise import normal
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ def block_loss(
 ) -> LossOutput:
     """Weighted CE of block ``k`` on bytes ``x`` (b, t) with next bytes ``y`` (b, t)."""
     b, t = x.shape
-    sigma = partition.sample(k, (b, 1), generator).to(x.device)  # one sigma per sequence, as at inference
-    eps = torch.randn(b, t, block.cfg.d_model, generator=generator, device=generator.device).to(x.device)
+    sigma = to_device(partition.sample(k, (b, 1), generator), x.device)  # one sigma per sequence, as at inference
+    eps = normal((b, t, block.cfg.d_model), generator, x.device)  # drawn on x's device, the same on every device
     z = block.E[y.long()] + sigma.unsqueeze(-1) * eps  # (b, t, d)
     logits = block(x, z, sigma)
     # (b, t, 256) -> (b*t, 256)

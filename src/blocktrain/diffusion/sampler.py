@@ -21,20 +21,24 @@ from collections.abc import Sequence
 import torch
 
 from blocktrain.config import DiffusionConfig, Readout, Solver
+from blocktrain.device import CPU
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.model.block import BlockDenoiser
+from blocktrain.noise import normal
 
 
 def initial_noise(
-    shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator
+    shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator, device: torch.device = CPU
 ) -> torch.Tensor:
-    """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim), drawn on the host by the seeded CPU generator (so a
-    chain's draw is the same on every device; callers move it to theirs)."""
-    return sigma_max * torch.randn(*shape, dim, generator=generator, device=generator.device)
+    """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim), drawn on ``device`` by the counter generator keyed
+    from the seeded host ``generator`` (:mod:`blocktrain.noise`), so a chain's draw is the same on every device."""
+    return normal((*shape, dim), generator, device).mul_(sigma_max)
 
 
-def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Generator) -> torch.Tensor:
-    """eps (b, t, dim) for positions 0..t-1, drawn for the whole context (b, context, dim) and cut to t.
+def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Generator,
+                   device: torch.device = CPU) -> torch.Tensor:
+    """eps (b, t, dim) on ``device`` for positions 0..t-1 of a draw for the whole context (b, context, dim); only
+    those t positions are computed.
 
     A position's noise then does not depend on the length of the text it belongs to:
     speculative decoding scores a text plus its draft in one traversal and needs the
@@ -42,7 +46,7 @@ def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Gene
     """
     if not 1 <= t <= context:
         raise ValueError(f"need 1 <= t <= context, got t={t}, context={context}")
-    return torch.randn(b, context, dim, generator=generator, device=generator.device)[:, :t]
+    return normal((b, context, dim), generator, device, keep=t)
 
 
 def block_steps(
@@ -84,7 +88,7 @@ def chain_logits(
     if len(blocks) != partition.n_blocks:
         raise ValueError(f"chain needs {partition.n_blocks} blocks, got {len(blocks)}")
     d = blocks[0].cfg.d_model
-    z = z0 if z0 is not None else initial_noise(tuple(x.shape), d, cfg.sigma_max, generator).to(x.device)  # type: ignore[arg-type]
+    z = z0 if z0 is not None else initial_noise(tuple(x.shape), d, cfg.sigma_max, generator, x.device)  # type: ignore[arg-type]
     logits = torch.empty(0)
     for k, block in enumerate(blocks):
         z, logits = chain_step(block, k, x, z, partition, cfg, is_last=k == len(blocks) - 1)
@@ -117,7 +121,7 @@ def block_alone_logits(
 ) -> torch.Tensor:
     """Block ``k`` used alone: fed pure noise z = s_k * eps at the top of its own slice."""
     s = partition.slices[k].step_hi
-    z = initial_noise(tuple(x.shape), block.cfg.d_model, s, generator).to(x.device)  # type: ignore[arg-type]
+    z = initial_noise(tuple(x.shape), block.cfg.d_model, s, generator, x.device)  # type: ignore[arg-type]
     return block(x, z, torch.tensor(s, device=z.device))
 
 

@@ -80,7 +80,7 @@ class DiffusionObjective:
 
     def initial_carry(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         shape = (int(x.shape[0]), int(x.shape[1]))
-        return initial_noise(shape, self.cfg.model.d_model, self.cfg.diffusion.sigma_max, generator).to(x.device)
+        return initial_noise(shape, self.cfg.model.d_model, self.cfg.diffusion.sigma_max, generator, x.device)
 
     def step(
         self, block: nn.Module, k: int, x: torch.Tensor, carry: torch.Tensor | None, *, want_logits: bool, is_last: bool,

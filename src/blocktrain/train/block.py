@@ -17,7 +17,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.device import resolve_device, resolve_precision
+from blocktrain.device import compile_module, resolve_device, resolve_precision
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.seeds import block_stream, init_seed
@@ -48,7 +48,7 @@ def train_block(
     baseline = rss_bytes()  # frozen copies count towards the worker's training memory
     dtype = frozen_dtype(cfg.train.frozen_storage, precision is Precision.BF16)
     earlier = [load_block(run, cfg, j, finished=True) for j in range(objective.frozen_inputs(k))]
-    frozen = [objective.freeze(b, dtype).to(device) for b in earlier]
+    frozen = [compile_module(objective.freeze(b, dtype).to(device), cfg.train.compile) for b in earlier]
     block = objective.build_block(k)
     objective.inherit(block, k, earlier, at_init=True)  # warm start and frozen heads (stack variants); a resume overwrites it
     del earlier  # only the frozen copies stay

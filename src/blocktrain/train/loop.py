@@ -103,6 +103,8 @@ def train_steps(
             if not all(h.before(step) for h in hooks):
                 break
             t0 = time.perf_counter()
+            if device.type == "cuda":  # a new iteration for CUDA graphs (compile's reduce-overhead); else nothing
+                torch.compiler.cudagraph_mark_step_begin()
             timer.start()
             rate = lr(step)
             with autocast(precision, device):

@@ -20,13 +20,14 @@ from torch import nn
 
 from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import ByteSplit
-from blocktrain.device import CPU, autocast
+from blocktrain.device import CPU, autocast, compile_module
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.progress import progress_bar
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import EvalHook, Hook, LossFn, MetricsHook, ProgressHook, train_steps
 from blocktrain.train.memory import peak_rss_bytes
 from blocktrain.train.metrics import JsonlWriter
+from blocktrain.train.profile import ProfileHook
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_bytes
 
 __all__ = ["TrainSummary", "run_training"]
@@ -97,6 +98,7 @@ def run_training(
                                  device=device).ce_nats_per_byte}
 
     opt, names = make_optimizer(module, tc)
+    compile_module(module, tc.compile)
     ckpt = Checkpointer(name, module, opt, names, cfg, ckpt_path, state_path, save_meta, every=tc.checkpoint_every)
     start = ckpt.resume()
     if ckpt_path.exists():
@@ -109,6 +111,9 @@ def run_training(
     hooks: list[Hook] = [shown, MetricsHook(metrics, tc.log_every, last=tc.steps, progress=shown), ckpt]
     if valid is not None:
         hooks.append(EvalHook(eval_fn, tc.eval_every, metrics, module))
+    first_profiled = max(start, tc.steps - tc.profile_steps)
+    if tc.profile_steps and first_profiled < tc.steps:  # the run's last steps: after warm-up and compilation
+        hooks.append(ProfileHook(first_profiled, tc.steps - first_profiled, device, metrics_path))
     t0 = time.perf_counter()
     try:
         result = train_steps(module, opt, step_fn, range(start, tc.steps), lr=lambda s: lr_at(s, tc),

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, tensors_sha256, unpack
+from blocktrain.config import CompileMode
+from blocktrain.device import compile_module
 from blocktrain.errors import CheckpointError
 from blocktrain.objectives import Objective
 from blocktrain.objectives.base import whole_blocks
@@ -36,12 +38,13 @@ class FrozenInputs:
     """Fetches, caches, verifies and freezes the earlier blocks a worker's block reads."""
 
     def __init__(self, client: CoordinatorClient, objective: Objective, cache_dir: Path, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, compile_mode: CompileMode = CompileMode.OFF) -> None:
         self.client = client
         self.objective = objective
         self.cache_dir = cache_dir.expanduser()
         self.device = device
         self.dtype = dtype  # bf16 copies when the worker computes in bf16
+        self.compile_mode = compile_mode  # torch.compile of each frozen copy (once per copy loaded)
         self.key: FrozenKey = ()
         self.modules: list[nn.Module] = []
         self.whole: list[nn.Module] = []  # the earlier blocks whole (fp32, CPU), kept only for Objective.inherit
@@ -59,7 +62,8 @@ class FrozenInputs:
             states.append(self._weights(j, v, sha, shapes))
             log.info("frozen input: block %d version %d (sha %s...)", j, v, sha[:12])
         whole = whole_blocks(self.objective, states)  # with what each inherits from the ones before it
-        modules = [self.objective.freeze(block, self.dtype).to(self.device) for block in whole]
+        modules = [compile_module(self.objective.freeze(block, self.dtype).to(self.device), self.compile_mode)
+                   for block in whole]
         # a stack variant's block reads frozen heads of the earlier blocks (Objective.inherit): keep them whole
         self.whole = whole if self.objective.inherits() else []
         self.key, self.modules = key, modules

@@ -34,10 +34,10 @@ import torch
 from tqdm import tqdm
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack
-from blocktrain.config import Precision, RunConfig
+from blocktrain.config import CompileMode, Precision, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.device import resolve_device, resolve_precision
+from blocktrain.device import compile_module, resolve_device, resolve_precision
 from blocktrain.errors import CheckpointError, ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
@@ -71,6 +71,7 @@ class WorkerOptions:
     verify_tls: bool | str = True  # TLS verification (or a CA bundle path)
     precision: Precision | None = None  # forward/backward arithmetic (None: the run config's, bf16 by default)
     device: str = "auto"  # where to train: auto, cpu, cuda or cuda:N
+    compile: CompileMode = CompileMode.OFF  # torch.compile of the block and its frozen inputs (the trainers' --compile)
     work_dir: Path = field(default_factory=lambda: Path("runs/worker"))  # this worker's own files (its frozen cache)
     frozen_cache: Path | None = None  # verified frozen blocks on disk (None: WORK_DIR/frozen)
     averaging: Averaging = Averaging.COORDINATOR  # engine that carries the delta (hivemind: pip install 'blocktrain[hivemind]')
@@ -150,9 +151,10 @@ class Worker:
         self.objective = get_objective(self.cfg)
         self.precision = resolve_precision(self.opts.precision or self.cfg.train.precision, self.device)
         self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_dir, self.device,
-                                   frozen_dtype(self.cfg.train.frozen_storage, self.precision is Precision.BF16))
+                                   frozen_dtype(self.cfg.train.frozen_storage, self.precision is Precision.BF16),
+                                   self.opts.compile)
         self.train = self.data.open("train")
-        self.block = self.objective.build_block(self.k).to(self.device)
+        self.block = compile_module(self.objective.build_block(self.k).to(self.device), self.opts.compile)
         self.shapes = block_schema(self.block)
         self.moment_codec = reg.moment_codec
         self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)

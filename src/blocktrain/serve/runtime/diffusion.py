@@ -163,7 +163,7 @@ class BlockSpan:
             g = Seed.SWEEP_NOISE.generator(seed, sweep_index)
         else:
             g = Seed.CHAIN.generator(seed, 0)  # the draw of AssembledModel.log_probs(x, chains=1, seed): chain 0
-        return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g).to(x.device)
+        return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g, x.device)
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
@@ -218,7 +218,7 @@ class BlockSpan:
             x = f.tensors["x"]
             text = x[0].tolist()
             g_noise = Seed.CHAIN.generator(sp.seed, 0)
-            eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise).to(self.device)  # (1, t + n, d), a window at most
+            eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise, self.device)  # (1, t + n, d), a window at most
             s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
             g = sp.draft_generator(int(f.params.get("pos", 0)) + len(text))
             draft: list[int] = []
