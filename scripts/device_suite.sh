@@ -20,6 +20,7 @@
 # Jobs, in priority order (0 and a run alone first: a times the chip; the others run side by side, each under its
 # own time limit, writing its results as it finishes):
 #   0. checks     the device against the CPU: counter noise bit for bit, TF32, triton            -> device-checks.json
+#      noise-speed  the diffusion noise drawn on the device against the host draw it replaced      -> device-noise-speed.json
 #   a. speed      bench speed on the paper preset and cpu-small, each bf16 run profiled, cpu-small also compiled
 #                 with CUDA graphs (reduce-overhead)                                              -> device-speed*.json
 #   b. depth      cpu-small stack vs E2E at matched FLOPs, lr x seeds, whole test split           -> depth.jsonl, device-depth.json
@@ -44,10 +45,11 @@ case "$SUITE" in
   full)  SPEED_PRESETS="paper cpu-small"; DEPTH_PRESET=cpu-small; LRS="1e-3 1.5e-3 2e-3 3e-3 4e-3"; SEEDS="0 1 2"
          LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
          AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
-         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default ;;
+         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default
+         NOISE_REPS=10 ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
-         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE="" ;;
+         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1 ;;
   *) echo "SUITE must be full or smoke, got $SUITE" >&2; exit 2 ;;
 esac
 AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
@@ -87,6 +89,8 @@ job() {  # job NAME SECONDS CMD...: run once under its own limit; .done marks a 
 
 # 0. the device against the CPU, alone (seconds)
 job checks 120 "$PY" benchmarks/quality/device_checks.py --device "$DEVICE" --json "$RESULTS/device-checks.json"
+job noise-speed 120 "$PY" benchmarks/quality/noise_speed.py --device "$DEVICE" --reps "$NOISE_REPS" \
+  --json "$RESULTS/device-noise-speed.json"
 
 # a. speed, alone; SPEED_COMPILE lists PRESET:MODE pairs also timed under torch.compile
 for p in $SPEED_PRESETS; do

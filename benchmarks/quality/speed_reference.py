@@ -7,7 +7,7 @@ Every other flag is one of ``blocktrain bench speed``. The product's benchmark
 times the current code; then the reference commit is checked out in a temporary
 git worktree and its trainers run with the same preset, data and steps (fp32,
 its own defaults), each in a fresh child process. Trainers the reference commit
-lacks (the stack objective) are left out. The reference columns of the table
+lacks (the stack objective, before the --objective flag) are left out. The reference columns of the table
 and ``reference_fp32_s_per_step`` / ``speedup_over_reference`` in the JSON come
 from here.
 """
@@ -55,12 +55,16 @@ def time_reference(opts: SpeedOptions, result: dict[str, Any], commit: str) -> N
         run_command(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), commit])
         try:
             env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+            helps = subprocess.run([sys.executable, "-m", "blocktrain", "train-block", "--help"], env=env,
+                                   capture_output=True, text=True).stdout
+            has_objectives = "--objective" in helps  # d95cdf2 predates the flag: its blocks are diffusion blocks
             for name, sub, metrics_name, _, _ in TRAINERS:
-                if "stack" in name:
+                if "stack" in name and not has_objectives:
                     continue  # the reference commit has no stack objective
-                sub_old = tuple(a for a in sub if a not in ("--objective", "diffusion"))
+                sub_old = sub if has_objectives else tuple(a for a in sub if a not in ("--objective", "diffusion"))
                 out = opts.out / f"{name}-reference"
-                cmd = [sys.executable, "-m", "blocktrain", *sub_old, "--out", str(out), *common_flags(opts)]
+                fp32 = ["--precision", "fp32"] if "--precision" in helps else []  # d95cdf2 computes in fp32 only
+                cmd = [sys.executable, "-m", "blocktrain", *sub_old, "--out", str(out), *common_flags(opts), *fp32]
                 run_command(cmd, env)
                 sps = seconds_per_step(read_jsonl(out / "metrics" / f"{metrics_name}.jsonl"), step_bytes)
                 result[name]["reference_fp32_s_per_step"] = sps

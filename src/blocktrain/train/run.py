@@ -113,7 +113,8 @@ def run_training(
         hooks.append(EvalHook(eval_fn, tc.eval_every, metrics, module))
     first_profiled = max(start, tc.steps - tc.profile_steps)
     if tc.profile_steps and first_profiled < tc.steps:  # the run's last steps: after warm-up and compilation
-        hooks.append(ProfileHook(first_profiled, tc.steps - first_profiled, device, metrics_path))
+        # first: its report is written before a checkpoint or an evaluation the last step triggers
+        hooks.insert(0, ProfileHook(first_profiled, tc.steps - first_profiled, device, metrics_path))
     t0 = time.perf_counter()
     try:
         result = train_steps(module, opt, step_fn, range(start, tc.steps), lr=lambda s: lr_at(s, tc),
