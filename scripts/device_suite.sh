@@ -3,9 +3,11 @@
 #
 #   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H200, <= 8 minutes once started
 #   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py)
+#   SUITE=rehearsal DEVICE=cpu bash scripts/device_suite.sh   # full's jobs, flags and side-by-side launch at tiny
+#                                                             # budgets: run it before a GPU session (about 10 minutes)
 #
 # Environment:
-#   SUITE    full | smoke
+#   SUITE    full | smoke | rehearsal
 #   DEVICE   cuda | cpu (every job's --device)
 #   RESULTS  result folder (default benchmarks/results/device-suite-$SUITE); packed into RESULTS.tar.gz every 15 s
 #            and at the end, so a run cut short still returns what it finished. A second run resumes: a job whose
@@ -46,11 +48,17 @@ case "$SUITE" in
          LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
          AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
          SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default
-         NOISE_REPS=10 ;;
+         NOISE_REPS=10; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
-         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1 ;;
-  *) echo "SUITE must be full or smoke, got $SUITE" >&2; exit 2 ;;
+         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1
+         LONG_PRESET=tiny; PAPER_PRESET=tiny ;;
+  rehearsal)  # full's structure at tiny budgets: every job, compile mode and launch of the full suite, on a CPU
+         SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0 1"; LONG_LRS="3e-3"; LONG_SEEDS="0"; PAPER_STEPS=20
+         AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="5 10"; AVG_SEEDS="0"; AVG_BLOCKS=cold,warm; LIVE_PRESET=tiny; LIVE_STEPS=20
+         LIVE_H=10; SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=600; SPEED_COMPILE="tiny:reduce-overhead"
+         PAPER_COMPILE=default; NOISE_REPS=1; LONG_PRESET=tiny; PAPER_PRESET=tiny ;;
+  *) echo "SUITE must be full, smoke or rehearsal, got $SUITE" >&2; exit 2 ;;
 esac
 AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
 # The volunteers' default (issue 43's winner), as the study's flags: the rows measure what the coordinator runs
@@ -117,12 +125,12 @@ depth_rows() {
 }
 depth() {
   depth_rows "$DEPTH_PRESET" "$LRS" "$SEEDS"
-  if [ -n "$LONG_LRS" ]; then depth_rows cpu-small-long "$LONG_LRS" "$LONG_SEEDS"; fi
+  if [ -n "$LONG_LRS" ]; then depth_rows "$LONG_PRESET" "$LONG_LRS" "$LONG_SEEDS"; fi
   "$PY" benchmarks/quality/device_depth.py summary --jsonl "$RESULTS/depth.jsonl" --json "$RESULTS/device-depth.json"
 }
 
 paper() {
-  "${BT[@]}" bench quality --preset paper --objective stack --steps "$PAPER_STEPS" --no-lr-sweep --no-matched-steps \
+  "${BT[@]}" bench quality --preset "$PAPER_PRESET" --objective stack --steps "$PAPER_STEPS" --no-lr-sweep --no-matched-steps \
     --isolate no --device "$DEVICE" --data "$DATA" --out "$RESULTS/runs/paper" --fresh --no-progress \
     --json "$RESULTS/device-paper.json"
 }
@@ -160,7 +168,7 @@ serve() {  # bench serve's rows: sweep and ar on a diffusion run beside its E2E 
 }
 
 if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
-  job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth"
+  job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth"
   job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging"
   LIVE_ROWS=${LIVE_ROWS:-honest6,sign_flip}
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
@@ -168,8 +176,8 @@ if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve"
 else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
   LIVE_ROWS=${LIVE_ROWS:-}
-  job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
-  job paper "$LIMIT" bash -c "$(declare -f paper); $(declare -p RESULTS PAPER_STEPS DEVICE DATA BT); paper" &
+  job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
+  job paper "$LIMIT" bash -c "$(declare -f paper); $(declare -p RESULTS PAPER_PRESET PAPER_STEPS DEVICE DATA BT); paper" &
   job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging" &
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live" &
   SERVE_FLAGS=${SERVE_FLAGS:-}
@@ -177,7 +185,7 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
   wait
   # g. the paper preset compiled, alone again: the last priority (its eager rows are job a's)
   if [ -n "$PAPER_COMPILE" ]; then
-    job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset paper --steps "$SPEED_STEPS" --device "$DEVICE" \
+    job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset "$PAPER_PRESET" --steps "$SPEED_STEPS" --device "$DEVICE" \
       --data "$DATA" --profile --compile "$PAPER_COMPILE" --out "$RESULTS/runs/speed-paper-compiled" \
       --json "$RESULTS/device-speed-paper-compiled.json"
   fi
