@@ -4,7 +4,7 @@
 #   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H200, <= 8 minutes once started
 #   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py)
 #   SUITE=rehearsal DEVICE=cpu bash scripts/device_suite.sh   # full's jobs, flags and side-by-side launch at tiny
-#                                                             # budgets: run it before a GPU session (about 10 minutes)
+#                                                             # budgets: run it before a GPU session (about 8 minutes here)
 #
 # Environment:
 #   SUITE    full | smoke | rehearsal
@@ -48,18 +48,23 @@ case "$SUITE" in
          LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
          AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
          SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default
-         NOISE_REPS=10; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper ;;
+         NOISE_REPS=10; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""; LIVE_DEFAULT="" ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
          SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1
-         LONG_PRESET=tiny; PAPER_PRESET=tiny ;;
+         LONG_PRESET=tiny; PAPER_PRESET=tiny; LIVE_DEFAULT=honest6,sign_flip
+         SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300" ;;
   rehearsal)  # full's structure at tiny budgets: every job, compile mode and launch of the full suite, on a CPU
+              # (but the warm block: tiny trains diffusion, and a warm block needs the stack)
          SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0 1"; LONG_LRS="3e-3"; LONG_SEEDS="0"; PAPER_STEPS=20
-         AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="5 10"; AVG_SEEDS="0"; AVG_BLOCKS=cold,warm; LIVE_PRESET=tiny; LIVE_STEPS=20
-         LIVE_H=10; SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=600; SPEED_COMPILE="tiny:reduce-overhead"
-         PAPER_COMPILE=default; NOISE_REPS=1; LONG_PRESET=tiny; PAPER_PRESET=tiny ;;
+         AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="5 10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny
+         LIVE_STEPS=20; LIVE_H=10; SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=600
+         SPEED_COMPILE="tiny:reduce-overhead"; PAPER_COMPILE=default; NOISE_REPS=1; LONG_PRESET=tiny; PAPER_PRESET=tiny
+         LIVE_DEFAULT=""; SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4" ;;
   *) echo "SUITE must be full, smoke or rehearsal, got $SUITE" >&2; exit 2 ;;
 esac
+LIVE_ROWS=${LIVE_ROWS:-$LIVE_DEFAULT}  # the live job's rows (empty: every attack kind)
+SERVE_FLAGS=${SERVE_FLAGS:-$SERVE_DEFAULT}  # bench serve's flags beyond the runs and the device
 AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
 # The volunteers' default (issue 43's winner), as the study's flags: the rows measure what the coordinator runs
 AVG_FLAGS="--aggregation median --inner-start shared_mv --mean-v --moment-codec factored --share-every 3 --outer nesterov --outer-lr 0.5 --outer-momentum 0.5"
@@ -170,19 +175,21 @@ serve() {  # bench serve's rows: sweep and ar on a diffusion run beside its E2E 
 if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth"
   job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging"
-  LIVE_ROWS=${LIVE_ROWS:-honest6,sign_flip}
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
-  SERVE_FLAGS=${SERVE_FLAGS:---output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300}
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve"
 else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
-  LIVE_ROWS=${LIVE_ROWS:-}
+  pids=()
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
+  pids+=($!)
   job paper "$LIMIT" bash -c "$(declare -f paper); $(declare -p RESULTS PAPER_PRESET PAPER_STEPS DEVICE DATA BT); paper" &
+  pids+=($!)
   job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging" &
+  pids+=($!)
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live" &
-  SERVE_FLAGS=${SERVE_FLAGS:-}
+  pids+=($!)
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve" &
-  wait
+  pids+=($!)
+  wait "${pids[@]}"  # these jobs only: a bare wait would wait for the packer, which never ends
   # g. the paper preset compiled, alone again: the last priority (its eager rows are job a's)
   if [ -n "$PAPER_COMPILE" ]; then
     job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset "$PAPER_PRESET" --steps "$SPEED_STEPS" --device "$DEVICE" \

@@ -507,6 +507,9 @@ def main() -> int:
     cfg = replace(cfg, train=replace(cfg.train, device=args.device))
     if args.stack:  # the whole stack, whatever the preset's own objective (tiny's is diffusion)
         cfg = replace(cfg, objective=Objective.STACK)
+    elif not args.table_only and "warm" in args.blocks.split(",") and cfg.objective != Objective.STACK:
+        ap.error(f"--blocks warm trains block 1 on a frozen block 0, which only the stack objective has; the preset "
+                 f"{args.preset!r} trains {Objective(cfg.objective).value}: use --blocks cold, or a stack preset (cpu-mini, cpu-small)")
     done = {r["key"] for r in _read(args.jsonl)}
     command = "python benchmarks/distributed/averaging_scaling.py " + " ".join(sys.argv[1:])
     todo = planned_rows(args, cfg)
