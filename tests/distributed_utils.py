@@ -18,6 +18,7 @@ import torch
 
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.store import Store
 from blocktrain.data.dataset import DataDir, open_data_dir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.moments import InnerStart
@@ -150,6 +151,13 @@ def wait_for(pred: Any, timeout: float, what: str, every: float = 0.2) -> Any:
             return got
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def one_row(store: Store, sql: str, *args: Any) -> dict[str, Any]:
+    """``store.q1(sql, *args)`` where the test expects a row: fails if the query found none."""
+    row = store.q1(sql, *args)
+    assert row is not None, sql
+    return row
 
 
 def get_status(url: str) -> dict[str, Any]:

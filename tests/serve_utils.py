@@ -7,19 +7,23 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from blocktrain.config import RunConfig
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.presets import tiny
+from blocktrain.serve.runtime import Span
 from blocktrain.serve.runtime.diffusion import BlockSpan
 from blocktrain.serve.runtime.e2e import E2ESpan
 from blocktrain.serve.runtime.loading import _e2e_parts
 from blocktrain.serve.stage.server import StageOptions, StageThread
 from blocktrain.serve.wire.links import Address
+from tests.forked_cli import ForkedCli
 
 SPANS = ((0, 1), (2, 2), (3, 3))  # B=4 blocks over three stages
 E2E_SPANS = ((0, 1), (2, 2), (3, 3))  # L=4 layers over three stages
@@ -57,7 +61,7 @@ def e2e_spans(e2e: E2ETransformer, spans: Sequence[tuple[int, int]]) -> list[E2E
 
 
 @contextmanager
-def ring(spans: Sequence[BlockSpan | E2ESpan], ports: Sequence[int] | None = None,
+def ring(spans: Sequence[Span], ports: Sequence[int] | None = None,
          **opts: object) -> Iterator[list[StageThread]]:
     """Start stages as a ring on loopback (the last stage answers through the first)."""
     ports = list(ports or free_ports(len(spans)))
@@ -80,7 +84,7 @@ def local_models(
     return AssembledModel(list(blocks), cfg), E2EModel(e2e, cfg)
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 120.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes] | ForkedCli, seconds: float = 120.0) -> None:
     """Wait until a `blocktrain serve` subprocess listens on 127.0.0.1:port (fails at once if it exited)."""
     t_end = time.monotonic() + seconds
     while time.monotonic() < t_end:
@@ -91,3 +95,10 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 120.0) 
         except OSError:
             time.sleep(0.2)
     raise AssertionError(f"stage on port {port} did not start within {seconds}s")
+
+
+def extras(obj: BaseModel) -> dict[str, Any]:
+    """An openai client object's fields beyond OpenAI's schema (its ``model_extra``: a dict, as the client's models
+    allow extra fields)."""
+    assert obj.model_extra is not None
+    return obj.model_extra

@@ -10,6 +10,7 @@ from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_logits
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.noise import normal
+from blocktrain.objectives.diffusion import DiffusionObjective
 from blocktrain.presets import tiny
 from blocktrain.seeds import init_seed
 
@@ -31,6 +32,7 @@ def test_harness_chain_equals_library_chain() -> None:
     blocks = _blocks()
     part = NoisePartition(cfg.diffusion, cfg.model.n_blocks)
     obj = ablation_recipes.objective_for(cfg, "naive")
+    assert isinstance(obj, DiffusionObjective)  # every recipe but library-stack builds on diffusion
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         ref = chain_logits(blocks, x, part, cfg.diffusion, torch.Generator().manual_seed(3))
@@ -46,6 +48,7 @@ def test_boost_chain_reads_out_the_running_logit_sum() -> None:
     cfg = tiny()
     blocks = _blocks()
     obj = ablation_recipes.objective_for(cfg, "boost")
+    assert isinstance(obj, DiffusionObjective)
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         _, total, steps = ablation_recipes.chain_state("boost", obj, blocks, x, torch.Generator().manual_seed(3), len(blocks))

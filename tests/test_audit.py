@@ -31,7 +31,7 @@ from tests.distributed_utils import FakeClock, ThreadServer, corpus, make_coordi
 
 pytestmark = pytest.mark.timeout(240)
 
-AUDIT_ALL = {"audit_fraction": 1.0, "eval_every": 0, "local_steps": 3, "agree_min": None, "gate": False}
+AUDIT_ALL: dict[str, Any] = {"audit_fraction": 1.0, "eval_every": 0, "local_steps": 3, "agree_min": None, "gate": False}
 
 
 class ShuffledLabels(Worker):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -245,8 +246,9 @@ def test_workers_over_http_match_the_in_process_reference(start: InnerStart, eve
     from blocktrain.worker.loop import Worker, WorkerOptions
     from tests.distributed_utils import ThreadServer
 
-    knobs = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3, "eval_every": 0,
-             "local_steps": 3, "inner_start": start, "moment_every": every}  # H, the budget every work answer assigns
+    knobs: dict[str, Any] = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3,
+                             "eval_every": 0, "local_steps": 3,  # H, the budget every work answer assigns
+                             "inner_start": start, "moment_every": every}
     c = make_coordinator(tmp_path / "run", corpus, **knobs)
     tokens = [c.add_token(f"w{i}") for i in range(2)]
     with ThreadServer(c) as srv:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -26,7 +26,7 @@ from blocktrain.data import integrity
 from blocktrain.data.dataset import open_data_dir
 from blocktrain.presets import tiny
 from tests.conftest import write_data_dir
-from tests.forked_cli import spawn
+from tests.forked_cli import ForkedCli, spawn
 from tests.serve_utils import free_ports, wait_port
 
 SHAPE = "d_model=32,n_heads=2,n_layers=4,n_blocks=4,context=32,mlp_ratio=2"  # tiny's model
@@ -184,7 +184,7 @@ def test_eval_blocks_alone_prints_the_objectives_references(
 @contextmanager
 def _stages(*argvs: list[str]) -> Iterator[None]:
     """Start `blocktrain serve` processes in order; each argv must hold --listen 127.0.0.1:PORT."""
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[ForkedCli] = []
     try:
         for argv in argvs:
             proc = spawn(["serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV)
@@ -260,11 +260,12 @@ def test_serve_random_builds_a_stack_that_drafts_for_itself() -> None:
     """`serve --random SHAPE --objective stack`: a stack stage with random weights, so spec mode runs (greedy spec
     equals greedy ar); without --objective the blocks stay diffusion blocks (the scale run's)."""
     from blocktrain.config import Objective
+    from blocktrain.serve.runtime.diffusion import BlockSpan
     from blocktrain.serve.runtime.loading import parse_shape, random_run_span
     from blocktrain.serve.runtime.stack import StackSpan
 
     assert isinstance(random_run_span(parse_shape(SHAPE, objective=Objective.STACK), 0, 1), StackSpan)
-    assert random_run_span(parse_shape(SHAPE), 0, 1).family != "stack"
+    assert cast(BlockSpan, random_run_span(parse_shape(SHAPE), 0, 1)).family != "stack"  # a diffusion span
     (port,) = free_ports(1)
     with _stages(["--random", SHAPE, "--objective", "stack", "--blocks", "0-3", "--listen", f"127.0.0.1:{port}"]):
         spec = _generate(port, "spec", n=8)

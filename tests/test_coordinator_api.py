@@ -6,6 +6,7 @@ import io
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
 from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step
-from tests.distributed_utils import NO_SCREEN, FakeClock, block_weights, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import NO_SCREEN, FakeClock, block_weights, corpus, make_coordinator, one_row  # noqa: F401
 
 
 def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -79,7 +80,7 @@ def test_auth_required_and_tokens_stored_hashed(api: Api) -> None:
     row = api.c.store.q1("SELECT hash FROM tokens WHERE name='x'")
     assert row is None
     api.h("x")
-    stored = api.c.store.q1("SELECT hash FROM tokens WHERE name='x'")["hash"]
+    stored = one_row(api.c.store, "SELECT hash FROM tokens WHERE name='x'")["hash"]
     assert api.tokens["x"] not in stored and len(stored) == 64  # stored hashed
 
 
@@ -122,7 +123,8 @@ def test_round_closes_at_quorum_with_sample_weighted_mean(api: Api) -> None:
     assert api.c.version[1] == 1
     w1 = api.c.weights[1]
     for n in w0:
-        want = sum(s * d[n] for s, d in zip(samples, deltas, strict=True)) / sum(samples)  # tiny is diffusion: average
+        # tiny is diffusion: average
+        want = cast(torch.Tensor, sum(s * d[n] for s, d in zip(samples, deltas, strict=True))) / sum(samples)
         # the published step is int8 with one scale s = max|step| / 127 per tensor: error <= s / 2
         err = (w1[n] - w0[n] - want).abs().max().item()
         ulp = 2**-23 * float(w0[n].abs().max())  # W + step is rounded to float32 once
@@ -143,7 +145,7 @@ def test_deadline_closes_round_without_lapsed_worker(api: Api, clock: FakeClock)
     api.client.post("/v1/heartbeat", headers=api.h("a"))
     api.c.tick()
     assert api.c.version[0] == 1  # b left the round: quorum of the live replicas
-    row = api.c.store.q1("SELECT close_reason FROM rounds WHERE block=0 AND version=0")
+    row = one_row(api.c.store, "SELECT close_reason FROM rounds WHERE block=0 AND version=0")
     assert row["close_reason"] == "quorum"
     # a round whose deadline passes with one of two live replicas reporting closes by deadline
     api.register("b", block=0)
@@ -154,7 +156,7 @@ def test_deadline_closes_round_without_lapsed_worker(api: Api, clock: FakeClock)
     api.client.post("/v1/heartbeat", headers=api.h("a"))
     api.c.tick()
     assert api.c.version[0] == 2
-    row = api.c.store.q1("SELECT close_reason FROM rounds WHERE block=0 AND version=1")
+    row = one_row(api.c.store, "SELECT close_reason FROM rounds WHERE block=0 AND version=1")
     assert row["close_reason"] == "deadline"
 
 
@@ -204,7 +206,7 @@ def test_bad_updates_are_rejected_and_model_unchanged(api: Api) -> None:
     metrics = api.client.get("/metrics").text
     assert 'blocktrain_updates_rejected_total{reason="norm"} 1' in metrics
     # the unauthenticated one is counted in memory only: nothing is stored for a request without a valid token
-    assert api.c.store.q1("SELECT COUNT(*) AS n FROM rejections")["n"] == 6
+    assert one_row(api.c.store, "SELECT COUNT(*) AS n FROM rejections")["n"] == 6
 
 
 def test_wrong_block_and_wrong_version_metadata(api: Api) -> None:
@@ -328,10 +330,10 @@ def test_restart_resumes_versions_and_pending_updates(tmp_path: Path) -> None:
     c.close()  # (a hard kill is tested with processes in test_distributed_loopback)
     c2 = make_coordinator(tmp_path / "run", None)
     assert c2.version == {0: 0, 1: 1, 2: 0, 3: 0} and c2.weights_sha == sha
-    assert c2.store.q1("SELECT COUNT(*) AS n FROM updates WHERE state='accepted'")["n"] == 1
+    assert one_row(c2.store, "SELECT COUNT(*) AS n FROM updates WHERE state='accepted'")["n"] == 1
     c2.submit("b", 0, pack_delta(small_delta(c2, seed=4), Compression.BF16, block=0, base_version=0, base_sha=c2.weights_sha[0], samples=1))
     assert c2.version[0] == 1
-    row = c2.store.q1("SELECT n_updates FROM rounds WHERE block=0 AND version=0")
+    row = one_row(c2.store, "SELECT n_updates FROM rounds WHERE block=0 AND version=0")
     assert row["n_updates"] == 2  # the update accepted before the restart counted
     c2.close()
 
@@ -353,7 +355,7 @@ def test_adaptive_deadline_follows_observed_arrivals(tmp_path: Path) -> None:
     c.register("a", 0)
     clock.advance(3.0)  # the only replica reports 3 s after the round opened
     c.submit("a", 0, pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
-    row = c.store.q1("SELECT opened, deadline FROM rounds WHERE block=0 AND version=1")
+    row = one_row(c.store, "SELECT opened, deadline FROM rounds WHERE block=0 AND version=1")
     assert row["deadline"] - row["opened"] == pytest.approx(6.0)  # slack 2 x slowest arrival 3 s
     c.close()
 

@@ -14,7 +14,7 @@ import httpx
 import torch
 
 from blocktrain.protocol.delta import Compression, pack_delta
-from tests.distributed_utils import ThreadServer, make_coordinator
+from tests.distributed_utils import ThreadServer, make_coordinator, one_row
 
 N_WORKERS = 50
 ROUNDS = 3
@@ -71,11 +71,11 @@ def test_fifty_concurrent_workers_every_update_counted_once(tmp_path: Path) -> N
     assert status["updates_accepted"] == total
     assert all(b["version"] == ROUNDS for b in status["blocks"])
     s = c.store
-    assert s.q1("SELECT COUNT(*) AS n FROM updates")["n"] == total
-    assert s.q1("SELECT COUNT(*) AS n FROM updates WHERE state='applied'")["n"] == total
-    assert s.q1("SELECT SUM(n_updates) AS n FROM rounds")["n"] == total
+    assert one_row(s, "SELECT COUNT(*) AS n FROM updates")["n"] == total
+    assert one_row(s, "SELECT COUNT(*) AS n FROM updates WHERE state='applied'")["n"] == total
+    assert one_row(s, "SELECT SUM(n_updates) AS n FROM rounds")["n"] == total
     per_block = {r["block"]: r["n"] for r in s.q("SELECT block, COUNT(*) AS n FROM workers GROUP BY block")}
     for r in s.q("SELECT block, n_updates FROM rounds WHERE state='closed'"):
         assert r["n_updates"] == per_block[r["block"]]  # each replica exactly once per round
-    assert len(duplicates) + s.q1("SELECT COUNT(*) AS n FROM rejections WHERE reason='stale'")["n"] == total
+    assert len(duplicates) + one_row(s, "SELECT COUNT(*) AS n FROM rejections WHERE reason='stale'")["n"] == total
     c.close()

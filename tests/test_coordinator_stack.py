@@ -48,6 +48,7 @@ from tests.distributed_utils import (  # noqa: F401
     corpus,
     free_port,
     get_status,
+    one_row,
     procs,
     wait_for,
 )
@@ -278,8 +279,8 @@ def audit_round(c: Coordinator, worker: str, k: int, v: int, before: dict[str, t
     """Replay ``worker``'s round v of block k from its recorded stream, on the frozen blocks 0..k-1, with the
     block's schedule at steps v*H.. (fresh AdamW moments, as the worker's first round on the block), and compare
     with the delta it sent (fp32 both: tolerance of a last-bit difference through Adam's sqrt(v))."""
-    seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version={v}")
-    upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version={v}")
+    seed = one_row(c.store, f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version={v}")
+    upd = one_row(c.store, f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version={v}")
     got = decode_delta(unpack(c.store.blobs.get_blob(upd["blob"]))[0], Compression.NONE)
     obj = get_objective(STACK)
     frozen = []
@@ -344,7 +345,7 @@ def test_worker_refuses_a_tampered_frozen_download(tmp_path: Path, corpus: DataD
     cache = tmp_path / "cache"
     with pytest.raises(CheckpointError, match=match):
         run_worker(c, "w1", 1, cache, corpus)
-    assert c.store.q1("SELECT COUNT(*) AS n FROM updates WHERE block=1")["n"] == 0  # it never trained on it
+    assert one_row(c.store, "SELECT COUNT(*) AS n FROM updates WHERE block=1")["n"] == 0  # it never trained on it
     assert not cache.exists() or not any(cache.iterdir())  # and never cached it
     assert c.version[1] == 0
     c.close()
@@ -360,7 +361,7 @@ def test_worker_pinned_to_a_waiting_block_waits_then_trains(tmp_path: Path, corp
         thread.start()
         wait_for(lambda: c.store.q1("SELECT 1 FROM workers WHERE name='w1'") is not None, 30, "w1 to register")
         time.sleep(0.5)  # ten polls while block 1 waits
-        assert c.state[1] is BlockState.WAITING and c.store.q1("SELECT COUNT(*) AS n FROM updates")["n"] == 0
+        assert c.state[1] is BlockState.WAITING and one_row(c.store, "SELECT COUNT(*) AS n FROM updates")["n"] == 0
         finish_block(c, 0, "seed")  # block 0 finishes: block 1 opens and the waiting worker trains it
         thread.join(timeout=60)
     assert not thread.is_alive()

@@ -26,7 +26,7 @@ from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
 from blocktrain.worker.loop import Worker, WorkerSummary
-from tests.distributed_utils import HANDMADE, ThreadServer, corpus, wait_for  # noqa: F401
+from tests.distributed_utils import HANDMADE, ThreadServer, corpus, one_row, wait_for  # noqa: F401
 from tests.test_coordinator_stack import finish_block, worker_opts
 
 VARIANT = replace(get_preset("tiny"), objective=Objective.STACK,
@@ -38,15 +38,15 @@ def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torc
     """Version 0 of block k is the fresh block warm-started from block k-1's final weights, and ``worker``'s round
     on it equals a local replay on the frozen blocks with the frozen head of block k-1 (fp32 both)."""
     obj = get_objective(VARIANT)
-    v0 = unpack(c.store.blobs.get_blob(c.store.q1(f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")
-                                 ["weights_blob"]))[0]
+    v0_blob = one_row(c.store, f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")["weights_blob"]
+    v0 = unpack(c.store.blobs.get_blob(v0_blob))[0]
     earlier = whole_blocks(obj, [c.weights[j] for j in range(k)])
     expect = obj.build_block(k)
     load_trainable(expect, fresh)
     obj.inherit(expect, k, earlier, at_init=True)
     assert all(torch.equal(v0[n], t) for n, t in trainable_state(expect).items())
-    upd = c.store.q1(f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version=0")
-    seed = c.store.q1(f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version=0")
+    upd = one_row(c.store, f"SELECT blob FROM updates WHERE worker='{worker}' AND block={k} AND version=0")
+    seed = one_row(c.store, f"SELECT * FROM seeds WHERE worker='{worker}' AND block={k} AND version=0")
     got = decode_delta(unpack(c.store.blobs.get_blob(upd["blob"]))[0], Compression.NONE)
     frozen = [obj.freeze(b, torch.float32) for b in earlier]
     block = obj.build_block(k)

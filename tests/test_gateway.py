@@ -9,13 +9,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
 import pytest
 import torch
 import uvicorn
+from openai.types.chat import ChatCompletionMessageParam
 from starlette.testclient import TestClient
 
 from blocktrain.cli.main import main
@@ -35,7 +36,7 @@ from blocktrain.serve.gateway.serving import Utf8Stream
 from blocktrain.serve.runtime.stack import StackSpan
 from blocktrain.serve.wire.frames import Frame, Mode
 from blocktrain.serve.wire.modes import MODE_RULES
-from tests.serve_utils import SPANS, block_spans, free_ports, local_models, ring, tiny_models
+from tests.serve_utils import SPANS, block_spans, extras, free_ports, local_models, ring, tiny_models
 
 TEXT = "añ€😀 ok"  # 1-, 2-, 3- and 4-byte characters
 
@@ -114,7 +115,8 @@ def test_utf8_stream_replaces_invalid_bytes() -> None:
 # --- request validation -----------------------------------------------------------------------------------
 def refusal_of(body: dict[str, Any], path: str = "/v1/completions", **kw: Any) -> tuple[int, dict[str, Any]]:
     """The status and error a gateway (in process, a FakeClient's pipeline, max_tokens_cap 64) answers ``body`` with."""
-    client = TestClient(make_app(opts(max_tokens_cap=64), FakeClient([b"abc"], **kw)))
+    fake = cast(PipelineClient, FakeClient([b"abc"], **kw))  # a stand-in with what the gateway calls
+    client = TestClient(make_app(opts(max_tokens_cap=64), fake))
     r = client.post(path, json=body)
     return r.status_code, r.json().get("error", {})
 
@@ -150,7 +152,7 @@ def test_request_defaults() -> None:
     s = sampling_of(req)
     assert (req.prompt, max_tokens_of(req, 64), req.mode, s.temperature, s.top_p, s.top_k, s.seed, req.stream) == (
         "é".encode(), 16, None, 0.8, 1.0, 40, 3, False)  # mode None: the pipeline's default
-    assert sampling_of(CompletionRequest(prompt="a", top_k=-1)).top_k == 0
+    assert sampling_of(CompletionRequest.model_validate({"prompt": "a", "top_k": -1})).top_k == 0
 
 
 # --- HTTP: errors, token, streaming with a fake pipeline -------------------------------------------------
@@ -270,7 +272,7 @@ class FirstFrame:
         self.stage = StageInfo(family="any", n=4, d_model=32, context=32, modes=tuple(MODE_RULES), cached=True,
                                state="serving")
         self.max_frame_bytes = 1 << 20
-        self.modes: list[Mode] = []
+        self.modes: list[Mode | None] = []
 
     def new_id(self) -> str:
         return "r"
@@ -341,10 +343,10 @@ def test_stream_keeps_characters_split_across_chunks() -> None:
     texts = [e.choices[0].text for e in events if e.choices]
     assert "".join(texts) == TEXT + "\ufffd!"  # only the invalid byte is replaced
     assert texts == ["a", "ñ", "€", "", "😀 ok\ufffd!", ""]  # a character is sent once all its bytes came
-    raw = b"".join(base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in events if e.choices)
+    raw = b"".join(base64.b64decode(extras(e.choices[0])["raw_bytes"]) for e in events if e.choices)
     assert raw == data
     assert [e.choices[0].finish_reason for e in events if e.choices][-1] == "length"
-    assert events[-2].model_extra["blocktrain"] == {"mode": "ar", "seed": 5}
+    assert extras(events[-2])["blocktrain"] == {"mode": "ar", "seed": 5}
     assert events[-1].usage is not None and events[-1].choices == []
     assert (events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens) == (1, len(data))
     assert fake.calls == [(b"p", len(data), Sampling(temperature=0.8, top_k=7, seed=5))]
@@ -354,15 +356,16 @@ def test_chat_completions_with_the_openai_client() -> None:
     """``/v1/chat/completions``: the transcript prompt, a chat-shaped answer, and chat chunks when streaming."""
     data = TEXT.encode()
     fake = FakeClient([data[:3], data[3:]])
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     with serve_app(opts(), fake) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=20)
-        done = client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
+        done = client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=messages,
                                               max_tokens=len(data), seed=2, extra_body={"mode": "ar"})
         assert done.object == "chat.completion" and done.id.startswith("chatcmpl-")
         assert done.choices[0].message.role == "assistant" and done.choices[0].message.content == TEXT
         assert done.choices[0].finish_reason == "length" and done.usage is not None
-        events = list(client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=messages,  # type: ignore[arg-type]
+        events = list(client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=messages,
                                                      max_completion_tokens=len(data), seed=2, stream=True,
                                                      extra_body={"mode": "ar"}))
         assert all(e.object == "chat.completion.chunk" for e in events)
@@ -371,9 +374,9 @@ def test_chat_completions_with_the_openai_client() -> None:
         assert events[-1].choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="diffusion-n4-d32-ctx64", messages=[])
-        with pytest.raises(openai.BadRequestError):
+        with pytest.raises(openai.BadRequestError):  # "wizard" is no role: a request the types refuse, on purpose
             client.chat.completions.create(model="diffusion-n4-d32-ctx64",
-                                           messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item]
+                                           messages=[{"role": "wizard", "content": "x"}])  # type: ignore[list-item, misc]
     prompt = b"System: Be brief.\nUser: Hi\nAssistant:"
     assert [c[0] for c in fake.calls] == [prompt, prompt]
 
@@ -423,7 +426,7 @@ def test_openai_client_against_a_pipeline() -> None:
             chat = client.chat.completions.create(model=model.id, max_tokens=16, seed=1, messages=[  # 35 + 16 > 32
                 {"role": "user", "content": "Hello! Which game is this?"}])
             assert chat.usage is not None and chat.usage.completion_tokens == 16  # the default (ar) slides its window
-            assert chat.model_extra["blocktrain"]["mode"] == "ar"
+            assert extras(chat)["blocktrain"]["mode"] == "ar"
 
         async def direct_sweep(addr):  # type: ignore[no-untyped-def]
             async with PipelineClient(addr, timeout_s=30) as c:
@@ -435,19 +438,19 @@ def test_openai_client_against_a_pipeline() -> None:
             async with PipelineClient(addr, timeout_s=30) as c:
                 return await c.generate_spec(prompt.encode(), n, temperature=0.0, top_k=40, seed=seed, draft_max=4)
 
-        spec_ref = asyncio.run(direct_spec(stages[0].address, specd.model_extra["blocktrain"]["seed"]))
-    assert base64.b64decode(swept.choices[0].model_extra["raw_bytes"]) == swept_ref and len(swept_ref) == 8
-    spec_info = specd.model_extra["blocktrain"]
-    assert spec_info["mode"] == "spec" and base64.b64decode(specd.choices[0].model_extra["raw_bytes"]) == spec_ref.data
+        spec_ref = asyncio.run(direct_spec(stages[0].address, extras(specd)["blocktrain"]["seed"]))
+    assert base64.b64decode(extras(swept.choices[0])["raw_bytes"]) == swept_ref and len(swept_ref) == 8
+    spec_info = extras(specd)["blocktrain"]
+    assert spec_info["mode"] == "spec" and base64.b64decode(extras(specd.choices[0])["raw_bytes"]) == spec_ref.data
     assert len(spec_ref.data) == n and spec_info["traversals"] == spec_ref.traversals
     assert spec_info["traversals"] + spec_info["accepted"] == n and spec_info["drafted"] <= 4 * spec_info["traversals"]
     choice = done.choices[0]
-    assert done.model_extra["blocktrain"] == {"mode": "ar", "seed": 4}  # ar: the default on diffusion blocks
-    assert base64.b64decode(choice.model_extra["raw_bytes"]) == ref
+    assert extras(done)["blocktrain"] == {"mode": "ar", "seed": 4}  # ar: the default on diffusion blocks
+    assert base64.b64decode(extras(choice)["raw_bytes"]) == ref
     assert choice.text == ref.decode("utf-8", errors="replace") and choice.finish_reason == "length"
     assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (
         8, n, 8 + n)
-    assert b"".join(base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in stream) == ref
+    assert b"".join(base64.b64decode(extras(e.choices[0])["raw_bytes"]) for e in stream) == ref
     assert "".join(e.choices[0].text for e in stream) == choice.text
     assert stream[-1].choices[0].finish_reason == "length"
 
@@ -470,7 +473,7 @@ def test_openai_client_spec_on_a_stack_pipeline() -> None:
         with serve_app(GatewayOptions(pipeline=f"127.0.0.1:{stages[0].address[1]}", request_timeout_s=60)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
             model = client.models.list().data[0]
-            assert model.model_extra["modes"] == ["spec", "ar"]
+            assert extras(model)["modes"] == ["spec", "ar"]
             done = client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8, top_p=0.9,
                                              seed=3, extra_body={"top_k": 40})  # mode spec: the default here
             stream = list(client.completions.create(model=model.id, prompt=prompt, max_tokens=n, temperature=0.8,
@@ -479,13 +482,13 @@ def test_openai_client_spec_on_a_stack_pipeline() -> None:
                                               seed=3, extra_body={"top_k": 40, "draft_min": 2, "draft_max": 2})
             slid = client.completions.create(model=model.id, prompt=prompt, max_tokens=29)  # 4 + 29 > 32: it slides
             assert slid.usage is not None and slid.usage.completion_tokens == 29
-            assert len(base64.b64decode(slid.choices[0].model_extra["raw_bytes"])) == 29
-    assert len(ref.data) == n and base64.b64decode(done.choices[0].model_extra["raw_bytes"]) == ref.data
-    assert done.model_extra["blocktrain"] == {"mode": "spec", "seed": 3, "traversals": ref.traversals,
+            assert len(base64.b64decode(extras(slid.choices[0])["raw_bytes"])) == 29
+    assert len(ref.data) == n and base64.b64decode(extras(done.choices[0])["raw_bytes"]) == ref.data
+    assert extras(done)["blocktrain"] == {"mode": "spec", "seed": 3, "traversals": ref.traversals,
                                               "drafted": ref.drafted, "accepted": ref.accepted}
-    assert fixed.model_extra["blocktrain"]["drafted"] == ref2.drafted <= 2 * ref2.traversals  # drafts of at most 2 bytes
-    assert base64.b64decode(fixed.choices[0].model_extra["raw_bytes"]) == ref2.data
-    pieces = [base64.b64decode(e.choices[0].model_extra["raw_bytes"]) for e in stream]
+    assert extras(fixed)["blocktrain"]["drafted"] == ref2.drafted <= 2 * ref2.traversals  # drafts of at most 2 bytes
+    assert base64.b64decode(extras(fixed.choices[0])["raw_bytes"]) == ref2.data
+    pieces = [base64.b64decode(extras(e.choices[0])["raw_bytes"]) for e in stream]
     assert b"".join(pieces) == ref.data and len([p for p in pieces if p]) == ref.traversals  # a chunk per traversal
     assert "".join(e.choices[0].text for e in stream) == ref.data.decode("utf-8", errors="replace")
 

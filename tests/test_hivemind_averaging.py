@@ -13,6 +13,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
     try:
         names = ["w1", "w2", "w3"]
         _register(c, names, KEYS[:3])
-        assert c.store.meta.get_meta("p2p_run") == c.hub.run
+        assert c.hub is not None and c.store.meta.get_meta("p2p_run") == c.hub.run
         # a member whose proof is not signed with the key it was admitted with, or a name never admitted: refused
         # whole, nothing recorded
         for bad_names, bad_keys in ((["w1", "w3"], [KEYS[0], KEYS[3]]), (["w1", "w9"], [KEYS[0], KEYS[2]])):
@@ -246,18 +247,23 @@ def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerS
                 p.terminate()
                 p.wait(timeout=60)
     weights = unpack((run / "coordinator" / "blobs" / f"{_latest_weights(run)}.safetensors").read_bytes())[0]
-    knobs = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0, "step_compression": Compression.NONE,
-             "aggregation": Aggregation.MEAN, "inner_start": start, "moment_codec": MomentCodec.NONE, "moment_clip": 1e6,
-             "moment_every": every}
+    knobs: dict[str, Any] = {"outer": OuterOptimizer.NESTEROV, "rounds": 2, "eval_every": 0,
+                             "step_compression": Compression.NONE, "aggregation": Aggregation.MEAN,
+                             "inner_start": start, "moment_codec": MomentCodec.NONE, "moment_clip": 1e6,
+                             "moment_every": every}
     tiny = get_preset("tiny")  # the workers ran with --precision fp32: so does the reference, on any CPU
     tiny = replace(tiny, train=replace(tiny.train, precision=Precision.FP32))
     ref = run_local_rounds(tiny, CoordinatorSettings(**knobs),
                            LocalRounds(workers=3, local_steps=3, steps=6, compression=Compression.NONE), corpus)
     for n, w in ref.weights.items():
+
+        def named(m: str, n: str = n) -> str:
+            return f"{n}: {m}"
+
         # fp32 group means summed in another order than the reference's, and the workers' own threads' GEMM
         # order, times the outer step (eta 0.85 x 1.9): measured at most 2.6e-6 on a CPU without native bf16 and
         # 5.7e-6 on one with AVX-512 bf16 (2e-6 held at eta 0.7)
-        torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-5, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-5, msg=named)
 
 
 def _blocktrain(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:

@@ -118,7 +118,7 @@ def test_moments_survive_their_encoding_within_its_stated_error(codec: MomentCod
 
 
 def test_a_strangers_moments_are_checked_before_they_count() -> None:
-    shapes = {"w": (3, 2)}
+    shapes: dict[str, tuple[int, ...]] = {"w": (3, 2)}
     good = encode_moments({"v/w": torch.ones(3, 2)}, MomentCodec.INT8)
     assert set(parse_moments(good, shapes, ("v/",), MomentCodec.INT8)) == {"v/w"}
     with pytest.raises(ProtocolError, match="exactly"):

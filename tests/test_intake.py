@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.messages import PROTOCOL_VERSION, WorkAnswer, parse_meta
-from tests.distributed_utils import FakeClock, make_coordinator
+from tests.distributed_utils import FakeClock, make_coordinator, one_row
 
 
 class Peer:
@@ -85,7 +86,7 @@ def test_the_work_answer_assigns_a_budget_and_a_claim_above_it_is_refused(coord:
         assert a.push(direction(coord, 0), samples=w.sequences + 1) == (422, "claim")
         assert a.push(direction(coord, 0), samples=1 << 30) == (422, "claim")
         assert a.push(direction(coord, 0), samples=w.sequences) == (202, "")  # its whole budget: accepted
-        assert coord.store.q1("SELECT samples FROM updates WHERE worker='w0'")["samples"] == w.sequences
+        assert one_row(coord.store, "SELECT samples FROM updates WHERE worker='w0'")["samples"] == w.sequences
 
 
 def test_a_delta_that_names_another_base_is_refused(coord: Coordinator) -> None:
@@ -142,12 +143,14 @@ def test_repeated_refusals_quarantine_the_worker_and_drop_its_pending_update(tmp
         honest, bad = peers(c, client, 2)
         base = direction(c, 0)
         assert bad.push(near(base, 5)) == (202, "")  # accepted, waiting for its round
-        assert c.store.rounds.round(0, 0).n_updates == 1
+        rnd = c.store.rounds.round(0, 0)
+        assert rnd is not None and rnd.n_updates == 1
         for _ in range(3):
             assert bad.push(near(base, 6), samples=1 << 30) in {(422, "claim"), (409, "duplicate")}
         # three claims: quarantined, its token revoked, its pending update dropped from the round
         assert c.store.conduct.quarantined("w1")
-        assert c.store.rounds.round(0, 0).n_updates == 0
+        rnd = c.store.rounds.round(0, 0)
+        assert rnd is not None and rnd.n_updates == 0
         r = client.get("/v1/work", headers=bad.headers)
         assert r.status_code == 403 and r.json()["error"] == "quarantined"
         assert honest.push(near(base, 7)) == (202, "")
@@ -246,7 +249,8 @@ def test_a_near_duplicate_checked_on_a_snapshot_taken_before_its_original_was_ac
     for sk in sketches[16:]:
         intake.remember_sketch(0, sk)  # the buffer grows past its capacity: the snapshot must not change
     assert view.sketches.shape[0] == 15 and torch.equal(view.sketches, torch.stack(sketches[:15]))
-    assert replay_cosine(0, original.clone(), view.sketches, intake.settings) < 0.9  # the stale snapshot lets it pass
+    cosine = replay_cosine(0, original.clone(), view.sketches, intake.settings)
+    assert cosine is not None and cosine < 0.9  # the stale snapshot lets it pass
     with pytest.raises(ProtocolError) as info:  # the near-duplicate's check under the lock that would accept it
         intake.check_replay(0, original.clone())  # a copy (a scaled copy has the same unit sketch)
     assert info.value.status == 422 and info.value.reason == "replay"
@@ -271,8 +275,8 @@ def test_a_near_duplicate_sent_while_its_original_is_being_accepted_is_refused(t
         checking, accepted = threading.Event(), threading.Event()
         check = c.intake.check
 
-        def check_then_wait(*args: object, **kwargs: object) -> object:
-            out = check(*args, **kwargs)  # type: ignore[arg-type]
+        def check_then_wait(*args: Any, **kwargs: Any) -> Checked:
+            out = check(*args, **kwargs)
             if threading.current_thread().name == "b":  # b's checks passed on a snapshot without a's update
                 checking.set()
                 assert accepted.wait(30)

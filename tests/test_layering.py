@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -186,7 +187,7 @@ def test_no_coordinator_part_takes_a_lock_or_writes_another_parts_state() -> Non
                 while isinstance(t, ast.Subscript):
                     t = t.value
                 if isinstance(t, ast.Attribute) and _through_another_part(t.value):
-                    found.append(f"line {node.lineno}: assigns {ast.unparse(t)}")
+                    found.append(f"line {cast(ast.stmt, node).lineno}: assigns {ast.unparse(t)}")
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS
                     and isinstance(node.func.value, ast.Attribute) and _through_another_part(node.func.value.value)):
                 found.append(f"line {node.lineno}: mutates {ast.unparse(node.func.value)}")

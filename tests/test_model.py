@@ -38,9 +38,9 @@ def test_e2e_is_causal(tiny_cfg: RunConfig, t: int) -> None:
 @pytest.mark.parametrize("t", [0, 5, 30])
 def test_block_chain_is_causal(tiny_cfg: RunConfig, t: int) -> None:
     blocks = [BlockDenoiser(tiny_cfg.model, 0.5).eval() for _ in range(tiny_cfg.model.n_blocks)]
-    for b in blocks:
-        _randomise(b)
-        b.target_embedding.copy_(blocks[0].target_embedding)
+    for blk in blocks:
+        _randomise(blk)
+        blk.E.copy_(blocks[0].E)  # E is the target_embedding buffer
     part = NoisePartition(tiny_cfg.diffusion, tiny_cfg.model.n_blocks)
     x = torch.randint(0, 256, (2, tiny_cfg.model.context))
 

@@ -42,8 +42,8 @@ def test_diffusion_composition_is_the_chain() -> None:
     assert isinstance(obj, DiffusionObjective)
     torch.manual_seed(0)
     blocks = [obj.build_block(k) for k in range(cfg.model.n_blocks)]
-    for b in blocks:
-        torch.nn.init.normal_(b.z_in.weight, std=0.05)  # make z matter
+    for blk in blocks:
+        torch.nn.init.normal_(blk.z_in.weight, std=0.05)  # make z matter
     x = torch.randint(0, 256, (2, 24), dtype=torch.uint8)
     a = compose_logits(obj, blocks, x, torch.Generator().manual_seed(5))
     b = chain_logits(blocks, x, obj.partition, cfg.diffusion, torch.Generator().manual_seed(5))

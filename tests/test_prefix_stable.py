@@ -17,7 +17,7 @@ from blocktrain.serve.gateway.logprobs import WINDOWS_PER_CALL, byte_log_probs
 from tests.serve_utils import tiny_models
 
 CFG, BLOCKS, E2E = tiny_models()
-MODELS = {"chain": AssembledModel(BLOCKS, CFG), "e2e": E2EModel(E2E, CFG)}
+MODELS: dict[str, AssembledModel | E2EModel] = {"chain": AssembledModel(BLOCKS, CFG), "e2e": E2EModel(E2E, CFG)}
 TEXT = np.random.default_rng(0).integers(32, 127, size=40 * CFG.model.context, dtype=np.uint8)
 ATOL = 1e-5  # nats: batched matmuls of other batch sizes round differently; a moved window moves scores by >1e-2
 

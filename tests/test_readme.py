@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 from benchmarks.quality.readme_sections import run_readme, stop, substitutions
@@ -31,4 +32,4 @@ def test_the_readme_runs_as_written(tmp_path: Path, servers: list[subprocess.Pop
     words = [" ".join(r.split()[1:3]) if r != "python" else r for r in ran]
     assert words.count("python") == 1 and any("worker" in w for w in words) and sum(w.startswith("serve ") for w in words) == 2, ran
     for p in servers:
-        assert p.poll() is None, f"{p.args[1]} stopped early"
+        assert p.poll() is None, f"{cast(list[str], p.args)[1]} stopped early"

@@ -78,7 +78,7 @@ def test_stage_with_another_token_fails_requests_fast(models) -> None:  # type: 
     spans = block_spans(cfg, blocks, SPANS)
     ports = free_ports(3)
     other = "9" * 32
-    fast = {"connect_timeout_s": 0.5, "connect_attempts": 2, "backoff_s": 0.05, "retries": 0}
+    fast: dict[str, Any] = {"connect_timeout_s": 0.5, "connect_attempts": 2, "backoff_s": 0.05, "retries": 0}
     stages = []
     try:
         for i, (span, tok) in enumerate(zip(spans, (TOKEN, other, TOKEN), strict=True)):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -105,6 +106,12 @@ def test_every_stage_option_is_reachable_from_the_cli(tmp_path: Path, monkeypatc
     assert options() == StageOptions()  # no flags: the dataclass defaults, none repeated in the CLI
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of ``parser``'s subcommand ``name`` (argparse keeps them in its first subparsers action's choices)."""
+    assert parser._subparsers is not None
+    return cast(dict[str, argparse.ArgumentParser], parser._subparsers._group_actions[0].choices)[name]
+
+
 def test_bench_serve_flags_build_the_options(tmp_path: Path) -> None:
     parse = build_parser().parse_args
     assert bench_options(parse(["bench", "serve"])) == ServeBenchOptions()
@@ -112,8 +119,7 @@ def test_bench_serve_flags_build_the_options(tmp_path: Path) -> None:
                                 str(tmp_path / "r.json"), "--stack-run", str(tmp_path), "--draft-max", "8"]))
     assert opts == ServeBenchOptions(sweeps=(1, 3), hop_delay_ms=10.0, json=tmp_path / "r.json", stack_run=tmp_path,
                                      draft_max=8)
-    dests = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
-             ._subparsers._group_actions[0].choices["serve"]._actions}
+    dests = {a.dest for a in _subcommand(_subcommand(build_parser(), "bench"), "serve")._actions}
     assert {BENCH_PREFIX + f.name for f in fields(ServeBenchOptions)} <= dests
     with pytest.raises(SystemExit):
         parse(["bench", "serve", "--sweeps", "1,x"])

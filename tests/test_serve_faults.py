@@ -19,7 +19,7 @@ from blocktrain.serve.stage.server import StageOptions, StageThread
 from blocktrain.serve.wire.frames import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
 from tests.serve_utils import E2E_SPANS, SPANS, block_spans, e2e_spans, free_ports, local_models, ring, tiny_models
 
-FAST = {"connect_timeout_s": 0.5, "connect_attempts": 2, "backoff_s": 0.05}
+FAST: dict[str, Any] = {"connect_timeout_s": 0.5, "connect_attempts": 2, "backoff_s": 0.05}
 
 
 @pytest.fixture(scope="module")

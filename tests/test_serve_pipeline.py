@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -163,9 +164,9 @@ def test_generate_remote_cli_path(models) -> None:  # type: ignore[no-untyped-de
     assembled, _ = local_models(cfg, blocks, e2e)
     with ring(block_spans(cfg, blocks, SPANS)) as stages:
         host, port = stages[0].address
-        sampling = {"temperature": 0.5, "top_k": 10, "seed": 1}
+        sampling: dict[str, Any] = {"temperature": 0.5, "top_k": 10, "seed": 1}
         got = generate_remote(f"{host}:{port}", "ar", b"Sega", 6, **sampling)
-        assert got == generate(assembled, b"Sega", 6, **sampling)  # type: ignore[arg-type]
+        assert got == generate(assembled, b"Sega", 6, **sampling)
         assert len(generate_remote(f"{host}:{port}", "sweep", b"Sega", 6, sweeps=2, **sampling)) == 6
 
 

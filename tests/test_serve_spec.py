@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -248,7 +249,7 @@ def test_rejection_rolls_back_every_stage_cache(stack_run: Path) -> None:
 
     with ring(spans(stack_run)) as stages:
         rid, text, held = asyncio.run(run(stages[0].address, stages))
-        entries = [s.server.span.cache.peek(rid) for s in stages]
+        entries = [cast(StackSpan, s.server.span).cache.peek(rid) for s in stages]
         fresh = [CacheEntry(), CacheEntry()]
         first, last = spans(stack_run)
         with torch.inference_mode():
@@ -419,7 +420,7 @@ def test_spec_recovers_from_an_evicted_cache(stack_run: Path) -> None:
 
     with ring([first, last]) as stages:
         spec, ar = asyncio.run(run(stages[0].address))
-        evicted = stages[1].server.span.cache.evictions
+        evicted = cast(StackSpan, stages[1].server.span).cache.evictions
     model = local(stack_run)
     assert spec.data == generate(model, prompt, 12, temperature=0.0)
     assert ar == generate(model, prompt, 6, temperature=0.8, top_k=40, seed=1)

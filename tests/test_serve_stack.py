@@ -6,6 +6,7 @@ import argparse
 import asyncio
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def spans(
     run: Path, precision: Precision = Precision.FP32, layout: tuple[tuple[int, int], ...] = STACK_SPANS, **cache: object
 ) -> list[StackSpan]:
     opts = CacheOptions(**cache)  # type: ignore[arg-type]
-    return [load_run_span(RunDir(run), lo, hi, precision, opts) for lo, hi in layout]
+    return [cast(StackSpan, load_run_span(RunDir(run), lo, hi, precision, opts)) for lo, hi in layout]
 
 
 def local(run: Path, precision: Precision = Precision.FP32) -> AssembledModel:
@@ -90,7 +91,7 @@ def test_cached_ar_equals_local_generate(stack_run: Path, precision: Precision, 
 
     with ring(spans(stack_run, precision)) as stages:
         text, logits = asyncio.run(run(stages[0].address))
-        cached = [len(s.server.span.cache) for s in stages]
+        cached = [len(cast(StackSpan, s.server.span).cache) for s in stages]
     ref = model.log_probs(torch.tensor([list(prompt)], dtype=torch.uint8))[0, 0, -1]
     assert (torch.log_softmax(logits[0], -1) - ref).abs().max() <= tol
     if precision is Precision.FP32:
@@ -127,7 +128,8 @@ def test_cached_steps_equal_full_forward(stack_run: Path) -> None:
         h, _ = first.cached_step(e0, text[:, 13:], 13)
         outs.append(last.cached_step(e1, h, 13)[1])
     ref = model.log_probs(text)[0, 0]
-    assert torch.allclose(torch.log_softmax(torch.cat(outs, dim=1)[0], -1), ref, atol=TOL)
+    logits = cast(list[torch.Tensor], outs)  # the last span runs the head: its logits are never None
+    assert torch.allclose(torch.log_softmax(torch.cat(logits, dim=1)[0], -1), ref, atol=TOL)
 
 
 def test_cache_eviction_by_count_bytes_and_idle(caplog: pytest.LogCaptureFixture) -> None:

@@ -18,6 +18,7 @@ from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.report import evaluate_model
 from blocktrain.model.stack import StackBlock, StoredLinear, frozen_copy
 from blocktrain.objectives import compose_logits, get_objective
+from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import get_preset, tiny
 from blocktrain.train import schedule
 from blocktrain.train.block import train_block
@@ -171,6 +172,7 @@ def test_a_frozen_copy_stored_in_bf16_or_int8_computes_in_fp32_close_to_the_bloc
                                                                                  atol: float) -> None:
     cfg = replace(get_preset("tiny"), objective=Objective.STACK)
     objective = get_objective(cfg)
+    assert isinstance(objective, StackObjective)
     torch.manual_seed(0)
     block = objective.build_block(0)
     x = torch.randint(0, 256, (2, cfg.model.context))

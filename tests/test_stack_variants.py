@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from blocktrain.checkpoint.blocks import load_block
 from blocktrain.checkpoint.run import RunDir
@@ -17,6 +18,7 @@ from blocktrain.errors import BlockTrainError, ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.model.stack import StackBlock
 from blocktrain.objectives import get_objective
+from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import tiny
 from blocktrain.train.block import train_block
 from blocktrain.train.schedule import train_concurrent
@@ -40,10 +42,17 @@ def variant_cfg(stack: StackConfig, **train: object) -> RunConfig:
     return cfg.with_train(**train) if train else cfg
 
 
+def _head_weight(block: StackBlock) -> torch.Tensor:
+    """A stack block's head weight (its head, typed as a module, is an ``nn.Linear``)."""
+    assert isinstance(block.head, nn.Linear)
+    return block.head.weight
+
+
 def inherited_blocks(cfg: RunConfig, seed: int = 0) -> list[StackBlock]:
     """Blocks built as a progressive run builds them: each inherits from the (perturbed) finished blocks before it."""
     torch.manual_seed(seed)
     obj = get_objective(cfg)
+    assert isinstance(obj, StackObjective)
     blocks: list[StackBlock] = []
     for k in range(cfg.model.n_blocks):
         b = obj.build_block(k)
@@ -95,6 +104,7 @@ def test_frozen_blocks_and_frozen_heads_get_no_gradient(name: str) -> None:
 def test_identity_init_starts_prefix_k_at_prefix_k_minus_1() -> None:
     cfg = variant_cfg(StackConfig(init=StackInit.IDENTITY))
     obj = get_objective(cfg)
+    assert isinstance(obj, StackObjective)
     torch.manual_seed(0)
     b0 = obj.build_block(0)
     for p in b0.parameters():
@@ -123,6 +133,7 @@ def test_residual_head_adds_to_the_frozen_head_of_block_k_minus_1() -> None:
     cfg = variant_cfg(StackConfig(head=StackHead.RESIDUAL))
     blocks = inherited_blocks(cfg)
     obj = get_objective(cfg)
+    assert isinstance(obj, StackObjective)
     b2 = obj.build_block(2)
     obj.inherit(b2, 2, blocks[:2], at_init=True)
     h = torch.randn(2, 8, cfg.model.d_model)
@@ -134,12 +145,13 @@ def test_shared_head_is_block_0s_head() -> None:
     cfg = variant_cfg(StackConfig(head=StackHead.SHARED))
     blocks = inherited_blocks(cfg)
     for b in blocks[1:]:
-        assert torch.equal(b.head.weight, blocks[0].head.weight) and not b.head.weight.requires_grad
+        assert torch.equal(_head_weight(b), _head_weight(blocks[0])) and not _head_weight(b).requires_grad
 
 
 def test_aux_layers_leave_the_last_block_plain() -> None:
     cfg = variant_cfg(StackConfig(aux_layers=2))
     obj = get_objective(cfg)
+    assert isinstance(obj, StackObjective)
     assert [len(obj.build_block(k).head_layers) for k in range(4)] == [2, 2, 2, 0]
 
 
@@ -212,7 +224,7 @@ def test_progressive_variant_trains_round_trips_and_composes(name: str, tmp_path
     if name == "head-residual":  # the frozen head went into the checkpoint: block 3 reads block 2's head
         b3, b2 = blocks[3], blocks[2]
         assert isinstance(b3, StackBlock) and isinstance(b2, StackBlock) and b3.prev_head is not None
-        assert torch.equal(b3.prev_head.head.weight, b2.head.weight)
+        assert torch.equal(b3.prev_head.head.weight, _head_weight(b2))
 
 
 def test_concurrent_refuses_an_unequal_budget(tmp_path: Path, data_dir: Path) -> None:
