@@ -131,7 +131,8 @@ def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
             train_arm(cfg, opts.data, out, k, isolate=True, progress=False)
             metrics = read_jsonl(out / "metrics" / f"{metrics_name}.jsonl")
             summary = next(r for r in reversed(metrics) if r.get("event") == "summary")
-            sps = seconds_per_step(metrics, step_bytes, until=opts.steps - (PROFILE_STEPS if profiled else 0))
+            # a block may train more steps than opts.steps (stack.step_ratio): time every step before its profile
+            sps = seconds_per_step(metrics, step_bytes, until=summary["steps"] - (PROFILE_STEPS if profiled else 0))
             entry[f"{arm}_s_per_step"] = sps
             entry[f"{arm}_median_s_per_step"] = summary["seconds_per_step"]
             entry["flops_per_step"] = summary["flops_per_step"]
