@@ -200,3 +200,29 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
             assert c.version[0] == v + 1, f"round {v} held open by a refused or quarantined worker"
         assert c.store.conduct.quarantined("evil")  # three refusals quarantine it (quarantine_after 3)
     c.close()
+
+
+def test_min_updates_waits_for_workers_not_yet_registered(tmp_path: Path) -> None:
+    """--min-updates 3 with one worker registered: its push does not close the round (the other two have not joined
+    yet, as when worker processes start one after another); the third registered worker's push does. The floor
+    drops only for workers that can no longer count (refused, quarantined), not for those not there yet."""
+    from fastapi.testclient import TestClient
+
+    from blocktrain.coordinator.app import create_app
+    from tests.distributed_utils import FakeClock
+
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=120, lease_seconds=600, min_updates=3,
+                         agree_min=None, refusal_burst=0, audit_fraction=0.0)
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+
+        def push(name: str, seed: int) -> int:
+            return api.push(name, 0, pack_delta(small_delta(c, scale=1e-3, seed=seed), Compression.BF16, block=0,
+                                                base_version=0, base_sha=c.weights_sha[0], samples=4))[0]
+
+        for i, name in enumerate(("a", "b", "c")):
+            api.register(name, block=0)  # every registered worker has reported after its push: live <= reported
+            assert push(name, i) == 202
+            c.tick()
+            assert c.version[0] == (1 if i == 2 else 0), f"after {i + 1} of 3 updates"
+    c.close()

@@ -75,8 +75,9 @@ def test_the_profile_hook_reports_the_last_steps_top_operators(tmp_path: Path, d
 def test_profile_steps_and_compile_are_validated() -> None:
     with pytest.raises(ConfigError, match="profile_steps"):
         tiny().with_train(profile_steps=-1)
-    with pytest.raises(ValueError):
-        CompileMode("fast")
+    with pytest.raises(ConfigError, match="compile"):  # a string where the enum belongs is refused, not ignored
+        tiny().with_train(compile="default")
+    assert tiny().with_train(compile=CompileMode.DEFAULT).train.compile is CompileMode.DEFAULT
 
 
 def test_a_cuda_device_turns_tf32_on(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -205,19 +205,24 @@ class Rounds:
     def check_quorum(self, now: float) -> list[int]:
         """Close every open round that each live replica of its block has reported to; returns their blocks.
 
-        The quorum counts only the workers that can still contribute: live (admitted, holding a lease; a quarantined
-        worker has left) and not refused in this round. ``min_updates`` is capped by their number, so a refused or
-        quarantined worker never holds a round to its deadline."""
+        A round closes by quorum only with ``min_updates`` counted deltas, less one for each worker that can no
+        longer count in it: refused in this round, or quarantined (it has left). So a refused or quarantined worker
+        never holds a round to its deadline, while a worker that has not registered yet is still waited for (up to
+        the deadline): ``min_updates`` is a floor the operator sets, not the number of workers that happen to be
+        there when the first push lands."""
         live = self.store.workers.live_by_block(self.n_blocks, now)
+        gone = self.store.conduct.quarantined_by_block(self.n_blocks)
         closed = []
         for k in range(self.n_blocks):
             v = self.checkpoints.current(k).version
-            reported = self.store.updates.reporters(k, v)
             rnd = self.store.rounds.round(k, v)
+            if rnd is None or rnd.state is not RoundState.OPEN:
+                continue
+            reported = self.store.updates.reporters(k, v)
             refused = self._refused.get((k, v), set())  # a refused worker waits for the next version
-            able = (live[k] - refused) | reported  # who can still count in this round
-            enough = len(reported) >= min(self.settings.min_updates, len(able))
-            if (rnd is not None and rnd.state is RoundState.OPEN and enough and live[k] <= reported | refused
+            counted = reported - gone[k]  # a quarantined worker's update was dropped
+            required = max(1, self.settings.min_updates - len(refused | gone[k]))
+            if (len(counted) >= required and live[k] <= reported | refused
                     and rnd.n_updates > 0  # 0: every update it had was dropped (a quarantined worker's)
                     and not self.audits_pending(k, v)):
                 self.close_round(k, CloseReason.QUORUM, now)

@@ -444,6 +444,15 @@ class ConductTable:
         """Every quarantined worker and why."""
         return {str(r["worker"]): str(r["reason"]) for r in self.db.q("SELECT worker, reason FROM quarantine ORDER BY at")}
 
+    def quarantined_by_block(self, n_blocks: int) -> dict[int, set[str]]:
+        """Block -> the quarantined workers that were registered on it."""
+        out: dict[int, set[str]] = {k: set() for k in range(n_blocks)}
+        rows = self.db.q("SELECT q.worker AS worker, w.block AS block FROM quarantine q JOIN workers w ON w.name=q.worker")
+        for r in rows:
+            if r["block"] is not None and 0 <= int(r["block"]) < n_blocks:
+                out[int(r["block"])].add(str(r["worker"]))
+        return out
+
     def quarantined_token(self, token_hash: str) -> str | None:
         """The quarantined worker whose revoked token has this hash, if any."""
         row = self.db.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)
