@@ -23,6 +23,7 @@
 # own time limit, writing its results as it finishes):
 #   0. checks     the device against the CPU: counter noise bit for bit, TF32, triton            -> device-checks.json
 #      noise-speed  the diffusion noise drawn on the device against the host draw it replaced      -> device-noise-speed.json
+#      optimizer-speed  a worker's RoundAdamW step against the trainers' (fused) AdamW, per block -> device-optimizer-speed.json
 #   a. speed      bench speed on the paper preset and cpu-small, each bf16 run profiled, cpu-small also compiled
 #                 with CUDA graphs (reduce-overhead)                                              -> device-speed*.json
 #   b. depth      cpu-small stack vs E2E at matched FLOPs, lr x seeds, whole test split           -> depth.jsonl, device-depth.json
@@ -48,10 +49,10 @@ case "$SUITE" in
          LONG_LRS="1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
          AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
          SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default
-         NOISE_REPS=10; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""; LIVE_DEFAULT="" ;;
+         NOISE_REPS=10; OPT_PRESETS="cpu-mini cpu-small paper"; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""; LIVE_DEFAULT="" ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
-         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1
+         SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1; OPT_PRESETS=cpu-mini
          LONG_PRESET=tiny; PAPER_PRESET=tiny; LIVE_DEFAULT=honest6,sign_flip
          SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300" ;;
   rehearsal)  # full's structure at tiny budgets: every job, compile mode and launch of the full suite, on a CPU
@@ -59,7 +60,7 @@ case "$SUITE" in
          SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0 1"; LONG_LRS="3e-3"; LONG_SEEDS="0"; PAPER_STEPS=20
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="5 10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny
          LIVE_STEPS=20; LIVE_H=10; SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=600
-         SPEED_COMPILE="tiny:reduce-overhead"; PAPER_COMPILE=default; NOISE_REPS=1; LONG_PRESET=tiny; PAPER_PRESET=tiny
+         SPEED_COMPILE="tiny:reduce-overhead"; PAPER_COMPILE=default; NOISE_REPS=1; OPT_PRESETS=cpu-mini; LONG_PRESET=tiny; PAPER_PRESET=tiny
          LIVE_DEFAULT=""; SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4" ;;
   *) echo "SUITE must be full, smoke or rehearsal, got $SUITE" >&2; exit 2 ;;
 esac
@@ -104,6 +105,9 @@ job() {  # job NAME SECONDS CMD...: run once under its own limit; .done marks a 
 job checks 120 "$PY" benchmarks/quality/device_checks.py --device "$DEVICE" --json "$RESULTS/device-checks.json"
 job noise-speed 120 "$PY" benchmarks/quality/noise_speed.py --device "$DEVICE" --reps "$NOISE_REPS" \
   --json "$RESULTS/device-noise-speed.json"
+OPT_ARGS=(); for p in $OPT_PRESETS; do OPT_ARGS+=(--preset "$p"); done
+job optimizer-speed 120 "$PY" benchmarks/quality/optimizer_speed.py --device "$DEVICE" --reps "$((NOISE_REPS * 2))" \
+  "${OPT_ARGS[@]}" --json "$RESULTS/device-optimizer-speed.json"
 
 # a. speed, alone; SPEED_COMPILE lists PRESET:MODE pairs also timed under torch.compile
 for p in $SPEED_PRESETS; do

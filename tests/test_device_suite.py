@@ -35,12 +35,14 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     done, wall = _suite(results, data)
     assert done.returncode == 0, done.stderr[-3000:]
     rcs = {p.stem: p.read_text().split()[0] for p in results.glob("*.rc")}
-    assert rcs == {"checks": "0", "noise-speed": "0", "speed-tiny": "0", "depth": "0", "averaging": "0", "live": "0", "serve": "0"}, (
-        rcs, done.stderr[-3000:])
+    jobs = ("checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "averaging", "live", "serve")
+    assert rcs == dict.fromkeys(jobs, "0"), (rcs, done.stderr[-3000:])
     checks = json.loads((results / "device-checks.json").read_text())
     assert checks["ok"] and checks["noise_hashes_equal"] and checks["device"] == "cpu"
     noise = json.loads((results / "device-noise-speed.json").read_text())
     assert [r["preset"] for r in noise["rows"]] == ["cpu-mini", "cpu-small", "paper"]
+    opt = json.loads((results / "device-optimizer-speed.json").read_text())
+    assert [r["preset"] for r in opt["rows"]] == ["cpu-mini"] and opt["rows"][0]["round_adamw_s"] > 0
     speed = json.loads((results / "device-speed-tiny.json").read_text())
     assert speed["device"] == "cpu"
     for trainer in ("e2e", "block", "stack_block"):  # every bf16 run profiled: its top operators, by own time
@@ -61,5 +63,5 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert f"{results.name}/device-depth.json" in names and f"{results.name}/device-live.json" in names
     again, wall_again = _suite(results, data)
     assert json.loads((results / "device-serve.json").read_text())
-    assert again.returncode == 0 and again.stderr.count("done already, skipped") == 7, again.stderr[-2000:]
+    assert again.returncode == 0 and again.stderr.count("done already, skipped") == len(jobs), again.stderr[-2000:]
     assert wall_again < wall / 3

@@ -50,23 +50,36 @@ class RoundAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """One step of every parameter with a gradient, as multi-tensor (``torch._foreach_*``) kernels: the
+        parameters of a group that share their (c1, c2), in practice all of them, step together, so a step costs
+        a handful of kernel launches, not five per parameter (what bounds a small block's step on a GPU)."""
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            buckets: dict[tuple[float, float], tuple[list[torch.Tensor], ...]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
                 if not st:
                     st.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), c1=0.0, c2=0.0)
-                g, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
                 st["c1"] = c1 = 1.0 - beta1 * (1.0 - st["c1"])
                 st["c2"] = c2 = 1.0 - beta2 * (1.0 - st["c2"])
-                p.mul_(1.0 - lr * wd)
-                m.lerp_(g, 1.0 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-                denom = (v / c2).sqrt_().add_(eps)
-                p.addcdiv_(m, denom, value=-lr / c1)
+                ps, gs, ms, vs = buckets.setdefault((c1, c2), ([], [], [], []))
+                ps.append(p)
+                gs.append(p.grad)
+                ms.append(st["exp_avg"])
+                vs.append(st["exp_avg_sq"])
+            for (c1, c2), (ps, gs, ms, vs) in buckets.items():
+                if wd:
+                    torch._foreach_mul_(ps, 1.0 - lr * wd)
+                torch._foreach_lerp_(ms, gs, 1.0 - beta1)  # m <- beta1 m + (1 - beta1) g
+                torch._foreach_mul_(vs, beta2)  # v <- beta2 v + (1 - beta2) g^2
+                torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+                denom = torch._foreach_div(vs, c2)  # sqrt(v / c2) + eps
+                torch._foreach_sqrt_(denom)
+                torch._foreach_add_(denom, eps)
+                torch._foreach_addcdiv_(ps, ms, denom, value=-lr / c1)  # W <- W - lr (m / c1) / denom
 
 
 def make_round_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[RoundAdamW, dict[int, str]]:

@@ -1,0 +1,106 @@
+"""What a worker's inner optimiser step costs: :class:`blocktrain.train.inner.RoundAdamW` (the optimiser of a round
+whose moments are shared, the default) against torch's AdamW as the trainers build it (fused on CUDA), over the
+parameters of one block of each preset, on one device.
+
+Gradients are random and fixed; the median of ``--reps`` steps, the device synchronised around each (a step is
+timed to its end). Timing an older RoundAdamW (before its multi-tensor step) is running this script with that
+commit's ``src`` first on ``PYTHONPATH`` (a git worktree); the JSON records which ``blocktrain`` it imported.
+
+    python benchmarks/quality/optimizer_speed.py --device cpu --json benchmarks/results/optimizer-speed-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import blocktrain
+from blocktrain.bench.machine import machine_info
+from blocktrain.device import resolve_device, synchronize
+from blocktrain.objectives import build_block
+from blocktrain.presets import get_preset
+from blocktrain.train.inner import make_round_optimizer
+from blocktrain.train.step import make_optimizer
+
+PRESETS = ("cpu-mini", "cpu-small", "paper")
+
+
+def _source() -> dict[str, str]:
+    """Which ``blocktrain`` was imported: its directory and, where it is a git checkout, its commit."""
+    where = Path(blocktrain.__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = "unknown"
+    return {"path": str(where), "commit": rev}
+
+
+def median_step_seconds(opt: torch.optim.Optimizer, device: torch.device, reps: int) -> float:
+    """Median wall seconds of ``opt.step()`` to its end on ``device`` (two untimed steps first)."""
+    for _ in range(2):
+        opt.step()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(device: torch.device, reps: int, presets: tuple[str, ...]) -> list[dict[str, Any]]:
+    rows = []
+    for name in presets:
+        cfg = get_preset(name)
+        block = build_block(cfg, 0).to(device)
+        g = torch.Generator().manual_seed(0)
+        params = [p for p in block.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device)
+        round_opt, _ = make_round_optimizer(block, cfg.train)
+        round_s = median_step_seconds(round_opt, device, reps)
+        trainer_opt, _ = make_optimizer(block, cfg.train)
+        trainer_s = median_step_seconds(trainer_opt, device, reps)
+        rows.append({"preset": name, "tensors": len(params), "parameters": sum(p.numel() for p in params),
+                     "round_adamw_s": round_s, "trainer_adamw_s": trainer_s, "ratio": round_s / trainer_s})
+        del block, round_opt, trainer_opt
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", help="where the parameters live (auto, cpu, cuda, cuda:N)")
+    ap.add_argument("--reps", type=int, default=20, help="timed steps per optimiser (the median is reported)")
+    ap.add_argument("--preset", action="append", choices=PRESETS, help="time only this preset (repeatable)")
+    ap.add_argument("--json", type=Path, help="write the result here")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    device = resolve_device(args.device)
+    rows = measure(device, args.reps, tuple(args.preset or PRESETS))
+    print(f"| preset (block 0) | tensors | parameters | RoundAdamW ms | trainers' AdamW ms | ratio |  on {device}")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['preset']} | {r['tensors']} | {r['parameters']:,} | {r['round_adamw_s'] * 1e3:.3f} | "
+              f"{r['trainer_adamw_s'] * 1e3:.3f} | {r['ratio']:.2f} |")
+    if args.json:
+        command = "python benchmarks/quality/optimizer_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        doc = {"benchmark": "optimizer_speed", "device": str(device), "machine": machine_info(), "reps": args.reps,
+               "blocktrain": _source(), "rows": rows, "command": command}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
