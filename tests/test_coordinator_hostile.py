@@ -180,7 +180,8 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
     from blocktrain.coordinator.app import create_app
     from tests.distributed_utils import FakeClock
 
-    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=120, lease_seconds=600, min_updates=3,
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=120, lease_seconds=600, min_updates=3,
                          agree_min=None, refusal_burst=0, audit_fraction=0.0)
     with TestClient(create_app(c, background=False)) as client:
         api = Api(c, client)
@@ -199,6 +200,13 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
             c.tick()  # the service's periodic pass; the clock has not moved: no deadline has passed
             assert c.version[0] == v + 1, f"round {v} held open by a refused or quarantined worker"
         assert c.store.conduct.quarantined("evil")  # three refusals quarantine it (quarantine_after 3)
+        for i, name in enumerate(("a", "b")):  # round 3: evil was quarantined before it opened, like a worker that
+            assert push(name, 3, 30 + i)[0] == 202  # left: the floor stays 3, so two honest deltas wait ...
+        c.tick()
+        assert c.version[0] == 3
+        clock.advance(121)  # ... for the deadline
+        c.tick()
+        assert c.version[0] == 4
     c.close()
 
 

@@ -5,8 +5,8 @@
 The coordinator runs as its own process (as in production). U workers, all on
 block 0, each push one delta. The timing includes HTTP, parsing, validation
 (names, shapes, dtypes, finiteness, norm), sha256 checks, the durable write and
-the SQLite commit of every update. The round is kept open (``--min-updates
-U+1``), so aggregation is not timed. It runs with and without fsync
+the SQLite commit of every update. The round is kept open by a
+(U+1)-th registered worker that never pushes, so aggregation is not timed. It runs with and without fsync
 (``--no-fsync``), sequentially and with several concurrent clients. The
 reference is the same number of bytes sent through a plain TCP socket on
 127.0.0.1 to a process that only reads them.

@@ -1,6 +1,6 @@
 """What a worker's inner optimiser step costs: :class:`blocktrain.train.inner.RoundAdamW` (the optimiser of a round
-whose moments are shared, the default) against torch's AdamW as the trainers build it (fused on CUDA), over the
-parameters of one block of each preset, on one device.
+whose moments are shared, the default) against torch's AdamW as the trainers build it (its fused kernel, on the CPU
+as on CUDA), over the parameters of one block of each preset, on one device.
 
 Gradients are random and fixed; the median of ``--reps`` steps, the device synchronised around each (a step is
 timed to its end). Timing an older RoundAdamW (before its multi-tensor step) is running this script with that
@@ -34,10 +34,11 @@ PRESETS = ("cpu-mini", "cpu-small", "paper")
 
 
 def _source() -> dict[str, str]:
-    """Which ``blocktrain`` was imported: its directory and, where it is a git checkout, its commit."""
+    """Which ``blocktrain`` was imported: its directory and, where it is a git checkout, its commit (``-dirty``:
+    with uncommitted changes)."""
     where = Path(blocktrain.__file__).resolve().parent
     try:
-        rev = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True,
+        rev = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = "unknown"

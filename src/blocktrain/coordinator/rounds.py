@@ -1,8 +1,8 @@
 """Per-block rounds of the coordinator: block states, round open and close, aggregation, the progressive schedule.
 
 One round per block. Round v of block k publishes weights W_v; workers send
-deltas against v; the round closes when every live replica of k has reported
-(quorum) or at its deadline, whichever comes first. A round that reaches its
+deltas against v; the round closes when every live replica of k has reported and it holds
+``--min-updates`` counted deltas (quorum; :meth:`Rounds.check_quorum`), or at its deadline, whichever comes first. A round that reaches its
 deadline with no delta is extended rather than closed, so version v+1 always
 contains at least one update. State is durable (see :mod:`.store`); :class:`Rounds`
 holds a cache of the block states, and every method of it is called under the coordinator's lock. The
@@ -203,15 +203,17 @@ class Rounds:
 
     # --- rounds ------------------------------------------------------------------
     def check_quorum(self, now: float) -> list[int]:
-        """Close every open round that each live replica of its block has reported to; returns their blocks.
+        """Close every open round that has its floor of counted deltas and that each live replica of its block has
+        reported to (or was refused in); returns their blocks.
 
-        A round closes by quorum only with ``min_updates`` counted deltas, less one for each worker that can no
-        longer count in it: refused in this round, or quarantined (it has left). So a refused or quarantined worker
-        never holds a round to its deadline, while a worker that has not registered yet is still waited for (up to
-        the deadline): ``min_updates`` is a floor the operator sets, not the number of workers that happen to be
-        there when the first push lands."""
+        The floor is ``min_updates`` (per block), less one for each worker of the block that can no longer count in
+        this round: refused in it (and not since accepted), or quarantined since the round opened (its update, if
+        any, dropped). So a refused or quarantined worker never holds its round to the
+        deadline, while a worker that has not registered yet is waited for, up to the deadline: ``min_updates`` is
+        a floor the operator sets, not the number of workers there when the first push lands. A worker that left or
+        crashed, or was quarantined in an earlier round, does not lower it: with fewer than ``min_updates`` workers
+        left on a block, its rounds close at their deadlines."""
         live = self.store.workers.live_by_block(self.n_blocks, now)
-        gone = self.store.conduct.quarantined_by_block(self.n_blocks)
         closed = []
         for k in range(self.n_blocks):
             v = self.checkpoints.current(k).version
@@ -220,8 +222,11 @@ class Rounds:
                 continue
             reported = self.store.updates.reporters(k, v)
             refused = self._refused.get((k, v), set())  # a refused worker waits for the next version
-            counted = reported - gone[k]  # a quarantined worker's update was dropped
-            required = max(1, self.settings.min_updates - len(refused | gone[k]))
+            gone = self.store.conduct.quarantined_on_block(k, rnd.opened)  # left; its update was dropped
+            counted = reported - gone
+            mine = self.store.workers.registered_on(k)  # a refused group's members from other blocks do not count
+            excluded = ((refused & mine) - reported) | gone
+            required = max(1, self.settings.min_updates - len(excluded))
             if (len(counted) >= required and live[k] <= reported | refused
                     and rnd.n_updates > 0  # 0: every update it had was dropped (a quarantined worker's)
                     and not self.audits_pending(k, v)):

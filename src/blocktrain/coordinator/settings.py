@@ -44,7 +44,7 @@ class UpdateState(enum.Enum):
 
 
 class CloseReason(enum.Enum):
-    QUORUM = "quorum"  # every live replica reported
+    QUORUM = "quorum"  # every live replica reported, with at least the --min-updates floor
     DEADLINE = "deadline"  # the deadline passed with at least one delta
 
 
@@ -63,7 +63,7 @@ class CoordinatorSettings:
     deadline_quantile: float = 1.0  # which arrival the adaptive deadline scales: 1 = the slowest, 0.5 = the median
     lease_seconds: float = 30.0  # a worker without a heartbeat this long leaves the round
     rounds: int = 0  # rounds per block before the run finishes (0 = never)
-    min_updates: int = 1  # deltas a round needs to close by quorum, less its refused or quarantined workers (deadline: 1)
+    min_updates: int = 1  # deltas a block's round needs to close by quorum, less its refused or quarantined workers (deadline: 1)
     max_body_bytes: int = 0  # cap on an update body (0 = 2 x the block's fp32 size x (1 + shared moments) + 64 KiB)
     # 3: honest ratios on the committed cpu-mini runs reach 1.19 (6,757 pushes, averaging-moments.jsonl); x10 random: 10
     norm_k: float = 3.0  # reject ||Delta|| / s_v > norm_k x the median of recent ones (0 = off)

@@ -210,6 +210,10 @@ class WorkerTable:
                 live[int(r["block"])].add(str(r["name"]))
         return live
 
+    def registered_on(self, k: int) -> set[str]:
+        """Names of every worker registered on block k, whatever its state."""
+        return {str(r["name"]) for r in self.db.q("SELECT name FROM workers WHERE block=?", k)}
+
     def add_bytes(self, name: str | None, n_in: int, n_out: int) -> None:
         """Count body bytes received and sent, in total and (``name`` not None) for that worker."""
         self.db.add_counter("bytes_in", n_in)
@@ -444,14 +448,11 @@ class ConductTable:
         """Every quarantined worker and why."""
         return {str(r["worker"]): str(r["reason"]) for r in self.db.q("SELECT worker, reason FROM quarantine ORDER BY at")}
 
-    def quarantined_by_block(self, n_blocks: int) -> dict[int, set[str]]:
-        """Block -> the quarantined workers that were registered on it."""
-        out: dict[int, set[str]] = {k: set() for k in range(n_blocks)}
-        rows = self.db.q("SELECT q.worker AS worker, w.block AS block FROM quarantine q JOIN workers w ON w.name=q.worker")
-        for r in rows:
-            if r["block"] is not None and 0 <= int(r["block"]) < n_blocks:
-                out[int(r["block"])].add(str(r["worker"]))
-        return out
+    def quarantined_on_block(self, k: int, since: float) -> set[str]:
+        """The workers registered on block k that were quarantined after ``since`` (coordinator clock)."""
+        rows = self.db.q("SELECT q.worker AS worker FROM quarantine q JOIN workers w ON w.name=q.worker "
+                         "WHERE w.block=? AND q.at>?", k, since)
+        return {str(r["worker"]) for r in rows}
 
     def quarantined_token(self, token_hash: str) -> str | None:
         """The quarantined worker whose revoked token has this hash, if any."""
