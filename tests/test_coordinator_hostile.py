@@ -180,8 +180,8 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
     from blocktrain.coordinator.app import create_app
     from tests.distributed_utils import FakeClock
 
-    clock = FakeClock()
-    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=120, lease_seconds=600, min_updates=3,
+    fake = FakeClock()
+    c = make_coordinator(tmp_path / "run", None, clock=fake, round_seconds=120, lease_seconds=600, min_updates=3,
                          agree_min=None, refusal_burst=0, audit_fraction=0.0)
     with TestClient(create_app(c, background=False)) as client:
         api = Api(c, client)
@@ -204,7 +204,7 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
             assert push(name, 3, 30 + i)[0] == 202  # left: the floor stays 3, so two honest deltas wait ...
         c.tick()
         assert c.version[0] == 3
-        clock.advance(121)  # ... for the deadline
+        fake.advance(121)  # ... for the deadline
         c.tick()
         assert c.version[0] == 4
     c.close()
