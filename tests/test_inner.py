@@ -316,13 +316,16 @@ def _reference_step(p: torch.Tensor, g: torch.Tensor, st: dict, group: dict) -> 
     p.addcdiv_(st["exp_avg"], (st["exp_avg_sq"] / st["c2"]).sqrt_().add_(eps), value=-lr / st["c1"])
 
 
-def test_the_multi_tensor_step_is_the_per_parameter_update_bit_for_bit() -> None:
+@pytest.mark.parametrize("foreach", [True, False, None])
+def test_the_multi_tensor_step_is_the_per_parameter_update_bit_for_bit(foreach: bool | None) -> None:
     """The multi-tensor step buckets parameters by (c1, c2): here they differ (one parameter has no gradient for
     two steps, so its corrections lag, and one starts from a loaded estimate), and every parameter still ends
-    exactly where the per-parameter equations put it (bit for bit on the CPU, 12 steps, decay on)."""
+    exactly where the per-parameter equations put it (bit for bit on the CPU, 12 steps, decay on), whether a
+    bucket's tensors step in one launch (True, CUDA's default) or one at a time (False, the CPU's)."""
     cfg = TrainConfig(weight_decay=0.1)
     a, b = _net(), _net()
     opt, _ = make_round_optimizer(a, cfg)
+    opt.foreach = foreach
     ref_state: dict[int, dict] = {}
     g = torch.Generator().manual_seed(5)
     for step in range(12):

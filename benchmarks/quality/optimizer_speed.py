@@ -1,5 +1,6 @@
 """What a worker's inner optimiser step costs: :class:`blocktrain.train.inner.RoundAdamW` (the optimiser of a round
-whose moments are shared, the default) against torch's AdamW as the trainers build it (its fused kernel, on the CPU
+whose moments are shared, the default; also with a bucket's tensors forced into one launch per op, and one tensor
+at a time) against torch's AdamW as the trainers build it (its fused kernel, on the CPU
 as on CUDA), over the parameters of one block of each preset, on one device.
 
 Gradients are random and fixed; the median of ``--reps`` steps, the device synchronised around each (a step is
@@ -68,12 +69,15 @@ def measure(device: torch.device, reps: int, presets: tuple[str, ...]) -> list[d
         params = [p for p in block.parameters() if p.requires_grad]
         for p in params:
             p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device)
-        round_opt, _ = make_round_optimizer(block, cfg.train)
-        round_s = median_step_seconds(round_opt, device, reps)
+        row: dict[str, Any] = {"preset": name, "tensors": len(params), "parameters": sum(p.numel() for p in params)}
+        for key, foreach in (("round_adamw_s", None), ("round_multi_tensor_s", True), ("round_per_tensor_s", False)):
+            round_opt, _ = make_round_optimizer(block, cfg.train)
+            round_opt.foreach = foreach  # None: the device's default (an older RoundAdamW ignores it)
+            row[key] = median_step_seconds(round_opt, device, reps)
         trainer_opt, _ = make_optimizer(block, cfg.train)
-        trainer_s = median_step_seconds(trainer_opt, device, reps)
-        rows.append({"preset": name, "tensors": len(params), "parameters": sum(p.numel() for p in params),
-                     "round_adamw_s": round_s, "trainer_adamw_s": trainer_s, "ratio": round_s / trainer_s})
+        row["trainer_adamw_s"] = median_step_seconds(trainer_opt, device, reps)
+        row["ratio"] = row["round_adamw_s"] / row["trainer_adamw_s"]
+        rows.append(row)
         del block, round_opt, trainer_opt
     return rows
 
@@ -89,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     device = resolve_device(args.device)
     rows = measure(device, args.reps, tuple(args.preset or PRESETS))
-    print(f"| preset (block 0) | tensors | parameters | RoundAdamW ms | trainers' AdamW ms | ratio |  on {device}")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| preset (block 0) | tensors | parameters | RoundAdamW ms | one launch per bucket ms | per tensor ms | "
+          f"trainers' AdamW ms | ratio |  on {device}")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['preset']} | {r['tensors']} | {r['parameters']:,} | {r['round_adamw_s'] * 1e3:.3f} | "
+              f"{r['round_multi_tensor_s'] * 1e3:.3f} | {r['round_per_tensor_s'] * 1e3:.3f} | "
               f"{r['trainer_adamw_s'] * 1e3:.3f} | {r['ratio']:.2f} |")
     if args.json:
         command = "python benchmarks/quality/optimizer_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -43,16 +43,20 @@ class RoundAdamW(torch.optim.Optimizer):
     ``exp_avg_sq`` (the parameter's shape and device) and the host floats ``c1``, ``c2``."""
 
     def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8) -> None:
+                 eps: float = 1e-8, foreach: bool | None = None) -> None:
         if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid RoundAdamW settings: lr {lr}, betas {betas}, eps {eps}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.foreach = foreach  # every tensor of a bucket in one launch per op (None: on CUDA only)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:  # type: ignore[override]
-        """One step of every parameter with a gradient, as multi-tensor (``torch._foreach_*``) kernels: the
-        parameters of a group that share their (c1, c2), in practice all of them, step together, so a step costs
-        a handful of kernel launches, not five per parameter (what bounds a small block's step on a GPU)."""
+        """One step of every parameter with a gradient, as multi-tensor (``torch._foreach_*``) kernels: on CUDA (or
+        with ``foreach=True``) the parameters of a group that share their (c1, c2), in practice all of them, step
+        together, so a step costs a handful of kernel launches, not five per parameter (what bounds a small block's
+        step on a GPU). Otherwise they step one tensor at a time through the same ops: on the CPU the multi-tensor
+        ops loop over the tensors anyway, and a bucket-wide temporary (117 MB for the paper block) only costs
+        memory and time (``benchmarks/results/optimizer-speed-cpu.json``)."""
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -71,15 +75,25 @@ class RoundAdamW(torch.optim.Optimizer):
                 ms.append(st["exp_avg"])
                 vs.append(st["exp_avg_sq"])
             for (c1, c2), (ps, gs, ms, vs) in buckets.items():
-                if wd:
-                    torch._foreach_mul_(ps, 1.0 - lr * wd)
-                torch._foreach_lerp_(ms, gs, 1.0 - beta1)  # m <- beta1 m + (1 - beta1) g
-                torch._foreach_mul_(vs, beta2)  # v <- beta2 v + (1 - beta2) g^2
-                torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
-                denom = torch._foreach_div(vs, c2)  # sqrt(v / c2) + eps
-                torch._foreach_sqrt_(denom)
-                torch._foreach_add_(denom, eps)
-                torch._foreach_addcdiv_(ps, ms, denom, value=-lr / c1)  # W <- W - lr (m / c1) / denom
+                together = ps[0].is_cuda if self.foreach is None else self.foreach
+                n = len(ps) if together else 1  # tensors per launch
+                for i in range(0, len(ps), n):
+                    _adamw_update(ps[i:i + n], gs[i:i + n], ms[i:i + n], vs[i:i + n], lr=lr, wd=wd, eps=eps,
+                                  beta1=beta1, beta2=beta2, c1=c1, c2=c2)
+
+
+def _adamw_update(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], *,
+                  lr: float, wd: float, eps: float, beta1: float, beta2: float, c1: float, c2: float) -> None:
+    """The update of the module docstring for tensors sharing (c1, c2), in place."""
+    if wd:
+        torch._foreach_mul_(ps, 1.0 - lr * wd)
+    torch._foreach_lerp_(ms, gs, 1.0 - beta1)  # m <- beta1 m + (1 - beta1) g
+    torch._foreach_mul_(vs, beta2)  # v <- beta2 v + (1 - beta2) g^2
+    torch._foreach_addcmul_(vs, gs, gs, value=1.0 - beta2)
+    denom = torch._foreach_div(vs, c2)  # sqrt(v / c2) + eps
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(ps, ms, denom, value=-lr / c1)  # W <- W - lr (m / c1) / denom
 
 
 def make_round_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[RoundAdamW, dict[int, str]]:
