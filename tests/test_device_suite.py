@@ -39,6 +39,7 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert rcs == dict.fromkeys(jobs, "0"), (rcs, done.stderr[-3000:])
     checks = json.loads((results / "device-checks.json").read_text())
     assert checks["ok"] and checks["noise_hashes_equal"] and checks["device"] == "cpu"
+    assert checks["optimizer_max_abs_diff"] == 0.0  # the CPU against itself
     noise = json.loads((results / "device-noise-speed.json").read_text())
     assert [r["preset"] for r in noise["rows"]] == ["cpu-mini", "cpu-small", "paper"]
     opt = json.loads((results / "device-optimizer-speed.json").read_text())
