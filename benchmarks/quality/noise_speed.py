@@ -11,34 +11,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from blocktrain.bench.machine import machine_info
-from blocktrain.device import resolve_device, synchronize
+from blocktrain.bench.machine import machine_info, median_seconds
+from blocktrain.device import resolve_device
 from blocktrain.noise import normal
 from blocktrain.presets import get_preset
 
 PRESETS = ("cpu-mini", "cpu-small", "paper")
-
-
-def median_seconds(draw: Callable[[], torch.Tensor], device: torch.device, reps: int) -> float:
-    """Median wall seconds of ``draw()`` to its end on ``device`` (one untimed warm-up draw first)."""
-    draw()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        draw()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(device: torch.device, reps: int, presets: tuple[str, ...] = PRESETS) -> list[dict[str, Any]]:

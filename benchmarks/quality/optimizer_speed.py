@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import blocktrain
-from blocktrain.bench.machine import machine_info
-from blocktrain.device import resolve_device, synchronize
+from blocktrain.bench.machine import machine_info, median_seconds
+from blocktrain.device import resolve_device
 from blocktrain.objectives import build_block
 from blocktrain.presets import get_preset
 from blocktrain.train.inner import make_round_optimizer
@@ -34,30 +33,19 @@ from blocktrain.train.step import make_optimizer
 PRESETS = ("cpu-mini", "cpu-small", "paper")
 
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository this script is in
+
+
 def _source() -> dict[str, str]:
-    """Which ``blocktrain`` was imported: its directory and, where it is a git checkout, its commit (``-dirty``:
-    with uncommitted changes)."""
+    """Which ``blocktrain`` was imported: its directory relative to this repository and, where it is a git checkout,
+    its commit (``-dirty``: with uncommitted changes)."""
     where = Path(blocktrain.__file__).resolve().parent
     try:
         rev = subprocess.run(["git", "-C", str(where), "describe", "--always", "--dirty"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = "unknown"
-    return {"path": str(where), "commit": rev}
-
-
-def median_step_seconds(opt: torch.optim.Optimizer, device: torch.device, reps: int) -> float:
-    """Median wall seconds of ``opt.step()`` to its end on ``device`` (two untimed steps first)."""
-    for _ in range(2):
-        opt.step()
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        opt.step()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return {"path": os.path.relpath(where, ROOT), "commit": rev}
 
 
 def measure(device: torch.device, reps: int, presets: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -73,9 +61,9 @@ def measure(device: torch.device, reps: int, presets: tuple[str, ...]) -> list[d
         for key, foreach in (("round_adamw_s", None), ("round_multi_tensor_s", True), ("round_per_tensor_s", False)):
             round_opt, _ = make_round_optimizer(block, cfg.train)
             round_opt.foreach = foreach  # None: the device's default (an older RoundAdamW ignores it)
-            row[key] = median_step_seconds(round_opt, device, reps)
+            row[key] = median_seconds(round_opt.step, device, reps, warmup=2)
         trainer_opt, _ = make_optimizer(block, cfg.train)
-        row["trainer_adamw_s"] = median_step_seconds(trainer_opt, device, reps)
+        row["trainer_adamw_s"] = median_seconds(trainer_opt.step, device, reps, warmup=2)
         row["ratio"] = row["round_adamw_s"] / row["trainer_adamw_s"]
         rows.append(row)
         del block, round_opt, trainer_opt

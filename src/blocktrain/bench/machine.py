@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +42,21 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def median_seconds(fn: Callable[[], object], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` to its end on ``device`` over ``reps`` calls, after ``warmup`` untimed ones
+    (the device synchronised around each timed call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_peak_flops(device: torch.device | None = None, n: int | None = None, seconds: float = 1.0) -> dict[str, float]:
     """Dense matmul peak of ``device`` in FLOP/s, for fp32 and bf16: the best of repeated n x n x n products.
 
@@ -46,8 +64,6 @@ def measure_peak_flops(device: torch.device | None = None, n: int | None = None,
     ``seconds``. The best rate over sizes n/2 and n is reported, since small
     caches favour one or the other.
     """
-    import time
-
     device = device or CPU
     n = n or (8192 if device.type == "cuda" else 2048)
     out: dict[str, float] = {}

@@ -1,13 +1,12 @@
 """Per-block rounds of the coordinator: block states, round open and close, aggregation, the progressive schedule.
 
-One round per block. Round v of block k publishes weights W_v; workers send
-deltas against v; the round closes when every live replica of k has reported and it holds
-``--min-updates`` counted deltas (quorum; :meth:`Rounds.check_quorum`), or at its deadline, whichever comes first. A round that reaches its
-deadline with no delta is extended rather than closed, so version v+1 always
-contains at least one update. State is durable (see :mod:`.store`); :class:`Rounds`
-holds a cache of the block states, and every method of it is called under the coordinator's lock. The
-published weights are :mod:`.checkpoints`'s, the aggregation :mod:`.aggregate`'s;
-workers are the :mod:`.roster`'s, and update intake is :mod:`.uploads`'s.
+One round per block. Round v of block k publishes weights W_v; workers send deltas against v; the round closes when
+every live replica of k has reported and it holds ``--min-updates`` counted deltas (quorum;
+:meth:`Rounds.check_quorum`), or at its deadline, whichever comes first. A round that reaches its deadline with no
+delta is extended rather than closed, so version v+1 always contains at least one update. State is durable (see
+:mod:`.store`); :class:`Rounds` holds a cache of the block states, and every method of it is called under the
+coordinator's lock. The published weights are :mod:`.checkpoints`'s, the aggregation :mod:`.aggregate`'s; workers
+are the :mod:`.roster`'s, and update intake is :mod:`.uploads`'s.
 
 Every block is ``waiting``, ``open`` or ``finished`` (:class:`.settings.BlockState`,
 stored in the ``block_states`` table). Diffusion blocks are all open from the
@@ -208,9 +207,9 @@ class Rounds:
 
         The floor is ``min_updates`` (per block), less one for each worker of the block that can no longer count in
         this round: refused in it (and not since accepted), or quarantined since the round opened (its update, if
-        any, dropped). So a refused or quarantined worker never holds its round to the
-        deadline, while a worker that has not registered yet is waited for, up to the deadline: ``min_updates`` is
-        a floor the operator sets, not the number of workers there when the first push lands. A worker that left or
+        any, dropped). So a refused or quarantined worker never holds its round to the deadline, while a worker that
+        has not registered yet is waited for, up to the deadline: ``min_updates`` is a floor the operator sets, not
+        the number of workers there when the first push lands. A worker that left or
         crashed, or was quarantined in an earlier round, does not lower it: with fewer than ``min_updates`` workers
         left on a block, its rounds close at their deadlines."""
         live = self.store.workers.live_by_block(self.n_blocks, now)
@@ -224,8 +223,9 @@ class Rounds:
             refused = self._refused.get((k, v), set())  # a refused worker waits for the next version
             gone = self.store.conduct.quarantined_on_block(k, rnd.opened)  # left; its update was dropped
             counted = reported - gone
-            mine = self.store.workers.registered_on(k)  # a refused group's members from other blocks do not count
-            excluded = ((refused & mine) - reported) | gone
+            if refused:  # a refused group's members from other blocks do not count
+                refused = refused & self.store.workers.registered_on(k)
+            excluded = (refused - reported) | gone
             required = max(1, self.settings.min_updates - len(excluded))
             if (len(counted) >= required and live[k] <= reported | refused
                     and rnd.n_updates > 0  # 0: every update it had was dropped (a quarantined worker's)
