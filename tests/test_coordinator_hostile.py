@@ -210,6 +210,50 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
     c.close()
 
 
+def test_a_restarted_coordinator_does_not_wait_for_a_worker_its_round_refused(tmp_path: Path) -> None:
+    """--min-updates 3 over a, b and evil: in round 1, a's delta is accepted and evil's refused (its lease still
+    held); the coordinator restarts; b's delta then closes the round at once. The refusal is stored with its
+    round, so the restarted coordinator does not wait for evil until the deadline."""
+    from fastapi.testclient import TestClient
+
+    from blocktrain.coordinator.app import create_app
+    from tests.distributed_utils import FakeClock
+
+    fake = FakeClock()
+    settings = dict(clock=fake, round_seconds=120, lease_seconds=600, min_updates=3, agree_min=None, refusal_burst=0,
+                    audit_fraction=0.0)
+    tokens: dict[str, str] = {}
+
+    def push(api: Api, name: str, v: int, seed: int, scale: float = 1e-3) -> int:
+        c = api.c
+        return api.push(name, 0, pack_delta(small_delta(c, scale=scale, seed=seed), Compression.BF16, block=0,
+                                            base_version=v, base_sha=c.weights_sha[0], samples=4))[0]
+
+    c = make_coordinator(tmp_path / "run", None, **settings)
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+        for name in ("a", "b", "evil"):
+            api.register(name, block=0)
+        assert [push(api, "a", 0, 0), push(api, "b", 0, 1), push(api, "evil", 0, 100, scale=1.0)] == [202, 202, 422]
+        c.tick()
+        assert c.version[0] == 1  # round 0 closed at quorum: evil's refusal lowered the floor to 2
+        assert push(api, "a", 1, 10) == 202
+        assert push(api, "evil", 1, 101, scale=1.0) == 422
+        c.tick()
+        assert c.version[0] == 1  # a alone: the floor is 2 (3 less evil), b has not reported
+        tokens = dict(api.tokens)
+    c.close()
+    c = make_coordinator(tmp_path / "run", None, **settings)
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+        api.tokens = tokens
+        assert not c.store.conduct.quarantined("evil") and c.version[0] == 1
+        assert push(api, "b", 1, 11) == 202
+        c.tick()  # the clock has not moved: no deadline has passed
+        assert c.version[0] == 2, "the restarted coordinator waits for the worker its round refused"
+    c.close()
+
+
 def test_min_updates_waits_for_workers_not_yet_registered(tmp_path: Path) -> None:
     """--min-updates 3 with one worker registered: its push does not close the round (the other two have not joined
     yet, as when worker processes start one after another); the third registered worker's push does. The floor

@@ -21,9 +21,9 @@ from blocktrain.checkpoint.safetensors_io import pack, save_file, tensors_sha256
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.aggregate import OuterState
 from blocktrain.coordinator.intake import Published
+from blocktrain.coordinator.rows import VersionRow
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.tables import VersionRow
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives.base import Objective, whole_blocks
 from blocktrain.protocol.codes import Reason

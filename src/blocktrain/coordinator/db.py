@@ -54,6 +54,8 @@ CREATE TABLE IF NOT EXISTS quarantine(
 CREATE TABLE IF NOT EXISTS audits(
     worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL, blob TEXT NOT NULL, stream INTEGER NOT NULL,
     schedule_steps INTEGER NOT NULL, round_steps INTEGER NOT NULL, due REAL NOT NULL, PRIMARY KEY(worker, block, version));
+CREATE TABLE IF NOT EXISTS round_refusals(
+    block INTEGER NOT NULL, version INTEGER NOT NULL, worker TEXT NOT NULL, PRIMARY KEY(block, version, worker));
 CREATE TABLE IF NOT EXISTS group_refusals(
     id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL,
     uploader TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);

@@ -18,9 +18,9 @@ from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.groups import PeerHub
 from blocktrain.coordinator.rounds import Rounds
+from blocktrain.coordinator.rows import WorkerRow
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.tables import WorkerRow
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.messages import Heartbeat, Registration, WorkAnswer

@@ -29,9 +29,9 @@ from blocktrain.coordinator.aggregate import RoundResult, next_version
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.intake import Intake
+from blocktrain.coordinator.rows import UpdateRow
 from blocktrain.coordinator.settings import CloseReason, CoordinatorSettings, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.tables import UpdateRow
 from blocktrain.coordinator.validate import parse_update
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
@@ -72,7 +72,6 @@ class Rounds:
         self.objective = get_objective(cfg)
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
-        self._refused: dict[tuple[int, int], set[str]] = {}  # (block, version) -> workers whose update it refused
 
     # --- start-up -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -197,8 +196,10 @@ class Rounds:
             raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", Reason.FINISHED)
 
     def mark_refused(self, k: int, v: int, names: list[str]) -> None:
-        """The round (k, v) refused these workers' update: it does not wait for them (they wait for the next version)."""
-        self._refused.setdefault((k, v), set()).update(names)
+        """The round (k, v) refused these workers' update: it does not wait for them (they wait for the next version).
+        Stored, so a restarted coordinator does not wait for them either."""
+        with self.store.tx():
+            self.store.rounds.mark_refused(k, v, names)
 
     # --- rounds ------------------------------------------------------------------
     def check_quorum(self, now: float) -> list[int]:
@@ -220,7 +221,7 @@ class Rounds:
             if rnd is None or rnd.state is not RoundState.OPEN:
                 continue
             reported = self.store.updates.reporters(k, v)
-            refused = self._refused.get((k, v), set())  # a refused worker waits for the next version
+            refused = self.store.rounds.refused(k, v)  # a refused worker waits for the next version
             gone = self.store.conduct.quarantined_on_block(k, rnd.opened)  # left; its update was dropped
             counted = reported - gone
             if refused:  # a refused group's members from other blocks do not count
@@ -252,7 +253,6 @@ class Rounds:
     def close_round(self, k: int, reason: CloseReason, now: float) -> None:
         """Collect the round's updates, make the next version, persist it, advance the schedule."""
         v = self.checkpoints.current(k).version
-        self._refused.pop((k, v), None)
         rows, result = self._next_version(k, v)
         screened = [r for i, r in enumerate(rows) if i not in result.kept]
         changed, warm = self._persist(k, v, rows, screened, result, reason, now)

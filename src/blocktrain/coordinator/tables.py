@@ -1,13 +1,14 @@
 """The coordinator's SQLite tables, one accessor class per owner, over the one shared connection (:class:`.db.Db`).
 
 Every SQL statement of the coordinator is here or in :mod:`.db`, behind a method named by what it does
-(``record_update``, ``open_round``, ``live_workers``, ...), and every row leaves as a frozen row type with typed
-fields (:class:`WorkerRow`, :class:`VersionRow`, :class:`RoundRow`, :class:`UpdateRow`, :class:`EvalRow`): no
-``sqlite3.Row`` leaves this module. Each class serves one part of the coordinator:
+(``record_update``, ``open_round``, ``live_workers``, ...), and every row leaves as a frozen row type of
+:mod:`.rows` with typed fields (:class:`.rows.WorkerRow`, :class:`.rows.VersionRow`, ...): no ``sqlite3.Row``
+leaves this module. Each class serves one part of the coordinator:
 
 * :class:`TokenTable` (``tokens``): the bearer tokens (:mod:`.auth`).
 * :class:`WorkerTable` (``workers``): identities, leases, blocks, per-worker byte counts (:mod:`.roster`).
-* :class:`RoundTable` (``versions``, ``block_states``, ``rounds``): what every block published (:mod:`.rounds`).
+* :class:`RoundTable` (``versions``, ``block_states``, ``rounds``, ``round_refusals``): what every block published,
+  and the workers each round no longer waits for (:mod:`.rounds`).
 * :class:`UpdateTable` (``updates``, ``seeds``, ``group_members``): accepted updates (:mod:`.uploads`).
 * :class:`ConductTable` (``rejections``, ``quarantine``, ``group_refusals``): refusals (:mod:`.conduct`).
 * :class:`AuditTable` (``audits``): the audits drawn and not yet decided, so a restart still holds their rounds.
@@ -23,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-import sqlite3
 from dataclasses import dataclass
 
 from blocktrain.coordinator.blobs import BlobStore
 from blocktrain.coordinator.db import Db
+from blocktrain.coordinator.rows import AuditRow, EvalRow, RoundRow, RoundTraffic, UpdateRow, VersionRow, WorkerRow
 from blocktrain.coordinator.settings import CloseReason, UpdateState, WorkerState
 from blocktrain.protocol.codes import BlockState, RoundState
 from blocktrain.protocol.delta import Compression
@@ -35,111 +36,6 @@ from blocktrain.protocol.delta import Compression
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class WorkerRow:
-    """A ``workers`` row."""
-
-    id: int  # the worker's number (it names its data streams: seeds.worker_stream)
-    name: str  # its token's name
-    block: int | None  # the block it trains (None: never assigned)
-    pinned: bool  # it asked for that block (--block) and keeps it
-    state: WorkerState  # active, lapsed or left
-    registered: float  # coordinator clock time of its first registration
-    lease_until: float  # coordinator clock time its lease ends
-    bytes_in: int  # request body bytes it sent
-    bytes_out: int  # response body bytes it was sent
-    accepted: int  # its updates accepted
-    rejected: int  # its updates refused
-
-    def live(self, now: float) -> bool:
-        """Active and holding its lease at ``now``."""
-        return self.state is WorkerState.ACTIVE and self.lease_until >= now
-
-    @classmethod
-    def of(cls, r: sqlite3.Row) -> WorkerRow:
-        return cls(int(r["id"]), str(r["name"]), None if r["block"] is None else int(r["block"]), bool(r["pinned"]),
-                   WorkerState(r["state"]), float(r["registered"]), float(r["lease_until"]), int(r["bytes_in"]),
-                   int(r["bytes_out"]), int(r["accepted"]), int(r["rejected"]))
-
-
-@dataclass(frozen=True)
-class VersionRow:
-    """A ``versions`` row: what block ``block`` published as ``version``."""
-
-    block: int  # k
-    version: int  # v
-    weights_blob: str  # digest of W_v's safetensors payload
-    step_blob: str | None  # digest of the published step that made it (None for v = 0)
-    momentum_blob: str | None  # digest of the outer state carried from it (None: nothing to carry)
-    weights_sha: str  # tensors_sha256 of W_v
-    created: float  # coordinator clock time it was published
-    moments_blob: str | None = None  # digest of the inner moments published with it (None: none)
-
-    @classmethod
-    def of(cls, r: sqlite3.Row) -> VersionRow:
-        return cls(int(r["block"]), int(r["version"]), str(r["weights_blob"]), r["step_blob"] or None,
-                   r["momentum_blob"] or None, str(r["weights_sha"]), float(r["created"]), r["moments_blob"] or None)
-
-
-@dataclass(frozen=True)
-class RoundRow:
-    """A ``rounds`` row: round ``version`` of block ``block``."""
-
-    block: int  # k
-    version: int  # v: the round takes deltas against W_v
-    state: RoundState  # open, closed or finished
-    opened: float  # coordinator clock time it opened
-    deadline: float  # coordinator clock time of its deadline
-    closed: float | None  # when it closed (None: not yet)
-    close_reason: CloseReason | None  # why it closed (None: not yet)
-    n_updates: int  # accepted updates that count in it (dropped ones subtracted)
-
-    @classmethod
-    def of(cls, r: sqlite3.Row) -> RoundRow:
-        return cls(int(r["block"]), int(r["version"]), RoundState(r["state"]), float(r["opened"]), float(r["deadline"]),
-                   None if r["closed"] is None else float(r["closed"]),
-                   None if r["close_reason"] is None else CloseReason(r["close_reason"]), int(r["n_updates"]))
-
-
-@dataclass(frozen=True)
-class UpdateRow:
-    """An ``updates`` row: one accepted push."""
-
-    id: int  # arrival order
-    block: int  # k
-    version: int  # v it was trained against
-    worker: str  # who pushed it (a group mean's uploader)
-    samples: int  # sequences behind it (its weight)
-    norm: float  # ||Delta||
-    compression: Compression  # its wire encoding
-    blob: str  # digest of its body
-    arrived: float  # coordinator clock time it arrived
-    arrival_s: float  # seconds after its round opened
-    state: UpdateState  # accepted, applied, screened or dropped
-
-    @classmethod
-    def of(cls, r: sqlite3.Row) -> UpdateRow:
-        return cls(int(r["id"]), int(r["block"]), int(r["version"]), str(r["worker"]), int(r["samples"]),
-                   float(r["norm"]), Compression(r["compression"]), str(r["blob"]), float(r["arrived"]),
-                   float(r["arrival_s"]), UpdateState(r["state"]))
-
-
-@dataclass(frozen=True)
-class EvalRow:
-    """An ``evals`` row: one evaluation of the assembled model."""
-
-    epoch: int  # the least version over the blocks when it ran
-    versions: dict[int, int]  # block -> version evaluated
-    ce: float  # nats/byte on the validation bytes scored
-    bytes: int  # validation bytes scored
-    at: float  # coordinator clock time
-
-    @classmethod
-    def of(cls, r: sqlite3.Row) -> EvalRow:
-        return cls(int(r["epoch"]), {int(k): int(v) for k, v in json.loads(r["versions"]).items()}, float(r["ce"]),
-                   int(r["bytes"]), float(r["at"]))
 
 
 @dataclass(frozen=True)
@@ -223,15 +119,6 @@ class WorkerTable:
 
 
 @dataclass(frozen=True)
-class RoundTraffic:
-    """What one closed round moved and refused."""
-
-    push_bytes: int  # its accepted updates' body bytes
-    step_bytes: int  # the published step's bytes
-    rejected: dict[str, int]  # refusals while it was open, by reason
-
-
-@dataclass(frozen=True)
 class RoundTable:
     """Published versions, block states and rounds of every block (and what each closed round moved)."""
 
@@ -295,6 +182,15 @@ class RoundTable:
         self.db.execute("UPDATE updates SET state=? WHERE block=? AND version=? AND state=?",
                         (UpdateState.APPLIED.value, k, v, UpdateState.ACCEPTED.value))
         self.db.add_counter("rounds_closed", 1)
+
+    def mark_refused(self, k: int, v: int, names: list[str]) -> None:
+        """Round v of block k refused these workers' update: it no longer waits for them (kept across a restart)."""
+        self.db.executemany("INSERT OR IGNORE INTO round_refusals(block, version, worker) VALUES(?,?,?)",
+                            [(k, v, n) for n in names])
+
+    def refused(self, k: int, v: int) -> set[str]:
+        """The workers round v of block k refused an update of."""
+        return {str(r["worker"]) for r in self.db.q("SELECT worker FROM round_refusals WHERE block=? AND version=?", k, v)}
 
     def finish_round(self, k: int, v: int, now: float) -> None:
         """Version v is block k's last: its round is ``finished`` and takes no updates."""
@@ -458,20 +354,6 @@ class ConductTable:
         """The quarantined worker whose revoked token has this hash, if any."""
         row = self.db.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)
         return None if row is None else str(row["worker"])
-
-
-@dataclass(frozen=True)
-class AuditRow:
-    """An ``audits`` row: a push drawn for audit, not yet decided."""
-
-    worker: str  # who pushed it
-    block: int  # k
-    version: int  # v it was trained against
-    blob: str  # digest of its body (its update row names the same)
-    stream: int  # the stream id the work answer named
-    schedule_steps: int  # the span of the block's lr schedule
-    round_steps: int  # H
-    due: float  # coordinator clock time by which the worker must upload its state
 
 
 @dataclass(frozen=True)

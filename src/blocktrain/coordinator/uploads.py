@@ -26,9 +26,9 @@ from blocktrain.coordinator.groups import PeerHub, check_members
 from blocktrain.coordinator.intake import Checked, Intake, Published
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds
+from blocktrain.coordinator.rows import AuditRow, WorkerRow
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.tables import AuditRow, WorkerRow
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
