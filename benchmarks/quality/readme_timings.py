@@ -56,7 +56,7 @@ def time_one(name: str, log_path: Path, clone: Path, keep: bool = False) -> dict
         proc = subprocess.Popen(cmd, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
-            out.write(line)
+            out.write(line.replace(str(clone), "<clone>"))  # no machine's absolute path in a committed log
             out.flush()
             m = PHASE.match(line)
             if m:
