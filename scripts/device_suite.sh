@@ -117,20 +117,12 @@ for p in $SPEED_PRESETS; do
     --profile --compile "$mode" --out "$RESULTS/runs/speed-$p" --json "$RESULTS/device-speed-$p.json"
 done
 
-# b. depth: one bench per (preset, lr, seed), each a row of depth.jsonl; then the summary
+# b. depth: one bench per (preset, lr, seed), each a row of depth.jsonl (rows already there are skipped); then the summary
 depth_rows() {
-  local preset=$1 lrs=$2 seeds=$3
-  for lr in $lrs; do for seed in $seeds; do
-    local key="$preset-lr$lr-seed$seed"
-    if grep -q "\"key\": \"$key\"" "$RESULTS/depth.jsonl" 2>/dev/null; then continue; fi
-    if timeout "$LIMIT" "${BT[@]}" bench quality --preset "$preset" --objective stack --lr "$lr" --seed "$seed" \
-        --no-lr-sweep --no-matched-steps --isolate no --device "$DEVICE" --data "$DATA" --max-eval-bytes "$TEST_BYTES" \
-        --out "$RESULTS/runs/depth-$key" --fresh --no-progress --json "$RESULTS/runs/depth-$key.json" \
-        >> "$RESULTS/depth.log" 2>&1; then
-      "$PY" benchmarks/quality/device_depth.py row --key "$key" --preset "$preset" --lr "$lr" --seed "$seed" \
-        --bench "$RESULTS/runs/depth-$key.json" --jsonl "$RESULTS/depth.jsonl"
-    fi
-  done; done
+  # shellcheck disable=SC2086  # the lr and seed lists split into words
+  "$PY" benchmarks/quality/device_depth.py rows --preset "$1" --lrs $2 --seeds $3 --device "$DEVICE" --data "$DATA" \
+    --max-eval-bytes "$TEST_BYTES" --runs "$RESULTS/runs" --jsonl "$RESULTS/depth.jsonl" --timeout "$LIMIT" \
+    >> "$RESULTS/depth.log" 2>&1
 }
 depth() {
   depth_rows "$DEPTH_PRESET" "$LRS" "$SEEDS"

@@ -26,7 +26,8 @@ from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import WorkAnswer
-from blocktrain.worker.loop import Worker, WorkerOptions
+from blocktrain.worker.loop import Worker
+from blocktrain.worker.options import WorkerOptions
 from tests.distributed_utils import FakeClock, ThreadServer, corpus, make_coordinator, write_corpus  # noqa: F401
 
 pytestmark = pytest.mark.timeout(240)

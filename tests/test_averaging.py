@@ -243,7 +243,8 @@ def test_workers_over_http_match_the_in_process_reference(start: InnerStart, eve
     """
     import threading
 
-    from blocktrain.worker.loop import Worker, WorkerOptions
+    from blocktrain.worker.loop import Worker
+    from blocktrain.worker.options import WorkerOptions
     from tests.distributed_utils import ThreadServer
 
     knobs: dict[str, Any] = {"outer": OuterOptimizer.NESTEROV, "outer_lr": 0.7, "outer_momentum": 0.9, "rounds": 3,
@@ -275,7 +276,8 @@ def test_a_slow_worker_pushes_what_it_has_before_the_deadline(tmp_path: Path, co
     """H far beyond what fits in a 3 s round: the worker pushes early, weighted by the samples it trained on."""
     import threading
 
-    from blocktrain.worker.loop import Worker, WorkerOptions
+    from blocktrain.worker.loop import Worker
+    from blocktrain.worker.options import WorkerOptions
     from tests.distributed_utils import ThreadServer
 
     c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=3.0, eval_every=0, local_steps=100_000)

@@ -114,7 +114,7 @@ def test_bad_values_are_refused(tmp_path: Path) -> None:
 def test_the_worker_keeps_its_frozen_cache_in_its_own_directory(tmp_path: Path) -> None:
     """No default writes outside the working directory: the frozen cache is WORK_DIR/frozen unless named."""
     from blocktrain.cli.distributed import WORKER_FLAGS
-    from blocktrain.worker.loop import WorkerOptions
+    from blocktrain.worker.options import WorkerOptions
 
     def opts(*flags: str) -> WorkerOptions:
         args = build_parser().parse_args(["worker", "--coordinator", "http://127.0.0.1:1", *flags])

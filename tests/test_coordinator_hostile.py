@@ -156,7 +156,8 @@ def test_coordinator_ctrl_c_message_is_its_own(tmp_path: Path, procs) -> None:  
 
 
 def test_worker_round_prints_no_autograd_warning(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
-    from blocktrain.worker.loop import Worker, WorkerOptions
+    from blocktrain.worker.loop import Worker
+    from blocktrain.worker.options import WorkerOptions
 
     c = make_coordinator(tmp_path / "run", None, rounds=1, norm_k=0)
     token = c.add_token("w")

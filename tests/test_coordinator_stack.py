@@ -38,7 +38,8 @@ from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta
 from blocktrain.protocol.weights import load_trainable
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
-from blocktrain.worker.loop import Worker, WorkerOptions, WorkerSummary
+from blocktrain.worker.loop import Worker
+from blocktrain.worker.options import WorkerOptions, WorkerSummary
 from tests.distributed_utils import (  # noqa: F401
     HANDMADE,
     FakeClock,

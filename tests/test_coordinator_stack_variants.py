@@ -25,7 +25,8 @@ from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.delta import Compression, decode_delta
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_step
-from blocktrain.worker.loop import Worker, WorkerSummary
+from blocktrain.worker.loop import Worker
+from blocktrain.worker.options import WorkerSummary
 from tests.distributed_utils import HANDMADE, ThreadServer, corpus, one_row, wait_for  # noqa: F401
 from tests.test_coordinator_stack import finish_block, worker_opts
 

@@ -51,6 +51,7 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
         assert ops and all(0 <= o["share"] <= 1 and o["calls"] >= 1 for o in ops)
     depth = json.loads((results / "device-depth.json").read_text())
     (row,) = depth["rows"]
+    assert row["key"] == "tiny-lr2e-3-seed0" and row["device"] == "cpu" and row["lr"] == 2e-3
     assert row["preset"] == "tiny" and set(row["ce"]) == {"stack", "stack_prefix0", "e2e_matched_flops"}
     assert "gap_stack_minus_e2e" in depth["summary"]["tiny"]
     assert json.loads((results / "device-averaging.json").read_text())
@@ -66,3 +67,26 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert json.loads((results / "device-serve.json").read_text())
     assert again.returncode == 0 and again.stderr.count("done already, skipped") == len(jobs), again.stderr[-2000:]
     assert wall_again < wall / 3
+
+
+def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device_depth.py rows`` trains only the (lr, seed) pairs whose key is not in the JSONL yet, keys each as its
+    lr is written, and counts a bench that fails as a missing row (no row written)."""
+    from benchmarks.quality import device_depth
+
+    jsonl = tmp_path / "depth.jsonl"
+    jsonl.write_text(json.dumps({"key": "tiny-lr2e-3-seed0"}) + "\n")
+    ran: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 3)  # the bench failed: no JSON, no row
+
+    monkeypatch.setattr(device_depth.subprocess, "run", fake_run)
+    failed = device_depth.train_rows("tiny", ["2e-3", "3e-3"], [0], "cpu", tmp_path / "data", tmp_path / "runs", jsonl,
+                                     4096, timeout=5)
+    assert failed == 1 and len(ran) == 1
+    (cmd,) = ran
+    assert cmd[cmd.index("--lr") + 1] == "3e-3" and cmd[cmd.index("--device") + 1] == "cpu"
+    assert cmd[cmd.index("--json") + 1] == str(tmp_path / "runs" / "depth-tiny-lr3e-3-seed0.json")
+    assert jsonl.read_text().count("\n") == 1  # the failed row is not written

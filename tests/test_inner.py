@@ -278,7 +278,8 @@ def test_a_worker_loads_moments_at_a_sharing_version_and_a_late_joiner_the_newes
     those of its base version when it is one and goes on from its own otherwise; one that joins at version 4, before
     training the block, loads version 3's instead of starting from zero moments."""
     from blocktrain.checkpoint.safetensors_io import pack
-    from blocktrain.worker.loop import Worker, WorkerOptions
+    from blocktrain.worker.loop import Worker
+    from blocktrain.worker.options import WorkerOptions
 
     asked: list[int] = []
     v_of = {n: torch.full((3, 2), 2.0) for n in ("v/w",)}

@@ -44,7 +44,8 @@ from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.store import Store
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.protocol.delta import delta_norm
-from blocktrain.worker.loop import Worker, WorkerOptions
+from blocktrain.worker.loop import Worker
+from blocktrain.worker.options import WorkerOptions
 
 ATTACKS = ("inflated_claim", "replay", "toward_zero", "scaled_random", "sign_flip", "shuffled_labels", "lazy", "stale")
 ROWS = ("honest6", "honest5", *ATTACKS, "collude_sign_flip", "collude_toward_zero")

@@ -1,9 +1,13 @@
 """Depth at the committed budget, as the device suite runs it (``scripts/device_suite.sh``, job b).
 
 Each ``bench quality`` run (one preset, one lr, one seed: the stack against the E2E at matched FLOPs) becomes one
-row of a JSONL file (``row``); ``summary`` picks each arm's best lr by its mean over seeds and prints the gap
-(stack minus E2E, nats/byte) with the seed spread of both arms at their best lr:
+row of a JSONL file. ``rows`` trains every (lr, seed) of a preset whose row is not in the file yet (so a second
+run resumes), each under its own time limit; ``row`` adds one from a finished bench's JSON; ``summary`` picks each
+arm's best lr by its mean over seeds and prints the gap (stack minus E2E, nats/byte) with the seed spread of both
+arms at their best lr:
 
+    python benchmarks/quality/device_depth.py rows --preset P --lrs 1e-3 2e-3 --seeds 0 1 --device cuda \
+        --data DATA --runs RUNS --jsonl depth.jsonl [--max-eval-bytes 0] [--timeout 420]
     python benchmarks/quality/device_depth.py row --key K --preset P --lr LR --seed S --bench RUN.json --jsonl depth.jsonl
     python benchmarks/quality/device_depth.py summary --jsonl depth.jsonl --json device-depth.json
 """
@@ -12,13 +16,62 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 ARMS = ("stack", "stack_prefix0", "e2e_matched_flops")
+log = logging.getLogger("device_depth")
+
+
+def row_key(preset: str, lr: str, seed: int) -> str:
+    """The row's name in the JSONL: ``cpu-small-lr2e-3-seed0`` (the lr as written on the command line)."""
+    return f"{preset}-lr{lr}-seed{seed}"
+
+
+def bench_command(preset: str, lr: str, seed: int, device: str, data: Path, out: Path, max_eval_bytes: int) -> list[str]:
+    """``bench quality`` for one row: the stack against the E2E at matched FLOPs, in one process, no lr sweep."""
+    return [sys.executable, "-m", "blocktrain", "bench", "quality", "--preset", preset, "--objective", "stack",
+            "--lr", lr, "--seed", str(seed), "--no-lr-sweep", "--no-matched-steps", "--isolate", "no",
+            "--device", device, "--data", str(data), "--max-eval-bytes", str(max_eval_bytes), "--out", str(out),
+            "--fresh", "--no-progress", "--json", f"{out}.json"]
+
+
+def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data: Path, runs: Path, jsonl: Path,
+               max_eval_bytes: int, timeout: float | None) -> int:
+    """Train every (lr, seed) of ``preset`` not yet in ``jsonl`` and append its row as it finishes; returns how many
+    failed or ran out of time (their rows stay missing, for the next run). Each bench's output goes to its log."""
+    done = {json.loads(line)["key"] for line in jsonl.read_text().splitlines() if line.strip()} if jsonl.exists() else set()
+    runs.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for lr in lrs:
+        for seed in seeds:
+            key = row_key(preset, lr, seed)
+            if key in done:
+                log.info("%s: in %s already, skipped", key, jsonl)
+                continue
+            out = runs / f"depth-{key}"
+            cmd = bench_command(preset, lr, seed, device, data, out, max_eval_bytes)
+            log.info("%s: training (log: %s.log)", key, out)
+            with open(f"{out}.log", "w") as f:
+                try:
+                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = -1
+            if rc != 0:
+                log.warning("%s: %s; no row", key, f"exit {rc}" if rc >= 0 else f"cut at {timeout:g} s")
+                failed += 1
+                continue
+            row = bench_row(key, preset, float(lr), seed, json.loads(Path(f"{out}.json").read_text()))
+            with jsonl.open("a") as fj:
+                fj.write(json.dumps(row) + "\n")
+            log.info("%s: stack %.4f, first prefix %.4f, E2E at matched FLOPs %.4f", key, row["ce"]["stack"],
+                     row["ce"]["stack_prefix0"], row["ce"]["e2e_matched_flops"])
+    return failed
 
 
 def bench_row(key: str, preset: str, lr: float, seed: int, bench: dict[str, Any]) -> dict[str, Any]:
@@ -67,6 +120,16 @@ def table(summary: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("rows", help="train every (lr, seed) of a preset not yet in the JSONL")
+    t.add_argument("--preset", required=True)
+    t.add_argument("--lrs", nargs="+", required=True, help="learning rates as written in the row keys (2e-3)")
+    t.add_argument("--seeds", type=int, nargs="+", required=True)
+    t.add_argument("--device", default="cuda")
+    t.add_argument("--data", type=Path, required=True)
+    t.add_argument("--runs", type=Path, required=True, help="folder of the benches' runs, JSONs and logs")
+    t.add_argument("--jsonl", type=Path, required=True)
+    t.add_argument("--max-eval-bytes", type=int, default=0, help="test bytes scored (0: the whole split)")
+    t.add_argument("--timeout", type=float, default=None, help="seconds a row may take (default: no limit)")
     r = sub.add_parser("row")
     r.add_argument("--key", required=True)
     r.add_argument("--preset", required=True)
@@ -78,6 +141,17 @@ def main() -> int:
     s.add_argument("--jsonl", type=Path, required=True)
     s.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.cmd == "rows":
+        for lr in args.lrs:
+            try:
+                if not float(lr) > 0:
+                    raise ValueError
+            except ValueError:
+                ap.error(f"--lrs takes positive numbers, got {lr!r}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "rows":
+        return 1 if train_rows(args.preset, args.lrs, args.seeds, args.device, args.data, args.runs, args.jsonl,
+                               args.max_eval_bytes, args.timeout) else 0
     if args.cmd == "row":
         row = bench_row(args.key, args.preset, args.lr, args.seed, json.loads(args.bench.read_text()))
         with args.jsonl.open("a") as f:

@@ -20,7 +20,7 @@ from blocktrain.cli.common import add_run_args, config_from_args
 from blocktrain.cli.fields import Flags
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import BlockTrainError
-from blocktrain.worker.loop import WorkerOptions
+from blocktrain.worker.options import WorkerOptions
 
 log = logging.getLogger("blocktrain")
 
