@@ -26,8 +26,9 @@ from benchmarks.distributed.averaging_trace import trace_arm
 
 from blocktrain.config import Objective, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
+from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
-from blocktrain.coordinator.simulate import Hostile, HostileContext, LocalRounds, run_local_rounds
+from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError

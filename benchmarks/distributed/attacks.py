@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blocktrain.coordinator.simulate import Hostile, HostileContext
+from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.protocol.delta import delta_norm
 
 RANDOM_SCALE = 10.0  # ||noise|| / ||honest Delta|| of a scaled random update

@@ -39,6 +39,7 @@ from blocktrain.coordinator.aggregate import OuterState, RoundResult, next_versi
 from blocktrain.coordinator.audit import Auditor
 from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.evaluation import Evaluator
+from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.coordinator.intake import Intake, Published
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
@@ -60,47 +61,6 @@ from blocktrain.train.round import BlockTask, train_round
 from blocktrain.train.step import MuonAdamW, decay_groups, round_lr_scale
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class HostileContext:
-    """What a hostile replica knows when it forges its update."""
-
-    weights: dict[str, torch.Tensor]  # W_v, the version it trained from
-    previous: list[dict[str, torch.Tensor]]  # the deltas the previous round accepted (decoded)
-    generator: torch.Generator  # its own seeded randomness
-
-
-class Hostile:
-    """A hostile replica's behaviour in the in-process rounds (``benchmarks/distributed/attacks.py``); every method's
-    default is what an honest worker does, so an attack overrides only what it changes. Before version
-    ``attacks_from`` it behaves honestly (a worker that passes its probation first)."""
-
-    attacks_from: int = 0  # the first version it attacks at
-
-    def steps(self, h: int) -> int:
-        """Inner steps it trains (a strong worker trains more than its budget)."""
-        return h
-
-    def train_data(self, data: np.ndarray) -> np.ndarray:
-        """The bytes it trains on (a data poisoner's own)."""
-        return data
-
-    def targets(self, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """The targets it trains on."""
-        return y
-
-    def delta(self, delta: dict[str, torch.Tensor], ctx: HostileContext) -> dict[str, torch.Tensor] | None:
-        """The update it pushes in place of the one it trained (None: it pushes nothing this round, having nothing
-        to forge from yet; it does not fall back to honest work)."""
-        return delta
-
-    def claim(self, budget: int) -> int:
-        """The samples it claims."""
-        return budget
-
-    def version(self, v: int) -> int:
-        """The version it names as its base (a stale worker names an older one)."""
-        return v
 
 
 @dataclass(frozen=True)
