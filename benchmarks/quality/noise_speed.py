@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_randn_and_copy_s'] * 1e3:.2f} | {r['ratio']:.2f} |")
     if args.json:
         command = "python benchmarks/quality/noise_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        doc = {"benchmark": "noise_speed", "device": str(device), "machine": machine_info(), "reps": args.reps,
+        doc = {"benchmark": "noise_speed", "device": str(device), "machine": machine_info(device), "reps": args.reps,
                "rows": rows, "command": command}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

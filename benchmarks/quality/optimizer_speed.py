@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['trainer_adamw_s'] * 1e3:.3f} | {r['ratio']:.2f} |")
     if args.json:
         command = "python benchmarks/quality/optimizer_speed.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        doc = {"benchmark": "optimizer_speed", "device": str(device), "machine": machine_info(), "reps": args.reps,
+        doc = {"benchmark": "optimizer_speed", "device": str(device), "machine": machine_info(device), "reps": args.reps,
                "blocktrain": _source(), "rows": rows, "command": command}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

@@ -14,7 +14,8 @@ import torch
 from blocktrain.device import CPU, bf16_supported, synchronize
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(device: torch.device | None = None) -> dict[str, Any]:
+    """The machine a benchmark ran on; with ``device``, also the device it ran on (and the GPU's name on CUDA)."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -30,7 +31,13 @@ def machine_info() -> dict[str, Any]:
             mem = int(f.readline().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    where: dict[str, Any] = {}
+    if device is not None:
+        where["device"] = str(device)
+        if device.type == "cuda":
+            where["gpu"] = torch.cuda.get_device_name(device)
     return {
+        **where,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -304,7 +304,7 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
         if sec["eval"]["bytes_scored"] != e2e_eval["bytes_scored"]:
             raise RunError("E2E and the blocks were scored on different bytes")
 
-    result = _assemble(opts, sections, e2e_eval, e2e_sum, matched, sweeps, peak, precision.value, tokens, steps)
+    result = _assemble(opts, sections, e2e_eval, e2e_sum, matched, sweeps, peak, precision.value, tokens, steps, device)
     result["e2e"]["run_dir"] = str(e2e_dir)
     result.update(bench_wall_s=time.perf_counter() - t0, train_wall_s=train_wall)
     log.info("bench quality: done in %.0f s (training %.0f s, scoring %.0f s)", result["bench_wall_s"], train_wall,
@@ -356,6 +356,7 @@ def write_result(result: dict[str, Any], path: Path, name: str) -> None:
 def _assemble(
     opts: QualityOptions, sections: dict[str, dict[str, Any]], e2e_eval: dict[str, Any], e2e_sum: dict[str, Any],
     matched: dict[str, Any] | None, sweeps: dict[str, Any], peak: dict[str, float], precision: str, tokens: int, steps: int,
+    device: torch.device,
 ) -> dict[str, Any]:
     cfg = opts.cfg
     peak_p = peak[precision]
@@ -398,7 +399,7 @@ def _assemble(
         "primary_objective": opts.objectives[0].value,
         "config": cfg.to_dict(),
         "command": opts.command,
-        "machine": {**machine_info(), "peak_flops": peak},
+        "machine": {**machine_info(device), "peak_flops": peak},
         "peak_flops": peak,
         "precision": precision,
         "data_dir": str(opts.data.root),

@@ -113,7 +113,7 @@ def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None,
 def _finish(opts: ServeBenchOptions, result: dict[str, Any], t0: float, echo: bool = False,
             command: str | None = None) -> dict[str, Any]:
     result["wall_seconds"] = time.time() - t0
-    result["machine"] = machine_info()
+    result["machine"] = machine_info(resolve_device(opts.device))
     result["commands"] = {
         "bench": command or shlex.join(["blocktrain", *sys.argv[1:]]),
         "stage": "blocktrain serve --run RUN --blocks 0-1 --listen 0.0.0.0:47100 --next HOST1:47101 [--delay-ms 25]",

@@ -108,7 +108,7 @@ def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
     peak = measure_peak_flops(device)
     result: dict[str, Any] = {
         "benchmark": "speed", "preset": opts.preset, "steps": opts.steps, "device": str(device),
-        "machine": machine_info(), "peak_flops": peak, "command": opts.command, "commands": {},
+        "machine": machine_info(device), "peak_flops": peak, "command": opts.command, "commands": {},
     }
     arms = [("fp32", "fp32", CompileMode.OFF), ("bf16", "bf16", CompileMode.OFF)]
     if opts.compile is not CompileMode.OFF:

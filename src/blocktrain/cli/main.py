@@ -159,7 +159,7 @@ def cmd_bench_machine(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     peak = measure_peak_flops(device, seconds=args.seconds)
-    result = {**machine_info(), "device": str(device), "peak_flops": peak}
+    result = {**machine_info(device), "peak_flops": peak}
     sys.stdout.write(f"{device}: fp32 {peak['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:,.0f} GFLOP/s\n")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
