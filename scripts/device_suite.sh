@@ -121,9 +121,8 @@ done
 depth_rows() {
   # shellcheck disable=SC2086  # the lr and seed lists split into words
   "$PY" benchmarks/quality/device_depth.py rows --preset "$1" --lrs $2 --seeds $3 --device "$DEVICE" --data "$DATA" \
-    --max-eval-bytes "$TEST_BYTES" --runs "$RESULTS/runs" --jsonl "$RESULTS/depth.jsonl" --timeout "$LIMIT" \
-    >> "$RESULTS/depth.log" 2>&1
-}
+    --max-eval-bytes "$TEST_BYTES" --runs "$RESULTS/runs" --jsonl "$RESULTS/depth.jsonl" --timeout "$LIMIT"
+}  # its log is the job's, depth.log; each bench's own is runs/depth-KEY.log
 depth() {
   depth_rows "$DEPTH_PRESET" "$LRS" "$SEEDS"
   if [ -n "$LONG_LRS" ]; then depth_rows "$LONG_PRESET" "$LONG_LRS" "$LONG_SEEDS"; fi

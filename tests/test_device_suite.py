@@ -70,23 +70,54 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
 
 
 def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``device_depth.py rows`` trains only the (lr, seed) pairs whose key is not in the JSONL yet, keys each as its
-    lr is written, and counts a bench that fails as a missing row (no row written)."""
+    """``device_depth.py rows`` trains only the (lr, seed) pairs whose key is not in the JSONL yet (a line cut short
+    is skipped, not fatal), keys each as its lr is written, and counts a bench that fails, or exits 0 without its
+    JSON, as a missing row; the rows after it still run."""
     from benchmarks.quality import device_depth
 
     jsonl = tmp_path / "depth.jsonl"
-    jsonl.write_text(json.dumps({"key": "tiny-lr2e-3-seed0"}) + "\n")
+    jsonl.write_text(json.dumps({"key": "tiny-lr2e-3-seed0"}) + "\n" + '{"key": "tiny-lr3e')  # killed mid-write
     ran: list[list[str]] = []
 
-    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    def fake_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
         ran.append(cmd)
-        return subprocess.CompletedProcess(cmd, 3)  # the bench failed: no JSON, no row
+        return "exit 3" if len(ran) == 1 else None  # the first fails; the second exits 0 but wrote no JSON
 
-    monkeypatch.setattr(device_depth.subprocess, "run", fake_run)
-    failed = device_depth.train_rows("tiny", ["2e-3", "3e-3"], [0], "cpu", tmp_path / "data", tmp_path / "runs", jsonl,
-                                     4096, timeout=5)
-    assert failed == 1 and len(ran) == 1
-    (cmd,) = ran
-    assert cmd[cmd.index("--lr") + 1] == "3e-3" and cmd[cmd.index("--device") + 1] == "cpu"
-    assert cmd[cmd.index("--json") + 1] == str(tmp_path / "runs" / "depth-tiny-lr3e-3-seed0.json")
-    assert jsonl.read_text().count("\n") == 1  # the failed row is not written
+    monkeypatch.setattr(device_depth, "run_bench", fake_bench)
+    failed = device_depth.train_rows("tiny", ["2e-3", "3e-3", "1e-3"], [0], "cpu", tmp_path / "data", tmp_path / "runs",
+                                     jsonl, 4096, timeout=5)
+    assert failed == 2 and len(ran) == 2
+    assert [c[c.index("--lr") + 1] for c in ran] == ["3e-3", "1e-3"] and ran[0][ran[0].index("--device") + 1] == "cpu"
+    assert ran[0][ran[0].index("--json") + 1] == str(tmp_path / "runs" / "depth-tiny-lr3e-3-seed0.json")
+    assert [r["key"] for r in device_depth.read_rows(jsonl)] == ["tiny-lr2e-3-seed0"]  # no row for either failure
+
+
+def test_a_depth_bench_past_its_time_is_killed_with_its_children(tmp_path: Path) -> None:
+    """``run_bench`` kills the bench's whole process group at the timeout (a child it started included) and says so;
+    a bench killed by a signal is reported as such, and its output is appended to its log."""
+    from benchmarks.quality.device_depth import run_bench
+
+    pid_file, log_path = tmp_path / "child.pid", tmp_path / "bench.log"
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)")
+    t0 = time.perf_counter()
+    assert run_bench([sys.executable, "-c", script], log_path, timeout=3) == "cut at 3 s"
+    assert time.perf_counter() - t0 < 30 and "started" in log_path.read_text()
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.1)
+    assert not _alive(child), "the bench's child outlived the timeout"
+    assert run_bench([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], log_path,
+                     timeout=30) == "killed by signal 15"
+    assert run_bench([sys.executable, "-c", "print('ok')"], log_path, timeout=30) is None
+    assert log_path.read_text().count("started") == 1 and log_path.read_text().endswith("ok\n")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, killed but not yet reaped by its adopter, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -1,4 +1,4 @@
-"""The hostile workers of the attack study (issue 44, item 7), as :class:`blocktrain.coordinator.simulate.Hostile`s.
+"""The hostile workers of the attack study (issue 44, item 7), as :class:`blocktrain.coordinator.hostile.Hostile`s.
 
 Each is one way a volunteer can lie; every method it does not override is an honest worker's:
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,11 +43,39 @@ def bench_command(preset: str, lr: str, seed: int, device: str, data: Path, out:
             "--fresh", "--no-progress", "--json", f"{out}.json"]
 
 
+def read_rows(jsonl: Path) -> list[dict[str, Any]]:
+    """The rows written so far; a line cut short (a run killed mid-write) is skipped with a warning, not fatal."""
+    rows = []
+    for i, line in enumerate(jsonl.read_text().splitlines() if jsonl.exists() else [], 1):
+        try:
+            if line.strip():
+                rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a JSON row (cut short?); skipped", jsonl, i)
+    return rows
+
+
+def run_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
+    """Run one bench in its own process group, its output appended to ``log_path``; None if it exited 0, else why
+    not. At ``timeout`` the whole group is killed (compile workers included), as ``timeout`` did in the suite."""
+    with log_path.open("a") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"cut at {timeout:g} s"
+    if rc == 0:
+        return None
+    return f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
+
+
 def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data: Path, runs: Path, jsonl: Path,
                max_eval_bytes: int, timeout: float | None) -> int:
     """Train every (lr, seed) of ``preset`` not yet in ``jsonl`` and append its row as it finishes; returns how many
     failed or ran out of time (their rows stay missing, for the next run). Each bench's output goes to its log."""
-    done = {json.loads(line)["key"] for line in jsonl.read_text().splitlines() if line.strip()} if jsonl.exists() else set()
+    done = {r.get("key") for r in read_rows(jsonl)}
     runs.mkdir(parents=True, exist_ok=True)
     failed = 0
     for lr in lrs:
@@ -55,18 +85,16 @@ def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data:
                 log.info("%s: in %s already, skipped", key, jsonl)
                 continue
             out = runs / f"depth-{key}"
-            cmd = bench_command(preset, lr, seed, device, data, out, max_eval_bytes)
             log.info("%s: training (log: %s.log)", key, out)
-            with open(f"{out}.log", "w") as f:
-                try:
-                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
-                except subprocess.TimeoutExpired:
-                    rc = -1
-            if rc != 0:
-                log.warning("%s: %s; no row", key, f"exit {rc}" if rc >= 0 else f"cut at {timeout:g} s")
+            why = run_bench(bench_command(preset, lr, seed, device, data, out, max_eval_bytes), Path(f"{out}.log"), timeout)
+            try:
+                if why is not None:
+                    raise RuntimeError(why)
+                row = bench_row(key, preset, float(lr), seed, json.loads(Path(f"{out}.json").read_text()))
+            except (RuntimeError, OSError, ValueError, KeyError) as exc:  # this row only: the next ones still run
+                log.warning("%s: no row (%s: %s)", key, type(exc).__name__, exc)
                 failed += 1
                 continue
-            row = bench_row(key, preset, float(lr), seed, json.loads(Path(f"{out}.json").read_text()))
             with jsonl.open("a") as fj:
                 fj.write(json.dumps(row) + "\n")
             log.info("%s: stack %.4f, first prefix %.4f, E2E at matched FLOPs %.4f", key, row["ce"]["stack"],
@@ -157,7 +185,7 @@ def main() -> int:
         with args.jsonl.open("a") as f:
             f.write(json.dumps(row) + "\n")
         return 0
-    rows = [json.loads(line) for line in args.jsonl.read_text().splitlines() if line.strip()]
+    rows = read_rows(args.jsonl)
     summary = summarise(rows)
     sys.stdout.write(table(summary) + "\n")
     if args.json:

@@ -1,7 +1,7 @@
 """The coordinator's SQLite connection and schema, below every table accessor (:mod:`.tables`).
 
 One :class:`Db` per run: WAL, ``synchronous=FULL`` unless fsync is off, ``sqlite3.Row`` rows, which never leave
-:mod:`.tables` (its accessors return frozen row types). Write methods begin no transaction: callers group them
+:mod:`.tables` (its accessors return the frozen row types of :mod:`.rows`). Write methods begin no transaction: callers group them
 in :meth:`Db.tx`. Nothing here knows what a table means.
 """
 
