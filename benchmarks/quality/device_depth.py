@@ -55,6 +55,12 @@ def read_rows(jsonl: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def append_row(jsonl: Path, row: dict[str, Any]) -> None:
+    """Add one row to the JSONL (the only writer of its lines)."""
+    with jsonl.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def run_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
     """Run one bench in its own process group, its output appended to ``log_path``; None if it exited 0, else why
     not. At ``timeout`` the whole group is killed (compile workers included), as ``timeout`` did in the suite."""
@@ -87,16 +93,16 @@ def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data:
             out = runs / f"depth-{key}"
             log.info("%s: training (log: %s.log)", key, out)
             why = run_bench(bench_command(preset, lr, seed, device, data, out, max_eval_bytes), Path(f"{out}.log"), timeout)
-            try:
-                if why is not None:
-                    raise RuntimeError(why)
-                row = bench_row(key, preset, float(lr), seed, json.loads(Path(f"{out}.json").read_text()))
-            except (RuntimeError, OSError, ValueError, KeyError) as exc:  # this row only: the next ones still run
-                log.warning("%s: no row (%s: %s)", key, type(exc).__name__, exc)
+            if why is None:
+                try:
+                    row = bench_row(key, preset, float(lr), seed, json.loads(Path(f"{out}.json").read_text()))
+                except (OSError, ValueError, KeyError) as exc:  # this row only: the next ones still run
+                    why = f"exit 0 but its JSON is unreadable ({type(exc).__name__}: {exc})"
+            if why is not None:
+                log.warning("%s: no row (%s)", key, why)
                 failed += 1
                 continue
-            with jsonl.open("a") as fj:
-                fj.write(json.dumps(row) + "\n")
+            append_row(jsonl, row)
             log.info("%s: stack %.4f, first prefix %.4f, E2E at matched FLOPs %.4f", key, row["ce"]["stack"],
                      row["ce"]["stack_prefix0"], row["ce"]["e2e_matched_flops"])
     return failed
@@ -181,9 +187,7 @@ def main() -> int:
         return 1 if train_rows(args.preset, args.lrs, args.seeds, args.device, args.data, args.runs, args.jsonl,
                                args.max_eval_bytes, args.timeout) else 0
     if args.cmd == "row":
-        row = bench_row(args.key, args.preset, args.lr, args.seed, json.loads(args.bench.read_text()))
-        with args.jsonl.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(args.jsonl, bench_row(args.key, args.preset, args.lr, args.seed, json.loads(args.bench.read_text())))
         return 0
     rows = read_rows(args.jsonl)
     summary = summarise(rows)
