@@ -103,3 +103,36 @@ def test_span_rejects_oversized_batches_and_bad_sweep_params() -> None:
                 params={"n_new": 2, "prompt_len": 4, "estimate": "psychic"})
     with pytest.raises(WireError, match="estimate"):
         span.validate(bad)
+
+
+@pytest.mark.parametrize(
+    ("lo", "tensors", "match"),
+    [
+        (0, {"x": torch.zeros(65, 4, dtype=torch.uint8)}, "at most 64 sequences"),  # MAX_ROWS_PER_FRAME + 1
+        (0, {"x": torch.zeros(1, 4, dtype=torch.int64)}, "uint8 bytes"),
+        (0, {"x": torch.zeros(4, dtype=torch.uint8)}, "uint8 bytes"),
+        (2, {"h": torch.zeros(1, 4, 3)}, "h of shape"),  # tiny's d_model is not 3
+        (2, {"x": torch.zeros(1, 4, dtype=torch.uint8)}, "need tensor 'h'"),
+    ],
+)
+@pytest.mark.parametrize("mode", [Mode.SCORE, Mode.BASELINE])
+def test_e2e_span_bounds_what_a_frame_carries(lo: int, tensors: dict[str, torch.Tensor], match: str, mode: Mode) -> None:
+    """An E2E stage checks rows, dtype and width before compute, as a BlockTrain stage does: one frame cannot make
+    it allocate 64 MiB of windows, and a malformed one is a bad request, not an INTERNAL error."""
+    from blocktrain.presets import tiny
+    from blocktrain.serve.runtime.loading import random_e2e_span
+
+    cfg = tiny()
+    span = random_e2e_span(cfg, lo, lo)
+    with pytest.raises(WireError, match=match):
+        span.validate(Frame(FrameKind.SUBMIT, "r1", mode, params={"pos": 0}, tensors=tensors))
+
+
+def test_e2e_span_takes_the_stage_cache_limits() -> None:
+    from blocktrain.presets import tiny
+    from blocktrain.serve.runtime.kvcache import CacheOptions
+    from blocktrain.serve.runtime.loading import random_e2e_span
+
+    limits = CacheOptions(max_requests=3, ttl_s=5.0, max_bytes=1024)
+    assert random_e2e_span(tiny(), 0, 0, cache=limits).cache.opts == limits
+    assert random_e2e_span(tiny(), 0, 0).cache.opts == CacheOptions()  # the --cache-* defaults, with a byte cap

@@ -36,7 +36,7 @@ GATEWAY_FLAGS = Flags(GatewayOptions, "gateway__", rename={"max_body_bytes": "--
 
 
 def cache_options(args: argparse.Namespace) -> CacheOptions:
-    """`blocktrain serve` --cache-* flags -> the KV cache limits of a stack run's stage."""
+    """`blocktrain serve` --cache-* flags -> the KV cache limits of the stage (a BlockTrain or an E2E span)."""
     return CACHE_FLAGS.build(args)
 
 
@@ -114,12 +114,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     span: Span
     if args.random:
         cfg = parse_shape(args.random, objective=Objective(args.objective))
-        span = (random_e2e_span(cfg, lo, hi, args.seed, device) if args.model == "e2e"
+        span = (random_e2e_span(cfg, lo, hi, args.seed, cache_options(args), device) if args.model == "e2e"
                 else random_run_span(cfg, lo, hi, args.seed, cache_options(args), device))
         span.precision = precision
     elif args.run:
         run = RunDir(Path(args.run))
-        span = (load_e2e_span(run, lo, hi, precision, device) if args.model == "e2e"
+        span = (load_e2e_span(run, lo, hi, precision, cache_options(args), device) if args.model == "e2e"
                 else load_run_span(run, lo, hi, precision, cache_options(args), device))
     else:
         raise ConfigError("serve needs --run RUN (trained weights) or --random SHAPE (random weights)")

@@ -8,7 +8,6 @@ so each new token costs one pass over the stage's layers.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from blocktrain.config import ModelConfig, Precision
 from blocktrain.device import CPU, autocast
 from blocktrain.errors import WireError
 from blocktrain.model.layers import TransformerLayer
+from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
@@ -36,6 +36,7 @@ class E2ESpan:
         head: tuple[nn.LayerNorm, nn.Linear] | None,
         precision: Precision = Precision.FP32,
         device: torch.device = CPU,
+        cache: CacheOptions | None = None,
     ) -> None:
         self.cfg = cfg
         self.precision = precision  # arithmetic of run(), under blocktrain.device.autocast
@@ -46,8 +47,8 @@ class E2ESpan:
         self.head = None if head is None else (head[0].to(device), head[1].to(device))
         if (self.lo == 0) != (embed is not None) or (self.hi == cfg.n_layers - 1) != (head is not None):
             raise ValueError("the first E2E stage holds the embeddings and the last one the head")
-        # 64 requests, 600 s idle, and no byte cap: the stage's --cache-* flags are not passed to E2E spans
-        self.cache = KVCache(CacheOptions(max_bytes=sys.maxsize), name=f"e2e[{self.lo}-{self.hi}]")
+        # the stage's --cache-* flags (requests, idle seconds, bytes), as for a BlockTrain span
+        self.cache = KVCache(cache or CacheOptions(), name=f"e2e[{self.lo}-{self.hi}]")
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "lo": self.lo, "hi": self.hi, "n": self.cfg.n_layers,
@@ -75,26 +76,36 @@ class E2ESpan:
         return (self.family, frame.request_id)  # KV-cached steps run one request at a time
 
     def validate(self, frame: Frame) -> None:
-        if frame.mode is Mode.SCORE:  # teacher-forced windows (b, t), no cache: an evaluation harness's requests
-            key = "x" if self.lo == 0 else "h"
-            t = frame.tensors.get(key)
-            if t is None or t.dim() < 2 or t.shape[1] < 1 or t.shape[1] > self.cfg.context:
-                raise WireError(f"score frames at layer {self.lo} need tensor {key!r} of shape (b, t <= "
-                                f"{self.cfg.context}, ...)")
-            return
-        if frame.mode is not Mode.BASELINE:
+        """Reject a frame this span cannot run (raises WireError with the reason)."""
+        if frame.mode not in (Mode.SCORE, Mode.BASELINE):
             raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline' or 'score'")
+        t = self._input_tensor(frame)
+        if frame.mode is Mode.SCORE:  # teacher-forced windows (b, t), no cache: an evaluation harness's requests
+            if t.shape[1] > self.cfg.context:
+                raise WireError(f"{t.shape[1]} positions exceed the model context of {self.cfg.context}")
+            return
         pos = frame_param(frame.params, "pos", int, 0)
-        key = "x" if self.lo == 0 else "h"
-        t = frame.tensors.get(key)
-        if t is None or t.shape[0] != 1 or t.shape[1] < 1:
-            raise WireError(f"baseline frames at layer {self.lo} need tensor {key!r} of shape (1, t, ...)")
+        if t.shape[0] != 1:
+            raise WireError("baseline frames are KV-cached and carry one sequence: shape (1, t, ...)")
         if pos < 0 or pos + t.shape[1] > self.cfg.context:
             raise WireError(
                 f"positions {pos}..{pos + t.shape[1] - 1} exceed the context of {self.cfg.context}; "
                 "start a new request with a shorter prompt"
             )
         self.cache.check(frame.request_id, pos, exact=True)
+
+    def _input_tensor(self, frame: Frame) -> torch.Tensor:
+        """The frame's input: bytes ``x`` (b, t) uint8 at layer 0, else ``h`` (b, t, d_model); b <= MAX_ROWS_PER_FRAME."""
+        key, d = ("x" if self.lo == 0 else "h"), self.cfg.d_model
+        t = frame.tensors.get(key)
+        ok = t is not None and t.dim() >= 2 and t.shape[0] >= 1 and t.shape[1] >= 1 and (
+            (t.dim() == 2 and t.dtype == torch.uint8) if key == "x" else (t.dim() == 3 and t.shape[2] == d))
+        if not ok or t is None:
+            what = "uint8 bytes of shape (b, t)" if key == "x" else f"h of shape (b, t, {d})"
+            raise WireError(f"frames at layer {self.lo} need tensor {key!r}: {what} with b, t >= 1")
+        if t.shape[0] > MAX_ROWS_PER_FRAME:
+            raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
+        return t
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:

@@ -102,11 +102,13 @@ def _e2e_parts(model: E2ETransformer, lo: int, hi: int) -> Parts:
 
 
 def load_e2e_span(
-    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, device: torch.device = CPU,
+    run: RunDir, lo: int, hi: int, precision: Precision = Precision.FP32, cache: CacheOptions | None = None,
+    device: torch.device = CPU,
 ) -> E2ESpan:
     cfg = run.load_config()
     _check_span(lo, hi, cfg.model.n_layers, "layers")
-    return E2ESpan(cfg.model, *_e2e_parts(E2EModel.load(run, cfg).model, lo, hi), precision=precision, device=device)
+    return E2ESpan(cfg.model, *_e2e_parts(E2EModel.load(run, cfg).model, lo, hi), precision=precision, device=device,
+                   cache=cache)
 
 
 def _seeded(seed: int, role: Seed, *indices: int) -> None:
@@ -130,7 +132,9 @@ def random_run_span(
     return build_span(cfg, blocks, Precision.FP32, cache, device)
 
 
-def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0, device: torch.device = CPU) -> E2ESpan:
+def random_e2e_span(
+    cfg: RunConfig, lo: int, hi: int, seed: int = 0, cache: CacheOptions | None = None, device: torch.device = CPU,
+) -> E2ESpan:
     """E2E layers lo..hi (+ embeddings/head where they belong) with random weights."""
     m = cfg.model
     _check_span(lo, hi, m.n_layers, "layers")
@@ -147,4 +151,4 @@ def random_e2e_span(cfg: RunConfig, lo: int, hi: int, seed: int = 0, device: tor
     if hi == m.n_layers - 1:
         _seeded(seed, Seed.RANDOM_HEAD)
         head = (nn.LayerNorm(m.d_model), nn.Linear(m.d_model, VOCAB_SIZE))
-    return E2ESpan(m, layers, embed, head, device=device)
+    return E2ESpan(m, layers, embed, head, device=device, cache=cache)
