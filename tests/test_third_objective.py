@@ -181,3 +181,17 @@ def test_averages_like_any_objective(cfg: RunConfig, data_dir: Path) -> None:
                            open_data_dir(data_dir))
     assert len(run.updates) == 4 and all(u.outcome == "accepted" for u in run.updates)
     assert run.test_ce(cfg, open_data_dir(data_dir), max_bytes=4096) < math.log(256) - 0.3  # untrained: ln 256
+
+
+def test_validation_is_logged_under_the_objectives_reference_name(
+    cfg: RunConfig, data_dir: Path, tmp_path: Path,
+) -> None:
+    """bench quality's block-0 lr sweep reads ``val_<reference_name>``; a plug-in's key must be that, or every lr
+    scores NaN and the sweep picks its first lr."""
+    from blocktrain.train.metrics import read_jsonl
+
+    run = tmp_path / "run"
+    train_block(replace(cfg, train=replace(cfg.train, steps=4, eval_bytes=2048)), open_data_dir(data_dir), run, 0,
+                progress=False)
+    vals = [r["val_blocks_alone_ce"] for r in read_jsonl(RunDir(run).metrics_path("block_0")) if "val_blocks_alone_ce" in r]
+    assert vals and all(math.isfinite(v) for v in vals)

@@ -23,7 +23,8 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
         label = f"{run.name}/{f.stem}" if len(runs) > 1 else f.stem
         steps = [r["step"] for r in recs if "loss" in r and "event" not in r]
         ax_loss.plot(steps, [r["loss"] for r in recs if "loss" in r and "event" not in r], label=label)
-        for key in ("val_ce", "val_block_alone_ce", "val_prefix_ce", "noised_ce"):
+        val_keys = sorted({k for r in recs for k in r if k.startswith("val_") and k.endswith("_ce")})
+        for key in [*val_keys, "noised_ce"]:  # val_ce, val_<objective's reference>, and older runs' names
             pts = [(r["step"], r[key]) for r in recs if key in r and "step" in r]
             if pts:
                 ax_ce.plot(*zip(*pts, strict=True), marker="." if key.startswith("val") else None, label=f"{label} {key}")

@@ -72,7 +72,7 @@ def train_block(
         save_meta=block_save_meta(cfg, k),
         valid=valid,
         evaluate=(  # block k's own CE, without the target (its prefix, or itself on pure noise)
-            "val_prefix_ce" if objective.reference_name == "prefix_ce" else "val_block_alone_ce",
+            f"val_{objective.reference_name}",  # the key bench quality's block-0 lr sweep reads
             lambda x, gen: objective.local_logits(block, k, x, gen, frozen),
         ),
         progress=progress,
