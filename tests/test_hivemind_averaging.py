@@ -93,14 +93,15 @@ def _register(c: object, names: list[str], keys: list[RSAPrivateKey]) -> list[by
 
 
 def _group_body(c: object, names: list[str], keys: list[RSAPrivateKey], peers: list[str], delta_scale: float,
-                v: int = 0, samples: int = 8, signed_as: list[str] | None = None) -> bytes:
+                v: int = 0, samples: int | list[int] = 8, signed_as: list[str] | None = None) -> bytes:
     run = c.hub.run  # type: ignore[attr-defined]
     shapes = c.block_shapes[0]  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(0)
     delta = {n: delta_scale * torch.randn(s, generator=g) for n, s in shapes.items()}  # scale 0: no change
-    members = [GroupMember(p, samples, name, Card.make(k, b"", s, round_scope(run, 0, v)).proof)
-               for p, s, name, k in zip(peers, signed_as or peers, names, keys, strict=True)]
-    return pack_delta(delta, Compression.NONE, block=0, base_version=v, base_sha=c.weights_sha[0], samples=samples * len(peers),  # type: ignore[attr-defined]
+    claims = samples if isinstance(samples, list) else [samples] * len(peers)
+    members = [GroupMember(p, n, name, Card.make(k, b"", s, round_scope(run, 0, v)).proof)
+               for p, n, s, name, k in zip(peers, claims, signed_as or peers, names, keys, strict=True)]
+    return pack_delta(delta, Compression.NONE, block=0, base_version=v, base_sha=c.weights_sha[0], samples=sum(claims),  # type: ignore[attr-defined]
                       group=members)
 
 
@@ -122,6 +123,12 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PZ"], 0.0, signed_as=["PA", "PB"]))
         with pytest.raises(ProtocolError, match="not a member"):  # w3 uploads the mean of w1 and w2
             c.submit("w3", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0))
+        # each member's claim is its weight in the mean: at most H x batch each, even where the total fits two
+        each = c.uploads.budget(0, [])
+        uneven = _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0, samples=[each + 1, 1])
+        with pytest.raises(ProtocolError, match="each may claim at most") as exc:
+            c.submit("w1", 0, uneven)
+        assert exc.value.reason == "claim" and not c.store.updates.submitted(0, 0, "w1")
         # an honest group of two (a zero delta passes the gate at tolerance 0), then w3 alone: the round closes
         assert c.submit("w1", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 0.0)).accepted
         assert c.work("w2").submitted and c.store.updates.groups(0, 0) == {"w1": ["w1", "w2"]}
@@ -145,6 +152,16 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
     finally:
         c.close()
+
+
+def test_the_group_mean_is_weighted_by_the_claims_the_others_see() -> None:
+    """Members send s_i x Delta_i at equal weight; dividing by the claims' total gives the sample-weighted mean."""
+    from blocktrain.p2p.groups import claim_weighted
+
+    a, b = torch.randn(5), torch.randn(5)
+    members = [GroupMember("PA", 1, "w1", b""), GroupMember("PB", 3, "w2", b"")]
+    summed = {"w": (1 * a + 3 * b) / 2}  # hivemind's equal-weight mean over the two members
+    assert torch.allclose(claim_weighted(summed, members)["w"], (a + 3 * b) / 4, atol=1e-6)
 
 
 def _averagers(n: int, authority: Authority, dht0: object, keys: list[RSAPrivateKey], run: str) -> list[GroupAverager]:

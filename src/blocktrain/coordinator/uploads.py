@@ -85,7 +85,12 @@ class Uploads:
         if self.hub is None:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; send your own delta, "
                                 "or start the coordinator with --hivemind", Reason.HIVEMIND_OFF)
-        return self.hub.members(upd.group, upd.block, upd.base_version)
+        names = self.hub.members(upd.group, upd.block, upd.base_version)
+        claims, each = [m.samples for m in upd.group], self.budget(upd.block, [])
+        if max(claims) > each:  # a member's claim is its weight in the mean (parse_update checked their sum)
+            raise ProtocolError(422, f"group members claim {claims} samples; each may claim at most {each} "
+                                "(H x batch of its round)", Reason.CLAIM)
+        return names
 
     def budget(self, k: int, members: list[str]) -> int:
         """The samples an update of block k may claim: H x batch, times the members of a group mean."""

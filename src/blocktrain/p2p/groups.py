@@ -5,9 +5,12 @@ hivemind averager per block it trains (a background process: hivemind's averager
 and one made and shut down every round leaves its in-flight DHT requests failing in the DHT process). Each
 round, the workers of block k wait until every peer holding version v has trained (:meth:`GroupAverager.all_ready`),
 then :meth:`GroupAverager.average` looks for peers under the block's key
-(:func:`blocktrain.protocol.group.group_prefix`), all-reduces its delta with them weighted by samples
-(hivemind's butterfly all-reduce: each peer sends and receives about twice the tensor, whatever the group
-size), and all-gathers every member's card and samples. A card is bound to the run, the block and the
+(:func:`blocktrain.protocol.group.group_prefix`), all-reduces its delta with them (hivemind's butterfly
+all-reduce: each peer sends and receives about twice the tensor, whatever the group size), and all-gathers
+every member's card and samples. The mean is weighted by the samples each member claims in that all-gather:
+each member sends s_i x Delta_i at equal weight, and the sum is divided by the claims' total, so no member
+weighs more than the claim the others and the coordinator see (hivemind's own per-peer weight is nobody's
+to check). A card is bound to the run, the block and the
 version, so every member must be an admitted worker at the same version (:mod:`.trust`); otherwise, or when
 no group forms in time, the worker uploads its own delta alone. The member with the smallest peer id
 uploads the group's mean; the others upload nothing for the round.
@@ -66,6 +69,13 @@ class _BlockAverager(DecentralizedAverager):  # type: ignore[misc]
         return meta, tensors, None
 
 
+def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) -> dict[str, torch.Tensor]:
+    """The sample-weighted mean sum_i s_i Delta_i / sum_i s_i, from the equal-weight all-reduce of s_i Delta_i
+    ((1/n) sum_i s_i Delta_i over the n members) and the samples s_i each member claimed in the all-gather."""
+    scale = len(members) / sum(m.samples for m in members)
+    return {n: t * scale for n, t in summed.items()}
+
+
 def join_dht(initial_peers: list[str], authorizer: PeerAuthorizer, host: str) -> hivemind.DHT:
     """A DHT peer of the run, listening on ``host`` (its port chosen by the system)."""
     return hivemind.DHT(initial_peers=initial_peers, start=True, host_maddrs=[f"/ip4/{host}/tcp/0"],
@@ -111,21 +121,21 @@ class GroupAverager:
         try:
             with averager.get_tensors() as shared:
                 for t, n in zip(shared, names, strict=True):
-                    t.copy_(delta[n])
+                    t.copy_(delta[n]).mul_(float(samples))  # s_i x Delta_i; the weights come from the claims below
             gathered: Any = averager.step(gather={"token": card.token, "proof": card.proof, "samples": samples},
-                                          weight=float(samples), timeout=timeout)
+                                          weight=1.0, timeout=timeout)
             if not gathered:
                 log.info("block %d v%d: no group formed in %.0f s; uploading alone", k, v, timeout)
                 return None
             with averager.get_tensors() as shared:
-                mean = {n: t.detach().clone() for n, t in zip(names, shared, strict=True)}
+                summed = {n: t.detach().clone() for n, t in zip(names, shared, strict=True)}  # (1/n) sum_i s_i Delta_i
         except Exception as exc:  # hivemind raises many kinds on a failed round; we upload alone
             log.warning("block %d v%d: group averaging failed (%s); uploading alone", k, v, exc)
             return None
         members = self._members(gathered, scope)  # a card for another version or run does not verify either
         if members is None or len(members) < 2:
             return None
-        return GroupOutcome(mean, members, uploader=members[0].peer == self.peer)
+        return GroupOutcome(claim_weighted(summed, members), members, uploader=members[0].peer == self.peer)
 
     def share(self, k: int, v: int, sha: str, weights: dict[str, torch.Tensor]) -> None:
         """Offer block k's published weights at version v (sha256 ``sha``) to peers that pull them."""
