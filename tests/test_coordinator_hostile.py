@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import sqlite3
@@ -12,8 +13,11 @@ import warnings
 from pathlib import Path
 
 import httpx
+import pytest
 
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.delta import Compression, pack_delta
 from tests.distributed_utils import (  # noqa: F401
     ThreadServer,
@@ -279,3 +283,35 @@ def test_min_updates_waits_for_workers_not_yet_registered(tmp_path: Path) -> Non
             c.tick()
             assert c.version[0] == (1 if i == 2 else 0), f"after {i + 1} of 3 updates"
     c.close()
+
+
+def test_a_trickling_upload_is_cut_at_the_upload_timeout(tmp_path: Path) -> None:
+    """A body that has not arrived within upload_timeout_s is answered 408 ('slow'), so a slow client cannot hold a
+    connection and its buffers for ever; the coordinator serves the next upload."""
+    c = make_coordinator(tmp_path / "run", None, norm_k=0, upload_timeout_s=1.0)
+    token = c.add_token("a")
+    body = pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4)
+    try:
+        with ThreadServer(c, background=False) as srv:
+            h = {"Authorization": f"Bearer {token}"}
+            assert httpx.post(f"{srv.url}/v1/register", json={"block": 0}, headers=h, timeout=30).status_code == 200
+            head = (f"POST /v1/blocks/0/updates HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                    f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+                t0 = time.monotonic()
+                s.sendall(head + body[:10])  # then nothing more: the rest never comes
+                answer = s.recv(65536).decode(errors="replace")
+                waited = time.monotonic() - t0
+            assert answer.startswith("HTTP/1.1 408") and '"slow"' in answer, answer
+            assert 0.9 < waited < 20
+            r = httpx.post(f"{srv.url}/v1/blocks/0/updates", content=body, headers=h, timeout=30)
+            assert r.status_code == 202, r.text
+            assert get_status(srv.url)["rejections"] == {"slow": 1}
+    finally:
+        c.close()
+
+
+def test_the_upload_limits_reject_bad_values() -> None:
+    for bad in ({"upload_timeout_s": 0.0}, {"upload_timeout_s": math.inf}, {"max_connections": 0}):
+        with pytest.raises(ConfigError, match="--upload-timeout-s, --max-connections"):
+            CoordinatorSettings(**bad)  # type: ignore[arg-type]

@@ -134,17 +134,24 @@ class ByteCounter:
             self.c.count_bytes(worker, n[0], n[1], route_kind(scope.get("path", "")))
 
 
-async def _read_capped(request: Request, cap: int) -> bytes:
+async def _read_capped(request: Request, cap: int, timeout_s: float) -> bytes:
+    """The request body: at most ``cap`` bytes (413), arrived within ``timeout_s`` seconds (408)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise ProtocolError(413, f"body of {declared} bytes exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cap:
-                raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
-            chunks.append(chunk)
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ProtocolError(
+            408, f"{size} bytes of the body arrived in {timeout_s:g} s, the coordinator's upload_timeout_s; push it "
+            "again over a faster link, or ask the operator for a longer --upload-timeout-s", Reason.SLOW,
+        ) from None
     except ClientDisconnect:
         # The client went away mid-body (a worker that lost its network): an ordinary aborted upload.
         raise ProtocolError(
@@ -276,7 +283,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         name = None
         try:
             name = auth(request)
-            body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes),
+            body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
                                            request.headers.get("content-encoding"), c.max_body_bytes)
         except ProtocolError as exc:
             if name is None:  # no valid token: counted in memory only, no lock, nothing written
@@ -292,7 +299,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         name = auth(request)
         await run_in_threadpool(c.expect_audit, name, k, v)  # a stranger's upload is refused before its body is read
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
-        body = await run_in_threadpool(decode_body, await _read_capped(request, cap),
+        body = await run_in_threadpool(decode_body, await _read_capped(request, cap, c.settings.upload_timeout_s),
                                        request.headers.get("content-encoding"), cap)
         return await run_in_threadpool(c.audit, name, k, v, body)
 
@@ -304,7 +311,7 @@ async def serve_forever(c: Coordinator, host: str, port: int, cert: str | None, 
 
     config = uvicorn.Config(
         create_app(c), host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key,
-        timeout_keep_alive=30,
+        timeout_keep_alive=30, limit_concurrency=c.settings.max_connections,
     )
     server = uvicorn.Server(config)
     log.info("coordinator listening on %s://%s:%d", "https" if cert else "http", host, port)

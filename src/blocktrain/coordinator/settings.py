@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, replace
 
 from blocktrain.errors import ConfigError
@@ -115,6 +116,8 @@ class CoordinatorSettings:
     audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay*.json)
     audit_scale_tolerance: float = 0.02  # a replay passes only if the push's scale on it is within this of 1
     audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
+    upload_timeout_s: float = 600.0  # seconds a request body may take to arrive; a stalled or trickling one gets 408
+    max_connections: int = 1024  # connections the HTTP server serves at once; more are answered 503
     device: str = "auto"  # where the gate, evaluations and audit replays compute: auto, cpu, cuda or cuda:N
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation
@@ -186,6 +189,10 @@ class CoordinatorSettings:
         if not 0 <= self.audit_fraction <= 1 or min(self.audit_tolerance, self.audit_tolerance_bf16) < 0 \
                 or self.audit_timeout_s <= 0:
             raise ConfigError("audit_fraction must be in [0, 1], audit_tolerance >= 0 and audit_timeout_s > 0")
+        if not (self.upload_timeout_s > 0 and math.isfinite(self.upload_timeout_s)) or self.max_connections < 1:
+            raise ConfigError(f"upload_timeout_s must be a positive number of seconds and max_connections >= 1, got "
+                              f"{self.upload_timeout_s!r} and {self.max_connections}; set --upload-timeout-s, "
+                              "--max-connections")
         if self.probation_pushes < 0:
             raise ConfigError(f"probation_pushes must be >= 0, got {self.probation_pushes}")
         if not 0 <= self.audit_outlier_fraction <= 1 or self.audit_outlier_ratio < 1:

@@ -63,6 +63,7 @@ class Reason(enum.StrEnum):
     RATE_LIMITED = "rate_limited"  # too many refused requests of late
     TOO_LARGE = "too_large"  # the body exceeds its cap
     ABORTED = "aborted"  # the client closed the connection mid-body
+    SLOW = "slow"  # the body did not arrive within the coordinator's upload_timeout_s
     CORRUPT = "corrupt"  # the body could not be read
     ENCODING = "encoding"  # an unsupported Content-Encoding
     PROTOCOL = "protocol"  # the peer speaks another protocol version
