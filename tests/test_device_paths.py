@@ -279,3 +279,22 @@ def test_the_training_loop_reads_no_figure_per_step(monkeypatch: pytest.MonkeyPa
     monkeypatch.undo()
     assert result.done == 5 and np.isfinite(result.last_loss)
     assert reads == ["__float__"], reads
+
+
+def test_a_hidden_progress_bar_reads_no_loss() -> None:
+    """The worker and ``train`` always add a ProgressHook; with its bar hidden (--no-progress, a log file) it must not
+    read the loss (a wait for the device) once a second."""
+    from tqdm import tqdm
+
+    from blocktrain.train.loop import ProgressHook, StepRecord
+
+    class Unread(StepRecord):
+        @property
+        def loss(self) -> float:
+            raise AssertionError("the hidden bar read the loss")
+
+    hook = ProgressHook(tqdm(total=3, disable=True))
+    hook._shown = -float("inf")
+    for i in range(3):
+        hook.after(Unread(i + 1, torch.zeros(()), 1e-3, torch.zeros(()), 0.0))
+    assert hook.steps == 3

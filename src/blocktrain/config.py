@@ -342,9 +342,10 @@ class RunConfig:
     def architecture_key(self) -> str:
         """JSON of the fields that must agree between blocks of one model: shapes, objective and its settings."""
         d = self.to_dict()
-        # a stack's init and step split are how its blocks were trained, not what they are: never part of the key
+        # the objective's own settings section ({} for a registered objective with none); a stack's init and step
+        # split are how its blocks were trained, not what they are: never part of the key
         recipe = ("init", "step_ratio")
-        own = d["diffusion"] if self.objective is Objective.DIFFUSION else {k: v for k, v in d["stack"].items() if k not in recipe}
+        own = {k: v for k, v in d.get(str(self.objective), {}).items() if k not in recipe}
         return json.dumps({"model": d["model"], "objective": str(self.objective), str(self.objective): own}, sort_keys=True)
 
     def with_dataset(self, fingerprint: str) -> RunConfig:

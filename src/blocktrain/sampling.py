@@ -39,30 +39,21 @@ def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
-    """Sample one byte per row of (n, 256) logits; temperature <= 0 means argmax."""
+def sample_rows(
+    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator, top_p: float = 1.0,
+) -> torch.Tensor:
+    """One byte per row of (n, 256) logits (n,) int64: the argmax at temperature <= 0 (nothing drawn from the
+    generator), else a draw from :func:`filtered_probs`."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    scaled = logits.float() / temperature
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
+    return sample_probs(filtered_probs(logits, temperature, top_k, top_p), generator)
 
 
 def sample_from_logits(
     logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator, top_p: float = 1.0
 ) -> int:
-    """Sample one byte from (256,) logits; temperature 0 means greedy, top_p < 1 keeps a nucleus (filtered_probs)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    if top_p < 1.0:
-        return int(sample_probs(filtered_probs(logits.unsqueeze(0), temperature, top_k, top_p), generator)[0])
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+    """One byte from (256,) logits: :func:`sample_rows` on a single row."""
+    return int(sample_rows(logits.unsqueeze(0), temperature, top_k, generator, top_p)[0])
 
 
 def sample_byte(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g: torch.Generator) -> int:

@@ -167,7 +167,7 @@ class ProgressHook(Hook):
         self.steps += 1
         self.bar.update(1)
         now = time.perf_counter()
-        if now - self._shown < self.every_s:
+        if getattr(self.bar, "disable", False) or now - self._shown < self.every_s:  # a hidden bar never waits
             return
         self._shown = now
         if self.bytes_per_step:
