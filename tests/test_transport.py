@@ -107,3 +107,46 @@ def test_a_leaving_worker_gives_up_on_a_gone_coordinator_at_once(monkeypatch: py
         c.work()
     assert info.value.reason == "unreachable" and time.monotonic() - t0 < 5
     c.close()
+
+
+def test_the_worker_reads_an_answer_up_to_its_cap_decoded() -> None:
+    """A deflate bomb (8 MiB of zeros in about 8 kB) or a runaway body ends the request with 502 too_large at the
+    worker's cap, counted after decoding; an answer within the cap reads as before, its wire bytes counted."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from blocktrain.worker.client import CoordinatorClient
+
+    bomb = zlib.compress(b"\0" * (8 * 2**20))
+    small = zlib.compress(json.dumps({"ok": True}).encode())
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = bomb if self.path.endswith("/weights") else small
+            self.send_response(200)
+            self.send_header("Content-Encoding", "deflate")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = CoordinatorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", give_up_s=5)
+    try:
+        client.max_response_bytes = 2**20
+        with pytest.raises(ProtocolError, match="exceeds 1048576 bytes") as info:
+            client.weights(0)
+        assert (info.value.status, info.value.reason) == (502, "too_large")
+        assert client.request("GET", "/v1/anything").json() == {"ok": True}
+        client.max_response_bytes = 16 * 2**20
+        assert len(client.weights(0)) == 8 * 2**20
+        assert client.bytes_received >= len(small) + len(bomb)  # wire bytes, not decoded ones
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()

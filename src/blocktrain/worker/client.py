@@ -4,7 +4,9 @@ Connection errors, timeouts and 5xx answers are retried with delays
 ``base * 2^i`` (capped at ``max_delay``, with jitter) until ``give_up_s``
 seconds have passed without success; then :class:`ProtocolError` is raised.
 A 4xx answer is not retried: it is raised at once as a ProtocolError carrying
-the coordinator's message.
+the coordinator's message. An answer is read up to ``max_response_bytes`` after
+decoding (a deflate bomb or a runaway body ends the request, 502 ``too_large``):
+small before registration, then sized by the worker from its block.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from blocktrain.protocol.transport import DEFLATE, deflate
 
 log = logging.getLogger(__name__)
 LEAVING_GIVE_UP_S = 10.0  # seconds a leaving worker (SIGTERM) keeps retrying a coordinator that is gone
+UNSIZED_RESPONSE_BYTES = 16 * 2**20  # bytes an answer may have until the worker knows its block (JSON answers)
 
 
 class CoordinatorClient:
@@ -55,6 +58,7 @@ class CoordinatorClient:
             verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
         )
         self.deflate_pushes = deflate_pushes  # send update bodies with Content-Encoding: deflate
+        self.max_response_bytes = UNSIZED_RESPONSE_BYTES  # bytes of an answer, decoded (set from the block's size)
         self.bytes_sent = 0  # request body bytes, as sent on the wire
         self.bytes_received = 0  # response body bytes, as received on the wire (before any decoding)
         self._leave_seen: float | None = None  # when a retry loop first saw ``leaving`` set
@@ -71,10 +75,8 @@ class CoordinatorClient:
                 headers = {"Content-Type": "application/octet-stream"} if content is not None else {}
                 if encoding is not None:
                     headers["Content-Encoding"] = encoding
-                resp = self.http.request(method, path, content=content, json=json, headers=headers or None)
-                self.bytes_sent += len(resp.request.content) if resp.request.content else 0
-                resp.read()
-                self.bytes_received += resp.num_bytes_downloaded
+                resp = self._capped(self.http.build_request(method, path, content=content, json=json,
+                                                            headers=headers or None))
                 if resp.status_code < 500:
                     if resp.status_code >= 400:
                         raise _protocol_error(resp)
@@ -96,6 +98,26 @@ class CoordinatorClient:
                 if self._left_long_ago():
                     raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}) while leaving",
                                         Reason.UNREACHABLE)
+
+    def _capped(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` and read its answer, at most ``max_response_bytes`` of it after decoding."""
+        cap = self.max_response_bytes
+        resp = self.http.send(request, stream=True)
+        try:
+            self.bytes_sent += len(request.content) if request.content else 0
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > cap:
+                    raise ProtocolError(502, f"the coordinator's answer to {request.method} {request.url.path} exceeds "
+                                        f"{cap} bytes; check the coordinator URL and that it runs the same BlockTrain "
+                                        "version", Reason.TOO_LARGE)
+                chunks.append(chunk)
+        finally:
+            self.bytes_received += resp.num_bytes_downloaded
+            resp.close()
+        headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in ("content-encoding", "content-length")]
+        return httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks), request=request)
 
     def _left_long_ago(self) -> bool:
         """The worker was told to leave (SIGTERM) more than LEAVING_GIVE_UP_S ago: a gone coordinator ends it."""

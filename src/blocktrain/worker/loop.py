@@ -25,6 +25,7 @@ and then leaves; a second one abandons the round at once and leaves.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -49,7 +50,7 @@ from blocktrain.protocol.weights import apply_step, block_schema, load_trainable
 from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
-from blocktrain.worker.client import CoordinatorClient
+from blocktrain.worker.client import UNSIZED_RESPONSE_BYTES, CoordinatorClient
 from blocktrain.worker.engines import Averaging, DirectEngine, Engine, HivemindEngine, RoundClock
 from blocktrain.worker.frozen import FrozenInputs
 from blocktrain.worker.options import WorkerOptions, WorkerSummary
@@ -98,6 +99,10 @@ class Worker:
         self.train = self.data.open("train")
         self.block = compile_module(self.objective.build_block(self.k).to(self.device), self.opts.compile)
         self.shapes = block_schema(self.block)
+        # the largest answer it reads: moments (2x the block) or frozen blocks, whose sizes differ from its own by the
+        # embeddings or a head: 8x its own fp32 bytes and 16 MiB is far above any, and far below a deflate bomb
+        own = sum(4 * math.prod(shape) for shape in self.shapes.values())
+        self.client.max_response_bytes = 8 * own + UNSIZED_RESPONSE_BYTES
         self.moment_codec = reg.moment_codec
         self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)
         self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
