@@ -428,8 +428,9 @@ def _assemble(
         "objectives": per_objective,
         "steps_per_block": steps,
     }
-    if "diffusion" in per_objective:
-        result["blocks_alone_ce"] = per_objective["diffusion"]["blocks_alone_ce"]
+    for sec in per_objective.values():  # the objective whose references are its blocks alone (the diffusion chain)
+        if "blocks_alone_ce" in sec:
+            result["blocks_alone_ce"] = sec["blocks_alone_ce"]
     if matched is not None:
         result["e2e_matched_flops"] = {
             "ce_nats_per_byte": matched["eval"]["ce_nats_per_byte"], "steps": matched["steps"],
