@@ -18,7 +18,7 @@ from blocktrain.config import ModelConfig, Precision
 from blocktrain.device import CPU, autocast
 from blocktrain.errors import WireError
 from blocktrain.model.layers import TransformerLayer
-from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
+from blocktrain.serve.runtime import input_tensor
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
@@ -79,7 +79,7 @@ class E2ESpan:
         """Reject a frame this span cannot run (raises WireError with the reason)."""
         if frame.mode not in (Mode.SCORE, Mode.BASELINE):
             raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline' or 'score'")
-        t = self._input_tensor(frame)
+        t = input_tensor(frame, self.lo, self.cfg.d_model, unit="layer")
         if frame.mode is Mode.SCORE:  # teacher-forced windows (b, t), no cache: an evaluation harness's requests
             if t.shape[1] > self.cfg.context:
                 raise WireError(f"{t.shape[1]} positions exceed the model context of {self.cfg.context}")
@@ -93,19 +93,6 @@ class E2ESpan:
                 "start a new request with a shorter prompt"
             )
         self.cache.check(frame.request_id, pos, exact=True)
-
-    def _input_tensor(self, frame: Frame) -> torch.Tensor:
-        """The frame's input: bytes ``x`` (b, t) uint8 at layer 0, else ``h`` (b, t, d_model); b <= MAX_ROWS_PER_FRAME."""
-        key, d = ("x" if self.lo == 0 else "h"), self.cfg.d_model
-        t = frame.tensors.get(key)
-        ok = t is not None and t.dim() >= 2 and t.shape[0] >= 1 and t.shape[1] >= 1 and (
-            (t.dim() == 2 and t.dtype == torch.uint8) if key == "x" else (t.dim() == 3 and t.shape[2] == d))
-        if not ok or t is None:
-            what = "uint8 bytes of shape (b, t)" if key == "x" else f"h of shape (b, t, {d})"
-            raise WireError(f"frames at layer {self.lo} need tensor {key!r}: {what} with b, t >= 1")
-        if t.shape[0] > MAX_ROWS_PER_FRAME:
-            raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
-        return t
 
     @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:

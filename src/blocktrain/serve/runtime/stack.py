@@ -48,7 +48,7 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.device import CPU, autocast
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
-from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
+from blocktrain.serve.runtime import input_tensor
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
@@ -112,16 +112,7 @@ class StackSpan:
                             "traversal: use --mode ar or --mode spec")
         if frame.mode not in (Mode.SCORE, Mode.AR, Mode.SPEC):
             raise WireError(f"this stage serves a stack run; mode {frame.mode} is not one of score/ar/spec")
-        key = "x" if self.lo == 0 else "h"
-        t = frame.tensors.get(key)
-        d = self.cfg.model.d_model
-        ok = t is not None and t.shape[0] >= 1 and t.shape[1] >= 1 and (
-            (t.dim() == 2 and t.dtype == torch.uint8) if key == "x" else (t.dim() == 3 and t.shape[2] == d))
-        if not ok or t is None:
-            what = "uint8 bytes of shape (b, t)" if key == "x" else f"h of shape (b, t, {d})"
-            raise WireError(f"frames at block {self.lo} need tensor {key!r}: {what} with b, t >= 1")
-        if t.shape[0] > MAX_ROWS_PER_FRAME:
-            raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
+        t = input_tensor(frame, self.lo, self.cfg.model.d_model)
         frame_param(frame.params, "seed", int, 0)
         if frame.mode is Mode.SPEC and SpecParams.read(frame.params).window:
             self._validate_windows(frame, t)
