@@ -228,7 +228,10 @@ def test_a_failed_audit_that_completed_the_quorum_leaves_nothing_applied(tmp_pat
     for n, t in alone.weights[0].items():
         assert torch.equal(both.weights[0][n], t), n
     # nor does it leave its norm for the next pushes to be judged by: the intake's norm history is the honest one's
-    assert list(both.intake._norms[0]) == list(alone.intake._norms[0]) and len(alone.intake._norms[0]) == 1
+    # (equal to 1e-9: the same push trained again can differ in its last bits on some CPUs, seen
+    # 1.0201760086820917 against ...915 on an Intel Xeon; the scaled push's norm is 1.5x)
+    assert len(alone.intake._norms[0]) == 1
+    assert list(both.intake._norms[0]) == pytest.approx(list(alone.intake._norms[0]), rel=1e-9)
     both.close()
     alone.close()
 

@@ -176,5 +176,5 @@ def test_e2e_span_rejects_wrong_mode() -> None:
     with pytest.raises(WireError, match="baseline"):
         span.validate(Frame(FrameKind.SUBMIT, "a", Mode.AR, tensors={"x": torch.zeros(1, 3, dtype=torch.uint8)}))
     span.validate(Frame(FrameKind.SUBMIT, "a", Mode.SCORE, tensors={"x": torch.zeros(2, 3, dtype=torch.uint8)}))
-    with pytest.raises(WireError, match="score frames"):  # a window longer than the context
+    with pytest.raises(WireError, match="exceed the model context"):  # a window longer than the context
         span.validate(Frame(FrameKind.SUBMIT, "a", Mode.SCORE, tensors={"x": torch.zeros(1, 999, dtype=torch.uint8)}))
