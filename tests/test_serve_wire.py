@@ -90,7 +90,8 @@ def test_span_rejects_oversized_batches_and_bad_sweep_params() -> None:
     from blocktrain.errors import WireError
     from blocktrain.model.block import BlockDenoiser
     from blocktrain.presets import tiny
-    from blocktrain.serve.runtime.diffusion import MAX_ROWS_PER_FRAME, BlockSpan
+    from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
+    from blocktrain.serve.runtime.diffusion import BlockSpan
     from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
 
     cfg = tiny()

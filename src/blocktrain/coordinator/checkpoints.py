@@ -27,7 +27,7 @@ from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives.base import Objective, whole_blocks
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.weights import block_schema, trainable_state
+from blocktrain.protocol.weights import block_schema, schema_fp32_bytes, trainable_state
 from blocktrain.seeds import init_seed
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Checkpoints:
         with torch.device("meta"):  # names and shapes only: stack blocks differ (block 0 embeds)
             self.block_shapes = {k: block_schema(objective.build_block(k)) for k in range(self.n_blocks)}
         self.shapes = self.block_shapes[0]  # every block's schema for diffusion
-        fp32_bytes = max(sum(4 * int(torch.Size(s).numel()) for s in sh.values()) for sh in self.block_shapes.values())
+        fp32_bytes = max(schema_fp32_bytes(sh) for sh in self.block_shapes.values())
         self.block_fp32_bytes = fp32_bytes  # of the largest block
         tensors = 1 + len(settings.inner_start.shares)  # the delta, and the moments pushed with it
         self.max_body_bytes = settings.max_body_bytes or 2 * tensors * fp32_bytes + 65536

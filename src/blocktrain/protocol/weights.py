@@ -31,6 +31,11 @@ def block_schema(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in module.named_parameters() if p.requires_grad}
 
 
+def schema_fp32_bytes(schema: dict[str, tuple[int, ...]]) -> int:
+    """Bytes of a block's trainable tensors (:func:`block_schema`) in fp32."""
+    return sum(4 * int(torch.Size(shape).numel()) for shape in schema.values())
+
+
 def apply_step(weights: dict[str, torch.Tensor], step: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """W_{v+1} = W_v + step (the decoded float32 step); the same code runs on both sides of the wire."""
     return {n: (w + step[n].float()).contiguous() for n, w in weights.items()}

@@ -25,7 +25,6 @@ and then leaves; a second one abandons the round at once and leaves.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import replace
@@ -46,7 +45,7 @@ from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, 
 from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.moments import InnerStart, parse_moments
-from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, trainable_state
+from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, schema_fp32_bytes, trainable_state
 from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -101,8 +100,7 @@ class Worker:
         self.shapes = block_schema(self.block)
         # the largest answer it reads: moments (2x the block) or frozen blocks, whose sizes differ from its own by the
         # embeddings or a head: 8x its own fp32 bytes and 16 MiB is far above any, and far below a deflate bomb
-        own = sum(4 * math.prod(shape) for shape in self.shapes.values())
-        self.client.max_response_bytes = 8 * own + UNSIZED_RESPONSE_BYTES
+        self.client.max_response_bytes = 8 * schema_fp32_bytes(self.shapes) + UNSIZED_RESPONSE_BYTES
         self.moment_codec = reg.moment_codec
         self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)
         self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)

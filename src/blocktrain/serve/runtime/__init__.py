@@ -23,16 +23,15 @@ from blocktrain.serve.wire.frames import Frame
 MAX_ROWS_PER_FRAME = 64  # sequences per frame: bounds the (b, t, d_model) state a frame can make a stage allocate
 
 
-def input_tensor(frame: Frame, lo: int, d_model: int, unit: str = "block") -> torch.Tensor:
-    """What a frame brings to the span starting at block (or layer) ``lo``: bytes ``x`` (b, t) uint8 at 0, else
-    ``h`` (b, t, d_model); 1 <= b <= MAX_ROWS_PER_FRAME and t >= 1, checked before any compute (WireError)."""
-    key = "x" if lo == 0 else "h"
+def input_tensor(frame: Frame, key: str, d_model: int, where: str) -> torch.Tensor:
+    """The frame's input tensor ``key``: bytes ``x`` (b, t) uint8, or ``h`` (b, t, d_model); 1 <= b <=
+    MAX_ROWS_PER_FRAME and t >= 1, checked before any compute (WireError naming the stage ``where``)."""
     t = frame.tensors.get(key)
     ok = t is not None and t.dim() >= 2 and t.shape[0] >= 1 and t.shape[1] >= 1 and (
         (t.dim() == 2 and t.dtype == torch.uint8) if key == "x" else (t.dim() == 3 and t.shape[2] == d_model))
     if not ok or t is None:
         what = "uint8 bytes of shape (b, t)" if key == "x" else f"h of shape (b, t, {d_model})"
-        raise WireError(f"frames at {unit} {lo} need tensor {key!r}: {what} with b, t >= 1")
+        raise WireError(f"frames {where} need tensor {key!r}: {what} with b, t >= 1")
     if t.shape[0] > MAX_ROWS_PER_FRAME:
         raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
     return t

@@ -24,7 +24,7 @@ from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.sampling import sample_rows
 from blocktrain.seeds import Seed
-from blocktrain.serve.runtime import MAX_ROWS_PER_FRAME
+from blocktrain.serve.runtime import input_tensor
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
@@ -87,11 +87,7 @@ class BlockSpan:
         """Reject a frame this span cannot run (raises WireError with the reason)."""
         if frame.mode not in (Mode.SCORE, Mode.SWEEP, Mode.AR, Mode.SPEC):
             raise WireError(f"this stage serves BlockTrain blocks; mode {frame.mode} is not one of score/sweep/ar/spec")
-        x = frame.tensors.get("x")
-        if x is None or x.dim() != 2 or x.dtype != torch.uint8 or x.shape[0] < 1 or x.shape[1] < 1:
-            raise WireError("frames need tensor 'x': uint8 bytes of shape (b, t) with b, t >= 1")
-        if x.shape[0] > MAX_ROWS_PER_FRAME:
-            raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {x.shape[0]}; split the request")
+        x = input_tensor(frame, "x", self.cfg.model.d_model, "of a diffusion stage")  # every block reads the bytes
         t = x.shape[1]
         frame_param(frame.params, "seed", int, 0)
         if frame.mode is Mode.SWEEP:

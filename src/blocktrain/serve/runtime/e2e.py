@@ -79,7 +79,7 @@ class E2ESpan:
         """Reject a frame this span cannot run (raises WireError with the reason)."""
         if frame.mode not in (Mode.SCORE, Mode.BASELINE):
             raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline' or 'score'")
-        t = input_tensor(frame, self.lo, self.cfg.d_model, unit="layer")
+        t = input_tensor(frame, "x" if self.lo == 0 else "h", self.cfg.d_model, f"at layer {self.lo}")
         if frame.mode is Mode.SCORE:  # teacher-forced windows (b, t), no cache: an evaluation harness's requests
             if t.shape[1] > self.cfg.context:
                 raise WireError(f"{t.shape[1]} positions exceed the model context of {self.cfg.context}")

@@ -112,7 +112,7 @@ class StackSpan:
                             "traversal: use --mode ar or --mode spec")
         if frame.mode not in (Mode.SCORE, Mode.AR, Mode.SPEC):
             raise WireError(f"this stage serves a stack run; mode {frame.mode} is not one of score/ar/spec")
-        t = input_tensor(frame, self.lo, self.cfg.model.d_model)
+        t = input_tensor(frame, "x" if self.lo == 0 else "h", self.cfg.model.d_model, f"at block {self.lo}")
         frame_param(frame.params, "seed", int, 0)
         if frame.mode is Mode.SPEC and SpecParams.read(frame.params).window:
             self._validate_windows(frame, t)
