@@ -30,7 +30,7 @@ from blocktrain.serve.runtime.kvcache import CacheEntry
 from blocktrain.serve.runtime.loading import load_run_span
 from blocktrain.serve.runtime.stack import StackSpan
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
-from blocktrain.serve.wire.speculative import accept_draft, next_draft_len, update_rate, windows
+from blocktrain.serve.wire.speculative import SpecParams, accept_draft, next_draft_len, update_rate, windows
 from tests.forked_cli import spawn
 from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run
@@ -86,6 +86,27 @@ def test_filters_top_k_top_p() -> None:
     assert torch.allclose(filtered_probs(logits, 1.0, top_p=0.7), torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     assert torch.allclose(filtered_probs(logits, 1.0, top_k=3), torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
     assert torch.allclose(filtered_probs(logits, 1.0, top_p=0.4), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_the_draft_loop_reads_each_byte_after_the_draft_before_it() -> None:
+    """SpecParams.draft: byte i comes from logits_for(draft[:i]); greedy takes the argmax; q is carried per byte."""
+    seen: list[list[int]] = []
+
+    def logits_for(draft: list[int]) -> torch.Tensor:
+        seen.append(list(draft))
+        logits = torch.zeros(256)
+        logits[(7 * len(draft) + 3) % 256] = 9.0  # a distinct argmax per prefix length
+        return logits
+
+    sp = SpecParams(n_draft=4, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    draft, carried = sp.draft(10, logits_for, torch.device("cpu"))
+    assert draft == [3, 10, 17, 24]
+    assert seen == [[], [3], [3, 10], [3, 10, 17]]
+    assert carried["draft"].tolist() == [draft] and carried["draft"].dtype == torch.uint8
+    assert carried["q"].shape == (4, 256) and carried["q"].argmax(dim=1).tolist() == draft
+    sampled = SpecParams(n_draft=4, temperature=1.0, top_k=0, top_p=1.0, seed=5)
+    assert sampled.draft(10, logits_for, torch.device("cpu"))[0] == sampled.draft(10, logits_for, torch.device("cpu"))[0]
+    assert SpecParams(0, 0.0, 0, 1.0, 0).draft(10, logits_for, torch.device("cpu")) == ([], {})
 
 
 def test_draft_length_follows_acceptance() -> None:

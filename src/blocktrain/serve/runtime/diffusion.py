@@ -216,18 +216,16 @@ class BlockSpan:
             g_noise = Seed.CHAIN.generator(sp.seed, 0)
             eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise, self.device)  # (1, t + n, d), a window at most
             s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
-            g = sp.draft_generator(int(f.params.get("pos", 0)) + len(text))
-            draft: list[int] = []
-            qs: list[torch.Tensor] = []
-            for _ in range(n):
+
+            def block0_alone(draft: list[int]) -> torch.Tensor:
                 win = torch.tensor([(text + draft)[-c:]], dtype=torch.uint8, device=self.device)  # the text or its last window
                 t = win.shape[1]
                 logits = self.blocks[0](win, s0 * eps[:, :t], torch.tensor(s0, device=self.device))  # (1, t, 256)
-                byte, q = sp.draft_byte(logits[0, -1].float(), g)
-                draft.append(byte)
-                qs.append(q)
-            if n:
-                carried = {"draft": torch.tensor([draft], dtype=torch.uint8, device=self.device), "q": torch.stack(qs)}
+                return logits[0, -1].float()
+
+            draft, drafted = sp.draft(int(f.params.get("pos", 0)) + len(text), block0_alone, self.device)
+            if drafted:
+                carried = drafted
             rows = windows(text, draft, c) if sp.window else [text + draft]  # windowed: every row is c bytes
             x = torch.tensor(rows, dtype=torch.uint8, device=self.device)
             z = (self.cfg.diffusion.sigma_max * eps).expand(len(rows), -1, -1).clone()

@@ -215,23 +215,22 @@ class StackSpan:
             return self._result(f, self.blocks[self.hi].logits(h)[:, -1], carried)
         sp = SpecParams.read(f.params)
         text, c = f.tensors["x"][0].tolist(), self.cfg.model.context
-        g = sp.draft_generator(int(f.params.get("pos", 0)) + len(text))
-        hs: list[torch.Tensor] = []
-        last: list[torch.Tensor] = []
-        draft: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(sp.n_draft + 1):  # row i is windows(text, draft, c)[i]: it needs the draft's first i bytes
+        hs: list[torch.Tensor] = []  # row i: h (1, c', d) of windows(text, draft, c)[i]
+        last: list[torch.Tensor] = []  # row i's logits (256,) at its last position
+
+        def forward_row(draft: list[int]) -> None:
             hs.append(self._forward(torch.tensor([(text + draft)[-c:]], dtype=torch.uint8, device=self.device)))
-            if i == sp.n_draft and not self.is_last:
-                break
+
+        def row_logits(draft: list[int]) -> torch.Tensor:
+            forward_row(draft)
             last.append(self.blocks[self.hi].logits(hs[-1])[0, -1].float())
-            if i < sp.n_draft:
-                byte, q = sp.draft_byte(last[-1], g)
-                draft.append(byte)
-                qs.append(q)
-        carried = {"draft": torch.tensor([draft], dtype=torch.uint8, device=self.device), "q": torch.stack(qs)} if draft else {}
-        if self.is_last:  # one stage holds the whole model: the draft model is the target
+            return last[-1]
+
+        draft, carried = sp.draft(int(f.params.get("pos", 0)) + len(text), row_logits, self.device)
+        if self.is_last:  # one stage holds the whole model: the draft model is the target; row n gives the bonus
+            row_logits(draft)
             return self._result(f, torch.stack(last), carried)
+        forward_row(draft)  # row n, on to the next stage
         return self._work(f, torch.cat(hs, dim=0), carried)
 
     def _work(self, f: Frame, h: torch.Tensor, extra: dict[str, torch.Tensor]) -> Frame:
@@ -259,24 +258,22 @@ class StackSpan:
         """Entry stage of a spec frame: draft n bytes with blocks 0..hi and block hi's head, then pass it all on."""
         x = f.tensors["x"]
         sp = SpecParams.read(f.params)
-        n = sp.n_draft
         accepted_len = pos + x.shape[1]
-        g = sp.draft_generator(accepted_len)
         h, logits = self.cached_step(entry, x, pos)
         assert logits is not None
-        hs, last = [h], [logits[0, -1]]
-        draft: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(n):
-            byte, q = sp.draft_byte(last[-1], g)
-            draft.append(byte)
-            qs.append(q)
-            nxt = torch.tensor([[draft[-1]]], dtype=torch.uint8, device=self.device)  # (1, 1)
-            h, logits = self.cached_step(entry, nxt, accepted_len + i)
-            assert logits is not None
-            hs.append(h)
-            last.append(logits[0, -1])
-        carried = {"draft": torch.tensor([draft], dtype=torch.uint8, device=self.device), "q": torch.stack(qs)} if n else {}
+        hs, last = [h], [logits[0, -1]]  # h (1, t, d) per step; the logits (256,) after each step's last byte
+
+        def step_on_last(draft: list[int]) -> torch.Tensor:
+            if draft:  # extend the cache by the byte drawn last
+                nxt = torch.tensor([[draft[-1]]], dtype=torch.uint8, device=self.device)  # (1, 1)
+                h, logits = self.cached_step(entry, nxt, accepted_len + len(draft) - 1)
+                assert logits is not None
+                hs.append(h)
+                last.append(logits[0, -1])
+            return last[-1]
+
+        draft, carried = sp.draft(accepted_len, step_on_last, self.device)
+        step_on_last(draft)  # the last draft byte's step: the logits of the bonus position
         if self.is_last:  # one stage holds the whole model: the draft model is the target
             return self._result(f, torch.stack(last), carried)
         return self._work(f, torch.cat(hs, dim=1), carried)

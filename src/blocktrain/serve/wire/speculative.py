@@ -21,6 +21,7 @@ otherwise emit argmax p_i" (greedy decoding, byte for byte).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +132,27 @@ class SpecParams:
         q = filtered_probs(logits.float().cpu().unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
         x = int(q.argmax()) if self.temperature <= 0 else int(sample_probs(q, g)[0])
         return x, q[0]
+
+    def draft(
+        self, accepted_len: int, logits_for: Callable[[list[int]], torch.Tensor], device: torch.device,
+    ) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The entry stage's draft, the one loop every span drafts with: byte i is drawn by :meth:`draft_byte`, on
+        the generator seeded by (seed, ``accepted_len``), from ``logits_for(draft[:i])``, the draft model's raw
+        logits (256,) for the byte after the accepted text and the draft's first i bytes.
+
+        Returns the ``n_draft`` bytes and the tensors the frame carries on to the client: ``draft`` (1, n) uint8 on
+        ``device`` and ``q`` (n, 256) on the host; none when n = 0.
+        """
+        g = self.draft_generator(accepted_len)
+        draft: list[int] = []
+        qs: list[torch.Tensor] = []
+        for _ in range(self.n_draft):
+            byte, q = self.draft_byte(logits_for(draft), g)
+            draft.append(byte)
+            qs.append(q)
+        if not draft:
+            return draft, {}
+        return draft, {"draft": torch.tensor([draft], dtype=torch.uint8, device=device), "q": torch.stack(qs)}
 
 
 def windowed_draft_cap(context: int, d_model: int, max_frame_bytes: int) -> int:
