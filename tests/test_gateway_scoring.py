@@ -32,12 +32,7 @@ from blocktrain.serve.gateway.app import GatewayOptions
 from blocktrain.serve.gateway.checks import MAX_STOPS, refusal
 from blocktrain.serve.gateway.generation import max_tokens_of
 from blocktrain.serve.gateway.logprobs import StopScanner, text_offsets, token_str
-from blocktrain.serve.gateway.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    chat_prompt,
-)
+from blocktrain.serve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, chat_prompt
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.runtime.loading import load_run_span
 from blocktrain.serve.runtime.stack import StackSpan

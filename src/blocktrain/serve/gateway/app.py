@@ -12,7 +12,7 @@ baseline on the E2E reference). Errors are ``{"error": {"message", "type", "para
 request and a 5xx when the pipeline fails. Request bodies are capped in size, requests in time, and a bearer
 token, when set, is compared in constant time.
 
-The shapes are the models of :mod:`~blocktrain.serve.gateway.protocol` (each route declares its answer's; the
+The shapes are the models of :mod:`~blocktrain.serve.gateway.protocol` and :mod:`.responses` (each route declares its answer's; the
 schema is ``make_app(...).openapi()``); a request goes from its route to :mod:`~blocktrain.serve.gateway.serving`
 and back in one call. Every route runs behind :class:`GuardedRoute` (the token, then the body's limits); a body that
 fails validation is answered by one handler, ``param`` naming the field at fault.
@@ -40,18 +40,20 @@ from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.checks import RequestError, refusal
 from blocktrain.serve.gateway.options import GatewayOptions
 from blocktrain.serve.gateway.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from blocktrain.serve.gateway.responses import (
+    ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
 )

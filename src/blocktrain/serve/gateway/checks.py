@@ -38,7 +38,7 @@ def show(value: Any) -> str:
 
 class RequestError(ProtocolError):
     """A request the gateway refuses (or a pipeline failure), answered with HTTP ``status`` and
-    :class:`~blocktrain.serve.gateway.protocol.ErrorResponse`."""
+    :class:`~blocktrain.serve.gateway.responses.ErrorResponse`."""
 
     def __init__(self, status: int, message: str, code: str | None, param: str | None = None) -> None:
         super().__init__(status, message, reason=code or "error")

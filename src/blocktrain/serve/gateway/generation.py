@@ -18,7 +18,8 @@ from blocktrain.serve.client.decoding import Sampling, runnable_modes
 from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.gateway.checks import RequestError, show
 from blocktrain.serve.gateway.logprobs import MAX_SCORED_BYTES
-from blocktrain.serve.gateway.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest, Usage
+from blocktrain.serve.gateway.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
+from blocktrain.serve.gateway.responses import Usage
 from blocktrain.serve.wire.frames import Mode
 from blocktrain.serve.wire.modes import MODE_RULES, modes_taking
 

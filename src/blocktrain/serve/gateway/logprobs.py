@@ -17,7 +17,7 @@ import torch
 
 from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.dataset import eval_windows
-from blocktrain.serve.gateway.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from blocktrain.serve.gateway.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 MAX_SCORED_BYTES = 1 << 16  # the most bytes (prompt and continuation) one request may have scored
 WINDOWS_PER_CALL = 32  # windows sent to the pipeline in one score call

@@ -1,4 +1,4 @@
-"""The gateway's HTTP contract as pydantic models: request bodies, answers, stream chunks, errors.
+"""The gateway's HTTP contract as pydantic models: the request bodies (the answers: :mod:`.responses`).
 
 The shapes are OpenAI's (vLLM's for ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``), a token being a byte,
 with BlockTrain's extensions: ``mode``, ``top_k``, ``sweeps`` and ``draft_min``/``draft_max`` in a request,
@@ -8,7 +8,7 @@ A request model checks what holds whichever pipeline serves it: types (strict: `
 bounds, fields taken only at their neutral value, combinations (``stream`` with ``echo``); a field sent as null
 takes its default, and unknown fields are ignored. What depends on the pipeline (its modes and context) or on the
 gateway's options (the ``max_tokens`` cap) is checked when the request is served
-(:mod:`~blocktrain.serve.gateway.serving`). Either way a refused request is answered as :class:`ErrorResponse`,
+(:mod:`~blocktrain.serve.gateway.serving`). Either way a refused request is answered as :class:`.responses.ErrorResponse`,
 ``param`` naming the field at fault and the message saying where in it and what to send instead
 (:mod:`~blocktrain.serve.gateway.checks`).
 """
@@ -31,15 +31,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
-from blocktrain.config import VOCAB_SIZE
 from blocktrain.serve.gateway.checks import (
-    BOS_TOKEN,
     Alternatives,
     DraftBound,
     Int64,
     ModeName,
     Prompt,
-    RequestError,
     Stops,
     TokenIds,
     invalid,
@@ -57,28 +54,6 @@ MAX_MESSAGES = 256  # most messages one chat request may carry
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 CHAT_TEMPLATE = ("one line 'Role: content' per message (the role capitalised: System, User, Assistant, ...), "
                  "joined by newlines, then a last line 'Assistant:' that the model continues")
-FinishReason = Literal["stop", "length"]  # stop: a stop sequence (or the pipeline) ended the choice; length: max_tokens
-
-
-# --- errors ------------------------------------------------------------------------------------------------
-class ErrorDetail(BaseModel):
-    """What went wrong with a request."""
-
-    message: str  # what was wrong and what to send instead
-    type: str  # invalid_request_error (4xx), authentication_error (401) or server_error (5xx)
-    param: str | None  # the request field at fault (top level), or None
-    code: str | None  # machine-readable reason: invalid_value, invalid_type, unsupported_parameter, not_found, ...
-
-
-class ErrorResponse(BaseModel):
-    """The body of every error answer, and the last event of a stream that failed."""
-
-    error: ErrorDetail
-
-    @classmethod
-    def of(cls, exc: RequestError) -> ErrorResponse:
-        kind = "authentication_error" if exc.status == 401 else "invalid_request_error" if exc.status < 500 else "server_error"
-        return cls(error=ErrorDetail(message=str(exc), type=kind, param=exc.param, code=exc.code))
 
 
 # --- requests -----------------------------------------------------------------------------------------------
@@ -244,193 +219,3 @@ class DetokenizeRequest(_Request):
     tokens: TokenIds  # token ids, each a byte
 
 
-# --- answers ------------------------------------------------------------------------------------------------
-def _absent(value: Any) -> bool:
-    return value is None
-
-
-def Absent() -> Any:  # noqa: N802  (a field's default, as pydantic's Field reads)
-    """The default of a field left out of the JSON unless set."""
-    return Field(None, exclude_if=_absent)
-
-
-class Usage(BaseModel):
-    """What a request cost, in tokens (bytes)."""
-
-    prompt_tokens: int  # bytes of the prompt (a chat's transcript)
-    completion_tokens: int  # bytes generated, all choices together
-    total_tokens: int  # the two together
-
-
-class BlocktrainInfo(BaseModel):
-    """``blocktrain``: how an answer was generated."""
-
-    mode: str  # the mode that ran
-    seed: int  # the seed of choice 0 (the request's)
-    traversals: int | None = Absent()  # non-streamed spec: pipeline traversals of choice 0
-    drafted: int | None = Absent()  # non-streamed spec: draft bytes proposed for choice 0
-    accepted: int | None = Absent()  # non-streamed spec: draft bytes kept for choice 0
-    seeds: list[int] | None = Absent()  # n > 1: each choice's seed
-
-
-class CompletionLogprobs(BaseModel):
-    """OpenAI Completions' ``logprobs``: one token per byte."""
-
-    tokens: list[str]  # each byte's token string
-    token_logprobs: list[float | None]  # natural log of each byte's probability given the bytes before it; None first
-    top_logprobs: list[dict[str, float] | None]  # per byte: the most likely alternatives and the byte itself
-    text_offset: list[int]  # per byte: where its character starts in the returned text, in characters
-
-
-class TopLogprob(BaseModel):
-    """One byte and its log-prob at a position."""
-
-    token: str  # the byte's token string
-    logprob: float  # natural log of its probability
-    bytes: list[int]  # the byte
-
-
-class TokenLogprob(TopLogprob):
-    """One generated byte, with the most likely alternatives at its position."""
-
-    top_logprobs: list[TopLogprob]  # best first
-
-
-class ChatLogprobs(BaseModel):
-    """OpenAI Chat's ``logprobs``."""
-
-    content: list[TokenLogprob]  # one per generated byte
-    refusal: None = None  # never: the model refuses nothing
-
-
-class _Choice(BaseModel):
-    index: int  # which choice
-    finish_reason: FinishReason | None  # None: more of the choice comes
-    raw_bytes: str | None = Absent()  # the choice's (or chunk's) exact bytes, base64
-
-
-class CompletionChoice(_Choice):
-    """A choice of a completion, whole or as a stream chunk."""
-
-    logprobs: CompletionLogprobs | None = None  # with logprobs
-    text: str  # the bytes as UTF-8, invalid bytes replaced
-
-
-class AssistantMessage(BaseModel):
-    """The answer of a chat."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str  # the bytes as UTF-8, invalid bytes replaced
-
-
-class ChatChoice(_Choice):
-    """A choice of a chat answer."""
-
-    logprobs: ChatLogprobs | None = None  # with logprobs
-    message: AssistantMessage
-
-
-class Delta(BaseModel):
-    """What a chat chunk adds to a choice's message."""
-
-    role: Literal["assistant"] | None = Absent()  # the first chunk of a choice
-    content: str | None = Absent()  # text; absent in a choice's last chunk
-
-
-class ChatChunkChoice(_Choice):
-    """A choice of a chat stream chunk."""
-
-    logprobs: None = None  # log-probs are not streamed
-    delta: Delta
-
-
-class _Answer(BaseModel):
-    id: str  # cmpl-..., chatcmpl-...
-    object: str  # what this is
-    created: int  # unix seconds
-    model: str  # the served model's id
-
-
-class CompletionResponse(_Answer):
-    """The answer of ``/v1/completions``."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage
-    blocktrain: BlocktrainInfo
-
-
-class ChatCompletionResponse(_Answer):
-    """The answer of ``/v1/chat/completions``."""
-
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-    blocktrain: BlocktrainInfo
-
-
-class CompletionChunk(_Answer):
-    """An event of a streamed completion: a piece of one choice; a choice's last also has ``blocktrain``; with
-    ``include_usage``, a last one has no choices and the ``usage``."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = Absent()
-    blocktrain: BlocktrainInfo | None = Absent()
-
-
-class ChatCompletionChunk(_Answer):
-    """An event of a streamed chat answer (as :class:`CompletionChunk`, with ``delta`` for ``text``)."""
-
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Absent()
-    blocktrain: BlocktrainInfo | None = Absent()
-
-
-class ModelCard(BaseModel):
-    """The served model."""
-
-    id: str  # its name, e.g. diffusion-n4-d32-ctx32
-    object: Literal["model"] = "model"
-    created: int  # unix seconds: when the gateway started
-    owned_by: str = "blocktrain"
-    context_length: int  # bytes: the model's window
-    modes: list[str]  # the modes the pipeline runs, its default first
-
-
-class ModelList(BaseModel):
-    """``GET /v1/models``."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    """``POST /tokenize``."""
-
-    count: int  # tokens (bytes)
-    max_model_len: int  # bytes: the model's window
-    tokens: list[int]  # the bytes
-    token_strs: list[str] | None  # each token's string, when asked for
-
-
-class DetokenizeResponse(BaseModel):
-    """``POST /detokenize``."""
-
-    prompt: str  # the bytes as UTF-8, invalid bytes replaced
-
-
-class TokenizerInfo(BaseModel):
-    """``GET /tokenizer_info`` (vLLM's shape): bytes as tokens."""
-
-    tokenizer_class: str = "ByteTokenizer"
-    vocab_size: int = VOCAB_SIZE  # token ids: 0..255
-    model_max_length: int  # bytes: the model's window
-    bos_token: str = BOS_TOKEN  # the byte a text begins after
-    eos_token: None = None  # a byte model has no end token
-    pad_token: None = None
-    unk_token: None = None
-    token_ids: str = "each byte of the UTF-8 text is one token, its id the byte's value (0-255)"
-    token_strs: str = "a byte below 0x80 is its character; any other byte is 'bytes:\\xNN'"
-    chat_template: str = CHAT_TEMPLATE

@@ -39,25 +39,27 @@ from blocktrain.serve.gateway.logprobs import (
 )
 from blocktrain.serve.gateway.options import GatewayOptions
 from blocktrain.serve.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from blocktrain.serve.gateway.responses import (
     AssistantMessage,
     BlocktrainInfo,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
     Delta,
-    DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
     FinishReason,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
 )
