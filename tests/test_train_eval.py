@@ -209,14 +209,14 @@ def test_the_bench_bar_moves_while_an_arm_trains(tmp_path: Path) -> None:
 
     from tqdm import tqdm
 
-    from blocktrain.bench.quality import _ArmProgress
+    from blocktrain.progress import MetricsProgress
 
     metrics = tmp_path / "metrics" / "block_0.jsonl"
     metrics.parent.mkdir()
     metrics.write_text(json.dumps({"step": 90, "loss": 1.0}) + "\n")  # an earlier run's record: not this arm's progress
     bar = tqdm(total=300.0, file=io.StringIO())
     bar.update(100.0)  # arms trained before this one
-    follow = _ArmProgress(bar, metrics, steps=100, flops=200e9, interval_s=0.05)
+    follow = MetricsProgress(bar, metrics, steps=100, flops=200e9, interval_s=0.05)
     with metrics.open("a") as f:
         f.write(json.dumps({"step": 10, "loss": 2.0}) + "\n" + json.dumps({"event": "eval", "step": 99}) + "\n")
         f.write('{"step": 50, "lo')  # a line being written

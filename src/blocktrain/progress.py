@@ -9,9 +9,12 @@ finishes.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -69,3 +72,54 @@ def progress_bar(*args: Any, **kwargs: Any) -> tqdm:
     for key in ("file", "dynamic_ncols", "mininterval", "maxinterval"):  # drawing options that do not apply
         kwargs.pop(key, None)
     return LoggedBar(*args, **kwargs)
+
+
+class MetricsProgress:
+    """Moves ``bar`` while a run trains, from the steps its trainer logs to ``RUN/metrics/NAME.jsonl`` (every
+    ``log_every`` steps): ``bench quality``'s bar over its arms moves within seconds, not once per arm. The run's
+    ``steps`` take ``flops`` of the bar (in GFLOP) from where it stands."""
+
+    def __init__(self, bar: tqdm, metrics: Path, steps: int, flops: float, interval_s: float = 1.0) -> None:
+        self.bar, self.metrics, self.steps, self.gflops = bar, metrics, max(1, steps), flops / 1e9
+        self.start = float(bar.n)
+        self.offset = metrics.stat().st_size if metrics.exists() else 0  # records from an earlier run are not news
+        self.tail = b""  # a line the trainer has not finished writing
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._follow, args=(interval_s,), name="arm-progress", daemon=True)
+        self.thread.start()
+
+    def _follow(self, interval_s: float) -> None:
+        while not self.done.wait(interval_s):
+            step = self._latest_step()
+            if step is not None:
+                self._move_to(self.start + self.gflops * min(step, self.steps) / self.steps)
+
+    def _latest_step(self) -> int | None:
+        """The highest training step logged since the last look (None: no new step record)."""
+        try:
+            with self.metrics.open("rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except FileNotFoundError:
+            return None
+        self.offset += len(new)
+        *lines, self.tail = (self.tail + new).split(b"\n")
+        steps = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
+                steps.append(rec["step"])
+        return max(steps, default=None)
+
+    def _move_to(self, n: float) -> None:
+        if n > self.bar.n:
+            self.bar.update(n - self.bar.n)
+
+    def close(self) -> None:
+        """The arm has finished: its whole share of the bar, whatever was logged."""
+        self.done.set()
+        self.thread.join()
+        self._move_to(self.start + self.gflops)

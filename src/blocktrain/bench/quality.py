@@ -19,33 +19,30 @@ The result JSON keeps the historic top-level keys for the primary objective
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import shutil
 import sys
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from blocktrain.bench.machine import machine_info, measure_peak_flops
-from blocktrain.bench.quality_report import format_table
+from blocktrain.bench.quality_report import derive_figures, format_table, write_result
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import Objective, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.device import resolve_device, resolve_precision
 from blocktrain.errors import ConfigError, RunError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
-from blocktrain.evaluate.report import compositional_gain, evaluate_model
+from blocktrain.evaluate.report import evaluate_model
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives import get_objective
-from blocktrain.progress import progress_bar
+from blocktrain.progress import MetricsProgress, progress_bar
 from blocktrain.train.child import E2E, arm_name, run_summary, train_arm
 
 log = logging.getLogger(__name__)
@@ -109,56 +106,6 @@ def _analytic(module: Any) -> dict[str, int]:
             "optimizer_bytes": 8 * params, "total_state_bytes": 16 * params}  # AdamW: two fp32 moments
 
 
-class _ArmProgress:
-    """Moves the bench's bar while one arm trains, from the steps its trainer logs to ``RUN/metrics/NAME.jsonl``
-    (every ``log_every`` steps), so the bar and its remaining time move within seconds, not once per arm."""
-
-    def __init__(self, bar: tqdm, metrics: Path, steps: int, flops: float, interval_s: float = 1.0) -> None:
-        self.bar, self.metrics, self.steps, self.gflops = bar, metrics, max(1, steps), flops / 1e9
-        self.start = float(bar.n)
-        self.offset = metrics.stat().st_size if metrics.exists() else 0  # records from an earlier run are not news
-        self.tail = b""  # a line the trainer has not finished writing
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._follow, args=(interval_s,), name="arm-progress", daemon=True)
-        self.thread.start()
-
-    def _follow(self, interval_s: float) -> None:
-        while not self.done.wait(interval_s):
-            step = self._latest_step()
-            if step is not None:
-                self._move_to(self.start + self.gflops * min(step, self.steps) / self.steps)
-
-    def _latest_step(self) -> int | None:
-        """The highest training step logged since the last look (None: no new step record)."""
-        try:
-            with self.metrics.open("rb") as f:
-                f.seek(self.offset)
-                new = f.read()
-        except FileNotFoundError:
-            return None
-        self.offset += len(new)
-        *lines, self.tail = (self.tail + new).split(b"\n")
-        steps = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
-                steps.append(rec["step"])
-        return max(steps, default=None)
-
-    def _move_to(self, n: float) -> None:
-        if n > self.bar.n:
-            self.bar.update(n - self.bar.n)
-
-    def close(self) -> None:
-        """The arm has finished: its whole share of the bar, whatever was logged."""
-        self.done.set()
-        self.thread.join()
-        self._move_to(self.start + self.gflops)
-
-
 class _Bench:
     """Trains the arms (:func:`blocktrain.train.child.train_arm`: a fresh process each, or this one), with a progress
     bar over the planned training FLOPs (so its remaining-time estimate weighs an E2E step and a block step right)."""
@@ -177,7 +124,7 @@ class _Bench:
         log.info("training %s%s into %s (lr %g, %d steps)", "the E2E reference" if k == E2E else f"block {k}",
                  "" if k == E2E else f" ({cfg.objective})", out, cfg.train.lr, cfg.train.steps)
         steps = cfg.train.steps if k == E2E else get_objective(cfg).block_steps(k)
-        follow = _ArmProgress(self.bar, RunDir(out).metrics_path(arm_name(k)), steps, flops)
+        follow = MetricsProgress(self.bar, RunDir(out).metrics_path(arm_name(k)), steps, flops)
         try:
             result = train_arm(cfg, self.o.data, out, k, isolate=self.o.isolate, progress=False)
         finally:
@@ -314,43 +261,6 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     if opts.json_path:
         write_result(result, opts.json_path, cfg.name)
     return result
-
-
-def derive_figures(result: dict[str, Any]) -> dict[str, Any]:
-    """Set a result's derived figures (compositional gains, gaps to the E2E rows) from its measured CEs."""
-    e2e_ce = result["e2e"]["ce_nats_per_byte"]
-    matched = result.get("e2e_matched_flops")
-    for sec in result["objectives"].values():
-        refs = sec.get("prefix_ce") or sec["blocks_alone_ce"]
-        reference = sec.get("gain_reference") or ("first" if "prefix_ce" in sec else "best")  # results before it was recorded
-        sec["compositional_gain_nats_per_byte"] = compositional_gain(sec["ce_nats_per_byte"], refs, reference)
-        sec["gap_nats_per_byte"] = sec["ce_nats_per_byte"] - e2e_ce
-        if matched is not None:
-            sec["gap_matched_flops_nats_per_byte"] = sec["ce_nats_per_byte"] - matched["ce_nats_per_byte"]
-    primary = result["objectives"][result["primary_objective"]]
-    result["blocktrain"] = primary
-    result["gap_nats_per_byte"] = primary["gap_nats_per_byte"]
-    return result
-
-
-def rederive(result: dict[str, Any]) -> dict[str, Any]:
-    """Recompute an earlier result's derived figures from its measured CEs; trains and scores nothing.
-
-    For result files written before a derived figure's definition changed (the stack's gain is now
-    against its first prefix); the measured CEs are untouched.
-    """
-    result["rederived"] = "derived figures recomputed from the measured CEs by `blocktrain bench quality --rederive`"
-    return derive_figures(result)
-
-
-def write_result(result: dict[str, Any], path: Path, name: str) -> None:
-    """The result JSON at ``path`` and its markdown table beside it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    redo = f"Derived figures recomputed with `blocktrain bench quality --rederive {path}`.\n\n" if "rederived" in result else ""
-    path.with_suffix(".md").write_text(
-        f"# Quality benchmark: {name}\n\n```\n{result['command']}\n```\n\n{redo}{format_table(result)}\n")
-    log.info("wrote %s and %s", path, path.with_suffix(".md"))
 
 
 def _assemble(

@@ -1,8 +1,16 @@
-"""The markdown table of ``bench quality``: one column per model, rows of CE, composition, cost and speed."""
+"""The result of ``bench quality``: its derived figures (gains, gaps) and its markdown table, one column per model,
+rows of CE, composition, cost and speed; the JSON and the table written together."""
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
 from typing import Any
+
+from blocktrain.evaluate.report import compositional_gain
+
+log = logging.getLogger(__name__)
 
 MIB = 2**20
 
@@ -86,3 +94,40 @@ def format_table(r: dict[str, Any]) -> str:
         notes.append("MFU above 100%: the machine was shared while this ran, so its peak, seconds-per-step, MFU and wall "
                      "rows are not valid; the CE rows do not depend on load.")
     return "\n".join(lines + notes)
+
+
+def derive_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """Set a result's derived figures (compositional gains, gaps to the E2E rows) from its measured CEs."""
+    e2e_ce = result["e2e"]["ce_nats_per_byte"]
+    matched = result.get("e2e_matched_flops")
+    for sec in result["objectives"].values():
+        refs = sec.get("prefix_ce") or sec["blocks_alone_ce"]
+        reference = sec.get("gain_reference") or ("first" if "prefix_ce" in sec else "best")  # results before it was recorded
+        sec["compositional_gain_nats_per_byte"] = compositional_gain(sec["ce_nats_per_byte"], refs, reference)
+        sec["gap_nats_per_byte"] = sec["ce_nats_per_byte"] - e2e_ce
+        if matched is not None:
+            sec["gap_matched_flops_nats_per_byte"] = sec["ce_nats_per_byte"] - matched["ce_nats_per_byte"]
+    primary = result["objectives"][result["primary_objective"]]
+    result["blocktrain"] = primary
+    result["gap_nats_per_byte"] = primary["gap_nats_per_byte"]
+    return result
+
+
+def rederive(result: dict[str, Any]) -> dict[str, Any]:
+    """Recompute an earlier result's derived figures from its measured CEs; trains and scores nothing.
+
+    For result files written before a derived figure's definition changed (the stack's gain is now
+    against its first prefix); the measured CEs are untouched.
+    """
+    result["rederived"] = "derived figures recomputed from the measured CEs by `blocktrain bench quality --rederive`"
+    return derive_figures(result)
+
+
+def write_result(result: dict[str, Any], path: Path, name: str) -> None:
+    """The result JSON at ``path`` and its markdown table beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    redo = f"Derived figures recomputed with `blocktrain bench quality --rederive {path}`.\n\n" if "rederived" in result else ""
+    path.with_suffix(".md").write_text(
+        f"# Quality benchmark: {name}\n\n```\n{result['command']}\n```\n\n{redo}{format_table(result)}\n")
+    log.info("wrote %s and %s", path, path.with_suffix(".md"))

@@ -133,7 +133,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from blocktrain.bench.quality import QualityOptions, rederive, run_quality_bench, write_result
+    from blocktrain.bench.quality import QualityOptions, run_quality_bench
+    from blocktrain.bench.quality_report import rederive, write_result
 
     if args.rederive:  # derived figures only: no training, no data
         src = Path(args.rederive)
