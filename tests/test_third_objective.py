@@ -9,7 +9,7 @@ reaches the library only through :func:`blocktrain.objectives.register_objective
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from blocktrain.errors import ConfigError
 from blocktrain.evaluate.assembled import AssembledModel
 from blocktrain.evaluate.report import evaluate_model
 from blocktrain.model.loss import lm_loss
-from blocktrain.objectives import LocalLoss, get_objective, register_objective
+from blocktrain.objectives import LocalLoss, get_objective, register_objective, unregister_objective
 from blocktrain.presets import tiny
 from blocktrain.train.block import train_block
 from blocktrain.train.schedule import schedule_of
@@ -126,7 +126,12 @@ class BigramEnsemble:
         return 6.0 * 256
 
 
-register_objective(NAME, BigramEnsemble)
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Iterator[None]:
+    """The toy is known while this file's tests run, and forgotten after them (other tests see the built-ins)."""
+    register_objective(NAME, BigramEnsemble)
+    yield
+    unregister_objective(NAME)
 
 
 @pytest.fixture
@@ -141,6 +146,17 @@ def test_the_config_round_trips_a_registered_name(cfg: RunConfig) -> None:
         replace(cfg, objective="nonesuch")
     with pytest.raises(ConfigError, match="registered already"):
         register_objective(NAME, lambda c: BigramEnsemble(c))
+    with pytest.raises(ConfigError, match="built-in"):
+        unregister_objective("stack")
+
+
+def test_an_unregistered_objective_is_unknown_again() -> None:
+    register_objective("toy_once", BigramEnsemble)
+    unregister_objective("toy_once")
+    with pytest.raises(ConfigError, match="known objective"):
+        replace(tiny(), objective="toy_once")
+    with pytest.raises(ConfigError, match="no plug-in"):
+        unregister_objective("toy_once")
 
 
 def test_trains_resumes_composes_and_scores(cfg: RunConfig, data_dir: Path, tmp_path: Path) -> None:

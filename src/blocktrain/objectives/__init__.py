@@ -35,6 +35,15 @@ def register_objective(name: str, factory: Callable[[RunConfig], Objective]) -> 
     OBJECTIVE_NAMES.add(name)  # run configs may now name it
 
 
+def unregister_objective(name: str) -> None:
+    """Forget a plug-in objective registered with :func:`register_objective` (the built-in ones stay)."""
+    if name in {o.value for o in ObjectiveKind}:
+        raise ConfigError(f"{name!r} is a built-in objective; only plug-ins can be unregistered")
+    if _REGISTRY.pop(name, None) is None:
+        raise ConfigError(f"no plug-in objective named {name!r} is registered")
+    OBJECTIVE_NAMES.discard(name)
+
+
 def objective_names() -> list[str]:
     return sorted(_REGISTRY)
 
@@ -55,4 +64,4 @@ def build_block(cfg: RunConfig, k: int) -> nn.Module:
 
 
 __all__ = ["LocalLoss", "Objective", "build_block", "compose_logits", "get_objective", "objective_names",
-           "register_objective"]
+           "register_objective", "unregister_objective"]
