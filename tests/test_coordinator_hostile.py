@@ -11,6 +11,7 @@ import subprocess
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -257,6 +258,34 @@ def test_a_restarted_coordinator_does_not_wait_for_a_worker_its_round_refused(tm
         c.tick()  # the clock has not moved: no deadline has passed
         assert c.version[0] == 2, "the restarted coordinator waits for the worker its round refused"
     c.close()
+
+
+def test_a_refused_group_and_its_round_refusal_are_stored_in_one_transaction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused group mean is recorded against its members and its round stops waiting for them in one transaction:
+    when the second write fails the first is rolled back, so a restart never finds one without the other."""
+    from types import SimpleNamespace
+
+    from blocktrain.errors import ProtocolError
+    from blocktrain.protocol.codes import Reason
+
+    c = make_coordinator(tmp_path / "run", None, audit_fraction=0.0)
+    try:
+        upd: Any = SimpleNamespace(block=0, base_version=0)
+        exc = ProtocolError(422, "the group's mean raised the held-out loss", Reason.GATE)
+
+        def disk_full(*args: object) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(type(c.store.rounds), "mark_refused", disk_full)  # a frozen table: patch its class
+        with pytest.raises(sqlite3.OperationalError):
+            c.uploads.refused("w1", upd, ["w1", "w2"], exc, 0.0)
+        assert c.store.conduct.refused_groups("w2") == 0, "the group refusal outlived its round's refusal"
+        monkeypatch.undo()
+        c.uploads.refused("w1", upd, ["w1", "w2"], exc, 0.0)
+        assert c.store.conduct.refused_groups("w2") == 1 and c.store.rounds.refused(0, 0) == {"w1", "w2"}
+    finally:
+        c.close()
 
 
 def test_min_updates_waits_for_workers_not_yet_registered(tmp_path: Path) -> None:

@@ -195,12 +195,6 @@ class Rounds:
         if rnd is None or rnd.state is not RoundState.OPEN:
             raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", Reason.FINISHED)
 
-    def mark_refused(self, k: int, v: int, names: list[str]) -> None:
-        """The round (k, v) refused these workers' update: it does not wait for them (they wait for the next version).
-        Stored, so a restarted coordinator does not wait for them either."""
-        with self.store.tx():
-            self.store.rounds.mark_refused(k, v, names)
-
     # --- rounds ------------------------------------------------------------------
     def check_quorum(self, now: float) -> list[int]:
         """Close every open round that has its floor of counted deltas and that each live replica of its block has

@@ -102,13 +102,15 @@ class Uploads:
         if exc.status != 422:
             return
         k, v = upd.block, upd.base_version
-        if members:
-            with self.store.tx():
+        with self.store.tx():  # one transaction: a restart finds both or neither
+            if members:
                 self.store.conduct.record_group_refusal(k, v, name, members, exc.reason, now)
+            # the round does not wait for them (stored: a restarted coordinator does not either)
+            self.store.rounds.mark_refused(k, v, members or [name])
+        if members:
             caught = [m for m in members if self.conduct.quarantined(m)]
             log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, exc.reason,
                         f"; quarantined {caught}" if caught else "")
-        self.rounds.mark_refused(k, v, members or [name])  # the round does not wait for them
 
     def accept(self, name: str, worker: WorkerRow, upd: ParsedUpdate, checked: Checked, staged: StagedBlob,
                arrived: float, members: list[str], base: Published, now: float) -> PushAnswer:
