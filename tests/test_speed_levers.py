@@ -13,8 +13,11 @@ import torch
 
 from blocktrain import device as device_mod
 from blocktrain.config import CompileMode, Objective, Precision
+from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.simulate import BlockRun, LocalRounds
 from blocktrain.data.dataset import open_data_dir
 from blocktrain.errors import ConfigError
+from blocktrain.objectives import get_objective
 from blocktrain.presets import tiny
 from blocktrain.train.block import train_block
 from blocktrain.train.e2e import train_e2e
@@ -119,3 +122,46 @@ def test_the_diffusion_loss_draws_its_noise_on_the_block_s_device(monkeypatch: p
 
     monkeypatch.setattr(torch, "randn", host_draw)
     assert torch.isfinite(obj.block_loss(block, 0, x, x, torch.Generator().manual_seed(0)).loss)
+
+
+def _block_run(compile_mode: CompileMode, data_dir: Path) -> tuple[BlockRun, torch.nn.Module]:
+    """In-process rounds of block 1 of a tiny stack (2 replicas, H = 2), on a frozen block 0 of its own."""
+    cfg = replace(tiny(), objective=Objective.STACK).with_train(precision=Precision.FP32, compile=compile_mode)
+    objective = get_objective(cfg)
+    torch.manual_seed(0)
+    first = objective.build_block(0)
+    frozen = objective.freeze(first, torch.float32)
+    run = BlockRun(cfg, CoordinatorSettings(), LocalRounds(workers=2, local_steps=2, steps=4), open_data_dir(data_dir),
+                   k=1, frozen=[frozen], earlier=[first])
+    return run, frozen
+
+
+def test_the_in_process_rounds_compile_their_replicas_and_copies_of_the_frozen_blocks(data_dir: Path) -> None:
+    """train.compile reaches the in-process rounds as it reaches a worker: every replica's block and the frozen block
+    it reads are compiled, the frozen one as a copy (the caller's module stays eager); OFF compiles nothing."""
+    run, frozen = _block_run(CompileMode.DEFAULT, data_dir)
+    assert all(r._compiled_call_impl is not None for r in run.replicas)
+    assert all(f is not frozen and f._compiled_call_impl is not None for f in run.task.frozen)
+    assert frozen._compiled_call_impl is None
+    eager, _ = _block_run(CompileMode.OFF, data_dir)
+    assert all(r._compiled_call_impl is None for r in eager.replicas)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")),
+                    reason="torch.compile on a CPU needs a C++ compiler")
+@pytest.mark.timeout(600)
+def test_compiled_in_process_rounds_publish_what_the_eager_ones_do(data_dir: Path) -> None:
+    """Two rounds of two compiled replicas publish the eager run's weights to 1e-3 of the weights' change (inductor
+    reorders fp32 arithmetic)."""
+    runs = []
+    for mode in (CompileMode.OFF, CompileMode.DEFAULT):
+        run, _ = _block_run(mode, data_dir)
+        start = {n: w.clone() for n, w in run.W.items()}
+        for offset, h in zip(run.offsets, run.opts.round_steps, strict=True):
+            run.round(h, offset)
+        runs.append((start, run.finish().weights))
+    (start, eager), (_, compiled) = runs
+    change = sum(float((eager[n] - start[n]).norm() ** 2) for n in eager) ** 0.5
+    diff = sum(float((compiled[n] - eager[n]).norm() ** 2) for n in eager) ** 0.5
+    assert change > 0 and diff <= 1e-3 * change, (diff, change)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import load_file, save_file
-from blocktrain.config import Objective, RunConfig
+from blocktrain.config import CompileMode, Objective, RunConfig
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer, per_block_h
 from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
 from blocktrain.data.dataset import DataDir, resolve_data_dir
@@ -502,9 +502,11 @@ def main() -> int:
     ap.add_argument("--http-json", type=Path, default=None, help="the winner's live HTTP run (for 'winner')")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--device", default="cpu", help="where the replicas and the references train: cpu, cuda, auto")
+    ap.add_argument("--compile", default=CompileMode.OFF.value, choices=[m.value for m in CompileMode],
+                    help="torch.compile of each replica's block and its frozen inputs, as `blocktrain worker --compile`")
     args = ap.parse_args()
     cfg = get_preset(args.preset)
-    cfg = replace(cfg, train=replace(cfg.train, device=args.device))
+    cfg = replace(cfg, train=replace(cfg.train, device=args.device, compile=CompileMode(args.compile)))
     if args.stack:  # the whole stack, whatever the preset's own objective (tiny's is diffusion)
         cfg = replace(cfg, objective=Objective.STACK)
     elif not args.table_only and "warm" in args.blocks.split(",") and cfg.objective != Objective.STACK:

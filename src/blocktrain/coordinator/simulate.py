@@ -22,6 +22,7 @@ distributed run with this reference.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import statistics
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
-from blocktrain.config import RunConfig
+from blocktrain.config import CompileMode, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, RoundResult, next_version
 from blocktrain.coordinator.audit import Auditor
 from blocktrain.coordinator.conduct import COUNTED
@@ -45,7 +46,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
-from blocktrain.device import resolve_device, resolve_precision
+from blocktrain.device import compile_module, resolve_device, resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
@@ -215,7 +216,8 @@ class BlockRun:
         if earlier:
             for r in self.replicas:
                 objective.inherit(r, k, earlier, at_init=True)
-        self.replicas = [r.to(self.device) for r in self.replicas]
+        # on the device, compiled as the worker compiles its block (train.compile; OFF: eager)
+        self.replicas = [compile_module(r.to(self.device), tc.compile) for r in self.replicas]
         self.W = trainable_state(self.replicas[0])
         self.shapes = block_schema(self.replicas[0])
         if self.start.shares and opts.inner != "adamw":
@@ -247,7 +249,10 @@ class BlockRun:
     def set_frozen(self, frozen: Sequence[nn.Module]) -> None:
         """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before)."""
         self.frozen_weights = [("", trainable_state(b)) for b in frozen]
-        self.task = BlockTask(self.objective, self.k, [b.to(self.device) for b in frozen], self.device)
+        inputs = [b.to(self.device) for b in frozen]
+        if self.tc.compile is not CompileMode.OFF:  # compiled copies: the caller's modules stay as they were
+            inputs = [compile_module(copy.deepcopy(b), self.tc.compile) for b in inputs]
+        self.task = BlockTask(self.objective, self.k, inputs, self.device)
 
     def round(self, h: int, offset: int, workers: int | None = None) -> None:
         """Round ``self.version``: replicas 0..workers-1 train ``h`` steps from W_v at schedule position ``offset``
