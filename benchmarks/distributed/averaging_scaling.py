@@ -94,7 +94,8 @@ def row_key(row: dict[str, Any]) -> str:
 def _stem(row: dict[str, Any]) -> str:
     """What a row and its references share: preset, block, seed, steps (and a stack's rounds per block)."""
     rounds = f"/rounds{row['rounds']}" if row.get("rounds") else ""
-    return f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}{rounds}"
+    compiled = f"/compile={row['compile']}" if row.get("compile", "off") != "off" else ""  # eager rows keep their keys
+    return f"{row['preset']}/{row['block']}/s{row['seed']}/steps{row['steps']}{rounds}{compiled}"
 
 
 def stack_h(steps: int, row: dict[str, Any]) -> int:
@@ -369,7 +370,8 @@ def planned_rows(args: argparse.Namespace, cfg: RunConfig) -> list[dict[str, Any
             for m in (int(x) for x in args.workers.split(",")):
                 steps = args.steps or (cfg.train.steps if block == "stack" else 1000)  # a stack splits train.steps
                 common = {"preset": cfg.name, "block": block, "seed": seed, "steps": steps, "workers": m,
-                          "batch": cfg.train.batch_size}
+                          "batch": cfg.train.batch_size,
+                          **({"compile": args.compile} if args.compile != CompileMode.OFF.value else {})}
                 if block == "stack":  # the one-worker arm of the stack runs at the workers' H, for its rounds
                     common.update({"h": args.h, **({"rounds": args.rounds} if args.rounds else {})})
                     todo.append({**common, "kind": "x", "workers": 1})
