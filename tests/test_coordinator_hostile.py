@@ -288,6 +288,45 @@ def test_a_refused_group_and_its_round_refusal_are_stored_in_one_transaction(
         c.close()
 
 
+def test_a_member_of_two_refused_group_means_is_quarantined_in_full(tmp_path: Path) -> None:
+    """The second refused group mean w2 is a member of quarantines it as any quarantine does: stored (its token
+    revoked) and its update still waiting in an open round dropped, not only refused at its next request."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from blocktrain.coordinator.app import create_app
+    from blocktrain.errors import ProtocolError
+    from blocktrain.protocol.codes import Reason
+    from tests.distributed_utils import FakeClock
+
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=120, lease_seconds=600, min_updates=4,
+                         agree_min=None, refusal_burst=0, audit_fraction=0.0)
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            api = Api(c, client)
+            for name in ("a", "b", "w2"):
+                api.register(name, block=0)
+            body = pack_delta(small_delta(c, seed=2), Compression.BF16, block=0, base_version=0,
+                              base_sha=c.weights_sha[0], samples=4)
+            assert api.push("w2", 0, body)[0] == 202  # accepted; the round waits for more
+            upd: Any = SimpleNamespace(block=0, base_version=0)
+            exc = ProtocolError(422, "the group's mean raised the held-out loss", Reason.GATE)
+            c.uploads.refused("a", upd, ["a", "w2"], exc, 0.0)
+            def pending() -> list[dict[str, Any]]:
+                return c.store.q("SELECT state FROM updates WHERE worker='w2'")
+
+            assert not c.store.conduct.quarantined("w2") and [u["state"] for u in pending()] == ["accepted"]
+            c.uploads.refused("b", upd, ["b", "w2"], exc, 0.0)
+            assert c.store.conduct.quarantined("w2") and "w2" in c.conduct.revoked
+            assert [u["state"] for u in pending()] == ["dropped"], "the quarantined member's pending update still counts"
+            assert c.store.q1("SELECT n_updates FROM rounds WHERE block=0 AND version=0") == {"n_updates": 0}
+            assert not c.store.conduct.quarantined("a") and not c.store.conduct.quarantined("b")
+            assert api.push("w2", 0, body)[0] == 403
+    finally:
+        c.close()
+
+
 def test_min_updates_waits_for_workers_not_yet_registered(tmp_path: Path) -> None:
     """--min-updates 3 with one worker registered: its push does not close the round (the other two have not joined
     yet, as when worker processes start one after another); the third registered worker's push does. The floor

@@ -79,6 +79,19 @@ class Conduct:
         self.quarantine(name, f"{n} refused updates (last: {reason})", at)
         return True
 
+    def group_refused(self, members: list[str], at: float) -> list[str]:
+        """After a refused group mean (already stored): quarantine each member now in ``GROUP_REFUSALS`` of them (its
+        token revoked, its pending updates dropped, as for any quarantine); the members quarantined, old and new."""
+        caught = []
+        for m in members:
+            n = self.store.conduct.refused_groups(m)
+            if n < GROUP_REFUSALS:
+                continue
+            if not self.store.conduct.quarantined(m):
+                self.quarantine(m, f"a member of {n} refused group means", at)
+            caught.append(m)
+        return caught
+
     def quarantine(self, name: str, why: str, at: float) -> None:
         with self.store.tx():
             dropped = self.store.conduct.quarantine(name, why, at)

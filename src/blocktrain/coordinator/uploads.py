@@ -98,7 +98,8 @@ class Uploads:
 
     def refused(self, name: str, upd: ParsedUpdate, members: list[str], exc: ProtocolError, now: float) -> None:
         """(Locked.) What an intake refusal means beyond the refusal itself: the round stops waiting for the workers
-        behind it, and a refused group mean is recorded against every member."""
+        behind it, and a refused group mean is recorded against every member (those in GROUP_REFUSALS of them are
+        quarantined)."""
         if exc.status != 422:
             return
         k, v = upd.block, upd.base_version
@@ -108,7 +109,7 @@ class Uploads:
             # the round does not wait for them (stored: a restarted coordinator does not either)
             self.store.rounds.mark_refused(k, v, members or [name])
         if members:
-            caught = [m for m in members if self.conduct.quarantined(m)]
+            caught = self.conduct.group_refused(members, now)
             log.warning("block %d v%d: refused the mean of group %s (%s)%s", k, v, members, exc.reason,
                         f"; quarantined {caught}" if caught else "")
 
