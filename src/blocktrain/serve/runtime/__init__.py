@@ -11,12 +11,13 @@ builds it. Spans: :mod:`~blocktrain.serve.runtime.stack` (a stack run, KV-cached
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from blocktrain.config import Precision
+from blocktrain.device import CPU, autocast
 from blocktrain.errors import WireError
 from blocktrain.serve.wire.frames import Frame
 
@@ -35,6 +36,16 @@ def input_tensor(frame: Frame, key: str, d_model: int, where: str) -> torch.Tens
     if t.shape[0] > MAX_ROWS_PER_FRAME:
         raise WireError(f"a frame holds at most {MAX_ROWS_PER_FRAME} sequences, got {t.shape[0]}; split the request")
     return t
+
+
+@torch.inference_mode()
+def on_device(frames: Sequence[Frame], device: torch.device, precision: Precision,
+              run: Callable[[list[Frame]], list[Frame]]) -> list[Frame]:
+    """Every span's ``run``: the frames' tensors move to ``device`` once, ``run`` computes there under autocast at
+    ``precision``, and the answers move back to the host (the stage's wire)."""
+    with autocast(precision, device):
+        outs = run([f.to(device) for f in frames])
+    return [o.to(CPU) for o in outs]
 
 
 class Span(Protocol):

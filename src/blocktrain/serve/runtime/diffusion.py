@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from blocktrain.config import VOCAB_SIZE, Precision, RunConfig
-from blocktrain.device import CPU, autocast
+from blocktrain.device import CPU
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_step, initial_noise, position_noise
 from blocktrain.errors import WireError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.sampling import sample_rows
 from blocktrain.seeds import Seed
-from blocktrain.serve.runtime import input_tensor
+from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
@@ -161,12 +161,9 @@ class BlockSpan:
             g = Seed.CHAIN.generator(seed, 0)  # the draw of AssembledModel.log_probs(x, chains=1, seed): chain 0
         return x.clone(), initial_noise((x.shape[0], x.shape[1]), d, self.cfg.diffusion.sigma_max, g, x.device)
 
-    @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
         """Run this span on frames that share ``batch_key``; one output frame per input."""
-        with autocast(self.precision, self.device):
-            outs = self._run([f.to(self.device) for f in frames])
-        return [o.to(CPU) for o in outs]
+        return on_device(frames, self.device, self.precision, self._run)
 
     def _run(self, frames: Sequence[Frame]) -> list[Frame]:
         if frames[0].mode is Mode.SPEC:

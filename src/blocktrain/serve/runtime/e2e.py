@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from blocktrain.config import ModelConfig, Precision
-from blocktrain.device import CPU, autocast
+from blocktrain.device import CPU
 from blocktrain.errors import WireError
 from blocktrain.model.layers import TransformerLayer
-from blocktrain.serve.runtime import input_tensor
+from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 
@@ -94,11 +94,8 @@ class E2ESpan:
             )
         self.cache.check(frame.request_id, pos, exact=True)
 
-    @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
-        with autocast(self.precision, self.device):
-            outs = [self._run_one(f.to(self.device)) for f in frames]
-        return [o.to(CPU) for o in outs]
+        return on_device(frames, self.device, self.precision, lambda fs: [self._run_one(f) for f in fs])
 
     def _run_one(self, f: Frame) -> Frame:
         if f.mode is Mode.SCORE:

@@ -45,10 +45,10 @@ from typing import Any
 import torch
 
 from blocktrain.config import Precision, RunConfig
-from blocktrain.device import CPU, autocast
+from blocktrain.device import CPU
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
-from blocktrain.serve.runtime import input_tensor
+from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
@@ -156,11 +156,8 @@ class StackSpan:
         return n
 
     # --- compute -------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
-        with autocast(self.precision, self.device):
-            outs = [self._run_one(f.to(self.device)) for f in frames]
-        return [o.to(CPU) for o in outs]
+        return on_device(frames, self.device, self.precision, lambda fs: [self._run_one(f) for f in fs])
 
     def _run_one(self, f: Frame) -> Frame:
         if f.mode is Mode.SPEC and SpecParams.read(f.params).window:
