@@ -24,11 +24,11 @@ from benchmarks.distributed.attacks import (
 )
 from benchmarks.distributed.averaging_trace import trace_arm
 
-from blocktrain.config import Objective, RunConfig
+from blocktrain.config import Objective, Precision, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, aggregate, next_version
 from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
-from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
+from blocktrain.coordinator.simulate import BlockRun, LocalRounds, run_local_rounds
 from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError
@@ -197,6 +197,26 @@ def test_a_hostile_worker_whose_every_update_is_refused_leaves_the_run_as_it_was
         assert bad and {u.outcome for u in bad} <= caught and 3 in run.quarantined, bad
         assert all(u.outcome == "accepted" for u in run.updates if u.replica != 3)
         assert all(torch.equal(run.weights[n], w) for n, w in clean.weights.items()), attack
+
+
+@pytest.mark.parametrize("lr_later", [1.0, 0.5])
+def test_audits_replay_a_later_block_on_its_frozen_inputs_and_at_its_own_lr(corpus: DataDir, lr_later: float) -> None:  # noqa: F811
+    """Every honest push of block 1 replays in the in-process rounds: the coordinator's audit rebuilds the frozen block
+    0 from the whole block's published weights (not from the headless frozen copy, which has no trainable weights), and
+    replays at block 1's own peak lr (stack.lr_later x train.lr; a replay at train.lr misses by about half a push)."""
+    cfg = replace(get_preset("tiny"), objective=Objective.STACK)
+    cfg = replace(cfg, stack=replace(cfg.stack, lr_later=lr_later)).with_train(precision=Precision.FP32)
+    objective = get_objective(cfg)
+    first = objective.build_block(0)
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, audit_fraction=1.0, probation_pushes=3)
+    block = BlockRun(cfg, s, LocalRounds(workers=2, local_steps=2, steps=4), corpus, k=1,
+                     frozen=[objective.freeze(first, torch.float32)], earlier=[first], audit=True)
+    assert block.schedule.lr == cfg.stack.lr_later * cfg.train.lr
+    for offset, h in zip(block.offsets, block.opts.round_steps, strict=True):
+        block.round(h, offset)
+    run = block.finish()
+    assert run.updates and all(u.audited and u.outcome == "accepted" for u in run.updates), run.updates
+    assert not run.quarantined
 
 
 def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811

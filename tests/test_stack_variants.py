@@ -21,6 +21,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import tiny
 from blocktrain.train.block import train_block
+from blocktrain.train.metrics import read_jsonl
 from blocktrain.train.schedule import train_concurrent
 
 VARIANTS = {
@@ -163,6 +164,27 @@ def test_step_ratio_keeps_the_stacks_flops(ratio: float) -> None:
     steps = [obj.block_steps(k) for k in range(4)]
     assert sum(s * f for s, f in zip(steps, F, strict=True)) == pytest.approx(1000 * sum(F), rel=2e-3)
     assert all((b < a) if ratio < 1 else (b > a) for a, b in itertools.pairwise(steps))
+
+
+def test_lr_later_sets_the_later_blocks_peak_lr_and_not_the_architecture(tmp_path: Path, data_dir: Path) -> None:
+    """stack.lr_later: block 0 at train.lr, blocks 1.. at lr_later x train.lr, as train_block's schedule applies it (the
+    lr its metrics log); a recipe, not an architecture: the key (which blocks compose) is unchanged."""
+    cfg = variant_cfg(StackConfig(init=StackInit.COPY, lr_later=0.5), steps=4, warmup_steps=1, eval_bytes=0, log_every=1,
+                      precision=Precision.FP32)
+    obj = get_objective(cfg)
+    assert [obj.block_lr(k) for k in range(4)] == [cfg.train.lr] + [0.5 * cfg.train.lr] * 3
+    assert get_objective(replace(cfg, objective=Objective.DIFFUSION)).block_lr(2) == cfg.train.lr
+    assert cfg.architecture_key() == variant_cfg(StackConfig(init=StackInit.COPY)).architecture_key()
+    dd = open_data_dir(data_dir)
+    for k in (0, 1):
+        train_block(cfg, dd, tmp_path / "run", k, progress=False)
+    peaks = [max(r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics" / f"block_{k}.jsonl") if "lr" in r)
+             for k in (0, 1)]
+    assert peaks == pytest.approx([cfg.train.lr, 0.5 * cfg.train.lr], rel=1e-12)
+    with pytest.raises(ConfigError, match="lr_later"):
+        StackConfig(lr_later=0.0)
+    with pytest.raises(ConfigError, match="lr_later"):
+        StackConfig(lr_later=float("inf"))
 
 
 def test_bad_combinations_are_refused_with_a_fix() -> None:

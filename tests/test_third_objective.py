@@ -66,6 +66,9 @@ class BigramEnsemble:
     def block_steps(self, k: int) -> int:
         return self.cfg.train.steps
 
+    def block_lr(self, k: int) -> float:
+        return self.cfg.train.lr
+
     def frozen_inputs(self, k: int) -> int:
         return 0
 

@@ -259,6 +259,7 @@ class StackConfig:
     init: StackInit = StackInit.FRESH  # block k > 0's initial weights: fresh, a copy of block k-1, or identity branches
     dense: StackDense = StackDense.OFF  # block k > 0's input: h_k, or a learned mix with the embeddings or every earlier output
     step_ratio: float = 1.0  # steps of block k+1 over block k's, rescaled to the FLOPs of train.steps per block
+    lr_later: float = 1.0  # peak lr of blocks 1..B-1 as a fraction of train.lr (block 0's): a gentler fine-tune of a copy
 
     def __post_init__(self) -> None:
         _check(0 <= self.head_layers <= 8, "head_layers", f"must be in [0, 8], got {self.head_layers}")
@@ -276,6 +277,8 @@ class StackConfig:
         )
         _check(0.25 <= self.step_ratio <= 4.0 and math.isfinite(self.step_ratio), "step_ratio",
                f"must be in [0.25, 4], got {self.step_ratio}")
+        _check(0.05 <= self.lr_later <= 4.0 and math.isfinite(self.lr_later), "lr_later",
+               f"must be in [0.05, 4] (a fraction of train.lr), got {self.lr_later}")
 
 
 @dataclass(frozen=True)
@@ -342,9 +345,9 @@ class RunConfig:
     def architecture_key(self) -> str:
         """JSON of the fields that must agree between blocks of one model: shapes, objective and its settings."""
         d = self.to_dict()
-        # the objective's own settings section ({} for a registered objective with none); a stack's init and step
-        # split are how its blocks were trained, not what they are: never part of the key
-        recipe = ("init", "step_ratio")
+        # the objective's own settings section ({} for a registered objective with none); a stack's init, step
+        # split and later blocks' lr are how its blocks were trained, not what they are: never part of the key
+        recipe = ("init", "step_ratio", "lr_later")
         own = {k: v for k, v in d.get(str(self.objective), {}).items() if k not in recipe}
         return json.dumps({"model": d["model"], "objective": str(self.objective), str(self.objective): own}, sort_keys=True)
 

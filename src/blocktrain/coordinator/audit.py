@@ -212,7 +212,7 @@ class Auditor:
         residual = load_inner_state(opt, names, tensors)
         stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream,
                              device=self.device)
-        schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps))
+        schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps), lr=obj.block_lr(k))
         train_round(BlockTask(obj, k, frozen, self.device), block, opt, stream, steps=upd.samples // batch,
                     offset=upd.base_version * case.round_steps, schedule=schedule, precision=precision)
         local = trainable_state(block)

@@ -201,15 +201,16 @@ class BlockRun:
         self.start = start  # what each round's inner AdamW starts from: the settings' as the audits read them
         settings = replace(settings, device=str(self.device), inner_start=start)
         self.settings = settings = settings.for_objective(objective.outer_step())
-        if len(frozen) != objective.frozen_inputs(k):
-            raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks, got {len(frozen)}")
+        if len(frozen) != objective.frozen_inputs(k) or (frozen and len(earlier) != len(frozen)):
+            raise ConfigError(f"block {k} reads {objective.frozen_inputs(k)} frozen blocks: pass them frozen and whole "
+                              f"(earlier), got {len(frozen)} and {len(earlier)}")
         self.cfg, self.opts, self.k = cfg, opts, k
         bad = (hostile,) if isinstance(hostile, Hostile) else tuple(hostile)
         if len(bad) >= opts.workers:
             raise ConfigError(f"{len(bad)} hostile replicas need more than {opts.workers} replicas in all")
         self.hostile = {opts.workers - len(bad) + j: h for j, h in enumerate(bad)}  # the last replicas, by index
         self.tc = tc = replace(cfg.train, batch_size=opts.batch_size or cfg.train.batch_size)
-        self.schedule = replace(tc, steps=opts.steps)  # the worker's: the sum of the rounds' H
+        self.schedule = replace(tc, steps=opts.steps, lr=objective.block_lr(k))  # the worker's: the rounds' H in all
         self.offsets = [sum(opts.round_steps[:v]) for v in range(opts.rounds)]  # each round's place in that schedule
         torch.manual_seed(init_seed(cfg.train.seed, k))  # the coordinator's version 0
         self.replicas = [objective.build_block(k) for _ in range(opts.workers)]
@@ -235,7 +236,7 @@ class BlockRun:
         self.accepted = [0] * opts.workers  # accepted pushes per replica (the first probation_pushes are audited)
         self.previous: list[dict[str, torch.Tensor]] = []  # the deltas the previous round accepted (what a replay copies)
         self.poisoned: dict[int, np.ndarray] = {}  # hostile replica -> the bytes it trains on
-        self.set_frozen(frozen)
+        self.set_frozen(frozen, earlier)
         self.precision = resolve_precision(tc.precision, self.device)
         self.version = 0
         self.published: dict[str, torch.Tensor] | None = None  # the shared moments of the latest version, if new
@@ -246,9 +247,11 @@ class BlockRun:
     def _inner(self, module: nn.Module) -> torch.optim.Optimizer:
         return MuonAdamW(module, self.tc) if self.opts.inner == "muon" else make_inner_optimizer(module, self.tc, self.start)[0]
 
-    def set_frozen(self, frozen: Sequence[nn.Module]) -> None:
-        """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before)."""
-        self.frozen_weights = [("", trainable_state(b)) for b in frozen]
+    def set_frozen(self, frozen: Sequence[nn.Module], earlier: Sequence[nn.Module]) -> None:
+        """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before), as the
+        replicas' frozen copies and whole (``earlier``): the weights the coordinator publishes for them, from which
+        its gate and audit replay rebuild them."""
+        self.frozen_weights = [(tensors_sha256(w), w) for w in (trainable_state(b) for b in earlier[:len(frozen)])]
         inputs = [b.to(self.device) for b in frozen]
         if self.tc.compile is not CompileMode.OFF:  # compiled copies: the caller's modules stay as they were
             inputs = [compile_module(copy.deepcopy(b), self.tc.compile) for b in inputs]

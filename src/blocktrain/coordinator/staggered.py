@@ -93,7 +93,7 @@ def run_pool(cfg: RunConfig, settings: CoordinatorSettings, sched: PoolSchedule,
         for k in range(1, B):  # an open block reads the new versions its earlier blocks published this slot
             run = runs[k]
             if run is not None and spent[k] < budget[k] and any(out.workers_per_slot[-1][j] > 0 for j in range(k)):
-                run.set_frozen(frozen_for(k))
+                run.set_frozen(frozen_for(k), [r.current() for r in runs[:k] if r is not None])
         for k in range(1, B):
             if runs[k] is None and spent[k - 1] >= sched.open_fraction * budget[k - 1]:
                 open_block(k)

@@ -76,6 +76,10 @@ class Objective(Protocol):
     def block_steps(self, k: int) -> int:
         """Optimiser steps block k trains for (train.steps unless the objective splits the budget unequally)."""
 
+    def block_lr(self, k: int) -> float:
+        """Peak lr of block k's schedule (train.lr unless the objective trains some blocks at another), as its
+        trainer, a worker, the in-process rounds and the coordinator's audit replay all read it."""
+
     def inherit(self, block: nn.Module, k: int, earlier: Sequence[nn.Module], *, at_init: bool) -> None:
         """Copy into block k what it takes from the whole earlier blocks 0..k-1 (warm start, frozen heads)."""
 

@@ -46,6 +46,9 @@ class DiffusionObjective:
     def block_steps(self, k: int) -> int:
         return self.cfg.train.steps
 
+    def block_lr(self, k: int) -> float:
+        return self.cfg.train.lr
+
     def inherit(self, block: nn.Module, k: int, earlier: Sequence[nn.Module], *, at_init: bool) -> None:
         """Diffusion blocks take nothing from one another."""
 

@@ -77,6 +77,11 @@ class StackObjective:
     def frozen_inputs(self, k: int) -> int:
         return k
 
+    def block_lr(self, k: int) -> float:
+        """Block 0 at train.lr; blocks 1.. at stack.lr_later x train.lr (under ``init copy`` they fine-tune a copy of
+        the block before, which a lower peak lr disturbs less)."""
+        return self.cfg.train.lr * (self.cfg.stack.lr_later if k > 0 else 1.0)
+
     def block_steps(self, k: int) -> int:
         """Optimiser steps of block k: train.steps, or a geometric split (ratio r = stack.step_ratio) of the same FLOPs.
 

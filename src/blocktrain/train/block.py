@@ -53,12 +53,14 @@ def train_block(
     objective.inherit(block, k, earlier, at_init=True)  # warm start and frozen heads (stack variants); a resume overwrites it
     del earlier  # only the frozen copies stay
     block = block.to(device)
-    steps = objective.block_steps(k)
+    steps, lr = objective.block_steps(k), objective.block_lr(k)
     if steps != cfg.train.steps:
         log.info("block %d trains %d steps, not %d: stack.step_ratio %g gives earlier blocks more steps and later ones "
                  "fewer, at the same total FLOPs as %d steps per block (--step-ratio 1 gives every block the same steps)",
                  k, steps, cfg.train.steps, cfg.stack.step_ratio, cfg.train.steps)
-        cfg = cfg.with_train(steps=steps)
+    if lr != cfg.train.lr:
+        log.info("block %d trains at peak lr %g, not %g (stack.lr_later %g)", k, lr, cfg.train.lr, cfg.stack.lr_later)
+    cfg = cfg.with_train(steps=steps, lr=lr)
 
     return run_training(
         name=f"block_{k}",

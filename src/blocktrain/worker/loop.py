@@ -89,8 +89,8 @@ class Worker:
         # the lr schedule spans the block's rounds x the coordinator's H, the position a round's version gives
         steps = rounds * reg.local_steps if rounds else self.cfg.train.steps
         self.round_steps = reg.local_steps
-        self.schedule = replace(self.cfg.train, steps=max(1, steps))
         self.objective = get_objective(self.cfg)
+        self.schedule = replace(self.cfg.train, steps=max(1, steps), lr=self.objective.block_lr(self.k))
         self.precision = resolve_precision(self.opts.precision or self.cfg.train.precision, self.device)
         self.frozen = FrozenInputs(self.client, self.objective, self.opts.frozen_dir, self.device,
                                    frozen_dtype(self.cfg.train.frozen_storage, self.precision is Precision.BF16),
