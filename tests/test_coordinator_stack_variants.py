@@ -7,11 +7,12 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.checkpoint.safetensors_io import unpack
-from blocktrain.config import Objective, Precision, StackConfig, StackHead, StackInit
+from blocktrain.config import Objective, Precision, RunConfig, StackConfig, StackHead, StackInit
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
@@ -35,10 +36,12 @@ VARIANT = replace(get_preset("tiny"), objective=Objective.STACK,
 H = 2  # local steps per round
 
 
-def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torch.Tensor], data: DataDir) -> None:
+def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torch.Tensor], data: DataDir,
+                      cfg: RunConfig = VARIANT, lr: float | None = None) -> None:
     """Version 0 of block k is the fresh block warm-started from block k-1's final weights, and ``worker``'s round
-    on it equals a local replay on the frozen blocks with the frozen head of block k-1 (fp32 both)."""
-    obj = get_objective(VARIANT)
+    on it equals a local replay on the frozen blocks with the frozen head of block k-1 (fp32 both), at peak ``lr``
+    (default: the block's own, ``Objective.block_lr``)."""
+    obj = get_objective(cfg)
     v0_blob = one_row(c.store, f"SELECT weights_blob FROM versions WHERE block={k} AND version=0")["weights_blob"]
     v0 = unpack(c.store.blobs.get_blob(v0_blob))[0]
     earlier = whole_blocks(obj, [c.weights[j] for j in range(k)])
@@ -53,20 +56,21 @@ def replay_round_zero(c: Coordinator, worker: str, k: int, fresh: dict[str, torc
     block = obj.build_block(k)
     load_trainable(block, v0)
     obj.inherit(block, k, earlier, at_init=False)
-    opt, _ = make_optimizer(block, VARIANT.train)
-    stream = TrainStream(data.open("train").data, VARIANT.model.context, VARIANT.train.batch_size, seed["seed"],
+    opt, _ = make_optimizer(block, cfg.train)
+    stream = TrainStream(data.open("train").data, cfg.model.context, cfg.train.batch_size, seed["seed"],
                          stream=seed["stream"])
+    schedule = replace(cfg.train, steps=H, lr=obj.block_lr(k) if lr is None else lr)
     block.train()
     for i in range(H):
         out = obj.block_loss(block, k, *stream.batch(i), stream.generator(i, purpose=1), frozen)
-        optimizer_step(block, opt, out.loss, lr_at(i, replace(VARIANT.train, steps=H)), VARIANT.train.grad_clip)
+        optimizer_step(block, opt, out.loss, lr_at(i, schedule), cfg.train.grad_clip)
     for n, p in block.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.detach() - v0[n], got[n], rtol=1e-4, atol=1e-5)
 
 
-def coordinator(run: Path, data: DataDir) -> Coordinator:
-    return Coordinator(run, VARIANT, CoordinatorSettings(rounds=1, round_seconds=60, lease_seconds=60, fsync=False,
+def coordinator(run: Path, data: DataDir, cfg: RunConfig = VARIANT) -> Coordinator:
+    return Coordinator(run, cfg, CoordinatorSettings(rounds=1, round_seconds=60, lease_seconds=60, fsync=False,
                                                          gate_tolerance=5.0, eval_bytes=512, audit_fraction=0.0,
                                                          **HANDMADE), data)
 
@@ -121,4 +125,20 @@ def test_a_step_split_gives_each_block_its_rounds(tmp_path: Path) -> None:
     assert rounds == [round(8 * obj.block_steps(k) / 40) for k in range(4)] and rounds[0] > rounds[3] >= 1
     finish_block(c, 0, "seed")  # one update per round of block 0's own count
     assert c.version[0] == rounds[0] and c.state[0] is BlockState.FINISHED and c.state[1] is BlockState.OPEN
+    c.close()
+
+
+def test_a_worker_trains_a_later_block_at_its_own_lr(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """stack.lr_later reaches the worker: its round on block 1 equals a local replay at lr_later x train.lr, not at
+    train.lr."""
+    cfg = replace(VARIANT, stack=replace(VARIANT.stack, lr_later=0.5))
+    c = coordinator(tmp_path / "run", corpus, cfg)
+    finish_block(c, 0, "seed")  # block 1 opens, warm-started from block 0
+    fresh = {n: t.clone() for n, t in c.weights[1].items()}
+    token = c.add_token("w1")
+    with ThreadServer(c, background=False) as srv:
+        assert Worker(worker_opts(srv.url, token, 1, tmp_path / "cache"), corpus).run().rounds_pushed == 1
+    replay_round_zero(c, "w1", 1, fresh, corpus, cfg)
+    with pytest.raises(AssertionError):  # the same round at block 0's lr is another round
+        replay_round_zero(c, "w1", 1, fresh, corpus, cfg, lr=cfg.train.lr)
     c.close()
