@@ -181,6 +181,11 @@ def test_lr_later_sets_the_later_blocks_peak_lr_and_not_the_architecture(tmp_pat
     peaks = [max(r["lr"] for r in read_jsonl(tmp_path / "run" / "metrics" / f"block_{k}.jsonl") if "lr" in r)
              for k in (0, 1)]
     assert peaks == pytest.approx([cfg.train.lr, 0.5 * cfg.train.lr], rel=1e-12)
+    train_concurrent(cfg.with_train(schedule=Schedule.CONCURRENT, round_steps=2), dd, tmp_path / "concurrent",
+                     progress=False)  # every block at once, each at its own peak lr
+    peaks = [max(r["lr"] for r in read_jsonl(tmp_path / "concurrent" / "metrics" / f"block_{k}.jsonl") if "lr" in r)
+             for k in range(4)]
+    assert peaks == pytest.approx([cfg.train.lr] + [0.5 * cfg.train.lr] * 3, rel=1e-12)
     with pytest.raises(ConfigError, match="lr_later"):
         StackConfig(lr_later=0.0)
     with pytest.raises(ConfigError, match="lr_later"):

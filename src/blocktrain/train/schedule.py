@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -70,6 +72,7 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     streams = [TrainStream(train.data, cfg.model.context, tc.batch_size, tc.seed, stream=block_stream(k), device=device)
                for k in range(B)]
     metrics = [MetricsHook(JsonlWriter(run.metrics_path(f"block_{k}")), tc.log_every) for k in range(B)]
+    schedules = [replace(tc, lr=objective.block_lr(k)) for k in range(B)]  # each block's peak lr (stack.lr_later)
     period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
     start = _resume(run, ckpts)
     dtype = frozen_dtype(tc.frozen_storage, precision is Precision.BF16)
@@ -84,9 +87,10 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
         for r0 in range(step, end, tc.round_steps):
             for k in range(B):
                 loss_at = BlockTask(objective, k, frozen[:k], device).loss_fn(blocks[k], streams[k])
+                lr = functools.partial(lr_at, cfg=schedules[k])  # step -> block k's lr
                 losses[k] = train_steps(blocks[k], ckpts[k].opt, loss_at, range(r0, min(end, r0 + tc.round_steps)),
-                                        lr=lambda s: lr_at(s, tc), grad_clip=tc.grad_clip, precision=precision,
-                                        device=device, hooks=[metrics[k]]).last_loss
+                                        lr=lr, grad_clip=tc.grad_clip, precision=precision, device=device,
+                                        hooks=[metrics[k]]).last_loss
         step = end
         _checkpoint(ckpts, step)
         if progress:
