@@ -66,13 +66,17 @@ def run_pool(cfg: RunConfig, settings: CoordinatorSettings, sched: PoolSchedule,
     runs: list[BlockRun | None] = [None] * B
     out = PoolRun([], 0, spent, [0] * B, [-1] * B)
 
-    def frozen_for(k: int) -> list[nn.Module]:
-        return [objective.freeze(run.current(), torch.float32) for run in runs[:k] if run is not None]
+    def earlier_of(k: int) -> list[nn.Module]:
+        """Blocks 0..k-1 whole, at their latest published versions (each loaded once per call)."""
+        return [run.current() for run in runs[:k] if run is not None]
+
+    def frozen(whole: list[nn.Module]) -> list[nn.Module]:
+        return [objective.freeze(b, torch.float32) for b in whole]
 
     def open_block(k: int) -> None:
-        earlier = [run.current() for run in runs[:k] if run is not None]
+        earlier = earlier_of(k)
         opts = LocalRounds(workers=W, local_steps=H, steps=R[k] * H)
-        runs[k] = BlockRun(cfg, settings, opts, data, k=k, frozen=frozen_for(k), earlier=earlier)
+        runs[k] = BlockRun(cfg, settings, opts, data, k=k, frozen=frozen(earlier), earlier=earlier)
         out.opened_at[k] = out.slots
         log.info("slot %d: block %d opens (%d rounds of %d workers' budget)", out.slots, k, R[k], W)
 
@@ -93,7 +97,8 @@ def run_pool(cfg: RunConfig, settings: CoordinatorSettings, sched: PoolSchedule,
         for k in range(1, B):  # an open block reads the new versions its earlier blocks published this slot
             run = runs[k]
             if run is not None and spent[k] < budget[k] and any(out.workers_per_slot[-1][j] > 0 for j in range(k)):
-                run.set_frozen(frozen_for(k), [r.current() for r in runs[:k] if r is not None])
+                earlier = earlier_of(k)
+                run.set_frozen(frozen(earlier), earlier)
         for k in range(1, B):
             if runs[k] is None and spent[k - 1] >= sched.open_fraction * budget[k - 1]:
                 open_block(k)
