@@ -52,12 +52,12 @@ from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
-from blocktrain.protocol.inner_state import inner_state, state_sha
+from blocktrain.protocol.inner_state import state_sha
 from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.seeds import init_seed, worker_stream
-from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
+from blocktrain.train.inner import InnerRounds
 from blocktrain.train.round import BlockTask, train_round
 from blocktrain.train.step import MuonAdamW, decay_groups, round_lr_scale
 
@@ -223,7 +223,7 @@ class BlockRun:
         self.shapes = block_schema(self.replicas[0])
         if self.start.shares and opts.inner != "adamw":
             raise ConfigError(f"inner_start {self.start.value} shares AdamW moments; inner {opts.inner!r} has none")
-        self.optimisers = [self._inner(r) for r in self.replicas]
+        self.inner = [self._inner(r) for r in self.replicas]  # each replica's optimiser, started each round
         self.feedback = [ErrorFeedback(opts.compression) for _ in self.replicas]
         self.state = OuterState()
         self.train = data.open("train")
@@ -240,12 +240,14 @@ class BlockRun:
         self.precision = resolve_precision(tc.precision, self.device)
         self.version = 0
         self.published: dict[str, torch.Tensor] | None = None  # the shared moments of the latest version, if new
-        self.names = decay_groups(self.replicas[0], self.tc)[1]  # parameter index -> name, as pushes name them
         self.run = LocalRun(self.replicas[0], self.W)
         self._t0 = time.perf_counter()
 
-    def _inner(self, module: nn.Module) -> torch.optim.Optimizer:
-        return MuonAdamW(module, self.tc) if self.opts.inner == "muon" else make_inner_optimizer(module, self.tc, self.start)[0]
+    def _inner(self, module: nn.Module) -> InnerRounds:
+        if self.opts.inner == "muon":  # names as pushes name the parameters
+            return InnerRounds(module, self.tc, self.start,
+                               lambda: (MuonAdamW(module, self.tc), decay_groups(module, self.tc)[1]))
+        return InnerRounds(module, self.tc, self.start)
 
     def set_frozen(self, frozen: Sequence[nn.Module], earlier: Sequence[nn.Module]) -> None:
         """The frozen blocks the next rounds read (a refresh: the current versions of the blocks before), as the
@@ -263,8 +265,6 @@ class BlockRun:
         opts, k, v, run = self.opts, self.k, self.version, self.run
         W = self.W
         base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
-        if self.start is InnerStart.FRESH:
-            self.optimisers = [self._inner(r) for r in self.replicas]
         published, self.published = self.published, None  # a new publication is loaded once; else own state goes on
         m = opts.workers if workers is None else workers
         kept: list[tuple[int, ParsedUpdate]] = []  # (its record's index, the update) of each accepted push
@@ -292,17 +292,16 @@ class BlockRun:
         """Replica i trains its round and pushes; the update as the coordinator accepted it (None: refused, or its
         audit failed)."""
         opts, tc, k, v, run = self.opts, self.tc, self.k, base.version, self.run
-        block, opt = self.replicas[i], self.optimisers[i]
+        block, inner = self.replicas[i], self.inner[i]
         load_trainable(block, base.weights)
         block.train()
-        if isinstance(opt, RoundAdamW):  # a shared start
-            start_round(opt, self.names, self.start, published)
-        committed = inner_state(opt, self.names, self.feedback[i].residual) if self.auditor is not None else {}
+        inner.begin(published)
+        committed = inner.committed(self.feedback[i].residual) if self.auditor is not None else {}
         bad = self.hostile.get(i)
         bad = bad if bad is not None and v >= bad.attacks_from else None
         stream = TrainStream(self._data(i, bad), self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
                              stream=worker_stream(i + 1, k, v), device=self.device)  # worker ids start at 1, as the store's
-        train_round(self.task, block, opt, stream, steps=bad.steps(h) if bad else h, offset=offset,
+        train_round(self.task, block, inner.opt, stream, steps=bad.steps(h) if bad else h, offset=offset,
                     schedule=self.schedule, precision=self.precision, targets=bad.targets if bad else None)
         local = trainable_state(block)
         delta = {n: local[n] - base.weights[n] for n in base.weights}
@@ -313,8 +312,7 @@ class BlockRun:
             if forged is None:  # it sits the round out
                 return None
             delta = forged
-        share = self.settings.moments_at(named)  # a sharing round's push carries its moments (moment_every)
-        mine = moment_estimates(opt, self.names, share) if share and isinstance(opt, RoundAdamW) else None
+        mine = inner.moments(self.settings.moments_at(named))  # a sharing round's push carries them (moment_every)
         body = pack_delta(delta, opts.compression, block=k, base_version=named,
                           base_sha=base.weights_sha if named == v else "0" * 64, samples=bad.claim(budget) if bad else budget,
                           feedback=self.feedback[i], moments=mine,

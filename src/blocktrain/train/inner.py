@@ -26,16 +26,20 @@ are the bias-corrected estimates m / c1 and v / c2 (:func:`moment_estimates`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from blocktrain.config import TrainConfig
+from blocktrain.protocol.inner_state import inner_state
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
 from blocktrain.train.step import decay_groups, make_optimizer
 
-__all__ = ["InnerStart", "RoundAdamW", "make_inner_optimizer", "make_round_optimizer", "moment_estimates", "start_round"]
+__all__ = ["InnerRounds", "InnerStart", "RoundAdamW", "make_inner_optimizer", "make_round_optimizer",
+           "moment_estimates", "start_round"]
+
+OptimizerFactory = Callable[[], tuple[torch.optim.Optimizer, dict[int, str]]]  # -> (optimiser, index -> name)
 
 
 class RoundAdamW(torch.optim.Optimizer):
@@ -150,3 +154,42 @@ def start_round(opt: RoundAdamW, names: Mapping[int, str], start: InnerStart,
             if published is not None and prefix in start.shares and prefix + n in published:
                 st[moment] = published[prefix + n].to(device=p.device, dtype=torch.float32, copy=True)
                 st[corr] = 1.0
+
+
+class InnerRounds:
+    """One replica's inner optimiser over its rounds of one block, as the worker and the in-process rounds hold it.
+
+    :meth:`begin` starts each round as ``start`` says; :meth:`committed` is the state a push commits to (what an
+    audit replays from) and :meth:`moments` what a sharing round's push carries. ``factory`` builds the optimiser
+    (default: :func:`make_inner_optimizer` over ``module``); ``fresh`` rounds build a new one each round."""
+
+    def __init__(self, module: nn.Module, cfg: TrainConfig, start: InnerStart,
+                 factory: OptimizerFactory | None = None) -> None:
+        self.start = start
+        self._factory = factory or (lambda: make_inner_optimizer(module, cfg, start))
+        self.opt, self.names = self._factory()
+
+    @property
+    def shares(self) -> bool:
+        """Whether a round starts from published moments (then :meth:`begin` takes them)."""
+        return isinstance(self.opt, RoundAdamW) and bool(self.start.shares)
+
+    def begin(self, published: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Start a round: ``fresh`` builds a new optimiser (m = v = 0); a shared start loads ``published`` (the
+        moments published with the round's version; None: its own state goes on, :func:`start_round`); ``carried``
+        keeps the state as it is."""
+        if self.start is InnerStart.FRESH:
+            self.opt, self.names = self._factory()
+        elif isinstance(self.opt, RoundAdamW):
+            start_round(self.opt, self.names, self.start, published)
+
+    def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state this round starts from with the push's error-feedback ``residual``
+        (:func:`blocktrain.protocol.inner_state.inner_state`): what the push commits to by its sha."""
+        return inner_state(self.opt, self.names, residual)
+
+    def moments(self, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+        """The moment estimates a push carries for ``prefixes`` (None: none asked, or an optimiser without them)."""
+        if not prefixes or not isinstance(self.opt, RoundAdamW):
+            return None
+        return moment_estimates(self.opt, self.names, prefixes)

@@ -42,11 +42,11 @@ from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
-from blocktrain.protocol.inner_state import inner_state, pack_state, state_sha
+from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
-from blocktrain.protocol.moments import InnerStart, parse_moments
+from blocktrain.protocol.moments import parse_moments
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, schema_fp32_bytes, trainable_state
-from blocktrain.train.inner import RoundAdamW, make_inner_optimizer, moment_estimates, start_round
+from blocktrain.train.inner import InnerRounds
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
 from blocktrain.worker.client import UNSIZED_RESPONSE_BYTES, CoordinatorClient
@@ -103,7 +103,7 @@ class Worker:
         self.client.max_response_bytes = 8 * schema_fp32_bytes(self.shapes) + UNSIZED_RESPONSE_BYTES
         self.moment_codec = reg.moment_codec
         self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)
-        self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
+        self.inner = InnerRounds(self.block, self.cfg.train, self.inner_start)  # its optimiser, started each round
         self._moments_version = -1  # the version whose published moments this worker loaded last
         self._trained_block = False  # whether it trained a round of this block (its own moments exist)
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
@@ -176,11 +176,9 @@ class Worker:
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
                              stream=work.stream, device=self.device)
         H = min(self.H, work.steps)  # at most the round's budget
-        if self.inner_start is InnerStart.FRESH:  # fresh moments every round, as the coordinator asks
-            self.opt, self.opt_names = make_inner_optimizer(self.block, self.cfg.train, self.inner_start)
-        elif isinstance(self.opt, RoundAdamW):  # shared moments: the published ones, else its own go on
-            start_round(self.opt, self.opt_names, self.inner_start, self._published_moments())
-        self.round_state = inner_state(self.opt, self.opt_names, self.feedback.residual)  # committed with the push
+        # as the coordinator asks: fresh moments, its own carried, or the published ones (else its own go on)
+        self.inner.begin(self._published_moments() if self.inner.shares else None)
+        self.round_state = self.inner.committed(self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
         deadline_in = work.deadline_in
@@ -194,7 +192,7 @@ class Worker:
         # the block's own schedule position: rounds done on it (its version) x H, whatever this worker did before
         offset = max(self.base_version, 0) * self.round_steps
         try:
-            train_round(BlockTask(self.objective, self.k, frozen, self.device), self.block, self.opt, stream, steps=H,
+            train_round(BlockTask(self.objective, self.k, frozen, self.device), self.block, self.inner.opt, stream, steps=H,
                         offset=offset, schedule=self.schedule, precision=self.precision,
                         hooks=[round_hook, ProgressHook(bar)], targets=self.targets)
         finally:
@@ -251,9 +249,8 @@ class Worker:
     def _push(self) -> None:
         assert self.base is not None
         delta, samples = self._delta()
-        shares = self.inner_start.shares_at(self.base_version, self.moment_every)
-        if isinstance(self.opt, RoundAdamW) and shares:  # on a sharing round its moments travel with the delta
-            delta.update(moment_estimates(self.opt, self.opt_names, shares))
+        # on a sharing round its moments travel with the delta
+        delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
         clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
         combined = self.engine.combine(delta, samples, self.k, self.base_version, clock)
         if combined is None:  # another member of its group uploads the mean
