@@ -328,3 +328,31 @@ def test_an_audit_drawn_before_a_restart_still_holds_its_round(tmp_path: Path, c
         assert c2.store.q("SELECT * FROM audits") == []
     finally:
         c2.close()
+
+
+def test_a_restart_gives_a_pending_audit_its_whole_timeout_again(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The coordinator draws a push for audit and is down for longer than ``audit_timeout_s``: the worker could not
+    upload meanwhile, so the restarted coordinator waits a whole timeout for it before quarantining it (it kept the
+    old deadline and quarantined the worker at its first tick)."""
+    clock = FakeClock()
+    knobs = {**AUDIT_ALL, "round_seconds": 30.0, "lease_seconds": 600.0, "audit_timeout_s": 60.0}
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
+    c.add_token("a")
+    c.register("a", 0)
+    work = c.work("a")
+    delta = {n: 1e-3 * torch.randn(s, generator=torch.Generator().manual_seed(0)) for n, s in c.shapes.items()}
+    body = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=work.weights_sha,
+                      samples=work.sequences, state_sha=state_sha({}))
+    assert c.submit("a", 0, body).audit
+    c.close()
+    clock.advance(600.0)  # down for ten timeouts
+    c2 = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
+    try:
+        c2.tick()
+        assert not c2.store.conduct.quarantined("a")
+        c2.expect_audit("a", 0, 0)  # still awaited
+        clock.advance(61.0)
+        c2.tick()  # a whole timeout after the restart: now it is late
+        assert c2.store.conduct.quarantined("a")
+    finally:
+        c2.close()

@@ -383,3 +383,32 @@ def test_the_upload_limits_reject_bad_values() -> None:
     for bad in ({"upload_timeout_s": 0.0}, {"upload_timeout_s": math.inf}, {"max_connections": 0}):
         with pytest.raises(ConfigError, match="--upload-timeout-s, --max-connections"):
             CoordinatorSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_a_worker_quarantined_while_its_push_is_checked_is_refused_at_acceptance(tmp_path: Path) -> None:
+    """A worker sends a good push and, at the same time, pushes that get it quarantined: the quarantine lands while
+    the good push is in its unlocked checks. The good push is refused when it is recorded (403), so it is never
+    applied and dodges no audit. Without the check at acceptance it is accepted (202) from a quarantined worker."""
+    from fastapi.testclient import TestClient
+
+    from blocktrain.coordinator.app import create_app
+
+    c = make_coordinator(tmp_path / "run", None, round_seconds=120, lease_seconds=600, agree_min=None,
+                         refusal_burst=0, audit_fraction=0.0)
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+        api.register("evil", block=0)
+        check = c.intake.check
+
+        def quarantined_meanwhile(*args: Any, **kw: Any) -> Any:
+            out = check(*args, **kw)
+            with c.lock:  # what its concurrent refused pushes do, under the lock, while this one is unlocked
+                c.conduct.quarantine("evil", "three refused updates", c.clock())
+            return out
+
+        c.intake.check = quarantined_meanwhile  # type: ignore[method-assign]
+        status, doc = api.push("evil", 0, pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0,
+                                                     base_sha=c.weights_sha[0], samples=4))
+        assert status == 403 and "quarantined while its update was checked" in str(doc["detail"]), doc
+        assert c.store.q("SELECT * FROM updates WHERE worker='evil' AND state='accepted'") == []
+    c.close()

@@ -95,7 +95,7 @@ class Coordinator:
                                  self.intake, self.auditor, self.tokens, self.hub)
         with self.lock:
             self.rounds.start(self.clock())
-            self.uploads.restore_audits()
+            self.uploads.restore_audits(self.clock())
 
     # --- read-only views (tests, benchmarks, the HTTP layer's caps) -----------------------
     @property

@@ -126,6 +126,9 @@ class Uploads:
             raise ProtocolError(409, f"worker {name!r} already sent an update for block {k} version {v}", Reason.DUPLICATE)
         if members:
             check_members(s, self.conduct, name, members, k, v)  # under the lock that records them
+        elif self.conduct.quarantined(name):  # since its admission: another of its requests was refused meanwhile
+            raise ProtocolError(403, f"worker {name!r} was quarantined while its update was checked; ask the run's "
+                                "operator", Reason.QUARANTINED)
         elif s.updates.submitted(k, v, name):
             raise ProtocolError(409, f"worker {name!r} already counts for block {k} version {v} as a member of a "
                                 "group's mean", Reason.DUPLICATE)
@@ -155,9 +158,11 @@ class Uploads:
         closed = self.rounds.check_quorum(now)
         return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=case is not None)
 
-    def restore_audits(self) -> None:
+    def restore_audits(self, now: float) -> None:
         """(Locked, at start-up.) The audits drawn before a restart and not decided wait for their uploads again, so
-        their rounds stay held; one whose round has moved on, or whose update was dropped, is forgotten."""
+        their rounds stay held, each for a whole ``audit_timeout_s`` from ``now`` at least (the worker could not
+        upload while the coordinator was down); one whose round has moved on, or whose update was dropped, is
+        forgotten."""
         s = self.store
         for a in s.audits.pending_audits():
             current = self.checkpoints.current(a.block)
@@ -169,7 +174,8 @@ class Uploads:
             upd = parse_update(s.blobs.get_blob(a.blob), a.block, self.checkpoints.block_shapes[a.block],
                                self.settings.inner_start.shares, self.settings.moment_every)
             self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
-                                           a.stream, a.schedule_steps, a.round_steps, a.due))
+                                           a.stream, a.schedule_steps, a.round_steps,
+                                           max(a.due, now + self.settings.audit_timeout_s)))
             self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
