@@ -58,6 +58,21 @@ class ScaledSlightly(Worker):
         return {n: 1.1 * d for n, d in delta.items()}, samples
 
 
+class ForgedResidual(Worker):
+    """From its second round on, pushes 1.5 x its honest delta and commits to (and uploads) a state whose error-feedback
+    residual holds the difference: a replay that adds whatever residual it is given, decode(encode(Delta + e)),
+    reproduces the push exactly."""
+
+    def _delta(self) -> tuple[dict[str, torch.Tensor], int]:
+        delta, samples = super()._delta()
+        if self.base_version < 1:
+            return delta, samples
+        for n, d in delta.items():  # e' = e + 0.5 Delta: encode(Delta + e') is what it pushes, encode(1.5 Delta + e)
+            own = self.feedback.residual.get(n, torch.zeros_like(d))
+            self.round_state[f"residual/{n}"] = (own + 0.5 * d).detach().to("cpu", torch.float32)
+        return {n: 1.5 * d for n, d in delta.items()}, samples
+
+
 def _run(w: Worker) -> None:
     try:
         w.run()
@@ -105,6 +120,30 @@ def test_a_worker_whose_push_does_not_replay_is_quarantined(tmp_path: Path, corp
     assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
     assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 1
     assert honest.summary.rounds_pushed == 3 and c.version[0] == 3  # the run went on without it
+    c.close()
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.INT8])
+def test_a_residual_larger_than_the_previous_push_leaves_fails_the_audit(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                        compression: Compression) -> None:
+    """The residual of an uploaded state is a claim: the replay adds it, so a free one would let any push replay.
+    It must be what encoding the worker's previous accepted push leaves (0 for float32, half a step for int8);
+    the forger passes its honest first audit and is quarantined at its second (it passed it without the bound)."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=3, **AUDIT_ALL)
+    kinds: list[type[Worker]] = [Worker, ForgedResidual]
+    tokens = [c.add_token(f"w{i}") for i in range(2)]
+    with ThreadServer(c) as srv:
+        workers = [kind(WorkerOptions(url=srv.url, token=t, block=0, progress=False, max_rejections=1,
+                                      compression=compression, frozen_cache=tmp_path / f"frozen{i}"), corpus)
+                   for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
+        threads = [threading.Thread(target=_run, args=(w,), daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+    honest, bad = workers
+    assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
+    assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 2 and honest.summary.audits == 3
     c.close()
 
 

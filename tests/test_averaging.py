@@ -34,7 +34,14 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ConfigError
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
-from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm, pack_delta
+from blocktrain.protocol.delta import (
+    Compression,
+    ErrorFeedback,
+    decode_delta,
+    delta_norm,
+    pack_delta,
+    residual_excess,
+)
 from blocktrain.protocol.moments import InnerStart
 from blocktrain.train.step import MuonAdamW
 from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
@@ -89,6 +96,26 @@ def test_error_feedback_carries_the_residual_exactly() -> None:
     torch.testing.assert_close(sent_total + ef.residual["w"].double(), true_total, rtol=0, atol=1e-4)
     # without feedback the int8 error accumulates; with it the total error is one quantisation step
     assert float((sent_total - true_total).abs().max()) <= float(ef.residual["w"].abs().max()) + 1e-4
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_the_residual_bound_holds_every_honest_residual_and_no_forged_one(compression: Compression) -> None:
+    """``residual_excess``: what :class:`ErrorFeedback` holds after each of 60 pushes, whose scales vary over four
+    orders of magnitude (so a residual may be far larger than the next push's step), is within the bound that the
+    push before it sets; twice that residual, or any non-zero residual without an earlier push, is not."""
+    g = torch.Generator().manual_seed(0)
+    ef = ErrorFeedback(compression)
+    previous: dict[str, torch.Tensor] | None = None
+    for _ in range(60):
+        scale = 10.0 ** float(-2 - 4 * torch.rand((), generator=g))
+        delta = {"w": scale * torch.randn(96, 33, generator=g), "b": 1e-2 * scale * torch.randn(7, generator=g)}
+        assert residual_excess(dict(ef.residual), previous, compression) is None
+        previous = decode_delta(ef.encode(delta), compression)
+    assert residual_excess(dict(ef.residual), previous, compression) is None
+    forged = {n: 2 * e + 1e-9 for n, e in ef.residual.items()}
+    assert residual_excess(forged, previous, compression) == "w"
+    assert residual_excess({"w": torch.full((96, 33), 1e-9)}, None, None) == "w"
+    assert residual_excess({"w": torch.zeros(96, 33)}, None, None) is None
 
 
 def test_pack_delta_with_feedback_refuses_another_encoding() -> None:

@@ -52,8 +52,8 @@ from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.delta import ErrorFeedback, decode_delta, delta_norm
-from blocktrain.protocol.inner_state import load_inner_state, state_sha, unpack_state
+from blocktrain.protocol.delta import ErrorFeedback, decode_delta, delta_norm, residual_excess
+from blocktrain.protocol.inner_state import load_inner_state, residual_of, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.inner import make_inner_optimizer
@@ -87,6 +87,7 @@ class AuditCase:
     schedule_steps: int  # the block's rounds x H: the span of its lr schedule
     round_steps: int  # H: the schedule position of version v is v x H
     due: float  # coordinator clock time by which the state must be uploaded
+    prior: str | None = None  # blob of the worker's previous push of the block (its residual's origin; None: none)
 
 
 class Auditor:
@@ -113,10 +114,11 @@ class Auditor:
         return self.train is not None
 
     def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int, h: int,
-             now: float, accepted: int = 0, outlier: bool = False) -> AuditCase | None:
+             now: float, accepted: int = 0, outlier: bool = False, prior: str | None = None) -> AuditCase | None:
         """The case if this accepted push is audited (it then waits for the worker's upload), else None: every push of
         a worker on probation (``accepted``, its accepted pushes so far, this one included, at most
-        --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``."""
+        --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
+        the blob of the worker's previous push of the block, which bounds the residual its state may hold."""
         if not self.enabled or upd.state_sha is None or upd.group:
             return None
         rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
@@ -125,7 +127,7 @@ class Auditor:
         if len(self._pending) >= MAX_PENDING:
             return None
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
-                         now + self.settings.audit_timeout_s)
+                         now + self.settings.audit_timeout_s, prior)
         self._pending[(worker, upd.block, upd.base_version)] = case
         return case
 
@@ -168,14 +170,17 @@ class Auditor:
     def pending(self) -> int:
         return len(self._pending)
 
-    def judge(self, case: AuditCase, body: bytes, shapes: dict[str, tuple[int, ...]]) -> AuditAnswer:
-        """Replay ``case`` from the uploaded state ``body``; the answer says whether it reproduced the push."""
+    def judge(self, case: AuditCase, body: bytes, shapes: dict[str, tuple[int, ...]],
+              prior: ParsedUpdate | None = None) -> AuditAnswer:
+        """Replay ``case`` from the uploaded state ``body``; the answer says whether it reproduced the push.
+        ``prior``: the worker's previous push of the block (``case.prior`` read back), which bounds its residual."""
         t0 = time.perf_counter()
         k, v = case.update.block, case.update.base_version
         tensors = unpack_state(body, shapes, block=k, version=v)
         if state_sha(tensors) != case.update.state_sha:
             rel, scale = math.inf, math.inf
         else:
+            check_residual(tensors, prior)
             rel, scale = self.replay_error(case, tensors)
         seconds = time.perf_counter() - t0
         tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
@@ -232,3 +237,14 @@ class Auditor:
         secs = sorted(self.replay_seconds)
         return {"passed": self.passed, "failed": self.failed, "pending": self.pending(),
                 "median_replay_s": secs[len(secs) // 2] if secs else 0.0}
+
+
+def check_residual(tensors: dict[str, torch.Tensor], prior: ParsedUpdate | None) -> None:
+    """422 unless the error-feedback residual in an uploaded state is one that encoding ``prior`` (the worker's
+    previous push of the block; None: it has none) leaves behind (:func:`~blocktrain.protocol.delta.residual_excess`):
+    the replay adds it to the replayed delta, so a free residual would let any push replay."""
+    name = residual_excess(residual_of(tensors), prior.delta if prior else None, prior.compression if prior else None)
+    if name is not None:
+        raise ProtocolError(422, f"the residual of {name!r} in the uploaded state is larger than what encoding your "
+                            f"previous push of this block ({prior.compression.value if prior else 'none sent'}) "
+                            "leaves behind; upload the state you committed to", Reason.AUDIT_FORMAT)

@@ -37,7 +37,7 @@ from torch import nn
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import CompileMode, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, RoundResult, next_version
-from blocktrain.coordinator.audit import Auditor
+from blocktrain.coordinator.audit import Auditor, check_residual
 from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.hostile import Hostile, HostileContext
@@ -234,6 +234,7 @@ class BlockRun:
         self.refusals = [0] * opts.workers  # refusals that count toward quarantine, per replica
         self.quarantined: dict[int, int] = {}  # replica -> the version it was quarantined at
         self.accepted = [0] * opts.workers  # accepted pushes per replica (the first probation_pushes are audited)
+        self.last_push: list[ParsedUpdate | None] = [None] * opts.workers  # each replica's last accepted push
         self.previous: list[dict[str, torch.Tensor]] = []  # the deltas the previous round accepted (what a replay copies)
         self.poisoned: dict[int, np.ndarray] = {}  # hostile replica -> the bytes it trains on
         self.set_frozen(frozen, earlier)
@@ -313,6 +314,7 @@ class BlockRun:
                 return None
             delta = forged
         mine = inner.moments(self.settings.moments_at(named))  # a sharing round's push carries them (moment_every)
+        residual = self.feedback[i].residual  # restored if the push is refused, as the worker does
         body = pack_delta(delta, opts.compression, block=k, base_version=named,
                           base_sha=base.weights_sha if named == v else "0" * 64, samples=bad.claim(budget) if bad else budget,
                           feedback=self.feedback[i], moments=mine,
@@ -330,11 +332,13 @@ class BlockRun:
         except ProtocolError as exc:
             run.updates.append(UpdateRecord(i, v, parsed.norm, exc.reason or "refused", norm_ratio=ratio,
                                             hostile=bad is not None))
+            self.feedback[i].residual = residual
             self._refused(i, exc.reason, v)
             return None
         self.intake.remember(k, checked, held=(i, v))  # as the service holds a push drawn for audit
         self.accepted[i] += 1
         audited = self._audit(i, parsed, base, committed, checked.outlier)
+        self.last_push[i] = parsed  # what bounds the residual its next audited state may hold
         failed = audited is False
         self.intake.release((i, v), passed=not failed)
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
@@ -370,6 +374,11 @@ class BlockRun:
                              now=0.0, accepted=self.accepted[i], outlier=outlier) is None:
             return None
         case = self.auditor.take(name, self.k, base.version)
+        try:
+            check_residual(committed, self.last_push[i])
+        except ProtocolError:
+            self.auditor.decided(name, self.k, base.version)
+            return False
         rel, scale = self.auditor.replay_error(case, committed)
         self.auditor.decided(name, self.k, base.version)
         tolerance = self.auditor.tolerance(parsed.precision, parsed.samples // self.tc.batch_size)

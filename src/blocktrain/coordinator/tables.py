@@ -227,6 +227,12 @@ class UpdateTable:
         row = self.db.q1("SELECT blob FROM updates WHERE block=? AND version=? AND worker=?", k, v, worker)
         return None if row is None else str(row["blob"])
 
+    def previous_blob(self, k: int, worker: str, before: int) -> str | None:
+        """Digest of ``worker``'s latest update of block k against a version before ``before`` (None: none)."""
+        row = self.db.q1("SELECT blob FROM updates WHERE block=? AND worker=? AND version<? ORDER BY version DESC "
+                         "LIMIT 1", k, worker, before)
+        return None if row is None else str(row["blob"])
+
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
                       arrived: float, arrival_s: float) -> None:
         """Store an accepted update and count it in its round, for its worker and in total."""

@@ -139,7 +139,8 @@ class Uploads:
         stream = worker_stream(worker.id, k, v)  # the stream the work answer named
         now_row = s.workers.worker(name)  # its accepted pushes so far
         case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
-                                 accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier)
+                                 accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
+                                 prior=s.updates.previous_blob(k, name, v))
         try:
             s.blobs.commit_blob(staged)  # durable before the row that names it
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
@@ -175,12 +176,21 @@ class Uploads:
                                self.settings.inner_start.shares, self.settings.moment_every)
             self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
                                            a.stream, a.schedule_steps, a.round_steps,
-                                           max(a.due, now + self.settings.audit_timeout_s)))
+                                           max(a.due, now + self.settings.audit_timeout_s),
+                                           s.updates.previous_blob(a.block, a.worker, a.version)))
             self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
 
     # --- an audit upload ---------------------------------------------------------------
+    def prior(self, case: AuditCase) -> ParsedUpdate | None:
+        """(Unlocked: blobs never change.) The worker's previous push of the block, as it was accepted (None: none)."""
+        if case.prior is None:
+            return None
+        k = case.update.block
+        return parse_update(self.store.blobs.get_blob(case.prior), k, self.checkpoints.block_shapes[k],
+                            self.settings.inner_start.shares, self.settings.moment_every)
+
     def decide(self, name: str, k: int, v: int, answer: AuditAnswer | None, why: str, now: float) -> None:
         """(Locked.) An audit's outcome, before its round may close: a failure (or a replay that broke, ``answer``
         None) quarantines the worker and drops its update; either way the round may now close."""

@@ -109,6 +109,38 @@ class ErrorFeedback:
         self.residual = {}
 
 
+BF16_HALF_ULP = 2.0**-8  # bfloat16 rounds to 8 significant bits: |x - bf16(x)| <= 2^-8 |x|
+BOUND_SLACK = 1.001  # float32 rounding of the encoder's own arithmetic (x / s rounded, then subtracted)
+
+
+def residual_excess(residual: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,
+                    compression: Compression | None) -> str | None:
+    """The first tensor of ``residual`` that :class:`ErrorFeedback` cannot hold after the sender's previous push
+    (``previous``, that push decoded, with its ``compression``; None: it pushed nothing before, so e = 0), or None.
+
+    e = c - decode(encode(c)) for the corrected update c of that push, elementwise:
+
+    * ``int8``:  |e_i| <= s / 2, s = max|previous| / 127 (its scale: the largest element decodes to +-127 s);
+    * ``bf16``:  |e_i| <= 2^-8 |c_i| <= 2^-8 |previous_i| / (1 - 2^-8) (half a unit in the last place);
+    * ``none``:  e = 0 (float32 is what it sends).
+
+    A residual is a claim of the worker's: an audit replays decode(encode(Delta + e)), so an unbounded e would let
+    any push replay (e = push - Delta)."""
+    for n, e in residual.items():
+        if not bool(e.any()):
+            continue
+        prev = None if previous is None else previous.get(n)
+        if prev is None or prev.shape != e.shape or compression is None or compression is Compression.NONE:
+            return n
+        if compression is Compression.INT8:
+            bound = prev.abs().max() / 127.0 / 2.0 * BOUND_SLACK  # () broadcast
+        else:
+            bound = prev.abs() * (BF16_HALF_ULP / (1.0 - BF16_HALF_ULP) * BOUND_SLACK)  # prev's shape
+        if bool((e.abs() > bound).any()):
+            return n
+    return None
+
+
 def delta_norm(delta: dict[str, torch.Tensor]) -> float:
     """Global L2 norm ||Delta||_2 over all tensors."""
     return math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))

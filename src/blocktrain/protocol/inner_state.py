@@ -119,4 +119,9 @@ def load_inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
             for leaf in ("c1", "c2"):
                 if key + leaf in tensors:
                     st[leaf] = float(tensors[key + leaf])
-    return {n[len(RESIDUAL):]: t.clone() for n, t in tensors.items() if n.startswith(RESIDUAL)}
+    return {n: t.clone() for n, t in residual_of(tensors).items()}
+
+
+def residual_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The error-feedback residual a state holds, by parameter name (the tensors themselves)."""
+    return {n[len(RESIDUAL):]: t for n, t in tensors.items() if n.startswith(RESIDUAL)}

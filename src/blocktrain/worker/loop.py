@@ -278,6 +278,9 @@ class Worker:
                      self.k, len(payload), self.base_version, self.summary.local_steps)
             self._rejections = 0
         except ProtocolError as exc:
+            # a refused push sent nothing: its quantisation error is not carried (the coordinator bounds the residual
+            # an audited state holds by this worker's last accepted push: coordinator.audit.check_residual)
+            self.feedback.residual = residual
             if exc.status == 409:
                 self.summary.rounds_stale += 1
                 log.warning("block %d: delta against v%d refused (%s); pulling the new version",
@@ -287,7 +290,6 @@ class Worker:
                 raise
             self._rejections += 1
             self._refused = (self.k, self.base_version)  # the same round trained again would push the same update
-            self.feedback.residual = residual  # a refused push sent nothing: its quantisation error is not carried
             log.error("block %d: update rejected: %s; waiting for the next version", self.k, exc)
             if self._rejections >= self.opts.max_rejections:
                 raise
