@@ -175,6 +175,22 @@ def test_a_state_other_than_the_committed_one_fails_the_audit(tmp_path: Path, co
     c.close()
 
 
+def test_an_audit_upload_that_is_not_safetensors_fails_the_audit_with_an_answer(tmp_path: Path,
+                                                                                 corpus: DataDir) -> None:  # noqa: F811
+    """Garbage as the state: the audit fails and the worker is quarantined, answered as any failed audit (it escaped
+    as a server error before)."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('junk')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w, answer = _push(client, c, headers, state_sha({}))
+        assert answer["audit"] is True
+        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=b"\x10" + b"\x00" * 7 + b"{not json}", headers=headers)
+        assert r.status_code == 200 and r.json()["passed"] is False, r.text
+        assert c.conduct.quarantined("junk")
+    c.close()
+
+
 def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     clock = FakeClock()
     c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, **AUDIT_ALL)

@@ -70,6 +70,28 @@ def test_non_object_headers_rejected(header: bytes) -> None:
         unpack(payload)
 
 
+def test_a_header_nested_too_deep_is_refused_as_not_json() -> None:
+    """A header nested 200,000 deep made json raise RecursionError, which escaped every caller's refusal path."""
+    header = b"[" * 200_000 + b"]" * 200_000
+    with pytest.raises(CheckpointError, match="not JSON"):
+        unpack(len(header).to_bytes(8, "little") + header)
+
+
+def test_more_tensors_than_a_blocktrain_file_holds_are_refused_before_any_is_built() -> None:
+    """17,000 empty tensors: refused from the header's count, in well under the seconds building them took."""
+    from safetensors.torch import save
+
+    from blocktrain.checkpoint.safetensors_io import MAX_TENSORS
+
+    many = {f"t{i}": torch.zeros(0) for i in range(MAX_TENSORS + 1)}
+    payload = save(many, metadata={"format": "blocktrain", "format_version": "1", "sha256": tensors_sha256(many)})
+    with pytest.raises(CheckpointError, match=f"{MAX_TENSORS + 1} tensors"):
+        unpack(payload)
+    fewer = dict(list(many.items())[:MAX_TENSORS])
+    ok = save(fewer, metadata={"format": "blocktrain", "format_version": "1", "sha256": tensors_sha256(fewer)})
+    assert len(unpack(ok)[0]) == MAX_TENSORS
+
+
 def test_streamed_file_is_standard_safetensors(tmp_path: Path) -> None:
     """save_file writes the layout itself; safetensors and unpack must both read it back exactly."""
     from safetensors.torch import load_file as st_load_file

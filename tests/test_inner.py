@@ -127,6 +127,10 @@ def test_a_strangers_moments_are_checked_before_they_count() -> None:
         parse_moments({"v/w": torch.full((3, 2), float("inf"))}, shapes, ("v/",), MomentCodec.NONE)
     with pytest.raises(ProtocolError, match=">= 0"):
         parse_moments({"v/w": -torch.ones(3, 2)}, shapes, ("v/",), MomentCodec.NONE)
+    huge = encode_moments({"m/w": torch.full((3, 2), 127.0)}, MomentCodec.INT8)  # finite int8 and scale ...
+    huge["m/w@scale"] = torch.tensor(3e38)  # ... whose product is inf (it passed, and two of them made a NaN median)
+    with pytest.raises(ProtocolError, match="decodes to a non-finite"):
+        parse_moments(huge, shapes, ("m/",), MomentCodec.INT8)
     with pytest.raises(ProtocolError, match="lo is above"):
         parse_moments({**good, "v/w@lo": torch.tensor(5.0), "v/w@hi": torch.tensor(1.0)}, shapes, ("v/",),
                       MomentCodec.INT8)

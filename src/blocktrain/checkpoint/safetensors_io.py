@@ -29,6 +29,8 @@ from blocktrain.errors import CheckpointError
 FORMAT = "blocktrain"
 FORMAT_VERSION = "1"
 RESERVED = ("format", "format_version", "sha256")
+MAX_TENSORS = 16384  # tensors a payload may hold: far above any BlockTrain file (a paper E2E checkpoint: ~700),
+# far below what makes building them a denial of service (200,000 empty tensors in 13 MB took seconds)
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -82,10 +84,13 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
         raise CheckpointError(f"{source}: not a safetensors file (bad header length); it may be truncated")
     try:
         header = json.loads(payload[8 : 8 + header_len])
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise CheckpointError(f"{source}: not a safetensors file (header is not JSON)") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{source}: not a safetensors file (header is not a JSON object)")
+    n = len(header) - ("__metadata__" in header)
+    if n > MAX_TENSORS:
+        raise CheckpointError(f"{source}: {n} tensors is more than the {MAX_TENSORS} a BlockTrain file holds")
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):
         raise CheckpointError(f"{source}: not a BlockTrain file (metadata is not a JSON object)")

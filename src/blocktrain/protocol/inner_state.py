@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.codes import Reason
 
 ADAM = "adam/"
@@ -72,7 +72,10 @@ def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: i
                  version: int) -> dict[str, torch.Tensor]:
     """An audit upload as state tensors, every name, dtype and shape checked against block ``block``'s
     ``shapes``; a :class:`ProtocolError` (422) that names what is wrong."""
-    tensors, meta = unpack(body, source="inner state")
+    try:
+        tensors, meta = unpack(body, source="inner state")
+    except CheckpointError as exc:  # not safetensors, corrupt, too many tensors: what it uploaded is no state
+        raise ProtocolError(422, str(exc), Reason.AUDIT_FORMAT) from exc
     if meta.get("kind") != "inner_state" or meta.get("state_format") != STATE_FORMAT:
         raise ProtocolError(422, f"an audit upload is an inner_state of format {STATE_FORMAT}; got "
                             f"{meta.get('kind')!r} format {meta.get('state_format')!r}", Reason.AUDIT_FORMAT)
