@@ -98,12 +98,11 @@ class ThreadServer:
     def __init__(self, c: Coordinator, background: bool = True) -> None:
         import uvicorn
 
-        from blocktrain.coordinator.app import create_app
+        from blocktrain.coordinator.app import server_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(c, background=background), host="127.0.0.1", port=self.port,
-                                log_level="warning", limit_concurrency=1000, backlog=512)
+        config = server_config(c, "127.0.0.1", self.port, background=background, limit_concurrency=1000, backlog=512)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

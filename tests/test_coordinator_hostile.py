@@ -379,6 +379,56 @@ def test_a_trickling_upload_is_cut_at_the_upload_timeout(tmp_path: Path) -> None
         c.close()
 
 
+def _cut_after(port: int, first: bytes, then: bytes = b"", every_s: float = 0.0) -> tuple[float, bytes]:
+    """Send ``first``, then ``then`` a byte every ``every_s`` seconds; (seconds until the server answered or closed the
+    connection, its first bytes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        t0 = time.monotonic()
+        s.sendall(first)
+        got = b""
+        try:
+            for byte in then:
+                s.settimeout(every_s)
+                try:
+                    got = s.recv(65536)
+                    break
+                except TimeoutError:  # nothing from the server yet: trickle on
+                    s.sendall(bytes([byte]))
+            else:
+                s.settimeout(30)
+                got = s.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        return time.monotonic() - t0, got
+
+
+def test_a_request_head_that_trickles_or_grows_without_end_is_cut(tmp_path: Path) -> None:
+    """uvicorn arms no timer before a connection's first response and cancels its keep-alive timer on every byte, and
+    httptools takes headers of any size: a stranger could hold connections for ever (and at max_connections of them
+    every worker's request is a 503). A head that stalls, trickles a byte every 0.3 s, or passes 64 KiB is now cut
+    (at head_timeout_s, here 1 s), and so is a small JSON body that trickles; the coordinator then serves a worker."""
+    c = make_coordinator(tmp_path / "run", None, head_timeout_s=1.0)
+    token = c.add_token("a")
+    try:
+        with ThreadServer(c, background=False) as srv:
+            waited, _ = _cut_after(srv.port, b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")  # then nothing
+            assert 0.9 < waited < 10, waited
+            waited, _ = _cut_after(srv.port, b"GET /v1/status HTTP/1.1\r\n", b"X-Slow: " + b"a" * 200, 0.3)
+            assert 0.9 < waited < 10, waited
+            waited, _ = _cut_after(srv.port, b"GET /v1/status HTTP/1.1\r\n" + b"X-Big: " + b"a" * 70_000)
+            assert waited < 10, waited
+            body = b'{"block": 0}'
+            head = (f"POST /v1/register HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+            waited, answer = _cut_after(srv.port, head + body[:1], body[1:], 0.3)  # 11 more bytes in 3.3 s
+            assert waited < 3 and answer.startswith(b"HTTP/1.1 400"), (waited, answer)
+            h = {"Authorization": f"Bearer {token}"}
+            assert httpx.post(f"{srv.url}/v1/register", json={"block": 0}, headers=h, timeout=30).status_code == 200
+            assert httpx.get(f"{srv.url}/v1/status", timeout=30).status_code == 200
+    finally:
+        c.close()
+
+
 def test_the_upload_limits_reject_bad_values() -> None:
     for bad in ({"upload_timeout_s": 0.0}, {"upload_timeout_s": math.inf}, {"max_connections": 0}):
         with pytest.raises(ConfigError, match="--upload-timeout-s, --max-connections"):

@@ -41,6 +41,7 @@ from blocktrain.coordinator.dashboard import DASHBOARD_HTML
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
+from blocktrain.protocol.guard import guarded_http
 from blocktrain.protocol.messages import (
     PROTOCOL_VERSION,
     AuditAnswer,
@@ -115,8 +116,17 @@ class ByteCounter:
             )(scope, receive, send)
             return
 
+        deadline = asyncio.get_running_loop().time() + self.c.settings.head_timeout_s
+
         async def recv() -> Message:
-            msg = await receive()
+            if not capped:
+                msg = await receive()
+            else:  # a small JSON body arrives within head_timeout_s, as its head did, or the request is cut
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        msg = await receive()
+                except TimeoutError:
+                    return {"type": "http.disconnect"}
             if msg["type"] == "http.request":
                 n[0] += len(msg.get("body", b""))
                 if capped and n[0] > SMALL_BODY_CAP:  # chunked body without a length: stop reading it
@@ -205,8 +215,12 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         return JSONResponse(ErrorBody(error=exc.reason, detail=str(exc)).model_dump(), status_code=exc.status,
                             headers=headers)
 
-    def auth(request: Request) -> str:
-        return c.authenticate(_bearer(request.headers.get("authorization", "")))  # the lock only for an unknown token
+    async def auth(request: Request) -> str:
+        """The worker a request's token names: from the cache on the event loop, else (an unknown or revoked token,
+        which takes the coordinator's lock) in a thread, so a stranger's request never stalls the loop."""
+        token = _bearer(request.headers.get("authorization", ""))
+        name = c.worker_for_token(token) if token else None
+        return name if name is not None else await run_in_threadpool(c.authenticate, token)
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
@@ -223,7 +237,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     @app.post("/v1/register", response_model=Registration, response_model_exclude_none=True)
     async def register(request: Request, body: RegisterRequest) -> Registration:
-        name = auth(request)
+        name = await auth(request)
         if body.protocol != PROTOCOL_VERSION:
             raise ProtocolError(426, f"this worker speaks protocol {body.protocol}, the coordinator {PROTOCOL_VERSION}; run the "
                                 "same BlockTrain version on both sides", Reason.PROTOCOL)
@@ -231,27 +245,27 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     @app.post("/v1/heartbeat", response_model=Heartbeat)
     async def heartbeat(request: Request) -> Heartbeat:
-        return await run_in_threadpool(c.heartbeat, auth(request))
+        return await run_in_threadpool(c.heartbeat, await auth(request))
 
     @app.post("/v1/leave", response_model=Left)
     async def leave(request: Request) -> Left:
-        return await run_in_threadpool(c.leave, auth(request))
+        return await run_in_threadpool(c.leave, await auth(request))
 
     @app.get("/v1/work", response_model=WorkAnswer)
     async def work(request: Request) -> WorkAnswer:
-        return await run_in_threadpool(c.work, auth(request))
+        return await run_in_threadpool(c.work, await auth(request))
 
     @app.get("/v1/blocks/{k}/weights", response_class=Response,
              responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors weights"}})
     async def weights(request: Request, k: int) -> Response:
-        auth(request)
+        await auth(request)
         v, payload = await run_in_threadpool(c.weights_bytes, k)
         return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v)})
 
     @app.get("/v1/blocks/{k}/steps/{v}", response_class=Response,
              responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors bf16 step v -> v+1"}})
     async def step(request: Request, k: int, v: int) -> Response:
-        auth(request)
+        await auth(request)
         payload = await run_in_threadpool(c.step_bytes, k, v)
         if not accepts_deflate(request.headers.get("accept-encoding")):
             return Response(payload, media_type=SAFETENSORS)
@@ -267,14 +281,14 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     @app.get("/v1/blocks/{k}/moments/{v}", response_class=Response,
              responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors: the inner moments of version v"}})
     async def moments(request: Request, k: int, v: int) -> Response:
-        auth(request)
+        await auth(request)
         payload = await run_in_threadpool(c.moments_bytes, k, v)
         return Response(payload, media_type=SAFETENSORS)
 
     @app.get("/v1/blocks/{k}/frozen", response_class=Response,
              responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors: finished block k"}})
     async def frozen(request: Request, k: int) -> Response:
-        auth(request)
+        await auth(request)
         v, sha, payload = await run_in_threadpool(c.frozen_bytes, k)
         return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v), "X-Weights-Sha": sha})
 
@@ -282,7 +296,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     async def update(request: Request, k: int) -> PushAnswer:
         name = None
         try:
-            name = auth(request)
+            name = await auth(request)
             body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
                                            request.headers.get("content-encoding"), c.max_body_bytes)
         except ProtocolError as exc:
@@ -296,7 +310,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     @app.post("/v1/blocks/{k}/audits/{v}", openapi_extra=BINARY_BODY, response_model=AuditAnswer)
     async def audit(request: Request, k: int, v: int) -> AuditAnswer:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
-        name = auth(request)
+        name = await auth(request)
         await run_in_threadpool(c.expect_audit, name, k, v)  # a stranger's upload is refused before its body is read
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
         body = await run_in_threadpool(decode_body, await _read_capped(request, cap, c.settings.upload_timeout_s),
@@ -306,14 +320,22 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     return app
 
 
+def server_config(c: Coordinator, host: str, port: int, cert: str | None = None, key: str | None = None,
+                  background: bool = True, **uvicorn_options: Any) -> Any:
+    """The ``uvicorn.Config`` that serves ``c``: its app, and bounds on connections and on request heads
+    (:mod:`blocktrain.protocol.guard`)."""
+    import uvicorn
+
+    options: dict[str, Any] = {"log_level": "warning", "timeout_keep_alive": 30,
+                               "limit_concurrency": c.settings.max_connections, **uvicorn_options}
+    return uvicorn.Config(create_app(c, background=background), host=host, port=port, ssl_certfile=cert,
+                          ssl_keyfile=key, http=guarded_http(c.settings.head_timeout_s), **options)
+
+
 async def serve_forever(c: Coordinator, host: str, port: int, cert: str | None, key: str | None) -> None:
     import uvicorn
 
-    config = uvicorn.Config(
-        create_app(c), host=host, port=port, log_level="warning", ssl_certfile=cert, ssl_keyfile=key,
-        timeout_keep_alive=30, limit_concurrency=c.settings.max_connections,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(server_config(c, host, port, cert, key))
     log.info("coordinator listening on %s://%s:%d", "https" if cert else "http", host, port)
     await server.serve()
     if getattr(server, "_captured_signals", None):

@@ -118,6 +118,8 @@ class CoordinatorSettings:
     audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
     upload_timeout_s: float = 600.0  # seconds a request body may take to arrive; a stalled or trickling one gets 408
     max_connections: int = 1024  # connections the HTTP server serves at once; more are answered 503
+    head_timeout_s: float = 10.0  # seconds a request's head (request line and headers) may take, and the small JSON
+    # body of a route other than uploads; slower: closed
     device: str = "auto"  # where the gate, evaluations and audit replays compute: auto, cpu, cuda or cuda:N
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation
@@ -193,6 +195,9 @@ class CoordinatorSettings:
             raise ConfigError(f"upload_timeout_s must be a positive number of seconds and max_connections >= 1, got "
                               f"{self.upload_timeout_s!r} and {self.max_connections}; set --upload-timeout-s, "
                               "--max-connections")
+        if not (self.head_timeout_s > 0 and math.isfinite(self.head_timeout_s)):
+            raise ConfigError(f"head_timeout_s must be a positive number of seconds, got {self.head_timeout_s!r}; set "
+                              "--head-timeout-s")
         if self.probation_pushes < 0:
             raise ConfigError(f"probation_pushes must be >= 0, got {self.probation_pushes}")
         if not 0 <= self.audit_outlier_fraction <= 1 or self.audit_outlier_ratio < 1:

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
+from blocktrain.protocol.guard import guarded_http
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.checks import RequestError, refusal
 from blocktrain.serve.gateway.options import GatewayOptions
@@ -247,4 +248,4 @@ def run_gateway(opts: GatewayOptions, host: str, port: int) -> None:
         log.warning("the gateway on %s:%d accepts requests without a token; set --token or $%s", host, port, TOKEN_ENV)
     log.info("gateway on http://%s:%d/v1 in front of the pipeline at %s", host, port, opts.pipeline)
     uvicorn.run(make_app(opts), host=host, port=port, log_level="info", timeout_keep_alive=30,
-                limit_concurrency=opts.max_connections)
+                limit_concurrency=opts.max_connections, http=guarded_http())  # request heads bounded in time and bytes
