@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import target_log_probs
-from blocktrain.serve.gateway.logprobs import WINDOWS_PER_CALL, byte_log_probs
+from blocktrain.serve.gateway.logprobs import byte_log_probs
 from tests.serve_utils import tiny_models
 
 CFG, BLOCKS, E2E = tiny_models()
@@ -44,12 +44,21 @@ def test_appending_bytes_moves_no_earlier_score(kind: str, n: int, extra: int, b
     short, long = eval_log_probs(model, TEXT[:n], batch), eval_log_probs(model, TEXT[:m], batch)
     assert short.shape == (n - 1,) and long.shape == (m - 1,)
     torch.testing.assert_close(long[: n - 1], short, atol=ATOL, rtol=0)
-    # the gateway's rows ignore what follows too, and equal eval's (a chain's noise is drawn per row of a batch:
-    # there, only at eval's batch of the gateway's WINDOWS_PER_CALL)
+    # the gateway's rows ignore what follows too, and equal eval's at any batch (a chain's noise is a function of
+    # the position only, the same in every row of a batch)
     served = served_log_probs(model, TEXT[:n])
     torch.testing.assert_close(served_log_probs(model, TEXT[:m])[: n - 1], served, atol=ATOL, rtol=0)
-    if model.deterministic or batch == WINDOWS_PER_CALL:
-        torch.testing.assert_close(served, short, atol=ATOL, rtol=0)
+    torch.testing.assert_close(served, short, atol=ATOL, rtol=0)
+
+
+def test_a_chains_score_depends_neither_on_the_width_nor_on_the_row() -> None:
+    """Row 1 of a (2, t) batch, cut to its first 10 bytes, at widths 12, 20 and 32, and alone as row 0: the same
+    log-probs on those 10 bytes. With a noise draw numbered per row, row 1 moved by up to 0.27 nats with t."""
+    model = MODELS["chain"]
+    x = torch.from_numpy(TEXT[: 2 * 32].astype(np.int64)).view(2, 32)  # (2 * 32,) -> (2, 32)
+    ref = model.log_probs(x[1:, :10])[0, 0]  # (10, 256): row 1's first 10 bytes alone
+    for t in (12, 20, 32):
+        torch.testing.assert_close(model.log_probs(x[:, :t])[0, 1, :10], ref, atol=ATOL, rtol=0)
 
 
 def test_the_old_end_aligned_windows_would_fail_it() -> None:

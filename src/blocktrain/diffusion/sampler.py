@@ -31,8 +31,14 @@ def initial_noise(
     shape: tuple[int, int], dim: int, sigma_max: float, generator: torch.Generator, device: torch.device = CPU
 ) -> torch.Tensor:
     """z_0 = sigma_max * eps, eps ~ N(0, I), shape (b, t, dim), drawn on ``device`` by the counter generator keyed
-    from the seeded host ``generator`` (:mod:`blocktrain.noise`), so a chain's draw is the same on every device."""
-    return normal((*shape, dim), generator, device).mul_(sigma_max)
+    from the seeded host ``generator`` (:mod:`blocktrain.noise`), so a chain's draw is the same on every device.
+
+    eps at position p is a function of the seed and p only, the same in every row: a byte's chain, and so its
+    score, depends neither on how many bytes follow it nor on where its window sits in a batch (a draw per row
+    numbered its elements (row * t + p) * dim + j, so row r > 0 moved with t and every row with its place)."""
+    b, t = shape
+    eps = normal((1, t, dim), generator, device)  # (1, t, dim): element (p, j) is draw p * dim + j whatever t
+    return eps.mul_(sigma_max).expand(b, t, dim).contiguous()  # (1, t, dim) -> (b, t, dim), one draw for every row
 
 
 def position_noise(b: int, t: int, context: int, dim: int, generator: torch.Generator,
