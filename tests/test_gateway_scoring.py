@@ -159,6 +159,11 @@ def test_echo_logprobs_equal_local_eval(stack_run: Path) -> None:
                                              echo=True, logprobs=0, temperature=0, extra_body={"mode": "ar"})
         greedy = httpx.post(f"{url}/v1/completions", json={"prompt": TEXT[:20], "max_tokens": 5, "temperature": 0,
                                                            "logprobs": 2}, timeout=60).json()
+        # an empty prompt: generated after EMPTY_PROMPT, and scored after it (its first byte was null, and every
+        # later one scored without it)
+        empty = [httpx.post(f"{url}/v1/completions", json={"prompt": "", "max_tokens": 4, "temperature": 0,
+                                                           "logprobs": 1, "echo": echo}, timeout=60).json()
+                 for echo in (False, True)]
     lp = scored.choices[0].logprobs
     assert lp is not None and scored.choices[0].text == TEXT
     assert lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
@@ -188,6 +193,11 @@ def test_echo_logprobs_equal_local_eval(stack_run: Path) -> None:
     assert len(g["tokens"]) == 5 and g["text_offset"][0] == 0
     for tok, chosen, top in zip(g["tokens"], g["token_logprobs"], g["top_logprobs"], strict=True):
         assert chosen == pytest.approx(max(top.values()), abs=1e-6) and top[tok] == chosen
+    for answer in empty:
+        e = answer["choices"][0]["logprobs"]
+        assert len(e["tokens"]) == 4 and e["text_offset"][0] == 0, e
+        for tok, chosen, top in zip(e["tokens"], e["token_logprobs"], e["top_logprobs"], strict=True):
+            assert chosen is not None and chosen == pytest.approx(max(top.values()), abs=1e-6) and top[tok] == chosen
 
 
 def test_n_stop_and_tokenizer_endpoints(stack_run: Path) -> None:

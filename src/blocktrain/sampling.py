@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+EMPTY_PROMPT = b"\n"  # what generation continues when the prompt is empty (a model needs one byte of history)
+
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Logits (n, V) -> the sampling distribution (n, V) in fp32 after temperature, top-k and top-p.

@@ -11,7 +11,7 @@ import torch
 
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.progress import progress_bar
-from blocktrain.sampling import sample_from_logits
+from blocktrain.sampling import EMPTY_PROMPT, sample_from_logits
 from blocktrain.seeds import Seed
 
 
@@ -29,10 +29,10 @@ def generate(
 ) -> bytes:
     if n_bytes < 0:
         raise ValueError("n_bytes must be >= 0")
-    out = bytearray(prompt or b"\n")
+    out = bytearray(prompt or EMPTY_PROMPT)
     g = Seed.SAMPLER.generator(seed)
     for i in progress_bar(range(n_bytes), desc="generate", unit="byte", disable=not progress):
         ctx = torch.tensor(list(out[-model.context :]), dtype=torch.uint8, device=model.device).unsqueeze(0)  # (1, t)
         logp = model.log_probs(ctx, chains=1, seed=Seed.BYTE.derive(seed, i))  # (1, 1, t, 256)
         out.append(sample_from_logits(logp[0, 0, -1].cpu(), temperature, top_k, g, top_p))  # the byte is the output
-    return bytes(out[len(prompt or b"\n") :])
+    return bytes(out[len(prompt or EMPTY_PROMPT) :])

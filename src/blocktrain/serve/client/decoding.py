@@ -48,7 +48,7 @@ from typing import Any, Protocol
 import torch
 
 from blocktrain.errors import ConfigError, ServeError
-from blocktrain.sampling import filtered_probs, sample_byte
+from blocktrain.sampling import EMPTY_PROMPT, filtered_probs, sample_byte
 from blocktrain.seeds import Seed
 from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
@@ -171,7 +171,7 @@ async def ar_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling, mode: M
     ``mode`` BASELINE (the E2E baseline) prefills the prompt, then runs one KV-cached step per byte, as AR does on
     cached stages; both slide their window as ``generate`` does."""
     context = t.stage.context
-    out = bytearray(prompt or b"\n")
+    out = bytearray(prompt or EMPTY_PROMPT)
     g = Seed.SAMPLER.generator(s.seed)
     if mode is Mode.AR and not t.stage.cached:  # stateless stages (diffusion blocks): the whole window
         for i in range(n_new):
@@ -199,7 +199,7 @@ async def sweep_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling) -> A
     context = t.stage.context or len(prompt) + n_new
     if n_new < 1 or n_new >= context:
         raise ServeError(f"sweep needs 1 <= bytes < context ({context}), got {n_new}")
-    p = (prompt or b"\n")[-(context - n_new) :]
+    p = (prompt or EMPTY_PROMPT)[-(context - n_new) :]
     params = {"seed": s.seed, "n_new": n_new, "prompt_len": len(p), "sweeps": s.sweeps,
               "temperature": float(s.temperature), "top_k": int(s.top_k)}
     x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
@@ -218,7 +218,7 @@ async def spec_steps(t: Traversal, prompt: bytes, n_new: int, opts: Sampling, st
     if n_new < 0 or context < 1:
         raise ServeError(f"spec generates 0 or more bytes on a model with a context, got {n_new} (context {context})")
     windowed_cap = windowed_draft_cap(context, t.stage.d_model, t.max_frame_bytes)
-    text = bytearray(prompt or b"\n")
+    text = bytearray(prompt or EMPTY_PROMPT)
     start, cached, rate = len(text), 0, INITIAL_RATE
     g = Seed.SAMPLER.generator(opts.seed)
     rid = t.new_id()
