@@ -191,6 +191,30 @@ def test_an_audit_upload_that_is_not_safetensors_fails_the_audit_with_an_answer(
     c.close()
 
 
+def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The coordinator's replay raises (its own fault, an out-of-memory say): the push is dropped, not applied
+    unverified, its worker is not quarantined (it was) and is answered as for a push that does not count (it got a
+    500 and its worker stopped), and the round is no longer held."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('w')}"}
+
+    def broken(*args: Any) -> tuple[float, float]:
+        raise RuntimeError("CUDA out of memory")
+
+    c.auditor.replay_error = broken  # type: ignore[method-assign]
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w, answer = _push(client, c, headers, state_sha({}))
+        assert answer["audit"] is True
+        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state({}, block=0, version=w.version),
+                        headers=headers)
+        assert r.status_code == 200 and r.json()["passed"] is False, r.text
+        assert not c.conduct.quarantined("w") and not c.auditor.holds(0, w.version)
+        assert c.store.q("SELECT state FROM updates WHERE worker='w'") == [{"state": "dropped"}]
+        assert client.get("/v1/work", headers=headers).status_code == 200
+    c.close()
+
+
 def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     clock = FakeClock()
     c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, **AUDIT_ALL)

@@ -125,6 +125,9 @@ class Auditor:
         if accepted > self.settings.probation_pushes and self._rng.random() >= max(rate, self.settings.audit_fraction):
             return None
         if len(self._pending) >= MAX_PENDING:
+            log.warning("%d audits await their uploads: %s's push for block %d v%d is accepted unaudited%s",
+                        MAX_PENDING, worker, upd.block, upd.base_version,
+                        " (on probation)" if accepted <= self.settings.probation_pushes else "")
             return None
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
                          now + self.settings.audit_timeout_s, prior)

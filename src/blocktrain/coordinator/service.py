@@ -287,9 +287,14 @@ class Coordinator:
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
             why = f"its audit upload was refused ({exc})"
-        finally:  # decided under the lock, before its round may close; a replay that broke fails it too
+        except Exception as exc:  # the coordinator's own fault (out of memory, a bug): logged, the push not counted
+            log.exception("block %d v%d: the replay of %s's push broke", k, v, name)
+            why = f"{type(exc).__name__}: {exc}"
+        finally:  # decided under the lock, before its round may close
             with self.lock:
                 self.uploads.decide(name, k, v, answer, why, self.clock())
+        if answer is None:  # answered as a push that does not count (the worker goes on; the log says why)
+            return AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
         return answer
 
     # --- time, evaluation, observation -----------------------------------------------------------

@@ -41,7 +41,7 @@ class UpdateState(enum.Enum):
     ACCEPTED = "accepted"  # validated and stored, waiting for its round to close
     APPLIED = "applied"  # part of an aggregate
     SCREENED = "screened"  # dropped at its round's close: it disagreed with the others (settings.agree_min)
-    DROPPED = "dropped"  # its worker was quarantined before its round closed
+    DROPPED = "dropped"  # its worker was quarantined before its round closed, or its audit's replay broke
 
 
 class CloseReason(enum.Enum):

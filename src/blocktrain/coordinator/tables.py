@@ -227,6 +227,16 @@ class UpdateTable:
         row = self.db.q1("SELECT blob FROM updates WHERE block=? AND version=? AND worker=?", k, v, worker)
         return None if row is None else str(row["blob"])
 
+    def drop_update(self, k: int, v: int, worker: str) -> bool:
+        """Drop ``worker``'s accepted update of block k version v from its round; whether there was one."""
+        row = self.db.q1("SELECT id FROM updates WHERE block=? AND version=? AND worker=? AND state=?", k, v, worker,
+                         UpdateState.ACCEPTED.value)
+        if row is None:
+            return False
+        self.db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (k, v))
+        self.db.execute("UPDATE updates SET state=? WHERE id=?", (UpdateState.DROPPED.value, row["id"]))
+        return True
+
     def previous_blob(self, k: int, worker: str, before: int) -> str | None:
         """Digest of ``worker``'s latest update of block k against a version before ``before`` (None: none)."""
         row = self.db.q1("SELECT blob FROM updates WHERE block=? AND worker=? AND version<? ORDER BY version DESC "

@@ -192,19 +192,27 @@ class Uploads:
                             self.settings.inner_start.shares, self.settings.moment_every)
 
     def decide(self, name: str, k: int, v: int, answer: AuditAnswer | None, why: str, now: float) -> None:
-        """(Locked.) An audit's outcome, before its round may close: a failure (or a replay that broke, ``answer``
-        None) quarantines the worker and drops its update; either way the round may now close."""
-        self.intake.release((name, k, v), passed=answer is not None and answer.passed)
-        if answer is not None and answer.passed:
-            log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name,
-                     answer.relative_error, answer.seconds)
-        else:
-            self.conduct.quarantine(name, f"failed audit: {why}", now)
-        if answer is not None:
-            self.auditor.record(answer)
-        self.auditor.decided(name, k, v)
-        with self.store.tx():
-            self.store.audits.drop_audit(name, k, v)
+        """(Locked.) An audit's outcome, before its round may close: a failure quarantines the worker and drops its
+        update; a replay that broke (``answer`` None: the coordinator's own fault, such as running out of memory)
+        drops the update, which is not applied unverified, and blames no one; either way the round may now close."""
+        try:
+            self.intake.release((name, k, v), passed=answer is not None and answer.passed)
+            if answer is None:
+                with self.store.tx():
+                    self.store.updates.drop_update(k, v, name)
+                log.error("block %d v%d: the replay of %s's push broke (%s); its update is dropped, it is not "
+                          "quarantined", k, v, name, why)
+            elif answer.passed:
+                log.info("block %d v%d: audit of %s passed (relative error %.2g, %.2f s)", k, v, name,
+                         answer.relative_error, answer.seconds)
+            else:
+                self.conduct.quarantine(name, f"failed audit: {why}", now)
+            if answer is not None:
+                self.auditor.record(answer)
+        finally:  # decided whatever happened above, or its round would stay held for ever
+            self.auditor.decided(name, k, v)
+            with self.store.tx():
+                self.store.audits.drop_audit(name, k, v)
         self.rounds.check_quorum(now)  # the decided audit may complete its round
 
     def overdue_audits(self, now: float) -> None:
