@@ -201,7 +201,7 @@ def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, c
     def broken(*args: Any) -> tuple[float, float]:
         raise RuntimeError("CUDA out of memory")
 
-    c.auditor.replay_error = broken  # type: ignore[method-assign]
+    c.auditor.replay_error = broken  # type: ignore[method-assign, assignment]
     with TestClient(create_app(c, background=False)) as client:
         assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
         w, answer = _push(client, c, headers, state_sha({}))
