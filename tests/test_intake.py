@@ -170,6 +170,29 @@ def test_refused_requests_are_rate_limited_per_token(tmp_path: Path) -> None:
     c.close()
 
 
+def test_a_rate_limited_push_is_refused_before_its_body_is_read(tmp_path: Path) -> None:
+    """A worker over its refusal rate announces a body under the cap and sends none of it: it is answered 429 at once, not
+    after its body's upload_timeout_s (the body was read and inflated before the rate limit was checked)."""
+    import socket
+    import time
+
+    from tests.distributed_utils import ThreadServer
+
+    c = make_coordinator(tmp_path / "run", None, quarantine_after=0, refusal_burst=3, refusal_window_s=60,
+                         upload_timeout_s=20.0)
+    with TestClient(create_app(c, background=False)) as client:
+        (bad,) = peers(c, client, 1)
+        for _ in range(3):
+            assert bad.push(direction(c, 0), samples=1 << 30) == (422, "claim")
+    with ThreadServer(c, background=False) as srv, socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        t0 = time.monotonic()
+        s.sendall((f"POST /v1/blocks/0/updates HTTP/1.1\r\nHost: x\r\nAuthorization: {bad.headers['Authorization']}\r\n"
+                   f"Content-Type: application/octet-stream\r\nContent-Length: {c.max_body_bytes // 2}\r\n\r\n").encode())
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 429") and time.monotonic() - t0 < 10, answer
+    c.close()
+
+
 def test_messages_are_typed_bounded_and_versioned(coord: Coordinator) -> None:
     with TestClient(create_app(coord, background=False)) as client:
         p = Peer(coord, client, "a")

@@ -297,6 +297,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         name = None
         try:
             name = await auth(request)
+            await run_in_threadpool(c.admit, name, k)  # quarantined, over its refusal rate: refused before its body is read
             body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
                                            request.headers.get("content-encoding"), c.max_body_bytes)
         except ProtocolError as exc:

@@ -221,6 +221,12 @@ class Coordinator:
             self.record_rejection(name, k, exc)
             raise
 
+    def admit(self, name: str, k: int) -> None:
+        """Refuse a push of ``name`` to block k before its body is read: 403 quarantined or another block, 429 over its
+        refusal rate (:meth:`submit` checks again)."""
+        with self.lock:
+            self.uploads.admit(name, k)
+
     def _submit(self, name: str, k: int, body: bytes) -> PushAnswer:
         up = self.uploads
         arrived = self.clock()
