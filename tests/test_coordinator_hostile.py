@@ -327,6 +327,26 @@ def test_a_member_of_two_refused_group_means_is_quarantined_in_full(tmp_path: Pa
         c.close()
 
 
+def test_quarantining_a_member_drops_the_group_mean_it_is_in(tmp_path: Path) -> None:
+    """A group mean of a and m waits in an open round when m is quarantined: the mean is dropped (m's share of it
+    cannot be told apart; it was applied), and a's own standing is untouched."""
+    c = make_coordinator(tmp_path / "run", None, audit_fraction=0.0)
+    try:
+        s = c.store
+        with s.tx():
+            s.updates.record_update(0, 0, "a", samples=8, norm=1.0, compression="bf16", blob="0" * 64, arrived=0.0,
+                                    arrival_s=0.0)
+            s.updates.record_group(0, 0, "a", ["a", "m"])
+            s.updates.record_update(0, 0, "b", samples=4, norm=1.0, compression="bf16", blob="1" * 64, arrived=0.0,
+                                    arrival_s=0.0)
+        c.conduct.quarantine("m", "a test", 0.0)
+        assert s.q("SELECT worker, state FROM updates ORDER BY worker") == [
+            {"worker": "a", "state": "dropped"}, {"worker": "b", "state": "accepted"}]
+        assert not s.conduct.quarantined("a")
+    finally:
+        c.close()
+
+
 def test_min_updates_waits_for_workers_not_yet_registered(tmp_path: Path) -> None:
     """--min-updates 3 with one worker registered: its push does not close the round (the other two have not joined
     yet, as when worker processes start one after another); the third registered worker's push does. The floor

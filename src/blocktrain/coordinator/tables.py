@@ -340,13 +340,16 @@ class ConductTable:
 
     def quarantine(self, worker: str, reason: str, at: float) -> int:
         """Quarantine ``worker``: its token is revoked (its hash kept, to say so), it leaves, and its updates not yet
-        applied are dropped from their rounds; returns how many were dropped."""
+        applied are dropped from their rounds, group means it is a member of included (its share of one is not told
+        apart); returns how many were dropped."""
         row = self.db.q1("SELECT hash FROM tokens WHERE name=?", worker)
         self.db.execute("INSERT OR REPLACE INTO quarantine(worker, token_hash, reason, at) VALUES(?,?,?,?)",
                         (worker, None if row is None else str(row["hash"]), reason, at))
         self.db.execute("DELETE FROM tokens WHERE name=?", (worker,))
         self.db.execute("UPDATE workers SET state=?, lease_until=0 WHERE name=?", (WorkerState.LEFT.value, worker))
-        pending = self.db.q("SELECT id, block, version FROM updates WHERE worker=? AND state=?", worker, UpdateState.ACCEPTED.value)
+        pending = self.db.q("SELECT id, block, version FROM updates u WHERE state=? AND (worker=? OR EXISTS (SELECT 1 "
+                            "FROM group_members g WHERE g.block=u.block AND g.version=u.version AND g.uploader=u.worker "
+                            "AND g.worker=?))", UpdateState.ACCEPTED.value, worker, worker)
         for r in pending:
             self.db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (r["block"], r["version"]))
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(UpdateState.DROPPED.value, r["id"]) for r in pending])
