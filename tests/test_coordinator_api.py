@@ -84,6 +84,29 @@ def test_auth_required_and_tokens_stored_hashed(api: Api) -> None:
     assert api.tokens["x"] not in stored and len(stored) == 64  # stored hashed
 
 
+def test_a_token_replaced_or_revoked_by_another_process_stops_working_at_the_next_refresh(
+        api: Api, capsys: pytest.CaptureFixture[str]) -> None:
+    """``blocktrain token add`` (a rotation) and ``token revoke`` run beside the coordinator: once its tick re-reads the
+    table (every TOKEN_REFRESH_SECONDS; forced here), the old token is refused; before, a cached token stayed valid
+    until a restart."""
+    from blocktrain.cli.main import main
+
+    run = str(api.c.run.root)
+    old = api.h("x")
+    assert api.client.get("/v1/work", headers=old).status_code in (200, 409)
+    assert main(["token", "add", "x", "--run-dir", run]) == 0  # rotated
+    new = {"Authorization": f"Bearer {capsys.readouterr().out.strip()}"}
+    api.c.tokens._last_reload = float("-inf")  # the refresh is due
+    api.c.tick()
+    assert api.client.get("/v1/work", headers=old).status_code == 401
+    assert api.client.post("/v1/register", json={}, headers=new).status_code == 200
+    assert main(["token", "revoke", "x", "--run-dir", run]) == 0
+    assert main(["token", "revoke", "x", "--run-dir", run]) == 1  # nothing left to revoke
+    api.c.tokens._last_reload = float("-inf")
+    api.c.tick()
+    assert api.client.get("/v1/work", headers=new).status_code == 401
+
+
 def test_token_lookup_compares_every_hash_in_constant_time(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every stored hash goes through hmac.compare_digest, the match included: no early exit, no ``==``."""
     import hmac

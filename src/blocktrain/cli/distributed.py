@@ -148,6 +148,23 @@ def cmd_token_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    from blocktrain.coordinator.store import Store
+
+    store = Store(Path(args.run_dir))
+    try:
+        with store.tx():
+            had = store.tokens.revoke_token(args.name)
+    finally:
+        store.close()
+    if not had:
+        log.error("worker %r has no token in %s; nothing revoked", args.name, args.run_dir)
+        return 1
+    log.info("token of worker %r revoked in %s; a running coordinator stops accepting it within seconds", args.name,
+             args.run_dir)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the coordinator/worker/token sub-commands to the parser."""
     s = sub.add_parser("coordinator", help="serve decentralised training: publish blocks, average updates")
@@ -180,3 +197,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     t.add_argument("name", help="worker name")
     t.add_argument("--run-dir", required=True, help="the coordinator's run directory")
     t.set_defaults(fn=cmd_token_add)
+    t = tsub.add_parser("revoke", help="delete the bearer token of worker NAME (a leaked one); 'add' makes a new one")
+    t.add_argument("name", help="worker name")
+    t.add_argument("--run-dir", required=True, help="the coordinator's run directory")
+    t.set_defaults(fn=cmd_token_revoke)

@@ -2,8 +2,10 @@
 
 Tokens are stored hashed (``tokens``, :class:`.tables.TokenTable`; ``blocktrain token add NAME`` creates one) and
 cached in memory; a lookup compares the request's hash with every cached one in constant time. An unknown token
-re-reads the table (a token added while the coordinator runs), at most once per :data:`TOKEN_RELOAD_SECONDS`. A
-quarantined worker's token is revoked (:mod:`.conduct`) and answered 403. Updates refused for want of a valid
+re-reads the table (a token added while the coordinator runs), at most once per :data:`TOKEN_RELOAD_SECONDS`, and
+the coordinator's tick re-reads it every :data:`TOKEN_REFRESH_SECONDS`, so a token replaced or revoked by another
+process (``blocktrain token add/revoke``) stops working within seconds. A quarantined worker's token is revoked
+(:mod:`.conduct`) and answered 403. Updates refused for want of a valid
 token are counted in memory only, and logged at a limited rate: unauthenticated traffic writes nothing to disk.
 
 :meth:`Tokens.worker_for_token` and :meth:`Tokens.refused` are called without the coordinator's lock (from every
@@ -27,6 +29,8 @@ from blocktrain.protocol.codes import Reason
 log = logging.getLogger(__name__)
 
 TOKEN_RELOAD_SECONDS = 1.0  # seconds between re-reads of the token table caused by unknown tokens
+TOKEN_REFRESH_SECONDS = 5.0  # seconds between re-reads from the coordinator's tick: a token replaced or revoked by
+# 'blocktrain token add/revoke' while it runs stops working within this (a cached one stayed valid until a restart)
 UNAUTH_LOG_SECONDS = 10.0  # at most one log line per this many seconds about unauthenticated updates
 
 
@@ -73,6 +77,13 @@ class Tokens:
                                     "refused too often for what they are or do; ask the run's operator", Reason.QUARANTINED)
             raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", Reason.AUTH)
         return name
+
+    def refresh(self) -> None:
+        """(Locked, from the tick.) Re-read the token table if it was not read for TOKEN_REFRESH_SECONDS."""
+        now = time.monotonic()
+        if now - self._last_reload >= TOKEN_REFRESH_SECONDS:
+            self._last_reload = now
+            self._reload()
 
     def add_token(self, name: str, now: float) -> str:
         token = self.store.tokens.add_token(name, now)

@@ -314,6 +314,7 @@ class Coordinator:
             self.rounds.close_due_rounds(now)
             self.traffic.flush_bytes()
             self.tokens.unauthenticated_rejections()  # folds the queued counts
+            self.tokens.refresh()  # tokens replaced or revoked by another process
 
     def maybe_evaluate(self, force: bool = False) -> float | None:
         """Evaluate the assembled model if an epoch (the least version over the blocks) is due: the weights are taken

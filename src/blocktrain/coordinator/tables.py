@@ -50,6 +50,12 @@ class TokenTable:
         self.db.execute("INSERT OR REPLACE INTO tokens(name, hash, created) VALUES(?, ?, ?)", (name, hash_token(token), now))
         return token
 
+    def revoke_token(self, name: str) -> bool:
+        """Delete worker ``name``'s bearer token (it is not quarantined: a new token lets it back); whether it had one."""
+        had = self.db.q1("SELECT 1 FROM tokens WHERE name=?", name) is not None
+        self.db.execute("DELETE FROM tokens WHERE name=?", (name,))
+        return had
+
     def token_hashes(self) -> list[tuple[str, str]]:
         return [(r["name"], r["hash"]) for r in self.db.q("SELECT name, hash FROM tokens ORDER BY name")]
 
