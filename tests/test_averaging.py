@@ -79,6 +79,24 @@ def test_plain_average_is_the_sample_weighted_mean() -> None:
     assert torch.equal(res.weights["w"], _t(0.25, 0.75)) and res.state.momentum is None
 
 
+def test_the_median_weighs_each_delta_by_its_samples() -> None:
+    """With equal claims the median is the plain one (the middle value; the mean of the two middle ones), bit for
+    bit; a zero delta claiming 1 sample beside an honest one claiming 100 no longer casts a full vote (it pulled the
+    median halfway to zero), and one claiming as many as the other counts as much."""
+    g = torch.Generator().manual_seed(0)
+    for m in range(1, 8):
+        deltas = [{"w": torch.randn(6, 5, generator=g)} for _ in range(m)]
+        stacked = torch.stack([d["w"] for d in deltas])
+        plain = stacked.median(dim=0).values if m % 2 else stacked.sort(dim=0).values[m // 2 - 1 : m // 2 + 1].mean(0)
+        assert torch.equal(aggregate(deltas, [100] * m, Aggregation.MEDIAN)["w"], plain)
+    honest = [{"w": torch.full((4,), 1.0)}, {"w": torch.full((4,), 1.2)}]
+    lazy = {"w": torch.zeros(4)}
+    assert torch.equal(aggregate([*honest, lazy], [100, 100, 1], Aggregation.MEDIAN)["w"], torch.full((4,), 1.0))
+    assert torch.equal(aggregate([*honest, lazy], [100, 100, 100], Aggregation.MEDIAN)["w"], torch.full((4,), 1.0))
+    assert torch.equal(aggregate([honest[0], lazy], [100, 1], Aggregation.MEDIAN)["w"], torch.full((4,), 1.0))
+    assert torch.equal(aggregate([honest[0], lazy], [100, 100], Aggregation.MEDIAN)["w"], torch.full((4,), 0.5))
+
+
 def test_error_feedback_carries_the_residual_exactly() -> None:
     g = torch.Generator().manual_seed(0)
     ef = ErrorFeedback(Compression.INT8)

@@ -3,7 +3,9 @@
 Given deltas Delta_i with sample counts n_i (all against version v):
 
 * ``mean``:          Delta_bar = sum_i n_i Delta_i / sum_i n_i
-* ``median``:        coordinate-wise median of the Delta_i
+* ``median``:        coordinate-wise median of the Delta_i, weighted by n_i (the smallest value whose sorted
+  cumulative weight reaches half the total; the mean of it and the next where it meets half exactly): with equal
+  n_i the plain median, and a push claiming few samples (a round cut at its deadline, or a lazy one) a small vote
 * ``trimmed_mean``:  coordinate-wise mean after dropping the ``trim`` fraction
   of largest and smallest values at every coordinate
 * ``agree_mean``:    the mean, shrunk where the workers disagree on the sign:
@@ -86,7 +88,10 @@ def aggregate(
     for n in names:
         stacked = torch.stack([d[n].float() for d in deltas])  # (m, ...)
         if method is Aggregation.MEDIAN:
-            out[n] = stacked.median(dim=0).values if len(deltas) % 2 else _even_median(stacked)
+            if len(set(samples)) > 1:
+                out[n] = _weighted_median(stacked, samples)
+            else:
+                out[n] = stacked.median(dim=0).values if len(deltas) % 2 else _even_median(stacked)
         else:
             m = stacked.shape[0]
             cut = int(trim * m)
@@ -108,6 +113,20 @@ def agreeing(deltas: list[dict[str, torch.Tensor]], min_cos: float) -> list[int]
     cos = torch.nn.functional.cosine_similarity(flat.double(), med.double()[None], dim=1, eps=1e-30)  # (m,)
     keep = [i for i, c in enumerate(cos.tolist()) if c >= min_cos]
     return keep or list(range(len(deltas)))
+
+
+def _weighted_median(stacked: torch.Tensor, samples: list[int]) -> torch.Tensor:
+    """Coordinate-wise median of ``stacked`` (m, ...) under integer weights ``samples`` (module docstring); with
+    equal weights it is :func:`_even_median` for even m and the middle value for odd m, exactly."""
+    srt, order = stacked.sort(dim=0)  # (m, ...) each
+    w = torch.tensor(samples, dtype=torch.int64, device=stacked.device)[order]  # (m, ...): the weight of each value
+    cum = w.cumsum(dim=0)  # (m, ...)
+    twice, total = 2 * cum, cum[-1:]  # twice the cumulative weight against the total (1, ...): half, in integers
+    first = (twice >= total).int().argmax(dim=0, keepdim=True)  # (1, ...): the first reaching half
+    at = srt.gather(0, first)  # (1, ...)
+    exact = twice.gather(0, first) == total  # half met exactly: average with the next value
+    nxt = srt.gather(0, (first + 1).clamp(max=srt.shape[0] - 1))
+    return torch.where(exact, 0.5 * (at + nxt), at)[0]
 
 
 def _even_median(stacked: torch.Tensor) -> torch.Tensor:
