@@ -81,7 +81,8 @@ def _run(w: Worker) -> None:
 
 
 def run_workers(c: Coordinator, data: DataDir, tmp_path: Path, kinds: list[type[Worker]],
-                block: int | None = 0, in_order: bool = False) -> list[Worker]:
+                block: int | None = 0, in_order: bool = False,
+                compression: Compression = Compression.INT8) -> list[Worker]:
     """``kinds`` as workers w0, w1, ... over HTTP until they stop; ``in_order``: registered first, in order, so their
     ids (and so their data streams) do not race."""
     tokens = [c.add_token(f"w{i}") for i in range(len(kinds))]
@@ -89,7 +90,7 @@ def run_workers(c: Coordinator, data: DataDir, tmp_path: Path, kinds: list[type[
         c.register(f"w{i}", block)
     with ThreadServer(c) as srv:
         workers = [kind(WorkerOptions(url=srv.url, token=t, block=block, progress=False, max_rejections=1,
-                                      frozen_cache=tmp_path / f"frozen{i}"), data)
+                                      compression=compression, frozen_cache=tmp_path / f"frozen{i}"), data)
                    for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
         threads = [threading.Thread(target=_run, args=(w,), daemon=True) for w in workers]
         for t in threads:
@@ -130,18 +131,7 @@ def test_a_residual_larger_than_the_previous_push_leaves_fails_the_audit(tmp_pat
     It must be what encoding the worker's previous accepted push leaves (0 for float32, half a step for int8);
     the forger passes its honest first audit and is quarantined at its second (it passed it without the bound)."""
     c = make_coordinator(tmp_path / "run", corpus, rounds=3, **AUDIT_ALL)
-    kinds: list[type[Worker]] = [Worker, ForgedResidual]
-    tokens = [c.add_token(f"w{i}") for i in range(2)]
-    with ThreadServer(c) as srv:
-        workers = [kind(WorkerOptions(url=srv.url, token=t, block=0, progress=False, max_rejections=1,
-                                      compression=compression, frozen_cache=tmp_path / f"frozen{i}"), corpus)
-                   for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
-        threads = [threading.Thread(target=_run, args=(w,), daemon=True) for w in workers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
-    honest, bad = workers
+    honest, bad = run_workers(c, corpus, tmp_path, [Worker, ForgedResidual], compression=compression)
     assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
     assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 2 and honest.summary.audits == 3
     c.close()
