@@ -134,6 +134,9 @@ def test_the_residual_bound_holds_every_honest_residual_and_no_forged_one(compre
     assert residual_excess(forged, previous, compression) == "w"
     assert residual_excess({"w": torch.full((96, 33), 1e-9)}, None, None) == "w"
     assert residual_excess({"w": torch.zeros(96, 33)}, None, None) is None
+    tiny = ErrorFeedback(compression)  # subnormal values, where bfloat16's steps no longer shrink with |x|
+    sent = decode_delta(tiny.encode({"w": torch.tensor([1e-39, 3e-40, 1.0, 0.0])}), compression)
+    assert residual_excess(dict(tiny.residual), sent, compression) is None
 
 
 def test_pack_delta_with_feedback_refuses_another_encoding() -> None:

@@ -109,7 +109,8 @@ class ErrorFeedback:
         self.residual = {}
 
 
-BF16_HALF_ULP = 2.0**-8  # bfloat16 rounds to 8 significant bits: |x - bf16(x)| <= 2^-8 |x|
+BF16_HALF_ULP = 2.0**-8  # bfloat16 rounds to 8 significant bits: |x - bf16(x)| <= 2^-8 |x| (normal numbers)
+BF16_SUBNORMAL_ULP = 2.0**-133  # below 2^-126 bfloat16's steps are this wide, whatever |x|
 BOUND_SLACK = 1.001  # float32 rounding of the encoder's own arithmetic (x / s rounded, then subtracted)
 
 
@@ -135,7 +136,7 @@ def residual_excess(residual: dict[str, torch.Tensor], previous: dict[str, torch
         if compression is Compression.INT8:
             bound = prev.abs().max() / 127.0 / 2.0 * BOUND_SLACK  # () broadcast
         else:
-            bound = prev.abs() * (BF16_HALF_ULP / (1.0 - BF16_HALF_ULP) * BOUND_SLACK)  # prev's shape
+            bound = prev.abs() * (BF16_HALF_ULP / (1.0 - BF16_HALF_ULP) * BOUND_SLACK) + BF16_SUBNORMAL_ULP  # prev's shape
         if bool((e.abs() > bound).any()):
             return n
     return None
