@@ -205,6 +205,37 @@ def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, c
     c.close()
 
 
+@pytest.mark.parametrize("audited", [True, False])
+def test_a_resent_push_is_answered_as_its_first_sending_was(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                            audited: bool) -> None:
+    """A worker whose push's answer was lost sends the same bytes again: it is told the push was taken and, while
+    its audit awaits the upload, that it is audited (it was told neither, and the honest worker was quarantined for an
+    upload it never knew was due); once the round has closed, still that it was taken (it was 409 stale, and the
+    worker then carried the wrong residual into its next audit)."""
+    clock = FakeClock()
+    knobs = {**AUDIT_ALL, "round_seconds": 30.0, "lease_seconds": 600.0, "audit_fraction": 1.0 if audited else 0.0,
+             "probation_pushes": 3 if audited else 0}
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, **knobs)
+    headers = {"Authorization": f"Bearer {c.add_token('w')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+        delta = {n: 1e-3 * torch.randn(s, generator=torch.Generator().manual_seed(0)) for n, s in c.shapes.items()}
+        body = pack_delta(delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
+                          samples=w.sequences, state_sha=state_sha({}))
+        first = client.post("/v1/blocks/0/updates", content=body, headers=headers).json()
+        again = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+        assert first["audit"] is audited and again.status_code == 202, again.text
+        assert again.json()["duplicate"] is True and again.json()["audit"] is audited
+        if not audited:
+            clock.advance(31.0)
+            c.tick()  # the round closes at its deadline
+            assert c.version[0] == 1
+            late = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+            assert late.status_code == 202 and late.json()["duplicate"] is True, late.text
+    c.close()
+
+
 def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     clock = FakeClock()
     c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, **AUDIT_ALL)

@@ -41,6 +41,7 @@ from blocktrain.protocol.delta import (
     delta_norm,
     pack_delta,
     residual_excess,
+    residual_within,
 )
 from blocktrain.protocol.moments import InnerStart
 from blocktrain.train.step import MuonAdamW
@@ -134,6 +135,13 @@ def test_the_residual_bound_holds_every_honest_residual_and_no_forged_one(compre
     assert residual_excess(forged, previous, compression) == "w"
     assert residual_excess({"w": torch.full((96, 33), 1e-9)}, None, None) == "w"
     assert residual_excess({"w": torch.zeros(96, 33)}, None, None) is None
+    # the push before the last one bounds too (a lost answer leaves the sender one push behind the receiver)
+    before = dict(ef.residual)
+    assert previous is not None
+    last = decode_delta(ef.encode({"w": 1e-6 * torch.randn(96, 33, generator=g), "b": torch.zeros(7)}), compression)
+    assert residual_within(before, [(last, compression), (previous, compression)]) is None
+    assert residual_within(forged, [(last, compression), (previous, compression)]) == "w"
+    assert residual_within({"w": torch.zeros(3)}, []) is None
     tiny = ErrorFeedback(compression)  # subnormal values, where bfloat16's steps no longer shrink with |x|
     sent = decode_delta(tiny.encode({"w": torch.tensor([1e-39, 3e-40, 1.0, 0.0])}), compression)
     assert residual_excess(dict(tiny.residual), sent, compression) is None

@@ -172,7 +172,8 @@ def test_refused_requests_are_rate_limited_per_token(tmp_path: Path) -> None:
 
 def test_a_rate_limited_push_is_refused_before_its_body_is_read(tmp_path: Path) -> None:
     """A worker over its refusal rate announces a body under the cap and sends none of it: it is answered 429 at once, not
-    after its body's upload_timeout_s (the body was read and inflated before the rate limit was checked)."""
+    after its body's upload_timeout_s (the body was read and inflated before the rate limit was checked). The body
+    it then sends is dropped without counting as the next request's head (the head guard cut it at 64 KiB)."""
     import socket
     import time
 
@@ -190,6 +191,9 @@ def test_a_rate_limited_push_is_refused_before_its_body_is_read(tmp_path: Path) 
                    f"Content-Type: application/octet-stream\r\nContent-Length: {c.max_body_bytes // 2}\r\n\r\n").encode())
         answer = s.recv(65536)
         assert answer.startswith(b"HTTP/1.1 429") and time.monotonic() - t0 < 10, answer
+        # the body it announced still comes (more than a head may take): it is dropped, and is no head
+        s.sendall(b"\0" * (c.max_body_bytes // 2) + b"GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")  # the next request on the same connection is served
     c.close()
 
 

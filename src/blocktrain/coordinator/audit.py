@@ -37,6 +37,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,7 +53,7 @@ from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.delta import ErrorFeedback, decode_delta, delta_norm, residual_excess
+from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, delta_norm, residual_within
 from blocktrain.protocol.inner_state import load_inner_state, residual_of, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.weights import load_trainable, trainable_state
@@ -87,7 +88,7 @@ class AuditCase:
     schedule_steps: int  # the block's rounds x H: the span of its lr schedule
     round_steps: int  # H: the schedule position of version v is v x H
     due: float  # coordinator clock time by which the state must be uploaded
-    prior: str | None = None  # blob of the worker's previous push of the block (its residual's origin; None: none)
+    prior: tuple[str, ...] = ()  # blobs of the worker's last pushes of the block, newest first (its residual's origin)
 
 
 class Auditor:
@@ -114,11 +115,11 @@ class Auditor:
         return self.train is not None
 
     def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int, h: int,
-             now: float, accepted: int = 0, outlier: bool = False, prior: str | None = None) -> AuditCase | None:
+             now: float, accepted: int = 0, outlier: bool = False, prior: tuple[str, ...] = ()) -> AuditCase | None:
         """The case if this accepted push is audited (it then waits for the worker's upload), else None: every push of
         a worker on probation (``accepted``, its accepted pushes so far, this one included, at most
         --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
-        the blob of the worker's previous push of the block, which bounds the residual its state may hold."""
+        the blobs of the worker's last pushes of the block, which bound the residual its state may hold."""
         if not self.enabled or upd.state_sha is None or upd.group:
             return None
         rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
@@ -141,6 +142,10 @@ class Auditor:
     def forget(self, case: AuditCase) -> None:
         """A drawn case whose push was not stored after all."""
         self._pending.pop((case.worker, case.update.block, case.update.base_version), None)
+
+    def awaits(self, worker: str, k: int, v: int) -> bool:
+        """Whether an audit of ``worker``'s push for (k, v) waits for its upload."""
+        return (worker, k, v) in self._pending
 
     def expect(self, worker: str, k: int, v: int) -> None:
         """404 unless an audit of ``worker`` for (k, v) awaits its upload (checked before the body is read)."""
@@ -174,9 +179,9 @@ class Auditor:
         return len(self._pending)
 
     def judge(self, case: AuditCase, body: bytes, shapes: dict[str, tuple[int, ...]],
-              prior: ParsedUpdate | None = None) -> AuditAnswer:
+              prior: Sequence[Sent] = ()) -> AuditAnswer:
         """Replay ``case`` from the uploaded state ``body``; the answer says whether it reproduced the push.
-        ``prior``: the worker's previous push of the block (``case.prior`` read back), which bounds its residual."""
+        ``prior``: the worker's last pushes of the block (``case.prior`` read back), which bound its residual."""
         t0 = time.perf_counter()
         k, v = case.update.block, case.update.base_version
         tensors = unpack_state(body, shapes, block=k, version=v)
@@ -242,12 +247,13 @@ class Auditor:
                 "median_replay_s": secs[len(secs) // 2] if secs else 0.0}
 
 
-def check_residual(tensors: dict[str, torch.Tensor], prior: ParsedUpdate | None) -> None:
-    """422 unless the error-feedback residual in an uploaded state is one that encoding ``prior`` (the worker's
-    previous push of the block; None: it has none) leaves behind (:func:`~blocktrain.protocol.delta.residual_excess`):
-    the replay adds it to the replayed delta, so a free residual would let any push replay."""
-    name = residual_excess(residual_of(tensors), prior.delta if prior else None, prior.compression if prior else None)
+def check_residual(tensors: dict[str, torch.Tensor], prior: Sequence[Sent]) -> None:
+    """422 unless the error-feedback residual in an uploaded state is one that encoding one of ``prior`` (the worker's
+    last pushes of the block, decoded; none: it has pushed none) leaves behind
+    (:func:`~blocktrain.protocol.delta.residual_within`): the replay adds it to the replayed delta, so a free residual
+    would let any push replay."""
+    name = residual_within(residual_of(tensors), prior)
     if name is not None:
         raise ProtocolError(422, f"the residual of {name!r} in the uploaded state is larger than what encoding your "
-                            f"previous push of this block ({prior.compression.value if prior else 'none sent'}) "
-                            "leaves behind; upload the state you committed to", Reason.AUDIT_FORMAT)
+                            f"last pushes of this block ({len(prior)} on record) leaves behind; upload the state you "
+                            "committed to", Reason.AUDIT_FORMAT)

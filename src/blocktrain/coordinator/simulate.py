@@ -27,6 +27,7 @@ import logging
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,7 +52,7 @@ from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
-from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta
+from blocktrain.protocol.delta import Compression, ErrorFeedback, Sent, decode_delta, pack_delta
 from blocktrain.protocol.inner_state import state_sha
 from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
@@ -234,7 +235,7 @@ class BlockRun:
         self.refusals = [0] * opts.workers  # refusals that count toward quarantine, per replica
         self.quarantined: dict[int, int] = {}  # replica -> the version it was quarantined at
         self.accepted = [0] * opts.workers  # accepted pushes per replica (the first probation_pushes are audited)
-        self.last_push: list[ParsedUpdate | None] = [None] * opts.workers  # each replica's last accepted push
+        self.last_pushes: list[deque[Sent]] = [deque(maxlen=2) for _ in range(opts.workers)]  # newest first
         self.previous: list[dict[str, torch.Tensor]] = []  # the deltas the previous round accepted (what a replay copies)
         self.poisoned: dict[int, np.ndarray] = {}  # hostile replica -> the bytes it trains on
         self.set_frozen(frozen, earlier)
@@ -338,7 +339,7 @@ class BlockRun:
         self.intake.remember(k, checked, held=(i, v))  # as the service holds a push drawn for audit
         self.accepted[i] += 1
         audited = self._audit(i, parsed, base, committed, checked.outlier)
-        self.last_push[i] = parsed  # what bounds the residual its next audited state may hold
+        self.last_pushes[i].appendleft((parsed.delta, parsed.compression))  # bound its next audited residual
         failed = audited is False
         self.intake.release((i, v), passed=not failed)
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
@@ -375,7 +376,7 @@ class BlockRun:
             return None
         case = self.auditor.take(name, self.k, base.version)
         try:
-            check_residual(committed, self.last_push[i])
+            check_residual(committed, list(self.last_pushes[i]))
         except ProtocolError:
             self.auditor.decided(name, self.k, base.version)
             return False

@@ -243,11 +243,11 @@ class UpdateTable:
         self.db.execute("UPDATE updates SET state=? WHERE id=?", (UpdateState.DROPPED.value, row["id"]))
         return True
 
-    def previous_blob(self, k: int, worker: str, before: int) -> str | None:
-        """Digest of ``worker``'s latest update of block k against a version before ``before`` (None: none)."""
-        row = self.db.q1("SELECT blob FROM updates WHERE block=? AND worker=? AND version<? ORDER BY version DESC "
-                         "LIMIT 1", k, worker, before)
-        return None if row is None else str(row["blob"])
+    def previous_blobs(self, k: int, worker: str, before: int, n: int = 2) -> tuple[str, ...]:
+        """Digests of ``worker``'s last ``n`` updates of block k against versions before ``before``, newest first."""
+        rows = self.db.q("SELECT blob FROM updates WHERE block=? AND worker=? AND version<? ORDER BY version DESC "
+                         "LIMIT ?", k, worker, before, n)
+        return tuple(str(r["blob"]) for r in rows)
 
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
                       arrived: float, arrival_s: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 
+from blocktrain.checkpoint.safetensors_io import unpack
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.audit import AuditCase, Auditor
 from blocktrain.coordinator.blobs import StagedBlob
@@ -32,6 +33,7 @@ from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
+from blocktrain.protocol.delta import SCALE_SUFFIX, Compression, Sent, decode_delta
 from blocktrain.protocol.messages import AuditAnswer, PushAnswer
 from blocktrain.seeds import worker_stream
 
@@ -71,11 +73,13 @@ class Uploads:
         return upd
 
     def screen(self, name: str, upd: ParsedUpdate, body: bytes) -> PushAnswer | None:
-        """(Locked.) Refuse an update for a round that does not take it; answer a byte-identical resend (None: go on)."""
-        k = upd.block
-        self.rounds.check_version(k, upd.base_version)
-        if self.store.updates.update_blob(k, upd.base_version, name) == hashlib.sha256(body).hexdigest():
-            return PushAnswer(accepted=True, duplicate=True, block=k, version=upd.base_version)
+        """(Locked.) Answer a byte-identical resend as its first sending was (its answer may have been lost, also after
+        its round closed; with its audit, if one awaits its upload); refuse an update for a round that does not take
+        it (None: go on)."""
+        k, v = upd.block, upd.base_version
+        if self.store.updates.update_blob(k, v, name) == hashlib.sha256(body).hexdigest():
+            return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
+        self.rounds.check_version(k, v)
         return None
 
     def members(self, name: str, upd: ParsedUpdate) -> list[str]:
@@ -122,7 +126,7 @@ class Uploads:
         prior = s.updates.update_blob(k, v, name)
         if prior is not None:
             if prior == staged.digest:
-                return PushAnswer(accepted=True, duplicate=True, block=k, version=v)
+                return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
             raise ProtocolError(409, f"worker {name!r} already sent an update for block {k} version {v}", Reason.DUPLICATE)
         if members:
             check_members(s, self.conduct, name, members, k, v)  # under the lock that records them
@@ -140,7 +144,7 @@ class Uploads:
         now_row = s.workers.worker(name)  # its accepted pushes so far
         case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
                                  accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
-                                 prior=s.updates.previous_blob(k, name, v))
+                                 prior=s.updates.previous_blobs(k, name, v))
         try:
             s.blobs.commit_blob(staged)  # durable before the row that names it
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
@@ -177,19 +181,23 @@ class Uploads:
             self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
                                            a.stream, a.schedule_steps, a.round_steps,
                                            max(a.due, now + self.settings.audit_timeout_s),
-                                           s.updates.previous_blob(a.block, a.worker, a.version)))
+                                           s.updates.previous_blobs(a.block, a.worker, a.version)))
             self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
 
     # --- an audit upload ---------------------------------------------------------------
-    def prior(self, case: AuditCase) -> ParsedUpdate | None:
-        """(Unlocked: blobs never change.) The worker's previous push of the block, as it was accepted (None: none)."""
-        if case.prior is None:
-            return None
-        k = case.update.block
-        return parse_update(self.store.blobs.get_blob(case.prior), k, self.checkpoints.block_shapes[k],
-                            self.settings.inner_start.shares, self.settings.moment_every)
+    def prior(self, case: AuditCase) -> list[Sent]:
+        """(Unlocked: blobs never change.) The worker's last pushes of the block as it sent them: their deltas decoded,
+        read as this coordinator stored them (their moments, which today's settings may not expect, left out)."""
+        shapes = self.checkpoints.block_shapes[case.update.block]
+        out = []
+        for digest in case.prior:
+            tensors, meta = unpack(self.store.blobs.get_blob(digest), source=f"update {digest[:12]}")
+            compression = Compression(meta["compression"])
+            wire = {n: t for n, t in tensors.items() if n.removesuffix(SCALE_SUFFIX) in shapes}
+            out.append((decode_delta(wire, compression), compression))
+        return out
 
     def decide(self, name: str, k: int, v: int, answer: AuditAnswer | None, why: str, now: float) -> None:
         """(Locked.) An audit's outcome, before its round may close: a failure quarantines the worker and drops its

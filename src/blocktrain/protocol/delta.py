@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,22 @@ class ErrorFeedback:
 BF16_HALF_ULP = 2.0**-8  # bfloat16 rounds to 8 significant bits: |x - bf16(x)| <= 2^-8 |x| (normal numbers)
 BF16_SUBNORMAL_ULP = 2.0**-133  # below 2^-126 bfloat16's steps are this wide, whatever |x|
 BOUND_SLACK = 1.001  # float32 rounding of the encoder's own arithmetic (x / s rounded, then subtracted)
+
+
+Sent = tuple[dict[str, torch.Tensor], Compression]  # a push as decoded, and the encoding it was sent in
+
+
+def residual_within(residual: dict[str, torch.Tensor], pushes: Sequence[Sent]) -> str | None:
+    """None if ``residual`` is what :class:`ErrorFeedback` may hold after one of ``pushes`` (the sender's last ones,
+    newest first: an answer lost on the way back leaves the sender one push behind what the receiver recorded),
+    else the first tensor that exceeds them all (:func:`residual_excess`)."""
+    first = residual_excess(residual, None, None)
+    if first is None:
+        return None
+    for previous, compression in pushes:
+        if residual_excess(residual, previous, compression) is None:
+            return None
+    return first
 
 
 def residual_excess(residual: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,

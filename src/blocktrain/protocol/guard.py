@@ -9,7 +9,8 @@ uvicorn's own HTTP protocol with two bounds, from the head's first byte (a conne
 * it may take at most ``max_bytes`` bytes received before it is complete (a body sent with it does not count).
 
 Otherwise the connection is closed. Bodies have their own bounds in the app (the coordinator's caps and
-``upload_timeout_s``).
+``upload_timeout_s``). The rest of a body answered before it was read (a 429 or a 413 at its head) is read and
+dropped by uvicorn; those bytes are no head, and are neither counted nor timed here (as before this guard).
 """
 
 from __future__ import annotations
@@ -36,12 +37,35 @@ def guarded_http(timeout_s: float = HEAD_TIMEOUT_S, max_bytes: int = MAX_HEAD_BY
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._head_timer: asyncio.TimerHandle | None = None
             self._head_bytes = 0
+            self._body_done = True  # httptools: the last request's body has all arrived (none yet)
             super().connection_made(transport)
             self._arm()
 
+        def on_message_begin(self) -> None:  # httptools' parser callbacks (h11's protocol has none)
+            self._body_done = True  # a new request: its head is arriving, no body yet
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._body_done = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._body_done = True
+            super().on_message_complete()
+
+        def _body_pending(self) -> bool:
+            """The current request's body is still arriving (after an early answer, uvicorn drops it)."""
+            conn = getattr(self, "conn", None)  # h11's connection state machine
+            if conn is not None:
+                import h11
+
+                return bool(conn.their_state is h11.SEND_BODY)
+            return not self._body_done
+
         def _awaiting_head(self) -> bool:
-            """No request of this connection is with the app (none yet, or the last one was answered)."""
-            return self.cycle is None or bool(self.cycle.response_complete)
+            """No request of this connection is with the app (none yet, or the last one was answered and its body
+            has all arrived)."""
+            return self.cycle is None or (bool(self.cycle.response_complete) and not self._body_pending())
 
         def _arm(self) -> None:
             self._head_bytes = 0

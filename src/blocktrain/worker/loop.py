@@ -268,38 +268,51 @@ class Worker:
                              moments=moments, moment_codec=self.moment_codec if moments is not None else None)
         t0 = time.monotonic()
         try:
-            answer = self.client.push(self.k, payload)
+            try:
+                answer = self.client.push(self.k, payload)
+            except ProtocolError as exc:
+                # a refused push sent nothing: its quantisation error is not carried (the coordinator bounds the
+                # residual an audited state holds by this worker's last accepted pushes: coordinator.audit)
+                self.feedback.residual = residual
+                self._refused_push(exc)
+                return
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
-            if answer.audit:
-                self._answer_audit()
             self.summary.rounds_pushed += 1
             self.summary.groups_uploaded += group is not None
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",
                      self.k, len(payload), self.base_version, self.summary.local_steps)
             self._rejections = 0
-        except ProtocolError as exc:
-            # a refused push sent nothing: its quantisation error is not carried (the coordinator bounds the residual
-            # an audited state holds by this worker's last accepted push: coordinator.audit.check_residual)
-            self.feedback.residual = residual
-            if exc.status == 409:
-                self.summary.rounds_stale += 1
-                log.warning("block %d: delta against v%d refused (%s); pulling the new version",
-                            self.k, self.base_version, exc)
-                return
-            if exc.status >= 500:
-                raise
-            self._rejections += 1
-            self._refused = (self.k, self.base_version)  # the same round trained again would push the same update
-            log.error("block %d: update rejected: %s; waiting for the next version", self.k, exc)
-            if self._rejections >= self.opts.max_rejections:
-                raise
+            if answer.audit:  # after the push was taken: whatever its audit meets, the residual stays this push's
+                self._answer_audit()
         finally:
             load_trainable(self.block, self.base)  # the local copy restarts from the published version
 
+    def _refused_push(self, exc: ProtocolError) -> None:
+        """A refused push: a stale one waits for the new version; another counts toward --max-rejections."""
+        if exc.status == 409:
+            self.summary.rounds_stale += 1
+            log.warning("block %d: delta against v%d refused (%s); pulling the new version", self.k, self.base_version,
+                        exc)
+            return
+        if exc.status >= 500:
+            raise exc
+        self._rejections += 1
+        self._refused = (self.k, self.base_version)  # the same round trained again would push the same update
+        log.error("block %d: update rejected: %s; waiting for the next version", self.k, exc)
+        if self._rejections >= self.opts.max_rejections:
+            raise exc
+
     def _answer_audit(self) -> None:
-        """Upload the inner state this round's push committed to; the coordinator replays the round."""
-        result = self.client.audit(self.k, self.base_version,
-                                   pack_state(self.round_state, block=self.k, version=self.base_version))
+        """Upload the inner state this round's push committed to; the coordinator replays the round. A 404 means it
+        no longer awaits it (an earlier try reached it and its answer was lost)."""
+        try:
+            result = self.client.audit(self.k, self.base_version,
+                                       pack_state(self.round_state, block=self.k, version=self.base_version))
+        except ProtocolError as exc:
+            if exc.status != 404:
+                raise
+            log.warning("block %d v%d: the coordinator no longer awaits this audit (%s)", self.k, self.base_version, exc)
+            return
         self.summary.audits += 1
         log.info("block %d v%d: audited; the coordinator's replay %s (relative error %.2g, %.1f s)", self.k,
                  self.base_version, "matched" if result.passed else "did NOT match", result.relative_error,
