@@ -117,9 +117,10 @@ class ByteCounter:
             return
 
         deadline = asyncio.get_running_loop().time() + self.c.settings.head_timeout_s
+        body_done = [False]  # the last body message arrived: later receives only wait for a disconnect
 
         async def recv() -> Message:
-            if not capped:
+            if not capped or body_done[0]:
                 msg = await receive()
             else:  # a small JSON body arrives within head_timeout_s, as its head did, or the request is cut
                 try:
@@ -128,6 +129,7 @@ class ByteCounter:
                 except TimeoutError:
                     return {"type": "http.disconnect"}
             if msg["type"] == "http.request":
+                body_done[0] = not msg.get("more_body", False)
                 n[0] += len(msg.get("body", b""))
                 if capped and n[0] > SMALL_BODY_CAP:  # chunked body without a length: stop reading it
                     return {"type": "http.disconnect"}
