@@ -131,7 +131,7 @@ depth() {
 
 paper() {
   "${BT[@]}" bench quality --preset "$PAPER_PRESET" --objective stack --steps "$PAPER_STEPS" --no-lr-sweep --no-matched-steps \
-    --isolate no --device "$DEVICE" --data "$DATA" --out "$RESULTS/runs/paper" --fresh --no-progress \
+    --isolate no --device "$DEVICE" --data "$DATA" --out "$RESULTS/runs/paper" --resume --no-progress \
     --json "$RESULTS/device-paper.json"
 }
 

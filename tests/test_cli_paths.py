@@ -120,7 +120,17 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
                  "--no-matched-steps", "--max-eval-bytes", "1024", "--eval-bytes", "0", "--objective", "stack",
                  "--out", str(tmp_path / "runs"), "--json", str(out), "--no-progress"]) == 0
     q = json.loads(out.read_text())
-    assert q["e2e_is_matched_flops"] and not (tmp_path / "runs" / "e2e-lr0.003").exists()
+    assert q["e2e_is_matched_flops"] and not (tmp_path / "runs" / "e2e-lr0.003").exists() and not q["resumed"]
+    # the same bench again: refused without --resume (or --fresh); with it, every arm goes on from its last checkpoint,
+    # here the last, so nothing trains and the CEs are the same
+    assert main(args := ["bench", "quality", "--preset", "tiny", "--data", str(data), "--steps", "3", "--no-lr-sweep",
+                         "--no-matched-steps", "--max-eval-bytes", "1024", "--eval-bytes", "0", "--objective", "stack",
+                         "--out", str(tmp_path / "runs"), "--no-progress"]) == 2
+    assert main([*args, "--resume", "--json", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["resumed"] and "Resumed" in (tmp_path / "again.md").read_text()
+    assert again["e2e"]["ce_nats_per_byte"] == q["e2e"]["ce_nats_per_byte"]
+    assert again["objectives"]["stack"]["ce_nats_per_byte"] == q["objectives"]["stack"]["ce_nats_per_byte"]
     m, e2e, st = q["e2e_matched_flops"], q["e2e"], q["objectives"]["stack"]
     assert e2e["train_steps"] == m["steps"] and e2e["ce_nats_per_byte"] == m["ce_nats_per_byte"]
     assert e2e["train_flops"] == pytest.approx(m["train_flops"], rel=1e-9)  # the analytic FLOPs are the trainer's

@@ -89,6 +89,7 @@ def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: py
     assert failed == 2 and len(ran) == 2
     assert [c[c.index("--lr") + 1] for c in ran] == ["3e-3", "1e-3"] and ran[0][ran[0].index("--device") + 1] == "cpu"
     assert ran[0][ran[0].index("--json") + 1] == str(tmp_path / "runs" / "depth-tiny-lr3e-3-seed0.json")
+    assert "--resume" in ran[0] and "--fresh" not in ran[0]  # a row cut by its time limit goes on where it was
     assert [r["key"] for r in device_depth.read_rows(jsonl)] == ["tiny-lr2e-3-seed0"]  # no row for either failure
 
 

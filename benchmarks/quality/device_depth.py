@@ -40,7 +40,7 @@ def bench_command(preset: str, lr: str, seed: int, device: str, data: Path, out:
     return [sys.executable, "-m", "blocktrain", "bench", "quality", "--preset", preset, "--objective", "stack",
             "--lr", lr, "--seed", str(seed), "--no-lr-sweep", "--no-matched-steps", "--isolate", "no",
             "--device", device, "--data", str(data), "--max-eval-bytes", str(max_eval_bytes), "--out", str(out),
-            "--fresh", "--no-progress", "--json", f"{out}.json"]
+            "--resume", "--no-progress", "--json", f"{out}.json"]  # a row cut by its time limit goes on next time
 
 
 def read_rows(jsonl: Path) -> list[dict[str, Any]]:

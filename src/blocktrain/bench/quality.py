@@ -61,6 +61,7 @@ class QualityOptions:
     chains: int = 2  # K of the diffusion chain-mixture row
     max_eval_bytes: int | None = None  # score only the first N test bytes (None: the preset's test_bytes, 0 = whole split)
     fresh: bool = False  # delete ``out`` first
+    resume: bool = False  # continue an existing ``out``: each arm from its last checkpoint (its times: this run's only)
     progress: bool = True  # progress bars
     lr_sweep: bool = True  # sweep E2E's and stack block 0's lr over LR_FACTORS on validation
     matched_flops: bool = True  # also train the E2E at the stack's training FLOPs
@@ -75,6 +76,8 @@ class QualityOptions:
             raise ConfigError(f"chains must be >= 1, got {self.chains}")
         if not self.matched_steps and not self.matched_flops:
             raise ConfigError("--no-matched-steps and --no-matched-flops leave no E2E reference; drop one of them")
+        if self.fresh and self.resume:
+            raise ConfigError("fresh deletes the bench directory and resume continues it: pass one of them")
         if self.max_eval_bytes is not None and self.max_eval_bytes < 0:
             raise ConfigError(f"max_eval_bytes must be >= 0, got {self.max_eval_bytes}")
         if not self.matched_steps and self.lr_sweep:
@@ -182,11 +185,15 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     cfg = opts.cfg
     device = resolve_device(cfg.train.device)  # before anything is made or deleted
     test = opts.data.open("test")
-    if opts.out.exists():
+    resumed = opts.resume and opts.out.exists()
+    if opts.out.exists() and not opts.resume:
         if not opts.fresh:
-            raise RunError(f"{opts.out} exists; pass --fresh to delete it or choose another --out")
+            raise RunError(f"{opts.out} exists; pass --resume to continue it, --fresh to delete it, or choose another "
+                           "--out")
         shutil.rmtree(opts.out)
-    opts.out.mkdir(parents=True)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    if resumed:
+        log.info("bench quality: resuming %s (each arm from its last checkpoint)", opts.out)
     precision = resolve_precision(cfg.train.precision, device)
     peak = measure_peak_flops(device)
     t0 = time.perf_counter()
@@ -253,7 +260,7 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
 
     result = _assemble(opts, sections, e2e_eval, e2e_sum, matched, sweeps, peak, precision.value, tokens, steps, device)
     result["e2e"]["run_dir"] = str(e2e_dir)
-    result.update(bench_wall_s=time.perf_counter() - t0, train_wall_s=train_wall)
+    result.update(bench_wall_s=time.perf_counter() - t0, train_wall_s=train_wall, resumed=resumed)
     log.info("bench quality: done in %.0f s (training %.0f s, scoring %.0f s)", result["bench_wall_s"], train_wall,
              result["bench_wall_s"] - train_wall)
     table = format_table(result)

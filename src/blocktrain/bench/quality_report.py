@@ -87,6 +87,9 @@ def format_table(r: dict[str, Any]) -> str:
         notes.append(f"Scored on the first {limit:,} bytes of the test split (the preset's test_bytes)." if scored >= limit
                      else f"Scored on the whole test split, {scored:,} bytes (shorter than the preset's test_bytes, "
                           f"{limit:,}).")
+    if r.get("resumed"):
+        notes.append("Resumed (--resume): each arm went on from its last checkpoint, so the wall times, seconds per step "
+                     "and MFU count this run's steps only; the CEs are those of a run without a cut.")
     if not r.get("arms_isolated", True):
         notes.append("Every arm trained in this one process (--isolate no): no per-arm memory rows.")
     mfus = [e["mfu"], *(o["block_worker"]["mfu"] for o in objs.values())]

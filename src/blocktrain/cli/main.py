@@ -145,7 +145,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     opts = QualityOptions(
         cfg=cfg, data=data, out=Path(args.out or f"runs/bench-quality-{cfg.name}"),
         objective=args.bench_objective, json_path=Path(args.json) if args.json else None, chains=args.chains,
-        max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, progress=not args.no_progress,
+        max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, resume=args.resume, progress=not args.no_progress,
         lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops, matched_steps=not args.no_matched_steps,
         command="blocktrain " + shlex.join(sys.argv[1:]),
         isolate=args.isolate == "yes" or (args.isolate == "auto" and cfg.name != "tiny"),
@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train each arm in a child process, so its peak memory is its own (yes), or every arm in this "
                         "process, paying torch's start-up once (no); auto: no for the tiny preset, yes otherwise")
     q.add_argument("--fresh", action="store_true", help="delete the bench directory first")
+    q.add_argument("--resume", action="store_true",
+                   help="continue the bench directory if it exists: each arm from its last checkpoint (a bench cut by "
+                        "a time limit loses nothing; its wall times then count this run only, and the JSON says so)")
     q.add_argument("--no-lr-sweep", action="store_true", help="skip the lr sweep (x0.5, x1, x2) of E2E and stack block 0")
     q.add_argument("--no-matched-flops", action="store_true", help="skip the E2E run at the stack's training FLOPs")
     q.add_argument("--rederive", metavar="JSON",
