@@ -70,6 +70,7 @@ class FakeClient:
         self.context = context
         self.delays_s = delays_s  # seconds before each chunk (none: no wait)
         self.calls: list[tuple[bytes, int, Sampling]] = []
+        self.score_seeds: list[int] = []  # the seed of every score call
 
     async def connect(self) -> None:
         self.stage = StageInfo(family=self.family, n=4, d_model=32, context=self.context, cached=False, state="serving",
@@ -77,6 +78,10 @@ class FakeClient:
 
     async def close(self) -> None:
         pass
+
+    async def score(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+        self.score_seeds.append(seed)
+        return torch.zeros(*x.shape, 256)  # (b, t, 256): every byte equally likely
 
     async def decode(self, mode: Mode, prompt: bytes, n_new: int, sampling: Sampling, stats: Any = None
                      ) -> AsyncIterator[bytes]:
@@ -329,6 +334,19 @@ def test_bearer_token_is_checked_in_constant_time(monkeypatch: pytest.MonkeyPatc
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=20)
         assert [m.id for m in good.models.list()] == ["diffusion-n4-d32-ctx64"]
     assert (b"wrong", b"s3cret") in compared and (b"s3cret", b"s3cret") in compared
+
+
+def test_logprobs_score_with_the_requests_seed_else_evals() -> None:
+    """A diffusion chain's scores depend on its draw: log-probs are scored at the request's seed, or at 0 (``blocktrain
+    eval``'s) when it names none, so the same text scores the same twice (a random seed was drawn per request)."""
+    fake = FakeClient([b"ok"])
+    with serve_app(opts(), fake) as url, httpx.Client(base_url=url, timeout=20) as http:
+        for seed in (None, None, 5):
+            body = {"prompt": "hello", "max_tokens": 2, "logprobs": 1, "echo": True, "mode": "ar",
+                    **({} if seed is None else {"seed": seed})}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    assert fake.score_seeds and set(fake.score_seeds[:-1]) == {0} and fake.score_seeds[-1] == 5
+    assert fake.calls[0][2].seed != fake.calls[1][2].seed  # the samplings still draw their own
 
 
 def test_stream_keeps_characters_split_across_chunks() -> None:

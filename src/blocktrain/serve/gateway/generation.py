@@ -42,6 +42,8 @@ class Generation:
     logprobs: int | None  # alternatives per byte in the log-probs; None: no log-probs
     stream: bool  # answer as server-sent events
     include_usage: bool  # streaming: a last chunk with the usage counts
+    score_seed: int = 0  # the chain's draw for log-probs: the request's seed, else 0 (blocktrain eval's), so the same
+    # text scores the same twice (a diffusion chain's scores depend on it; a stack's and an E2E's do not)
 
     @classmethod
     def of(cls, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, stage: StageInfo) -> Generation:
@@ -50,7 +52,8 @@ class Generation:
         g = cls(chat=isinstance(req, ChatCompletionRequest), prompt=req.prompt, max_tokens=max_tokens,
                 mode=mode_of(req, stage), sampling=sampling_of(req), n=req.n, stop=req.stop, echo=req.echo,
                 logprobs=req.alternatives, stream=req.stream,
-                include_usage=req.stream_options is not None and req.stream_options.include_usage)
+                include_usage=req.stream_options is not None and req.stream_options.include_usage,
+                score_seed=0 if req.seed is None else req.seed)
         check_fits(g, stage.context)
         return g
 
