@@ -52,9 +52,10 @@ def test_boost_chain_reads_out_the_running_logit_sum() -> None:
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         _, total, steps = ablation_recipes.chain_state("boost", obj, blocks, x, torch.Generator().manual_seed(3), len(blocks))
-        # by hand: z_0 = sigma_max eps, then z <- z + (s' - s)(z - softmax(sum) @ E) / s
+        # by hand: z_0 = sigma_max eps (one draw per position, the same in each row), then
+        # z <- z + (s' - s)(z - softmax(sum) @ E) / s
         g = torch.Generator().manual_seed(3)
-        z = cfg.diffusion.sigma_max * normal((2, 16, cfg.model.d_model), g)
+        z = cfg.diffusion.sigma_max * normal((1, 16, cfg.model.d_model), g).expand(2, 16, cfg.model.d_model)
         acc = torch.zeros(2, 16, 256)
         for k, blk in enumerate(blocks):
             s, s_next = obj.partition.block_steps(k, 1)
