@@ -131,6 +131,8 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
     assert again["resumed"] and "Resumed" in (tmp_path / "again.md").read_text()
     assert again["e2e"]["ce_nats_per_byte"] == q["e2e"]["ce_nats_per_byte"]
     assert again["objectives"]["stack"]["ce_nats_per_byte"] == q["objectives"]["stack"]["ce_nats_per_byte"]
+    # another seed (or any other training option) on that directory is not a resume of it: refused, nothing trained
+    assert main([*args, "--resume", "--seed", "1"]) == 2
     m, e2e, st = q["e2e_matched_flops"], q["e2e"], q["objectives"]["stack"]
     assert e2e["train_steps"] == m["steps"] and e2e["ce_nats_per_byte"] == m["ce_nats_per_byte"]
     assert e2e["train_flops"] == pytest.approx(m["train_flops"], rel=1e-9)  # the analytic FLOPs are the trainer's

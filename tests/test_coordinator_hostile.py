@@ -442,6 +442,24 @@ def test_a_request_head_that_trickles_or_grows_without_end_is_cut(tmp_path: Path
                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
             waited, answer = _cut_after(srv.port, head + body[:1], body[1:], 0.3)  # 11 more bytes in 3.3 s
             assert waited < 3 and answer.startswith(b"HTTP/1.1 400"), (waited, answer)
+            # a body answered at its head (413: over the cap for this route), then trickled for ever: the rest of it
+            # must arrive within 6 x head_timeout_s (nothing bounded it once its answer was sent)
+            big = (f"POST /v1/register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {10**9}\r\n\r\n").encode()
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+                s.sendall(big)
+                assert s.recv(65536).startswith(b"HTTP/1.1 413")
+                t0, closed = time.monotonic(), False
+                while time.monotonic() - t0 < 20 and not closed:
+                    try:
+                        s.sendall(b"x")
+                        s.settimeout(0.5)
+                        closed = s.recv(1) == b""
+                    except TimeoutError:
+                        continue
+                    except (ConnectionResetError, BrokenPipeError):
+                        closed = True
+                assert closed and 5 < time.monotonic() - t0 < 15, time.monotonic() - t0
             h = {"Authorization": f"Bearer {token}"}
             assert httpx.post(f"{srv.url}/v1/register", json={"block": 0}, headers=h, timeout=30).status_code == 200
             assert httpx.get(f"{srv.url}/v1/status", timeout=30).status_code == 200

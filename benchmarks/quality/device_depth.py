@@ -112,7 +112,7 @@ def bench_row(key: str, preset: str, lr: float, seed: int, bench: dict[str, Any]
     """One row: every arm's test CE (the composed stack, its first prefix, the E2E at matched FLOPs)."""
     stack = bench["objectives"]["stack"]
     return {"key": key, "preset": preset, "lr": lr, "seed": seed, "device": bench["machine"]["device"],
-            "bytes_scored": stack["bytes_scored"], "command": bench["command"],
+            "bytes_scored": stack["bytes_scored"], "command": bench["command"], "resumed": bench.get("resumed", False),
             "ce": {"stack": stack["ce_nats_per_byte"], "stack_prefix0": stack["prefix_ce"][0],
                    "e2e_matched_flops": bench["e2e_matched_flops"]["ce_nats_per_byte"]}}
 

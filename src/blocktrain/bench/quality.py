@@ -19,6 +19,7 @@ The result JSON keeps the historic top-level keys for the primary objective
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import shutil
@@ -48,6 +49,7 @@ from blocktrain.train.child import E2E, arm_name, run_summary, train_arm
 log = logging.getLogger(__name__)
 
 LR_FACTORS = (0.5, 1.0, 2.0)  # the learning-rate sweep, as multiples of the preset's lr
+BENCH_OPTIONS = "bench-options.json"  # in the bench directory: what its arms train, checked by --resume
 PRIMARY = "stack"  # with --objective both: the objective the top-level keys report (the default of the presets)
 
 
@@ -191,9 +193,18 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
             raise RunError(f"{opts.out} exists; pass --resume to continue it, --fresh to delete it, or choose another "
                            "--out")
         shutil.rmtree(opts.out)
-    opts.out.mkdir(parents=True, exist_ok=True)
+    identity = {"config": json.loads(cfg.to_json()), "objective": opts.objective, "lr_sweep": opts.lr_sweep,
+                "matched_flops": opts.matched_flops, "matched_steps": opts.matched_steps}  # what its arms train
+    marker = opts.out / BENCH_OPTIONS
     if resumed:
+        if not marker.is_file() or json.loads(marker.read_text()) != identity:
+            raise RunError(f"{opts.out} holds a bench of other options (config, seed, steps, lr or arms) than this "
+                           "command's, or one made before --resume existed; pass --fresh to start it again, or choose "
+                           "another --out")
         log.info("bench quality: resuming %s (each arm from its last checkpoint)", opts.out)
+    else:
+        opts.out.mkdir(parents=True)
+        marker.write_text(json.dumps(identity, indent=1, sort_keys=True))
     precision = resolve_precision(cfg.train.precision, device)
     peak = measure_peak_flops(device)
     t0 = time.perf_counter()

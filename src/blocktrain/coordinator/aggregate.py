@@ -119,8 +119,8 @@ def _weighted_median(stacked: torch.Tensor, samples: list[int]) -> torch.Tensor:
     """Coordinate-wise median of ``stacked`` (m, ...) under integer weights ``samples`` (module docstring); with
     equal weights it is :func:`_even_median` for even m and the middle value for odd m, exactly."""
     srt, order = stacked.sort(dim=0)  # (m, ...) each
-    w = torch.tensor(samples, dtype=torch.int32, device=stacked.device)[order]  # (m, ...): the weight of each value
-    cum = w.cumsum(dim=0, dtype=torch.int32)  # (m, ...); claims are at most a round's budget, far below 2^31 / m
+    w = torch.tensor(samples, dtype=torch.int64, device=stacked.device)[order]  # (m, ...): the weight of each value
+    cum = w.cumsum(dim=0)  # (m, ...), int64: a claim is bounded by its round's budget, which is not bounded here
     twice, total = 2 * cum, cum[-1:]  # twice the cumulative weight against the total (1, ...): half, in integers
     first = (twice >= total).int().argmax(dim=0, keepdim=True)  # (1, ...): the first reaching half
     at = srt.gather(0, first)  # (1, ...)

@@ -332,7 +332,8 @@ def server_config(c: Coordinator, host: str, port: int, cert: str | None = None,
     options: dict[str, Any] = {"log_level": "warning", "timeout_keep_alive": 30,
                                "limit_concurrency": c.settings.max_connections, **uvicorn_options}
     return uvicorn.Config(create_app(c, background=background), host=host, port=port, ssl_certfile=cert,
-                          ssl_keyfile=key, http=guarded_http(c.settings.head_timeout_s), **options)
+                          ssl_keyfile=key, http=guarded_http(c.settings.head_timeout_s, drain_s=6 * c.settings.head_timeout_s),
+                          **options)
 
 
 async def serve_forever(c: Coordinator, host: str, port: int, cert: str | None, key: str | None) -> None:

@@ -119,7 +119,7 @@ class CoordinatorSettings:
     upload_timeout_s: float = 600.0  # seconds a request body may take to arrive; a stalled or trickling one gets 408
     max_connections: int = 1024  # connections the HTTP server serves at once; more are answered 503
     head_timeout_s: float = 10.0  # seconds a request's head (request line and headers) may take, and the small JSON
-    # body of a route other than uploads; slower: closed
+    # body of a route other than uploads; slower: closed (the rest of a body answered before it was read: 6x this)
     device: str = "auto"  # where the gate, evaluations and audit replays compute: auto, cpu, cuda or cuda:N
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation

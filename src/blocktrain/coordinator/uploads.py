@@ -122,11 +122,11 @@ class Uploads:
         """(Locked.) Check the update again against the round as it is now (version, duplicates, the replays accepted
         since its checks), store it, draw its audit, close the round if that makes a quorum."""
         k, v, s = upd.block, upd.base_version, self.store
-        self.rounds.check_version(k, v)
         prior = s.updates.update_blob(k, v, name)
+        if prior == staged.digest:  # a resend that raced its first sending (answered as that was, as in screen)
+            return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
+        self.rounds.check_version(k, v)
         if prior is not None:
-            if prior == staged.digest:
-                return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
             raise ProtocolError(409, f"worker {name!r} already sent an update for block {k} version {v}", Reason.DUPLICATE)
         if members:
             check_members(s, self.conduct, name, members, k, v)  # under the lock that records them

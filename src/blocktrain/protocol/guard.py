@@ -10,7 +10,7 @@ uvicorn's own HTTP protocol with two bounds, from the head's first byte (a conne
 
 Otherwise the connection is closed. Bodies have their own bounds in the app (the coordinator's caps and
 ``upload_timeout_s``). The rest of a body answered before it was read (a 429 or a 413 at its head) is read and
-dropped by uvicorn; those bytes are no head, and are neither counted nor timed here (as before this guard).
+dropped by uvicorn; those bytes are no head and are not counted, but they must all arrive within ``drain_s``.
 """
 
 from __future__ import annotations
@@ -23,23 +23,27 @@ log = logging.getLogger(__name__)
 
 HEAD_TIMEOUT_S = 10.0  # seconds a request's head may take to arrive
 MAX_HEAD_BYTES = 64 * 1024  # bytes a request's head may take
+DRAIN_TIMEOUT_S = 60.0  # seconds the rest of a body answered before it was read (a refused upload) may take
 
 
-def guarded_http(timeout_s: float = HEAD_TIMEOUT_S, max_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
+def guarded_http(timeout_s: float = HEAD_TIMEOUT_S, max_bytes: int = MAX_HEAD_BYTES,
+                 drain_s: float = DRAIN_TIMEOUT_S) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class (``uvicorn.Config(http=...)``) with the module docstring's bounds."""
-    if not timeout_s > 0 or max_bytes < 1024:
-        raise ValueError(f"a head needs a positive timeout and at least 1024 bytes, got {timeout_s} s, {max_bytes} B")
+    if not timeout_s > 0 or not drain_s > 0 or max_bytes < 1024:
+        raise ValueError(f"a head needs positive timeouts and at least 1024 bytes, got {timeout_s} s, {drain_s} s, "
+                         f"{max_bytes} B")
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     base: Any = AutoHTTPProtocol
 
     class GuardedHTTP(base):  # type: ignore[misc, valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._head_timer: asyncio.TimerHandle | None = None
+            self._timer: asyncio.TimerHandle | None = None
+            self._phase: str | None = None  # what the timer bounds: "head", "drain", or None (a request with the app)
             self._head_bytes = 0
             self._body_done = True  # httptools: the last request's body has all arrived (none yet)
             super().connection_made(transport)
-            self._arm()
+            self._start("head")
 
         def on_message_begin(self) -> None:  # httptools' parser callbacks (h11's protocol has none)
             self._body_done = True  # a new request: its head is arriving, no body yet
@@ -62,45 +66,50 @@ def guarded_http(timeout_s: float = HEAD_TIMEOUT_S, max_bytes: int = MAX_HEAD_BY
                 return bool(conn.their_state is h11.SEND_BODY)
             return not self._body_done
 
-        def _awaiting_head(self) -> bool:
-            """No request of this connection is with the app (none yet, or the last one was answered and its body
-            has all arrived)."""
-            return self.cycle is None or (bool(self.cycle.response_complete) and not self._body_pending())
+        def _phase_now(self) -> str | None:
+            """"head": no request is with the app and the next one's head is due; "drain": the last one was answered
+            before its body had all arrived; None: a request is with the app (its own bounds apply)."""
+            if self.cycle is None:
+                return "head"
+            if not self.cycle.response_complete:
+                return None
+            return "drain" if self._body_pending() else "head"
 
-        def _arm(self) -> None:
-            self._head_bytes = 0
-            self._head_timer = self.loop.call_later(timeout_s, self._head_late)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+        def _start(self, phase: str | None) -> None:
+            """Bound ``phase`` from now (its timer restarts; a head's bytes count from 0)."""
+            if self._timer is not None:
+                self._timer.cancel()
+            self._phase, self._timer, self._head_bytes = phase, None, 0
+            if phase is not None:
+                self._timer = self.loop.call_later(timeout_s if phase == "head" else drain_s, self._late, phase)
 
         def _cut(self, why: str) -> None:
-            self._disarm()
+            self._start(None)
             if not self.transport.is_closing():
                 log.warning("closed a connection from %s: %s", self.client, why)
                 self.transport.close()
 
-        def _head_late(self) -> None:
-            self._head_timer = None
-            if self._awaiting_head():
-                self._cut(f"its request head took more than {timeout_s:g} s")
+        def _late(self, phase: str) -> None:
+            self._timer = None
+            if self._phase == phase and self._phase_now() == phase:
+                self._cut(f"its request head took more than {timeout_s:g} s" if phase == "head" else
+                          f"the rest of a body it was answered for took more than {drain_s:g} s")
 
         def data_received(self, data: bytes) -> None:
-            awaiting = self._awaiting_head()
-            if awaiting:
-                if self._head_timer is None:  # the first byte of the next request on a kept-alive connection
-                    self._arm()
+            phase = self._phase_now()
+            if phase != self._phase:  # the first byte of a head or of a drain
+                self._start(phase)
+            if phase == "head":
                 self._head_bytes += len(data)
             super().data_received(data)
-            if not self._awaiting_head():  # its head is complete: the request is the app's now
-                self._disarm()
-            elif awaiting and self._head_bytes > max_bytes:
+            after = self._phase_now()
+            if after != self._phase:  # a head completed, a drain ended, or a request went to the app
+                self._start(after)
+            elif after == "head" and self._head_bytes > max_bytes:
                 self._cut(f"its request head exceeds {max_bytes} bytes")
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._start(None)
             super().connection_lost(exc)
 
     return GuardedHTTP

@@ -309,9 +309,11 @@ class Worker:
             result = self.client.audit(self.k, self.base_version,
                                        pack_state(self.round_state, block=self.k, version=self.base_version))
         except ProtocolError as exc:
-            if exc.status != 404:
+            if exc.status >= 500 or exc.status in (401, 403):  # its fault, or this worker may no longer work
                 raise
-            log.warning("block %d v%d: the coordinator no longer awaits this audit (%s)", self.k, self.base_version, exc)
+            # 404: an earlier try reached it and its answer was lost; another refusal (408 on a slow link, ...) is
+            # logged: the push stays accepted and the coordinator decides on its audit as it does without an upload
+            log.warning("block %d v%d: the audit upload was refused (%s)", self.k, self.base_version, exc)
             return
         self.summary.audits += 1
         log.info("block %d v%d: audited; the coordinator's replay %s (relative error %.2g, %.1f s)", self.k,
