@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import sqlite3
 from dataclasses import dataclass
 
 from blocktrain.coordinator.blobs import BlobStore
@@ -36,6 +37,13 @@ from blocktrain.protocol.delta import Compression
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def drop_from_rounds(db: Db, rows: list[sqlite3.Row]) -> None:
+    """Mark accepted updates (rows of id, block, version) dropped, and their rounds one update short each."""
+    for r in rows:
+        db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (r["block"], r["version"]))
+    db.executemany("UPDATE updates SET state=? WHERE id=?", [(UpdateState.DROPPED.value, r["id"]) for r in rows])
 
 
 @dataclass(frozen=True)
@@ -235,13 +243,10 @@ class UpdateTable:
 
     def drop_update(self, k: int, v: int, worker: str) -> bool:
         """Drop ``worker``'s accepted update of block k version v from its round; whether there was one."""
-        row = self.db.q1("SELECT id FROM updates WHERE block=? AND version=? AND worker=? AND state=?", k, v, worker,
-                         UpdateState.ACCEPTED.value)
-        if row is None:
-            return False
-        self.db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (k, v))
-        self.db.execute("UPDATE updates SET state=? WHERE id=?", (UpdateState.DROPPED.value, row["id"]))
-        return True
+        rows = self.db.q("SELECT id, block, version FROM updates WHERE block=? AND version=? AND worker=? AND state=?",
+                         k, v, worker, UpdateState.ACCEPTED.value)
+        drop_from_rounds(self.db, rows)
+        return bool(rows)
 
     def previous_blobs(self, k: int, worker: str, before: int, n: int = 2) -> tuple[str, ...]:
         """Digests of ``worker``'s last ``n`` updates of block k against versions before ``before``, newest first."""
@@ -356,9 +361,7 @@ class ConductTable:
         pending = self.db.q("SELECT id, block, version FROM updates u WHERE state=? AND (worker=? OR EXISTS (SELECT 1 "
                             "FROM group_members g WHERE g.block=u.block AND g.version=u.version AND g.uploader=u.worker "
                             "AND g.worker=?))", UpdateState.ACCEPTED.value, worker, worker)
-        for r in pending:
-            self.db.execute("UPDATE rounds SET n_updates=n_updates-1 WHERE block=? AND version=?", (r["block"], r["version"]))
-        self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(UpdateState.DROPPED.value, r["id"]) for r in pending])
+        drop_from_rounds(self.db, pending)
         self.db.add_counter("workers_quarantined", 1)
         return len(pending)
 

@@ -78,9 +78,13 @@ class Uploads:
         it (None: go on)."""
         k, v = upd.block, upd.base_version
         if self.store.updates.update_blob(k, v, name) == hashlib.sha256(body).hexdigest():
-            return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
+            return self._resent(name, k, v)
         self.rounds.check_version(k, v)
         return None
+
+    def _resent(self, name: str, k: int, v: int) -> PushAnswer:
+        """The answer to a byte-identical resend of ``name``'s push for (k, v): taken, audited if its audit awaits."""
+        return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
 
     def members(self, name: str, upd: ParsedUpdate) -> list[str]:
         """(Locked.) The workers a group upload names (cards verified), or [] for one worker's own update."""
@@ -124,7 +128,7 @@ class Uploads:
         k, v, s = upd.block, upd.base_version, self.store
         prior = s.updates.update_blob(k, v, name)
         if prior == staged.digest:  # a resend that raced its first sending (answered as that was, as in screen)
-            return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
+            return self._resent(name, k, v)
         self.rounds.check_version(k, v)
         if prior is not None:
             raise ProtocolError(409, f"worker {name!r} already sent an update for block {k} version {v}", Reason.DUPLICATE)
