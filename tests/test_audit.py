@@ -8,6 +8,7 @@ it committed to, and one that never uploads are quarantined. Each test fails wit
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from blocktrain.errors import ProtocolError
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
-from blocktrain.protocol.messages import WorkAnswer
+from blocktrain.protocol.messages import Registration, WorkAnswer
+from blocktrain.protocol.moments import InnerStart
+from blocktrain.train.inner import InnerRounds
 from blocktrain.worker.loop import Worker
 from blocktrain.worker.options import WorkerOptions
 from tests.distributed_utils import FakeClock, ThreadServer, corpus, make_coordinator, write_corpus  # noqa: F401
@@ -73,6 +76,34 @@ class ForgedResidual(Worker):
         return {n: 1.5 * d for n, d in delta.items()}, samples
 
 
+class NegatedMomentInner(InnerRounds):
+    """Starts every round from its own state with m negated (steering its H steps where it likes)."""
+
+    def begin(self, published: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().begin(published)
+        for st in self.opt.state.values():
+            st["exp_avg"].neg_()
+
+
+class ForgedMoments(Worker):
+    """Trains and pushes honestly from moments of its own choosing: m negated at every round's start, committed to and
+    uploaded as it is. A replay from the uploaded state reproduces its pushes; one from the moments its earlier rounds
+    end with (coordinator.lineage) does not, from its second round on (its first starts from m = 0)."""
+
+    def _setup(self, reg: Registration) -> None:
+        super()._setup(reg)
+        self.inner = NegatedMomentInner(self.block, self.cfg.train, self.inner_start)
+
+
+class LeavesAfterVersion1(Worker):
+    """Leaves once it has pushed against version 1 (a process that ends; its name comes back in a new one)."""
+
+    def _push(self) -> None:
+        super()._push()
+        if self.base_version >= 1:
+            self.stop.set()
+
+
 def _run(w: Worker) -> None:
     try:
         w.run()
@@ -82,14 +113,14 @@ def _run(w: Worker) -> None:
 
 def run_workers(c: Coordinator, data: DataDir, tmp_path: Path, kinds: list[type[Worker]],
                 block: int | None = 0, in_order: bool = False,
-                compression: Compression = Compression.INT8) -> list[Worker]:
+                compression: Compression = Compression.INT8, max_rejections: int = 1) -> list[Worker]:
     """``kinds`` as workers w0, w1, ... over HTTP until they stop; ``in_order``: registered first, in order, so their
     ids (and so their data streams) do not race."""
     tokens = [c.add_token(f"w{i}") for i in range(len(kinds))]
     for i in range(len(kinds) if in_order else 0):
         c.register(f"w{i}", block)
     with ThreadServer(c) as srv:
-        workers = [kind(WorkerOptions(url=srv.url, token=t, block=block, progress=False, max_rejections=1,
+        workers = [kind(WorkerOptions(url=srv.url, token=t, block=block, progress=False, max_rejections=max_rejections,
                                       compression=compression, frozen_cache=tmp_path / f"frozen{i}"), data)
                    for i, (kind, t) in enumerate(zip(kinds, tokens, strict=True))]
         threads = [threading.Thread(target=_run, args=(w,), daemon=True) for w in workers]
@@ -134,6 +165,49 @@ def test_a_residual_larger_than_the_previous_push_leaves_fails_the_audit(tmp_pat
     honest, bad = run_workers(c, corpus, tmp_path, [Worker, ForgedResidual], compression=compression)
     assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
     assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 2 and honest.summary.audits == 3
+    c.close()
+
+
+def test_moments_of_a_workers_own_choosing_fail_the_audit(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The AdamW moments of an uploaded state were a claim the replay started from: a worker that negates m at each
+    round's start passed every audit. The coordinator now replays its earlier rounds to derive them, and the forger is
+    quarantined at its second round (its first starts from m = 0, as every worker's does)."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=3, inner_start=InnerStart.SHARED_MV, **AUDIT_ALL)
+    honest, bad = run_workers(c, corpus, tmp_path, [Worker, ForgedMoments])
+    assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
+    assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 2 and honest.summary.audits == 3
+    c.close()
+
+
+def test_honest_audits_derive_moments_across_a_sync_refusals_and_a_new_process(tmp_path: Path,
+                                                                              corpus: DataDir) -> None:  # noqa: F811
+    """Moments shared every third round: an audit at version 1, 2 or 4 replays the worker's rounds since the last
+    load (version 0's zero moments, version 3's published ones), one at 3 replays none. Honest workers pass them all,
+    also one whose push against version 1 was refused (its state is undone to that round's start, which the
+    coordinator's records say it went on from) and one whose process ended and came back under its name (a new
+    registration starts from zero moments, not from its last round in the old process)."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=5, inner_start=InnerStart.SHARED_MV, **AUDIT_ALL)
+    honest, refused = run_workers(c, corpus, tmp_path, [Worker, OverclaimsAtVersion1], max_rejections=5)
+    summary = c.auditor.summary()
+    quarantined = c.store.conduct.quarantined_workers()
+    assert not quarantined and summary["failed"] == 0, quarantined
+    assert honest.summary.audits == 5 and refused.summary.audits == 4 and summary["passed"] == 9
+    assert summary["derived"] == 5  # w0 at 1, 2 and 4; w1 at 2 (from version 0's round: its 1 was refused) and 4
+    c.close()
+
+    c = make_coordinator(tmp_path / "again", corpus, rounds=4, inner_start=InnerStart.SHARED_MV, **AUDIT_ALL)
+    token = c.add_token("w0")
+    with ThreadServer(c) as srv:
+        for kind in (LeavesAfterVersion1, Worker):  # versions 0 and 1, then 2 and 3 in a new process
+            w = kind(WorkerOptions(url=srv.url, token=token, block=0, progress=False, max_rejections=1,
+                                   frozen_cache=tmp_path / "frozen"), corpus)
+            thread = threading.Thread(target=_run, args=(w,), daemon=True)
+            thread.start()
+            thread.join(timeout=120)
+            assert not thread.is_alive() and w.summary.audits == 2
+    summary = c.auditor.summary()
+    assert not c.conduct.quarantined("w0") and summary["failed"] == 0 and c.version[0] == 4
+    assert summary["derived"] == 1  # version 1 from version 0's round; 2 starts afresh, 3 from version 3's moments
     c.close()
 
 

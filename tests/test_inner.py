@@ -278,9 +278,11 @@ def test_a_hostile_workers_moments_cannot_move_the_shared_v_to_zero_or_infinity_
 
 
 def test_a_worker_loads_moments_at_a_sharing_version_and_a_late_joiner_the_newest_before(corpus: DataDir) -> None:  # noqa: F811
-    """Moments shared every third round are published with versions 3, 6, ...: a worker that trained the block loads
-    those of its base version when it is one and goes on from its own otherwise; one that joins at version 4, before
-    training the block, loads version 3's instead of starting from zero moments."""
+    """Moments shared every third round are published with versions 3, 6, ...: a worker loads the newest published
+    at or before its base version unless it kept a round of the block since (then its own go on). So one that joins at
+    version 4 loads version 3's instead of starting from zero moments, one that kept version 4 goes on from its own at
+    5 and loads version 6's at 6, and one that kept 5 and missed 6 loads version 6's at 7 (its own are older than
+    them; the rule a coordinator derives an audited round's moments by, coordinator.lineage)."""
     from blocktrain.checkpoint.safetensors_io import pack
     from blocktrain.worker.loop import Worker
     from blocktrain.worker.options import WorkerOptions
@@ -296,17 +298,18 @@ def test_a_worker_loads_moments_at_a_sharing_version_and_a_late_joiner_the_newes
     w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False), corpus)
     w.client = Client()  # type: ignore[assignment]
     w.k, w.shapes, w.inner_start, w.moment_codec, w.moment_every = 0, {"w": (3, 2)}, InnerStart.SHARED_V, MomentCodec.NONE, 3
-    w._moments_version, w._trained_block = -1, False
-    w.base_version = 4  # joined between two shares, nothing trained yet: the newest publication, version 3
+    w._moments_version, w._kept_version = -1, -1
+    w.base_version = 4  # joined between two shares, nothing kept yet: the newest publication, version 3
     got = w._published_moments()
     assert asked == [3] and got is not None and torch.equal(got["v/w"], v_of["v/w"])
-    w._trained_block = True
-    for v in (4, 5):  # between syncs its own moments go on
-        w.base_version = v
-        assert w._published_moments() is None
+    w._kept_version = 4
+    w.base_version = 5  # between syncs its own moments go on
+    assert w._published_moments() is None
     w.base_version = 6
     assert w._published_moments() is not None and asked == [3, 6]
     assert w._published_moments() is None and asked == [3, 6]  # each publication once
+    w._moments_version, w._kept_version, w.base_version = 3, 5, 7  # kept 5, missed the sync at 6
+    assert w._published_moments() is not None and asked == [3, 6, 6]
 
 
 @torch.no_grad()

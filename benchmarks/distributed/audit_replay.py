@@ -9,10 +9,15 @@ round (AdamW moments and the int8 error-feedback residual carried from its first
 what the attacks the audit exists for look like on the same scale (labels shuffled, the delta scaled by 1.1), and each push's
 ``scale``, the least-squares factor of the push on its replay, which the audit also bounds. ``--cross`` replays
 each push in the other arithmetic too (bf16 <-> fp32): with no GPU at hand, the stand-in for a GPU worker's rounding
-against a CPU coordinator's.
+against a CPU coordinator's. ``--derive`` adds the replays an audit makes where the coordinator derives the moments
+(``blocktrain.coordinator.lineage``): the first round replayed too, in the replay's arithmetic, and the audited round
+from the moments it ends with and the worker's residual (case ``honest, derived``); the audit's tolerance then
+covers both rounds' steps, sqrt(2) times the setting at H = 25.
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
         --json benchmarks/results/audit-replay.json
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --cross --derive \
+        --json benchmarks/results/audit-replay-derived.json
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from blocktrain.data.stream import TrainStream
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
-from blocktrain.protocol.inner_state import inner_state, load_inner_state
+from blocktrain.protocol.inner_state import RESIDUAL, inner_state, load_inner_state
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.seeds import worker_stream
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -69,6 +74,12 @@ def one_round(cfg: RunConfig, k: int, base: dict[str, torch.Tensor], state: dict
     return push, inner_state(opt, names, fb.residual)
 
 
+def derived_state(replayed: dict[str, torch.Tensor], worker: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state a derived replay starts from: the moments of the replayed earlier round, the worker's residual."""
+    return {**{n: t for n, t in replayed.items() if not n.startswith(RESIDUAL)},
+            **{n: t for n, t in worker.items() if n.startswith(RESIDUAL)}}
+
+
 def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b||, as the audit judges a replay."""
     return delta_norm({n: a[n] - b[n] for n in b}) / delta_norm(b)
@@ -93,6 +104,8 @@ def main() -> int:
     ap.add_argument("--data", default=None)
     ap.add_argument("--cross", action="store_true",
                     help="also replay each push in the other arithmetic (bf16 <-> fp32), a stand-in for another device")
+    ap.add_argument("--derive", action="store_true",
+                    help="also replay the first round and the audited one from the moments it ends with")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cfg = replace(get_preset(args.preset), stack=stack_recipe())
@@ -114,6 +127,14 @@ def main() -> int:
                 other = Precision.FP32 if prec is Precision.BF16 else Precision.BF16
                 replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, other, args.worker_threads)
                 rows.append(row(k, prec, args.worker_threads, other, args.worker_threads, "honest", replayed, pushed))
+            if args.derive:  # the coordinator's own first round, then the audited one from its moments
+                others = [(prec, t) for t in (int(x) for x in args.replay_threads.split(","))]
+                if args.cross:
+                    others.append((Precision.FP32 if prec is Precision.BF16 else Precision.BF16, args.worker_threads))
+                for rp, t in others:
+                    _, state_r = one_round(cfg, k, base, {}, data, 0, args.h, rp, t)
+                    replayed, _ = one_round(cfg, k, base1, derived_state(state_r, state), data, 1, args.h, rp, t)
+                    rows.append(row(k, prec, args.worker_threads, rp, t, "honest, derived", replayed, pushed))
             replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
             bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads, targets=shuffled)
             rows.append(row(k, prec, args.worker_threads, prec, args.worker_threads, "labels shuffled", replayed, bad))

@@ -8,9 +8,11 @@ commits to that state's sha256 (``UpdateMeta.state_sha``). The coordinator audit
 ``audit_fraction`` (drawn from the operating system's randomness, so a worker cannot know which rounds are audited):
 its answer says ``audit``, the worker uploads the state, and the coordinator
 
-1. checks the state's sha256 against the commitment (a different state is a failed audit);
-2. replays the round with the worker's own code path (:func:`blocktrain.train.round.train_round`), encodes the result
-   with the uploaded residual, and
+1. checks the state's sha256 against the commitment (a different state is a failed audit) and its residual against
+   the worker's last pushes (:func:`check_residual`);
+2. replays the round with the worker's own code path (:func:`blocktrain.train.round.train_round`), from moments it
+   derives by replaying the worker's earlier rounds back to a start it knows (:mod:`.lineage`; the uploaded moments
+   only where its records cannot derive them), encodes the result with the uploaded residual, and
 3. compares it with the decoded push on two statistics, both bounded: the relative error
    ||replayed - pushed|| / ||pushed|| <= ``audit_tolerance`` (``audit_tolerance_bf16`` for a push trained in bf16,
    replayed in bf16) x sqrt(H / 25) (:meth:`Auditor.tolerance`), and the push's scale on its replay,
@@ -22,8 +24,9 @@ its answer says ``audit``, the worker uploads the state, and the coordinator
    Measured on cpu-mini (``benchmarks/results/audit-replay.json`` at H=25, ``audit-replay-h100.json`` at H=100):
    honest replays at other thread counts or in the other arithmetic (bf16 against fp32, the stand-in for another
    device: a GPU worker against a CPU replay was not measured, no GPU was at hand) reach relative error 0.028 at
-   H=25 and 0.047 at H=100, with the scale within 0.002 of 1; a push scaled by 1.1 has scale 1.100 and shuffled
-   labels relative error above 1.
+   H=25 and 0.047 at H=100, with the scale within 0.002 of 1 (0.038 and 0.0013 at H=25 with the moments derived
+   from one earlier round, ``audit-replay-derived.json``); a push scaled by 1.1 has scale 1.100 and shuffled labels
+   relative error above 1. The tolerance counts the earlier rounds' steps too.
 
 A failed audit, or one not answered within ``audit_timeout_s``, quarantines the worker (:mod:`.conduct`: token
 revoked, later updates refused, its updates not yet applied dropped). Group means (the hivemind engine) commit to no
@@ -37,13 +40,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from blocktrain.config import Precision, RunConfig
 from blocktrain.coordinator.intake import Published
+from blocktrain.coordinator.lineage import Derivation, Lineage
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate
 from blocktrain.data.dataset import ByteSplit, DataDir
@@ -57,7 +61,7 @@ from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, delta_n
 from blocktrain.protocol.inner_state import load_inner_state, residual_of, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.weights import load_trainable, trainable_state
-from blocktrain.train.inner import make_inner_optimizer
+from blocktrain.train.inner import InnerRounds
 from blocktrain.train.round import BlockTask, train_round
 
 log = logging.getLogger(__name__)
@@ -89,6 +93,7 @@ class AuditCase:
     round_steps: int  # H: the schedule position of version v is v x H
     due: float  # coordinator clock time by which the state must be uploaded
     prior: tuple[str, ...] = ()  # blobs of the worker's last pushes of the block, newest first (its residual's origin)
+    lineage: Lineage | None = None  # the rounds its moments came from (None: the uploaded moments are a claim)
 
 
 class Auditor:
@@ -109,17 +114,20 @@ class Auditor:
         self.passed = 0
         self.failed = 0
         self.replay_seconds: list[float] = []  # wall time of every replay
+        self.derived = 0  # replays whose moments it derived from earlier rounds (coordinator.lineage)
 
     @property
     def enabled(self) -> bool:
         return self.train is not None
 
     def draw(self, worker: str, upd: ParsedUpdate, base: Published, stream: int, schedule_steps: int, h: int,
-             now: float, accepted: int = 0, outlier: bool = False, prior: tuple[str, ...] = ()) -> AuditCase | None:
+             now: float, accepted: int = 0, outlier: bool = False, prior: tuple[str, ...] = (),
+             lineage: Callable[[], Lineage | None] = lambda: None) -> AuditCase | None:
         """The case if this accepted push is audited (it then waits for the worker's upload), else None: every push of
         a worker on probation (``accepted``, its accepted pushes so far, this one included, at most
         --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
-        the blobs of the worker's last pushes of the block, which bound the residual its state may hold."""
+        the blobs of the worker's last pushes of the block, which bound the residual its state may hold;
+        ``lineage``: traces the rounds its moments came from (:func:`.lineage.trace`), called for a drawn push only."""
         if not self.enabled or upd.state_sha is None or upd.group:
             return None
         rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
@@ -131,7 +139,7 @@ class Auditor:
                         " (on probation)" if accepted <= self.settings.probation_pushes else "")
             return None
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
-                         now + self.settings.audit_timeout_s, prior)
+                         now + self.settings.audit_timeout_s, prior, lineage())
         self._pending[(worker, upd.block, upd.base_version)] = case
         return case
 
@@ -179,9 +187,11 @@ class Auditor:
         return len(self._pending)
 
     def judge(self, case: AuditCase, body: bytes, shapes: dict[str, tuple[int, ...]],
-              prior: Sequence[Sent] = ()) -> AuditAnswer:
+              prior: Sequence[Sent] = (), derived: Derivation | None = None) -> AuditAnswer:
         """Replay ``case`` from the uploaded state ``body``; the answer says whether it reproduced the push.
-        ``prior``: the worker's last pushes of the block (``case.prior`` read back), which bound its residual."""
+        ``prior``: the worker's last pushes of the block (``case.prior`` read back), which bound its residual;
+        ``derived``: ``case.lineage`` read back, the rounds replayed first to derive its moments (None: the uploaded
+        moments are taken as they are)."""
         t0 = time.perf_counter()
         k, v = case.update.block, case.update.base_version
         tensors = unpack_state(body, shapes, block=k, version=v)
@@ -189,12 +199,14 @@ class Auditor:
             rel, scale = math.inf, math.inf
         else:
             check_residual(tensors, prior)
-            rel, scale = self.replay_error(case, tensors)
+            rel, scale = self.replay_error(case, tensors, derived)
         seconds = time.perf_counter() - t0
-        tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
+        steps = case.update.samples // self.cfg.train.batch_size + (derived.steps if derived is not None else 0)
+        tolerance = self.tolerance(case.update.precision, steps)
         passed = rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
         return AuditAnswer(passed=passed, relative_error=rel if math.isfinite(rel) else 1e30,
-                           tolerance=tolerance, seconds=seconds, scale=scale if math.isfinite(scale) else 1e30)
+                           tolerance=tolerance, seconds=seconds, scale=scale if math.isfinite(scale) else 1e30,
+                           derived_steps=derived.steps if derived is not None else 0)
 
     def tolerance(self, precision: str, steps: int) -> float:
         """The relative error an honest replay of ``steps`` inner steps stays under: the setting for its precision
@@ -205,12 +217,14 @@ class Auditor:
         base = self.settings.audit_tolerance_bf16 if precision == Precision.BF16.value else self.settings.audit_tolerance
         return base * math.sqrt(max(steps, 1) / AUDIT_TOLERANCE_STEPS)
 
-    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor],
+                     derived: Derivation | None = None) -> tuple[float, float]:
         """(||replayed - pushed|| / ||pushed||, the push's scale on its replay) of the round ``case`` names, started
-        from the state ``tensors``."""
+        from the residual of the state ``tensors`` and from moments ``derived`` by replaying the worker's earlier
+        rounds (None: the moments of ``tensors``, the worker's claim). Tolerances then cover the earlier rounds'
+        steps too (:meth:`judge`): their rounding carries into the moments."""
         assert self.train is not None
         obj, k, upd = self.objective, case.update.block, case.update
-        batch = self.cfg.train.batch_size
         with torch.device(CPU):  # built on the host, as the worker's are, then moved
             block = obj.build_block(k)
             load_trainable(block, case.base.weights)
@@ -221,13 +235,21 @@ class Auditor:
         precision = Precision(upd.precision)  # the worker's arithmetic (bf16 autocast runs on a CPU too, slower)
         dtype = frozen_dtype(self.cfg.train.frozen_storage, precision is Precision.BF16)
         frozen = [obj.freeze(b, dtype).to(self.device) for b in earlier]
-        opt, names = make_inner_optimizer(block, self.cfg.train, self.settings.inner_start)
-        residual = load_inner_state(opt, names, tensors)
-        stream = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=case.stream,
-                             device=self.device)
-        schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps), lr=obj.block_lr(k))
-        train_round(BlockTask(obj, k, frozen, self.device), block, opt, stream, steps=upd.samples // batch,
-                    offset=upd.base_version * case.round_steps, schedule=schedule, precision=precision)
+        task = BlockTask(obj, k, frozen, self.device)
+        inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)  # as the worker holds it
+        residual = {n: e.clone() for n, e in residual_of(tensors).items()}
+        if derived is None:  # the uploaded moments, as the worker claims them
+            load_inner_state(inner.opt, inner.names, tensors)
+        else:  # the moments its earlier rounds end with, each started as the worker's was
+            for r in derived.earlier:
+                load_trainable(block, r.weights)
+                inner.begin(r.loads)
+                self._train(case, task, block, inner.opt, version=r.version, stream=r.stream, steps=r.steps,
+                            precision=r.precision)
+            load_trainable(block, case.base.weights)
+            inner.begin(derived.loads)
+        self._train(case, task, block, inner.opt, version=upd.base_version, stream=case.stream,
+                    steps=upd.samples // self.cfg.train.batch_size, precision=precision)
         local = trainable_state(block)
         delta = {n: local[n] - w for n, w in case.base.weights.items()}
         replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
@@ -235,15 +257,27 @@ class Auditor:
         rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
         return rel, replay_scale(upd.delta, replayed)
 
+    def _train(self, case: AuditCase, task: BlockTask, block: torch.nn.Module, opt: torch.optim.Optimizer, *,
+               version: int, stream: int, steps: int, precision: Precision) -> None:
+        """One of the worker's rounds: ``steps`` inner steps from version ``version``'s schedule position, on its
+        stream ``stream``, in its arithmetic."""
+        assert self.train is not None
+        batch = self.cfg.train.batch_size
+        data = TrainStream(self.train.data, self.cfg.model.context, batch, case.seed, stream=stream, device=self.device)
+        schedule = replace(self.cfg.train, steps=max(1, case.schedule_steps), lr=self.objective.block_lr(task.k))
+        train_round(task, block, opt, data, steps=steps, offset=version * case.round_steps, schedule=schedule,
+                    precision=precision)
+
     def record(self, answer: AuditAnswer) -> None:
         """Count a judged replay."""
+        self.derived += answer.derived_steps > 0
         self.replay_seconds.append(answer.seconds)
         self.passed += answer.passed
         self.failed += not answer.passed
 
     def summary(self) -> dict[str, float | int]:
         secs = sorted(self.replay_seconds)
-        return {"passed": self.passed, "failed": self.failed, "pending": self.pending(),
+        return {"passed": self.passed, "failed": self.failed, "pending": self.pending(), "derived": self.derived,
                 "median_replay_s": secs[len(secs) // 2] if secs else 0.0}
 
 

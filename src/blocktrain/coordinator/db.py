@@ -62,7 +62,11 @@ CREATE TABLE IF NOT EXISTS group_refusals(
 """
 
 
-ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"),)  # (table, column, type) added since schema 1, NULL in old rows
+# (table, column, type) added since schema 1, NULL in old rows: the moments published with a version; a worker's
+# registrations so far (each starts its inner state afresh), whether the last one averages in hivemind groups, and
+# the registration an update was sent in (coordinator.lineage)
+ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"), ("workers", "session", "INTEGER"), ("workers", "hivemind", "INTEGER"),
+                 ("updates", "session", "INTEGER"))
 
 
 class Db:

@@ -79,7 +79,7 @@ class Roster:
             k = block
         lease = now + self.settings.lease_seconds
         with self.store.tx():
-            self.store.workers.register_worker(name, k, block is not None, now, lease)
+            self.store.workers.register_worker(name, k, block is not None, now, lease, hivemind=p2p_key is not None)
         state = self.rounds.state[k]
         message = self.rounds.state_message(k)
         log.info("worker %s registered on block %d (%s)%s", name, k, state.value, f": {message}" if message else "")

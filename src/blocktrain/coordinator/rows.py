@@ -130,6 +130,15 @@ class RoundTraffic:
 
 
 @dataclass(frozen=True)
+class KeptRound:
+    """A round a worker's inner state went on from: its update accepted against ``version``."""
+
+    version: int  # v it was trained against
+    blob: str  # digest of its body
+    samples: int  # the sequences it claimed (steps x batch)
+
+
+@dataclass(frozen=True)
 class AuditRow:
     """An ``audits`` row: a push drawn for audit, not yet decided."""
 

@@ -286,7 +286,8 @@ class Coordinator:
         answer: AuditAnswer | None = None
         why = "its replay broke"
         try:  # unlocked: the replay
-            answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case))
+            answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case),
+                                        self.uploads.derivation(case))
             why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} (at most "
                    f"{answer.tolerance:.3g}), scale on its replay {answer.scale:.4f} (within "
                    f"{self.settings.audit_scale_tolerance:g} of 1)")

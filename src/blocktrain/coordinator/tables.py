@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from blocktrain.coordinator.blobs import BlobStore
 from blocktrain.coordinator.db import Db
-from blocktrain.coordinator.rows import AuditRow, EvalRow, RoundRow, RoundTraffic, UpdateRow, VersionRow, WorkerRow
+from blocktrain.coordinator.rows import AuditRow, EvalRow, KeptRound, RoundRow, RoundTraffic, UpdateRow, VersionRow, WorkerRow
 from blocktrain.coordinator.settings import CloseReason, UpdateState, WorkerState
 from blocktrain.protocol.codes import BlockState, RoundState
 from blocktrain.protocol.delta import Compression
@@ -83,14 +83,22 @@ class WorkerTable:
         """Every worker's row, by name."""
         return [WorkerRow.of(r) for r in self.db.q("SELECT * FROM workers ORDER BY name")]
 
-    def register_worker(self, name: str, block: int, pinned: bool, now: float, lease_until: float) -> None:
-        """Add worker ``name``, or re-register it (block, pin, active, lease; its first ``registered`` time is kept)."""
+    def register_worker(self, name: str, block: int, pinned: bool, now: float, lease_until: float,
+                        hivemind: bool = False) -> None:
+        """Add worker ``name``, or re-register it (block, pin, active, lease; its first ``registered`` time is kept).
+        Either starts a new session: a registering worker starts its inner state afresh (``coordinator.lineage``).
+        ``hivemind``: it averages in groups this session."""
         self.db.execute(
-            "INSERT INTO workers(name, block, pinned, state, registered, lease_until) VALUES(?,?,?,?,?,?) "
-            "ON CONFLICT(name) DO UPDATE SET block=excluded.block, pinned=excluded.pinned, "
-            "state=excluded.state, lease_until=excluded.lease_until",
-            (name, block, int(pinned), WorkerState.ACTIVE.value, now, lease_until),
+            "INSERT INTO workers(name, block, pinned, state, registered, lease_until, session, hivemind) "
+            "VALUES(?,?,?,?,?,?,1,?) ON CONFLICT(name) DO UPDATE SET block=excluded.block, pinned=excluded.pinned, "
+            "state=excluded.state, lease_until=excluded.lease_until, session=COALESCE(workers.session, 0) + 1, "
+            "hivemind=excluded.hivemind",
+            (name, block, int(pinned), WorkerState.ACTIVE.value, now, lease_until, int(hivemind)),
         )
+
+    def in_groups(self, name: str) -> bool:
+        """Whether worker ``name`` registered its current session to average in hivemind groups."""
+        return self.db.q1("SELECT 1 FROM workers WHERE name=? AND hivemind=1", name) is not None
 
     def renew_lease(self, name: str, lease_until: float) -> None:
         """Worker ``name`` is active and holds its lease until ``lease_until``."""
@@ -163,6 +171,11 @@ class RoundTable:
         """Digest of the published step that made version v of block k (None for v = 0 or unknown)."""
         row = self.db.q1("SELECT step_blob FROM versions WHERE block=? AND version=?", k, v)
         return None if row is None or not row["step_blob"] else str(row["step_blob"])
+
+    def weights_blob(self, k: int, v: int) -> str | None:
+        """Digest of the weights block k published as version v (None: unknown)."""
+        row = self.db.q1("SELECT weights_blob FROM versions WHERE block=? AND version=?", k, v)
+        return None if row is None else str(row["weights_blob"])
 
     def moments_blob(self, k: int, v: int) -> str | None:
         """Digest of the inner moments published with version v of block k (None: none)."""
@@ -254,13 +267,26 @@ class UpdateTable:
                          "LIMIT ?", k, worker, before, n)
         return tuple(str(r["blob"]) for r in rows)
 
+    def last_kept(self, k: int, worker: str, before: int) -> KeptRound | None:
+        """``worker``'s newest update of block k against a version before ``before`` that it sent in its current session
+        (answered as accepted: whatever became of it later, its inner state went on from that round), else None."""
+        row = self.db.q1("SELECT u.version, u.blob, u.samples FROM updates u JOIN workers w ON w.name = u.worker "
+                         "WHERE u.block=? AND u.worker=? AND u.version<? AND u.session IS w.session "
+                         "ORDER BY u.version DESC LIMIT 1", k, worker, before)
+        return None if row is None else KeptRound(int(row["version"]), str(row["blob"]), int(row["samples"]))
+
+    def grouped(self, k: int, worker: str, low: int, high: int) -> bool:
+        """Whether ``worker`` was in a group's mean of block k against a version in [low, high)."""
+        return self.db.q1("SELECT 1 FROM group_members WHERE block=? AND worker=? AND version>=? AND version<? LIMIT 1",
+                          k, worker, low, high) is not None
+
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
                       arrived: float, arrival_s: float) -> None:
         """Store an accepted update and count it in its round, for its worker and in total."""
         self.db.execute(
-            "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, state) "
-            "VALUES(?,?,?,?,?,?,?,?,?,?)",
-            (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value),
+            "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, state, "
+            "session) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?))",
+            (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value, worker),
         )
         self.db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
         self.db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (worker,))

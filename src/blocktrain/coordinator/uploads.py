@@ -25,6 +25,7 @@ from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.groups import PeerHub, check_members
 from blocktrain.coordinator.intake import Checked, Intake, Published
+from blocktrain.coordinator.lineage import Derivation, Lineage, derive, trace
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds
 from blocktrain.coordinator.rows import AuditRow, WorkerRow
@@ -148,7 +149,7 @@ class Uploads:
         now_row = s.workers.worker(name)  # its accepted pushes so far
         case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
                                  accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
-                                 prior=s.updates.previous_blobs(k, name, v))
+                                 prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
         try:
             s.blobs.commit_blob(staged)  # durable before the row that names it
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
@@ -185,12 +186,32 @@ class Uploads:
             self.auditor.restore(AuditCase(a.worker, upd, self.checkpoints.published(a.block), self.cfg.train.seed,
                                            a.stream, a.schedule_steps, a.round_steps,
                                            max(a.due, now + self.settings.audit_timeout_s),
-                                           s.updates.previous_blobs(a.block, a.worker, a.version)))
+                                           s.updates.previous_blobs(a.block, a.worker, a.version),
+                                           self._trace(a.worker, a.block, a.version)))
             self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
 
+    def _trace(self, name: str, k: int, v: int) -> Lineage | None:
+        """(Locked.) The rounds ``name``'s moments at the start of its round (k, v) came from (None: a claim)."""
+        lineage = trace(self.store, k, name, v, self.settings.inner_start, self.settings.moment_every)
+        if lineage is None:
+            log.info("block %d v%d: %s's moments cannot be derived from the records; its audit replays from the "
+                     "uploaded ones", k, v, name)
+        return lineage
+
     # --- an audit upload ---------------------------------------------------------------
+    def derivation(self, case: AuditCase) -> Derivation | None:
+        """(Unlocked: blobs never change.) ``case.lineage`` read back for its replay (None: none traced)."""
+        if case.lineage is None:
+            return None
+        k = case.update.block
+        try:
+            return derive(self.store, case.lineage, k, self.checkpoints.block_shapes[k], self.settings.inner_start,
+                          self.settings.moment_codec, self.settings.moment_every, self.cfg.train.batch_size)
+        except ProtocolError as exc:  # its own records do not read back: its fault, not the worker's
+            raise RuntimeError(f"the rounds {case.worker}'s moments came from do not read back: {exc}") from exc
+
     def prior(self, case: AuditCase) -> list[Sent]:
         """(Unlocked: blobs never change.) The worker's last pushes of the block as it sent them: their deltas decoded,
         read as this coordinator stored them (their moments, which today's settings may not expect, left out)."""

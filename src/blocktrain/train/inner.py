@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from blocktrain.config import TrainConfig
-from blocktrain.protocol.inner_state import inner_state
+from blocktrain.protocol.inner_state import inner_state, load_inner_state
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
 from blocktrain.train.step import decay_groups, make_optimizer
 
@@ -182,6 +182,14 @@ class InnerRounds:
             self.opt, self.names = self._factory()
         elif isinstance(self.opt, RoundAdamW):
             start_round(self.opt, self.names, self.start, published)
+
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Undo a round whose push did not count: the optimiser's state back to ``state``, what :meth:`committed`
+        returned at its start (a ``fresh`` round has nothing to undo: the next starts afresh anyway)."""
+        if self.start is InnerStart.FRESH:
+            return
+        self.opt.state.clear()
+        load_inner_state(self.opt, self.names, state)
 
     def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state this round starts from with the push's error-feedback ``residual``

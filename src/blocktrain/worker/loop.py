@@ -105,7 +105,7 @@ class Worker:
         self.moment_every = reg.moment_every  # rounds between shared moments (protocol.moments.shares_moments)
         self.inner = InnerRounds(self.block, self.cfg.train, self.inner_start)  # its optimiser, started each round
         self._moments_version = -1  # the version whose published moments this worker loaded last
-        self._trained_block = False  # whether it trained a round of this block (its own moments exist)
+        self._kept_version = -1  # the version of its newest round of this block that counts (-1: none yet)
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
         self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
@@ -197,20 +197,20 @@ class Worker:
                         hooks=[round_hook, ProgressHook(bar)], targets=self.targets)
         finally:
             bar.close()
-        self._trained_block = True
         return not round_hook.abandoned
 
     def _published_moments(self) -> dict[str, torch.Tensor] | None:
         """The inner moments to start this round from, checked, each publication once (None: its own go on).
 
         Moments are published with every ``moment_every``-th version (:func:`shares_moments` of the round before);
-        a worker loads those of its base version when it is one, and a worker that has not trained this block yet
-        (it joined between two shares) loads the newest published before its base version instead of starting from
-        zero moments."""
+        a worker loads the newest published at or before its base version unless it has kept a round of this block
+        since they were published (then its own moments go on): those of its base version when it is one, and the
+        newest before it when it joined between two shares. A coordinator derives an audited round's moments by
+        this rule (``coordinator.lineage``)."""
         v = self.base_version
         at = v - v % self.moment_every  # the newest version published with moments, at or before v
-        if at <= 0 or at == self._moments_version or (at != v and self._trained_block):
-            return None  # none published yet, loaded already, or between syncs its own moments go on
+        if at <= 0 or at == self._moments_version or self._kept_version >= at:
+            return None  # none published yet, loaded already (its state still holds them), or its own moments go on
         try:
             tensors, meta = unpack(self.client.moments(self.k, at), source="moments")
         except ProtocolError as exc:
@@ -255,6 +255,7 @@ class Worker:
         combined = self.engine.combine(delta, samples, self.k, self.base_version, clock)
         if combined is None:  # another member of its group uploads the mean
             load_trainable(self.block, self.base)
+            self._kept_version = self.base_version
             return
         group = combined.members
         samples = combined.samples
@@ -271,12 +272,15 @@ class Worker:
             try:
                 answer = self.client.push(self.k, payload)
             except ProtocolError as exc:
-                # a refused push sent nothing: its quantisation error is not carried (the coordinator bounds the
-                # residual an audited state holds by this worker's last accepted pushes: coordinator.audit)
+                # a refused push sent nothing: its quantisation error is not carried, nor do its moments go on (an
+                # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
+                # rounds they came from: coordinator.audit, coordinator.lineage)
                 self.feedback.residual = residual
+                self.inner.restore(self.round_state)
                 self._refused_push(exc)
                 return
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
+            self._kept_version = self.base_version
             self.summary.rounds_pushed += 1
             self.summary.groups_uploaded += group is not None
             log.info("block %d: pushed a %d-byte delta against v%d (%d local steps so far)",

@@ -1,0 +1,138 @@
+"""The inner state an audited round must start from, derived from the coordinator's own records.
+
+An audit replays a worker's round from its inner state at the round's start (:mod:`.audit`). The error-feedback
+residual in that state is bounded by the worker's last pushes (:func:`~blocktrain.protocol.delta.residual_within`);
+its AdamW moments are not something the coordinator has to take on trust either, because a worker's moments are a
+function of what the coordinator published and of the worker's own earlier rounds (:mod:`blocktrain.train.inner`):
+
+* a worker starts its inner state afresh (m = v = 0) whenever it registers (a session, ``workers.session``);
+* a round under ``fresh`` starts from zero moments; a round that loads published moments (a shared start, the newest
+  moments published at or before its version, loaded when the worker has kept no round of the block since they were
+  published: ``Worker._published_moments``) replaces the moments ``start.shares`` names, and ``shared_v`` zeroes m;
+* otherwise its state is the one its previous kept round ended with: the round of its newest push of the block in
+  the session that was answered as accepted (a refused push is undone on the worker's side).
+
+:func:`trace` walks back from the audited round through the worker's kept rounds until a round whose start no
+longer depends on the one before (a load that replaces every moment, a fresh start, the session's first round):
+a :class:`Lineage`. The audit (:meth:`.audit.Auditor.replay_error`) then replays those rounds, each from its
+published weights W_u and its stream, and the audited round from the state they end with; the moments the worker
+uploaded are hashed against its commitment but not trusted. Where no lineage can be traced (more than
+:data:`MAX_ROUNDS` rounds back, as under ``carried`` or ``local_m``, which never reset m; a worker that averages in
+hivemind groups, whose round a group's mean may stand for, accepted or not, without the coordinator ever seeing its
+own part), :func:`trace` returns None and the uploaded moments stand
+as the worker's claim, as they did for every audit before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blocktrain.checkpoint.safetensors_io import unpack
+from blocktrain.config import Precision
+from blocktrain.coordinator.rows import KeptRound
+from blocktrain.coordinator.store import Store
+from blocktrain.coordinator.validate import parse_update
+from blocktrain.protocol.moments import InnerStart, MomentCodec, parse_moments
+from blocktrain.seeds import worker_stream
+
+__all__ = ["MAX_ROUNDS", "Derivation", "DerivedRound", "Lineage", "Link", "derive", "trace"]
+
+MAX_ROUNDS = 8  # earlier rounds an audit replays to derive a state (moments shared every 3 rounds need at most 2)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One round of a lineage: what its start loaded and, for an earlier round, what it trained."""
+
+    version: int  # u: the version it was trained against
+    loads: str | None  # digest of the published moments its start loaded (None: it went on from the state before)
+    kept: KeptRound | None  # the worker's update of that round (None: the audited round itself)
+    weights: str | None  # digest of W_u (None for the audited round: the case holds it)
+    stream: int  # the stream id the coordinator named for (worker, block, u)
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """The worker's kept rounds an audited round's state came from, oldest first, then the audited round; the first
+    starts from zero moments or from a load that replaces them all."""
+
+    links: tuple[Link, ...]
+
+    @property
+    def earlier(self) -> tuple[Link, ...]:
+        """The rounds replayed before the audited one."""
+        return self.links[:-1]
+
+
+def trace(store: Store, k: int, worker: str, v: int, start: InnerStart, every: int) -> Lineage | None:
+    """(Under the coordinator's lock.) The lineage of ``worker``'s state at the start of its round of block k against
+    version v, or None where the records cannot derive it (module docstring)."""
+    row = store.workers.worker(worker)
+    if row is None or store.workers.in_groups(worker):  # a group's mean may stand for its round, kept or not
+        return None
+    links: list[Link] = []
+    u, kept, weights = v, None, None  # the round being linked: the audited one first
+    while True:
+        last = store.updates.last_kept(k, worker, u)
+        if store.updates.grouped(k, worker, last.version if last is not None else 0, u):
+            return None  # a round in a group's mean went between (an earlier session's): its own part never came
+        at = u - u % every  # the newest version published with moments, at or before u
+        loads = None
+        if start.shares and at > 0 and (last is None or last.version < at):
+            loads = store.rounds.moments_blob(k, at)  # None: none published then, its own state went on
+        links.append(Link(u, loads, kept, weights, worker_stream(row.id, k, u)))
+        if start is InnerStart.FRESH or last is None or (loads is not None and not start.keeps_own):
+            return Lineage(tuple(reversed(links)))
+        if len(links) > MAX_ROUNDS:
+            return None
+        u, kept, weights = last.version, last, store.rounds.weights_blob(k, last.version)
+        if weights is None:
+            return None
+
+
+@dataclass(frozen=True)
+class DerivedRound:
+    """An earlier round of a lineage, read back for its replay."""
+
+    version: int  # u
+    weights: dict[str, torch.Tensor]  # W_u, float32, as the worker trained from it
+    steps: int  # its claimed samples / batch
+    precision: Precision  # the arithmetic it claimed (its replay uses the same)
+    stream: int  # its stream id
+    loads: dict[str, torch.Tensor] | None  # the moment estimates its start loaded (None: the state before went on)
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A lineage read back: the earlier rounds to replay, and what the audited round's own start loads."""
+
+    earlier: tuple[DerivedRound, ...]
+    loads: dict[str, torch.Tensor] | None  # the moment estimates the audited round's start loaded
+
+    @property
+    def steps(self) -> int:
+        """Inner steps replayed before the audited round."""
+        return sum(r.steps for r in self.earlier)
+
+
+def derive(store: Store, lineage: Lineage, k: int, shapes: dict[str, tuple[int, ...]], start: InnerStart,
+           codec: MomentCodec, every: int, batch: int) -> Derivation:
+    """(Unlocked: blobs never change.) The tensors ``lineage`` names: each earlier round's weights, claimed steps and
+    precision, and the moments each start loaded, decoded as a worker decodes them."""
+
+    def moments(digest: str | None) -> dict[str, torch.Tensor] | None:
+        if digest is None:
+            return None
+        tensors, _ = unpack(store.blobs.get_blob(digest), source=f"moments {digest[:12]}")
+        return parse_moments(tensors, shapes, start.shares, codec)
+
+    earlier = []
+    for link in lineage.earlier:
+        assert link.kept is not None and link.weights is not None
+        upd = parse_update(store.blobs.get_blob(link.kept.blob), k, shapes, start.shares, every)
+        w, _ = unpack(store.blobs.get_blob(link.weights), source=f"weights {link.weights[:12]}")
+        earlier.append(DerivedRound(link.version, {n: t.float() for n, t in w.items()}, link.kept.samples // batch,
+                                    Precision(upd.precision), link.stream, moments(link.loads)))
+    return Derivation(tuple(earlier), moments(lineage.links[-1].loads))
