@@ -530,3 +530,28 @@ def test_a_restart_gives_a_pending_audit_its_whole_timeout_again(tmp_path: Path,
         assert c2.store.conduct.quarantined("a")
     finally:
         c2.close()
+
+
+@pytest.mark.parametrize(("status", "ends"), [(404, False), (408, False), (413, False), (401, True), (403, True),
+                                              (503, True)])
+def test_a_refused_audit_upload_ends_the_worker_only_where_it_may_no_longer_work(corpus: DataDir,  # noqa: F811
+                                                                               status: int, ends: bool) -> None:
+    """The push was taken before its audit was asked for: a refused upload (404: an earlier try reached it; 408 on a
+    slow link; 413) is logged and the worker goes on, and the coordinator decides on the audit as it does without an
+    upload; its own fault (5xx) or a worker that may no longer work (401, 403) ends it (an upload's 4xx ended it)."""
+    uploads: list[tuple[int, int, bytes]] = []
+
+    class Client:
+        def audit(self, k: int, v: int, body: bytes) -> None:
+            uploads.append((k, v, body))
+            raise ProtocolError(status, "refused", "test")
+
+    w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False), corpus)
+    w.client = Client()  # type: ignore[assignment]
+    w.k, w.base_version, w.round_state = 0, 3, {"residual/w": torch.zeros(2)}
+    if ends:
+        with pytest.raises(ProtocolError):
+            w._answer_audit()
+    else:
+        w._answer_audit()
+    assert [(k, v) for k, v, _ in uploads] == [(0, 3)] and w.summary.audits == 0
