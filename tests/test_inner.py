@@ -30,7 +30,7 @@ from blocktrain.protocol.moments import (
     parse_moments,
     shares_moments,
 )
-from blocktrain.train.inner import make_round_optimizer, moment_estimates, start_round
+from blocktrain.train.inner import InnerRounds, make_round_optimizer, moment_estimates, start_round
 from blocktrain.train.step import make_optimizer
 from tests.distributed_utils import corpus  # noqa: F401
 
@@ -93,6 +93,41 @@ def test_a_shared_start_loads_full_estimates_and_restarts_m() -> None:
     assert all(opt.state[p]["c2"] == 1.0 and not opt.state[p]["exp_avg"].any() for p in net.parameters())
     start_round(opt, names, InnerStart.FRESH, published)  # fresh ignores what is published
     assert all(opt.state[p]["c2"] == 0.0 and not opt.state[p]["exp_avg_sq"].any() for p in net.parameters())
+
+
+@pytest.mark.parametrize("start", [InnerStart.SHARED_MV, InnerStart.CARRIED])
+def test_a_round_undone_leaves_the_state_as_it_was_before_it_began(start: InnerStart) -> None:
+    """A refused round is undone to the snapshot taken before it began (its load of published moments included), so
+    the worker's state is what the coordinator's records say (coordinator.lineage); the next round's steps are then
+    exactly those of a worker that never trained the refused one. Empty before any step, it stays empty."""
+    cfg = TrainConfig(weight_decay=0.1)
+    nets = _net(), _net()
+    b = nets[1]
+    b.load_state_dict(nets[0].state_dict())
+    inners = [InnerRounds(net, cfg, start) for net in nets]
+    empty = inners[1].snapshot()
+    weights = {n: t.clone() for n, t in b.state_dict().items()}
+    inners[1].begin(None)
+    _steps(b, inners[1].opt, 2)
+    b.load_state_dict(weights)  # the worker's weights go back to the published version after every round
+    inners[1].restore(empty)
+    assert not inners[1].opt.state and not empty
+    for inner, net in zip(inners, nets, strict=True):  # both keep a round
+        inner.begin(None)
+        _steps(net, inner.opt, 3)
+    kept = inners[1].snapshot()
+    params = dict(b.named_parameters())
+    published = {prefix + n: torch.full_like(params[n], 0.5) for n in params for prefix in ("m/", "v/")}
+    inners[1].begin(published if inners[1].shares else None)  # the refused round loads, trains, is undone
+    weights = {n: t.clone() for n, t in b.state_dict().items()}
+    _steps(b, inners[1].opt, 4)
+    b.load_state_dict(weights)
+    inners[1].restore(kept)
+    for inner, net in zip(inners, nets, strict=True):  # the next round, from the same state in both
+        inner.begin(None)
+        _steps(net, inner.opt, 2)
+    for p, q in zip(*(net.parameters() for net in nets), strict=True):
+        assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("codec", list(MomentCodec))

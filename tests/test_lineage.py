@@ -86,3 +86,16 @@ def test_where_the_records_cannot_derive_the_moments(tmp_path: Path) -> None:
         s.workers.register_worker("w", 0, True, 1.0, 1e9, hivemind=True)  # a mean may stand for any of its rounds
     assert links(s, 2) is None
     assert trace(s, 0, "nobody", 2, InnerStart.SHARED_MV, every=3) is None
+
+
+def test_a_registration_from_before_the_store_had_sessions_is_not_traced(tmp_path: Path) -> None:
+    """A worker still running across the coordinator's upgrade never registered in a session: its rows of every
+    earlier registration look alike (NULL), so its moments cannot be derived and stay its claim."""
+    s = store_with(tmp_path, kept=[0, 1], published=[])
+    with s.tx():
+        s.db.execute("UPDATE workers SET session=NULL, hivemind=NULL")
+        s.db.execute("UPDATE updates SET session=NULL")
+    assert links(s, 2) is None
+    with s.tx():
+        s.workers.register_worker("w", 0, True, 1.0, 1e9)  # its next registration starts the first session
+    assert links(s, 2) == [(2, None)]

@@ -9,15 +9,16 @@ round (AdamW moments and the int8 error-feedback residual carried from its first
 what the attacks the audit exists for look like on the same scale (labels shuffled, the delta scaled by 1.1), and each push's
 ``scale``, the least-squares factor of the push on its replay, which the audit also bounds. ``--cross`` replays
 each push in the other arithmetic too (bf16 <-> fp32): with no GPU at hand, the stand-in for a GPU worker's rounding
-against a CPU coordinator's. ``--derive`` adds the replays an audit makes where the coordinator derives the moments
-(``blocktrain.coordinator.lineage``): the first round replayed too, in the replay's arithmetic, and the audited round
-from the moments it ends with and the worker's residual (case ``honest, derived``); the audit's tolerance then
-covers both rounds' steps, sqrt(2) times the setting at H = 25.
+against a CPU coordinator's. ``--derive-rounds N,...`` adds the replays an audit makes where the coordinator derives
+the moments (``blocktrain.coordinator.lineage``): the worker trains N rounds before the audited one (each from the
+weights its previous push made), the replay trains those N too, in its own arithmetic, and the audited round from the
+moments they end with and the worker's residual (case ``honest, derived from N rounds``; with the other thread count
+and in the other arithmetic).
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
         --json benchmarks/results/audit-replay.json
-    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --cross --derive \
-        --json benchmarks/results/audit-replay-derived.json
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --cross \
+        --derive-rounds 1,2,8 --json benchmarks/results/audit-replay-derived.json
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def main() -> int:
     ap.add_argument("--data", default=None)
     ap.add_argument("--cross", action="store_true",
                     help="also replay each push in the other arithmetic (bf16 <-> fp32), a stand-in for another device")
-    ap.add_argument("--derive", action="store_true",
-                    help="also replay the first round and the audited one from the moments it ends with")
+    ap.add_argument("--derive-rounds", default="",
+                    help="comma-separated N: also replay N earlier rounds and the audited one from the moments they end with")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cfg = replace(get_preset(args.preset), stack=stack_recipe())
@@ -127,14 +128,28 @@ def main() -> int:
                 other = Precision.FP32 if prec is Precision.BF16 else Precision.BF16
                 replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, other, args.worker_threads)
                 rows.append(row(k, prec, args.worker_threads, other, args.worker_threads, "honest", replayed, pushed))
-            if args.derive:  # the coordinator's own first round, then the audited one from its moments
-                others = [(prec, t) for t in (int(x) for x in args.replay_threads.split(","))]
+            chains = [int(x) for x in args.derive_rounds.split(",") if x]
+            if chains:  # the worker's rounds 0..N; the coordinator's own replay of 0..N-1, then N from its moments
+                bases: list[dict[str, torch.Tensor]] = [base]
+                states: list[dict[str, torch.Tensor]] = [{}]
+                pushes: list[dict[str, torch.Tensor]] = []
+                for v in range(max(chains) + 1):
+                    push, after = one_round(cfg, k, bases[v], states[v], data, v, args.h, prec, args.worker_threads)
+                    pushes.append(push)
+                    bases.append({n: bases[v][n] + push[n] for n in base})
+                    states.append(after)
+                others = [(prec, t) for t in (int(x) for x in args.replay_threads.split(",")) if t != args.worker_threads]
                 if args.cross:
                     others.append((Precision.FP32 if prec is Precision.BF16 else Precision.BF16, args.worker_threads))
-                for rp, t in others:
-                    _, state_r = one_round(cfg, k, base, {}, data, 0, args.h, rp, t)
-                    replayed, _ = one_round(cfg, k, base1, derived_state(state_r, state), data, 1, args.h, rp, t)
-                    rows.append(row(k, prec, args.worker_threads, rp, t, "honest, derived", replayed, pushed))
+                for n in chains:
+                    for rp, t in [(prec, args.worker_threads), *others]:
+                        state_r: dict[str, torch.Tensor] = {}
+                        for v in range(n):
+                            _, state_r = one_round(cfg, k, bases[v], state_r, data, v, args.h, rp, t)
+                        replayed, _ = one_round(cfg, k, bases[n], derived_state(state_r, states[n]), data, n, args.h,
+                                                rp, t)
+                        rows.append(row(k, prec, args.worker_threads, rp, t, f"honest, derived from {n} rounds",
+                                        replayed, pushes[n]))
             replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
             bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads, targets=shuffled)
             rows.append(row(k, prec, args.worker_threads, prec, args.worker_threads, "labels shuffled", replayed, bad))

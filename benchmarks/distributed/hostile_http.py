@@ -11,7 +11,10 @@ its training loop, its registration and streams) that changes one thing:
 * ``sign_flip``: minus its honest delta;
 * ``shuffled_labels``: trains on targets shuffled within each batch;
 * ``lazy``: pushes a zero delta and claims its whole budget;
-* ``stale``: never moves past the first version it fetched: trains from it and pushes against the current one.
+* ``stale``: never moves past the first version it fetched: trains from it and pushes against the current one;
+* ``forged_moments``: trains and pushes honestly from AdamW moments of its own choosing (m negated at every round's
+  start), committing to them: an audit that replayed from the uploaded state passed it; one that derives the moments
+  from the worker's earlier rounds (``coordinator.lineage``) does not.
 
 Rows ``honest6`` and ``honest5`` are the references: six honest workers, and five (the run without the hostile one).
 The final CE of the composed stack is scored by ``blocktrain eval`` on the first ``--eval-bytes`` test bytes. Each
@@ -33,6 +36,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +48,12 @@ from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.store import Store
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.protocol.delta import delta_norm
+from blocktrain.train.inner import InnerRounds
 from blocktrain.worker.loop import Worker
 from blocktrain.worker.options import WorkerOptions
 
-ATTACKS = ("inflated_claim", "replay", "toward_zero", "scaled_random", "sign_flip", "shuffled_labels", "lazy", "stale")
+ATTACKS = ("inflated_claim", "replay", "toward_zero", "scaled_random", "sign_flip", "shuffled_labels", "lazy", "stale",
+           "forged_moments")
 ROWS = ("honest6", "honest5", *ATTACKS, "collude_sign_flip", "collude_toward_zero")
 BT = [sys.executable, "-m", "blocktrain"]
 SHARED_WIKITEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext" / "wikitext-2-v1-tokens"
@@ -66,6 +72,8 @@ class HostileWorker(Worker):
         super()._setup(reg)
         if self.attack == "shuffled_labels":
             self.objective = _ShuffledTargets(self.objective, self.g)
+        if self.attack == "forged_moments":
+            self.inner = _NegatedMoments(self.block, self.cfg.train, self.inner_start)
 
     def _set_base(self, weights: dict[str, torch.Tensor], version: int) -> None:
         if self.attack == "stale" and self.base is not None:  # keeps training from the first version it fetched
@@ -94,6 +102,16 @@ class HostileWorker(Worker):
         if self.attack == "lazy":
             return {n: torch.zeros_like(d) for n, d in delta.items()}, samples
         return delta, samples  # shuffled_labels and stale lie in what they train on
+
+
+class _NegatedMoments(InnerRounds):
+    """A round's inner optimiser whose m is negated once the round has started (steering its steps)."""
+
+    def begin(self, published: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().begin(published)
+        for st in self.opt.state.values():
+            if "exp_avg" in st:
+                st["exp_avg"].neg_()
 
 
 class _ShuffledTargets:

@@ -35,6 +35,7 @@ CREATE TABLE IF NOT EXISTS updates(
     worker TEXT NOT NULL, samples INTEGER NOT NULL, norm REAL NOT NULL, compression TEXT NOT NULL,
     blob TEXT NOT NULL, arrived REAL NOT NULL, arrival_s REAL NOT NULL, state TEXT NOT NULL,
     UNIQUE(block, version, worker));
+CREATE INDEX IF NOT EXISTS updates_by_worker ON updates(block, worker, version);
 CREATE TABLE IF NOT EXISTS seeds(
     worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL, seed INTEGER NOT NULL,
     stream INTEGER NOT NULL, PRIMARY KEY(worker, block, version));

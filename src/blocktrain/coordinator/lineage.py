@@ -10,7 +10,8 @@ function of what the coordinator published and of the worker's own earlier round
   moments published at or before its version, loaded when the worker has kept no round of the block since they were
   published: ``Worker._published_moments``) replaces the moments ``start.shares`` names, and ``shared_v`` zeroes m;
 * otherwise its state is the one its previous kept round ended with: the round of its newest push of the block in
-  the session that was answered as accepted (a refused push is undone on the worker's side).
+  the session that was answered as accepted (a refused round is undone on the worker's side, to its state
+  before the round began, a load included).
 
 :func:`trace` walks back from the audited round through the worker's kept rounds until a round whose start no
 longer depends on the one before (a load that replaces every moment, a fresh start, the session's first round):
@@ -19,13 +20,15 @@ published weights W_u and its stream, and the audited round from the state they 
 uploaded are hashed against its commitment but not trusted. Where no lineage can be traced (more than
 :data:`MAX_ROUNDS` rounds back, as under ``carried`` or ``local_m``, which never reset m; a worker that averages in
 hivemind groups, whose round a group's mean may stand for, accepted or not, without the coordinator ever seeing its
-own part), :func:`trace` returns None and the uploaded moments stand
-as the worker's claim, as they did for every audit before.
+own part; a worker whose registration predates the store's sessions), :func:`trace` returns None and the uploaded
+moments stand as the worker's claim, as they did for every audit before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -70,8 +73,8 @@ def trace(store: Store, k: int, worker: str, v: int, start: InnerStart, every: i
     """(Under the coordinator's lock.) The lineage of ``worker``'s state at the start of its round of block k against
     version v, or None where the records cannot derive it (module docstring)."""
     row = store.workers.worker(worker)
-    if row is None or store.workers.in_groups(worker):  # a group's mean may stand for its round, kept or not
-        return None
+    if row is None or not store.workers.traceable(worker):  # a group's mean may stand for its round, kept or not;
+        return None  # or it registered before the store had sessions
     links: list[Link] = []
     u, kept, weights = v, None, None  # the round being linked: the audited one first
     while True:
@@ -92,12 +95,17 @@ def trace(store: Store, k: int, worker: str, v: int, start: InnerStart, every: i
             return None
 
 
+def _weights(store: Store, digest: str) -> dict[str, torch.Tensor]:
+    w, _ = unpack(store.blobs.get_blob(digest), source=f"weights {digest[:12]}")
+    return {n: t.float() for n, t in w.items()}
+
+
 @dataclass(frozen=True)
 class DerivedRound:
     """An earlier round of a lineage, read back for its replay."""
 
     version: int  # u
-    weights: dict[str, torch.Tensor]  # W_u, float32, as the worker trained from it
+    weights: Callable[[], dict[str, torch.Tensor]]  # reads W_u, float32, as the worker trained from it (one at a time)
     steps: int  # its claimed samples / batch
     precision: Precision  # the arithmetic it claimed (its replay uses the same)
     stream: int  # its stream id
@@ -119,8 +127,9 @@ class Derivation:
 
 def derive(store: Store, lineage: Lineage, k: int, shapes: dict[str, tuple[int, ...]], start: InnerStart,
            codec: MomentCodec, every: int, batch: int) -> Derivation:
-    """(Unlocked: blobs never change.) The tensors ``lineage`` names: each earlier round's weights, claimed steps and
-    precision, and the moments each start loaded, decoded as a worker decodes them."""
+    """(Unlocked: blobs never change.) The tensors ``lineage`` names: each earlier round's weights (read when its
+    replay starts), claimed steps and precision, and the moments each start loaded, decoded as a worker decodes
+    them."""
 
     def moments(digest: str | None) -> dict[str, torch.Tensor] | None:
         if digest is None:
@@ -132,7 +141,6 @@ def derive(store: Store, lineage: Lineage, k: int, shapes: dict[str, tuple[int, 
     for link in lineage.earlier:
         assert link.kept is not None and link.weights is not None
         upd = parse_update(store.blobs.get_blob(link.kept.blob), k, shapes, start.shares, every)
-        w, _ = unpack(store.blobs.get_blob(link.weights), source=f"weights {link.weights[:12]}")
-        earlier.append(DerivedRound(link.version, {n: t.float() for n, t in w.items()}, link.kept.samples // batch,
+        earlier.append(DerivedRound(link.version, partial(_weights, store, link.weights), link.kept.samples // batch,
                                     Precision(upd.precision), link.stream, moments(link.loads)))
     return Derivation(tuple(earlier), moments(lineage.links[-1].loads))

@@ -96,9 +96,11 @@ class WorkerTable:
             (name, block, int(pinned), WorkerState.ACTIVE.value, now, lease_until, int(hivemind)),
         )
 
-    def in_groups(self, name: str) -> bool:
-        """Whether worker ``name`` registered its current session to average in hivemind groups."""
-        return self.db.q1("SELECT 1 FROM workers WHERE name=? AND hivemind=1", name) is not None
+    def traceable(self, name: str) -> bool:
+        """Whether the rounds of worker ``name``'s current session are on record as such (``coordinator.lineage``):
+        it registered since the store had sessions, and not to average in hivemind groups."""
+        return self.db.q1("SELECT 1 FROM workers WHERE name=? AND session IS NOT NULL AND hivemind=0",
+                          name) is not None
 
     def renew_lease(self, name: str, lease_until: float) -> None:
         """Worker ``name`` is active and holds its lease until ``lease_until``."""

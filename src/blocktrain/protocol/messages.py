@@ -25,8 +25,8 @@ from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.moments import InnerStart, MomentCodec
 
-PROTOCOL_VERSION = 5  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start;
-# 5: moment_every)
+PROTOCOL_VERSION = 6  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start;
+# 5: moment_every; 6: a refused round leaves the worker's inner state as it was, audits derive the moments)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
 SHA256_HEX = r"^[0-9a-f]{64}$"

@@ -32,14 +32,15 @@ import torch
 from torch import nn
 
 from blocktrain.config import TrainConfig
-from blocktrain.protocol.inner_state import inner_state, load_inner_state
+from blocktrain.protocol.inner_state import inner_state
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
 from blocktrain.train.step import decay_groups, make_optimizer
 
-__all__ = ["InnerRounds", "InnerStart", "RoundAdamW", "make_inner_optimizer", "make_round_optimizer",
+__all__ = ["InnerRounds", "InnerStart", "RoundAdamW", "Snapshot", "make_inner_optimizer", "make_round_optimizer",
            "moment_estimates", "start_round"]
 
 OptimizerFactory = Callable[[], tuple[torch.optim.Optimizer, dict[int, str]]]  # -> (optimiser, index -> name)
+Snapshot = dict[int, dict[str, object]]  # parameter index -> its optimiser state (tensors and host floats)
 
 
 class RoundAdamW(torch.optim.Optimizer):
@@ -183,13 +184,24 @@ class InnerRounds:
         elif isinstance(self.opt, RoundAdamW):
             start_round(self.opt, self.names, self.start, published)
 
-    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Undo a round whose push did not count: the optimiser's state back to ``state``, what :meth:`committed`
-        returned at its start (a ``fresh`` round has nothing to undo: the next starts afresh anyway)."""
+    def snapshot(self) -> Snapshot:
+        """A copy of the optimiser's state as it is (before a round begins), for :meth:`restore`: its tensors
+        cloned where they live, its host floats as they are (bit for bit, unlike :meth:`committed`'s float32)."""
+        if self.start is InnerStart.FRESH:
+            return {}
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        return {i: {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in self.opt.state[p].items()}
+                for i, p in enumerate(params) if p in self.opt.state}
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Undo a round whose push did not count: the optimiser's state back to ``snapshot``, taken before it began
+        (a ``fresh`` round has nothing to undo: the next starts afresh anyway)."""
         if self.start is InnerStart.FRESH:
             return
+        params = [p for g in self.opt.param_groups for p in g["params"]]
         self.opt.state.clear()
-        load_inner_state(self.opt, self.names, state)
+        for i, st in snapshot.items():
+            self.opt.state[params[i]] = {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in st.items()}
 
     def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state this round starts from with the push's error-feedback ``residual``

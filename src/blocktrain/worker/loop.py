@@ -46,7 +46,7 @@ from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.moments import parse_moments
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, schema_fp32_bytes, trainable_state
-from blocktrain.train.inner import InnerRounds
+from blocktrain.train.inner import InnerRounds, Snapshot
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
 from blocktrain.worker.client import UNSIZED_RESPONSE_BYTES, CoordinatorClient
@@ -107,6 +107,7 @@ class Worker:
         self._moments_version = -1  # the version whose published moments this worker loaded last
         self._kept_version = -1  # the version of its newest round of this block that counts (-1: none yet)
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
+        self._undo: tuple[Snapshot, int] = ({}, -1)  # its inner state and loaded moments before the round began
         self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
@@ -176,7 +177,9 @@ class Worker:
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
                              stream=work.stream, device=self.device)
         H = min(self.H, work.steps)  # at most the round's budget
-        # as the coordinator asks: fresh moments, its own carried, or the published ones (else its own go on)
+        # as the coordinator asks: fresh moments, its own carried, or the published ones (else its own go on); a round
+        # whose push does not count is undone to here (coordinator.lineage derives an audited round's moments so)
+        self._undo = (self.inner.snapshot(), self._moments_version)
         self.inner.begin(self._published_moments() if self.inner.shares else None)
         self.round_state = self.inner.committed(self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
@@ -276,7 +279,8 @@ class Worker:
                 # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
                 # rounds they came from: coordinator.audit, coordinator.lineage)
                 self.feedback.residual = residual
-                self.inner.restore(self.round_state)
+                self.inner.restore(self._undo[0])
+                self._moments_version = self._undo[1]
                 self._refused_push(exc)
                 return
             self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
