@@ -456,6 +456,7 @@ def test_the_tolerance_rule_leaves_room_for_rounding_but_not_for_scaling() -> No
     assert auditor.tolerance("fp32", 25, earlier=25) == pytest.approx(0.05 * 2 ** 0.5)
     assert auditor.tolerance("fp32", 25, earlier=50) == auditor.tolerance("fp32", 25, earlier=200) == pytest.approx(
         0.05 * 3 ** 0.5)
+    assert auditor.tolerance("fp32", 1, earlier=25, h=25) == pytest.approx(0.05 * (26 / 25) ** 0.5)  # a cut round
     g = torch.Generator().manual_seed(0)
     replayed = {"w": torch.randn(4096, generator=g), "b": torch.randn(64, generator=g)}
     noise = {n: torch.randn(t.shape, generator=g) for n, t in replayed.items()}

@@ -19,6 +19,8 @@ and in the other arithmetic).
         --json benchmarks/results/audit-replay.json
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --cross \
         --derive-rounds 1,2,8 --json benchmarks/results/audit-replay-derived.json
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --h 100 --blocks 0 \
+        --cross --derive-rounds 2 --json benchmarks/results/audit-replay-derived-h100.json
 """
 
 from __future__ import annotations

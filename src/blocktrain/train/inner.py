@@ -40,7 +40,7 @@ __all__ = ["InnerRounds", "InnerStart", "RoundAdamW", "Snapshot", "make_inner_op
            "moment_estimates", "start_round"]
 
 OptimizerFactory = Callable[[], tuple[torch.optim.Optimizer, dict[int, str]]]  # -> (optimiser, index -> name)
-Snapshot = dict[int, dict[str, object]]  # parameter index -> its optimiser state (tensors and host floats)
+Snapshot = dict[int, dict[str, object]]  # parameter index -> its state: (host tensor, its device) pairs, host floats
 
 
 class RoundAdamW(torch.optim.Optimizer):
@@ -186,11 +186,13 @@ class InnerRounds:
 
     def snapshot(self) -> Snapshot:
         """A copy of the optimiser's state as it is (before a round begins), for :meth:`restore`: its tensors
-        cloned where they live, its host floats as they are (bit for bit, unlike :meth:`committed`'s float32)."""
+        copied to the host (a device keeps no second optimiser state through the round), its host floats as they
+        are (bit for bit, unlike :meth:`committed`'s float32)."""
         if self.start is InnerStart.FRESH:
             return {}
         params = [p for g in self.opt.param_groups for p in g["params"]]
-        return {i: {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in self.opt.state[p].items()}
+        return {i: {key: (v.to("cpu", copy=True), v.device) if isinstance(v, torch.Tensor) else v
+                    for key, v in self.opt.state[p].items()}
                 for i, p in enumerate(params) if p in self.opt.state}
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -200,8 +202,9 @@ class InnerRounds:
             return
         params = [p for g in self.opt.param_groups for p in g["params"]]
         self.opt.state.clear()
-        for i, st in snapshot.items():
-            self.opt.state[params[i]] = {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in st.items()}
+        for i, st in snapshot.items():  # each tensor back on the device it was taken from
+            self.opt.state[params[i]] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
+                                         for key, v in st.items()}
 
     def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state this round starts from with the push's error-feedback ``residual``
