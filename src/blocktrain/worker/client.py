@@ -62,6 +62,7 @@ class CoordinatorClient:
         self.bytes_sent = 0  # request body bytes, as sent on the wire
         self.bytes_received = 0  # response body bytes, as received on the wire (before any decoding)
         self._leave_seen: float | None = None  # when a retry loop first saw ``leaving`` set
+        self.last_attempts = 0  # sendings of the last request (more than 1: an earlier one's fate is unknown)
 
     def close(self) -> None:
         self.http.close()
@@ -71,6 +72,7 @@ class CoordinatorClient:
         start = time.monotonic()
         attempt = 0
         while True:
+            self.last_attempts = attempt + 1
             try:
                 headers = {"Content-Type": "application/octet-stream"} if content is not None else {}
                 if encoding is not None:
