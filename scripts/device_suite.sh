@@ -31,6 +31,8 @@
 #   d. averaging  volunteers at cpu-small: H in {24, 48}, M in {1, 6} vs one machine at 6x batch  -> device-averaging.json
 #   e. live       a coordinator (CPU) and GPU workers over loopback, honest and each attack       -> device-live.json
 #   f. serve      spec against the AR pipeline over loopback, with generative CE                   -> device-serve.json
+#   audit         a GPU worker's pushes replayed on the CPU (a coordinator's), as the audit does, its moments
+#                 also derived from earlier rounds: the relative errors the tolerance must cover (item 3) -> device-audit.json
 #   g. speed-paper-compiled  bench speed on the paper preset under torch.compile, alone, last     -> device-speed-paper-compiled.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,11 +51,13 @@ case "$SUITE" in
          LONG_LRS="1e-3 1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
          AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
          SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default
-         NOISE_REPS=10; OPT_PRESETS="cpu-mini cpu-small paper"; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""; LIVE_DEFAULT="" ;;
+         NOISE_REPS=10; OPT_PRESETS="cpu-mini cpu-small paper"; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""; LIVE_DEFAULT=""
+         AUDIT_ARGS="--preset cpu-mini --h 25 --blocks 0,1 --precisions bf16,fp32 --derive-rounds 2 --worker-threads 4 --replay-threads 4" ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
          SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1; OPT_PRESETS=cpu-mini
          LONG_PRESET=tiny; PAPER_PRESET=tiny; LIVE_DEFAULT=honest6,sign_flip
+         AUDIT_ARGS="--preset tiny --h 3 --blocks 0 --precisions fp32 --derive-rounds 1 --worker-threads 1 --replay-threads 1"
          SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300" ;;
   rehearsal)  # full's structure at tiny budgets: every job, compile mode and launch of the full suite, on a CPU
               # (but the warm block: tiny trains diffusion, and a warm block needs the stack)
@@ -61,7 +65,8 @@ case "$SUITE" in
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="5 10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny
          LIVE_STEPS=20; LIVE_H=10; SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=600
          SPEED_COMPILE="tiny:reduce-overhead"; PAPER_COMPILE=default; NOISE_REPS=1; OPT_PRESETS=cpu-mini; LONG_PRESET=tiny; PAPER_PRESET=tiny
-         LIVE_DEFAULT=""; SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4" ;;
+         LIVE_DEFAULT=""; SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4"
+         AUDIT_ARGS="--preset tiny --h 5 --blocks 0 --precisions bf16,fp32 --derive-rounds 2 --worker-threads 1 --replay-threads 1" ;;
   *) echo "SUITE must be full, smoke or rehearsal, got $SUITE" >&2; exit 2 ;;
 esac
 LIVE_ROWS=${LIVE_ROWS:-$LIVE_DEFAULT}  # the live job's rows (empty: every attack kind)
@@ -155,6 +160,12 @@ live() {
     --timeout-s "$LIMIT" ${LIVE_ROWS:+--rows "$LIVE_ROWS"}
 }
 
+audit() {  # the worker on the device, its replays on the CPU (and on the device), in both arithmetics
+  # shellcheck disable=SC2086  # AUDIT_ARGS splits into flags
+  "$PY" benchmarks/distributed/audit_replay.py $AUDIT_ARGS --cross --worker-device "$DEVICE" --replay-device cpu \
+    --data "$DATA" --json "$RESULTS/device-audit.json"
+}
+
 serve() {  # bench serve's rows: sweep and ar on a diffusion run beside its E2E pipeline, spec on a stack run
   local run="$RESULTS/runs/serve" stack="$RESULTS/runs/serve-stack"
   "${BT[@]}" train --preset "$SERVE_PRESET" --objective diffusion --device "$DEVICE" --data "$DATA" --out "$run" \
@@ -172,6 +183,7 @@ if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job averaging "$LIMIT" bash -c "$(declare -f averaging); $(declare -p RESULTS AVG_PRESET AVG_STEPS AVG_H AVG_SEEDS AVG_BLOCKS AVG_ROUNDS AVG_FLAGS DEVICE DATA PY); averaging"
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve"
+  job audit "$LIMIT" bash -c "$(declare -f audit); $(declare -p RESULTS AUDIT_ARGS DEVICE DATA PY); audit"
 else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
   pids=()
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
@@ -183,6 +195,8 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live" &
   pids+=($!)
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve" &
+  pids+=($!)
+  job audit "$LIMIT" bash -c "$(declare -f audit); $(declare -p RESULTS AUDIT_ARGS DEVICE DATA PY); audit" &
   pids+=($!)
   wait "${pids[@]}"  # these jobs only: a bare wait would wait for the packer, which never ends
   # g. the paper preset compiled, alone again: the last priority (its eager rows are job a's)

@@ -35,7 +35,7 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     done, wall = _suite(results, data)
     assert done.returncode == 0, done.stderr[-3000:]
     rcs = {p.stem: p.read_text().split()[0] for p in results.glob("*.rc")}
-    jobs = ("checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "averaging", "live", "serve")
+    jobs = ("checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "averaging", "live", "serve", "audit")
     assert rcs == dict.fromkeys(jobs, "0"), (rcs, done.stderr[-3000:])
     checks = json.loads((results / "device-checks.json").read_text())
     assert checks["ok"] and checks["noise_hashes_equal"] and checks["device"] == "cpu"
@@ -58,6 +58,9 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     avg = [json.loads(line) for line in (results / "averaging.jsonl").read_text().splitlines()]
     workers = [r for r in avg if r["kind"] == "m"]  # the volunteers' rows run the coordinator's default
     assert {r["block"] for r in workers} == {"cold", "stack"} and {r["inner_start"] for r in workers} == {"shared_mv"}
+    audit = json.loads((results / "device-audit.json").read_text())  # the worker on the device, replays on the CPU
+    cases = {r["case"] for r in audit["rows"] if r["replay_device"] == "cpu"}
+    assert {"honest", "honest, derived from 1 rounds"} <= cases, cases
     live = json.loads((results / "device-live.json").read_text())
     assert {r["row"] for r in live["http"]["rows"]} == {"honest6", "sign_flip"}
     with tarfile.open(f"{results}.tar.gz") as tar:  # the archive holds what the folder holds

@@ -9,11 +9,12 @@ round (AdamW moments and the int8 error-feedback residual carried from its first
 what the attacks the audit exists for look like on the same scale (labels shuffled, the delta scaled by 1.1), and each push's
 ``scale``, the least-squares factor of the push on its replay, which the audit also bounds. ``--cross`` replays
 each push in the other arithmetic too (bf16 <-> fp32): with no GPU at hand, the stand-in for a GPU worker's rounding
-against a CPU coordinator's. ``--derive-rounds N,...`` adds the replays an audit makes where the coordinator derives
-the moments (``blocktrain.coordinator.lineage``): the worker trains N rounds before the audited one (each from the
-weights its previous push made), the replay trains those N too, in its own arithmetic, and the audited round from the
-moments they end with and the worker's residual (case ``honest, derived from N rounds``; with the other thread count
-and in the other arithmetic).
+against a CPU coordinator's; ``--worker-device cuda`` trains the worker's rounds on a GPU (the device suite's
+``audit`` job: a GPU worker against a CPU coordinator, issue 42). ``--derive-rounds N,...`` adds the replays an
+audit makes where the coordinator derives the moments (``blocktrain.coordinator.lineage``): the worker trains N
+rounds before the audited one (each from the weights its previous push made), the replay trains those N too, in its
+own arithmetic, and the audited round from the moments they end with and the worker's residual (case ``honest,
+derived from N rounds``; with the other thread count and in the other arithmetic).
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
         --json benchmarks/results/audit-replay.json
@@ -38,6 +39,7 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.coordinator.audit import replay_scale
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
+from blocktrain.device import CPU, resolve_device
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
@@ -53,9 +55,10 @@ def shuffled(y: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def one_round(cfg: RunConfig, k: int, base: dict[str, torch.Tensor], state: dict[str, torch.Tensor], data: Any,
-              v: int, h: int, precision: Precision, threads: int,
-              targets: Targets | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(decoded int8 push, inner state after) of round v of worker 1 on block k, from ``state``."""
+              v: int, h: int, precision: Precision, threads: int, targets: Targets | None = None,
+              device: torch.device = CPU) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(decoded int8 push, inner state after) of round v of worker 1 on block k, from ``state``, trained on
+    ``device`` (the push and the state come back to the host, as the worker encodes and commits them)."""
     torch.set_num_threads(threads)
     obj = get_objective(cfg)
     torch.manual_seed(0)
@@ -64,12 +67,14 @@ def one_round(cfg: RunConfig, k: int, base: dict[str, torch.Tensor], state: dict
     load_trainable(block, base)
     if obj.inherits():
         obj.inherit(block, k, earlier, at_init=False)
-    frozen = [obj.freeze(b, torch.float32) for b in earlier]
+    block = block.to(device)
+    frozen = [obj.freeze(b, torch.float32).to(device) for b in earlier]
     opt, names = make_optimizer(block, cfg.train)
     residual = load_inner_state(opt, names, state)
-    stream = TrainStream(data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=worker_stream(1, k, v))
+    stream = TrainStream(data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=worker_stream(1, k, v),
+                         device=device)
     schedule = replace(cfg.train, steps=10 * h)
-    train_round(BlockTask(obj, k, frozen), block, opt, stream, steps=h, offset=v * h, schedule=schedule,
+    train_round(BlockTask(obj, k, frozen, device), block, opt, stream, steps=h, offset=v * h, schedule=schedule,
                 precision=precision, targets=targets)
     local = trainable_state(block)
     fb = ErrorFeedback(Compression.INT8, residual)
@@ -88,12 +93,15 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return delta_norm({n: a[n] - b[n] for n in b}) / delta_norm(b)
 
 
-def row(k: int, prec: Precision, worker_threads: int, replay: Precision, replay_threads: int, case: str,
-        replayed: dict[str, torch.Tensor], pushed: dict[str, torch.Tensor]) -> dict[str, Any]:
+Replay = tuple[Precision, int, torch.device]  # (arithmetic, threads, device) of a run of a round
+
+
+def row(k: int, worker: Replay, replay: Replay, case: str, replayed: dict[str, torch.Tensor],
+        pushed: dict[str, torch.Tensor]) -> dict[str, Any]:
     """One table row: the audit's two statistics of ``pushed`` against its replay (``replay_scale``)."""
-    return {"block": k, "precision": prec.value, "worker_threads": worker_threads, "replay_precision": replay.value,
-            "replay_threads": replay_threads, "case": case, "relative_error": rel(replayed, pushed),
-            "scale": replay_scale(pushed, replayed)}
+    return {"block": k, "precision": worker[0].value, "worker_threads": worker[1], "worker_device": str(worker[2]),
+            "replay_precision": replay[0].value, "replay_threads": replay[1], "replay_device": str(replay[2]),
+            "case": case, "relative_error": rel(replayed, pushed), "scale": replay_scale(pushed, replayed)}
 
 
 def main() -> int:
@@ -109,60 +117,63 @@ def main() -> int:
                     help="also replay each push in the other arithmetic (bf16 <-> fp32), a stand-in for another device")
     ap.add_argument("--derive-rounds", default="",
                     help="comma-separated N: also replay N earlier rounds and the audited one from the moments they end with")
+    ap.add_argument("--worker-device", default="cpu", help="where the worker trains its rounds (cuda: a GPU worker)")
+    ap.add_argument("--replay-device", default="cpu",
+                    help="where the coordinator replays them, beside a replay on the worker's device")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cfg = replace(get_preset(args.preset), stack=stack_recipe())
     data = resolve_data_dir(args.data).open("train").data
     obj = get_objective(cfg)
+    wdev, rdev = resolve_device(args.worker_device), resolve_device(args.replay_device)
+    chains = [int(x) for x in args.derive_rounds.split(",") if x]
     rows = []
     for k in (int(x) for x in args.blocks.split(",")):
         torch.manual_seed(k)
         base = trainable_state(obj.build_block(k))
         for prec in (Precision(p) for p in args.precisions.split(",")):
+            worker: Replay = (prec, args.worker_threads, wdev)
+            # the same run again, the other thread counts (and the replay's device), the other arithmetic
+            replays = [worker, *[(prec, t, rdev) for t in (int(x) for x in args.replay_threads.split(","))
+                                 if (t, rdev) != (args.worker_threads, wdev)]]
+            if args.cross:  # the other arithmetic: a stand-in for another device's rounding where none is at hand
+                replays.append((Precision.FP32 if prec is Precision.BF16 else Precision.BF16, args.worker_threads, rdev))
             # round 0 from a fresh state gives the carried state of round 1, the audited one
-            push0, state = one_round(cfg, k, base, {}, data, 0, args.h, prec, args.worker_threads)
+            push0, state = one_round(cfg, k, base, {}, data, 0, args.h, worker[0], worker[1], device=wdev)
             base1 = {n: base[n] + push0[n] for n in base}
-            pushed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
-            for t in (int(x) for x in args.replay_threads.split(",")):
-                replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, t)
-                rows.append(row(k, prec, args.worker_threads, prec, t, "honest", replayed, pushed))
-            if args.cross:  # the other arithmetic: a stand-in for another device's rounding (no GPU at hand)
-                other = Precision.FP32 if prec is Precision.BF16 else Precision.BF16
-                replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, other, args.worker_threads)
-                rows.append(row(k, prec, args.worker_threads, other, args.worker_threads, "honest", replayed, pushed))
-            chains = [int(x) for x in args.derive_rounds.split(",") if x]
+            pushed, _ = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], device=wdev)
+            for rp in replays:
+                replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, rp[0], rp[1], device=rp[2])
+                rows.append(row(k, worker, rp, "honest", replayed, pushed))
             if chains:  # the worker's rounds 0..N; the coordinator's own replay of 0..N-1, then N from its moments
                 bases: list[dict[str, torch.Tensor]] = [base]
                 states: list[dict[str, torch.Tensor]] = [{}]
                 pushes: list[dict[str, torch.Tensor]] = []
                 for v in range(max(chains) + 1):
-                    push, after = one_round(cfg, k, bases[v], states[v], data, v, args.h, prec, args.worker_threads)
+                    push, after = one_round(cfg, k, bases[v], states[v], data, v, args.h, worker[0], worker[1], device=wdev)
                     pushes.append(push)
                     bases.append({n: bases[v][n] + push[n] for n in base})
                     states.append(after)
-                others = [(prec, t) for t in (int(x) for x in args.replay_threads.split(",")) if t != args.worker_threads]
-                if args.cross:
-                    others.append((Precision.FP32 if prec is Precision.BF16 else Precision.BF16, args.worker_threads))
                 for n in chains:
-                    for rp, t in [(prec, args.worker_threads), *others]:
+                    for rp in replays:
                         state_r: dict[str, torch.Tensor] = {}
                         for v in range(n):
-                            _, state_r = one_round(cfg, k, bases[v], state_r, data, v, args.h, rp, t)
+                            _, state_r = one_round(cfg, k, bases[v], state_r, data, v, args.h, rp[0], rp[1], device=rp[2])
                         replayed, _ = one_round(cfg, k, bases[n], derived_state(state_r, states[n]), data, n, args.h,
-                                                rp, t)
-                        rows.append(row(k, prec, args.worker_threads, rp, t, f"honest, derived from {n} rounds",
-                                        replayed, pushes[n]))
-            replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads)
-            bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, prec, args.worker_threads, targets=shuffled)
-            rows.append(row(k, prec, args.worker_threads, prec, args.worker_threads, "labels shuffled", replayed, bad))
-            rows.append(row(k, prec, args.worker_threads, prec, args.worker_threads, "delta x 1.1", replayed,
-                            {n: 1.1 * d for n, d in pushed.items()}))
+                                                rp[0], rp[1], device=rp[2])
+                        rows.append(row(k, worker, rp, f"honest, derived from {n} rounds", replayed, pushes[n]))
+            replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], device=wdev)
+            bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], targets=shuffled, device=wdev)
+            rows.append(row(k, worker, worker, "labels shuffled", replayed, bad))
+            rows.append(row(k, worker, worker, "delta x 1.1", replayed, {n: 1.1 * d for n, d in pushed.items()}))
             print(f"block {k} {prec.value} done", file=sys.stderr, flush=True)
-    print("| block | precision | worker threads | replay in | replay threads | case | relative error | scale |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| block | precision | worker threads | worker device | replay in | replay threads | replay device | case "
+          "| relative error | scale |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['replay_precision']} "
-              f"| {r['replay_threads']} | {r['case']} | {r['relative_error']:.3g} | {r['scale']:.4f} |")
+        print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['worker_device']} | {r['replay_precision']} "
+              f"| {r['replay_threads']} | {r['replay_device']} | {r['case']} | {r['relative_error']:.3g} "
+              f"| {r['scale']:.4f} |")
     if args.json:
         command = "python benchmarks/distributed/audit_replay.py " + " ".join(sys.argv[1:])
         args.json.write_text(json.dumps({"preset": cfg.name, "h": args.h, "rows": rows, "command": command,
