@@ -15,7 +15,8 @@ import pytest
 from tests.distributed_utils import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
-JOBS = {"checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "paper", "averaging", "live", "serve", "speed-paper-compiled", "audit"}
+JOBS = {"checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "paper", "averaging", "live", "serve",
+        "speed-paper-compiled", "audit"}
 
 
 @pytest.mark.slow
