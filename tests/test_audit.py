@@ -452,10 +452,6 @@ def test_the_tolerance_rule_leaves_room_for_rounding_but_not_for_scaling() -> No
     s = CoordinatorSettings()
     auditor = Auditor(get_preset("tiny"), s, None)
     assert auditor.tolerance("bf16", 25) == pytest.approx(0.05) and auditor.tolerance("fp32", 100) == pytest.approx(0.1)
-    # moments derived from earlier rounds: their steps count up to three times the round's H (0.071 measured at H=25)
-    assert auditor.tolerance("fp32", 25, earlier=25) == pytest.approx(0.05 * 2 ** 0.5)
-    assert auditor.tolerance("fp32", 25, earlier=75) == auditor.tolerance("fp32", 25, earlier=200) == pytest.approx(0.1)
-    assert auditor.tolerance("fp32", 1, earlier=25, h=25) == pytest.approx(0.05 * (26 / 25) ** 0.5)  # a cut round
     g = torch.Generator().manual_seed(0)
     replayed = {"w": torch.randn(4096, generator=g), "b": torch.randn(64, generator=g)}
     noise = {n: torch.randn(t.shape, generator=g) for n, t in replayed.items()}
@@ -596,3 +592,22 @@ def test_a_push_whose_answer_was_lost_is_resent_until_its_fate_is_known(corpus: 
         with pytest.raises(ProtocolError):
             w._send(b"push")
     assert sent == [b"push"] * sends
+
+
+def test_the_moment_distance_sees_a_negated_or_rescaled_moment_and_a_changed_bias_correction() -> None:
+    """moment_error between an uploaded state and the derived one, as the audit bounds it (--audit-moment-tolerance,
+    1.0): 0 for the same state, 2 for m negated, 1 for m zeroed or a v where the records have none, inf for a bias
+    correction changed (it rescales a moment) or moments where the records have a zero state."""
+    from blocktrain.coordinator.audit import moment_error
+
+    g = torch.Generator().manual_seed(0)
+    state = {"adam/w/exp_avg": torch.randn(8, 4, generator=g), "adam/w/exp_avg_sq": torch.rand(8, 4, generator=g),
+             "adam/w/c1": torch.tensor(0.5), "adam/w/c2": torch.tensor(0.25), "residual/w": torch.randn(8, 4, generator=g)}
+    assert moment_error(state, state) == 0.0
+    negated = {**state, "adam/w/exp_avg": -state["adam/w/exp_avg"]}
+    assert moment_error(negated, state) == pytest.approx(2.0)
+    assert moment_error({**state, "adam/w/exp_avg": torch.zeros(8, 4)}, state) == pytest.approx(1.0)
+    assert moment_error({**state, "adam/w/c1": torch.tensor(0.6)}, state) == float("inf")
+    assert moment_error({**state, "residual/w": torch.zeros(8, 4)}, state) == 0.0  # the residual is bounded apart
+    assert moment_error(state, {}) == float("inf")  # moments where the records say the round started from none
+    assert CoordinatorSettings().audit_moment_tolerance == 1.0

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from blocktrain.config import Precision, RunConfig
-from blocktrain.coordinator.audit import replay_scale
+from blocktrain.coordinator.audit import moment_error, replay_scale
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import CPU, resolve_device
@@ -161,19 +161,20 @@ def main() -> int:
                             _, state_r = one_round(cfg, k, bases[v], state_r, data, v, args.h, rp[0], rp[1], device=rp[2])
                         replayed, _ = one_round(cfg, k, bases[n], derived_state(state_r, states[n]), data, n, args.h,
                                                 rp[0], rp[1], device=rp[2])
-                        rows.append(row(k, worker, rp, f"honest, derived from {n} rounds", replayed, pushes[n]))
+                        rows.append({**row(k, worker, rp, f"honest, derived from {n} rounds", replayed, pushes[n]),
+                                     "moment_error": moment_error(states[n], state_r)})
             replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], device=wdev)
             bad, _ = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], targets=shuffled, device=wdev)
             rows.append(row(k, worker, worker, "labels shuffled", replayed, bad))
             rows.append(row(k, worker, worker, "delta x 1.1", replayed, {n: 1.1 * d for n, d in pushed.items()}))
             print(f"block {k} {prec.value} done", file=sys.stderr, flush=True)
     print("| block | precision | worker threads | worker device | replay in | replay threads | replay device | case "
-          "| relative error | scale |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| relative error | scale | moment error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['worker_device']} | {r['replay_precision']} "
               f"| {r['replay_threads']} | {r['replay_device']} | {r['case']} | {r['relative_error']:.3g} "
-              f"| {r['scale']:.4f} |")
+              f"| {r['scale']:.4f} | {r.get('moment_error', float('nan')):.3g} |")
     if args.json:
         command = "python benchmarks/distributed/audit_replay.py " + " ".join(sys.argv[1:])
         args.json.write_text(json.dumps({"preset": cfg.name, "h": args.h, "rows": rows, "command": command,

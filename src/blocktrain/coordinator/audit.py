@@ -10,10 +10,12 @@ its answer says ``audit``, the worker uploads the state, and the coordinator
 
 1. checks the state's sha256 against the commitment (a different state is a failed audit) and its residual against
    the worker's last pushes (:func:`check_residual`);
-2. replays the round with the worker's own code path (:func:`blocktrain.train.round.train_round`), from moments it
-   derives by replaying the worker's earlier rounds back to a start it knows (:mod:`.lineage`; the uploaded moments
-   only where its records cannot derive them), encodes the result with the uploaded residual, and
-3. compares it with the decoded push on two statistics, both bounded: the relative error
+2. derives the AdamW moments the round must start from by replaying the worker's earlier rounds back to a start it
+   knows (:mod:`.lineage`), and bounds the uploaded ones' distance from them (:func:`moment_error`, at most
+   ``audit_moment_tolerance``; not where its records cannot derive them);
+3. replays the round from the uploaded state with the worker's own code path
+   (:func:`blocktrain.train.round.train_round`), encodes the result with the uploaded residual, and
+4. compares it with the decoded push on two statistics, both bounded: the relative error
    ||replayed - pushed|| / ||pushed|| <= ``audit_tolerance`` (``audit_tolerance_bf16`` for a push trained in bf16,
    replayed in bf16) x sqrt(H / 25) (:meth:`Auditor.tolerance`), and the push's scale on its replay,
    s = <pushed, replayed> / ||replayed||^2, within ``audit_scale_tolerance`` of 1. Honest rounding differences
@@ -24,12 +26,13 @@ its answer says ``audit``, the worker uploads the state, and the coordinator
    Measured on cpu-mini (``benchmarks/results/audit-replay.json`` at H=25, ``audit-replay-h100.json`` at H=100):
    honest replays at other thread counts or in the other arithmetic (bf16 against fp32, the stand-in for another
    device: a GPU worker against a CPU replay was not measured, no GPU was at hand) reach relative error 0.028 at
-   H=25 and 0.047 at H=100, with the scale within 0.002 of 1; with the moments derived from 1, 2 or 8 earlier
-   rounds at H=25 (``audit-replay-derived.json``) 0.038, 0.071 and 0.042, from 2 at H=100 0.099, the scale within
-   0.0054 of 1, so the tolerance counts the earlier rounds' steps too, up to three times the round's H (up to 0.1
-   at H=25, 0.2 at H=100: the margin over the worst measured is 1.4x, where the audited round alone has 1.8x); a
-   push scaled
-   by 1.1 has scale 1.100 and shuffled labels relative error above 1.
+   H=25 and 0.047 at H=100, with the scale within 0.002 of 1; a push scaled by 1.1 has scale 1.100 and shuffled
+   labels relative error above 1. The round is replayed from the uploaded moments, not the derived ones: across
+   arithmetic, a replay from moments derived from 2 earlier rounds reached relative error 0.335 and scale 0.969 on
+   cpu-mini's block 2 (``audit-replay-moments.json``), which would fail an honest worker on another device. The
+   derived moments bound the uploaded ones instead: honest ones were up to 0.51 away from them across bf16 and
+   fp32 (0.07 at another thread count), so the bound, 1.0, refuses a negated or grossly rescaled m or v (a negated
+   m is 2 away), not a subtle steer.
 
 A failed audit, or one not answered within ``audit_timeout_s``, quarantines the worker (:mod:`.conduct`: token
 revoked, later updates refused, its updates not yet applied dropped). Group means (the hivemind engine) commit to no
@@ -43,7 +46,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,7 +64,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
 from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, delta_norm, residual_within
-from blocktrain.protocol.inner_state import load_inner_state, residual_of, state_sha, unpack_state
+from blocktrain.protocol.inner_state import ADAM, MOMENTS, SCALARS, load_inner_state, residual_of, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.inner import InnerRounds
@@ -70,12 +73,6 @@ from blocktrain.train.round import BlockTask, train_round
 log = logging.getLogger(__name__)
 
 AUDIT_TOLERANCE_STEPS = 25  # inner steps at which the audit tolerances hold as set; they scale by sqrt(H / this)
-# The steps of earlier rounds replayed to derive the moments (coordinator.lineage) count in the tolerance up to this
-# many times the round's H: their rounding reaches it only through the moments, which forget (beta2 0.95). Three: the
-# tolerance at most doubles, 0.1 at H=25, 1.4x the worst measured there (a GPU worker against a CPU replay: unmeasured).
-# Measured across bf16 and fp32: 0.071 from 2 earlier rounds and 0.042 from 8 at H=25, 0.099 from 2 at H=100 (where
-# the audited round alone stays under 0.1: audit-replay-derived.json, audit-replay-derived-h100.json).
-EARLIER_ROUNDS_COUNTED = 3
 MAX_PENDING = 64  # audits awaiting an upload at once (each holds one decoded delta); beyond it none is drawn
 
 
@@ -204,40 +201,65 @@ class Auditor:
         t0 = time.perf_counter()
         k, v = case.update.block, case.update.base_version
         tensors = unpack_state(body, shapes, block=k, version=v)
+        off = 0.0  # how far its moments are from the records' (derived: 0 where none are)
         if state_sha(tensors) != case.update.state_sha:
             rel, scale = math.inf, math.inf
         else:
             check_residual(tensors, prior)
-            rel, scale = self.replay_error(case, tensors, derived)
+            rel, scale = self.replay_error(case, tensors)
+            if derived is not None:
+                off = moment_error(tensors, self.derived_moments(case, derived))
         seconds = time.perf_counter() - t0
-        tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size,
-                                   derived.steps if derived is not None else 0, case.round_steps)
-        passed = rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
+        tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
+        passed = (rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
+                  and off <= self.settings.audit_moment_tolerance)
         return AuditAnswer(passed=passed, relative_error=rel if math.isfinite(rel) else 1e30,
                            tolerance=tolerance, seconds=seconds, scale=scale if math.isfinite(scale) else 1e30,
-                           derived_steps=derived.steps if derived is not None else 0)
+                           derived_steps=derived.steps if derived is not None else 0,
+                           moment_error=off if math.isfinite(off) else 1e30)
 
-    def tolerance(self, precision: str, steps: int, earlier: int = 0, h: int = 0) -> float:
-        """The relative error an honest replay of ``steps`` inner steps stays under, after ``earlier`` steps of the
-        worker's earlier rounds replayed to derive its moments: the setting for its precision at
-        AUDIT_TOLERANCE_STEPS, scaled by sqrt(counted / AUDIT_TOLERANCE_STEPS), where ``counted`` is ``steps`` plus
-        ``earlier`` up to EARLIER_ROUNDS_COUNTED x the round's assigned ``h`` (default ``steps``; a round cut at its
-        deadline still starts from moments a whole round's rounding moved). Rounding differences compound over a round: measured
-        honest errors grew from <= 0.028 at H=25 to <= 0.047 at H=100, other thread counts or the other arithmetic
-        (``benchmarks/results/audit-replay.json``, ``audit-replay-h100.json``). fp32 and bf16 get the same default:
+    def tolerance(self, precision: str, steps: int) -> float:
+        """The relative error an honest replay of ``steps`` inner steps stays under: the setting for its precision
+        at AUDIT_TOLERANCE_STEPS, scaled by sqrt(steps / AUDIT_TOLERANCE_STEPS). Rounding differences compound over
+        a round: measured honest errors grew from <= 0.028 at H=25 to <= 0.047 at H=100, other thread counts or the
+        other arithmetic (``benchmarks/results/audit-replay.json``, ``audit-replay-h100.json``). fp32 and bf16 get the same default:
         a GPU's fp32 matmuls round like TF32, and the precision is the worker's claim anyway."""
         base = self.settings.audit_tolerance_bf16 if precision == Precision.BF16.value else self.settings.audit_tolerance
-        counted = steps + min(earlier, EARLIER_ROUNDS_COUNTED * max(h, steps))
-        return base * math.sqrt(max(counted, 1) / AUDIT_TOLERANCE_STEPS)
+        return base * math.sqrt(max(steps, 1) / AUDIT_TOLERANCE_STEPS)
 
-    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor],
-                     derived: Derivation | None = None) -> tuple[float, float]:
+    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
         """(||replayed - pushed|| / ||pushed||, the push's scale on its replay) of the round ``case`` names, started
-        from the residual of the state ``tensors`` and from moments ``derived`` by replaying the worker's earlier
-        rounds (None: the moments of ``tensors``, the worker's claim). Tolerances then cover the earlier rounds'
-        steps too (:meth:`judge`): their rounding carries into the moments."""
-        assert self.train is not None
-        obj, k, upd = self.objective, case.update.block, case.update
+        from the state ``tensors`` (its moments checked against the derived ones apart: :meth:`derived_moments`)."""
+        block, task = self._block(case)
+        inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)  # as the worker holds it
+        residual = load_inner_state(inner.opt, inner.names, tensors)
+        upd = case.update
+        self._train(case, task, block, inner.opt, version=upd.base_version, stream=case.stream,
+                    steps=upd.samples // self.cfg.train.batch_size, precision=Precision(upd.precision))
+        local = trainable_state(block)
+        delta = {n: local[n] - w for n, w in case.base.weights.items()}
+        replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
+        miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})
+        rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
+        return rel, replay_scale(upd.delta, replayed)
+
+    def derived_moments(self, case: AuditCase, derived: Derivation) -> dict[str, torch.Tensor]:
+        """The AdamW state the audited round of ``case`` starts from by the records (:mod:`.lineage`): the worker's
+        earlier rounds replayed, each started as the worker's was, then the audited round's own start; named as an
+        uploaded state names it (no residual)."""
+        block, task = self._block(case)
+        inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)
+        for r in derived.earlier:
+            load_trainable(block, r.weights())
+            inner.begin(r.loads)
+            self._train(case, task, block, inner.opt, version=r.version, stream=r.stream, steps=r.steps,
+                        precision=r.precision)
+        inner.begin(derived.loads)
+        return inner.committed({})
+
+    def _block(self, case: AuditCase) -> tuple[torch.nn.Module, BlockTask]:
+        """Block k at W_v on the replay device, with the task over its frozen inputs in the worker's arithmetic."""
+        obj, k = self.objective, case.update.block
         with torch.device(CPU):  # built on the host, as the worker's are, then moved
             block = obj.build_block(k)
             load_trainable(block, case.base.weights)
@@ -245,30 +267,9 @@ class Auditor:
             if obj.inherits():  # the frozen heads a stack variant reads, as the worker sets them every round
                 obj.inherit(block, k, earlier, at_init=False)
         block = block.to(self.device)
-        precision = Precision(upd.precision)  # the worker's arithmetic (bf16 autocast runs on a CPU too, slower)
-        dtype = frozen_dtype(self.cfg.train.frozen_storage, precision is Precision.BF16)
+        dtype = frozen_dtype(self.cfg.train.frozen_storage, Precision(case.update.precision) is Precision.BF16)
         frozen = [obj.freeze(b, dtype).to(self.device) for b in earlier]
-        task = BlockTask(obj, k, frozen, self.device)
-        inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)  # as the worker holds it
-        residual = {n: e.clone() for n, e in residual_of(tensors).items()}
-        if derived is None:  # the uploaded moments, as the worker claims them
-            load_inner_state(inner.opt, inner.names, tensors)
-        else:  # the moments its earlier rounds end with, each started as the worker's was
-            for r in derived.earlier:
-                load_trainable(block, r.weights())
-                inner.begin(r.loads)
-                self._train(case, task, block, inner.opt, version=r.version, stream=r.stream, steps=r.steps,
-                            precision=r.precision)
-            load_trainable(block, case.base.weights)
-            inner.begin(derived.loads)
-        self._train(case, task, block, inner.opt, version=upd.base_version, stream=case.stream,
-                    steps=upd.samples // self.cfg.train.batch_size, precision=precision)
-        local = trainable_state(block)
-        delta = {n: local[n] - w for n, w in case.base.weights.items()}
-        replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
-        miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})
-        rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
-        return rel, replay_scale(upd.delta, replayed)
+        return block, BlockTask(obj, k, frozen, self.device)
 
     def _train(self, case: AuditCase, task: BlockTask, block: torch.nn.Module, opt: torch.optim.Optimizer, *,
                version: int, stream: int, steps: int, precision: Precision) -> None:
@@ -292,6 +293,32 @@ class Auditor:
         secs = sorted(self.replay_seconds)
         return {"passed": self.passed, "failed": self.failed, "pending": self.pending(), "derived": self.derived,
                 "median_replay_s": secs[len(secs) // 2] if secs else 0.0}
+
+
+def moment_error(claimed: Mapping[str, torch.Tensor], derived: Mapping[str, torch.Tensor]) -> float:
+    """How far the AdamW state ``claimed`` (an uploaded inner state) is from ``derived`` (the coordinator's replay of
+    the worker's earlier rounds), both named as :mod:`blocktrain.protocol.inner_state` names them: the larger of
+    ||m_claimed - m_derived|| / ||m_derived|| and the same for v, over every parameter (a tensor one side lacks
+    counts as zeros); inf where a bias correction or step count differs beyond float32 rounding (it rescales a
+    moment)."""
+    names = {n for n in (*claimed, *derived) if n.startswith(ADAM)}
+    zero = torch.zeros(())
+    for n in (n for n in names if n.rsplit("/", 1)[1] in SCALARS):
+        a, b = float(claimed.get(n, zero)), float(derived.get(n, zero))
+        if abs(a - b) > 1e-6 * max(1.0, abs(b)):
+            return math.inf
+    worst = 0.0
+    for leaf in MOMENTS:
+        num = den = 0.0
+        for n in (n for n in names if n.endswith("/" + leaf)):
+            d = derived.get(n)
+            c = claimed.get(n)
+            d64 = d.double() if d is not None else torch.zeros(())
+            c64 = c.double() if c is not None else torch.zeros(())
+            num += float((c64 - d64).square().sum())
+            den += float(d64.square().sum())
+        worst = max(worst, math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf))
+    return worst
 
 
 def check_residual(tensors: dict[str, torch.Tensor], prior: Sequence[Sent]) -> None:

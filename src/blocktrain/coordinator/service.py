@@ -290,7 +290,8 @@ class Coordinator:
                                         self.uploads.derivation(case))
             why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} (at most "
                    f"{answer.tolerance:.3g}), scale on its replay {answer.scale:.4f} (within "
-                   f"{self.settings.audit_scale_tolerance:g} of 1)")
+                   f"{self.settings.audit_scale_tolerance:g} of 1), its moments {answer.moment_error:.3g} from those "
+                   f"its earlier rounds give (at most {self.settings.audit_moment_tolerance:g})")
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
             why = f"its audit upload was refused ({exc})"

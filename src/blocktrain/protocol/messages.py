@@ -161,7 +161,8 @@ class AuditAnswer(Message):
     seconds: float = Field(ge=0)  # the replay's wall time on the coordinator
     scale: float = 1.0  # <pushed, replayed> / ||replayed||^2; passing needs it within audit_scale_tolerance of 1
     derived_steps: int = Field(default=0, ge=0)  # inner steps of the worker's earlier rounds replayed to derive the
-    # moments it started from (coordinator.lineage); 0 where the round started from none or its uploaded ones were used
+    # moments it started from (coordinator.lineage); 0 where the round started from none or none could be derived
+    moment_error: float = Field(default=0.0, ge=0)  # how far the uploaded moments are from the derived ones
 
 
 def parse(model: type[M], doc: Any, what: str, status: int = 422) -> M:
