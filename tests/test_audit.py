@@ -87,8 +87,8 @@ class NegatedMomentInner(InnerRounds):
 
 class ForgedMoments(Worker):
     """Trains and pushes honestly from moments of its own choosing: m negated at every round's start, committed to and
-    uploaded as it is. A replay from the uploaded state reproduces its pushes; one from the moments its earlier rounds
-    end with (coordinator.lineage) does not, from its second round on (its first starts from m = 0)."""
+    uploaded as it is. A replay from the uploaded state reproduces its pushes, but from its second round on (its first
+    starts from m = 0) its m is 2 away from the one its earlier rounds end with (coordinator.lineage)."""
 
     def _setup(self, reg: Registration) -> None:
         super()._setup(reg)
@@ -170,8 +170,9 @@ def test_a_residual_larger_than_the_previous_push_leaves_fails_the_audit(tmp_pat
 
 def test_moments_of_a_workers_own_choosing_fail_the_audit(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """The AdamW moments of an uploaded state were a claim the replay started from: a worker that negates m at each
-    round's start passed every audit. The coordinator now replays its earlier rounds to derive them, and the forger is
-    quarantined at its second round (its first starts from m = 0, as every worker's does)."""
+    round's start passed every audit. The coordinator now replays its earlier rounds to derive them and bounds the
+    uploaded ones by them, and the forger is quarantined at its second round (its first starts from m = 0, as every
+    worker's does)."""
     c = make_coordinator(tmp_path / "run", corpus, rounds=3, inner_start=InnerStart.SHARED_MV, **AUDIT_ALL)
     honest, bad = run_workers(c, corpus, tmp_path, [Worker, ForgedMoments])
     assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")

@@ -14,7 +14,9 @@ against a CPU coordinator's; ``--worker-device cuda`` trains the worker's rounds
 audit makes where the coordinator derives the moments (``blocktrain.coordinator.lineage``): the worker trains N
 rounds before the audited one (each from the weights its previous push made), the replay trains those N too, in its
 own arithmetic, and the audited round from the moments they end with and the worker's residual (case ``honest,
-derived from N rounds``; with the other thread count and in the other arithmetic).
+derived from N rounds``; with the other thread count and in the other arithmetic), and the derived moments'
+distance from the worker's (``moment_error``). Audits replayed from the derived moments until 82383e7; they now
+replay from the uploaded state and bound its moments by the derived ones, at that distance.
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
         --json benchmarks/results/audit-replay.json

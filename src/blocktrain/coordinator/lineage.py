@@ -15,13 +15,13 @@ function of what the coordinator published and of the worker's own earlier round
 
 :func:`trace` walks back from the audited round through the worker's kept rounds until a round whose start no
 longer depends on the one before (a load that replaces every moment, a fresh start, the session's first round):
-a :class:`Lineage`. The audit (:meth:`.audit.Auditor.replay_error`) then replays those rounds, each from its
-published weights W_u and its stream, and the audited round from the state they end with; the moments the worker
-uploaded are hashed against its commitment but not trusted. Where no lineage can be traced (more than
+a :class:`Lineage`. The audit (:meth:`.audit.Auditor.derived_moments`) then replays those rounds, each from its
+published weights W_u and its stream, and the moments the worker uploaded must lie near the ones they end with
+(:func:`.audit.moment_error`). Where no lineage can be traced (more than
 :data:`MAX_ROUNDS` rounds back, as under ``carried`` or ``local_m``, which never reset m; a worker that averages in
 hivemind groups, whose round a group's mean may stand for, accepted or not, without the coordinator ever seeing its
 own part; a worker whose registration predates the store's sessions), :func:`trace` returns None and the uploaded
-moments stand as the worker's claim, as they did for every audit before.
+moments go unbounded, as they did in every audit before.
 """
 
 from __future__ import annotations
