@@ -206,9 +206,10 @@ class Auditor:
             rel, scale = math.inf, math.inf
         else:
             check_residual(tensors, prior)
-            rel, scale = self.replay_error(case, tensors)
+            built = self._block(case)  # one block and its frozen inputs for both replays
+            rel, scale = self.replay_error(case, tensors, built)
             if derived is not None:
-                off = moment_error(tensors, self.derived_moments(case, derived))
+                off = moment_error(tensors, self.derived_moments(case, derived, built))
         seconds = time.perf_counter() - t0
         tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
         passed = (rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
@@ -222,15 +223,18 @@ class Auditor:
         """The relative error an honest replay of ``steps`` inner steps stays under: the setting for its precision
         at AUDIT_TOLERANCE_STEPS, scaled by sqrt(steps / AUDIT_TOLERANCE_STEPS). Rounding differences compound over
         a round: measured honest errors grew from <= 0.028 at H=25 to <= 0.047 at H=100, other thread counts or the
-        other arithmetic (``benchmarks/results/audit-replay.json``, ``audit-replay-h100.json``). fp32 and bf16 get the same default:
-        a GPU's fp32 matmuls round like TF32, and the precision is the worker's claim anyway."""
+        other arithmetic (``benchmarks/results/audit-replay.json``, ``audit-replay-h100.json``). fp32 and bf16 get
+        the same default: a GPU's fp32 matmuls round like TF32, and the precision is the worker's claim anyway."""
         base = self.settings.audit_tolerance_bf16 if precision == Precision.BF16.value else self.settings.audit_tolerance
         return base * math.sqrt(max(steps, 1) / AUDIT_TOLERANCE_STEPS)
 
-    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
+    def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor],
+                     built: tuple[torch.nn.Module, BlockTask] | None = None) -> tuple[float, float]:
         """(||replayed - pushed|| / ||pushed||, the push's scale on its replay) of the round ``case`` names, started
-        from the state ``tensors`` (its moments checked against the derived ones apart: :meth:`derived_moments`)."""
-        block, task = self._block(case)
+        from the state ``tensors`` (its moments checked against the derived ones apart: :meth:`derived_moments`);
+        ``built``: the block and task :meth:`_block` made for ``case`` (None: made here), its weights reset to W_v."""
+        block, task = built or self._block(case)
+        load_trainable(block, case.base.weights)
         inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)  # as the worker holds it
         residual = load_inner_state(inner.opt, inner.names, tensors)
         upd = case.update
@@ -243,11 +247,13 @@ class Auditor:
         rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
         return rel, replay_scale(upd.delta, replayed)
 
-    def derived_moments(self, case: AuditCase, derived: Derivation) -> dict[str, torch.Tensor]:
+    def derived_moments(self, case: AuditCase, derived: Derivation,
+                        built: tuple[torch.nn.Module, BlockTask] | None = None) -> dict[str, torch.Tensor]:
         """The AdamW state the audited round of ``case`` starts from by the records (:mod:`.lineage`): the worker's
         earlier rounds replayed, each started as the worker's was, then the audited round's own start; named as an
-        uploaded state names it (no residual)."""
-        block, task = self._block(case)
+        uploaded state names it (no residual). ``built``: as :meth:`replay_error` takes it (each round loads its
+        own weights)."""
+        block, task = built or self._block(case)
         inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)
         for r in derived.earlier:
             load_trainable(block, r.weights())

@@ -32,11 +32,11 @@ from functools import partial
 
 import torch
 
-from blocktrain.checkpoint.safetensors_io import unpack
+from blocktrain.checkpoint.safetensors_io import RESERVED, unpack
 from blocktrain.config import Precision
 from blocktrain.coordinator.rows import KeptRound
 from blocktrain.coordinator.store import Store
-from blocktrain.coordinator.validate import parse_update
+from blocktrain.protocol.messages import parse_meta
 from blocktrain.protocol.moments import InnerStart, MomentCodec, parse_moments
 from blocktrain.seeds import worker_stream
 
@@ -126,7 +126,7 @@ class Derivation:
 
 
 def derive(store: Store, lineage: Lineage, k: int, shapes: dict[str, tuple[int, ...]], start: InnerStart,
-           codec: MomentCodec, every: int, batch: int) -> Derivation:
+           codec: MomentCodec, batch: int) -> Derivation:
     """(Unlocked: blobs never change.) The tensors ``lineage`` names: each earlier round's weights (read when its
     replay starts), claimed steps and precision, and the moments each start loaded, decoded as a worker decodes
     them."""
@@ -140,7 +140,8 @@ def derive(store: Store, lineage: Lineage, k: int, shapes: dict[str, tuple[int, 
     earlier = []
     for link in lineage.earlier:
         assert link.kept is not None and link.weights is not None
-        upd = parse_update(store.blobs.get_blob(link.kept.blob), k, shapes, start.shares, every)
+        _, meta = unpack(store.blobs.get_blob(link.kept.blob), source=f"update {link.kept.blob[:12]}")
+        precision = parse_meta({n: t for n, t in meta.items() if n not in RESERVED}).precision  # checked when accepted
         earlier.append(DerivedRound(link.version, partial(_weights, store, link.weights), link.kept.samples // batch,
-                                    Precision(upd.precision), link.stream, moments(link.loads)))
+                                    Precision(precision), link.stream, moments(link.loads)))
     return Derivation(tuple(earlier), moments(lineage.links[-1].loads))

@@ -208,7 +208,7 @@ class Uploads:
         k = case.update.block
         try:
             return derive(self.store, case.lineage, k, self.checkpoints.block_shapes[k], self.settings.inner_start,
-                          self.settings.moment_codec, self.settings.moment_every, self.cfg.train.batch_size)
+                          self.settings.moment_codec, self.cfg.train.batch_size)
         except ProtocolError as exc:  # its own records do not read back: its fault, not the worker's
             raise RuntimeError(f"the rounds {case.worker}'s moments came from do not read back: {exc}") from exc
 

@@ -40,7 +40,7 @@ __all__ = ["InnerRounds", "InnerStart", "RoundAdamW", "Snapshot", "make_inner_op
            "moment_estimates", "start_round"]
 
 OptimizerFactory = Callable[[], tuple[torch.optim.Optimizer, dict[int, str]]]  # -> (optimiser, index -> name)
-Snapshot = dict[int, dict[str, object]]  # parameter index -> its state: (host tensor, its device) pairs, host floats
+Snapshot = dict[str, dict[str, object]]  # parameter name -> its state: (host tensor, its device) pairs, host floats
 
 
 class RoundAdamW(torch.optim.Optimizer):
@@ -190,20 +190,19 @@ class InnerRounds:
         are (bit for bit, unlike :meth:`committed`'s float32)."""
         if self.start is InnerStart.FRESH:
             return {}
-        params = [p for g in self.opt.param_groups for p in g["params"]]
-        return {i: {key: (v.to("cpu", copy=True), v.device) if isinstance(v, torch.Tensor) else v
+        return {n: {key: (v.to("cpu", copy=True), v.device) if isinstance(v, torch.Tensor) else v
                     for key, v in self.opt.state[p].items()}
-                for i, p in enumerate(params) if p in self.opt.state}
+                for n, p in _params(self.opt, self.names).items() if p in self.opt.state}
 
     def restore(self, snapshot: Snapshot) -> None:
         """Undo a round whose push did not count: the optimiser's state back to ``snapshot``, taken before it began
         (a ``fresh`` round has nothing to undo: the next starts afresh anyway)."""
         if self.start is InnerStart.FRESH:
             return
-        params = [p for g in self.opt.param_groups for p in g["params"]]
+        params = _params(self.opt, self.names)
         self.opt.state.clear()
-        for i, st in snapshot.items():  # each tensor back on the device it was taken from
-            self.opt.state[params[i]] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
+        for n, st in snapshot.items():  # each tensor back on the device it was taken from
+            self.opt.state[params[n]] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
                                          for key, v in st.items()}
 
     def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
