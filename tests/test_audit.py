@@ -26,7 +26,7 @@ from blocktrain.errors import ProtocolError
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
-from blocktrain.protocol.messages import PushAnswer, Registration, WorkAnswer
+from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.moments import InnerStart
 from blocktrain.train.inner import InnerRounds
 from blocktrain.worker.loop import Worker
@@ -558,41 +558,42 @@ def test_a_refused_audit_upload_ends_the_worker_only_where_it_may_no_longer_work
     assert [(k, v) for k, v, _ in uploads] == [(0, 3)] and w.summary.audits == 0
 
 
-@pytest.mark.parametrize(("attempts", "answers", "sends"), [
-    (2, [429, 429, "taken"], 3),  # the first sending's answer was lost: resent until the answer says
-    (2, [408, 409], 2),  # a definite refusal after the lost answer: undone
-    (1, [429], 1),  # no sending was lost: a 429 is a refusal
-    (2, [422], 1),  # a refusal of what the body is: the first sending was not taken either
+@pytest.mark.parametrize(("answers", "sends"), [
+    (["lost", 429, 429, 202], 4),  # the first sending's answer was lost: resent until an answer settles it
+    (["lost", 408, 409], 3),  # a definite refusal after the lost answer
+    ([429], 1),  # no sending was lost: a 429 is a refusal
+    (["lost", 422], 2),  # a refusal of what the body is: the first sending was not taken either
 ])
-def test_a_push_whose_answer_was_lost_is_resent_until_its_fate_is_known(corpus: DataDir,  # noqa: F811
-                                                                       attempts: int, answers: list[Any],
-                                                                       sends: int) -> None:
+def test_a_push_whose_answer_was_lost_is_resent_until_its_fate_is_known(answers: list[Any], sends: int) -> None:
     """A refused round is undone on the worker (its moments as its records say, coordinator.lineage); a resend
-    refused before its body is read (408, 429) does not say whether the lost first sending was taken, so the worker
-    sends the same bytes again (a byte-identical resend is answered as its first sending) instead of undoing a round
-    the coordinator kept, which would fail its next audit."""
+    refused before its body is read (408, 429) does not say whether the lost first sending was taken, so the client
+    sends the same bytes again (a byte-identical resend is answered as its first sending) instead of the worker
+    undoing a round the coordinator kept, which would fail its next audit."""
+    import httpx
+
+    from blocktrain.worker.client import CoordinatorClient
+
     sent: list[bytes] = []
 
-    class Client:
-        last_attempts = 0
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.content)
+        got = answers[len(sent) - 1]
+        if got == "lost":
+            raise httpx.ReadTimeout("the answer never came", request=request)
+        if got == 202:
+            return httpx.Response(202, json={"accepted": True, "duplicate": True, "block": 0, "version": 3})
+        return httpx.Response(got, json={"detail": "refused", "error": "test"})
 
-        def push(self, k: int, payload: bytes) -> PushAnswer:
-            self.last_attempts = attempts if not sent else 1
-            sent.append(payload)
-            answer = answers[len(sent) - 1]
-            if answer == "taken":
-                return PushAnswer(accepted=True, duplicate=True, block=k, version=3)
-            raise ProtocolError(answer, "refused", "test")
-
-    w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False, poll_s=0.01), corpus)
-    w.client = Client()  # type: ignore[assignment]
-    w.k, w.base_version = 0, 3
-    if answers[-1] == "taken":
-        assert w._send(b"push").accepted
+    client = CoordinatorClient("http://coordinator", "t", base_delay=0.01, max_delay=0.02, deflate_pushes=False)
+    client.http = httpx.Client(base_url="http://coordinator", transport=httpx.MockTransport(answer))
+    if answers[-1] == 202:
+        assert client.push(0, b"push").accepted
     else:
-        with pytest.raises(ProtocolError):
-            w._send(b"push")
+        with pytest.raises(ProtocolError) as exc:
+            client.push(0, b"push")
+        assert exc.value.status == answers[-1]
     assert sent == [b"push"] * sends
+    client.close()
 
 
 def test_the_moment_distance_sees_a_negated_or_rescaled_moment_and_a_changed_bias_correction() -> None:

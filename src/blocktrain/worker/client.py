@@ -4,7 +4,10 @@ Connection errors, timeouts and 5xx answers are retried with delays
 ``base * 2^i`` (capped at ``max_delay``, with jitter) until ``give_up_s``
 seconds have passed without success; then :class:`ProtocolError` is raised.
 A 4xx answer is not retried: it is raised at once as a ProtocolError carrying
-the coordinator's message. An answer is read up to ``max_response_bytes`` after
+the coordinator's message; but a 408 or 429 after a sending whose answer was
+lost is retried too (refused before its body was read, it does not say whether
+the first sending was taken; a worker that undid a round the coordinator kept
+would fail its next audit, coordinator.lineage). An answer is read up to ``max_response_bytes`` after
 decoding (a deflate bomb or a runaway body ends the request, 502 ``too_large``):
 small before registration, then sized by the worker from its block.
 """
@@ -28,6 +31,7 @@ from blocktrain.protocol.transport import DEFLATE, deflate
 log = logging.getLogger(__name__)
 LEAVING_GIVE_UP_S = 10.0  # seconds a leaving worker (SIGTERM) keeps retrying a coordinator that is gone
 UNSIZED_RESPONSE_BYTES = 16 * 2**20  # bytes an answer may have until the worker knows its block (JSON answers)
+UNSETTLED = (408, 429)  # refusals before a body is read: after a lost sending, they do not say whether it was taken
 
 
 class CoordinatorClient:
@@ -62,7 +66,6 @@ class CoordinatorClient:
         self.bytes_sent = 0  # request body bytes, as sent on the wire
         self.bytes_received = 0  # response body bytes, as received on the wire (before any decoding)
         self._leave_seen: float | None = None  # when a retry loop first saw ``leaving`` set
-        self.last_attempts = 0  # sendings of the last request (more than 1: an earlier one's fate is unknown)
 
     def close(self) -> None:
         self.http.close()
@@ -72,7 +75,6 @@ class CoordinatorClient:
         start = time.monotonic()
         attempt = 0
         while True:
-            self.last_attempts = attempt + 1
             try:
                 headers = {"Content-Type": "application/octet-stream"} if content is not None else {}
                 if encoding is not None:
@@ -80,9 +82,13 @@ class CoordinatorClient:
                 resp = self._capped(self.http.build_request(method, path, content=content, json=json,
                                                             headers=headers or None))
                 if resp.status_code < 500:
-                    if resp.status_code >= 400:
+                    if resp.status_code < 400:
+                        return resp
+                    if not (attempt > 0 and resp.status_code in UNSETTLED):
                         raise _protocol_error(resp)
-                    return resp
+                # a sending went out whose answer never came, and this one was refused before its body was read:
+                # the first may have been taken, so the same request goes again until an answer settles it (a
+                # byte-identical resend of a push is answered as its first sending was)
                 problem = f"{resp.status_code} {resp.text[:200]}"
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"

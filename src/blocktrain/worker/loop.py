@@ -43,7 +43,7 @@ from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.inner_state import pack_state, state_sha
-from blocktrain.protocol.messages import PushAnswer, Registration, WorkAnswer
+from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.moments import parse_moments
 from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, schema_fp32_bytes, trainable_state
 from blocktrain.train.inner import InnerRounds, Snapshot
@@ -273,7 +273,7 @@ class Worker:
         t0 = time.monotonic()
         try:
             try:
-                answer = self._send(payload)
+                answer = self.client.push(self.k, payload)
             except ProtocolError as exc:
                 # a refused push sent nothing: its quantisation error is not carried, nor do its moments go on (an
                 # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
@@ -294,24 +294,6 @@ class Worker:
                 self._answer_audit()
         finally:
             load_trainable(self.block, self.base)  # the local copy restarts from the published version
-
-    def _send(self, payload: bytes) -> PushAnswer:
-        """Push ``payload``; where a sending was lost and its resend was refused before its body was read (408, 429),
-        the first may have been taken: the same bytes go again, with backoff, until the answer says (a byte-identical
-        resend is answered as its first sending was), at most ``give_up_s``. Undoing a round the coordinator took
-        would leave this worker's moments other than its records say, and its next audit would fail."""
-        start, delay, lost = time.monotonic(), self.opts.poll_s, False
-        while True:
-            try:
-                return self.client.push(self.k, payload)
-            except ProtocolError as exc:
-                lost = lost or self.client.last_attempts > 1  # a sending went out whose answer never came
-                if (exc.status not in (408, 429) or not lost or time.monotonic() - start > self.opts.give_up_s
-                        or self.abandon.wait(delay)):
-                    raise
-                log.warning("block %d v%d: a resend of a push whose answer was lost was refused (%s); sending it "
-                            "again in %.0f s to learn its fate", self.k, self.base_version, exc, delay)
-                delay = min(2 * delay, 30.0)
 
     def _refused_push(self, exc: ProtocolError) -> None:
         """A refused push: a stale one waits for the new version; another counts toward --max-rejections."""
