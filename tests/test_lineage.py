@@ -88,6 +88,21 @@ def test_where_the_records_cannot_derive_the_moments(tmp_path: Path) -> None:
     assert trace(s, 0, "nobody", 2, InnerStart.SHARED_MV, every=3) is None
 
 
+def test_a_group_of_an_earlier_session_does_not_stop_the_trace(tmp_path: Path) -> None:
+    """A worker that averaged in hivemind groups, then registered again without them, started its inner state afresh:
+    the earlier session's group rounds no longer stand between it and its records."""
+    s = store_with(tmp_path, kept=[], published=[])
+    with s.tx():
+        s.workers.register_worker("w", 0, True, 0.0, 1e9, hivemind=True)
+        s.updates.record_group(0, 1, "x", ["w", "x"])
+        s.workers.register_worker("w", 0, True, 1.0, 1e9)  # a new process, no groups
+        keep(s, 2)
+    assert links(s, 3) == [(2, None), (3, None)]
+    with s.tx():
+        s.updates.record_group(0, 3, "x", ["w", "x"])  # in this session a mean stood for its round against 3
+    assert links(s, 4) is None
+
+
 def test_a_registration_from_before_the_store_had_sessions_is_not_traced(tmp_path: Path) -> None:
     """A worker still running across the coordinator's upgrade never registered in a session: its rows of every
     earlier registration look alike (NULL), so its moments cannot be derived and stay its claim."""

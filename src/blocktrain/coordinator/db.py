@@ -65,9 +65,9 @@ CREATE TABLE IF NOT EXISTS group_refusals(
 
 # (table, column, type) added since schema 1, NULL in old rows: the moments published with a version; a worker's
 # registrations so far (each starts its inner state afresh), whether the last one averages in hivemind groups, and
-# the registration an update was sent in (coordinator.lineage)
+# the registration an update was sent in, or a group member's mean stood for (coordinator.lineage)
 ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"), ("workers", "session", "INTEGER"), ("workers", "hivemind", "INTEGER"),
-                 ("updates", "session", "INTEGER"))
+                 ("updates", "session", "INTEGER"), ("group_members", "session", "INTEGER"))
 
 
 class Db:

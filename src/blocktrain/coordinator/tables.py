@@ -278,8 +278,10 @@ class UpdateTable:
         return None if row is None else KeptRound(int(row["version"]), str(row["blob"]), int(row["samples"]))
 
     def grouped(self, k: int, worker: str, low: int, high: int) -> bool:
-        """Whether ``worker`` was in a group's mean of block k against a version in [low, high)."""
-        return self.db.q1("SELECT 1 FROM group_members WHERE block=? AND worker=? AND version>=? AND version<? LIMIT 1",
+        """Whether ``worker`` was in a group's mean of block k against a version in [low, high) in its current session
+        (an earlier session's inner state is gone: its new one started afresh)."""
+        return self.db.q1("SELECT 1 FROM group_members g JOIN workers w ON w.name = g.worker WHERE g.block=? AND "
+                          "g.worker=? AND g.version>=? AND g.version<? AND g.session IS w.session LIMIT 1",
                           k, worker, low, high) is not None
 
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
@@ -307,8 +309,9 @@ class UpdateTable:
 
     def record_group(self, k: int, v: int, uploader: str, members: list[str]) -> None:
         """The members (uploader included) whose mean ``uploader`` sent for block k version v."""
-        self.db.executemany("INSERT INTO group_members(block, version, worker, uploader) VALUES(?,?,?,?)",
-                            [(k, v, m, uploader) for m in members])
+        self.db.executemany("INSERT INTO group_members(block, version, worker, uploader, session) "
+                            "VALUES(?,?,?,?,(SELECT session FROM workers WHERE name=?))",
+                            [(k, v, m, uploader, m) for m in members])
 
     def groups(self, k: int, v: int) -> dict[str, list[str]]:
         """The groups of block k version v: uploader -> members."""
