@@ -613,3 +613,46 @@ def test_the_moment_distance_sees_a_negated_or_rescaled_moment_and_a_changed_bia
     assert moment_error({**state, "residual/w": torch.zeros(8, 4)}, state) == 0.0  # the residual is bounded apart
     assert moment_error(state, {}) == float("inf")  # moments where the records say the round started from none
     assert CoordinatorSettings().audit_moment_tolerance == 1.0
+
+
+def test_an_audit_upload_waits_for_the_replay_that_answers_it() -> None:
+    """The coordinator answers an audit upload only after replaying the round (and the earlier rounds its moments came
+    from), which may take longer than any other request: the client waits ``replay_wait_s`` for it, where a timeout
+    would resend into a 404 (the audit already taken) and the worker would never learn the replay's result. A real
+    server on loopback answers the audit after 1.5 s; every other request still times out after 0.5 s."""
+    import http.server
+    import json
+
+    from blocktrain.worker.client import CoordinatorClient
+
+    posts: list[str] = []
+
+    class SlowReplay(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the http.server hook
+            self.rfile.read(int(self.headers["Content-Length"]))
+            posts.append(self.path)
+            threading.Event().wait(1.5)  # the replay
+            body = json.dumps({"passed": True, "relative_error": 0.01, "tolerance": 0.05, "seconds": 1.5}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowReplay)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = CoordinatorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", timeout_s=0.5, replay_wait_s=10.0,
+                               base_delay=0.01, max_delay=0.02, give_up_s=2.0)
+    try:
+        answer = client.audit(0, 3, b"state")
+        assert answer.passed and posts == ["/v1/blocks/0/audits/3"]  # one sending, answered
+        with pytest.raises(ProtocolError):  # a push gets no such wait: it times out and is resent until give_up_s
+            client.push(0, b"push")
+        assert posts.count("/v1/blocks/0/updates") >= 2
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()

@@ -9,7 +9,8 @@ lost is retried too (refused before its body was read, it does not say whether
 the first sending was taken; a worker that undid a round the coordinator kept
 would fail its next audit, coordinator.lineage). An answer is read up to ``max_response_bytes`` after
 decoding (a deflate bomb or a runaway body ends the request, 502 ``too_large``):
-small before registration, then sized by the worker from its block.
+small before registration, then sized by the worker from its block. An audit upload waits up to ``replay_wait_s``
+for its answer: the coordinator replays the round, and the earlier rounds its moments came from, before answering.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class CoordinatorClient:
         stop: threading.Event | None = None,
         leaving: threading.Event | None = None,
         deflate_pushes: bool = True,
+        replay_wait_s: float = 1800.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.base_delay = base_delay
@@ -61,6 +63,8 @@ class CoordinatorClient:
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             verify=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
         )
+        self.timeout_s = timeout_s  # seconds to wait for a read, a write or a pool slot (connect: 10)
+        self.replay_wait_s = replay_wait_s  # seconds to wait for the answer to an audit upload (the replay's time)
         self.deflate_pushes = deflate_pushes  # send update bodies with Content-Encoding: deflate
         self.max_response_bytes = UNSIZED_RESPONSE_BYTES  # bytes of an answer, decoded (set from the block's size)
         self.bytes_sent = 0  # request body bytes, as sent on the wire
@@ -71,7 +75,10 @@ class CoordinatorClient:
         self.http.close()
 
     def request(self, method: str, path: str, *, content: bytes | None = None, json: Any = None,
-                retry: bool = True, encoding: str | None = None) -> httpx.Response:
+                retry: bool = True, encoding: str | None = None, read_s: float | None = None) -> httpx.Response:
+        """``read_s``: seconds to wait for the answer, where the coordinator works before answering (default the
+        client's ``timeout_s``)."""
+        timeout = httpx.Timeout(self.timeout_s, connect=10.0, read=max(read_s or 0.0, self.timeout_s))
         start = time.monotonic()
         attempt = 0
         while True:
@@ -80,7 +87,7 @@ class CoordinatorClient:
                 if encoding is not None:
                     headers["Content-Encoding"] = encoding
                 resp = self._capped(self.http.build_request(method, path, content=content, json=json,
-                                                            headers=headers or None))
+                                                            headers=headers or None, timeout=timeout))
                 if resp.status_code < 500:
                     if resp.status_code < 400:
                         return resp
@@ -173,8 +180,10 @@ class CoordinatorClient:
         return parse(PushAnswer, resp.json(), "the coordinator's push answer", status=502)
 
     def audit(self, k: int, v: int, payload: bytes) -> AuditAnswer:
-        """Upload the inner state an audited push committed to; the coordinator replays the round."""
-        resp = self.request("POST", f"/v1/blocks/{k}/audits/{v}", content=deflate(payload), encoding=DEFLATE)
+        """Upload the inner state an audited push committed to; the coordinator replays the round before it answers
+        (waited for up to ``replay_wait_s``: a resend after a timeout would find the audit taken, 404)."""
+        resp = self.request("POST", f"/v1/blocks/{k}/audits/{v}", content=deflate(payload), encoding=DEFLATE,
+                            read_s=self.replay_wait_s)
         return parse(AuditAnswer, resp.json(), "the coordinator's audit answer", status=502)
 
 
