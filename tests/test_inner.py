@@ -261,6 +261,46 @@ def test_the_in_process_rounds_share_moments_and_count_their_bytes(start: InnerS
     assert sizes[0] < sizes[3] and sizes[0] == sizes[6]  # round 1 (replicas 3..5) pushes moments, rounds 0 and 2 not
 
 
+@pytest.mark.parametrize("start", [InnerStart.SHARED_MV, InnerStart.CARRIED])
+def test_an_in_process_replica_refused_a_round_goes_on_as_if_it_had_sat_it_out(start: InnerStart,
+                                                                               corpus: DataDir) -> None:  # noqa: F811
+    """As the worker does (Worker._push), a replica whose push is refused is undone to before its round began, its
+    load of the published moments included, and loads them at its next round: the run where replica 1's push of
+    version 2 (which loads the moments published with it, shared every 2 versions) is refused ends bit for bit
+    where the run in which it sat that round out ends."""
+    from blocktrain.coordinator.simulate import BlockRun
+
+    cfg = get_preset("tiny")
+    s = CoordinatorSettings(outer=OuterOptimizer.AVERAGE, outer_lr=1.0, gate=False, moment_codec=MomentCodec.INT8,
+                            moment_every=2, norm_k=10.0)
+    opts = LocalRounds(workers=2, local_steps=2, steps=8, inner_start=start)
+
+    def run(refuse: bool) -> dict[str, torch.Tensor]:
+        block = BlockRun(cfg, s, opts, corpus)
+        block.round(2, 0)
+        block.round(2, 2)
+        if refuse:
+            check, calls = block.intake.check, []
+
+            def refuse_the_second(*args, **kwargs):  # type: ignore[no-untyped-def]
+                calls.append(1)
+                if len(calls) == 2:  # replica 1's push of version 2
+                    raise ProtocolError(422, "refused by the test", Reason.NORM)
+                return check(*args, **kwargs)
+
+            block.intake.check = refuse_the_second  # type: ignore[method-assign]
+            block.round(2, 4)
+            block.intake.check = check  # type: ignore[method-assign]
+            assert [u.outcome for u in block.run.updates[4:]] == ["accepted", Reason.NORM]
+        else:
+            block.round(2, 4, workers=1)
+        block.round(2, 6)
+        return block.finish().weights
+
+    refused, sat_out = run(True), run(False)
+    assert all(torch.equal(refused[n], sat_out[n]) for n in sat_out)
+
+
 def test_the_mean_v_is_the_v_of_the_workers_mean_gradient() -> None:
     """m and v of six workers whose gradients have mean 1 and variance 6: one worker's v is 1 + 6, the mean's 1 + 1."""
     s = CoordinatorSettings(aggregation=Aggregation.MEAN, moment_mean_v=True)

@@ -29,7 +29,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -43,16 +43,16 @@ from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.coordinator.intake import Intake, Published
+from blocktrain.coordinator.local_run import LocalRounds, LocalRun, UpdateRecord
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import compile_module, resolve_device, resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
-from blocktrain.evaluate.scoring import score_split
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
-from blocktrain.protocol.delta import Compression, ErrorFeedback, Sent, decode_delta, pack_delta
+from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, pack_delta
 from blocktrain.protocol.inner_state import state_sha
 from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
@@ -62,94 +62,9 @@ from blocktrain.train.inner import InnerRounds
 from blocktrain.train.round import BlockTask, train_round
 from blocktrain.train.step import MuonAdamW, decay_groups, round_lr_scale
 
+__all__ = ["BlockRun", "LocalRounds", "LocalRun", "UpdateRecord", "run_local_rounds"]  # the options and results: .local_run
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LocalRounds:
-    workers: int = 6  # M: replicas of the block
-    local_steps: int = 25  # H: inner steps per round
-    steps: int = 400  # inner steps of each replica in all (rounds = steps // H)
-    compression: Compression = Compression.INT8  # push encoding (lossy ones carry error feedback)
-    batch_size: int = 0  # sequences per inner step (0: the run config's)
-    reset_inner: bool | None = None  # True: fresh inner moments each round, False: carried (None: inner_start)
-    inner_start: InnerStart | None = None  # what each round's inner AdamW starts from (None: reset_inner, else settings')
-    inner: str = "adamw"  # inner optimiser: "adamw", or "muon" (train.step.MuonAdamW; a measured lever)
-    early_steps: int = 0  # H schedule: the first early_steps inner steps run at H = early_h (0: H fixed)
-    early_h: int = 0  # H of those early rounds
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.local_steps < 1 or self.batch_size < 0:
-            raise ConfigError("workers and local_steps must be >= 1 and batch_size >= 0")
-        if self.reset_inner is not None and self.inner_start is not None:
-            raise ConfigError("set reset_inner or inner_start, not both")
-        late = self.steps - self.early_steps
-        if late < self.local_steps or late % self.local_steps:
-            raise ConfigError(f"steps after the early ones ({late}) must be a positive multiple of local_steps "
-                              f"({self.local_steps})")
-        if self.early_steps and (self.early_h < 1 or self.early_steps % self.early_h):
-            raise ConfigError(f"early_steps ({self.early_steps}) must be a multiple of early_h ({self.early_h}) >= 1")
-        if self.inner not in ("adamw", "muon"):
-            raise ConfigError(f"inner must be adamw or muon, got {self.inner!r}")
-
-    @property
-    def round_steps(self) -> list[int]:
-        """H of every round, in order: early_h over the first early_steps, then local_steps."""
-        early = [self.early_h] * (self.early_steps // self.early_h) if self.early_steps else []
-        return early + [self.local_steps] * ((self.steps - self.early_steps) // self.local_steps)
-
-    @property
-    def rounds(self) -> int:
-        return len(self.round_steps)
-
-
-@dataclass(frozen=True)
-class UpdateRecord:
-    replica: int  # index of the replica that pushed it
-    round: int  # the version it was against
-    norm: float  # ||Delta|| as the coordinator decoded it
-    outcome: str  # "accepted", the refusal's reason ("norm", "gate", ...), "screened" at the close, or "audit" (failed)
-    gate: tuple[float, float] | None = None  # held-out loss (before, after) when the gate ran
-    replay_cos: float | None = None  # its largest sketch cosine with the block's earlier accepted deltas
-    norm_ratio: float | None = None  # its norm per unit of lr over the median of the block's recent ones (None: too few)
-    audited: bool = False  # its round was replayed (then "audit" if the replay failed)
-    hostile: bool = False  # a hostile replica pushed it while attacking
-
-
-@dataclass
-class LocalRun:
-    block: nn.Module  # replica 0's module holding the final published weights
-    weights: dict[str, torch.Tensor]  # final published W
-    push_bytes: list[int] = field(default_factory=list)  # every pushed payload's size on the wire (deflated)
-    pull_bytes: list[int] = field(default_factory=list)  # every published step's size on the wire (deflated)
-    raw_push_bytes: list[int] = field(default_factory=list)  # the same payloads as safetensors, before deflate
-    raw_pull_bytes: list[int] = field(default_factory=list)
-    updates: list[UpdateRecord] = field(default_factory=list)  # every pushed update and what became of it
-    skipped_rounds: int = 0  # rounds in which every update was refused (the coordinator would wait on)
-    quarantined: dict[int, int] = field(default_factory=dict)  # replica -> the version it was quarantined at
-    wall_s: float = 0.0  # seconds of the whole simulation
-
-    def test_ce(self, cfg: RunConfig, data: DataDir, max_bytes: int, k: int = 0,
-                frozen: Sequence[nn.Module] = ()) -> float:
-        """CE (nats/byte) of the trained block's own next-byte prediction (``Objective.local_logits``: a stack's
-        prefix 0..k, a diffusion block alone) on the first ``max_bytes`` test bytes."""
-        objective = get_objective(cfg)
-        self.block.eval()
-        device = next(self.block.parameters()).device
-        inputs = [f.to(device) for f in frozen]
-
-        def log_probs(x: torch.Tensor) -> torch.Tensor:
-            logits = objective.local_logits(self.block, k, x, torch.Generator().manual_seed(0), inputs)
-            return torch.log_softmax(logits.float(), dim=-1)[None]  # (1, b, t, 256)
-
-        with torch.no_grad():
-            return score_split(log_probs, data.open("test").data, cfg.model.context, max_bytes=max_bytes,
-                               device=device).ce_nats_per_byte
-
-    def bytes_per_worker_round(self, wire: bool = True) -> float:
-        """Mean bytes one replica moves per round: its push plus the step it pulls (on the wire, or raw)."""
-        push, pull = (self.push_bytes, self.pull_bytes) if wire else (self.raw_push_bytes, self.raw_pull_bytes)
-        return sum(push) / max(1, len(push)) + sum(pull) / max(1, len(pull))
 
 
 def run_local_rounds(
@@ -241,7 +156,9 @@ class BlockRun:
         self.set_frozen(frozen, earlier)
         self.precision = resolve_precision(tc.precision, self.device)
         self.version = 0
-        self.published: dict[str, torch.Tensor] | None = None  # the shared moments of the latest version, if new
+        # per replica, the newest published moments it has kept no round since: its next round's start loads them
+        # (a round that does not count is undone, its load included, and loads them again: Worker._published_moments)
+        self.unloaded: list[dict[str, torch.Tensor] | None] = [None] * opts.workers
         self.run = LocalRun(self.replicas[0], self.W)
         self._t0 = time.perf_counter()
 
@@ -267,13 +184,12 @@ class BlockRun:
         opts, k, v, run = self.opts, self.k, self.version, self.run
         W = self.W
         base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
-        published, self.published = self.published, None  # a new publication is loaded once; else own state goes on
         m = opts.workers if workers is None else workers
         kept: list[tuple[int, ParsedUpdate]] = []  # (its record's index, the update) of each accepted push
         for i in range(m):
             if i in self.quarantined:
                 continue
-            parsed = self._push(i, h, offset, base, published)
+            parsed = self._push(i, h, offset, base)
             if parsed is not None:
                 kept.append((len(run.updates) - 1, parsed))
         self.version += 1
@@ -289,15 +205,26 @@ class BlockRun:
                 run.updates[at] = replace(run.updates[at], outcome="screened")
         self._publish(result, v)
 
-    def _push(self, i: int, h: int, offset: int, base: Published,
-              published: dict[str, torch.Tensor] | None) -> ParsedUpdate | None:
+    def _push(self, i: int, h: int, offset: int, base: Published) -> ParsedUpdate | None:
         """Replica i trains its round and pushes; the update as the coordinator accepted it (None: refused, or its
-        audit failed)."""
-        opts, tc, k, v, run = self.opts, self.tc, self.k, base.version, self.run
+        audit failed). A round that does not count is undone, as the worker undoes it (its inner state back to
+        before the round began): the moments an audit derives for its next round (coordinator.lineage) are its."""
         block, inner = self.replicas[i], self.inner[i]
+        undo = inner.snapshot()
         load_trainable(block, base.weights)
         block.train()
-        inner.begin(published)
+        inner.begin(self.unloaded[i])
+        parsed = self._train_and_push(i, h, offset, base)
+        if parsed is None:
+            inner.restore(undo)
+        else:
+            self.unloaded[i] = None
+        return parsed
+
+    def _train_and_push(self, i: int, h: int, offset: int, base: Published) -> ParsedUpdate | None:
+        """Replica i's round from its start: trained, pushed, checked and (if drawn) audited as the coordinator does."""
+        opts, tc, k, v, run = self.opts, self.tc, self.k, base.version, self.run
+        block, inner = self.replicas[i], self.inner[i]
         committed = inner.committed(self.feedback[i].residual) if self.auditor is not None else {}
         bad = self.hostile.get(i)
         bad = bad if bad is not None and v >= bad.attacks_from else None
@@ -402,7 +329,8 @@ class BlockRun:
             body = pack(result.moments, {"kind": "moments", "block_index": str(k), "version": str(v + 1)})
             run.raw_pull_bytes[-1] += len(body)
             run.pull_bytes[-1] += len(deflate(body))
-            self.published = decode_moments(unpack(body, source="moments")[0], self.settings.moment_codec, self.shapes)
+            published = decode_moments(unpack(body, source="moments")[0], self.settings.moment_codec, self.shapes)
+            self.unloaded = [published] * len(self.unloaded)
 
     def current(self) -> nn.Module:
         """Replica 0 holding the latest published weights (what a later block copies and reads)."""
