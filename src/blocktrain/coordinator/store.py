@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from blocktrain.coordinator.blobs import BlobStore
+from blocktrain.coordinator.conduct_tables import AuditTable, ConductTable
 from blocktrain.coordinator.db import SCHEMA_VERSION, Db
 from blocktrain.coordinator.tables import (
-    AuditTable,
-    ConductTable,
     EvalTable,
     MetaTable,
     RoundTable,
