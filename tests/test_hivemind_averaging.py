@@ -148,10 +148,30 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             c.register("w2", 0)
         with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts
             c.submit("w3", 0, _group_body(c, names[1:], KEYS[1:3], ["PB", "PC"], 0.0, v=1))
+        # their DHT tokens stay valid until they expire: every work answer names them, whose cards no longer count
+        assert set(c.work("w3").revoked) == {"w1", "w2"}
         s = c.status().model_dump(mode="json")
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
     finally:
         c.close()
+
+
+def test_a_group_with_a_quarantined_member_is_not_used() -> None:
+    """A quarantined worker's DHT token is valid until it expires, so it may still join a group; the members drop a
+    group whose cards name a worker the coordinator's work answer revoked (and upload alone) instead of uploading a
+    mean the coordinator refuses whole."""
+    authority = Authority(KEYS[0])
+    averager = GroupAverager.__new__(GroupAverager)  # its card check only: no DHT
+    averager.authority, averager.revoked = authority.public_key, frozenset()
+    scope = round_scope("r1", 0, 3)
+    gathered = {}
+    for name, key, peer in (("w1", KEYS[1], "PeerA"), ("w2", KEYS[2], "PeerB")):
+        card = Card.make(key, authority.issue(name, key.get_public_key().to_bytes()), peer, scope)
+        gathered[peer] = {"token": card.token, "proof": card.proof, "samples": 8}
+    members = averager._members(gathered, scope)
+    assert members is not None and [m.worker for m in members] == ["w1", "w2"]
+    averager.revoked = frozenset({"w2"})
+    assert averager._members(gathered, scope) is None
 
 
 def test_the_group_mean_is_weighted_by_the_claims_the_others_see() -> None:

@@ -74,6 +74,13 @@ class ConductTable:
                          "WHERE w.block=? AND q.at>?", k, since)
         return {str(r["worker"]) for r in rows}
 
+    def revoked_peers(self, limit: int) -> list[str]:
+        """The newest ``limit`` quarantined workers that were admitted to hivemind groups (a ``p2p_key``): their
+        DHT tokens stay valid until they expire, so the workers are told whose cards no longer count."""
+        rows = self.db.q("SELECT q.worker AS worker FROM quarantine q WHERE EXISTS (SELECT 1 FROM meta m WHERE "
+                         "m.key = 'p2p_key:' || q.worker) ORDER BY q.at DESC, q.worker LIMIT ?", limit)
+        return [str(r["worker"]) for r in rows]
+
     def quarantined_token(self, token_hash: str) -> str | None:
         """The quarantined worker whose revoked token has this hash, if any."""
         row = self.db.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)

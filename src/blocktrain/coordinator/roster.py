@@ -23,7 +23,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
-from blocktrain.protocol.messages import Heartbeat, Registration, WorkAnswer
+from blocktrain.protocol.messages import MAX_REVOKED, Heartbeat, Registration, WorkAnswer
 from blocktrain.seeds import worker_stream
 
 log = logging.getLogger(__name__)
@@ -157,5 +157,6 @@ class Roster:
             steps=rounds.local_steps(k), batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
             submitted=submitted,
             fetch_first=ck.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
+            revoked=tuple(self.store.conduct.revoked_peers(MAX_REVOKED)),  # whose group cards no longer count
             finished=block_state is BlockState.FINISHED,  # this worker's block has no more rounds
         )

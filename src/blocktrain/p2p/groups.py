@@ -109,6 +109,7 @@ class GroupAverager:
         self._averager: DecentralizedAverager | None = None
         self._block = -1  # the block its averager serves
         self._state: tuple[dict[str, Any], list[torch.Tensor]] = ({}, [])  # the weights it shares: (meta, tensors)
+        self.revoked: frozenset[str] = frozenset()  # quarantined workers (the coordinator's work answer): no member
 
     def average(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, timeout: float) -> GroupOutcome | None:
         """Average ``delta`` with this round's group; None when no group of admitted peers at version v formed."""
@@ -236,7 +237,8 @@ class GroupAverager:
         self.dht.shutdown()
 
     def _members(self, gathered: dict[Any, Any], scope: str) -> list[GroupMember] | None:
-        """Every member's entry, if every card verifies (else None: a stranger joined, the mean is not used)."""
+        """Every member's entry, if every card verifies and names no quarantined worker (else None: a stranger or
+        a quarantined worker joined, the mean is not used)."""
         members = []
         for peer_id, data in gathered.items():
             peer = str(peer_id)
@@ -246,6 +248,10 @@ class GroupAverager:
             if card is None or worker is None:
                 log.warning("group peer %s has no valid card from the coordinator; its group's mean is discarded "
                             "and this worker uploads alone", peer)
+                return None
+            if worker in self.revoked:  # its token still opens the DHT; the coordinator would refuse the mean whole
+                log.warning("group peer %s is quarantined worker %r; its group's mean is discarded and this worker "
+                            "uploads alone", peer, worker)
                 return None
             members.append(GroupMember(peer, int(data["samples"]), worker, card.proof))
         return sorted(members, key=lambda m: m.peer)

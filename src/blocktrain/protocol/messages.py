@@ -17,7 +17,7 @@ imports either.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +29,8 @@ PROTOCOL_VERSION = 6  # bumped when a message changes meaning (2: budgets, base 
 # 5: moment_every; 6: a refused round leaves the worker's inner state as it was, audits derive the moments)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
+MAX_REVOKED = 1024  # quarantined workers a work answer names (the newest)
+WorkerName = Annotated[str, Field(min_length=1, max_length=128)]  # a worker's name, as the coordinator admits it
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
 M = TypeVar("M", bound="Message")
@@ -88,6 +90,9 @@ class WorkAnswer(Message):
     batch: int = Field(ge=1, le=1 << 16)  # budget: sequences per step; an update claims at most steps x batch
     submitted: bool  # this worker already counts for round v
     fetch_first: bool = True  # hivemind engine: the first to ask about version v fetches it at once
+    # hivemind engine: quarantined workers, newest first, whose group cards no longer count (their DHT tokens stay
+    # valid until they expire): a group with one of them is not used, its members upload alone
+    revoked: tuple[WorkerName, ...] = Field(default=(), max_length=MAX_REVOKED)
     finished: bool  # the block has no more rounds
 
     @property

@@ -73,6 +73,9 @@ class Engine(Protocol):
     def reserve_s(self) -> float:
         """Seconds kept free before the push for the engine's own exchange."""
 
+    def revoke(self, workers: tuple[str, ...]) -> None:
+        """The quarantined workers the coordinator names: a group with one of them is not used."""
+
     def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
         """What to upload for round (k, v); None when another member of its group uploads it."""
 
@@ -102,6 +105,9 @@ class DirectEngine:
 
     def reserve_s(self) -> float:
         return 0.0
+
+    def revoke(self, workers: tuple[str, ...]) -> None:
+        return None
 
     def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
         return Combined(delta, samples)
@@ -171,6 +177,12 @@ class HivemindEngine:
     def reserve_s(self) -> float:
         """Matchmaking and the exchange."""
         return 3.0 * self.matchmaking_s
+
+    def revoke(self, workers: tuple[str, ...]) -> None:
+        """A quarantined worker's DHT token stays valid until it expires, so it may still find groups: its card no
+        longer counts, and a group it joins is not used (its members upload alone, which the coordinator takes)."""
+        if self.groups is not None:
+            self.groups.revoked = frozenset(workers)
 
     def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
         self._await_peers(k, v, clock)

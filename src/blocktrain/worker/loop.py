@@ -345,6 +345,7 @@ class Worker:
                 if work.finished:
                     log.info("block %d has finished its rounds", self.k)
                     break
+                self.engine.revoke(work.revoked)  # whose group cards no longer count (hivemind)
                 if work.block != self.k:
                     log.info("reassigned from block %d to %d", self.k, work.block)
                     self._register()
