@@ -533,19 +533,22 @@ def test_a_restart_gives_a_pending_audit_its_whole_timeout_again(tmp_path: Path,
         c2.close()
 
 
-@pytest.mark.parametrize(("status", "ends"), [(404, False), (408, False), (413, False), (401, True), (403, True),
-                                              (503, True)])
+@pytest.mark.parametrize(("status", "reason", "ends"), [(404, "test", False), (408, "test", False),
+                                                        (413, "test", False), (503, "unreachable", False),
+                                                        (401, "test", True), (403, "test", True), (503, "test", True)])
 def test_a_refused_audit_upload_ends_the_worker_only_where_it_may_no_longer_work(corpus: DataDir,  # noqa: F811
-                                                                               status: int, ends: bool) -> None:
+                                                                               status: int, reason: str,
+                                                                               ends: bool) -> None:
     """The push was taken before its audit was asked for: a refused upload (404: an earlier try reached it; 408 on a
-    slow link; 413) is logged and the worker goes on, and the coordinator decides on the audit as it does without an
-    upload; its own fault (5xx) or a worker that may no longer work (401, 403) ends it (an upload's 4xx ended it)."""
+    slow link; 413) or one left unanswered (the replay outlasted the client's wait: unreachable) is logged and the
+    worker goes on, and the coordinator decides on the audit as it does without an upload; its own fault (5xx) or a
+    worker that may no longer work (401, 403) ends it (an upload's 4xx ended it)."""
     uploads: list[tuple[int, int, bytes]] = []
 
     class Client:
         def audit(self, k: int, v: int, body: bytes) -> None:
             uploads.append((k, v, body))
-            raise ProtocolError(status, "refused", "test")
+            raise ProtocolError(status, "refused", reason)
 
     w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False), corpus)
     w.client = Client()  # type: ignore[assignment]

@@ -150,6 +150,9 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             c.submit("w3", 0, _group_body(c, names[1:], KEYS[1:3], ["PB", "PC"], 0.0, v=1))
         # their DHT tokens stay valid until they expire: every work answer names them, whose cards no longer count
         assert set(c.work("w3").revoked) == {"w1", "w2"}
+        c.add_token("w4")
+        c.register("w4", 0)  # a worker that pushes its own deltas is told nothing of them
+        assert c.work("w4").revoked == ()
         s = c.status().model_dump(mode="json")
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
     finally:

@@ -30,7 +30,7 @@ from blocktrain.protocol.moments import (
     parse_moments,
     shares_moments,
 )
-from blocktrain.train.inner import InnerRounds, make_round_optimizer, moment_estimates, start_round
+from blocktrain.train.inner import InnerRounds, OptimizerFactory, make_round_optimizer, moment_estimates, start_round
 from blocktrain.train.step import make_optimizer
 from tests.distributed_utils import corpus  # noqa: F401
 
@@ -95,16 +95,23 @@ def test_a_shared_start_loads_full_estimates_and_restarts_m() -> None:
     assert all(opt.state[p]["c2"] == 0.0 and not opt.state[p]["exp_avg_sq"].any() for p in net.parameters())
 
 
-@pytest.mark.parametrize("start", [InnerStart.SHARED_MV, InnerStart.CARRIED])
-def test_a_round_undone_leaves_the_state_as_it_was_before_it_began(start: InnerStart) -> None:
+@pytest.mark.parametrize(("start", "muon"), [(InnerStart.SHARED_MV, False), (InnerStart.CARRIED, False),
+                                            (InnerStart.CARRIED, True)])
+def test_a_round_undone_leaves_the_state_as_it_was_before_it_began(start: InnerStart, muon: bool) -> None:
     """A refused round is undone to the snapshot taken before it began (its load of published moments included), so
     the worker's state is what the coordinator's records say (coordinator.lineage); the next round's steps are then
-    exactly those of a worker that never trained the refused one. Empty before any step, it stays empty."""
+    exactly those of a worker that never trained the refused one. Empty before any step, it stays empty. Muon
+    (the in-process rounds' ``inner muon``) keeps its state in its two parts, undone alike."""
+    from blocktrain.train.step import MuonAdamW, decay_groups
+
     cfg = TrainConfig(weight_decay=0.1)
     nets = _net(), _net()
     b = nets[1]
     b.load_state_dict(nets[0].state_dict())
-    inners = [InnerRounds(net, cfg, start) for net in nets]
+    def muon_for(net: nn.Module) -> OptimizerFactory:
+        return lambda: (MuonAdamW(net, cfg), decay_groups(net, cfg)[1])
+
+    inners = [InnerRounds(net, cfg, start, muon_for(net) if muon else None) for net in nets]
     empty = inners[1].snapshot()
     weights = {n: t.clone() for n, t in b.state_dict().items()}
     inners[1].begin(None)

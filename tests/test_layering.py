@@ -7,7 +7,8 @@
 - No import circle anywhere in the package, imports under ``if TYPE_CHECKING:`` counted: a module that names
   another's types knows it.
 - The coordinator's parts take no lock and write no other part's attributes: only its front (``service.py``) owns
-  the lock; no ``sqlite3.Row`` leaves ``coordinator/tables.py`` (and ``rows.py``, whose row types are built from one).
+  the lock; no ``sqlite3.Row`` leaves ``coordinator/tables.py`` and ``conduct_tables.py`` (and ``rows.py``, whose row
+  types are built from one).
 - ``serve/``'s subpackages import only downward: wire <- runtime <- stage, wire <- client <- gateway.
 """
 

@@ -80,7 +80,7 @@ def trace(store: Store, k: int, worker: str, v: int, start: InnerStart, every: i
     while True:
         last = store.updates.last_kept(k, worker, u)
         if store.updates.grouped(k, worker, last.version if last is not None else 0, u):
-            return None  # a round in a group's mean went between (an earlier session's): its own part never came
+            return None  # a round in a group's mean went between (this session's): its own part never came
         at = u - u % every  # the newest version published with moments, at or before u
         loads = None
         if start.shares and at > 0 and (last is None or last.version < at):

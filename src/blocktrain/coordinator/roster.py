@@ -143,6 +143,8 @@ class Roster:
         state = rnd.state if rnd is not None else RoundState.FINISHED
         stream = worker_stream(row.id, k, current.version)
         submitted = self.store.updates.submitted(k, current.version, name)
+        in_groups = self.store.workers.averages_in_groups(name)
+        revoked = tuple(self.store.conduct.revoked_peers(MAX_REVOKED)) if in_groups else ()
         with self.store.tx():
             self.store.workers.renew_lease(name, now + self.settings.lease_seconds)
             if state is RoundState.OPEN:
@@ -157,6 +159,6 @@ class Roster:
             steps=rounds.local_steps(k), batch=self.cfg.train.batch_size,  # the budget: steps x batch samples
             submitted=submitted,
             fetch_first=ck.take_first_fetch(k),  # the first to ask about this version (hivemind workers)
-            revoked=tuple(self.store.conduct.revoked_peers(MAX_REVOKED)),  # whose group cards no longer count
+            revoked=revoked,  # hivemind workers: whose group cards no longer count
             finished=block_state is BlockState.FINISHED,  # this worker's block has no more rounds
         )

@@ -12,7 +12,8 @@ M workers would against a coordinator, without HTTP, storage or processes:
   the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
   bound, and the loss gate when ``gate_tolerance`` is set);
 * the round closes with :func:`.aggregate.next_version`, the function the
-  coordinator calls, and the replicas apply the decoded published step (and load the published moments).
+  coordinator calls, and the replicas apply the decoded published step (and load the published moments at their
+  next round that counts: a refused round, or one sat out, is undone to before it began, as the worker undoes it).
 
 Bytes are the real payloads' sizes (safetensors, headers included), deflated as the
 worker and the coordinator send them (:mod:`blocktrain.protocol.transport`), and raw. Used by the

@@ -103,6 +103,10 @@ class WorkerTable:
         return self.db.q1("SELECT 1 FROM workers WHERE name=? AND session IS NOT NULL AND hivemind=0",
                           name) is not None
 
+    def averages_in_groups(self, name: str) -> bool:
+        """Whether worker ``name`` registered this session to average in hivemind groups."""
+        return self.db.q1("SELECT 1 FROM workers WHERE name=? AND hivemind=1", name) is not None
+
     def renew_lease(self, name: str, lease_until: float) -> None:
         """Worker ``name`` is active and holds its lease until ``lease_until``."""
         self.db.execute("UPDATE workers SET lease_until=?, state=? WHERE name=?", (lease_until, WorkerState.ACTIVE.value, name))
@@ -309,7 +313,9 @@ class UpdateTable:
             "SELECT 1 FROM group_members WHERE block=? AND version=? AND worker=?", k, v, worker) is not None
 
     def record_group(self, k: int, v: int, uploader: str, members: list[str]) -> None:
-        """The members (uploader included) whose mean ``uploader`` sent for block k version v."""
+        """The members (uploader included) whose mean ``uploader`` sent for block k version v, each with its session
+        as it is now (a member that registered again since its group's round is tagged with the new one: its trace
+        then stops at that round, and its uploaded moments go unbounded, never an honest worker failed)."""
         self.db.executemany("INSERT INTO group_members(block, version, worker, uploader, session) "
                             "VALUES(?,?,?,?,(SELECT session FROM workers WHERE name=?))",
                             [(k, v, m, uploader, m) for m in members])

@@ -90,8 +90,8 @@ class WorkAnswer(Message):
     batch: int = Field(ge=1, le=1 << 16)  # budget: sequences per step; an update claims at most steps x batch
     submitted: bool  # this worker already counts for round v
     fetch_first: bool = True  # hivemind engine: the first to ask about version v fetches it at once
-    # hivemind engine: quarantined workers, newest first, whose group cards no longer count (their DHT tokens stay
-    # valid until they expire): a group with one of them is not used, its members upload alone
+    # hivemind engine (to a worker registered for groups): quarantined workers, newest first, whose group cards no
+    # longer count (their DHT tokens stay valid until they expire): a group with one of them is not used
     revoked: tuple[WorkerName, ...] = Field(default=(), max_length=MAX_REVOKED)
     finished: bool  # the block has no more rounds
 

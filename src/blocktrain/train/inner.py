@@ -36,8 +36,8 @@ from blocktrain.protocol.inner_state import inner_state
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
 from blocktrain.train.step import decay_groups, make_optimizer
 
-__all__ = ["InnerRounds", "InnerStart", "RoundAdamW", "Snapshot", "make_inner_optimizer", "make_round_optimizer",
-           "moment_estimates", "start_round"]
+__all__ = ["InnerRounds", "InnerStart", "OptimizerFactory", "RoundAdamW", "Snapshot", "make_inner_optimizer",
+           "make_round_optimizer", "moment_estimates", "start_round"]
 
 OptimizerFactory = Callable[[], tuple[torch.optim.Optimizer, dict[int, str]]]  # -> (optimiser, index -> name)
 Snapshot = dict[str, dict[str, object]]  # parameter name -> its state: (host tensor, its device) pairs, host floats
@@ -115,6 +115,12 @@ def make_inner_optimizer(module: nn.Module, cfg: TrainConfig, start: InnerStart)
     return make_round_optimizer(module, cfg) if start.shares else make_optimizer(module, cfg)
 
 
+def _holders(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimisers that hold ``opt``'s per-parameter state: its parts (train.step.MuonAdamW), else itself."""
+    parts = getattr(opt, "parts", None)
+    return list(parts) if parts else [opt]
+
+
 def _params(opt: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, torch.Tensor]:
     ps = [p for g in opt.param_groups for p in g["params"]]
     return {names[i]: p for i, p in enumerate(ps)}
@@ -190,9 +196,10 @@ class InnerRounds:
         are (bit for bit, unlike :meth:`committed`'s float32)."""
         if self.start is InnerStart.FRESH:
             return {}
+        holders = _holders(self.opt)
         return {n: {key: (v.to("cpu", copy=True), v.device) if isinstance(v, torch.Tensor) else v
-                    for key, v in self.opt.state[p].items()}
-                for n, p in _params(self.opt, self.names).items() if p in self.opt.state}
+                    for key, v in h.state[p].items()}
+                for n, p in _params(self.opt, self.names).items() for h in holders if p in h.state}
 
     def restore(self, snapshot: Snapshot) -> None:
         """Undo a round whose push did not count: the optimiser's state back to ``snapshot``, taken before it began
@@ -200,10 +207,13 @@ class InnerRounds:
         if self.start is InnerStart.FRESH:
             return
         params = _params(self.opt, self.names)
-        self.opt.state.clear()
-        for n, st in snapshot.items():  # each tensor back on the device it was taken from
-            self.opt.state[params[n]] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
-                                         for key, v in st.items()}
+        holders = _holders(self.opt)
+        for h in holders:
+            h.state.clear()
+        for n, st in snapshot.items():  # each tensor back on the device it was taken from, in its part's state
+            p = params[n]
+            holder = next(h for h in holders if any(q is p for g in h.param_groups for q in g["params"]))
+            holder.state[p] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v for key, v in st.items()}
 
     def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state this round starts from with the push's error-feedback ``residual``

@@ -49,7 +49,7 @@ class CoordinatorClient:
         stop: threading.Event | None = None,
         leaving: threading.Event | None = None,
         deflate_pushes: bool = True,
-        replay_wait_s: float = 1800.0,
+        replay_wait_s: float = 600.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.base_delay = base_delay

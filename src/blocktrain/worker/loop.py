@@ -311,12 +311,19 @@ class Worker:
             raise exc
 
     def _answer_audit(self) -> None:
-        """Upload the inner state this round's push committed to; the coordinator replays the round. A 404 means it
-        no longer awaits it (an earlier try reached it and its answer was lost)."""
+        """Upload the inner state this round's push committed to; the coordinator replays the round before it
+        answers. A 404 means it no longer awaits it (an earlier try reached it and its answer was lost); no answer in
+        time (the replay outlasted the client's wait, or the link dropped) leaves the outcome to the coordinator,
+        which decides on the audit either way: the worker goes on, and its next request finds out whether the
+        coordinator is still there."""
         try:
             result = self.client.audit(self.k, self.base_version,
                                        pack_state(self.round_state, block=self.k, version=self.base_version))
         except ProtocolError as exc:
+            if exc.reason == Reason.UNREACHABLE:
+                log.warning("block %d v%d: no answer to the audit upload (%s); the coordinator decides on it",
+                            self.k, self.base_version, exc)
+                return
             if exc.status >= 500 or exc.status in (401, 403):  # its fault, or this worker may no longer work
                 raise
             # 404: an earlier try reached it and its answer was lost; another refusal (408 on a slow link, ...) is
