@@ -177,6 +177,8 @@ def test_moments_of_a_workers_own_choosing_fail_the_audit(tmp_path: Path, corpus
     honest, bad = run_workers(c, corpus, tmp_path, [Worker, ForgedMoments])
     assert c.conduct.quarantined("w1") and not c.conduct.quarantined("w0")
     assert c.auditor.summary()["failed"] == 1 and bad.summary.audits == 2 and honest.summary.audits == 3
+    why = c.store.conduct.quarantined_workers()["w1"]  # the bound it broke, alone: its replay itself reproduced
+    assert "its moments" in why and "relative error" not in why and "scale" not in why, why
     c.close()
 
 

@@ -288,10 +288,7 @@ class Coordinator:
         try:  # unlocked: the replay
             answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case),
                                         self.uploads.derivation(case))
-            why = (f"its push for block {k} v{v} did not replay: relative error {answer.relative_error:.3g} (at most "
-                   f"{answer.tolerance:.3g}), scale on its replay {answer.scale:.4f} (within "
-                   f"{self.settings.audit_scale_tolerance:g} of 1), its moments {answer.moment_error:.3g} from those "
-                   f"its earlier rounds give (at most {self.settings.audit_moment_tolerance:g})")
+            why = self._audit_failure(k, v, answer)
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
             why = f"its audit upload was refused ({exc})"
@@ -304,6 +301,19 @@ class Coordinator:
         if answer is None:  # answered as a push that does not count (the worker goes on; the log says why)
             return AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
         return answer
+
+    def _audit_failure(self, k: int, v: int, answer: AuditAnswer) -> str:
+        """What a failed audit missed, each bound it broke with its limit (the quarantine's reason)."""
+        st = self.settings
+        missed = []
+        if answer.relative_error > answer.tolerance:
+            missed.append(f"relative error {answer.relative_error:.3g} (at most {answer.tolerance:.3g})")
+        if abs(answer.scale - 1.0) > st.audit_scale_tolerance:
+            missed.append(f"scale on its replay {answer.scale:.4f} (within {st.audit_scale_tolerance:g} of 1)")
+        if answer.moment_error > st.audit_moment_tolerance:
+            missed.append(f"its moments {answer.moment_error:.3g} from those its earlier rounds give (at most "
+                          f"{st.audit_moment_tolerance:g})")
+        return f"its push for block {k} v{v} did not replay: {'; '.join(missed) or 'no bound broken'}"
 
     # --- time, evaluation, observation -----------------------------------------------------------
     def tick(self) -> None:
