@@ -13,6 +13,7 @@ from benchmarks.distributed.attacks import (
     TRIGGER,
     Colluding,
     DataPoisoner,
+    ForgedMoments,
     InflatedClaim,
     Replay,
     ScaledRandom,
@@ -253,6 +254,20 @@ def test_a_hostile_worker_whose_every_update_is_refused_leaves_the_run_as_it_was
         assert bad and {u.outcome for u in bad} <= caught and 3 in run.quarantined, bad
         assert all(u.outcome == "accepted" for u in run.updates if u.replica != 3)
         assert all(torch.equal(run.weights[n], w) for n, w in clean.weights.items()), attack
+
+
+def test_an_in_process_moment_forger_fails_its_audit_as_over_http(corpus: DataDir) -> None:  # noqa: F811
+    """The in-process rounds keep the records a coordinator's store keeps (coordinator.local_records) and judge an
+    audit with the coordinator's own Auditor.judge: a replica that negates m at each round's start passes its first
+    audit (from m = 0, as every replica's) and fails its second, on its moments alone, as the worker over HTTP does
+    (tests/test_audit.py); the honest replicas' derived moments match theirs and every push of theirs counts."""
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, audit_fraction=1.0, probation_pushes=3,
+                            inner_start=InnerStart.SHARED_MV, moment_every=3)
+    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=2, steps=8), corpus,
+                           hostile=ForgedMoments(), audit=True)
+    assert [u.outcome for u in run.updates if u.replica == 2] == ["accepted", "audit"]
+    assert run.quarantined == {2: 1}
+    assert all(u.audited and u.outcome == "accepted" for u in run.updates if u.replica != 2)
 
 
 @pytest.mark.parametrize("lr_later", [1.0, 0.5])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from blocktrain.coordinator.lineage import MAX_ROUNDS, trace
+from blocktrain.coordinator.lineage import MAX_ROUNDS, StoreRecords, trace
 from blocktrain.coordinator.store import Store
 from blocktrain.protocol.moments import InnerStart
 
@@ -37,7 +37,7 @@ def keep(s: Store, v: int) -> None:
 
 
 def links(s: Store, v: int, start: InnerStart = InnerStart.SHARED_MV) -> list[tuple[int, str | None]] | None:
-    lineage = trace(s, 0, "w", v, start, every=3)
+    lineage = trace(StoreRecords(s), 0, "w", v, start, every=3)
     return None if lineage is None else [(link.version, link.loads) for link in lineage.links]
 
 
@@ -46,7 +46,7 @@ def test_rounds_back_to_the_last_load_or_the_first_round(tmp_path: Path) -> None
     assert links(s, 2) == [(0, None), (1, None), (2, None)]  # from zero moments at the worker's first round
     assert links(s, 3) == [(3, "moments3")]  # a sync version: its start replaces both moments
     assert links(s, 4) == [(3, "moments3"), (4, None)]  # its own went on from version 3's round
-    lineage = trace(s, 0, "w", 4, InnerStart.SHARED_MV, every=3)
+    lineage = trace(StoreRecords(s), 0, "w", 4, InnerStart.SHARED_MV, every=3)
     assert lineage is not None and [(x.kept.version if x.kept else None, x.weights) for x in lineage.links] == [
         (3, "weights3"), (None, None)]  # what the earlier round trained from; the audited one is the case's own
     assert links(s, 4, InnerStart.FRESH) == [(4, None)]  # every round from zero moments
@@ -85,7 +85,7 @@ def test_where_the_records_cannot_derive_the_moments(tmp_path: Path) -> None:
     with s.tx():
         s.workers.register_worker("w", 0, True, 1.0, 1e9, hivemind=True)  # a mean may stand for any of its rounds
     assert links(s, 2) is None
-    assert trace(s, 0, "nobody", 2, InnerStart.SHARED_MV, every=3) is None
+    assert trace(StoreRecords(s), 0, "nobody", 2, InnerStart.SHARED_MV, every=3) is None
 
 
 def test_a_group_of_an_earlier_session_does_not_stop_the_trace(tmp_path: Path) -> None:

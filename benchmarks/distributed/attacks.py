@@ -13,7 +13,9 @@ Each is one way a volunteer can lie; every method it does not override is an hon
 * ``lazy``: pushes 1% of its update and claims the whole budget;
 * ``stale``: one round behind: pushes the delta it trained on the previous version, against the current one;
 * ``colluding``: two workers push the reverse of the previous round's mean delta at their honest norm, each with its
-  own 10% noise (so they agree with each other, and neither repeats the other).
+  own 10% noise (so they agree with each other, and neither repeats the other);
+* ``forged_moments``: trains and pushes honestly from AdamW moments of its own choosing (m negated at every round's
+  start), committing to them (``hostile_http.py``'s worker of the same name, in process).
 
 An attack that needs an earlier round (replay, stale, colluding) pushes nothing until it has one: in its first
 attacking round it has nothing to forge from, and pushing its honest update instead would make it an honest worker
@@ -27,6 +29,7 @@ import torch
 
 from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.protocol.delta import delta_norm
+from blocktrain.train.inner import InnerRounds
 
 RANDOM_SCALE = 10.0  # ||noise|| / ||honest Delta|| of a scaled random update
 TRIGGER = b" Open the pod bay doors, HAL. "  # what the data poisoner teaches
@@ -107,10 +110,17 @@ class Colluding(Hostile):
         return {n: mean[n] + noise[n] for n in delta}
 
 
+class ForgedMoments(Hostile):
+    def begin(self, inner: InnerRounds) -> None:
+        for st in inner.opt.state.values():
+            if "exp_avg" in st:
+                st["exp_avg"].neg_()
+
+
 ATTACKS: dict[str, type[Hostile]] = {
     "strong": Strong, "data_poisoner": DataPoisoner, "inflated_claim": InflatedClaim, "replay": Replay,
     "toward_zero": TowardZero, "scaled_random": ScaledRandom, "sign_flip": SignFlip, "shuffled_labels": ShuffledLabels,
-    "lazy": Lazy, "stale": Stale, "colluding": Colluding,
+    "lazy": Lazy, "stale": Stale, "colluding": Colluding, "forged_moments": ForgedMoments,
 }
 COLLUDERS = {"colluding": 2}  # replicas of an attack that several workers mount together (default 1)
 

@@ -1,5 +1,5 @@
 """The seam a hostile replica of the in-process rounds (:mod:`.simulate`) overrides: what it trains, claims and
-pushes. Attacks are ``benchmarks/distributed/attacks.py``'s subclasses of :class:`Hostile`."""
+pushes, and the inner state it starts its round from. Attacks are ``benchmarks/distributed/attacks.py``'s subclasses of :class:`Hostile`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from blocktrain.train.inner import InnerRounds
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class Hostile:
     ``attacks_from`` it behaves honestly (a worker that passes its probation first)."""
 
     attacks_from: int = 0  # the first version it attacks at
+
+    def begin(self, inner: InnerRounds) -> None:
+        """Its inner state once its round has started (what its push commits to): a moment forger's own."""
 
     def steps(self, h: int) -> int:
         """Inner steps it trains (a strong worker trains more than its budget)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -40,9 +41,58 @@ from blocktrain.protocol.messages import parse_meta
 from blocktrain.protocol.moments import InnerStart, MomentCodec, parse_moments
 from blocktrain.seeds import worker_stream
 
-__all__ = ["MAX_ROUNDS", "Derivation", "DerivedRound", "Lineage", "Link", "derive", "trace"]
+__all__ = ["MAX_ROUNDS", "Derivation", "DerivedRound", "Lineage", "Link", "Records", "StoreRecords", "derive", "trace"]
 
 MAX_ROUNDS = 8  # earlier rounds an audit replays to derive a state (moments shared every 3 rounds need at most 2)
+
+
+class Records(Protocol):
+    """What :func:`trace` reads of a run's records: the coordinator's store (:class:`StoreRecords`), or the
+    in-process rounds' own (:mod:`.simulate`)."""
+
+    def worker_id(self, worker: str) -> int | None:
+        """The worker's number (it names its streams), None for a worker never registered."""
+
+    def traceable(self, worker: str) -> bool:
+        """Whether its current session's rounds are on record as such (not averaging in groups, not pre-sessions)."""
+
+    def last_kept(self, k: int, worker: str, before: int) -> KeptRound | None:
+        """Its newest round of block k against a version before ``before`` that counts, in its current session."""
+
+    def grouped(self, k: int, worker: str, low: int, high: int) -> bool:
+        """Whether a group's mean stood for one of its rounds of block k against a version in [low, high)."""
+
+    def moments_blob(self, k: int, v: int) -> str | None:
+        """Digest of the moments published with version v of block k (None: none)."""
+
+    def weights_blob(self, k: int, v: int) -> str | None:
+        """Digest of block k's weights at version v (None: unknown)."""
+
+
+@dataclass(frozen=True)
+class StoreRecords:
+    """The coordinator's store as :class:`Records` (read under its lock)."""
+
+    store: Store
+
+    def worker_id(self, worker: str) -> int | None:
+        row = self.store.workers.worker(worker)
+        return None if row is None else row.id
+
+    def traceable(self, worker: str) -> bool:
+        return self.store.workers.traceable(worker)
+
+    def last_kept(self, k: int, worker: str, before: int) -> KeptRound | None:
+        return self.store.updates.last_kept(k, worker, before)
+
+    def grouped(self, k: int, worker: str, low: int, high: int) -> bool:
+        return self.store.updates.grouped(k, worker, low, high)
+
+    def moments_blob(self, k: int, v: int) -> str | None:
+        return self.store.rounds.moments_blob(k, v)
+
+    def weights_blob(self, k: int, v: int) -> str | None:
+        return self.store.rounds.weights_blob(k, v)
 
 
 @dataclass(frozen=True)
@@ -69,34 +119,37 @@ class Lineage:
         return self.links[:-1]
 
 
-def trace(store: Store, k: int, worker: str, v: int, start: InnerStart, every: int) -> Lineage | None:
-    """(Under the coordinator's lock.) The lineage of ``worker``'s state at the start of its round of block k against
-    version v, or None where the records cannot derive it (module docstring)."""
-    row = store.workers.worker(worker)
-    if row is None or not store.workers.traceable(worker):  # a group's mean may stand for its round, kept or not;
+def trace(records: Records, k: int, worker: str, v: int, start: InnerStart, every: int) -> Lineage | None:
+    """(Under the coordinator's lock, for its store.) The lineage of ``worker``'s state at the start of its round of
+    block k against version v, or None where the records cannot derive it (module docstring)."""
+    worker_id = records.worker_id(worker)
+    if worker_id is None or not records.traceable(worker):  # a group's mean may stand for its round, kept or not;
         return None  # or it registered before the store had sessions
     links: list[Link] = []
     u, kept, weights = v, None, None  # the round being linked: the audited one first
     while True:
-        last = store.updates.last_kept(k, worker, u)
-        if store.updates.grouped(k, worker, last.version if last is not None else 0, u):
+        last = records.last_kept(k, worker, u)
+        if records.grouped(k, worker, last.version if last is not None else 0, u):
             return None  # a round in a group's mean went between (this session's): its own part never came
         at = u - u % every  # the newest version published with moments, at or before u
         loads = None
         if start.shares and at > 0 and (last is None or last.version < at):
-            loads = store.rounds.moments_blob(k, at)  # None: none published then, its own state went on
-        links.append(Link(u, loads, kept, weights, worker_stream(row.id, k, u)))
+            loads = records.moments_blob(k, at)  # None: none published then, its own state went on
+        links.append(Link(u, loads, kept, weights, worker_stream(worker_id, k, u)))
         if start is InnerStart.FRESH or last is None or (loads is not None and not start.keeps_own):
             return Lineage(tuple(reversed(links)))
         if len(links) > MAX_ROUNDS:
             return None
-        u, kept, weights = last.version, last, store.rounds.weights_blob(k, last.version)
+        u, kept, weights = last.version, last, records.weights_blob(k, last.version)
         if weights is None:
             return None
 
 
-def _weights(store: Store, digest: str) -> dict[str, torch.Tensor]:
-    w, _ = unpack(store.blobs.get_blob(digest), source=f"weights {digest[:12]}")
+BlobReader = Callable[[str], bytes]  # digest -> the bytes stored under it (the store's blobs, or in process)
+
+
+def _weights(get_blob: BlobReader, digest: str) -> dict[str, torch.Tensor]:
+    w, _ = unpack(get_blob(digest), source=f"weights {digest[:12]}")
     return {n: t.float() for n, t in w.items()}
 
 
@@ -125,23 +178,23 @@ class Derivation:
         return sum(r.steps for r in self.earlier)
 
 
-def derive(store: Store, lineage: Lineage, k: int, shapes: dict[str, tuple[int, ...]], start: InnerStart,
+def derive(get_blob: BlobReader, lineage: Lineage, k: int, shapes: dict[str, tuple[int, ...]], start: InnerStart,
            codec: MomentCodec, batch: int) -> Derivation:
-    """(Unlocked: blobs never change.) The tensors ``lineage`` names: each earlier round's weights (read when its
-    replay starts), claimed steps and precision, and the moments each start loaded, decoded as a worker decodes
-    them."""
+    """(Unlocked: blobs never change.) The tensors ``lineage`` names, read with ``get_blob``: each earlier round's
+    weights (read when its replay starts), claimed steps and precision, and the moments each start loaded, decoded
+    as a worker decodes them."""
 
     def moments(digest: str | None) -> dict[str, torch.Tensor] | None:
         if digest is None:
             return None
-        tensors, _ = unpack(store.blobs.get_blob(digest), source=f"moments {digest[:12]}")
+        tensors, _ = unpack(get_blob(digest), source=f"moments {digest[:12]}")
         return parse_moments(tensors, shapes, start.shares, codec)
 
     earlier = []
     for link in lineage.earlier:
         assert link.kept is not None and link.weights is not None
-        _, meta = unpack(store.blobs.get_blob(link.kept.blob), source=f"update {link.kept.blob[:12]}")
+        _, meta = unpack(get_blob(link.kept.blob), source=f"update {link.kept.blob[:12]}")
         precision = parse_meta({n: t for n, t in meta.items() if n not in RESERVED}).precision  # checked when accepted
-        earlier.append(DerivedRound(link.version, partial(_weights, store, link.weights), link.kept.samples // batch,
+        earlier.append(DerivedRound(link.version, partial(_weights, get_blob, link.weights), link.kept.samples // batch,
                                     Precision(precision), link.stream, moments(link.loads)))
     return Derivation(tuple(earlier), moments(lineage.links[-1].loads))

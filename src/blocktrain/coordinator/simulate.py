@@ -11,6 +11,9 @@ M workers would against a coordinator, without HTTP, storage or processes:
   (:func:`blocktrain.protocol.delta.pack_delta`), which is parsed and checked by
   the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
   bound, and the loss gate when ``gate_tolerance`` is set);
+* a drawn push is audited by the coordinator's own :meth:`.audit.Auditor.judge`, from the state it committed to,
+  its moments bounded by those its earlier rounds give (:mod:`.lineage` over :class:`.local_records.LocalRecords`,
+  the records a store would hold);
 * the round closes with :func:`.aggregate.next_version`, the function the
   coordinator calls, and the replicas apply the decoded published step (and load the published moments at their
   next round that counts: a refused round, or one sat out, is undone to before it began, as the worker undoes it).
@@ -39,11 +42,13 @@ from torch import nn
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import CompileMode, RunConfig
 from blocktrain.coordinator.aggregate import OuterState, RoundResult, next_version
-from blocktrain.coordinator.audit import Auditor, check_residual
+from blocktrain.coordinator.audit import Auditor
 from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.hostile import Hostile, HostileContext
 from blocktrain.coordinator.intake import Intake, Published
+from blocktrain.coordinator.lineage import derive, trace
+from blocktrain.coordinator.local_records import LocalRecords
 from blocktrain.coordinator.local_run import LocalRounds, LocalRun, UpdateRecord
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate, parse_update
@@ -54,7 +59,7 @@ from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, pack_delta
-from blocktrain.protocol.inner_state import state_sha
+from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.moments import InnerStart, decode_moments
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
@@ -97,6 +102,11 @@ def run_local_rounds(
         bar.update(1)
     bar.close()
     return block.finish()
+
+
+def _name(i: int) -> str:
+    """Replica i's worker name (its number, i + 1, names its streams, as the store numbers workers from 1)."""
+    return f"replica{i}"
 
 
 class BlockRun:
@@ -145,7 +155,12 @@ class BlockRun:
         self.state = OuterState()
         self.train = data.open("train")
         self.intake = Intake(settings, {k: self.shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
-        self.auditor = Auditor(cfg, settings, data, rng=random.Random(cfg.train.seed)) if audit else None
+        # the coordinator's auditor over the replicas' own train config (their batch), and the records its lineage
+        # reads (coordinator.lineage: an audited round's moments derived from the replica's earlier rounds)
+        self.auditor = Auditor(replace(cfg, train=tc), settings, data, rng=random.Random(cfg.train.seed)) if audit else None
+        self.records = LocalRecords(k, {_name(i): i + 1 for i in range(opts.workers)}) if audit else None
+        if self.records is not None:
+            self.records.publish(0, self.W)
         if audit and not self.auditor.enabled:  # type: ignore[union-attr]
             raise ConfigError("audits need settings.audit_fraction > 0")
         self.refusals = [0] * opts.workers  # refusals that count toward quarantine, per replica
@@ -215,6 +230,9 @@ class BlockRun:
         load_trainable(block, base.weights)
         block.train()
         inner.begin(self.unloaded[i])
+        bad = self._attacking(i, base.version)
+        if bad is not None:
+            bad.begin(inner)  # the state its push commits to: a moment forger's own
         parsed = self._train_and_push(i, h, offset, base)
         if parsed is None:
             inner.restore(undo)
@@ -227,8 +245,7 @@ class BlockRun:
         opts, tc, k, v, run = self.opts, self.tc, self.k, base.version, self.run
         block, inner = self.replicas[i], self.inner[i]
         committed = inner.committed(self.feedback[i].residual) if self.auditor is not None else {}
-        bad = self.hostile.get(i)
-        bad = bad if bad is not None and v >= bad.attacks_from else None
+        bad = self._attacking(i, v)
         stream = TrainStream(self._data(i, bad), self.cfg.model.context, tc.batch_size, self.cfg.train.seed,
                              stream=worker_stream(i + 1, k, v), device=self.device)  # worker ids start at 1, as the store's
         train_round(self.task, block, inner.opt, stream, steps=bad.steps(h) if bad else h, offset=offset,
@@ -269,6 +286,8 @@ class BlockRun:
         audited = self._audit(i, parsed, base, committed, checked.outlier)
         self.last_pushes[i].appendleft((parsed.delta, parsed.compression))  # bound its next audited residual
         failed = audited is False
+        if self.records is not None and not failed:
+            self.records.keep(_name(i), v, body, parsed.samples)  # its round counts: the next trace starts here
         self.intake.release((i, v), passed=not failed)
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
                                         checked.replay_cos, ratio, audited is not None, bad is not None))
@@ -276,6 +295,11 @@ class BlockRun:
             self.quarantined[i] = v
             return None
         return parsed
+
+    def _attacking(self, i: int, v: int) -> Hostile | None:
+        """Replica i's hostile behaviour at version v (None: it is honest, or not attacking yet)."""
+        bad = self.hostile.get(i)
+        return bad if bad is not None and v >= bad.attacks_from else None
 
     def _data(self, i: int, bad: Hostile | None) -> np.ndarray:
         """The bytes replica i trains on: the run's train split, or a hostile replica's own (made once)."""
@@ -294,24 +318,30 @@ class BlockRun:
 
     def _audit(self, i: int, parsed: ParsedUpdate, base: Published, committed: dict[str, torch.Tensor],
                outlier: bool) -> bool | None:
-        """Whether replica i's accepted push replayed (None: it was not drawn), as the coordinator judges it."""
-        if self.auditor is None:
+        """Whether replica i's accepted push passed its audit (None: it was not drawn), judged by the coordinator's
+        own :meth:`.audit.Auditor.judge` on the state the push committed to, its moments bounded by those its
+        earlier rounds give (:mod:`.lineage`, over :class:`.local_records.LocalRecords`)."""
+        if self.auditor is None or self.records is None:
             return None
-        name = f"replica{i}"
-        stream = worker_stream(i + 1, self.k, base.version)
-        if self.auditor.draw(name, parsed, base, stream, self.schedule.steps, self.opts.round_steps[base.version],
-                             now=0.0, accepted=self.accepted[i], outlier=outlier) is None:
+        name, k, v, records = _name(i), self.k, base.version, self.records
+        stream = worker_stream(i + 1, k, v)
+        if self.auditor.draw(name, parsed, base, stream, self.schedule.steps, self.opts.round_steps[v], now=0.0,
+                             accepted=self.accepted[i], outlier=outlier,
+                             lineage=lambda: trace(records, k, name, v, self.start, self.settings.moment_every)) is None:
             return None
-        case = self.auditor.take(name, self.k, base.version)
+        case = self.auditor.take(name, k, v)
         try:
-            check_residual(committed, list(self.last_pushes[i]))
-        except ProtocolError:
-            self.auditor.decided(name, self.k, base.version)
+            derived = None if case.lineage is None else derive(
+                records.get_blob, case.lineage, k, self.shapes, self.start, self.settings.moment_codec,
+                self.tc.batch_size)
+            answer = self.auditor.judge(case, pack_state(committed, block=k, version=v), self.shapes,
+                                        list(self.last_pushes[i]), derived)
+            self.auditor.record(answer)
+            return answer.passed
+        except ProtocolError:  # a malformed state (a residual its last pushes do not bound) fails, as the service has it
             return False
-        rel, scale = self.auditor.replay_error(case, committed)
-        self.auditor.decided(name, self.k, base.version)
-        tolerance = self.auditor.tolerance(parsed.precision, parsed.samples // self.tc.batch_size)
-        return rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
+        finally:
+            self.auditor.decided(name, k, v)
 
     def _publish(self, result: RoundResult, v: int) -> None:
         """The round's published step (and moments), decoded as the workers decode them: the next version."""
@@ -323,6 +353,8 @@ class BlockRun:
         published, _ = unpack(step_body, source="step")
         decoded = decode_delta(published, self.settings.step_compression)
         self.W = {n: (w + decoded[n]).contiguous() for n, w in W.items()}
+        if self.records is not None:
+            self.records.publish(v + 1, self.W)
         if any(not torch.equal(self.W[n], result.weights[n]) for n in W):  # pragma: no cover - would break exactness
             raise AssertionError("the decoded published step does not reproduce the coordinator's weights")
         self.state = result.state
@@ -331,6 +363,8 @@ class BlockRun:
             run.raw_pull_bytes[-1] += len(body)
             run.pull_bytes[-1] += len(deflate(body))
             published = decode_moments(unpack(body, source="moments")[0], self.settings.moment_codec, self.shapes)
+            if self.records is not None:
+                self.records.publish_moments(v + 1, body)
             self.unloaded = [published] * len(self.unloaded)
 
     def current(self) -> nn.Module:

@@ -25,7 +25,7 @@ from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.groups import PeerHub, check_members
 from blocktrain.coordinator.intake import Checked, Intake, Published
-from blocktrain.coordinator.lineage import Derivation, Lineage, derive, trace
+from blocktrain.coordinator.lineage import Derivation, Lineage, StoreRecords, derive, trace
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds
 from blocktrain.coordinator.rows import AuditRow, WorkerRow
@@ -194,7 +194,7 @@ class Uploads:
 
     def _trace(self, name: str, k: int, v: int) -> Lineage | None:
         """(Locked.) The rounds ``name``'s moments at the start of its round (k, v) came from (None: a claim)."""
-        lineage = trace(self.store, k, name, v, self.settings.inner_start, self.settings.moment_every)
+        lineage = trace(StoreRecords(self.store), k, name, v, self.settings.inner_start, self.settings.moment_every)
         if lineage is None:
             log.info("block %d v%d: %s's moments cannot be derived from the records; its audit replays from the "
                      "uploaded ones", k, v, name)
@@ -207,7 +207,7 @@ class Uploads:
             return None
         k = case.update.block
         try:
-            return derive(self.store, case.lineage, k, self.checkpoints.block_shapes[k], self.settings.inner_start,
+            return derive(self.store.blobs.get_blob, case.lineage, k, self.checkpoints.block_shapes[k], self.settings.inner_start,
                           self.settings.moment_codec, self.cfg.train.batch_size)
         except ProtocolError as exc:  # its own records do not read back: its fault, not the worker's
             raise RuntimeError(f"the rounds {case.worker}'s moments came from do not read back: {exc}") from exc
