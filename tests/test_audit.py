@@ -238,6 +238,7 @@ def test_a_state_other_than_the_committed_one_fails_the_audit(tmp_path: Path, co
                         headers=headers)
         assert r.status_code == 200 and r.json()["passed"] is False
         assert c.conduct.quarantined("liar")
+        assert "not the state its push committed to" in c.store.conduct.quarantined_workers()["liar"]
         assert client.get("/v1/work", headers=headers).status_code == 403
     c.close()
 

@@ -32,7 +32,7 @@ from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, Ou
 from blocktrain.coordinator.simulate import BlockRun, LocalRounds, run_local_rounds
 from blocktrain.coordinator.staggered import PoolSchedule, _split, run_pool
 from blocktrain.data.dataset import DataDir
-from blocktrain.errors import ConfigError
+from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import (
@@ -265,9 +265,40 @@ def test_an_in_process_moment_forger_fails_its_audit_as_over_http(corpus: DataDi
                             inner_start=InnerStart.SHARED_MV, moment_every=3)
     run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=3, local_steps=2, steps=8), corpus,
                            hostile=ForgedMoments(), audit=True)
-    assert [u.outcome for u in run.updates if u.replica == 2] == ["accepted", "audit"]
-    assert run.quarantined == {2: 1}
-    assert all(u.audited and u.outcome == "accepted" for u in run.updates if u.replica != 2)
+    first, second = [u for u in run.updates if u.replica == 2]
+    assert (first.outcome, second.outcome) == ("accepted", "audit") and run.quarantined == {2: 1}
+    assert second.derived_steps == 2 and second.moment_error is not None and second.moment_error > 1.5  # m negated
+    assert second.replay_error is not None and second.replay_error < 1e-3  # its replay itself reproduced its push
+    honest = [u for u in run.updates if u.replica != 2]
+    assert all(u.audited and u.outcome == "accepted" for u in honest)
+    derived = [u for u in honest if u.derived_steps]
+    assert len(derived) >= 4 and all(u.moment_error is not None and u.moment_error < 1e-3 for u in derived)
+
+
+def test_after_a_round_whose_every_push_was_refused_the_in_process_audits_still_derive_honest_moments(
+        corpus: DataDir) -> None:  # noqa: F811
+    """A round whose every push is refused publishes nothing: the replicas undo it, and at the next sharing version
+    (moments every round here) none was published, so their own moments go on, as a worker's do and as the records
+    say; every later honest push passes its audit, its moments derived across the refused round."""
+    from blocktrain.coordinator.simulate import BlockRun
+
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7, audit_fraction=1.0, probation_pushes=3,
+                            inner_start=InnerStart.SHARED_MV, moment_every=1)
+    block = BlockRun(get_preset("tiny"), s, LocalRounds(workers=2, local_steps=2, steps=8), corpus, audit=True)
+    check = block.intake.check
+
+    def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ProtocolError(422, "refused by the test", "test")
+
+    for v, (offset, h) in enumerate(zip(block.offsets, block.opts.round_steps, strict=True)):
+        block.intake.check = refused if v == 1 else check  # type: ignore[method-assign]
+        block.round(h, offset)
+    run = block.finish()
+    assert run.skipped_rounds == 1 and not run.quarantined
+    later = [u for u in run.updates if u.round >= 2]
+    assert len(later) == 4 and all(u.audited and u.outcome == "accepted" for u in later), later
+    assert all(u.derived_steps == 2 and u.moment_error is not None and u.moment_error < 1e-3
+               for u in later if u.round == 2)
 
 
 @pytest.mark.parametrize("lr_later", [1.0, 0.5])

@@ -114,3 +114,46 @@ def test_a_registration_from_before_the_store_had_sessions_is_not_traced(tmp_pat
     with s.tx():
         s.workers.register_worker("w", 0, True, 1.0, 1e9)  # its next registration starts the first session
     assert links(s, 2) == [(2, None)]
+
+
+@pytest.mark.parametrize("every", [3, 12])
+@pytest.mark.parametrize("start", [InnerStart.SHARED_MV, InnerStart.SHARED_V, InnerStart.LOCAL_M, InnerStart.CARRIED,
+                                   InnerStart.FRESH])
+def test_the_in_process_records_trace_as_the_store_does_over_a_long_run(tmp_path: Path, start: InnerStart,
+                                                                        every: int) -> None:
+    """The in-process rounds' records (coordinator.local_records, pruned to what a trace reaches) give the lineage the
+    store gives, at every version of a 40-version run with rounds sat out and a sharing version whose moments were
+    never published, moments shared every 3 or 12 versions (a round may load moments published 11 versions back)."""
+    import torch
+
+    from blocktrain.coordinator.local_records import LocalRecords
+
+    skipped, missing = {5, 11, 12, 13, 20, 27}, {9, 24}
+    s = Store(tmp_path, fsync=False)
+    local = LocalRecords(0, {"w": 1}, every)
+    with s.tx():
+        s.workers.register_worker("w", 0, True, 0.0, 1e9)
+
+    def shape(records: StoreRecords | LocalRecords, v: int) -> list[tuple[int, bool, int | None]] | None:
+        lineage = trace(records, 0, "w", v, start, every)
+        return None if lineage is None else [(x.version, x.loads is not None, x.kept.version if x.kept else None)
+                                             for x in lineage.links]
+
+    traced = 0
+    for v in range(40):
+        moments = v > 0 and v % every == 0 and v not in missing
+        with s.tx():
+            s.rounds.add_version(0, v, f"weights{v}", f"sha{v}", 0.0, moments_blob=f"moments{v}" if moments else None)
+        local.publish(v, {"w": torch.full((2,), float(v))})
+        if moments:
+            local.publish_moments(v, f"moments{v}".encode())
+        want = shape(StoreRecords(s), v)
+        assert shape(local, v) == want, v
+        traced += want is not None
+        if v not in skipped:
+            with s.tx():
+                keep(s, v)
+            local.keep("w", v, f"update{v}".encode(), 12)
+    resets = start is InnerStart.FRESH or (start.shares and not start.keeps_own and every == 3)  # a full start often
+    assert traced == 40 if resets else traced >= 8
+    assert len(local.weights) <= 2 * MAX_ROUNDS + 2 * every  # pruned as it goes

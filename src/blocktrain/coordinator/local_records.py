@@ -21,16 +21,15 @@ from blocktrain.coordinator.rows import KeptRound
 
 __all__ = ["LocalRecords"]
 
-KEEP_VERSIONS = MAX_ROUNDS + 2  # published versions kept back from the newest: a replica that pushes every round is
-# traced at most MAX_ROUNDS + 1 rounds back (one whose rounds reach further back goes untraced: no weights, no bound)
 KEEP_ROUNDS = MAX_ROUNDS + 2  # kept rounds per worker: a trace asks for at most MAX_ROUNDS + 1 of them
 
 
 class LocalRecords:
     """One block's records in process (see the module docstring); a :class:`.lineage.Records`."""
 
-    def __init__(self, k: int, workers: dict[str, int]) -> None:
+    def __init__(self, k: int, workers: dict[str, int], every: int) -> None:
         self.k = k  # the block
+        self.every = every  # moments are published with every every-th version (a round loads the newest at or before)
         self.ids = dict(workers)  # worker name -> its number (it names its streams)
         self.blobs: dict[str, bytes] = {}  # sha256 hex -> body
         self.weights: dict[int, str] = {}  # version -> digest of its published weights
@@ -39,7 +38,7 @@ class LocalRecords:
 
     # --- what the rounds record ----------------------------------------------------------------
     def publish(self, v: int, weights: dict[str, torch.Tensor]) -> None:
-        """Block k's weights published as version v (and older versions pruned)."""
+        """Block k's weights published as version v (and what no trace can reach any more pruned)."""
         self.weights[v] = self._put(pack(weights, {"kind": "weights", "block_index": str(self.k), "version": str(v)}))
         self._prune(v)
 
@@ -52,6 +51,11 @@ class LocalRecords:
         rounds = self.kept[worker]
         rounds.append(KeptRound(v, self._put(body), samples))
         del rounds[:-KEEP_ROUNDS]
+
+    def forget(self, worker: str) -> None:
+        """A quarantined worker: its rounds are never traced again (nor do they hold old versions in memory)."""
+        self.kept.pop(worker, None)
+        self.ids.pop(worker, None)
 
     def get_blob(self, digest: str) -> bytes:
         return self.blobs[digest]
@@ -83,9 +87,13 @@ class LocalRecords:
         return digest
 
     def _prune(self, newest: int) -> None:
-        """Forget versions a trace can no longer reach, and every body nothing names any more."""
+        """Forget the versions no trace can reach, and every body nothing names any more. A trace starts at a round
+        no older than a worker's oldest kept round still held (or the newest version, for a worker with none) and
+        may load the moments published up to ``every`` versions before it: a version below that is never asked for,
+        so a missing one always means none was published, as in the store."""
+        floor = min([rounds[0].version for rounds in self.kept.values() if rounds] + [newest]) - self.every
         for table in (self.weights, self.moments):
-            for v in [v for v in table if v < newest - KEEP_VERSIONS]:
+            for v in [v for v in table if v < floor]:
                 del table[v]
         named = {*self.weights.values(), *self.moments.values(), *(r.blob for rs in self.kept.values() for r in rs)}
         for digest in [d for d in self.blobs if d not in named]:

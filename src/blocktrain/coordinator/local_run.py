@@ -69,6 +69,9 @@ class UpdateRecord:
     norm_ratio: float | None = None  # its norm per unit of lr over the median of the block's recent ones (None: too few)
     audited: bool = False  # its round was replayed (then "audit" if the replay failed)
     hostile: bool = False  # a hostile replica pushed it while attacking
+    replay_error: float | None = None  # its audit's ||replayed - pushed|| / ||pushed|| (None: not audited)
+    moment_error: float | None = None  # its audit's distance of the moments it committed to from the derived ones
+    derived_steps: int = 0  # inner steps of its earlier rounds its audit replayed to derive those moments
 
 
 @dataclass

@@ -305,6 +305,8 @@ class Coordinator:
     def _audit_failure(self, k: int, v: int, answer: AuditAnswer) -> str:
         """What a failed audit missed, each bound it broke with its limit (the quarantine's reason)."""
         st = self.settings
+        if answer.relative_error >= 1e30 and answer.scale >= 1e30:  # judge found no replay to make
+            return f"its audit upload for block {k} v{v} is not the state its push committed to (its sha256 differs)"
         missed = []
         if answer.relative_error > answer.tolerance:
             missed.append(f"relative error {answer.relative_error:.3g} (at most {answer.tolerance:.3g})")

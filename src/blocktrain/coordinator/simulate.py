@@ -60,7 +60,8 @@ from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
-from blocktrain.protocol.moments import InnerStart, decode_moments
+from blocktrain.protocol.messages import AuditAnswer
+from blocktrain.protocol.moments import InnerStart, decode_moments, shares_moments
 from blocktrain.protocol.transport import deflate
 from blocktrain.protocol.weights import block_schema, load_trainable, trainable_state
 from blocktrain.seeds import init_seed, worker_stream
@@ -158,7 +159,10 @@ class BlockRun:
         # the coordinator's auditor over the replicas' own train config (their batch), and the records its lineage
         # reads (coordinator.lineage: an audited round's moments derived from the replica's earlier rounds)
         self.auditor = Auditor(replace(cfg, train=tc), settings, data, rng=random.Random(cfg.train.seed)) if audit else None
-        self.records = LocalRecords(k, {_name(i): i + 1 for i in range(opts.workers)}) if audit else None
+        self.records = LocalRecords(k, {_name(i): i + 1 for i in range(opts.workers)}, settings.moment_every) \
+            if audit else None
+        if audit and (opts.inner != "adamw" or opts.early_steps):
+            raise ConfigError("audits replay AdamW rounds at version x H: not with inner muon or an early-H schedule")
         if self.records is not None:
             self.records.publish(0, self.W)
         if audit and not self.auditor.enabled:  # type: ignore[union-attr]
@@ -198,6 +202,9 @@ class BlockRun:
         """Round ``self.version``: replicas 0..workers-1 train ``h`` steps from W_v at schedule position ``offset``
         and push; the coordinator's intake (and audits) and outer step close it."""
         opts, k, v, run = self.opts, self.k, self.version, self.run
+        if self.auditor is not None and offset != v * h:
+            raise ConfigError(f"audits replay round v at schedule position v x H; round {v} is at {offset}, not "
+                              f"{v * h} (a staggered or early-H schedule): run it without audits")
         W = self.W
         base = Published(k, v, tensors_sha256(W), W, self.frozen_weights)
         m = opts.workers if workers is None else workers
@@ -212,6 +219,10 @@ class BlockRun:
         self.previous = [p.delta for _, p in kept]
         if not kept:  # every update refused: W stays, and the next round trains from it again
             run.skipped_rounds += 1
+            if self.records is not None:
+                self.records.publish(v + 1, self.W)  # the same weights, under the next version
+            if self.start.shares and shares_moments(v, self.settings.moment_every):
+                self.unloaded = [None] * len(self.unloaded)  # none published with v + 1: own moments go on
             return
         moments = [p.moments for _, p in kept if p.moments is not None]
         result = next_version(W, [p.delta for _, p in kept], [p.samples for _, p in kept], self.settings, self.state,
@@ -283,16 +294,21 @@ class BlockRun:
             return None
         self.intake.remember(k, checked, held=(i, v))  # as the service holds a push drawn for audit
         self.accepted[i] += 1
-        audited = self._audit(i, parsed, base, committed, checked.outlier)
+        audited = self._audit(i, parsed, base, committed, checked.outlier, h)
         self.last_pushes[i].appendleft((parsed.delta, parsed.compression))  # bound its next audited residual
-        failed = audited is False
+        failed = audited is not None and not audited.passed
         if self.records is not None and not failed:
             self.records.keep(_name(i), v, body, parsed.samples)  # its round counts: the next trace starts here
         self.intake.release((i, v), passed=not failed)
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
-                                        checked.replay_cos, ratio, audited is not None, bad is not None))
+                                        checked.replay_cos, ratio, audited is not None, bad is not None,
+                                        None if audited is None else audited.relative_error,
+                                        None if audited is None else audited.moment_error,
+                                        0 if audited is None else audited.derived_steps))
         if failed:
             self.quarantined[i] = v
+            if self.records is not None:
+                self.records.forget(_name(i))
             return None
         return parsed
 
@@ -317,16 +333,17 @@ class BlockRun:
                 self.quarantined[i] = v
 
     def _audit(self, i: int, parsed: ParsedUpdate, base: Published, committed: dict[str, torch.Tensor],
-               outlier: bool) -> bool | None:
-        """Whether replica i's accepted push passed its audit (None: it was not drawn), judged by the coordinator's
-        own :meth:`.audit.Auditor.judge` on the state the push committed to, its moments bounded by those its
-        earlier rounds give (:mod:`.lineage`, over :class:`.local_records.LocalRecords`)."""
+               outlier: bool, h: int) -> AuditAnswer | None:
+        """Replica i's accepted push's audit answer (None: it was not drawn), judged by the coordinator's own
+        :meth:`.audit.Auditor.judge` on the state the push committed to, its moments bounded by those its earlier
+        rounds give (:mod:`.lineage`, over :class:`.local_records.LocalRecords`). A malformed state fails, as the
+        service has it; records that do not read back are this process's fault and raise."""
         if self.auditor is None or self.records is None:
             return None
         name, k, v, records = _name(i), self.k, base.version, self.records
         stream = worker_stream(i + 1, k, v)
-        if self.auditor.draw(name, parsed, base, stream, self.schedule.steps, self.opts.round_steps[v], now=0.0,
-                             accepted=self.accepted[i], outlier=outlier,
+        if self.auditor.draw(name, parsed, base, stream, self.schedule.steps, h, now=0.0, accepted=self.accepted[i],
+                             outlier=outlier,
                              lineage=lambda: trace(records, k, name, v, self.start, self.settings.moment_every)) is None:
             return None
         case = self.auditor.take(name, k, v)
@@ -334,12 +351,14 @@ class BlockRun:
             derived = None if case.lineage is None else derive(
                 records.get_blob, case.lineage, k, self.shapes, self.start, self.settings.moment_codec,
                 self.tc.batch_size)
-            answer = self.auditor.judge(case, pack_state(committed, block=k, version=v), self.shapes,
-                                        list(self.last_pushes[i]), derived)
+            try:
+                answer = self.auditor.judge(case, pack_state(committed, block=k, version=v), self.shapes,
+                                            list(self.last_pushes[i]), derived)
+            except ProtocolError:  # a malformed state (a residual its last pushes do not bound)
+                answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance,
+                                     seconds=0.0)
             self.auditor.record(answer)
-            return answer.passed
-        except ProtocolError:  # a malformed state (a residual its last pushes do not bound) fails, as the service has it
-            return False
+            return answer
         finally:
             self.auditor.decided(name, k, v)
 
