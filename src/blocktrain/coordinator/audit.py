@@ -219,6 +219,10 @@ class Auditor:
                            derived_steps=derived.steps if derived is not None else 0,
                            moment_error=off if math.isfinite(off) else 1e30)
 
+    def unjudged(self) -> AuditAnswer:
+        """The answer to an audit with no replay to judge (a malformed upload, a replay that broke): not passed."""
+        return AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
+
     def tolerance(self, precision: str, steps: int) -> float:
         """The relative error an honest replay of ``steps`` inner steps stays under: the setting for its precision
         at AUDIT_TOLERANCE_STEPS, scaled by sqrt(steps / AUDIT_TOLERANCE_STEPS). Rounding differences compound over

@@ -290,7 +290,7 @@ class Coordinator:
                                         self.uploads.derivation(case))
             why = self._audit_failure(k, v, answer)
         except ProtocolError as exc:  # a malformed state fails the audit too
-            answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
+            answer = self.auditor.unjudged()
             why = f"its audit upload was refused ({exc})"
         except Exception as exc:  # the coordinator's own fault (out of memory, a bug): logged, the push not counted
             log.exception("block %d v%d: the replay of %s's push broke", k, v, name)
@@ -299,7 +299,7 @@ class Coordinator:
             with self.lock:
                 self.uploads.decide(name, k, v, answer, why, self.clock())
         if answer is None:  # answered as a push that does not count (the worker goes on; the log says why)
-            return AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance, seconds=0.0)
+            return self.auditor.unjudged()
         return answer
 
     def _audit_failure(self, k: int, v: int, answer: AuditAnswer) -> str:

@@ -156,17 +156,17 @@ class BlockRun:
         self.state = OuterState()
         self.train = data.open("train")
         self.intake = Intake(settings, {k: self.shapes}, Evaluator(cfg, settings, data) if settings.gate else None)
+        if audit and (opts.inner != "adamw" or opts.early_steps):
+            raise ConfigError("audits replay AdamW rounds at version x H: not with inner muon or an early-H schedule")
         # the coordinator's auditor over the replicas' own train config (their batch), and the records its lineage
         # reads (coordinator.lineage: an audited round's moments derived from the replica's earlier rounds)
         self.auditor = Auditor(replace(cfg, train=tc), settings, data, rng=random.Random(cfg.train.seed)) if audit else None
-        self.records = LocalRecords(k, {_name(i): i + 1 for i in range(opts.workers)}, settings.moment_every) \
-            if audit else None
-        if audit and (opts.inner != "adamw" or opts.early_steps):
-            raise ConfigError("audits replay AdamW rounds at version x H: not with inner muon or an early-H schedule")
-        if self.records is not None:
-            self.records.publish(0, self.W)
         if audit and not self.auditor.enabled:  # type: ignore[union-attr]
             raise ConfigError("audits need settings.audit_fraction > 0")
+        self.records = LocalRecords(k, {_name(i): i + 1 for i in range(opts.workers)}, settings.moment_every) \
+            if audit else None
+        if self.records is not None:
+            self.records.publish(0, self.W)
         self.refusals = [0] * opts.workers  # refusals that count toward quarantine, per replica
         self.quarantined: dict[int, int] = {}  # replica -> the version it was quarantined at
         self.accepted = [0] * opts.workers  # accepted pushes per replica (the first probation_pushes are audited)
@@ -355,8 +355,7 @@ class BlockRun:
                 answer = self.auditor.judge(case, pack_state(committed, block=k, version=v), self.shapes,
                                             list(self.last_pushes[i]), derived)
             except ProtocolError:  # a malformed state (a residual its last pushes do not bound)
-                answer = AuditAnswer(passed=False, relative_error=1e30, tolerance=self.settings.audit_tolerance,
-                                     seconds=0.0)
+                answer = self.auditor.unjudged()
             self.auditor.record(answer)
             return answer
         finally:

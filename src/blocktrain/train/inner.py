@@ -208,12 +208,13 @@ class InnerRounds:
             return
         params = _params(self.opt, self.names)
         holders = _holders(self.opt)
+        owner = {id(p): h for h in holders for g in h.param_groups for p in g["params"]}  # the part that steps p
         for h in holders:
             h.state.clear()
         for n, st in snapshot.items():  # each tensor back on the device it was taken from, in its part's state
             p = params[n]
-            holder = next(h for h in holders if any(q is p for g in h.param_groups for q in g["params"]))
-            holder.state[p] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v for key, v in st.items()}
+            owner[id(p)].state[p] = {key: v[0].to(v[1], copy=True) if isinstance(v, tuple) else v
+                                     for key, v in st.items()}
 
     def committed(self, residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state this round starts from with the push's error-feedback ``residual``
