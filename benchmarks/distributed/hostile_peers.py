@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -54,7 +55,15 @@ def run_row(kind: str, args: argparse.Namespace, settings: CoordinatorSettings) 
     return {"kind": kind, "attack_from": args.attack_from, "seed": args.seed, "moment_every": settings.moment_every,
             "ce_nats_per_byte": ce,
             **outcome(run, hostile, settings, args.attack_from), "wall_s": run.wall_s,
-            "command": f"python -m benchmarks.distributed.hostile_peers {' '.join(args.argv)} --kinds {kind}"}
+            "command": f"python -m benchmarks.distributed.hostile_peers {' '.join(args.argv)} --kinds {kind}",
+            "commit": _commit()}
+
+
+def _commit() -> str:
+    """The checkout's commit (the worktree the study runs from), or "unknown" outside git."""
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                          check=False)
+    return done.stdout.strip() or "unknown"
 
 
 def outcome(run: LocalRun, hostile: set[int], settings: CoordinatorSettings, attack_from: int) -> dict[str, Any]:
