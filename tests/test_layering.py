@@ -111,7 +111,6 @@ KIND_ALLOWED = {
     "blocktrain.presets": "chooses per preset",
     "blocktrain.serve.runtime.loading": "parse_shape's default for --random (the scale run's diffusion blocks), and "
                                         "a random denoiser's z_in initialised for scale runs",
-    "blocktrain.bench.serve_spec": "the serving bench's spec row needs a stack run",
     "blocktrain.bench.speed": "times block 0 of each built-in objective",
 }
 KIND = re.compile(

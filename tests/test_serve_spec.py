@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import time
@@ -13,14 +14,14 @@ import pytest
 import torch
 
 from blocktrain.bench.serve_client import draft_settings, timed_output
-from blocktrain.bench.serve_spec import spec_markdown, spec_summary, spec_task
+from blocktrain.bench.serve_spec import check_stack_run, spec_markdown, spec_summary, spec_task
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
-from blocktrain.config import RunConfig
+from blocktrain.config import Objective, RunConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import chain_step, position_noise
-from blocktrain.errors import ConfigError, WireError
+from blocktrain.errors import BlockTrainError, ConfigError, WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.sampling import filtered_probs
@@ -425,6 +426,20 @@ def test_bench_spec_row_helpers(stack_run: Path) -> None:
     md = spec_markdown({"output_bytes": 12, **row})
     assert len(md) == 1 and md[0].startswith("| stack spec") and "| 2.000 | 6.0 | 5,000 | 1.500 |" in md[0]
     assert spec_markdown({"output_bytes": 12}) == []
+
+
+def test_spec_row_takes_only_a_run_whose_first_stage_drafts(stack_run: Path, tmp_path: Path) -> None:
+    """The objective says whether its first block is a prefix of the composed model; the bench asks it."""
+    check_stack_run(RunDir(stack_run))
+    cfg = RunDir(stack_run).load_config()
+    diffusion = RunDir(tmp_path / "diffusion")
+    diffusion.init(dataclasses.replace(cfg, objective=Objective.DIFFUSION))
+    with pytest.raises(BlockTrainError, match="no prefix of the composed model"):
+        check_stack_run(diffusion)
+    missing = RunDir(tmp_path / "untrained")
+    missing.init(cfg)
+    with pytest.raises(BlockTrainError, match="needs all 4 blocks"):
+        check_stack_run(missing)
 
 
 def test_spec_recovers_from_an_evicted_cache(stack_run: Path) -> None:

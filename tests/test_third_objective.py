@@ -55,6 +55,7 @@ class BigramEnsemble:
     blocks_alike = True
     gain_reference = "best"
     composed_is_last_reference = False
+    prefix_drafts = False
     serving_span = ""
 
     def __init__(self, cfg: RunConfig) -> None:

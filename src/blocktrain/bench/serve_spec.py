@@ -18,10 +18,10 @@ from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, split_blocks
 from blocktrain.bench.serve_quality import bench_prompts, output_quality
 from blocktrain.checkpoint.run import RunDir
-from blocktrain.config import Objective
 from blocktrain.device import resolve_device
 from blocktrain.errors import BlockTrainError
 from blocktrain.evaluate.assembled import E2EModel
+from blocktrain.objectives import get_objective
 
 
 def spec_task(draft_min: int, draft_max: int) -> dict[str, Any]:
@@ -64,8 +64,9 @@ def spec_summary(task: dict[str, Any], generative_ce: float, baseline_seconds: f
 
 def check_stack_run(run: RunDir) -> None:
     cfg = run.load_config()
-    if cfg.objective is not Objective.STACK:
-        raise BlockTrainError(f"--stack-run {run.root} is a {cfg.objective} run; spec needs a stack run "
+    if not get_objective(cfg).prefix_drafts:
+        raise BlockTrainError(f"--stack-run {run.root} is a {cfg.objective} run, whose first block is no prefix of the "
+                              "composed model; spec needs a run whose first stage drafts for it "
                               "(train one with 'blocktrain train --objective stack')")
     if not run.has_blocks(cfg.model.n_blocks):
         raise BlockTrainError(f"--stack-run {run.root} needs all {cfg.model.n_blocks} blocks; train them first")

@@ -44,6 +44,7 @@ class Objective(Protocol):
     blocks_alike: bool  # every block has the same parameters (names and shapes): one template serves all
     gain_reference: str  # the reference a composed model's gain is measured against: "first" (prefix 0) or "best" block
     composed_is_last_reference: bool  # single_block_logits' last entry is the composed model (a stack's last prefix)
+    prefix_drafts: bool  # block 0 alone is the composed model's first prefix, so the first stage drafts for spec serving
     serving_span: str  # "module:Class" of the span that serves these blocks (serve/ builds it; this layer names it)
 
     def schedule(self) -> Schedule:

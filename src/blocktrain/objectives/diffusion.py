@@ -34,6 +34,7 @@ class DiffusionObjective:
     gain_reference = "best"  # a chain must beat its best block alone
     composed_is_last_reference = False
     blocks_alike = True
+    prefix_drafts = False  # block 0 on noise drafts, but it is no prefix of the chain
     serving_span = "blocktrain.serve.runtime.diffusion:BlockSpan"
 
     def __init__(self, cfg: RunConfig) -> None:

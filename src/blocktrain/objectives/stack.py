@@ -30,6 +30,7 @@ class StackObjective:
     gain_reference = "first"  # the composed stack is its own last prefix: its gain is over block 0 with its head
     composed_is_last_reference = True
     blocks_alike = False  # block 0 embeds the bytes, the others read h
+    prefix_drafts = True  # every prefix is a language model trained to predict the byte the whole stack predicts
     serving_span = "blocktrain.serve.runtime.stack:StackSpan"
 
     def __init__(self, cfg: RunConfig) -> None:
