@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import pytest
 import torch
@@ -20,6 +20,8 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step
 from tests.distributed_utils import NO_SCREEN, FakeClock, block_weights, corpus, make_coordinator, one_row  # noqa: F401
+
+T = TypeVar("T")
 
 
 def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -274,6 +276,36 @@ def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
     api.client.get("/v1/blocks/2/steps/2", headers=api.h("a"))  # the step to the current version counts
     assert not first()
     assert api.client.get("/v1/blocks/7/weights", headers=api.h("a")).status_code == 404
+
+
+def test_polling_status_takes_the_coordinator_lock_once_until_something_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stranger polling /v1/status and /metrics shares one document (one lock and byte flush) until a request that
+    may change the state has finished, or a tick has passed (here 60 s: it never does)."""
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), tick_seconds=60)
+    made: list[str] = []
+
+    def counted(name: str, real: Callable[..., T]) -> Callable[..., T]:
+        def call(*args: object, **kwargs: object) -> T:
+            made.append(name)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(c, "status", counted("status", c.status))
+    monkeypatch.setattr(c, "metrics", counted("metrics", c.metrics))
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+        for _ in range(20):
+            assert client.get("/v1/status").json()["workers"] == []
+            assert "blocktrain_" in client.get("/metrics").text
+            assert client.get("/").status_code == 200
+        assert sorted(made) == ["metrics", "status", "status"]  # the metrics text is made from a status of its own
+        api.register("a", block=0)  # a state-changing request: the next poll sees it
+        assert [w["name"] for w in client.get("/v1/status").json()["workers"]] == ["a"]
+        assert 'blocktrain_worker_bytes_received_total{worker="a"}' in client.get("/metrics").text
+        assert sorted(made) == ["metrics"] * 2 + ["status"] * 4
+    c.close()
 
 
 def test_status_and_metrics_count_bytes(api: Api) -> None:

@@ -38,6 +38,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from blocktrain.coordinator.dashboard import DASHBOARD_HTML
+from blocktrain.coordinator.observe import Generation, Snapshot
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
@@ -146,6 +147,25 @@ class ByteCounter:
             self.c.count_bytes(worker, n[0], n[1], route_kind(scope.get("path", "")))
 
 
+READ_ONLY = frozenset({"/", "/v1/status", "/metrics"})  # routes that change nothing a status says (but their bytes)
+
+
+class Changes:
+    """ASGI middleware: bump ``generation`` when a request that may change the coordinator's state has finished (any
+    route but :data:`READ_ONLY`), so the status snapshots made before it are made again."""
+
+    def __init__(self, app: ASGIApp, generation: Generation) -> None:
+        self.app = app
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http" and scope.get("path", "") not in READ_ONLY:
+                self.generation.bump()
+
+
 async def _read_capped(request: Request, cap: int, timeout_s: float) -> bytes:
     """The request body: at most ``cap`` bytes (413), arrived within ``timeout_s`` seconds (408)."""
     declared = request.headers.get("content-length")
@@ -209,6 +229,10 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     errors: dict[int | str, dict[str, Any]] = {"4XX": {"model": ErrorBody, "description": "a refusal: its reason and what to do"}}
     app = FastAPI(title="BlockTrain coordinator", version="1", lifespan=lifespan, responses=errors)
+    generation = Generation()
+    status = Snapshot(c.status, generation, c.settings.tick_seconds)
+    metrics_text = Snapshot(c.metrics, generation, c.settings.tick_seconds)
+    app.add_middleware(Changes, generation=generation)  # type: ignore[arg-type]
     app.add_middleware(ByteCounter, coordinator=c)  # type: ignore[arg-type]
 
     @app.exception_handler(ProtocolError)
@@ -230,11 +254,11 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     @app.get("/v1/status", response_model=Status)
     async def get_status() -> Status:
-        return await run_in_threadpool(c.status)
+        return await run_in_threadpool(status.get)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> PlainTextResponse:
-        text = await run_in_threadpool(c.metrics)
+        text = await run_in_threadpool(metrics_text.get)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/register", response_model=Registration, response_model_exclude_none=True)

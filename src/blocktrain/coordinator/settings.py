@@ -125,7 +125,7 @@ class CoordinatorSettings:
     device: str = "auto"  # where the gate, evaluations and audit replays compute: auto, cpu, cuda or cuda:N
     eval_every: int = 1  # evaluate the assembled model every this many epochs (0 = never)
     eval_bytes: int = 4096  # validation bytes scored per evaluation
-    tick_seconds: float = 0.5  # period of the deadline/lease/eval loop
+    tick_seconds: float = 0.5  # period of the deadline/lease/eval loop; the most a status served over HTTP lags
     fsync: bool = True  # fsync every blob and SQLite commit (False: safe from process crashes, not power loss)
     hivemind: bool = False  # host the run's hivemind DHT and admit workers averaging on it (needs blocktrain[hivemind])
     hivemind_host: str = "0.0.0.0"  # IPv4 address the DHT peer listens on (its port is chosen by the system)
