@@ -74,13 +74,14 @@ class ConductTable:
                          "WHERE w.block=? AND q.at>?", k, since)
         return {str(r["worker"]) for r in rows}
 
-    def revoked_peers(self, limit: int) -> list[str]:
-        """The newest ``limit`` quarantined workers that were admitted to hivemind groups (a ``p2p_key``): their
-        DHT tokens stay valid until they expire, so the workers are told whose cards no longer count (a name no
-        work answer could carry, over 128 characters, is left out: it could never have registered)."""
+    def revoked_peers(self, limit: int, since: float) -> list[str]:
+        """The newest ``limit`` workers quarantined after ``since`` that were admitted to hivemind groups (a
+        ``p2p_key``): their DHT tokens stay valid until they expire, so the workers are told whose cards no longer
+        count. ``since``: the oldest quarantine whose tokens may still be valid (its tokens were issued before it).
+        A name no work answer could carry, over 128 characters, is left out: it could never have registered."""
         rows = self.db.q("SELECT q.worker AS worker FROM quarantine q WHERE length(q.worker) BETWEEN 1 AND 128 AND "
-                         "EXISTS (SELECT 1 FROM meta m WHERE m.key = 'p2p_key:' || q.worker) "
-                         "ORDER BY q.at DESC, q.worker LIMIT ?", limit)
+                         "q.at > ? AND EXISTS (SELECT 1 FROM meta m WHERE m.key = 'p2p_key:' || q.worker) "
+                         "ORDER BY q.at DESC, q.worker LIMIT ?", since, limit)
         return [str(r["worker"]) for r in rows]
 
     def quarantined_token(self, token_hash: str) -> str | None:

@@ -25,7 +25,8 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-TOKEN_TTL_S = 30 * 24 * 3600.0  # seconds a token stays valid (a worker that registers again gets a new one)
+from blocktrain.protocol.messages import P2P_TOKEN_TTL_S
+
 MAX_TOKEN_BYTES = 4096  # bytes of a serialized token a peer may send
 MAX_PROOF_BYTES = 1024  # bytes of a card's signature (base64 of a 2048-bit RSA signature: 344)
 
@@ -67,7 +68,7 @@ class Authority:
         """A serialized token admitting ``key_bytes`` (an RSA public key) as ``worker``; ValueError if it is not one."""
         if public_key(key_bytes) is None:  # refuse what is not a key before signing it
             raise ValueError("not an RSA public key in OpenSSH form")
-        expires = (time.time() if now is None else now) + TOKEN_TTL_S
+        expires = (time.time() if now is None else now) + P2P_TOKEN_TTL_S
         token = AccessToken(username=worker, public_key=key_bytes, expiration_time=repr(expires))
         token.signature = self.key.sign(_token_payload(token))
         return bytes(token.SerializeToString())
@@ -114,7 +115,7 @@ class PeerAuthorizer(TokenAuthorizerBase):
         return verified_token(access_token, self._authority)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return False  # tokens last TOKEN_TTL_S; a worker that registers again is issued a new one
+        return False  # tokens last P2P_TOKEN_TTL_S; a worker that registers again is issued a new one
 
 
 @dataclass(frozen=True)
