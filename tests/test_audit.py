@@ -8,6 +8,7 @@ it committed to, and one that never uploads are quarantined. Each test fails wit
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -538,14 +539,16 @@ def test_a_restart_gives_a_pending_audit_its_whole_timeout_again(tmp_path: Path,
 
 @pytest.mark.parametrize(("status", "reason", "ends"), [(404, "test", False), (408, "test", False),
                                                         (413, "test", False), (503, "unreachable", False),
+                                                        (503, "stopped", False),
                                                         (401, "test", True), (403, "test", True), (503, "test", True)])
 def test_a_refused_audit_upload_ends_the_worker_only_where_it_may_no_longer_work(corpus: DataDir,  # noqa: F811
                                                                                status: int, reason: str,
                                                                                ends: bool) -> None:
     """The push was taken before its audit was asked for: a refused upload (404: an earlier try reached it; 408 on a
     slow link; 413) or one left unanswered (the replay outlasted the client's wait: unreachable) is logged and the
-    worker goes on, and the coordinator decides on the audit as it does without an upload; its own fault (5xx) or a
-    worker that may no longer work (401, 403) ends it (an upload's 4xx ended it)."""
+    worker goes on, and the coordinator decides on the audit as it does without an upload (so does one the worker
+    stopped waiting for as it left: stopped); its own fault (5xx) or a worker that may no longer work (401, 403) ends
+    it (an upload's 4xx ended it)."""
     uploads: list[tuple[int, int, bytes]] = []
 
     class Client:
@@ -659,6 +662,46 @@ def test_an_audit_upload_waits_for_the_replay_that_answers_it() -> None:
             client.push(0, b"push")
         assert posts.count("/v1/blocks/0/updates") >= 2
     finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("told", ["abandon", "leave"])
+def test_a_worker_told_to_go_stops_waiting_for_its_audit_s_replay(told: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for a replay (up to replay_wait_s, 600 s) ends within a second of the second signal (abandon), or
+    LEAVING_GIVE_UP_S after the first (leave), as a retry's delay does: a real server on loopback never answers."""
+    import http.server
+
+    from blocktrain.worker import client as client_module
+
+    release = threading.Event()
+
+    class NoReplay(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the http.server hook
+            self.rfile.read(int(self.headers["Content-Length"]))
+            release.wait(30)
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    monkeypatch.setattr(client_module, "LEAVING_GIVE_UP_S", 0.5)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoReplay)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stop, leaving = threading.Event(), threading.Event()
+    client = client_module.CoordinatorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", timeout_s=0.5,
+                                             replay_wait_s=60.0, stop=stop, leaving=leaving)
+    threading.Timer(0.3, (stop if told == "abandon" else leaving).set).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError) as exc:
+            client.audit(0, 3, b"state")
+        assert exc.value.reason == "stopped" and time.monotonic() - t0 < 5.0
+    finally:
+        release.set()
         client.close()
         server.shutdown()
         server.server_close()

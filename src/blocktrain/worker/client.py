@@ -11,6 +11,8 @@ would fail its next audit, coordinator.lineage). An answer is read up to ``max_r
 decoding (a deflate bomb or a runaway body ends the request, 502 ``too_large``):
 small before registration, then sized by the worker from its block. An audit upload waits up to ``replay_wait_s``
 for its answer: the coordinator replays the round, and the earlier rounds its moments came from, before answering.
+Such a long wait ends within a second of ``stop`` (the worker abandons) or :data:`LEAVING_GIVE_UP_S` after
+``leaving`` (SIGTERM), as a retry's delay does.
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ class CoordinatorClient:
                 headers = {"Content-Type": "application/octet-stream"} if content is not None else {}
                 if encoding is not None:
                     headers["Content-Encoding"] = encoding
-                resp = self._capped(self.http.build_request(method, path, content=content, json=json,
-                                                            headers=headers or None, timeout=timeout))
+                request = self.http.build_request(method, path, content=content, json=json, headers=headers or None,
+                                                  timeout=timeout)
+                resp = self._watched(request) if read_s is not None and read_s > self.timeout_s else self._capped(request)
                 if resp.status_code < 500:
                     if resp.status_code < 400:
                         return resp
@@ -113,6 +116,29 @@ class CoordinatorClient:
                 if self._left_long_ago():
                     raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}) while leaving",
                                         Reason.UNREACHABLE)
+
+    def _watched(self, request: httpx.Request) -> httpx.Response:
+        """:meth:`_capped` in a thread of its own, for an answer that may take minutes: given up within a second of
+        ``stop``, or of a leave older than LEAVING_GIVE_UP_S (the thread ends with its request or the client)."""
+        done = threading.Event()
+        got: list[httpx.Response | BaseException] = []
+
+        def send() -> None:
+            try:
+                got.append(self._capped(request))
+            except BaseException as exc:  # handed to the caller's thread as it is
+                got.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=send, name=f"{request.method} {request.url.path}", daemon=True).start()
+        while not done.wait(1.0):
+            if self.stop.is_set() or self._left_long_ago():
+                raise ProtocolError(503, f"stopped while waiting for the answer to {request.method} {request.url.path}",
+                                    Reason.STOPPED)
+        if isinstance(got[0], BaseException):
+            raise got[0]
+        return got[0]
 
     def _capped(self, request: httpx.Request) -> httpx.Response:
         """Send ``request`` and read its answer, at most ``max_response_bytes`` of it after decoding."""

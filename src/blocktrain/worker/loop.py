@@ -320,7 +320,7 @@ class Worker:
             result = self.client.audit(self.k, self.base_version,
                                        pack_state(self.round_state, block=self.k, version=self.base_version))
         except ProtocolError as exc:
-            if exc.reason == Reason.UNREACHABLE:
+            if exc.reason in (Reason.UNREACHABLE, Reason.STOPPED):  # no answer in time, or the worker is leaving
                 log.warning("block %d v%d: no answer to the audit upload (%s); the coordinator decides on it",
                             self.k, self.base_version, exc)
                 return
