@@ -281,8 +281,8 @@ def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
 def test_polling_status_takes_the_coordinator_lock_once_until_something_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A stranger polling /v1/status and /metrics shares one document (one lock and byte flush) until a request that
-    may change the state has finished, or a tick has passed (here 60 s: it never does)."""
+    """A stranger polling /v1/status and /metrics shares one document (one lock and byte flush) until a worker's
+    request that may change the state has finished, or a tick has passed (here 60 s: it never does)."""
     c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), tick_seconds=60)
     made: list[str] = []
 
@@ -301,6 +301,11 @@ def test_polling_status_takes_the_coordinator_lock_once_until_something_changes(
             assert "blocktrain_" in client.get("/metrics").text
             assert client.get("/").status_code == 200
         assert sorted(made) == ["metrics", "status", "status"]  # the metrics text is made from a status of its own
+        for _ in range(5):  # a stranger's requests between its polls change nothing a worker's would
+            assert client.get("/v1/nothing").status_code == 404
+            assert client.post("/v1/blocks/0/updates", content=b"x", headers={"Authorization": "Bearer no"}).status_code == 401
+            assert client.get("/v1/status").status_code == 200
+        assert sorted(made) == ["metrics", "status", "status"]
         api.register("a", block=0)  # a state-changing request: the next poll sees it
         assert [w["name"] for w in client.get("/v1/status").json()["workers"]] == ["a"]
         assert 'blocktrain_worker_bytes_received_total{worker="a"}' in client.get("/metrics").text

@@ -33,7 +33,7 @@ from blocktrain.p2p.trust import Authority, Card, PeerAuthorizer, parse_token  #
 from blocktrain.presets import get_preset  # noqa: E402
 from blocktrain.protocol.delta import Compression, pack_delta  # noqa: E402
 from blocktrain.protocol.group import GroupMember, decode_group, encode_group, round_scope  # noqa: E402
-from blocktrain.protocol.messages import P2P_TOKEN_TTL_S  # noqa: E402
+from blocktrain.protocol.messages import CLOCK_SKEW_S, P2P_TOKEN_TTL_S  # noqa: E402
 from blocktrain.protocol.moments import InnerStart, MomentCodec  # noqa: E402
 from tests.distributed_utils import (  # noqa: E402, F401
     add_token,
@@ -158,9 +158,9 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
         # once a token's life has passed since their quarantine, every token they held has expired: not named
         real = c.clock
-        c.clock = lambda: real() + P2P_TOKEN_TTL_S - 60
+        c.clock = lambda: real() + P2P_TOKEN_TTL_S + CLOCK_SKEW_S - 60  # a peer's clock may lag a day
         assert set(c.work("w3").revoked) == {"w1", "w2"}
-        c.clock = lambda: real() + P2P_TOKEN_TTL_S + 60
+        c.clock = lambda: real() + P2P_TOKEN_TTL_S + CLOCK_SKEW_S + 60
         assert c.work("w3").revoked == ()
     finally:
         c.close()

@@ -44,6 +44,7 @@ CAUGHT_AT_INTAKE = {"claim", "norm", "lazy", "replay", "gate", "stale", "base"} 
 
 
 def run_row(kind: str, args: argparse.Namespace, settings: CoordinatorSettings) -> dict[str, Any]:
+    commit = _commit()  # as the row starts: the code it runs
     cfg = get_preset(args.preset).with_train(seed=args.seed)
     n_bad = COLLUDERS.get(kind, 1) if kind != "clean" else 0
     opts = LocalRounds(workers=args.workers + n_bad, local_steps=args.h, steps=args.steps)
@@ -56,13 +57,16 @@ def run_row(kind: str, args: argparse.Namespace, settings: CoordinatorSettings) 
             "ce_nats_per_byte": ce,
             **outcome(run, hostile, settings, args.attack_from), "wall_s": run.wall_s,
             "command": f"python -m benchmarks.distributed.hostile_peers {' '.join(args.argv)} --kinds {kind}",
-            "commit": _commit()}
+            "commit": commit}
 
 
 def _commit() -> str:
     """The checkout's commit (the worktree the study runs from), or "unknown" outside git."""
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
-                          check=False)
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, check=False)
+    except OSError:  # no git on this machine
+        return "unknown"
     return done.stdout.strip() or "unknown"
 
 

@@ -151,18 +151,25 @@ READ_ONLY = frozenset({"/", "/v1/status", "/metrics"})  # routes that change not
 
 
 class Changes:
-    """ASGI middleware: bump ``generation`` when a request that may change the coordinator's state has finished (any
-    route but :data:`READ_ONLY`), so the status snapshots made before it are made again."""
+    """ASGI middleware: bump ``generation`` when a worker's request (a valid token as it began) on a route that may
+    change the coordinator's state (any but :data:`READ_ONLY`) has finished, so the status snapshots made before it
+    are made again. A stranger's requests change only counters a snapshot shows a tick later: they never remake one."""
 
-    def __init__(self, app: ASGIApp, generation: Generation) -> None:
+    def __init__(self, app: ASGIApp, generation: Generation, coordinator: Coordinator) -> None:
         self.app = app
         self.generation = generation
+        self.c = coordinator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path", "") in READ_ONLY:
+            await self.app(scope, receive, send)
+            return
+        token = _bearer(dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1"))
+        worker = None if token is None else self.c.worker_for_token(token)
         try:
             await self.app(scope, receive, send)
         finally:
-            if scope["type"] == "http" and scope.get("path", "") not in READ_ONLY:
+            if worker is not None:
                 self.generation.bump()
 
 
@@ -232,8 +239,9 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     generation = Generation()
     status = Snapshot(c.status, generation, c.settings.tick_seconds)
     metrics_text = Snapshot(c.metrics, generation, c.settings.tick_seconds)
-    app.add_middleware(Changes, generation=generation)  # type: ignore[arg-type]
     app.add_middleware(ByteCounter, coordinator=c)  # type: ignore[arg-type]
+    app.add_middleware(Changes, generation=generation, coordinator=c)  # type: ignore[arg-type]  # outermost: bumps
+    # once the request's bytes are counted
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:

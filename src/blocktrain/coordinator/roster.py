@@ -23,7 +23,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
-from blocktrain.protocol.messages import MAX_REVOKED, P2P_TOKEN_TTL_S, Heartbeat, Registration, WorkAnswer
+from blocktrain.protocol.messages import CLOCK_SKEW_S, MAX_REVOKED, P2P_TOKEN_TTL_S, Heartbeat, Registration, WorkAnswer
 from blocktrain.seeds import worker_stream
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,10 @@ class Roster:
         stream = worker_stream(row.id, k, current.version)
         submitted = self.store.updates.submitted(k, current.version, name)
         in_groups = self.store.workers.averages_in_groups(name)
-        # a quarantine older than a DHT token's life needs no naming: every token its worker held has expired
-        revoked = tuple(self.store.conduct.revoked_peers(MAX_REVOKED, now - P2P_TOKEN_TTL_S)) if in_groups else ()
+        # a quarantine older than a DHT token's life (and a peer's clock skew) needs no naming: every token its worker
+        # held has expired, on any peer's clock (tokens are issued at registration, before the quarantine)
+        since = now - P2P_TOKEN_TTL_S - CLOCK_SKEW_S
+        revoked = tuple(self.store.conduct.revoked_peers(MAX_REVOKED, since)) if in_groups else ()
         with self.store.tx():
             self.store.workers.renew_lease(name, now + self.settings.lease_seconds)
             if state is RoundState.OPEN:

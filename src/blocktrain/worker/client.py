@@ -11,8 +11,8 @@ would fail its next audit, coordinator.lineage). An answer is read up to ``max_r
 decoding (a deflate bomb or a runaway body ends the request, 502 ``too_large``):
 small before registration, then sized by the worker from its block. An audit upload waits up to ``replay_wait_s``
 for its answer: the coordinator replays the round, and the earlier rounds its moments came from, before answering.
-Such a long wait ends within a second of ``stop`` (the worker abandons) or :data:`LEAVING_GIVE_UP_S` after
-``leaving`` (SIGTERM), as a retry's delay does.
+Such a long wait ends within a second of ``stop`` (the second signal: the worker abandons its round); a worker that is
+only leaving (the first) finishes its round, the audit's upload and wait included.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class CoordinatorClient:
 
     def _watched(self, request: httpx.Request) -> httpx.Response:
         """:meth:`_capped` in a thread of its own, for an answer that may take minutes: given up within a second of
-        ``stop``, or of a leave older than LEAVING_GIVE_UP_S (the thread ends with its request or the client)."""
+        ``stop``. The thread goes on until its request ends (answered, or its read timeout); the bytes it moves after
+        are counted then, if the process is still there."""
         done = threading.Event()
         got: list[httpx.Response | BaseException] = []
 
@@ -133,7 +134,7 @@ class CoordinatorClient:
 
         threading.Thread(target=send, name=f"{request.method} {request.url.path}", daemon=True).start()
         while not done.wait(1.0):
-            if self.stop.is_set() or self._left_long_ago():
+            if self.stop.is_set():
                 raise ProtocolError(503, f"stopped while waiting for the answer to {request.method} {request.url.path}",
                                     Reason.STOPPED)
         if isinstance(got[0], BaseException):

@@ -316,6 +316,10 @@ class Worker:
         time (the replay outlasted the client's wait, or the link dropped) leaves the outcome to the coordinator,
         which decides on the audit either way: the worker goes on, and its next request finds out whether the
         coordinator is still there."""
+        if self.abandon.is_set():  # the second signal came during the push: no state to pack and send
+            log.warning("block %d v%d: leaving before the audit upload; the coordinator decides on it", self.k,
+                        self.base_version)
+            return
         try:
             result = self.client.audit(self.k, self.base_version,
                                        pack_state(self.round_state, block=self.k, version=self.base_version))
