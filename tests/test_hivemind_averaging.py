@@ -67,6 +67,26 @@ def test_a_card_verifies_only_for_its_peer_and_round() -> None:
         PeerAuthorizer(KEYS[2], forged, authority.public_key)
 
 
+def test_the_coordinator_signs_its_own_dht_token_again_before_it_expires() -> None:
+    """The coordinator's DHT peer renews its token a day before it expires (a coordinator up longer than a token's
+    life stays in its DHT); a worker's authoriser has no key to sign with and keeps the token it registered with."""
+    import asyncio
+    import time
+
+    key = RSAPrivateKey()
+    authority = Authority(key)
+    pub = key.get_public_key().to_bytes()
+    old = authority.issue("coordinator", pub, now=time.time() - P2P_TOKEN_TTL_S + 3600)  # an hour of life left
+    expires = parse_token(old).expiration_time  # type: ignore[union-attr]
+    worker_side = PeerAuthorizer(key, old, authority.public_key)
+    assert asyncio.run(worker_side.get_token()).expiration_time == expires
+    own = PeerAuthorizer(key, old, authority.public_key, issuer=authority)
+    renewed = asyncio.run(own.get_token())
+    assert own.is_token_valid(renewed) and (renewed.username, renewed.public_key) == ("coordinator", pub)
+    assert float(renewed.expiration_time) > time.time() + P2P_TOKEN_TTL_S - 60
+    assert not own.does_token_need_refreshing(renewed) and asyncio.run(own.get_token()) is renewed
+
+
 def test_the_group_field_round_trips_and_bounds_what_a_stranger_sends() -> None:
     members = [GroupMember("PeerA", 8, "w1", b"proof"), GroupMember("PeerB", 16, "w2", b"p2")]
     assert decode_group(encode_group(members)) == tuple(members)

@@ -48,7 +48,7 @@ class PeerHub:
         self.authority = Authority(key)
         own = self.authority.issue("coordinator", key.get_public_key().to_bytes())
         self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"],
-                                authorizer=PeerAuthorizer(key, own, self.authority.public_key))
+                                authorizer=PeerAuthorizer(key, own, self.authority.public_key, issuer=self.authority))
         self.initial_peers = [str(a) for a in self.dht.get_visible_maddrs()]
         log.info("hivemind DHT up; workers join it at %s", ", ".join(self.initial_peers))
 

@@ -29,6 +29,7 @@ from blocktrain.protocol.messages import P2P_TOKEN_TTL_S
 
 MAX_TOKEN_BYTES = 4096  # bytes of a serialized token a peer may send
 MAX_PROOF_BYTES = 1024  # bytes of a card's signature (base64 of a 2048-bit RSA signature: 344)
+RENEW_BEFORE_S = 24 * 3600.0  # seconds of life left at which the coordinator signs its own DHT token again
 
 
 def _token_payload(token: AccessToken) -> bytes:
@@ -98,24 +99,32 @@ def parse_token(raw: object) -> AccessToken | None:
 
 
 class PeerAuthorizer(TokenAuthorizerBase):
-    """hivemind's authoriser hook with the coordinator's token: signs this peer's DHT traffic, checks others'."""
+    """hivemind's authoriser hook with the coordinator's token: signs this peer's DHT traffic, checks others'.
 
-    def __init__(self, key: RSAPrivateKey, token: bytes, authority: bytes) -> None:
+    ``issuer``: the coordinator's own peer passes its :class:`Authority`, and signs its token again when less than
+    RENEW_BEFORE_S of its life is left (the DHT runs in a forked process, which holds the key), so a coordinator up
+    longer than P2P_TOKEN_TTL_S stays in its DHT. A worker's token lasts P2P_TOKEN_TTL_S from its registration."""
+
+    def __init__(self, key: RSAPrivateKey, token: bytes, authority: bytes, issuer: Authority | None = None) -> None:
         super().__init__(key)
         parsed = parse_token(token)
         if parsed is None or not verified_token(parsed, authority):
             raise ValueError("the coordinator's access token does not verify against its published authority key")
         self._token = parsed
         self._authority = authority
+        self._issuer = issuer
 
     async def get_token(self) -> AccessToken:
+        if self.does_token_need_refreshing(self._token):
+            assert self._issuer is not None
+            self._token = AccessToken.FromString(self._issuer.issue(self._token.username, self._token.public_key))
         return self._token
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
         return verified_token(access_token, self._authority)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return False  # tokens last P2P_TOKEN_TTL_S; a worker that registers again is issued a new one
+        return self._issuer is not None and float(access_token.expiration_time) - time.time() < RENEW_BEFORE_S
 
 
 @dataclass(frozen=True)
