@@ -21,6 +21,7 @@ import torch
 hivemind = pytest.importorskip("hivemind")
 
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
+from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256, unpack  # noqa: E402
 from blocktrain.config import Precision  # noqa: E402
@@ -85,6 +86,13 @@ def test_the_coordinator_signs_its_own_dht_token_again_before_it_expires() -> No
     assert own.is_token_valid(renewed) and (renewed.username, renewed.public_key) == ("coordinator", pub)
     assert float(renewed.expiration_time) > time.time() + P2P_TOKEN_TTL_S - 60
     assert not own.does_token_need_refreshing(renewed) and asyncio.run(own.get_token()) is renewed
+    # a worker's authoriser takes the coordinator's new token for its own key, and no other
+    new = authority.issue("coordinator", pub)
+    worker_side.renew(new)
+    assert worker_side.does_token_need_refreshing(parse_token(old))  # type: ignore[arg-type]
+    assert asyncio.run(worker_side.get_token()).expiration_time == parse_token(new).expiration_time  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="another key"):
+        worker_side.renew(authority.issue("w9", RSAPrivateKey().get_public_key().to_bytes()))
 
 
 def test_the_group_field_round_trips_and_bounds_what_a_stranger_sends() -> None:
@@ -174,6 +182,26 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         c.add_token("w4")
         c.register("w4", 0)  # a worker that pushes its own deltas is told nothing of them
         assert c.work("w4").revoked == ()
+        # a new DHT token for the key a worker registered with, its session going on; none for a direct worker or a
+        # quarantined one
+        session = c.store.q1("SELECT session FROM workers WHERE name='w3'")["session"]
+        renewed = parse_token(base64.b64decode(c.renew_p2p("w3").p2p["token"]))
+        assert renewed is not None and renewed.username == "w3"
+        assert renewed.public_key == KEYS[2].get_public_key().to_bytes()
+        assert c.store.q1("SELECT session FROM workers WHERE name='w3'")["session"] == session
+        with pytest.raises(ProtocolError, match="hivemind") as refused:
+            c.renew_p2p("w4")
+        assert refused.value.status == 409
+        with pytest.raises(ProtocolError, match="quarantined"):
+            c.renew_p2p("w2")
+        from fastapi.testclient import TestClient
+
+        from blocktrain.coordinator.app import create_app
+
+        with TestClient(create_app(c, background=False)) as client:  # the route a worker asks
+            r = client.post("/v1/p2p/token", headers={"Authorization": f"Bearer {c.add_token('w3')}"})
+            assert r.status_code == 200 and set(r.json()["p2p"]) == {"token", "run", "initial_peers", "authority"}
+            assert client.post("/v1/p2p/token").status_code == 401
         s = c.status().model_dump(mode="json")
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
         # once a token's life has passed since their quarantine, every token they held has expired: not named
@@ -222,6 +250,89 @@ def _averagers(n: int, authority: Authority, dht0: object, keys: list[RSAPrivate
         dht = join_dht(peers, PeerAuthorizer(keys[i], token, authority.public_key), "127.0.0.1")
         out.append(GroupAverager(dht, keys[i], token, authority.public_key, run, target_group_size=8, matchmaking_s=1.0))
     return out
+
+
+def test_a_hivemind_worker_asks_for_a_new_token_a_day_before_its_own_expires(corpus: DataDir) -> None:  # noqa: F811
+    """The engine says when its token is due (a day before it expires; once an hour while answers give no new one);
+    the worker asks the coordinator, and goes on where an older coordinator has no such route (404)."""
+    import threading
+    import time
+
+    from blocktrain.p2p.trust import RENEW_BEFORE_S
+    from blocktrain.worker.engines import HivemindEngine
+    from blocktrain.worker.loop import Worker
+    from blocktrain.worker.options import WorkerOptions
+
+    engine = HivemindEngine(4, 1.0, "127.0.0.1", threading.Event())
+    assert not engine.token_due()  # not joined yet
+    renewed: list[bytes] = []
+
+    class Groups:
+        def renew(self, token: bytes) -> None:
+            renewed.append(token)
+
+    authority = Authority(KEYS[0])
+    engine.groups = Groups()
+    engine.token_expires = time.time() + RENEW_BEFORE_S + 60
+    assert not engine.token_due()
+    engine.token_expires = time.time() + RENEW_BEFORE_S - 60
+    assert engine.token_due() and not engine.token_due()  # asked: not again within the hour
+    fresh = authority.issue("w1", engine.key.get_public_key().to_bytes())
+    p2p = {"token": base64.b64encode(fresh).decode(), "authority": authority.public_key.decode(), "initial_peers": [],
+           "run": "r"}
+    engine.renew(p2p)
+    assert renewed == [fresh] and engine.token_expires == float(parse_token(fresh).expiration_time)  # type: ignore[union-attr]
+
+    answers: list[Any] = [ProtocolError(404, "no such route", "http"), ProtocolError(403, "quarantined", "quarantined")]
+
+    class Client:
+        def p2p_token(self) -> Any:
+            raise answers.pop(0)
+
+    w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False), corpus)
+    w.client, w.engine, w.k = Client(), engine, 0  # type: ignore[assignment]
+    w._renew_p2p()  # an older coordinator: asked again later
+    with pytest.raises(ProtocolError):
+        w._renew_p2p()  # this worker may no longer work
+
+
+async def _signing_expiry(dht: Any, node: Any) -> str:
+    """In a DHT's own process: when the token its authoriser signs with expires."""
+    return str((await node.protocol.authorizer.get_token()).expiration_time)
+
+
+def test_a_worker_renews_its_dht_token_in_the_dht_s_own_process() -> None:
+    """A worker's DHT token expires 30 days after its registration; the coordinator's new one, handed to the DHT's
+    forked process before then, signs its requests from then on. Two workers join with tokens of ten seconds' life;
+    one renews: once the old tokens have expired its store reaches the coordinator's peer, the other's does not."""
+    import time
+
+    authority = Authority(KEYS[0])
+    dht0 = join_dht([], PeerAuthorizer(KEYS[0], authority.issue("coordinator", KEYS[0].get_public_key().to_bytes()),
+                                       authority.public_key), "127.0.0.1")
+    peers = [str(a) for a in dht0.get_visible_maddrs()]
+    born = time.time()
+    members = []
+    for i, name in ((1, "w1"), (2, "w2")):
+        short = authority.issue(name, KEYS[i].get_public_key().to_bytes(), now=born - P2P_TOKEN_TTL_S + 10.0)
+        members.append(GroupAverager(join_dht(peers, PeerAuthorizer(KEYS[i], short, authority.public_key), "127.0.0.1"),
+                                     KEYS[i], short, authority.public_key, "r1", target_group_size=8, matchmaking_s=1.0))
+    try:
+        renewing, lapsing = members
+        fresh = authority.issue("w1", KEYS[1].get_public_key().to_bytes())
+        renewing.renew(fresh)
+        assert renewing.token == fresh
+        assert renewing.dht.run_coroutine(_signing_expiry) == parse_token(fresh).expiration_time  # type: ignore[union-attr]
+        time.sleep(max(0.0, born + 10.5 - time.time()))  # the first tokens have expired
+        renewing.dht.store("renewed", b"y", get_dht_time() + 60)
+        lapsing.dht.store("lapsed", b"x", get_dht_time() + 60)
+        found = dht0.get("renewed", latest=True)
+        assert found is not None and found.value == b"y"
+        assert dht0.get("lapsed", latest=True) is None  # refused: its token has expired
+    finally:
+        for m in members:
+            m.close()
+        dht0.shutdown()
 
 
 def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothing() -> None:

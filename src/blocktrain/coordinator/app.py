@@ -9,6 +9,7 @@ Routes (all JSON unless noted; worker routes need ``Authorization: Bearer``):
                                      assignment and config (409 "dataset" when the worker's data is not the
                                      run's); with p2p_key, "p2p": its token and the DHT to join (--hivemind)
     POST /v1/heartbeat               renew the lease
+    POST /v1/p2p/token               a new DHT token for the key the worker registered with (--hivemind)
     POST /v1/leave                   give the lease back (clean shutdown)
     GET  /v1/work                    block, version, data stream, deadline
     GET  /v1/blocks/{k}/weights      safetensors: the current weights of block k
@@ -49,6 +50,7 @@ from blocktrain.protocol.messages import (
     ErrorBody,
     Heartbeat,
     Left,
+    P2PToken,
     PushAnswer,
     RegisterRequest,
     Registration,
@@ -276,6 +278,10 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             raise ProtocolError(426, f"this worker speaks protocol {body.protocol}, the coordinator {PROTOCOL_VERSION}; run the "
                                 "same BlockTrain version on both sides", Reason.PROTOCOL)
         return await run_in_threadpool(c.register, name, body.block, body.dataset, body.p2p_key)
+
+    @app.post("/v1/p2p/token", response_model=P2PToken)
+    async def p2p_token(request: Request) -> P2PToken:
+        return await run_in_threadpool(c.renew_p2p, await auth(request))
 
     @app.post("/v1/heartbeat", response_model=Heartbeat)
     async def heartbeat(request: Request) -> Heartbeat:

@@ -23,7 +23,15 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
-from blocktrain.protocol.messages import CLOCK_SKEW_S, MAX_REVOKED, P2P_TOKEN_TTL_S, Heartbeat, Registration, WorkAnswer
+from blocktrain.protocol.messages import (
+    CLOCK_SKEW_S,
+    MAX_REVOKED,
+    P2P_TOKEN_TTL_S,
+    Heartbeat,
+    P2PToken,
+    Registration,
+    WorkAnswer,
+)
 from blocktrain.seeds import worker_stream
 
 log = logging.getLogger(__name__)
@@ -103,6 +111,18 @@ class Roster:
         """An unpinned worker leaves a waiting or finished block k for an open one (in every schedule: a diffusion
         run's blocks all open at once, and a worker whose block finished moves to one that still trains)."""
         return self.rounds.state[k] is not BlockState.OPEN and bool(self.rounds.open_blocks())
+
+    def renew_p2p(self, name: str) -> P2PToken:
+        """A new DHT token for registered worker ``name``'s key (a token lasts P2P_TOKEN_TTL_S), without a new
+        session: its inner state and lineage go on. 409 when it did not register this session to average in groups."""
+        self.get(name)
+        if self.conduct.quarantined(name):
+            raise ProtocolError(403, f"worker {name!r} is quarantined: no new token", Reason.QUARANTINED)
+        key = self.store.meta.get_meta(f"p2p_key:{name}")
+        if self.hub is None or key is None or not self.store.workers.averages_in_groups(name):
+            raise ProtocolError(409, f"worker {name!r} did not register to average in hivemind groups; register with "
+                                "--averaging hivemind first", Reason.HIVEMIND_OFF)
+        return P2PToken(p2p=self.hub.admit(name, key))
 
     def heartbeat(self, name: str, now: float) -> Heartbeat:
         self.get(name)

@@ -49,7 +49,7 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState
-from blocktrain.protocol.messages import AuditAnswer, Heartbeat, Left, PushAnswer, Registration, WorkAnswer
+from blocktrain.protocol.messages import AuditAnswer, Heartbeat, Left, P2PToken, PushAnswer, Registration, WorkAnswer
 from blocktrain.protocol.status import Status
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,10 @@ class Coordinator:
     def register(self, name: str, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> Registration:
         with self.lock:
             return self.roster.register(name, block, self.clock(), dataset, p2p_key)
+
+    def renew_p2p(self, name: str) -> P2PToken:
+        with self.lock:
+            return self.roster.renew_p2p(name)
 
     def heartbeat(self, name: str) -> Heartbeat:
         with self.lock:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import hivemind
@@ -32,7 +33,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.utils.timed_storage import get_dht_time
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256
-from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey
+from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey, parse_token, verified_token
 from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,14 @@ class GroupAverager:
         self._averager, self._block = averager, k
         return averager
 
+    def renew(self, token: bytes) -> None:
+        """The coordinator's new token for this worker's key: its cards carry it, and its DHT process signs with it."""
+        parsed = parse_token(token)
+        if parsed is None or not verified_token(parsed, self.authority):
+            raise ValueError("the coordinator's new access token does not verify against its authority key")
+        self.token = token
+        self.dht.run_coroutine(partial(_renew_in_dht, token))
+
     def close_averager(self) -> None:
         if self._averager is not None:
             self._averager.shutdown()
@@ -255,3 +264,11 @@ class GroupAverager:
                 return None
             members.append(GroupMember(peer, int(data["samples"]), worker, card.proof))
         return sorted(members, key=lambda m: m.peer)
+
+
+async def _renew_in_dht(token: bytes, dht: hivemind.DHT, node: Any) -> None:
+    """In the DHT's own process (``DHT.run_coroutine``): its authoriser signs with ``token`` from now on."""
+    authorizer = node.protocol.authorizer
+    if not isinstance(authorizer, PeerAuthorizer):
+        raise TypeError(f"this DHT signs with {type(authorizer).__name__}, not BlockTrain's PeerAuthorizer")
+    authorizer.renew(token)

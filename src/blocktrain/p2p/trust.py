@@ -103,7 +103,8 @@ class PeerAuthorizer(TokenAuthorizerBase):
 
     ``issuer``: the coordinator's own peer passes its :class:`Authority`, and signs its token again when less than
     RENEW_BEFORE_S of its life is left (the DHT runs in a forked process, which holds the key), so a coordinator up
-    longer than P2P_TOKEN_TTL_S stays in its DHT. A worker's token lasts P2P_TOKEN_TTL_S from its registration."""
+    longer than P2P_TOKEN_TTL_S stays in its DHT. A worker asks the coordinator for a new token as its own nears
+    its end, and hands it to this authoriser in the DHT's process (:meth:`renew`)."""
 
     def __init__(self, key: RSAPrivateKey, token: bytes, authority: bytes, issuer: Authority | None = None) -> None:
         super().__init__(key)
@@ -114,8 +115,15 @@ class PeerAuthorizer(TokenAuthorizerBase):
         self._authority = authority
         self._issuer = issuer
 
+    def renew(self, token: bytes) -> None:
+        """Sign this peer's traffic with ``token`` from now on (the coordinator's new token for the same key)."""
+        parsed = parse_token(token)
+        if parsed is None or not verified_token(parsed, self._authority) or parsed.public_key != self._token.public_key:
+            raise ValueError("the new access token does not verify against the authority, or names another key")
+        self._token = parsed
+
     async def get_token(self) -> AccessToken:
-        if self.does_token_need_refreshing(self._token):
+        if self._issuer is not None and self._expiring(self._token):
             assert self._issuer is not None
             self._token = AccessToken.FromString(self._issuer.issue(self._token.username, self._token.public_key))
         return self._token
@@ -124,7 +132,13 @@ class PeerAuthorizer(TokenAuthorizerBase):
         return verified_token(access_token, self._authority)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        return self._issuer is not None and float(access_token.expiration_time) - time.time() < RENEW_BEFORE_S
+        """hivemind's question about the token it signs with: a newer one was handed over, or this peer signs its
+        own and it nears its end."""
+        return access_token is not self._token or (self._issuer is not None and self._expiring(access_token))
+
+    @staticmethod
+    def _expiring(token: AccessToken) -> bool:
+        return float(token.expiration_time) - time.time() < RENEW_BEFORE_S
 
 
 @dataclass(frozen=True)

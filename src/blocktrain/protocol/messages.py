@@ -110,6 +110,13 @@ class Heartbeat(Message):
     lease_seconds: float = Field(gt=0)  # seconds: heartbeat at least this often
 
 
+class P2PToken(Message):
+    """The answer to ``POST /v1/p2p/token``: a new DHT token for the key the worker registered with (hivemind)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    p2p: dict[str, Any]  # as a registration's: token, authority, initial peers, run
+
+
 class Left(Message):
     """The answer to a worker's goodbye."""
 

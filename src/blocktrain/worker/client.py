@@ -28,7 +28,15 @@ import httpx
 
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.messages import AuditAnswer, PushAnswer, RegisterRequest, Registration, WorkAnswer, parse
+from blocktrain.protocol.messages import (
+    AuditAnswer,
+    P2PToken,
+    PushAnswer,
+    RegisterRequest,
+    Registration,
+    WorkAnswer,
+    parse,
+)
 from blocktrain.protocol.transport import DEFLATE, deflate
 
 log = logging.getLogger(__name__)
@@ -178,6 +186,10 @@ class CoordinatorClient:
 
     def work(self) -> WorkAnswer:
         return parse(WorkAnswer, self.request("GET", "/v1/work").json(), "the work answer", 502)
+
+    def p2p_token(self) -> P2PToken:
+        """A new DHT token for the key this worker registered with (hivemind engine), its session going on."""
+        return parse(P2PToken, self.request("POST", "/v1/p2p/token").json(), "the p2p token answer", 502)
 
     def heartbeat(self) -> None:
         self.request("POST", "/v1/heartbeat", retry=False)

@@ -28,6 +28,7 @@ from blocktrain.protocol.group import GroupMember
 from blocktrain.protocol.messages import WorkAnswer
 
 log = logging.getLogger(__name__)
+RENEW_RETRY_S = 3600.0  # seconds between two requests for a new DHT token whose answers did not renew it
 
 
 class Averaging(enum.Enum):
@@ -64,6 +65,12 @@ class Engine(Protocol):
     def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor]) -> None:
         """After a (re)registration on block k: the registration's ``p2p`` answer and the block's weights."""
 
+    def token_due(self) -> bool:
+        """Whether its peer-to-peer token nears its end: ask the coordinator for a new one (:meth:`renew`)."""
+
+    def renew(self, p2p: Any) -> None:
+        """The coordinator's new peer-to-peer token (``POST /v1/p2p/token``'s ``p2p``)."""
+
     def pull(self, k: int, work: WorkAnswer) -> dict[str, torch.Tensor] | None:
         """A peer's hash-checked copy of the version ``work`` names (None: ask the coordinator)."""
 
@@ -95,6 +102,12 @@ class DirectEngine:
         return None
 
     def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor]) -> None:
+        return None
+
+    def token_due(self) -> bool:
+        return False
+
+    def renew(self, p2p: Any) -> None:
         return None
 
     def pull(self, k: int, work: WorkAnswer) -> dict[str, torch.Tensor] | None:
@@ -138,30 +151,50 @@ class HivemindEngine:
         self.peer_pulls = 0  # published versions fetched from a peer, not the coordinator
         self.rounds_grouped = 0  # rounds whose delta another member uploaded in its group's mean
         self.like: dict[str, torch.Tensor] = {}  # what the block's averager all-reduces: the delta and shared moments
+        self.token_expires = float("inf")  # time.time() at which its DHT token expires
+        self._token_asked = float("-inf")  # time.monotonic() it last found its token due
 
     def register_key(self) -> str | None:
         return str(self.key.get_public_key().to_bytes().decode())
 
     def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor]) -> None:
         """Join the run's DHT with the token the coordinator issued (once; a new registration renews the token)."""
-        import base64
-
         from blocktrain.p2p.groups import GroupAverager, join_dht
         from blocktrain.p2p.trust import PeerAuthorizer
 
-        if not isinstance(p2p, dict) or not {"token", "authority", "initial_peers", "run"} <= set(p2p):
-            raise ProtocolError(502, "the coordinator's registration carries no hivemind token; it must run with "
-                                "--hivemind (or use --averaging coordinator)", Reason.P2P)
-        token, authority = base64.b64decode(p2p["token"]), str(p2p["authority"]).encode()
+        token, authority = _token(p2p)
         if self.groups is None:
             dht = join_dht(list(p2p["initial_peers"]), PeerAuthorizer(self.key, token, authority), self.host)
             self.groups = GroupAverager(dht, self.key, token, authority, str(p2p["run"]),
                                         target_group_size=self.group_size, matchmaking_s=self.matchmaking_s)
             log.info("joined the run's hivemind DHT as %s", self.groups.peer)
         else:
-            self.groups.token = token
+            self._renew_token(token)
+        self.token_expires = _expires(token)
         self.like = weights
         self.groups.prepare(k, weights)  # the block it was (re)assigned
+
+    def token_due(self) -> bool:
+        from blocktrain.p2p.trust import RENEW_BEFORE_S
+
+        if self.groups is None or self.token_expires - time.time() >= RENEW_BEFORE_S:
+            return False
+        if time.monotonic() - self._token_asked < RENEW_RETRY_S:  # asked lately, and the answer gave no new token
+            return False
+        self._token_asked = time.monotonic()
+        return True
+
+    def renew(self, p2p: Any) -> None:
+        token, _ = _token(p2p)
+        self._renew_token(token)
+        self.token_expires = _expires(token)
+        log.info("renewed the hivemind DHT token (valid %.1f days)", (self.token_expires - time.time()) / 86400)
+
+    def _renew_token(self, token: bytes) -> None:
+        try:
+            self.groups.renew(token)
+        except ValueError as exc:
+            raise ProtocolError(502, f"the coordinator's new hivemind token: {exc}", Reason.P2P) from None
 
     def pull(self, k: int, work: WorkAnswer) -> dict[str, torch.Tensor] | None:
         """The first worker to ask about version v fetches at once (from the coordinator, if no peer has it); the
@@ -226,3 +259,28 @@ class HivemindEngine:
     def close(self) -> None:
         if self.groups is not None:
             self.groups.close()
+
+
+def _token(p2p: Any) -> tuple[bytes, bytes]:
+    """The DHT token and the authority key of a registration's (or a renewal's) ``p2p`` answer."""
+    import base64
+    import binascii
+
+    if not isinstance(p2p, dict) or not {"token", "authority", "initial_peers", "run"} <= set(p2p):
+        raise ProtocolError(502, "the coordinator's answer carries no hivemind token; it must run with --hivemind (or "
+                            "use --averaging coordinator)", Reason.P2P)
+    try:
+        return base64.b64decode(str(p2p["token"]), validate=True), str(p2p["authority"]).encode()
+    except binascii.Error:
+        raise ProtocolError(502, "the coordinator's hivemind token is not base64", Reason.P2P) from None
+
+
+def _expires(token: bytes) -> float:
+    """When ``token`` expires (time.time()); -inf when it is not a token (it is then due at once)."""
+    from blocktrain.p2p.trust import parse_token
+
+    parsed = parse_token(token)
+    try:
+        return float(parsed.expiration_time) if parsed is not None else float("-inf")
+    except ValueError:
+        return float("-inf")

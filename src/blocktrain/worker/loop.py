@@ -346,6 +346,8 @@ class Worker:
         try:
             self._register()
             while not self.stop.is_set() and not self.abandon.is_set():
+                if self.engine.token_due():  # its DHT token nears its end: a new one, the session going on
+                    self._renew_p2p()
                 try:
                     work = self.client.work()
                 except ProtocolError as exc:
@@ -383,6 +385,16 @@ class Worker:
         if isinstance(self.engine, HivemindEngine):
             self.summary.peer_pulls, self.summary.rounds_grouped = self.engine.peer_pulls, self.engine.rounds_grouped
         return self.summary
+
+    def _renew_p2p(self) -> None:
+        """A new DHT token from the coordinator; one that gives none (an older release: 404; a lapsed lease: 409,
+        which the next work request settles by registering again) is asked again later."""
+        try:
+            self.engine.renew(self.client.p2p_token().p2p)
+        except ProtocolError as exc:
+            if exc.status >= 500 or exc.status in (401, 403):
+                raise
+            log.warning("block %d: no new hivemind token from the coordinator (%s); asking again later", self.k, exc)
 
     def _await_next(self, v: int) -> None:
         """Wait before asking the coordinator for work again (as the averaging engine says)."""
