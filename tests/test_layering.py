@@ -168,7 +168,8 @@ def test_the_library_never_calls_the_command_line() -> None:
     assert spawners == []  # no training started as `python -m blocktrain train...` (train.child.train_arm instead)
 
 
-COORDINATOR_FRONT = {"service.py", "app.py"}  # the lock's owner, and the HTTP layer over it
+COORDINATOR_FRONT = {"service.py", "app.py", "polls.py"}  # the lock's owner, the HTTP layer over it and its shared
+# status documents (each with its own lock, taken before the coordinator's)
 MUTATORS = {"append", "appendleft", "extend", "add", "update", "setdefault", "pop", "popleft", "clear", "discard",
             "remove", "insert"}
 

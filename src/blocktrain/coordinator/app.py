@@ -39,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from blocktrain.coordinator.dashboard import DASHBOARD_HTML
-from blocktrain.coordinator.observe import Generation, Snapshot
+from blocktrain.coordinator.polls import Generation, Snapshot
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason

@@ -1,19 +1,14 @@
 """Observability: byte counting (:class:`Traffic`), the ``/v1/status`` document (:class:`Observed`) and Prometheus
 text for ``/metrics``.
 
-The status is read from the coordinator's parts through their public methods and tables, under its lock. The HTTP
-routes serve it through a :class:`Snapshot`, so a stranger polling ``/v1/status`` takes that lock (and the byte
-flush it does) at most once a tick.
+The status is read from the coordinator's parts through their public methods and tables, under its lock (the HTTP
+routes serve it through :class:`.polls.Snapshot`).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
 
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.audit import Auditor
@@ -27,42 +22,6 @@ from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.store import Store
 from blocktrain.protocol.codes import BlockState, RoundState
 from blocktrain.protocol.status import BlockStatus, EvalStatus, OuterStatus, RoundStatus, Status, WorkerStatus
-
-T = TypeVar("T")
-
-
-class Generation:
-    """How many requests that may have changed the coordinator's state have finished: bumped on the event loop
-    only (one writer), read by the threads that make snapshots."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def bump(self) -> None:
-        self.value += 1
-
-
-class Snapshot(Generic[T]):
-    """A document made under the coordinator's lock (the status, the metrics) and shared by the requests that read
-    it: made again once it is ``max_age_s`` old, or once a request that may change it has finished since its making
-    began. Readers wait on this snapshot's own lock, one making at a time, never on the event loop."""
-
-    def __init__(self, make: Callable[[], T], generation: Generation, max_age_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.make = make
-        self.generation = generation
-        self.max_age_s = max_age_s  # seconds a document is served for while no state-changing request finishes
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._made: tuple[int, float, T] | None = None  # (generation when its making began, when, the document)
-
-    def get(self) -> T:
-        with self._lock:
-            gen, now = self.generation.value, self.clock()
-            made = self._made
-            if made is None or made[0] != gen or now - made[1] >= self.max_age_s:
-                made = self._made = (gen, now, self.make())
-            return made[2]
 
 
 class Traffic:

@@ -37,15 +37,15 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import compile_module, resolve_device, resolve_precision
-from blocktrain.errors import CheckpointError, ProtocolError
+from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
-from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, pack_delta, wire_schema
+from blocktrain.protocol.delta import ErrorFeedback, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.moments import parse_moments
-from blocktrain.protocol.weights import apply_step, block_schema, load_trainable, schema_fp32_bytes, trainable_state
+from blocktrain.protocol.weights import block_schema, load_trainable, schema_fp32_bytes, trainable_state
 from blocktrain.train.inner import InnerRounds, Snapshot
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -53,6 +53,7 @@ from blocktrain.worker.client import UNSIZED_RESPONSE_BYTES, CoordinatorClient
 from blocktrain.worker.engines import Averaging, DirectEngine, Engine, HivemindEngine, RoundClock
 from blocktrain.worker.frozen import FrozenInputs
 from blocktrain.worker.options import WorkerOptions, WorkerSummary
+from blocktrain.worker.versions import fetch_version
 
 log = logging.getLogger(__name__)
 
@@ -127,30 +128,7 @@ class Worker:
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: WorkAnswer) -> None:
-        v, sha = work.version, work.weights_sha
-        pulled = self.engine.pull(self.k, work)  # a peer that has version v first (hivemind engine)
-        if pulled is not None:
-            self._set_base(pulled, v)
-            return
-        if self.base is not None and v == self.base_version + 1:
-            try:
-                tensors, meta = unpack(self.client.step(self.k, self.base_version), source="step")
-                encoding = Compression(meta.get("compression", Compression.BF16.value))
-                schema = wire_schema(self.shapes, encoding)
-                if {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()} == {
-                    n: (spec.shape, spec.dtype) for n, spec in schema.items()
-                }:
-                    new = apply_step(self.base, decode_delta(tensors, encoding))
-                    if tensors_sha256(new) == sha:
-                        self._set_base(new, v)
-                        return
-                log.warning("block %d: step to v%d does not reproduce the published weights; pulling them", self.k, v)
-            except (ProtocolError, CheckpointError, ValueError) as exc:
-                log.warning("block %d: could not apply the step to v%d (%s); pulling full weights", self.k, v, exc)
-        tensors, meta = unpack(self.client.weights(self.k), source="weights")
-        if meta.get("block_index") != str(self.k) or {n: tuple(t.shape) for n, t in tensors.items()} != self.shapes:
-            raise ProtocolError(422, f"the coordinator sent weights that do not fit block {self.k}", Reason.SCHEMA)
-        self._set_base({n: t.float() for n, t in tensors.items()}, int(meta.get("version", v)))
+        self._set_base(*fetch_version(self.client, self.engine, self.k, self.shapes, work, self.base, self.base_version))
 
     def _set_base(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.base = weights
