@@ -42,6 +42,7 @@ from tests.distributed_utils import (  # noqa: E402, F401
     free_port,
     get_status,
     make_coordinator,
+    one_row,
     procs,
     wait_for,
 )
@@ -69,7 +70,7 @@ def test_a_card_verifies_only_for_its_peer_and_round() -> None:
 
 
 def test_the_coordinator_signs_its_own_dht_token_again_before_it_expires() -> None:
-    """The coordinator's DHT peer renews its token a day before it expires (a coordinator up longer than a token's
+    """The coordinator's DHT peer renews its token two days before it expires (a coordinator up longer than a token's
     life stays in its DHT); a worker's authoriser has no key to sign with and keeps the token it registered with."""
     import asyncio
     import time
@@ -184,11 +185,11 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         assert c.work("w4").revoked == ()
         # a new DHT token for the key a worker registered with, its session going on; none for a direct worker or a
         # quarantined one
-        session = c.store.q1("SELECT session FROM workers WHERE name='w3'")["session"]
+        session = one_row(c.store, "SELECT session FROM workers WHERE name='w3'")["session"]
         renewed = parse_token(base64.b64decode(c.renew_p2p("w3").p2p["token"]))
         assert renewed is not None and renewed.username == "w3"
         assert renewed.public_key == KEYS[2].get_public_key().to_bytes()
-        assert c.store.q1("SELECT session FROM workers WHERE name='w3'")["session"] == session
+        assert one_row(c.store, "SELECT session FROM workers WHERE name='w3'")["session"] == session
         with pytest.raises(ProtocolError, match="hivemind") as refused:
             c.renew_p2p("w4")
         assert refused.value.status == 409
@@ -202,6 +203,10 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             r = client.post("/v1/p2p/token", headers={"Authorization": f"Bearer {c.add_token('w3')}"})
             assert r.status_code == 200 and set(r.json()["p2p"]) == {"token", "run", "initial_peers", "authority"}
             assert client.post("/v1/p2p/token").status_code == 401
+        c.leave("w3")  # no lease, no token: it registers again
+        with pytest.raises(ProtocolError, match="holds no lease") as refused:
+            c.renew_p2p("w3")
+        assert refused.value.reason == "not_registered"
         s = c.status().model_dump(mode="json")
         assert s["p2p"]["run"] == c.hub.run and s["rounds"][0]["groups"] == [2]
         # once a token's life has passed since their quarantine, every token they held has expired: not named
@@ -253,7 +258,7 @@ def _averagers(n: int, authority: Authority, dht0: object, keys: list[RSAPrivate
 
 
 def test_a_hivemind_worker_asks_for_a_new_token_a_day_before_its_own_expires(corpus: DataDir) -> None:  # noqa: F811
-    """The engine says when its token is due (a day before it expires; once an hour while answers give no new one);
+    """The engine says when its token is due (two days before it expires; once an hour while answers give no new one);
     the worker asks the coordinator, and goes on where an older coordinator has no such route (404)."""
     import threading
     import time
@@ -283,7 +288,8 @@ def test_a_hivemind_worker_asks_for_a_new_token_a_day_before_its_own_expires(cor
     engine.renew(p2p)
     assert renewed == [fresh] and engine.token_expires == float(parse_token(fresh).expiration_time)  # type: ignore[union-attr]
 
-    answers: list[Any] = [ProtocolError(404, "no such route", "http"), ProtocolError(403, "quarantined", "quarantined")]
+    answers: list[Any] = [ProtocolError(404, "no such route", "http"), ProtocolError(502, "not taken", "p2p"),
+                          ProtocolError(403, "quarantined", "quarantined")]
 
     class Client:
         def p2p_token(self) -> Any:
@@ -292,6 +298,7 @@ def test_a_hivemind_worker_asks_for_a_new_token_a_day_before_its_own_expires(cor
     w = Worker(WorkerOptions(url="http://127.0.0.1:9", token="t", progress=False), corpus)
     w.client, w.engine, w.k = Client(), engine, 0  # type: ignore[assignment]
     w._renew_p2p()  # an older coordinator: asked again later
+    w._renew_p2p()  # a token its DHT did not take: its own has a day or two left, asked again later
     with pytest.raises(ProtocolError):
         w._renew_p2p()  # this worker may no longer work
 
@@ -302,28 +309,36 @@ async def _signing_expiry(dht: Any, node: Any) -> str:
 
 
 def test_a_worker_renews_its_dht_token_in_the_dht_s_own_process() -> None:
-    """A worker's DHT token expires 30 days after its registration; the coordinator's new one, handed to the DHT's
-    forked process before then, signs its requests from then on. Two workers join with tokens of ten seconds' life;
-    one renews: once the old tokens have expired its store reaches the coordinator's peer, the other's does not."""
+    """A worker's DHT token expires 30 days after it was issued; the coordinator's new one, handed to the DHT's forked
+    process before then, signs its requests from then on. Two workers join, then take tokens of four seconds' life
+    (by the same renewal); one renews again: once the short tokens have expired, its store reaches the coordinator's
+    peer and the other's does not."""
     import time
 
     authority = Authority(KEYS[0])
     dht0 = join_dht([], PeerAuthorizer(KEYS[0], authority.issue("coordinator", KEYS[0].get_public_key().to_bytes()),
                                        authority.public_key), "127.0.0.1")
     peers = [str(a) for a in dht0.get_visible_maddrs()]
-    born = time.time()
+    pubs = {name: KEYS[i].get_public_key().to_bytes() for i, name in ((1, "w1"), (2, "w2"))}
     members = []
     for i, name in ((1, "w1"), (2, "w2")):
-        short = authority.issue(name, KEYS[i].get_public_key().to_bytes(), now=born - P2P_TOKEN_TTL_S + 10.0)
-        members.append(GroupAverager(join_dht(peers, PeerAuthorizer(KEYS[i], short, authority.public_key), "127.0.0.1"),
-                                     KEYS[i], short, authority.public_key, "r1", target_group_size=8, matchmaking_s=1.0))
+        token = authority.issue(name, pubs[name])
+        members.append(GroupAverager(join_dht(peers, PeerAuthorizer(KEYS[i], token, authority.public_key), "127.0.0.1"),
+                                     KEYS[i], token, authority.public_key, "r1", target_group_size=8, matchmaking_s=1.0))
     try:
         renewing, lapsing = members
-        fresh = authority.issue("w1", KEYS[1].get_public_key().to_bytes())
+        before = renewing.token
+        with pytest.raises(ValueError, match="another key"):  # a token for someone else's key is not taken
+            renewing.renew(authority.issue("w1", pubs["w2"]))
+        assert renewing.token == before
+        born = time.time()
+        for m, name in ((renewing, "w1"), (lapsing, "w2")):
+            m.renew(authority.issue(name, pubs[name], now=born - P2P_TOKEN_TTL_S + 4.0))  # four seconds of life
+        fresh = authority.issue("w1", pubs["w1"])
         renewing.renew(fresh)
         assert renewing.token == fresh
         assert renewing.dht.run_coroutine(_signing_expiry) == parse_token(fresh).expiration_time  # type: ignore[union-attr]
-        time.sleep(max(0.0, born + 10.5 - time.time()))  # the first tokens have expired
+        time.sleep(max(0.0, born + 4.5 - time.time()))  # the short tokens have expired
         renewing.dht.store("renewed", b"y", get_dht_time() + 60)
         lapsing.dht.store("lapsed", b"x", get_dht_time() + 60)
         found = dht0.get("renewed", latest=True)

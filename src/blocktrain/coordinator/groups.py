@@ -64,6 +64,12 @@ class PeerHub:
             self.store.meta.set_meta(f"p2p_key:{worker}", public_key)  # checks its proofs in group uploads
         return {"token": base64.b64encode(token).decode(), **self.status()}
 
+    def reissue(self, worker: str, public_key: str) -> dict[str, Any]:
+        """A new token for the key ``worker`` registered with (:meth:`admit` stored it), and the DHT to join."""
+        import base64
+
+        return {"token": base64.b64encode(self.authority.issue(worker, public_key.encode())).decode(), **self.status()}
+
     def status(self) -> dict[str, Any]:
         return {"run": self.run, "initial_peers": self.initial_peers, "authority": self.authority.public_key.decode()}
 

@@ -19,7 +19,7 @@ from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.groups import PeerHub
 from blocktrain.coordinator.rounds import Rounds
 from blocktrain.coordinator.rows import WorkerRow
-from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.settings import CoordinatorSettings, WorkerState
 from blocktrain.coordinator.store import Store
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
@@ -115,14 +115,17 @@ class Roster:
     def renew_p2p(self, name: str) -> P2PToken:
         """A new DHT token for registered worker ``name``'s key (a token lasts P2P_TOKEN_TTL_S), without a new
         session: its inner state and lineage go on. 409 when it did not register this session to average in groups."""
-        self.get(name)
-        if self.conduct.quarantined(name):
+        row = self.get(name)
+        if self.conduct.quarantined(name):  # under the lock: every token of a quarantined worker predates it
             raise ProtocolError(403, f"worker {name!r} is quarantined: no new token", Reason.QUARANTINED)
+        if row.state is not WorkerState.ACTIVE:
+            raise ProtocolError(409, f"worker {name!r} holds no lease ({row.state.value}); POST /v1/register again",
+                                Reason.NOT_REGISTERED)
         key = self.store.meta.get_meta(f"p2p_key:{name}")
         if self.hub is None or key is None or not self.store.workers.averages_in_groups(name):
             raise ProtocolError(409, f"worker {name!r} did not register to average in hivemind groups; register with "
                                 "--averaging hivemind first", Reason.HIVEMIND_OFF)
-        return P2PToken(p2p=self.hub.admit(name, key))
+        return P2PToken(p2p=self.hub.reissue(name, key))
 
     def heartbeat(self, name: str, now: float) -> Heartbeat:
         self.get(name)
@@ -165,7 +168,8 @@ class Roster:
         submitted = self.store.updates.submitted(k, current.version, name)
         in_groups = self.store.workers.averages_in_groups(name)
         # a quarantine older than a DHT token's life (and a peer's clock skew) needs no naming: every token its worker
-        # held has expired, on any peer's clock (tokens are issued at registration, before the quarantine)
+        # held has expired, on any peer's clock (tokens are issued at registration and renewal, both refused to a
+        # quarantined worker under the lock: every token predates its quarantine)
         since = now - P2P_TOKEN_TTL_S - CLOCK_SKEW_S
         revoked = tuple(self.store.conduct.revoked_peers(MAX_REVOKED, since)) if in_groups else ()
         with self.store.tx():

@@ -228,13 +228,16 @@ class GroupAverager:
         self._averager, self._block = averager, k
         return averager
 
-    def renew(self, token: bytes) -> None:
-        """The coordinator's new token for this worker's key: its cards carry it, and its DHT process signs with it."""
+    def renew(self, token: bytes, timeout_s: float = 30.0) -> None:
+        """The coordinator's new token for this worker's key: its DHT process signs with it (waited for at most
+        ``timeout_s``), then its cards carry it. ValueError when it is no token of this worker's key."""
         parsed = parse_token(token)
-        if parsed is None or not verified_token(parsed, self.authority):
-            raise ValueError("the coordinator's new access token does not verify against its authority key")
+        if (parsed is None or not verified_token(parsed, self.authority)
+                or parsed.public_key != self.key.get_public_key().to_bytes()):
+            raise ValueError("the coordinator's new access token does not verify against its authority key, or names "
+                             "another key")
+        self.dht.run_coroutine(partial(_renew_in_dht, token), return_future=True).result(timeout=timeout_s)
         self.token = token
-        self.dht.run_coroutine(partial(_renew_in_dht, token))
 
     def close_averager(self) -> None:
         if self._averager is not None:

@@ -25,11 +25,11 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from blocktrain.protocol.messages import P2P_TOKEN_TTL_S
+from blocktrain.protocol.messages import CLOCK_SKEW_S, P2P_TOKEN_TTL_S
 
 MAX_TOKEN_BYTES = 4096  # bytes of a serialized token a peer may send
 MAX_PROOF_BYTES = 1024  # bytes of a card's signature (base64 of a 2048-bit RSA signature: 344)
-RENEW_BEFORE_S = 24 * 3600.0  # seconds of life left at which the coordinator signs its own DHT token again
+RENEW_BEFORE_S = 2 * CLOCK_SKEW_S  # seconds of life left at which a DHT token is renewed (a peer's clock may lag a day)
 
 
 def _token_payload(token: AccessToken) -> bytes:

@@ -30,7 +30,7 @@ PROTOCOL_VERSION = 6  # bumped when a message changes meaning (2: budgets, base 
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
 MAX_REVOKED = 1024  # quarantined workers a work answer names (the newest)
-P2P_TOKEN_TTL_S = 30 * 24 * 3600.0  # seconds a hivemind access token stays valid from its issue (at registration)
+P2P_TOKEN_TTL_S = 30 * 24 * 3600.0  # seconds a hivemind access token stays valid from its issue (registration, renewal)
 CLOCK_SKEW_S = 24 * 3600.0  # seconds a peer's clock may lag the coordinator's when it checks a token's expiry
 WorkerName = Annotated[str, Field(min_length=1, max_length=128)]  # a worker's name, as the coordinator admits it
 SHA256_HEX = r"^[0-9a-f]{64}$"

@@ -193,8 +193,9 @@ class HivemindEngine:
     def _renew_token(self, token: bytes) -> None:
         try:
             self.groups.renew(token)
-        except ValueError as exc:
-            raise ProtocolError(502, f"the coordinator's new hivemind token: {exc}", Reason.P2P) from None
+        except Exception as exc:  # a token that is none of ours, or a DHT process that did not take it in time
+            raise ProtocolError(502, f"the new hivemind token was not taken: {type(exc).__name__}: {exc}",
+                                Reason.P2P) from None
 
     def pull(self, k: int, work: WorkAnswer) -> dict[str, torch.Tensor] | None:
         """The first worker to ask about version v fetches at once (from the coordinator, if no peer has it); the

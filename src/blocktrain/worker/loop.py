@@ -365,12 +365,13 @@ class Worker:
         return self.summary
 
     def _renew_p2p(self) -> None:
-        """A new DHT token from the coordinator; one that gives none (an older release: 404; a lapsed lease: 409,
-        which the next work request settles by registering again) is asked again later."""
+        """A new DHT token from the coordinator, two days before its own expires: an answer that gives none (an older
+        release: 404; a lapsed lease: 409, which the next work request settles by registering again; a token not
+        taken, 502) is asked again later; only a worker that may no longer work (401, 403) ends."""
         try:
             self.engine.renew(self.client.p2p_token().p2p)
         except ProtocolError as exc:
-            if exc.status >= 500 or exc.status in (401, 403):
+            if exc.status in (401, 403):
                 raise
             log.warning("block %d: no new hivemind token from the coordinator (%s); asking again later", self.k, exc)
 
