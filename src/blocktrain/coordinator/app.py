@@ -85,6 +85,9 @@ def _uploads(path: str) -> bool:
     return path.endswith("/updates") or (path.startswith("/v1/blocks/") and "/audits/" in path)
 
 
+READ_ONLY = frozenset({"/", "/v1/status", "/metrics"})  # routes that change nothing a status says (but their bytes)
+
+
 def route_kind(path: str) -> str:
     """What a request moved, for the byte counters: "updates" (deltas and audited states in), "weights" (weights,
     steps and frozen blocks out) or "control" (registration, work, heartbeats, status)."""
@@ -94,11 +97,15 @@ def route_kind(path: str) -> str:
 
 
 class ByteCounter:
-    """ASGI middleware: count request/response body bytes, attributed to the token's worker."""
+    """ASGI middleware: count request/response body bytes, attributed to the token's worker; when a worker's request
+    (a valid token as it began) on a route that may change the coordinator's state (any but :data:`READ_ONLY`) has
+    finished, bump ``generation``, so the status snapshots made before it are made again. A stranger's requests change
+    only counters a snapshot shows a tick later: they never remake one."""
 
-    def __init__(self, app: ASGIApp, coordinator: Coordinator) -> None:
+    def __init__(self, app: ASGIApp, coordinator: Coordinator, generation: Generation) -> None:
         self.app = app
         self.c = coordinator
+        self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -146,32 +153,9 @@ class ByteCounter:
         try:
             await self.app(scope, recv, snd)
         finally:
-            self.c.count_bytes(worker, n[0], n[1], route_kind(scope.get("path", "")))
-
-
-READ_ONLY = frozenset({"/", "/v1/status", "/metrics"})  # routes that change nothing a status says (but their bytes)
-
-
-class Changes:
-    """ASGI middleware: bump ``generation`` when a worker's request (a valid token as it began) on a route that may
-    change the coordinator's state (any but :data:`READ_ONLY`) has finished, so the status snapshots made before it
-    are made again. A stranger's requests change only counters a snapshot shows a tick later: they never remake one."""
-
-    def __init__(self, app: ASGIApp, generation: Generation, coordinator: Coordinator) -> None:
-        self.app = app
-        self.generation = generation
-        self.c = coordinator
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path", "") in READ_ONLY:
-            await self.app(scope, receive, send)
-            return
-        token = _bearer(dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1"))
-        worker = None if token is None else self.c.worker_for_token(token)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if worker is not None:
+            path = scope.get("path", "")
+            self.c.count_bytes(worker, n[0], n[1], route_kind(path))
+            if worker is not None and path not in READ_ONLY:  # after its bytes are counted
                 self.generation.bump()
 
 
@@ -241,9 +225,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     generation = Generation()
     status = Snapshot(c.status, generation, c.settings.tick_seconds)
     metrics_text = Snapshot(c.metrics, generation, c.settings.tick_seconds)
-    app.add_middleware(ByteCounter, coordinator=c)  # type: ignore[arg-type]
-    app.add_middleware(Changes, generation=generation, coordinator=c)  # type: ignore[arg-type]  # outermost: bumps
-    # once the request's bytes are counted
+    app.add_middleware(ByteCounter, coordinator=c, generation=generation)  # type: ignore[arg-type]
 
     @app.exception_handler(ProtocolError)
     async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:

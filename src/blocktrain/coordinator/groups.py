@@ -54,18 +54,17 @@ class PeerHub:
 
     def admit(self, worker: str, public_key: str) -> dict[str, Any]:
         """What a registering worker needs to join the run's DHT and groups (its token, signed now)."""
-        import base64
-
         try:
-            token = self.authority.issue(worker, public_key.encode())
+            answer = self.reissue(worker, public_key)  # refuses what is not a key before anything is stored
         except ValueError:
             raise ProtocolError(422, "p2p_key is not an RSA public key in OpenSSH form", Reason.P2P_KEY) from None
         with self.store.tx():
             self.store.meta.set_meta(f"p2p_key:{worker}", public_key)  # checks its proofs in group uploads
-        return {"token": base64.b64encode(token).decode(), **self.status()}
+        return answer
 
     def reissue(self, worker: str, public_key: str) -> dict[str, Any]:
-        """A new token for the key ``worker`` registered with (:meth:`admit` stored it), and the DHT to join."""
+        """A new token for ``public_key`` (the key ``worker`` registered with: :meth:`admit` stored it), and the DHT to
+        join; ValueError when it is not a key."""
         import base64
 
         return {"token": base64.b64encode(self.authority.issue(worker, public_key.encode())).decode(), **self.status()}

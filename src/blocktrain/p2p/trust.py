@@ -124,7 +124,6 @@ class PeerAuthorizer(TokenAuthorizerBase):
 
     async def get_token(self) -> AccessToken:
         if self._issuer is not None and self._expiring(self._token):
-            assert self._issuer is not None
             self._token = AccessToken.FromString(self._issuer.issue(self._token.username, self._token.public_key))
         return self._token
 
