@@ -163,6 +163,18 @@ def test_an_unregistered_objective_is_unknown_again() -> None:
         unregister_objective("toy_once")
 
 
+def test_an_objective_written_for_an_earlier_release_is_refused_by_name(cfg: RunConfig) -> None:
+    """A plug-in that lacks a member the seam has since gained is refused where the run asks for it, naming what
+    to add, not with an AttributeError deep in whatever first reads it."""
+    older = type("OlderBigram", (), {k: v for k, v in vars(BigramEnsemble).items() if k != "prefix_drafts"})
+    register_objective("toy_older", older)
+    try:
+        with pytest.raises(ConfigError, match=r"'toy_older' lacks prefix_drafts, .*add them"):
+            get_objective(replace(cfg, objective="toy_older"))
+    finally:
+        unregister_objective("toy_older")
+
+
 def test_trains_resumes_composes_and_scores(cfg: RunConfig, data_dir: Path, tmp_path: Path) -> None:
     dd = open_data_dir(data_dir)
     run = tmp_path / "run"

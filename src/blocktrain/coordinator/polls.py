@@ -25,7 +25,10 @@ class Generation:
 class Snapshot(Generic[T]):
     """A document made under the coordinator's lock (the status, the metrics) and shared by the requests that read
     it: made again once it is ``max_age_s`` old, or once a request that may change it has finished since its making
-    began. Readers wait on this snapshot's own lock, one making at a time, never on the event loop."""
+    began. One request makes it at a time; while one does, the others are answered the document it replaces at once
+    instead of queueing (each would hold a worker thread, which the workers' own requests need, for as long as the
+    coordinator's lock is busy). A making that raises is not tried again by every poll: the polls of the next
+    ``max_age_s`` get the same error, unless a state-changing request finishes first."""
 
     def __init__(self, make: Callable[[], T], generation: Generation, max_age_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -33,13 +36,37 @@ class Snapshot(Generic[T]):
         self.generation = generation
         self.max_age_s = max_age_s  # seconds a document is served for while no state-changing request finishes
         self.clock = clock
-        self._lock = threading.Lock()
+        self._making = threading.Lock()  # held by the one request making the document
         self._made: tuple[int, float, T] | None = None  # (generation when its making began, when, the document)
+        self._failed: tuple[int, float, Exception] | None = None  # the same, for a making that raised
+
+    def _fresh(self, made: tuple[int, float, object] | None) -> bool:
+        return made is not None and made[0] == self.generation.value and self.clock() - made[1] < self.max_age_s
 
     def get(self) -> T:
-        with self._lock:
-            gen, now = self.generation.value, self.clock()
-            made = self._made
-            if made is None or made[0] != gen or now - made[1] >= self.max_age_s:
-                made = self._made = (gen, now, self.make())
+        made = self._made
+        if self._fresh(made):
+            assert made is not None
             return made[2]
+        if not self._making.acquire(blocking=made is None):  # another request is making it: the last one will do
+            assert made is not None
+            return made[2]
+        try:
+            made = self._made  # made again while this request waited for the first one
+            if self._fresh(made):
+                assert made is not None
+                return made[2]
+            failed = self._failed
+            if self._fresh(failed):
+                assert failed is not None
+                raise failed[2]
+            gen, now = self.generation.value, self.clock()
+            try:
+                document = self.make()
+            except Exception as exc:
+                self._failed = (gen, now, exc)
+                raise
+            self._made, self._failed = (gen, now, document), None
+            return document
+        finally:
+            self._making.release()

@@ -24,6 +24,11 @@ _REGISTRY: dict[str, Callable[[RunConfig], Objective]] = {
     ObjectiveKind.DIFFUSION: DiffusionObjective,
 }
 
+# what every objective must have (the Protocol's fields and methods), checked once per factory by get_objective
+_MEMBERS = frozenset(Objective.__annotations__) | {n for n, v in vars(Objective).items()
+                                                    if callable(v) and not n.startswith("_")}
+_CHECKED: set[Callable[[RunConfig], Objective]] = set(_REGISTRY.values())
+
 
 def register_objective(name: str, factory: Callable[[RunConfig], Objective]) -> None:
     """Make ``RunConfig(objective=name)`` train, evaluate and average with ``factory(cfg)``."""
@@ -39,8 +44,10 @@ def unregister_objective(name: str) -> None:
     """Forget a plug-in objective registered with :func:`register_objective` (the built-in ones stay)."""
     if name in {o.value for o in ObjectiveKind}:
         raise ConfigError(f"{name!r} is a built-in objective; only plug-ins can be unregistered")
-    if _REGISTRY.pop(name, None) is None:
+    factory = _REGISTRY.pop(name, None)
+    if factory is None:
         raise ConfigError(f"no plug-in objective named {name!r} is registered")
+    _CHECKED.discard(factory)
     OBJECTIVE_NAMES.discard(name)
 
 
@@ -55,7 +62,15 @@ def get_objective(cfg: RunConfig) -> Objective:
     except KeyError:
         raise ConfigError(f"unknown objective {cfg.objective!r}; known: {', '.join(objective_names())} "
                           "(a plug-in objective must be registered with blocktrain.objectives.register_objective)") from None
-    return factory(cfg)
+    objective = factory(cfg)
+    if factory not in _CHECKED:
+        missing = sorted(m for m in _MEMBERS if not hasattr(objective, m))
+        if missing:
+            raise ConfigError(f"the objective registered as {cfg.objective!r} lacks {', '.join(missing)}, which "
+                              "blocktrain.objectives.base.Objective asks of every objective (one written for an "
+                              "earlier release: add them)")
+        _CHECKED.add(factory)
+    return objective
 
 
 def build_block(cfg: RunConfig, k: int) -> nn.Module:
