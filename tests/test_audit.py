@@ -244,6 +244,62 @@ def test_a_state_other_than_the_committed_one_fails_the_audit(tmp_path: Path, co
     c.close()
 
 
+@pytest.mark.parametrize("broken", ["no_second_moment", "no_step", "negative_v", "c1_above_one"])
+def test_a_committed_state_no_optimiser_holds_fails_the_audit(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                              broken: str) -> None:
+    """A worker commits to a state whose sha it controls but that no optimiser holds (a parameter with m and no v, no
+    step counter, a negative v, a bias correction above 1): uploaded, it matches the commitment, and the replay from it
+    would break, which drops the push and blames no one, so such a worker would never be quarantined. It fails the
+    audit instead."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('dodger')}"}
+    name, shape = next(iter(c.block_shapes[0].items()))
+    state = {f"adam/{name}/exp_avg": torch.zeros(shape), f"adam/{name}/exp_avg_sq": torch.zeros(shape),
+             f"adam/{name}/step": torch.tensor(3.0)}
+    if broken == "no_second_moment":
+        del state[f"adam/{name}/exp_avg_sq"]
+    elif broken == "no_step":
+        del state[f"adam/{name}/step"]
+    elif broken == "negative_v":
+        state[f"adam/{name}/exp_avg_sq"] = -torch.ones(shape)
+    else:
+        del state[f"adam/{name}/step"]
+        state.update({f"adam/{name}/c1": torch.tensor(1.5), f"adam/{name}/c2": torch.tensor(0.5)})
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w, answer = _push(client, c, headers, state_sha(state))
+        assert answer["audit"] is True
+        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state(state, block=0, version=w.version),
+                        headers=headers)
+        assert r.status_code == 200 and r.json()["passed"] is False, r.text
+        assert c.conduct.quarantined("dodger")
+        assert "its audit upload was refused" in c.store.conduct.quarantined_workers()["dodger"]
+    c.close()
+
+
+def test_probation_is_never_skipped_while_every_audit_slot_is_taken(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """While MAX_PENDING audits await their uploads (colluders can hold them until their timeouts), a push on
+    probation was accepted unaudited, so probation could be switched off. It is refused with a 503 instead (a worker's
+    client sends it again), and accepted, audited, once a slot is free."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('new')}"}
+    monkeypatch.setattr("blocktrain.coordinator.audit.MAX_PENDING", 0)  # every slot taken
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+        delta = {n: 1e-3 * torch.ones(s) for n, s in c.block_shapes[0].items()}
+        body = pack_delta(delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
+                          samples=w.sequences, state_sha=state_sha({}))
+        r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+        assert r.status_code == 503 and r.json()["error"] == "audits_busy", r.text
+        assert c.store.q("SELECT state FROM updates WHERE worker='new'") == []
+        monkeypatch.setattr("blocktrain.coordinator.audit.MAX_PENDING", 64)  # a slot is free: the resend counts
+        r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+        assert r.status_code == 202 and r.json()["audit"] is True, r.text
+    c.close()
+
+
 def test_an_audit_upload_that_is_not_safetensors_fails_the_audit_with_an_answer(tmp_path: Path,
                                                                                  corpus: DataDir) -> None:  # noqa: F811
     """Garbage as the state: the audit fails and the worker is quarantined, answered as any failed audit (it escaped

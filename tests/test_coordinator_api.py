@@ -29,6 +29,11 @@ def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str,
     return {n: scale * torch.randn(s, generator=g) for n, s in c.shapes.items()}
 
 
+def full(c: Coordinator) -> int:
+    """The samples a push claims for a whole round (H x batch): only such pushes' norms join the block's history."""
+    return c.settings.local_steps * c.cfg.train.batch_size
+
+
 class Api:
     """A TestClient bound to one coordinator, with one token per worker name."""
 
@@ -212,7 +217,7 @@ def test_bad_updates_are_rejected_and_model_unchanged(api: Api) -> None:
     # two good updates establish the norm history (and close nothing: 'evil' and 'c' are live)
     for i, name in enumerate(("a", "b")):
         status, _ = api.push(name, 0, pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0,
-                                                 base_version=0, base_sha=api.c.weights_sha[0], samples=4))
+                                                 base_version=0, base_sha=api.c.weights_sha[0], samples=full(api.c)))
         assert status == 202
     before = block_weights(api.c, 0)
     for case, (body, want, text) in _bad_bodies(api.c).items():

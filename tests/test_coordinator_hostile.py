@@ -30,7 +30,7 @@ from tests.distributed_utils import (  # noqa: F401
     procs,
     wait_for,
 )
-from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F401
+from tests.test_coordinator_api import Api, api, clock, full, small_delta  # noqa: F401
 
 
 def _blob_files(a: Api) -> list[str]:
@@ -43,7 +43,7 @@ def test_refused_updates_leave_no_blob_behind(api: Api) -> None:  # noqa: F811
     sent = {}
     for i, name in enumerate(("a", "b")):  # two accepted updates: the norm check is armed, 'evil' keeps it open
         sent[name] = pack_delta(small_delta(api.c, seed=i), Compression.BF16, block=0, base_version=0,
-                                base_sha=api.c.weights_sha[0], samples=4)
+                                base_sha=api.c.weights_sha[0], samples=full(api.c))
         status, _ = api.push(name, 0, sent[name])
         assert status == 202
     before = _blob_files(api)
@@ -196,7 +196,7 @@ def test_a_refused_or_quarantined_worker_does_not_hold_the_round(tmp_path: Path)
 
         def push(name: str, v: int, seed: int, scale: float = 1e-3) -> tuple[int, dict[str, object]]:
             return api.push(name, 0, pack_delta(small_delta(c, scale=scale, seed=seed), Compression.BF16, block=0,
-                                                base_version=v, base_sha=c.weights_sha[0], samples=4))
+                                                base_version=v, base_sha=c.weights_sha[0], samples=full(c)))
 
         for v in range(3):
             for i, name in enumerate(("a", "b")):
@@ -233,7 +233,7 @@ def test_a_restarted_coordinator_does_not_wait_for_a_worker_its_round_refused(tm
     def push(api: Api, name: str, v: int, seed: int, scale: float = 1e-3) -> int:
         c = api.c
         return api.push(name, 0, pack_delta(small_delta(c, scale=scale, seed=seed), Compression.BF16, block=0,
-                                            base_version=v, base_sha=c.weights_sha[0], samples=4))[0]
+                                            base_version=v, base_sha=c.weights_sha[0], samples=full(c)))[0]
 
     c = make_coordinator(tmp_path / "run", None, **settings)
     with TestClient(create_app(c, background=False)) as client:

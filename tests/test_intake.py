@@ -328,3 +328,49 @@ def test_a_near_duplicate_sent_while_its_original_is_being_accepted_is_refused(t
         assert [r["worker"] for r in c.store.q("SELECT worker FROM updates")] == ["a"]
     finally:
         c.close()
+
+
+def test_a_delta_whose_held_out_loss_is_nan_is_refused_by_the_gate() -> None:
+    """A finite delta can overflow the forward (a huge LayerNorm weight): its held-out loss is NaN, which compares
+    False with any bound, so ``after > before + tol`` let it through."""
+
+    class Evaluator:
+        valid = True  # a held-out split is there
+
+        def gate_loss(self, k: int, weights: dict[str, torch.Tensor], frozen: object) -> float:
+            return float("nan") if float(weights["w"].abs().max()) > 1e30 else 2.0
+
+    intake = Intake(CoordinatorSettings(), {0: {"w": (8,)}}, Evaluator())  # type: ignore[arg-type]
+    base = Published(0, 0, "0" * 64, {"w": torch.zeros(8)})
+    view = intake.view(base)
+    assert view.before == 2.0
+    assert intake._gate(base, {"w": torch.full((8,), 1e-3)}, view) == (2.0, 2.0)
+    with pytest.raises(ProtocolError) as info:
+        intake._gate(base, {"w": torch.full((8,), 3e38)}, view)
+    assert info.value.reason == "gate" and "nan" in str(info.value)
+
+
+def test_pushes_claiming_a_sample_or_two_do_not_drag_the_norm_median_down(tmp_path: Path) -> None:
+    """Colluders push tiny deltas claiming one sample each: the lazy check lets them through (its floor scales with
+    the claim), and if their norms joined the block's history its median would fall until honest pushes were refused
+    as NORM (three refusals quarantine). Only pushes claiming at least half their budget join the history."""
+    c = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=3600, min_updates=8, gate=False,
+                         audit_fraction=0.0)
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            peers = [Peer(c, client, f"p{i}") for i in range(5)]
+            for p in peers:
+                p.register()
+            for i, p in enumerate(peers[:3]):
+                assert p.push(direction(c, 10 + i, scale=1e-9), samples=1) == (202, "")
+            for i, p in enumerate(peers[3:]):  # honest pushes, full claims: judged against no tiny median
+                assert p.push(direction(c, 20 + i)) == (202, ""), "an honest push was refused"
+        assert len(c.intake._norms[0]) == 2
+    finally:
+        c.close()
+    again = make_coordinator(tmp_path / "run", None, clock=FakeClock(), round_seconds=3600, min_updates=8, gate=False,
+                             audit_fraction=0.0)
+    try:  # a restart restores the honest norms alone
+        assert len(again.intake._norms[0]) == 2
+    finally:
+        again.close()

@@ -133,16 +133,20 @@ class Auditor:
         a worker on probation (``accepted``, its accepted pushes so far, this one included, at most
         --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
         the blobs of the worker's last pushes of the block, which bound the residual its state may hold;
-        ``lineage``: traces the rounds its moments came from (:func:`.lineage.trace`), called for a drawn push only."""
+        ``lineage``: traces the rounds its moments came from (:func:`.lineage.trace`), called for a drawn push only.
+        While :data:`MAX_PENDING` audits await their uploads, a push on probation is refused (503, sent again) and any
+        other is accepted unaudited."""
         if not self.enabled or upd.state_sha is None or upd.group:
             return None
         rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
         if accepted > self.settings.probation_pushes and self._rng.random() >= max(rate, self.settings.audit_fraction):
             return None
         if len(self._pending) >= MAX_PENDING:
-            log.warning("%d audits await their uploads: %s's push for block %d v%d is accepted unaudited%s",
-                        MAX_PENDING, worker, upd.block, upd.base_version,
-                        " (on probation)" if accepted <= self.settings.probation_pushes else "")
+            if accepted <= self.settings.probation_pushes:  # probation is never skipped: the worker sends it again
+                raise ProtocolError(503, f"{MAX_PENDING} audits await their uploads, and a push on probation is always "
+                                    "audited; it is sent again once one is decided", Reason.AUDITS_BUSY)
+            log.warning("%d audits await their uploads: %s's push for block %d v%d is accepted unaudited",
+                        MAX_PENDING, worker, upd.block, upd.base_version)
             return None
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
                          now + self.settings.audit_timeout_s, prior, lineage())

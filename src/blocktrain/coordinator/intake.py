@@ -13,12 +13,14 @@ a :class:`ProtocolError` with its reason):
    of round v over the peak lr, :func:`blocktrain.train.step.round_lr_scale`, so the warm-up and the decay do not move
    them), ||Delta|| / s_v <= norm_k x the median of the block's recent accepted ones, and
    ||Delta|| / s_v >= lazy_fraction x that median x claimed/assigned samples (a zero or tiny delta that claims a full
-   budget would only slow the others).
+   budget would only slow the others). Only pushes claiming at least half their budget (:data:`FULL_CLAIM`) join the
+   history the median is taken over: a push of a sample or two, whose tiny norm the lazy floor lets through, would
+   drag it down until honest pushes were refused.
 4. ``replay`` (422): a count sketch (Charikar et al. 2002) of every accepted delta of the block is kept; an update whose
    sketch has a cosine above ``replay_cosine`` with any of them, of any worker or version, repeats it.
 5. ``gate`` (422): the block's loss on a fixed held-out batch at W_v + Delta may exceed its loss at W_v (computed once
    per version) by at most a tolerance calibrated from the rises of the block's recent accepted updates:
-   max(gate_floor, median + gate_z x 1.4826 MAD). ``gate_tolerance`` fixes it instead.
+   max(gate_floor, median + gate_z x 1.4826 MAD). ``gate_tolerance`` fixes it instead. A NaN loss is refused.
 
 :meth:`Intake.view` takes what the checks read of a block's history (call under the coordinator's lock); :meth:`Intake.check`
 then runs on that snapshot, unlocked, and touches no state of the intake's; :meth:`Intake.remember` records an accepted
@@ -31,6 +33,7 @@ quarantine) is in :mod:`.aggregate` and :mod:`.conduct`.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -45,7 +48,17 @@ from blocktrain.device import CPU
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
 
+log = logging.getLogger(__name__)
+
 MAD_TO_SIGMA = 1.4826  # sigma = 1.4826 x MAD for a normal distribution
+FULL_CLAIM = 0.5  # a push claiming at least this fraction of its budget counts in the norm and loss-rise histories:
+# pushes claiming a sample or two (small norms the lazy check lets through) would drag the median honest pushes are
+# judged by down, until honest ones are refused as NORM
+
+
+def full_claim(samples: int, budget: int) -> bool:
+    """Whether a push claiming ``samples`` of ``budget`` counts in its block's norm and loss-rise histories."""
+    return samples >= FULL_CLAIM * budget
 
 
 def check_norm(k: int, norm: float, history: Sequence[float], settings: CoordinatorSettings) -> None:
@@ -83,6 +96,7 @@ class Checked:
     gate: tuple[float, float] | None  # held-out loss (before, after), when the gate ran
     replay_cos: float | None = None  # the largest sketch cosine with the block's accepted deltas (None: none yet)
     outlier: bool = False  # its norm or its loss rise is unusual for the block: audited more often (settings)
+    full: bool = True  # it claims at least half its budget (FULL_CLAIM): its norm and loss rise join the histories
 
 
 class CountSketch:
@@ -162,6 +176,7 @@ class Intake:
         self._sketches = {k: SketchRows(settings.sketch_dim) for k in shapes}  # the accepted deltas' sketches
         self._before: dict[tuple[int, str], float] = {}  # (block, weights and frozen sha) -> held-out loss at W_v
         self._held: dict[Hashable, tuple[int, float, float | None]] = {}  # pushes awaiting their audit -> (k, norm, rise)
+        self._partial_warned: set[int] = set()  # blocks whose first pushes claimed too little to arm the history
         self.checked = 0  # updates that went through check()
         self.seconds = 0.0  # seconds spent in check(), in all
 
@@ -210,7 +225,7 @@ class Intake:
         s = self.settings
         outlier = ((len(view.norms) >= s.norm_min_history and norm > s.audit_outlier_ratio * statistics.median(view.norms))
                    or (gate is not None and gate[1] - gate[0] > 0.5 * view.tolerance))
-        return Checked(norm, sketch, gate, cos, outlier)
+        return Checked(norm, sketch, gate, cos, outlier, full_claim(upd.samples, budget))
 
     def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
         """The replay check against every sketch block k has accepted by now (under the lock that accepts)."""
@@ -232,7 +247,7 @@ class Intake:
         assert self.evaluator is not None and view.before is not None
         k, before = base.block, view.before
         after = self.evaluator.gate_loss(k, {n: w + delta[n] for n, w in base.weights.items()}, base.frozen)
-        if after > before + view.tolerance:
+        if not after <= before + view.tolerance:  # a NaN loss fails too (a finite delta can overflow the forward)
             raise ProtocolError(422, f"the update makes block {k}'s held-out loss worse ({before:.4f} -> {after:.4f}, "
                                 f"tolerance {view.tolerance:.4g})", Reason.GATE)
         return before, after
@@ -241,8 +256,16 @@ class Intake:
         """Count an accepted update in block k's history. Its sketch counts at once (a copy of it is a replay whatever
         its audit decides). Its norm and loss rise count at once too, unless the push awaits its audit (``held``: a
         key for it): then they count when :meth:`release` says the audit passed, so a push that fails its audit leaves
-        nothing the next pushes are judged by."""
+        nothing the next pushes are judged by. A push that claims less than half its budget (:data:`FULL_CLAIM`) adds
+        neither."""
         self.remember_sketch(k, checked.sketch)
+        if not checked.full:
+            if not self._norms[k] and k not in self._partial_warned:
+                self._partial_warned.add(k)
+                log.warning("block %d: accepted a push claiming less than half its budget before any whole one; the "
+                            "norm bound and the gate's calibration wait for pushes of at least half a round (if every "
+                            "worker is cut short by the deadline, lengthen --round-seconds)", k)
+            return
         rise = checked.gate[1] - checked.gate[0] if checked.gate is not None else None
         if held is not None:
             self.hold(held, k, checked.norm, rise)

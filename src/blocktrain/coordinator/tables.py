@@ -342,14 +342,15 @@ class UpdateTable:
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
 
-    def recent_norms(self, k: int, n: int) -> list[tuple[int, float]]:
+    def recent_norms(self, k: int, n: int, min_samples: int = 0) -> list[tuple[int, float]]:
         """(version, norm) of the ``n`` latest updates of block k a restart restores to the intake's history, newest
         first: not a dropped one (its worker was quarantined, a failed audit among the reasons; a coordinator that
-        never restarted keeps the norm of one dropped for its worker's refusals) nor one whose audit is pending (held
-        again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`)."""
-        rows = self.db.q("SELECT version, norm FROM updates u WHERE block=? AND state != ? AND NOT EXISTS (SELECT 1 FROM "
-                         "audits a WHERE a.worker = u.worker AND a.block = u.block AND a.version = u.version) "
-                         "ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
+        never restarted keeps the norm of one dropped for its worker's refusals), nor one whose audit is pending (held
+        again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one claiming fewer than
+        ``min_samples`` (:func:`blocktrain.coordinator.intake.full_claim`)."""
+        rows = self.db.q("SELECT version, norm FROM updates u WHERE block=? AND state != ? AND samples >= ? AND NOT "
+                         "EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block AND "
+                         "a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, min_samples, n)
         return [(int(r["version"]), float(r["norm"])) for r in rows]
 
     def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:

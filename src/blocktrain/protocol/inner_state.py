@@ -96,7 +96,32 @@ def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: i
             raise ProtocolError(422, f"unknown state tensor {name!r}", Reason.AUDIT_FORMAT)
         if tuple(t.shape) != want:
             raise ProtocolError(422, f"state tensor {name!r} has shape {tuple(t.shape)}, expected {want}", Reason.AUDIT_FORMAT)
+    _check_whole(tensors)
     return tensors
+
+
+def _check_whole(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every parameter's AdamW state whole and in range (its names and shapes checked already): both moments and
+    either ``step`` (>= 0) or both bias corrections (in [0, 1]), v >= 0. A state the worker committed to may still be
+    one no optimiser holds, and a replay from it would break, which blames no one (the coordinator's own fault)."""
+    leaves: dict[str, set[str]] = {}
+    for name in tensors:
+        if name.startswith(ADAM):
+            param, _, leaf = name[len(ADAM):].rpartition("/")
+            leaves.setdefault(param, set()).add(leaf)
+    for param, have in leaves.items():
+        if have not in ({*MOMENTS, "step"}, {*MOMENTS, "c1", "c2"}):
+            raise ProtocolError(422, f"the state of {param!r} holds {', '.join(sorted(have))}; a parameter's AdamW "
+                                "state is exp_avg, exp_avg_sq and step, or exp_avg, exp_avg_sq, c1 and c2",
+                                Reason.AUDIT_FORMAT)
+        key = f"{ADAM}{param}/"
+        if bool((tensors[key + "exp_avg_sq"] < 0).any()):
+            raise ProtocolError(422, f"{key}exp_avg_sq holds a negative value", Reason.AUDIT_FORMAT)
+        if "step" in have and not float(tensors[key + "step"]) >= 0:
+            raise ProtocolError(422, f"{key}step must be >= 0", Reason.AUDIT_FORMAT)
+        for leaf in ("c1", "c2"):
+            if leaf in have and not 0.0 <= float(tensors[key + leaf]) <= 1.0:
+                raise ProtocolError(422, f"{key}{leaf} (a bias correction) must be in [0, 1]", Reason.AUDIT_FORMAT)
 
 
 def load_inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
