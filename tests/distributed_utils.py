@@ -86,6 +86,11 @@ def make_coordinator(run: Path, data: DataDir | None, clock: Any = None, **setti
     return Coordinator(run, get_preset("tiny"), CoordinatorSettings(**settings), data, clock=clock)
 
 
+def full(c: Coordinator) -> int:
+    """The samples a push claims for a whole round (H x batch): only such pushes' norms join the block's history."""
+    return c.settings.local_steps * c.cfg.train.batch_size
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -27,7 +27,7 @@ from blocktrain.errors import ProtocolError
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
-from blocktrain.protocol.messages import Registration, WorkAnswer
+from blocktrain.protocol.messages import AuditAnswer, Registration, WorkAnswer
 from blocktrain.protocol.moments import InnerStart
 from blocktrain.train.inner import InnerRounds
 from blocktrain.worker.loop import Worker
@@ -94,6 +94,22 @@ class ForgedMoments(Worker):
     def _setup(self, reg: Registration) -> None:
         super()._setup(reg)
         self.inner = NegatedMomentInner(self.block, self.cfg.train, self.inner_start)
+
+
+class InflatedV(InnerRounds):
+    """Trains honestly, but the second moments it pushes for the published mean are 8 times its own."""
+
+    def moments(self, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+        out = super().moments(prefixes)
+        return None if out is None else {n: 8 * t if n.startswith("v/") else t for n, t in out.items()}
+
+
+class PushesInflatedV(Worker):
+    """Its deltas replay (it trains from the state it commits to); the moments it carries with them do not."""
+
+    def _setup(self, reg: Registration) -> None:
+        super()._setup(reg)
+        self.inner = InflatedV(self.block, self.cfg.train, self.inner_start)
 
 
 class LeavesAfterVersion1(Worker):
@@ -212,6 +228,30 @@ def test_honest_audits_derive_moments_across_a_sync_refusals_and_a_new_process(t
     summary = c.auditor.summary()
     assert not c.conduct.quarantined("w0") and summary["failed"] == 0 and c.version[0] == 4
     assert summary["derived"] == 1  # version 1 from version 0's round; 2 starts afresh, 3 from version 3's moments
+    c.close()
+
+
+def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The moments a push carries go into the published means the next rounds start from. A worker whose deltas
+    replay but whose pushed v is 8 times its own is quarantined by its first audit; an honest worker beside it passes
+    every one (its pushed moments, encoded as it sent them, within 0.01 of its replay's)."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=2, inner_start=InnerStart.SHARED_MV, moment_every=1,
+                         **AUDIT_ALL)
+    answers: list[AuditAnswer] = []
+    record = c.auditor.record
+
+    def spy(answer: AuditAnswer) -> None:
+        answers.append(answer)
+        record(answer)
+
+    c.auditor.record = spy  # type: ignore[method-assign]
+    run_workers(c, corpus, tmp_path, [Worker, PushesInflatedV], in_order=True)
+    quarantined = c.store.conduct.quarantined_workers()
+    assert list(quarantined) == ["w1"] and "the moments it pushed" in quarantined["w1"], quarantined
+    assert c.auditor.summary()["passed"] == 2  # w0 at versions 0 and 1
+    honest = [a.pushed_moment_error for a in answers if a.passed]
+    assert len(honest) == 2 and max(honest) < 0.01, honest
+    assert [a.pushed_moment_error for a in answers if not a.passed] == [1e30]  # its v's scale on the replay: 8
     c.close()
 
 

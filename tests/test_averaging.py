@@ -46,7 +46,7 @@ from blocktrain.protocol.delta import (
 )
 from blocktrain.protocol.moments import InnerStart
 from blocktrain.train.step import MuonAdamW
-from tests.distributed_utils import NO_SCREEN, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import NO_SCREEN, corpus, full, make_coordinator  # noqa: F401
 
 
 def _t(*values: float) -> torch.Tensor:
@@ -334,7 +334,8 @@ def test_the_coordinator_counts_a_poisoned_update_by_reason(tmp_path: Path, corp
     g = torch.Generator().manual_seed(0)
     honest = [{n: 1e-3 * torch.randn(s, generator=g) for n, s in c.shapes.items()} for _ in range(2)]
     for name, d in zip(("a", "b"), honest, strict=True):
-        c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))
+        c.submit(name, 0, pack_delta(d, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0],
+                                     samples=full(c)))  # whole rounds' claims: their norms arm the bound
     bad = ScaledRandom().delta(honest[0], HostileContext(honest[0], [], g))
     with pytest.raises(ProtocolError) as exc:
         c.submit("c", 0, pack_delta(bad, Compression.INT8, block=0, base_version=0, base_sha=c.weights_sha[0], samples=4))

@@ -19,7 +19,7 @@ from blocktrain.coordinator.settings import Aggregation, OuterOptimizer
 from blocktrain.data.dataset import DataDir
 from blocktrain.protocol.delta import Compression, decode_delta, pack_delta, wire_schema
 from blocktrain.protocol.weights import apply_step
-from tests.distributed_utils import NO_SCREEN, FakeClock, block_weights, corpus, make_coordinator, one_row  # noqa: F401
+from tests.distributed_utils import NO_SCREEN, FakeClock, block_weights, corpus, full, make_coordinator, one_row  # noqa: F401
 
 T = TypeVar("T")
 
@@ -27,11 +27,6 @@ T = TypeVar("T")
 def small_delta(c: Coordinator, scale: float = 1e-3, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: scale * torch.randn(s, generator=g) for n, s in c.shapes.items()}
-
-
-def full(c: Coordinator) -> int:
-    """The samples a push claims for a whole round (H x batch): only such pushes' norms join the block's history."""
-    return c.settings.local_steps * c.cfg.train.batch_size
 
 
 class Api:

@@ -25,12 +25,13 @@ from tests.distributed_utils import (  # noqa: F401
     cli,
     corpus,
     free_port,
+    full,
     get_status,
     make_coordinator,
     procs,
     wait_for,
 )
-from tests.test_coordinator_api import Api, api, clock, full, small_delta  # noqa: F401
+from tests.test_coordinator_api import Api, api, clock, small_delta  # noqa: F401
 
 
 def _blob_files(a: Api) -> list[str]:

@@ -16,7 +16,10 @@ rounds before the audited one (each from the weights its previous push made), th
 own arithmetic, and the audited round from the moments they end with and the worker's residual (case ``honest,
 derived from N rounds``; with the other thread count and in the other arithmetic), and the derived moments'
 distance from the worker's (``moment_error``). Audits replayed from the derived moments until 82383e7; they now
-replay from the uploaded state and bound its moments by the derived ones, at that distance.
+replay from the uploaded state and bound its moments by the derived ones, at that distance. Each honest row also
+gives ``pushed_moment_error``: how far the moments the worker's round ends with (those a push carries on a round that
+shares them) are from the replay's, the statistic the audit bounds by ``audit_moment_tolerance``
+(:func:`blocktrain.coordinator.audit.pushed_moment_error`; inf where one's scale on the other leaves [1/2, 2]).
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
         --json benchmarks/results/audit-replay.json
@@ -38,14 +41,14 @@ from typing import Any
 import torch
 
 from blocktrain.config import Precision, RunConfig
-from blocktrain.coordinator.audit import moment_error, replay_scale
+from blocktrain.coordinator.audit import moment_error, pushed_moment_error, replay_scale
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import CPU, resolve_device
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
-from blocktrain.protocol.inner_state import RESIDUAL, inner_state, load_inner_state
+from blocktrain.protocol.inner_state import ADAM, RESIDUAL, inner_state, load_inner_state
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.seeds import worker_stream
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -98,6 +101,17 @@ def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 Replay = tuple[Precision, int, torch.device]  # (arithmetic, threads, device) of a run of a round
 
 
+def estimates(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An inner state's moments named as a push carries them (m/NAME, v/NAME); with the same step count on both
+    sides, the bias corrections cancel in :func:`pushed_moment_error`."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith(ADAM) and name.endswith(("/exp_avg", "/exp_avg_sq")):
+            param, _, leaf = name[len(ADAM):].rpartition("/")
+            out[("m/" if leaf == "exp_avg" else "v/") + param] = t
+    return out
+
+
 def row(k: int, worker: Replay, replay: Replay, case: str, replayed: dict[str, torch.Tensor],
         pushed: dict[str, torch.Tensor]) -> dict[str, Any]:
     """One table row: the audit's two statistics of ``pushed`` against its replay (``replay_scale``)."""
@@ -143,10 +157,11 @@ def main() -> int:
             # round 0 from a fresh state gives the carried state of round 1, the audited one
             push0, state = one_round(cfg, k, base, {}, data, 0, args.h, worker[0], worker[1], device=wdev)
             base1 = {n: base[n] + push0[n] for n in base}
-            pushed, _ = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], device=wdev)
+            pushed, ends = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], device=wdev)
             for rp in replays:
-                replayed, _ = one_round(cfg, k, base1, state, data, 1, args.h, rp[0], rp[1], device=rp[2])
-                rows.append(row(k, worker, rp, "honest", replayed, pushed))
+                replayed, ends_r = one_round(cfg, k, base1, state, data, 1, args.h, rp[0], rp[1], device=rp[2])
+                rows.append({**row(k, worker, rp, "honest", replayed, pushed),  # the moments a push would carry
+                             "pushed_moment_error": pushed_moment_error(estimates(ends), estimates(ends_r))})
             if chains:  # the worker's rounds 0..N; the coordinator's own replay of 0..N-1, then N from its moments
                 bases: list[dict[str, torch.Tensor]] = [base]
                 states: list[dict[str, torch.Tensor]] = [{}]
@@ -171,12 +186,13 @@ def main() -> int:
             rows.append(row(k, worker, worker, "delta x 1.1", replayed, {n: 1.1 * d for n, d in pushed.items()}))
             print(f"block {k} {prec.value} done", file=sys.stderr, flush=True)
     print("| block | precision | worker threads | worker device | replay in | replay threads | replay device | case "
-          "| relative error | scale | moment error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| relative error | scale | moment error | pushed moment error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['block']} | {r['precision']} | {r['worker_threads']} | {r['worker_device']} | {r['replay_precision']} "
               f"| {r['replay_threads']} | {r['replay_device']} | {r['case']} | {r['relative_error']:.3g} "
-              f"| {r['scale']:.4f} | {r.get('moment_error', float('nan')):.3g} |")
+              f"| {r['scale']:.4f} | {r.get('moment_error', float('nan')):.3g} "
+              f"| {r.get('pushed_moment_error', float('nan')):.3g} |")
     if args.json:
         command = "python benchmarks/distributed/audit_replay.py " + " ".join(sys.argv[1:])
         args.json.write_text(json.dumps({"preset": cfg.name, "h": args.h, "rows": rows, "command": command,

@@ -66,6 +66,7 @@ from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, delta_norm, residual_within
 from blocktrain.protocol.inner_state import ADAM, MOMENTS, SCALARS, load_inner_state, residual_of, state_sha, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
+from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, MomentCodec, decode_moments, encode_moments
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.train.inner import InnerRounds
 from blocktrain.train.round import BlockTask, train_round
@@ -205,23 +206,27 @@ class Auditor:
         t0 = time.perf_counter()
         k, v = case.update.block, case.update.base_version
         tensors = unpack_state(body, shapes, block=k, version=v)
-        off = 0.0  # how far its moments are from the records' (derived: 0 where none are)
+        off = pushed = 0.0  # how far its moments are from the records' (derived: 0 where none are) and from the replay's
         if state_sha(tensors) != case.update.state_sha:
             rel, scale = math.inf, math.inf
         else:
             check_residual(tensors, prior)
             built = self._block(case)  # one block and its frozen inputs for both replays
-            rel, scale = self.replay_error(case, tensors, built)
+            rel, scale, pushed = self.replay_error(case, tensors, built)
             if derived is not None:
                 off = moment_error(tensors, self.derived_moments(case, derived, built))
         seconds = time.perf_counter() - t0
         tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
+        bound = self.settings.audit_moment_tolerance
         passed = (rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
-                  and off <= self.settings.audit_moment_tolerance)
-        return AuditAnswer(passed=passed, relative_error=rel if math.isfinite(rel) else 1e30,
-                           tolerance=tolerance, seconds=seconds, scale=scale if math.isfinite(scale) else 1e30,
-                           derived_steps=derived.steps if derived is not None else 0,
-                           moment_error=off if math.isfinite(off) else 1e30)
+                  and off <= bound and pushed <= bound)
+
+        def finite(x: float) -> float:
+            return x if math.isfinite(x) else 1e30
+
+        return AuditAnswer(passed=passed, relative_error=finite(rel), tolerance=tolerance, seconds=seconds,
+                           scale=finite(scale), derived_steps=derived.steps if derived is not None else 0,
+                           moment_error=finite(off), pushed_moment_error=finite(pushed))
 
     def unjudged(self) -> AuditAnswer:
         """The answer to an audit with no replay to judge (a malformed upload, a replay that broke): not passed."""
@@ -237,10 +242,11 @@ class Auditor:
         return base * math.sqrt(max(steps, 1) / AUDIT_TOLERANCE_STEPS)
 
     def replay_error(self, case: AuditCase, tensors: dict[str, torch.Tensor],
-                     built: tuple[torch.nn.Module, BlockTask] | None = None) -> tuple[float, float]:
-        """(||replayed - pushed|| / ||pushed||, the push's scale on its replay) of the round ``case`` names, started
-        from the state ``tensors`` (its moments checked against the derived ones apart: :meth:`derived_moments`);
-        ``built``: the block and task :meth:`_block` made for ``case`` (None: made here), its weights reset to W_v."""
+                     built: tuple[torch.nn.Module, BlockTask] | None = None) -> tuple[float, float, float]:
+        """(||replayed - pushed|| / ||pushed||, the push's scale on its replay, and :func:`pushed_moment_error` of the
+        moments it carried, 0 where none) of the round ``case`` names, started from the state ``tensors`` (its moments
+        checked against the derived ones apart: :meth:`derived_moments`); ``built``: the block and task
+        :meth:`_block` made for ``case`` (None: made here), its weights reset to W_v."""
         block, task = built or self._block(case)
         load_trainable(block, case.base.weights)
         inner = InnerRounds(block, self.cfg.train, self.settings.inner_start)  # as the worker holds it
@@ -253,7 +259,14 @@ class Auditor:
         replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
         miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})
         rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)
-        return rel, replay_scale(upd.delta, replayed)
+        moments = 0.0
+        if upd.moments is not None and upd.moment_codec is not None:  # what it carried: the replay's, through its codec
+            codec = MomentCodec(upd.moment_codec)
+            prefixes = tuple(p for p in (M_PREFIX, V_PREFIX) if any(n.startswith(p) for n in upd.moments))
+            own = {n: t.to(CPU) for n, t in (inner.moments(prefixes) or {}).items()}  # once a replay: no hot loop
+            shapes = {n: tuple(w.shape) for n, w in case.base.weights.items()}
+            moments = pushed_moment_error(upd.moments, decode_moments(encode_moments(own, codec), codec, shapes))
+        return rel, replay_scale(upd.delta, replayed), moments
 
     def derived_moments(self, case: AuditCase, derived: Derivation,
                         built: tuple[torch.nn.Module, BlockTask] | None = None) -> dict[str, torch.Tensor]:
@@ -332,6 +345,38 @@ def moment_error(claimed: Mapping[str, torch.Tensor], derived: Mapping[str, torc
             num += float((c64 - d64).square().sum())
             den += float(d64.square().sum())
         worst = max(worst, math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf))
+    return worst
+
+
+MOMENT_SCALE_BOUND = 2.0  # a pushed moment's scale on its replay must lie in [1/2, 2]: a v pushed x8 or /8 sits at 8
+# or 1/8, a negated m at -1, while honest rounding moves it in directions of its own (see replay_scale), not along it
+
+
+def pushed_moment_error(pushed: Mapping[str, torch.Tensor], replayed: Mapping[str, torch.Tensor]) -> float:
+    """How far the moment estimates a push carried (``m/NAME``, ``v/NAME``, decoded) are from those its replay ends
+    with (encoded and decoded as the push's were): the larger over m and v of ||pushed - replayed|| / ||replayed||,
+    or inf where the pushed one's scale on the replay's, <pushed, replayed> / ||replayed||^2, lies outside
+    [1 / MOMENT_SCALE_BOUND, MOMENT_SCALE_BOUND]. They go into the published means the next rounds start from, so a
+    push that replays may still not carry moments of its own choosing."""
+    worst = 0.0
+    for prefix in (M_PREFIX, V_PREFIX):
+        names = sorted({n for n in (*pushed, *replayed) if n.startswith(prefix)})
+        if not names:
+            continue
+        dot = num = den = 0.0
+        for n in names:
+            p = pushed[n].double() if n in pushed else torch.zeros(())
+            r = replayed[n].double() if n in replayed else torch.zeros(())
+            dot += float((p * r).sum())
+            num += float((p - r).square().sum())
+            den += float(r.square().sum())
+        if den == 0:
+            if num > 0:
+                return math.inf
+            continue
+        if not 1 / MOMENT_SCALE_BOUND <= dot / den <= MOMENT_SCALE_BOUND:
+            return math.inf
+        worst = max(worst, math.sqrt(num / den))
     return worst
 
 

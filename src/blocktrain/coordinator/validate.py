@@ -41,6 +41,7 @@ class ParsedUpdate:
     state_sha: str | None = None  # digest of the sender's inner state at the round's start (for an audit)
     precision: str = "fp32"  # the arithmetic the sender trained in (an audit replays in the same)
     moments: dict[str, torch.Tensor] | None = None  # its inner moment estimates (m/NAME, v/NAME), decoded, if carried
+    moment_codec: str | None = None  # their wire encoding (a MomentCodec value), if carried
 
 
 def _looks_like_safetensors(body: bytes) -> bool:
@@ -121,5 +122,5 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
         raise ProtocolError(422, "the update's norm overflows float32; the update is discarded", Reason.NON_FINITE)
     return ParsedUpdate(
         block=k, base_version=m.base_version, base_sha=m.base_sha, samples=samples, compression=compression, delta=delta, norm=norm,
-        group=group, state_sha=m.state_sha, precision=m.precision, moments=decoded,
+        group=group, state_sha=m.state_sha, precision=m.precision, moments=decoded, moment_codec=m.moments,
     )

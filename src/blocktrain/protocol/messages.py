@@ -177,6 +177,7 @@ class AuditAnswer(Message):
     derived_steps: int = Field(default=0, ge=0)  # inner steps of the worker's earlier rounds replayed to derive the
     # moments it started from (coordinator.lineage); 0 where the round started from none or none could be derived
     moment_error: float = Field(default=0.0, ge=0)  # how far the uploaded moments are from the derived ones
+    pushed_moment_error: float = Field(default=0.0, ge=0)  # how far the moments the push carried are from its replay's
 
 
 def parse(model: type[M], doc: Any, what: str, status: int = 422) -> M:
