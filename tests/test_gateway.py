@@ -71,6 +71,7 @@ class FakeClient:
         self.delays_s = delays_s  # seconds before each chunk (none: no wait)
         self.calls: list[tuple[bytes, int, Sampling]] = []
         self.score_seeds: list[int] = []  # the seed of every score call
+        self.max_frame_bytes = 64 << 20  # the frame cap the gateway sizes its score calls by
 
     async def connect(self) -> None:
         self.stage = StageInfo(family=self.family, n=4, d_model=32, context=self.context, cached=False, state="serving",
@@ -145,6 +146,7 @@ def refusal_of(body: dict[str, Any], path: str = "/v1/completions", **kw: Any) -
     ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),  # strict: a string is not a number
     ({"prompt": "a", "stream": 1}, "stream"),  # nor a number a flag
     ({"prompt": "a", "best_of": 2}, "best_of"),  # taken at its neutral value only
+    ({"prompt": "a" * 20000, "logprobs": 20, "n": 8, "echo": True, "max_tokens": 1}, "logprobs"),  # 3.4M log-probs
 ])
 def test_bad_parameters_are_a_400_naming_them(body: dict[str, Any], param: str) -> None:
     status, err = refusal_of(body)

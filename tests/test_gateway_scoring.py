@@ -31,7 +31,7 @@ from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.gateway.app import GatewayOptions
 from blocktrain.serve.gateway.checks import MAX_STOPS, refusal
 from blocktrain.serve.gateway.generation import max_tokens_of
-from blocktrain.serve.gateway.logprobs import StopScanner, text_offsets, token_str
+from blocktrain.serve.gateway.logprobs import StopScanner, completion_logprobs, text_offsets, token_str
 from blocktrain.serve.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, chat_prompt
 from blocktrain.serve.runtime.kvcache import CacheOptions
 from blocktrain.serve.runtime.loading import load_run_span
@@ -62,6 +62,20 @@ def test_token_strings_are_unique_and_offsets_count_characters() -> None:
     assert text_offsets(b"abc\xe2\xff") == [0, 1, 2, 3, 4] and len(b"abc\xe2\xff".decode(errors="replace")) == 5
     assert text_offsets(b"a\xe2\x82b") == [0, 1, 1, 2] and text_offsets(b"\xe2\x82\xe2\x82\xac") == [0, 0, 1, 1, 1]
     assert text_offsets(b"\xef\xbf\xbdz") == [0, 0, 0, 1]  # U+FFFD itself, encoded: one character
+
+
+def test_offsets_count_the_characters_of_the_text_shown() -> None:
+    """A prompt that ends inside a character, without echo: the answer's text is the continuation decoded alone
+    ("\ufffd\ufffdB" for the bytes 82 ac 42), so its offsets are [0, 1, 2], not those of prompt and continuation
+    decoded together ([0, 0, 1])."""
+    data = bytes([0x41, 0xE2, 0x82, 0xAC, 0x42])
+    lp = torch.log_softmax(torch.randn(len(data), 256, generator=torch.Generator().manual_seed(0)), dim=-1)
+    got = completion_logprobs(data, lp, top=2, skip=2)
+    assert len(data[2:].decode(errors="replace")) == 3 and got.text_offset == [0, 1, 2]
+    assert got.token_logprobs == [pytest.approx(float(lp[i, data[i]])) for i in range(2, 5)]
+    for i, alternatives in zip(range(2, 5), got.top_logprobs, strict=True):
+        assert alternatives is not None and list(alternatives)[:2] == [token_str(int(t)) for t in lp[i].topk(2).indices]
+        assert alternatives[token_str(data[i])] == pytest.approx(float(lp[i, data[i]]))
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -70,3 +70,22 @@ def test_the_old_end_aligned_windows_would_fail_it() -> None:
     end_aligned = model.log_probs(x[None, n - ctx : n])[0, 0].gather(-1, x[n - ctx + 1 : n + 1, None])[:, 0]
     stable = eval_log_probs(model, TEXT[: n + 1], 32)[n - ctx :]
     assert (end_aligned.double() - stable).abs().max() > 100 * ATOL
+
+
+def test_the_windows_per_score_call_fit_a_frame_and_leave_every_score_as_it_was() -> None:
+    """Scoring sent 32 windows per call whatever their size: at context 2048 and d_model 512 a stage's hidden
+    states (32 x 2048 x 512 fp32) exceed the 64 MiB frame cap, and every log-prob request failed. The windows per call
+    now fill at most half a frame, and how many a call carries changes no score."""
+    from blocktrain.serve.gateway.logprobs import windows_per_call
+
+    assert windows_per_call(2048, 512, 64 << 20) == 8 and windows_per_call(256, 128, 64 << 20) == 32
+    assert windows_per_call(1 << 16, 4096, 1 << 20) == 1
+    model, data = MODELS["chain"], bytes(TEXT[: 9 * CFG.model.context])
+
+    async def score(x: torch.Tensor) -> torch.Tensor:
+        return model.log_probs(x.long())[0]
+
+    whole = asyncio.run(byte_log_probs(data, model.context, score))
+    for per_call in (1, 3):
+        got = asyncio.run(byte_log_probs(data, model.context, score, per_call))
+        assert torch.allclose(got[1:], whole[1:], atol=ATOL) and got[0].isnan().all()

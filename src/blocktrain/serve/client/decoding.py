@@ -47,7 +47,8 @@ from typing import Any, Protocol
 
 import torch
 
-from blocktrain.errors import ConfigError, ServeError
+from blocktrain.config import VOCAB_SIZE
+from blocktrain.errors import ConfigError, ServeError, WireError
 from blocktrain.sampling import EMPTY_PROMPT, filtered_probs, sample_byte
 from blocktrain.seeds import Seed
 from blocktrain.serve.client.stage_info import StageInfo
@@ -159,10 +160,22 @@ async def call_cached(t: Traversal, rid: str, mode: Mode, params: dict[str, Any]
         return await t.call(frame(0))
 
 
+def answered(reply: Frame, name: str, shape: tuple[int | None, ...]) -> torch.Tensor:
+    """The tensor ``name`` of a pipeline's answer, of ``shape`` (None: any size there); a WireError (the request's 502)
+    where the stage, run by someone else, sent none or another shape, not a KeyError or an IndexError later."""
+    got = reply.tensors.get(name)
+    if got is None or got.ndim != len(shape) or any(w is not None and w != n for w, n in zip(shape, got.shape, strict=True)):
+        have = "none" if got is None else f"shape {tuple(got.shape)}"
+        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+        raise WireError(f"the pipeline answered request {reply.request_id} with {have} for {name!r}, expected {want}; "
+                        "a stage runs another version or is faulty")
+    return got
+
+
 async def ar_logits(t: Traversal, x: torch.Tensor, seed: int) -> torch.Tensor:
     """Logits (b, 256) of the byte after x (b, t) on stateless stages: one traversal, B block steps."""
     f = Frame(FrameKind.SUBMIT, t.new_id(), Mode.AR, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
-    return (await t.call(f)).tensors["logits"]
+    return answered(await t.call(f), "logits", (x.shape[0], VOCAB_SIZE))
 
 
 async def ar_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling, mode: Mode) -> AsyncIterator[bytes]:
@@ -186,7 +199,7 @@ async def ar_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling, mode: M
             window = bytes(out[-context:])  # the whole text until it outgrows the context, then a fresh prefill
             pos = cached if len(out) <= context else 0
             params = {"seed": Seed.BYTE.derive(s.seed, i)} if mode is Mode.AR else {}
-            logits = (await call_cached(t, rid, mode, params, window, pos)).tensors["logits"]
+            logits = answered(await call_cached(t, rid, mode, params, window, pos), "logits", (1, VOCAB_SIZE))
             cached = len(window)
             out.append(sample_byte(logits[0], s.temperature, s.top_k, s.top_p, g))
             yield bytes(out[-1:])
@@ -204,7 +217,7 @@ async def sweep_steps(t: Traversal, prompt: bytes, n_new: int, s: Sampling) -> A
               "temperature": float(s.temperature), "top_k": int(s.top_k)}
     x = torch.tensor(list(p), dtype=torch.uint8).unsqueeze(0)
     reply = await t.call(Frame(FrameKind.SUBMIT, t.new_id(), Mode.SWEEP, params=params, tensors={"x": x}))
-    yield bytes(reply.tensors["bytes"][0].tolist())
+    yield bytes(answered(reply, "bytes", (1, n_new))[0].tolist())
 
 
 async def spec_steps(t: Traversal, prompt: bytes, n_new: int, opts: Sampling, stats: SpecResult) -> AsyncIterator[bytes]:
@@ -237,9 +250,10 @@ async def spec_steps(t: Traversal, prompt: bytes, n_new: int, opts: Sampling, st
                 reply = await t.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
             else:
                 reply = await call_cached(t, rid, Mode.SPEC, params, bytes(text), cached)
-            p = filtered_probs(reply.tensors["logits"], opts.temperature, opts.top_k, opts.top_p)  # (n + 1, 256)
-            draft = reply.tensors["draft"][0].tolist() if n else []
-            q = reply.tensors["q"].float() if n else torch.empty(0, p.shape[-1])  # (n, 256)
+            p = filtered_probs(answered(reply, "logits", (n + 1, VOCAB_SIZE)), opts.temperature, opts.top_k,
+                               opts.top_p)  # (n + 1, 256)
+            draft = answered(reply, "draft", (1, n))[0].tolist() if n else []
+            q = answered(reply, "q", (n, VOCAB_SIZE)).float() if n else torch.empty(0, p.shape[-1])  # (n, 256)
             verdict = accept_draft(draft, p, q, g)
             new = bytes(verdict.emitted(draft)[:remaining])
             cached = 0 if stateless else len(text) + verdict.accepted  # text + kept draft are cached right; the next byte is not

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from blocktrain.config import VOCAB_SIZE
 from blocktrain.errors import FramingError, ServeError, StageUnavailableError, WireError
-from blocktrain.serve.client.decoding import Sampling, SpecResult, decode
+from blocktrain.serve.client.decoding import Sampling, SpecResult, answered, decode
 from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.wire.frames import DEFAULT_MAX_FRAME_BYTES, ErrorCode, Frame, FrameKind, Mode, UnknownRequestError
 from blocktrain.serve.wire.links import Address, Conn, Counters, open_conn, parse_address
@@ -103,7 +104,7 @@ class PipelineClient:
         for _ in range(self.connect_attempts):
             try:
                 self.conn = await open_conn(self.address, self.counters, self.max_frame_bytes, self.connect_timeout_s,
-                                            token=self.token)
+                                            token=self.token, write_timeout_s=self.timeout_s)  # a hung stage: dropped
                 break
             except (TimeoutError, OSError) as exc:
                 last = exc
@@ -116,7 +117,11 @@ class PipelineClient:
             )
         self._refusal = None
         self._reader = asyncio.create_task(self._read_loop(self.conn))
-        self._stage = StageInfo.from_pong((await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params)
+        try:
+            self._stage = StageInfo.from_pong((await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params)
+        except BaseException:  # no PONG, or not a stage's: its reader must not outlive it and fail a later connection's calls
+            await self._drop()
+            raise
         self._opened = True
 
     @property
@@ -208,7 +213,7 @@ class PipelineClient:
     async def score(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
         """Teacher-forced logits (b, t, 256) of bytes x (b, t): one traversal."""
         f = Frame(FrameKind.SUBMIT, self.new_id(), Mode.SCORE, params={"seed": seed}, tensors={"x": x.to(torch.uint8)})
-        return (await self.call(f)).tensors["logits"]
+        return answered(await self.call(f), "logits", (*x.shape, VOCAB_SIZE))
 
     async def release(self, request_id: str, mode: Mode) -> None:
         """Ask the stages to drop a request's KV caches; nothing when the connection is gone (they expire them)."""

@@ -81,11 +81,35 @@ def streamed(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
                             "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
 
 
-def http(answer: Answer | Events) -> Answer | Response:
-    """A whole answer as itself (FastAPI writes it through the route's response model), a stream as SSE."""
+SEND_GRACE_S = 10.0  # seconds a stream may wait on a slow reader beyond the request's own time limit
+
+
+class BoundedStream(StreamingResponse):
+    """Server-sent events that end within ``timeout_s`` however slowly the client reads: a stream waits on the
+    client's socket at every event (the server's flow control), where the request's deadline, checked around the
+    pipeline's answers, cannot reach, so a client that stops reading held its connection and its KV caches until
+    they expired. Past the limit the stream is closed (its pipeline requests released) and the connection dropped."""
+
+    def __init__(self, content: Events, timeout_s: float) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events = content
+        self.timeout_s = timeout_s  # seconds the whole stream may take, its writes included
+
+    async def stream_response(self, send: Callable[[Any], Coroutine[Any, Any, None]]) -> None:  # type: ignore[override]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await super().stream_response(send)
+        except TimeoutError:
+            log.warning("a stream's client read too slowly: closed after %.0f s", self.timeout_s)
+            await self.events.aclose()  # type: ignore[attr-defined]
+
+
+def http(answer: Answer | Events, timeout_s: float) -> Answer | Response:
+    """A whole answer as itself (FastAPI writes it through the route's response model), a stream as SSE that ends
+    within ``timeout_s`` (:class:`BoundedStream`)."""
     if isinstance(answer, BaseModel):
         return answer
-    return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return BoundedStream(answer, timeout_s)
 
 
 def error_response(exc: RequestError) -> JSONResponse:
@@ -219,11 +243,11 @@ def make_app(opts: GatewayOptions, client: PipelineClient | None = None) -> Fast
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=streamed(CompletionChunk))
     async def completions(req: CompletionRequest) -> CompletionResponse | Response:
-        return http(await gw.complete(req))
+        return http(await gw.complete(req), gw.opts.request_timeout_s + SEND_GRACE_S)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=streamed(ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest) -> ChatCompletionResponse | Response:
-        return http(await gw.chat(req))
+        return http(await gw.chat(req), gw.opts.request_timeout_s + SEND_GRACE_S)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

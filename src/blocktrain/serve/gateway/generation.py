@@ -17,7 +17,7 @@ from blocktrain.seeds import Seed
 from blocktrain.serve.client.decoding import Sampling, runnable_modes
 from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.gateway.checks import RequestError, show
-from blocktrain.serve.gateway.logprobs import MAX_SCORED_BYTES
+from blocktrain.serve.gateway.logprobs import MAX_LOGPROB_ENTRIES, MAX_SCORED_BYTES
 from blocktrain.serve.gateway.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
 from blocktrain.serve.gateway.responses import Usage
 from blocktrain.serve.wire.frames import Mode
@@ -114,8 +114,9 @@ def mode_of(req: CompletionRequest | ChatCompletionRequest, stage: StageInfo) ->
 
 
 def check_fits(g: Generation, context: int) -> None:
-    """400 when a request asks for more than the gateway serves: log-probs beyond MAX_SCORED_BYTES, or, in a mode
-    whose rules keep prompt and continuation in one window (sweep), more than the model's context.
+    """400 when a request asks for more than the gateway serves: log-probs beyond MAX_SCORED_BYTES or
+    MAX_LOGPROB_ENTRIES, or, in a mode whose rules keep prompt and continuation in one window (sweep), more than
+    the model's context.
 
     Every other mode slides its window over any prompt and continuation (scoring lays its windows out as
     ``blocktrain eval`` does), so below the caps the pipeline's default refuses no request for its length.
@@ -124,6 +125,10 @@ def check_fits(g: Generation, context: int) -> None:
     if g.logprobs is not None and len(g.prompt) + n > MAX_SCORED_BYTES:
         raise RequestError(400, f"prompt: log-probs are served for at most {MAX_SCORED_BYTES} bytes of prompt and "
                                 f"continuation, got {len(g.prompt)} + {n}; split the text", "context_length_exceeded", "prompt")
+    if g.logprobs is not None and g.n * (len(g.prompt) + n) * (g.logprobs + 1) > MAX_LOGPROB_ENTRIES:
+        raise RequestError(400, f"logprobs: an answer holds at most {MAX_LOGPROB_ENTRIES} log-probs (choices x bytes x "
+                                f"(alternatives + 1)), this one would hold {g.n} x {len(g.prompt) + n} x {g.logprobs + 1}; "
+                                "ask for fewer alternatives or choices, or split the text", "invalid_value", "logprobs")
     if MODE_RULES[g.mode].fits(p, n, context):
         return
     slides = ", ".join(m.value for m, r in MODE_RULES.items() if r.slides)

@@ -20,6 +20,7 @@ from blocktrain.data.dataset import eval_windows
 from blocktrain.serve.gateway.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 MAX_SCORED_BYTES = 1 << 16  # the most bytes (prompt and continuation) one request may have scored
+MAX_LOGPROB_ENTRIES = 1 << 20  # the most log-probs one request's answer may hold: choices x bytes x (alternatives + 1)
 WINDOWS_PER_CALL = 32  # windows sent to the pipeline in one score call
 ScoreFn = Callable[[torch.Tensor], Awaitable[torch.Tensor]]  # bytes (b, t) uint8 -> logits (b, t, 256)
 
@@ -45,12 +46,20 @@ def text_offsets(data: bytes) -> list[int]:
     return offsets
 
 
-async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Tensor:
+def windows_per_call(context: int, d_model: int, max_frame_bytes: int) -> int:
+    """Windows one score call may carry: at most WINDOWS_PER_CALL, and no more than fill half a frame with their
+    widest fp32 tensor (the logits, context x 256, or the hidden state a stage hands on, context x d_model)."""
+    per_window = 4 * max(context, 1) * max(VOCAB_SIZE, d_model)
+    return max(1, min(WINDOWS_PER_CALL, max_frame_bytes // (2 * per_window)))
+
+
+async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: int = WINDOWS_PER_CALL) -> torch.Tensor:
     """Log-probs (n, 256) of the byte at each position of ``data`` given the bytes before it; row 0 is NaN.
 
     Windows of ``context`` bytes as :func:`eval_windows` lays them out (row i is predicted in the one window
     that scores target i), each sent at the full width (a short last window padded after its end), so a row never
-    depends on the bytes after it: appending bytes to ``data`` leaves every earlier row as it was.
+    depends on the bytes after it: appending bytes to ``data`` leaves every earlier row as it was. ``per_call``:
+    windows per score call (:func:`windows_per_call`).
     """
     n = len(data)
     out = torch.full((n, VOCAB_SIZE), float("nan"))
@@ -58,8 +67,8 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Ten
         return out
     arr = torch.tensor(list(data), dtype=torch.uint8)
     windows = eval_windows(n, context)
-    for i in range(0, len(windows), WINDOWS_PER_CALL):
-        batch = windows[i : i + WINDOWS_PER_CALL]
+    for i in range(0, len(windows), per_call):
+        batch = windows[i : i + per_call]
         x = torch.zeros(len(batch), context, dtype=torch.uint8)  # (w, context): each window's inputs, zero-padded
         for j, (start, length, _) in enumerate(batch):
             x[j, :length] = arr[start : start + length]
@@ -69,37 +78,48 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn) -> torch.Ten
     return out
 
 
+def _rows(data: bytes, lp: torch.Tensor, top: int, skip: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """For each byte of ``data[skip:]``: its log-prob, and the ids and log-probs of the ``top`` most likely bytes at
+    its position, best first; one top-k over every row (a Python loop of top-k per row held the event loop for
+    seconds on a long prompt)."""
+    rows = lp[skip:]  # (n, 256)
+    ids = torch.tensor(list(data[skip:]), dtype=torch.long)
+    chosen = rows.gather(1, ids[:, None])[:, 0].tolist() if len(ids) else []
+    if top <= 0 or not len(ids):
+        return chosen, [[] for _ in chosen], [[] for _ in chosen]
+    best = torch.topk(rows, top, dim=-1)
+    return chosen, best.indices.tolist(), best.values.tolist()
+
+
 def completion_logprobs(data: bytes, lp: torch.Tensor, top: int, skip: int = 0) -> CompletionLogprobs:
     """The OpenAI Completions ``logprobs`` of ``data[skip:]``, scored with ``data[:skip]`` as history: ``lp`` from
     :func:`byte_log_probs`, ``top`` alternatives per position (the token itself is always listed)."""
-    offsets = text_offsets(data)
-    base = offsets[skip] if skip < len(offsets) else 0
+    offsets = text_offsets(data[skip:])  # of the text shown: a character the history ends inside is not part of it
+    values, best, best_lp = _rows(data, lp, top, skip)
     chosen: list[float | None] = []
     tops: list[dict[str, float] | None] = []
-    for i in range(skip, len(data)):
-        if i == 0:  # the first byte has no history: OpenAI's null
+    for j, b in enumerate(data[skip:]):
+        if skip + j == 0:  # the first byte has no history: OpenAI's null
             chosen.append(None)
             tops.append(None)
             continue
-        row, b = lp[i], data[i]
-        chosen.append(float(row[b]))
-        best = torch.topk(row, top).indices.tolist() if top > 0 else []
-        tops.append({token_str(t): float(row[t]) for t in [*best, b]})
+        chosen.append(values[j])
+        alternatives = {token_str(t): v for t, v in zip(best[j], best_lp[j], strict=True)}
+        alternatives[token_str(b)] = values[j]
+        tops.append(alternatives)
     return CompletionLogprobs(tokens=[token_str(b) for b in data[skip:]], token_logprobs=chosen, top_logprobs=tops,
-                              text_offset=[o - base for o in offsets[skip:]])
+                              text_offset=offsets)
 
 
 def chat_logprobs(data: bytes, lp: torch.Tensor, top: int, skip: int) -> ChatLogprobs:
     """The OpenAI Chat Completions ``logprobs`` of ``data[skip:]`` (the answer, ``skip`` >= 1 bytes of
     transcript before it): per byte its token, log-prob, bytes and the ``top`` most likely alternatives, best first."""
-    content = []
-    for i in range(skip, len(data)):
-        row = lp[i]
-        best = torch.topk(row, top).indices.tolist() if top > 0 else []
-        content.append(TokenLogprob(token=token_str(data[i]), logprob=float(row[data[i]]), bytes=[data[i]],
-                                    top_logprobs=[TopLogprob(token=token_str(t), logprob=float(row[t]), bytes=[t])
-                                                  for t in best]))
-    return ChatLogprobs(content=content)
+    values, best, best_lp = _rows(data, lp, top, skip)
+    return ChatLogprobs(content=[
+        TokenLogprob(token=token_str(b), logprob=values[j], bytes=[b],
+                     top_logprobs=[TopLogprob(token=token_str(t), logprob=v, bytes=[t])
+                                   for t, v in zip(best[j], best_lp[j], strict=True)])
+        for j, b in enumerate(data[skip:])])
 
 
 class StopScanner:

@@ -37,6 +37,7 @@ from blocktrain.serve.gateway.logprobs import (
     chat_logprobs,
     completion_logprobs,
     token_str,
+    windows_per_call,
 )
 from blocktrain.serve.gateway.options import GatewayOptions
 from blocktrain.serve.gateway.protocol import (
@@ -265,7 +266,7 @@ class Gateway:
             history = g.prompt or EMPTY_PROMPT  # what the bytes were generated after (shown only if it is the prompt)
             rows = await self.log_probs(history + data, stage, g.score_seed)
             skip = len(history) - len(g.prompt) if g.echo else len(history)
-            logprobs = completion_logprobs(history + data, rows, g.logprobs, skip=skip)
+            logprobs = await asyncio.to_thread(completion_logprobs, history + data, rows, g.logprobs, skip)  # off the loop
         return CompletionChoice(index=i, finish_reason=finish, raw_bytes=b64(shown), logprobs=logprobs,
                                 text=shown.decode("utf-8", errors="replace"))
 
@@ -274,13 +275,14 @@ class Gateway:
         if g.logprobs is not None:
             history = g.prompt or EMPTY_PROMPT  # what the bytes were generated after
             rows = await self.log_probs(history + data, stage, g.score_seed)
-            logprobs = chat_logprobs(history + data, rows, g.logprobs, skip=len(history))
+            logprobs = await asyncio.to_thread(chat_logprobs, history + data, rows, g.logprobs, len(history))
         return ChatChoice(index=i, finish_reason=finish, raw_bytes=b64(data), logprobs=logprobs,
                           message=AssistantMessage(content=data.decode("utf-8", errors="replace")))
 
     async def log_probs(self, data: bytes, stage: StageInfo, seed: int) -> Any:
         """Log-probs (len(data), 256) of each byte of ``data`` given the bytes before it (row 0: NaN)."""
-        return await byte_log_probs(data, stage.context, lambda x: self.client.score(x, seed=seed))
+        per_call = windows_per_call(stage.context, stage.d_model, self.client.max_frame_bytes)
+        return await byte_log_probs(data, stage.context, lambda x: self.client.score(x, seed=seed), per_call)
 
     async def events(self, g: Generation, head: dict[str, Any]) -> Events:
         """The answer as server-sent events: per choice, a chunk per piece of bytes and a last chunk (with
