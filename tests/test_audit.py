@@ -340,6 +340,23 @@ def test_probation_is_never_skipped_while_every_audit_slot_is_taken(tmp_path: Pa
     c.close()
 
 
+def test_a_quarantine_ends_the_worker_s_audits_that_await_an_upload(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A worker quarantined for another reason while its audit awaits its upload: its update is dropped, so the round
+    no longer waits for that audit (it did, for the whole --audit-timeout-s), and its norm never counts."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('w')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w, answer = _push(client, c, headers, state_sha({}))
+        assert answer["audit"] is True and c.auditor.holds(0, w.version)
+        with c.lock:
+            c.conduct.quarantine("w", "refused too often", c.clock())
+        assert not c.auditor.holds(0, w.version) and c.auditor.pending() == 0
+        assert c.store.q("SELECT COUNT(*) AS n FROM audits")[0]["n"] == 0  # a restart does not wait for it either
+        assert c.intake.view(c.checkpoints.published(0)).norms == ()
+    c.close()
+
+
 def test_an_audit_upload_that_is_not_safetensors_fails_the_audit_with_an_answer(tmp_path: Path,
                                                                                  corpus: DataDir) -> None:  # noqa: F811
     """Garbage as the state: the audit fails and the worker is quarantined, answered as any failed audit (it escaped

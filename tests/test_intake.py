@@ -22,10 +22,11 @@ from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.intake import MAD_TO_SIGMA, Checked, Intake, Published, replay_cosine
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.messages import PROTOCOL_VERSION, WorkAnswer, parse_meta
-from tests.distributed_utils import FakeClock, make_coordinator, one_row
+from tests.distributed_utils import FakeClock, corpus, make_coordinator, one_row  # noqa: F401
 
 
 class Peer:
@@ -372,5 +373,38 @@ def test_pushes_claiming_a_sample_or_two_do_not_drag_the_norm_median_down(tmp_pa
                              audit_fraction=0.0)
     try:  # a restart restores the honest norms alone
         assert len(again.intake._norms[0]) == 2
+    finally:
+        again.close()
+
+
+def test_a_restart_keeps_the_gate_s_calibration_and_every_fingerprint(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A restarted coordinator's gate went back to its loose start (0.1 nats) until 8 new rises were known, and it
+    forgot the sketches of updates dropped with their quarantined worker, so a copy of a cheat's delta was no longer
+    a replay. The rises are stored with their updates, and every update ever accepted is fingerprinted again."""
+    settings: dict[str, Any] = dict(round_seconds=3600, min_updates=8, audit_fraction=0.0, gate_min_history=2)
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **settings)
+    cheat = direction(c, 99)
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            peers = [Peer(c, client, f"p{i}") for i in range(4)]
+            for p in peers:
+                p.register()
+            for i, p in enumerate(peers[:3]):
+                assert p.push(direction(c, 30 + i)) == (202, "")
+            assert peers[3].push(cheat) == (202, "")
+            with c.lock:
+                c.conduct.quarantine("p3", "caught later", c.clock())  # its update dropped before its round closed
+            rises = list(c.intake._rises[0])  # the cheat's too: a running coordinator keeps what it counted
+            assert len(rises) == 4 and c.intake.tolerance(0) != c.settings.gate_start
+    finally:
+        c.close()
+    again = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **settings)
+    try:
+        assert list(again.intake._rises[0]) == pytest.approx(rises[:3])  # the honest ones: a dropped update's is not
+        assert again.intake.tolerance(0) != again.settings.gate_start  # calibrated, not the loose start
+        with TestClient(create_app(again, background=False)) as client:
+            colluder = Peer(again, client, "colluder")
+            colluder.register()
+            assert colluder.push({n: 1.0001 * t for n, t in cheat.items()}) == (422, "replay")
     finally:
         again.close()

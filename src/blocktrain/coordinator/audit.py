@@ -181,6 +181,14 @@ class Auditor:
             raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", Reason.NO_AUDIT)
         return case
 
+    def forget_worker(self, worker: str) -> list[tuple[str, int, int]]:
+        """The keys of ``worker``'s cases that await an upload, no longer awaited (it was quarantined: its updates are
+        dropped, so their rounds need not wait for them)."""
+        keys = [key for key in self._pending if key[0] == worker]
+        for key in keys:
+            del self._pending[key]
+        return keys
+
     def overdue(self, now: float) -> list[AuditCase]:
         """Cases whose upload is late (removed): the coordinator quarantines their workers."""
         late = [key for key, c in self._pending.items() if c.due < now]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.store import Store
@@ -35,9 +36,11 @@ GROUP_REFUSALS = 2  # refused group means a worker may be a member of before it 
 class Conduct:
     """The rate limit and quarantine of one coordinator."""
 
-    def __init__(self, settings: CoordinatorSettings, store: Store) -> None:
+    def __init__(self, settings: CoordinatorSettings, store: Store,
+                 on_quarantine: Callable[[str], None] = lambda name: None) -> None:
         self.settings = settings
         self.store = store
+        self.on_quarantine = on_quarantine  # what else a quarantine ends (its audits that await an upload), locked
         self._refused: dict[str, deque[float]] = {}  # worker -> time.monotonic() of its recent refusals
         self.rate_limited = 0  # requests answered 429 since start-up
         self.revoked: set[str] = set()  # workers quarantined since start-up (their tokens may still be cached)
@@ -96,4 +99,5 @@ class Conduct:
         with self.store.tx():
             dropped = self.store.conduct.quarantine(name, why, at)
         self.revoked.add(name)
+        self.on_quarantine(name)
         log.warning("worker %s quarantined (%s): token revoked, %d pending updates dropped", name, why, dropped)

@@ -98,6 +98,11 @@ class Checked:
     outlier: bool = False  # its norm or its loss rise is unusual for the block: audited more often (settings)
     full: bool = True  # it claims at least half its budget (FULL_CLAIM): its norm and loss rise join the histories
 
+    @property
+    def rise(self) -> float | None:
+        """Its held-out loss rise (nats; None where the gate did not run)."""
+        return self.gate[1] - self.gate[0] if self.gate is not None else None
+
 
 class CountSketch:
     """s(Delta)[h(i)] += sign(i) Delta_i over every coordinate i (fixed seeded hashes): <s(a), s(b)> ~ <a, b>."""
@@ -266,7 +271,7 @@ class Intake:
                             "norm bound and the gate's calibration wait for pushes of at least half a round (if every "
                             "worker is cut short by the deadline, lengthen --round-seconds)", k)
             return
-        rise = checked.gate[1] - checked.gate[0] if checked.gate is not None else None
+        rise = checked.rise
         if held is not None:
             self.hold(held, k, checked.norm, rise)
         else:
@@ -274,7 +279,7 @@ class Intake:
 
     def hold(self, held: Hashable, k: int, norm: float, rise: float | None = None) -> None:
         """Keep a push's norm (per unit of lr) and loss rise under ``held`` until its audit is decided (also an audit
-        restored after a restart, whose rise was not stored)."""
+        restored after a restart)."""
         self._held[held] = (k, norm, rise)
 
     def release(self, held: Hashable, passed: bool) -> None:
@@ -294,10 +299,12 @@ class Intake:
         self.checked += 1
         self.seconds += seconds
 
-    def restore(self, k: int, norms: Sequence[float], deltas: Sequence[dict[str, torch.Tensor]]) -> None:
-        """Block k's history again after a restart: its recent accepted norms per unit of lr (oldest first) and every
-        accepted delta."""
+    def restore(self, k: int, norms: Sequence[float], deltas: Sequence[dict[str, torch.Tensor]],
+                rises: Sequence[float] = ()) -> None:
+        """Block k's history again after a restart: its recent accepted norms per unit of lr and loss rises (oldest
+        first) and every accepted delta."""
         self._norms[k].extend(norms)
+        self._rises[k].extend(rises)
         for d in deltas:
             self.remember_sketch(k, self.sketch(k, d))
 

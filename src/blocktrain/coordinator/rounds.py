@@ -100,7 +100,8 @@ class Rounds:
                 accepted.append(decode_delta(split_moments(tensors)[0], compression))  # the delta, not its moments
             least = math.ceil(FULL_CLAIM * self.local_steps(k) * self.cfg.train.batch_size)  # one worker's full claim
             norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history, least)[::-1]]
-            self.intake.restore(k, norms, accepted)
+            rises = s.updates.recent_rises(k, self.settings.gate_history, least)[::-1]
+            self.intake.restore(k, norms, accepted, rises)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():

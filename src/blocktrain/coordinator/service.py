@@ -77,7 +77,8 @@ class Coordinator:
         self.evaluator = Evaluator(self.cfg, settings, data)
         self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store)
         self.intake = Intake(self.settings, self.checkpoints.block_shapes, self.evaluator)  # what every update passes
-        self.conduct = Conduct(self.settings, self.store)  # rate limit and quarantine
+        self.conduct = Conduct(self.settings, self.store,  # rate limit and quarantine, which ends the audits it awaits
+                               on_quarantine=lambda name: self.uploads.forget_audits(name))
         if self.settings.gate and not self.intake.gating:
             log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
         self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes

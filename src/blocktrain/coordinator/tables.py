@@ -290,12 +290,14 @@ class UpdateTable:
                           k, worker, low, high) is not None
 
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
-                      arrived: float, arrival_s: float) -> None:
-        """Store an accepted update and count it in its round, for its worker and in total."""
+                      arrived: float, arrival_s: float, rise: float | None = None) -> None:
+        """Store an accepted update and count it in its round, for its worker and in total (``rise``: the gate's
+        loss rise for it, nats)."""
         self.db.execute(
             "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, state, "
-            "session) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?))",
-            (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value, worker),
+            "session, rise) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?),?)",
+            (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value, worker,
+             rise),
         )
         self.db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
         self.db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (worker,))
@@ -334,13 +336,26 @@ class UpdateTable:
         return [UpdateRow.of(r) for r in rows]
 
     def update_blobs(self, k: int) -> list[tuple[str, Compression]]:
-        """(blob digest, compression) of every accepted or applied update of block k, oldest first."""
-        rows = self.db.q("SELECT blob, compression FROM updates WHERE block=? AND state IN (?, ?) ORDER BY id", k,
-                         UpdateState.ACCEPTED.value, UpdateState.APPLIED.value)
+        """(blob digest, compression) of every update of block k ever accepted, oldest first, whatever became of it
+        (applied, screened or dropped): a copy of any of them is a replay, as it was before a restart."""
+        rows = self.db.q("SELECT blob, compression FROM updates WHERE block=? ORDER BY id", k)
         return [(str(r["blob"]), Compression(r["compression"])) for r in rows]
 
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
+
+    def recent_rises(self, k: int, n: int, min_samples: int = 0) -> list[float]:
+        """The gate's loss rises (nats) of the ``n`` latest updates of block k that have one, newest first, chosen as
+        :meth:`recent_norms` chooses its updates: what a restart restores to the gate's calibration."""
+        rows = self.db.q("SELECT rise FROM updates u WHERE block=? AND state != ? AND samples >= ? AND rise IS NOT NULL "
+                         "AND NOT EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block AND "
+                         "a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, min_samples, n)
+        return [float(r["rise"]) for r in rows]
+
+    def update_rise(self, k: int, v: int, worker: str) -> float | None:
+        """The gate's loss rise of ``worker``'s update of block k version v (None: none measured)."""
+        row = self.db.q1("SELECT rise FROM updates WHERE block=? AND version=? AND worker=?", k, v, worker)
+        return None if row is None or row["rise"] is None else float(row["rise"])
 
     def recent_norms(self, k: int, n: int, min_samples: int = 0) -> list[tuple[int, float]]:
         """(version, norm) of the ``n`` latest updates of block k a restart restores to the intake's history, newest

@@ -154,7 +154,7 @@ class Uploads:
             s.blobs.commit_blob(staged)  # durable before the row that names it
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
                 s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
-                                        blob=staged.digest, arrived=arrived, arrival_s=arrived - opened)
+                                        blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise)
                 if members:
                     s.updates.record_group(k, v, name, members)
                 if case is not None:
@@ -188,7 +188,8 @@ class Uploads:
                                            max(a.due, now + self.settings.audit_timeout_s),
                                            s.updates.previous_blobs(a.block, a.worker, a.version),
                                            self._trace(a.worker, a.block, a.version)))
-            self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version))
+            self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version),
+                             s.updates.update_rise(a.block, a.version, a.worker))
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
 
@@ -229,7 +230,8 @@ class Uploads:
         update; a replay that broke (``answer`` None: the coordinator's own fault, such as running out of memory)
         drops the update, which is not applied unverified, and blames no one; either way the round may now close."""
         try:
-            self.intake.release((name, k, v), passed=answer is not None and answer.passed)
+            passed = answer is not None and answer.passed and not self.conduct.quarantined(name)  # not if since dropped
+            self.intake.release((name, k, v), passed=passed)
             if answer is None:
                 with self.store.tx():
                     self.store.updates.drop_update(k, v, name)
@@ -247,6 +249,14 @@ class Uploads:
             with self.store.tx():
                 self.store.audits.drop_audit(name, k, v)
         self.rounds.check_quorum(now)  # the decided audit may complete its round
+
+    def forget_audits(self, name: str) -> None:
+        """(Locked.) ``name`` was quarantined: its audits that await an upload are forgotten (its updates are dropped,
+        so their rounds close without them; their held norms never count)."""
+        for key in self.auditor.forget_worker(name):
+            self.intake.release(key, passed=False)
+            with self.store.tx():
+                self.store.audits.drop_audit(*key)
 
     def overdue_audits(self, now: float) -> None:
         """(Locked.) Quarantine the workers whose audit uploads are late."""
