@@ -23,7 +23,7 @@ from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
@@ -97,19 +97,28 @@ class ForgedMoments(Worker):
 
 
 class InflatedV(InnerRounds):
-    """Trains honestly, but the second moments it pushes for the published mean are 8 times its own."""
+    """Trains honestly, but the second moments it pushes for the published mean are ``factor`` times its own."""
+
+    factor = 8.0
 
     def moments(self, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
         out = super().moments(prefixes)
-        return None if out is None else {n: 8 * t if n.startswith("v/") else t for n, t in out.items()}
+        return None if out is None else {n: self.factor * t if n.startswith("v/") else t for n, t in out.items()}
 
 
 class PushesInflatedV(Worker):
     """Its deltas replay (it trains from the state it commits to); the moments it carries with them do not."""
 
+    factor = 8.0
+
     def _setup(self, reg: Registration) -> None:
         super()._setup(reg)
         self.inner = InflatedV(self.block, self.cfg.train, self.inner_start)
+        self.inner.factor = self.factor  # type: ignore[attr-defined]
+
+
+class PushesSlightlyInflatedV(PushesInflatedV):
+    factor = 1.5  # within the scale bound: its distance (0.5) fails it
 
 
 class LeavesAfterVersion1(Worker):
@@ -231,10 +240,14 @@ def test_honest_audits_derive_moments_across_a_sync_refusals_and_a_new_process(t
     c.close()
 
 
-def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+@pytest.mark.parametrize("kind", [PushesInflatedV, PushesSlightlyInflatedV])
+def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                   kind: type[PushesInflatedV]) -> None:
     """The moments a push carries go into the published means the next rounds start from. A worker whose deltas
-    replay but whose pushed v is 8 times its own is quarantined by its first audit; an honest worker beside it passes
-    every one (its pushed moments, encoded as it sent them, within 0.01 of its replay's)."""
+    replay but whose pushed v is 8 (or 1.5) times its own is quarantined by its first audit; an honest worker beside
+    it passes every one (its pushed moments, encoded as it sent them, within 0.01 of its replay's)."""
+    with pytest.raises(ConfigError, match="audit_pushed_moment_tolerance"):
+        CoordinatorSettings(audit_pushed_moment_tolerance=0.0)
     c = make_coordinator(tmp_path / "run", corpus, rounds=2, inner_start=InnerStart.SHARED_MV, moment_every=1,
                          **AUDIT_ALL)
     answers: list[AuditAnswer] = []
@@ -245,13 +258,14 @@ def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path
         record(answer)
 
     c.auditor.record = spy  # type: ignore[method-assign]
-    run_workers(c, corpus, tmp_path, [Worker, PushesInflatedV], in_order=True)
+    run_workers(c, corpus, tmp_path, [Worker, kind], in_order=True)
     quarantined = c.store.conduct.quarantined_workers()
     assert list(quarantined) == ["w1"] and "the moments it pushed" in quarantined["w1"], quarantined
     assert c.auditor.summary()["passed"] == 2  # w0 at versions 0 and 1
     honest = [a.pushed_moment_error for a in answers if a.passed]
     assert len(honest) == 2 and max(honest) < 0.01, honest
-    assert [a.pushed_moment_error for a in answers if not a.passed] == [1e30]  # its v's scale on the replay: 8
+    failed = [a.pushed_moment_error for a in answers if not a.passed]
+    assert failed == ([1e30] if kind.factor == 8 else [pytest.approx(0.5, abs=0.02)])  # its v's scale 8, or 0.5 away
     c.close()
 
 

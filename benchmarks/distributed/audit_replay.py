@@ -27,6 +27,8 @@ shares them) are from the replay's, the statistic the audit bounds by ``audit_mo
         --derive-rounds 1,2,8 --json benchmarks/results/audit-replay-derived.json
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --h 100 --blocks 0 \
         --cross --derive-rounds 2 --json benchmarks/results/audit-replay-derived-h100.json
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --blocks 0,1,2,3 \
+        --cross --json benchmarks/results/audit-replay-pushed-moments.json
 """
 
 from __future__ import annotations

@@ -225,9 +225,9 @@ class Auditor:
                 off = moment_error(tensors, self.derived_moments(case, derived, built))
         seconds = time.perf_counter() - t0
         tolerance = self.tolerance(case.update.precision, case.update.samples // self.cfg.train.batch_size)
-        bound = self.settings.audit_moment_tolerance
-        passed = (rel <= tolerance and abs(scale - 1.0) <= self.settings.audit_scale_tolerance
-                  and off <= bound and pushed <= bound)
+        st = self.settings
+        passed = (rel <= tolerance and abs(scale - 1.0) <= st.audit_scale_tolerance
+                  and off <= st.audit_moment_tolerance and pushed <= st.audit_pushed_moment_tolerance)
 
         def finite(x: float) -> float:
             return x if math.isfinite(x) else 1e30

@@ -320,9 +320,9 @@ class Coordinator:
         if answer.moment_error > st.audit_moment_tolerance:
             missed.append(f"its moments {answer.moment_error:.3g} from those its earlier rounds give (at most "
                           f"{st.audit_moment_tolerance:g})")
-        if answer.pushed_moment_error > st.audit_moment_tolerance:
+        if answer.pushed_moment_error > st.audit_pushed_moment_tolerance:
             missed.append(f"the moments it pushed {answer.pushed_moment_error:.3g} from its replay's (at most "
-                          f"{st.audit_moment_tolerance:g}, each scaled within x2)")
+                          f"{st.audit_pushed_moment_tolerance:g}, each scaled within x2)")
         return f"its push for block {k} v{v} did not replay: {'; '.join(missed) or 'no bound broken'}"
 
     # --- time, evaluation, observation -----------------------------------------------------------

@@ -117,6 +117,8 @@ class CoordinatorSettings:
     audit_scale_tolerance: float = 0.02  # a replay passes only if the push's scale on it is within this of 1
     audit_moment_tolerance: float = 1.0  # relative distance of uploaded AdamW moments from derived ones, m and v each
     # (honest across bf16/fp32 after 2 rounds: up to 0.51, benchmarks/results/audit-replay-moments.json)
+    audit_pushed_moment_tolerance: float = 0.25  # relative distance of a push's carried moments from its replay's, m
+    # and v each (honest across bf16/fp32 and thread counts on cpu-mini: up to 0.040, audit-replay-pushed-moments.json)
     audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
     upload_timeout_s: float = 600.0  # seconds a request body may take to arrive; a stalled or trickling one gets 408
     max_connections: int = 1024  # connections the HTTP server serves at once; more are answered 503
@@ -190,6 +192,9 @@ class CoordinatorSettings:
         if not (self.audit_moment_tolerance > 0 and math.isfinite(self.audit_moment_tolerance)):
             raise ConfigError(f"audit_moment_tolerance must be positive (a relative distance), got "
                               f"{self.audit_moment_tolerance}; set --audit-moment-tolerance")
+        if not (self.audit_pushed_moment_tolerance > 0 and math.isfinite(self.audit_pushed_moment_tolerance)):
+            raise ConfigError(f"audit_pushed_moment_tolerance must be positive (a relative distance), got "
+                              f"{self.audit_pushed_moment_tolerance}; set --audit-pushed-moment-tolerance")
         if not 0 < self.audit_scale_tolerance < 0.1:
             raise ConfigError(f"audit_scale_tolerance must be in (0, 0.1) (a push scaled by 1.1 must fail), got "
                               f"{self.audit_scale_tolerance}; set --audit-scale-tolerance")
