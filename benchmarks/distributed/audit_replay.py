@@ -18,7 +18,8 @@ derived from N rounds``; with the other thread count and in the other arithmetic
 distance from the worker's (``moment_error``). Audits replayed from the derived moments until 82383e7; they now
 replay from the uploaded state and bound its moments by the derived ones, at that distance. Each honest row also
 gives ``pushed_moment_error``: how far the moments the worker's round ends with (those a push carries on a round that
-shares them) are from the replay's, the statistic the audit bounds by ``audit_moment_tolerance``
+shares them, through ``--moment-codec`` as the audit reads both) are from the replay's, the statistic the audit bounds
+by ``audit_pushed_moment_tolerance``
 (:func:`blocktrain.coordinator.audit.pushed_moment_error`; inf where one's scale on the other leaves [1/2, 2]).
 
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini \
@@ -44,6 +45,7 @@ import torch
 
 from blocktrain.config import Precision, RunConfig
 from blocktrain.coordinator.audit import moment_error, pushed_moment_error, replay_scale
+from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import CPU, resolve_device
@@ -51,6 +53,7 @@ from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset, stack_recipe
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta, delta_norm
 from blocktrain.protocol.inner_state import ADAM, RESIDUAL, inner_state, load_inner_state
+from blocktrain.protocol.moments import MomentCodec, decode_moments, encode_moments
 from blocktrain.protocol.weights import load_trainable, trainable_state
 from blocktrain.seeds import worker_stream
 from blocktrain.train.round import BlockTask, Targets, train_round
@@ -114,6 +117,13 @@ def estimates(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def coded(moments: dict[str, torch.Tensor], codec: MomentCodec, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """``moments`` as the coordinator reads them from a push: encoded with ``codec`` and decoded (the audit passes its
+    replay's through the same codec before comparing)."""
+    host = {n: t.to(CPU) for n, t in moments.items()}
+    return decode_moments(encode_moments(host, codec), codec, shapes)
+
+
 def row(k: int, worker: Replay, replay: Replay, case: str, replayed: dict[str, torch.Tensor],
         pushed: dict[str, torch.Tensor]) -> dict[str, Any]:
     """One table row: the audit's two statistics of ``pushed`` against its replay (``replay_scale``)."""
@@ -138,6 +148,8 @@ def main() -> int:
     ap.add_argument("--worker-device", default="cpu", help="where the worker trains its rounds (cuda: a GPU worker)")
     ap.add_argument("--replay-device", default="cpu",
                     help="where the coordinator replays them, beside a replay on the worker's device")
+    ap.add_argument("--moment-codec", default=CoordinatorSettings().moment_codec.value,
+                    choices=[c.value for c in MomentCodec], help="the codec pushed moments travel in (pushed_moment_error)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cfg = replace(get_preset(args.preset), stack=stack_recipe())
@@ -145,6 +157,7 @@ def main() -> int:
     obj = get_objective(cfg)
     wdev, rdev = resolve_device(args.worker_device), resolve_device(args.replay_device)
     chains = [int(x) for x in args.derive_rounds.split(",") if x]
+    codec = MomentCodec(args.moment_codec)
     rows = []
     for k in (int(x) for x in args.blocks.split(",")):
         torch.manual_seed(k)
@@ -160,10 +173,12 @@ def main() -> int:
             push0, state = one_round(cfg, k, base, {}, data, 0, args.h, worker[0], worker[1], device=wdev)
             base1 = {n: base[n] + push0[n] for n in base}
             pushed, ends = one_round(cfg, k, base1, state, data, 1, args.h, worker[0], worker[1], device=wdev)
+            shapes = {n: tuple(t.shape) for n, t in base.items()}
             for rp in replays:
                 replayed, ends_r = one_round(cfg, k, base1, state, data, 1, args.h, rp[0], rp[1], device=rp[2])
-                rows.append({**row(k, worker, rp, "honest", replayed, pushed),  # the moments a push would carry
-                             "pushed_moment_error": pushed_moment_error(estimates(ends), estimates(ends_r))})
+                carried = [coded(estimates(e), codec, shapes) for e in (ends, ends_r)]  # as a push carries them
+                rows.append({**row(k, worker, rp, "honest", replayed, pushed),
+                             "pushed_moment_error": pushed_moment_error(*carried), "moment_codec": codec.value})
             if chains:  # the worker's rounds 0..N; the coordinator's own replay of 0..N-1, then N from its moments
                 bases: list[dict[str, torch.Tensor]] = [base]
                 states: list[dict[str, torch.Tensor]] = [{}]
