@@ -523,3 +523,24 @@ def test_cli_gateway_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     assert "HOST:PORT" in capsys.readouterr().err
     assert main(["gateway", "--pipeline", "h:1", "--max-tokens-cap", "0"]) == 2
     assert "--max-tokens-cap" in capsys.readouterr().err
+
+
+def test_the_log_prob_cap_counts_the_bytes_an_answer_lists() -> None:
+    """The cap on an answer's log-probs counts the bytes it lists: a long prompt without echo (or a chat's
+    transcript) is scored as history but listed only for the continuation, so it is served; with echo it is listed."""
+    from types import SimpleNamespace
+
+    from blocktrain.serve.gateway.checks import RequestError
+    from blocktrain.serve.gateway.generation import Generation, check_fits
+
+    def fits(**kw: Any) -> None:
+        g = SimpleNamespace(prompt=b"a" * 60000, max_tokens=16, logprobs=20, n=1, echo=False, chat=False, mode=Mode.AR)
+        for k, v in kw.items():
+            setattr(g, k, v)
+        check_fits(cast(Generation, g), context=64)
+
+    fits()  # 16 x 21 log-probs
+    fits(chat=True, n=8)  # a chat's answer lists its own bytes only
+    with pytest.raises(RequestError) as info:
+        fits(echo=True)  # 60016 x 21 > 2^20
+    assert info.value.param == "logprobs"

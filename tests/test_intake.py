@@ -349,6 +349,8 @@ def test_a_delta_whose_held_out_loss_is_nan_is_refused_by_the_gate() -> None:
     with pytest.raises(ProtocolError) as info:
         intake._gate(base, {"w": torch.full((8,), 3e38)}, view)
     assert info.value.reason == "gate" and "nan" in str(info.value)
+    broken = Published(0, 1, "1" * 64, {"w": torch.full((8,), 3e38)})  # published weights whose own loss is NaN
+    assert intake.view(broken).before is None  # the gate is off for them, rather than refusing every push
 
 
 def test_pushes_claiming_a_sample_or_two_do_not_drag_the_norm_median_down(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 COUNTED = (Reason.CLAIM, Reason.NORM, Reason.LAZY, Reason.REPLAY, Reason.GATE, Reason.SCREENED, Reason.METADATA,
            Reason.SCHEMA, Reason.NON_FINITE, Reason.NOT_SAFETENSORS, Reason.GROUP, Reason.COMMITMENT,
            Reason.MOMENTS)  # refusal reasons that count toward quarantine
+NOT_REFUSALS = (Reason.RATE_LIMITED, Reason.AUDITS_BUSY)  # answers that are neither stored nor counted against a worker
 GROUP_REFUSALS = 2  # refused group means a worker may be a member of before it is quarantined (hivemind engine)
 
 
@@ -71,7 +72,7 @@ class Conduct:
 
     def refused(self, name: str, reason: str, at: float) -> bool:
         """Count a refusal of ``name``'s update (already stored as a rejection); True if it is now quarantined."""
-        if reason in (Reason.RATE_LIMITED, Reason.QUARANTINED):
+        if reason in (*NOT_REFUSALS, Reason.QUARANTINED):
             return False
         self._recent(name).append(time.monotonic())
         if reason not in COUNTED or not self.settings.quarantine_after or self.store.conduct.quarantined(name):

@@ -66,9 +66,11 @@ CREATE TABLE IF NOT EXISTS group_refusals(
 # (table, column, type) added since schema 1, NULL in old rows: the moments published with a version; a worker's
 # registrations so far (each starts its inner state afresh), whether the last one averages in hivemind groups, and
 # the registration an update was sent in, or a group member's mean stood for (coordinator.lineage); the held-out loss
-# rise the gate measured for an update (nats; NULL where the gate did not run), restored into its calibration
+# rise the gate measured for an update (nats; NULL where the gate did not run), restored into its calibration, and
+# whether its norm and rise joined the histories at all (0: it claimed less than half its budget; NULL: an old row)
 ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"), ("workers", "session", "INTEGER"), ("workers", "hivemind", "INTEGER"),
-                 ("updates", "session", "INTEGER"), ("group_members", "session", "INTEGER"), ("updates", "rise", "REAL"))
+                 ("updates", "session", "INTEGER"), ("group_members", "session", "INTEGER"), ("updates", "rise", "REAL"),
+                 ("updates", "counted", "INTEGER"))
 
 
 class Db:

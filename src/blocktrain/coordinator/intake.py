@@ -34,6 +34,7 @@ quarantine) is in :mod:`.aggregate` and :mod:`.conduct`.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -198,8 +199,13 @@ class Intake:
             before = self._before.get(key)
             if before is None:
                 before = self.evaluator.gate_loss(k, base.weights, base.frozen)
+                if not math.isfinite(before):  # the published weights' own fault: no push is to blame for it
+                    log.error("block %d v%d: the held-out loss of the published weights is %s; the loss gate is off "
+                              "for this version", k, base.version, before)
                 self._before = {kk: b for kk, b in self._before.items() if kk[0] != k}  # one version per block
                 self._before[key] = before
+            if not math.isfinite(before):
+                before = None
         return IntakeView(tuple(self._norms[k]), self.tolerance(k), self._sketches[k].rows(), before)
 
     def check(self, upd: ParsedUpdate, base: Published, budget: int, view: IntakeView | None = None,

@@ -59,7 +59,7 @@ class Snapshot(Generic[T]):
             failed = self._failed
             if self._fresh(failed):
                 assert failed is not None
-                raise failed[2]
+                raise failed[2].with_traceback(None)  # shared by the polls of a tick: its traceback does not grow
             gen, now = self.generation.value, self.clock()
             try:
                 document = self.make()

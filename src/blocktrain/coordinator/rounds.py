@@ -28,7 +28,7 @@ from blocktrain.config import RunConfig, Schedule
 from blocktrain.coordinator.aggregate import RoundResult, next_version
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
-from blocktrain.coordinator.intake import FULL_CLAIM, Intake
+from blocktrain.coordinator.intake import Intake
 from blocktrain.coordinator.rows import UpdateRow
 from blocktrain.coordinator.settings import CloseReason, CoordinatorSettings, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
@@ -98,9 +98,8 @@ class Rounds:
             for digest, compression in s.updates.update_blobs(k):
                 tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
                 accepted.append(decode_delta(split_moments(tensors)[0], compression))  # the delta, not its moments
-            least = math.ceil(FULL_CLAIM * self.local_steps(k) * self.cfg.train.batch_size)  # one worker's full claim
-            norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history, least)[::-1]]
-            rises = s.updates.recent_rises(k, self.settings.gate_history, least)[::-1]
+            norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history)[::-1]]
+            rises = s.updates.recent_rises(k, self.settings.gate_history)[::-1]
             self.intake.restore(k, norms, accepted, rises)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)

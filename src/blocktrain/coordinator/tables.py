@@ -290,14 +290,14 @@ class UpdateTable:
                           k, worker, low, high) is not None
 
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
-                      arrived: float, arrival_s: float, rise: float | None = None) -> None:
+                      arrived: float, arrival_s: float, rise: float | None = None, counted: bool = True) -> None:
         """Store an accepted update and count it in its round, for its worker and in total (``rise``: the gate's
-        loss rise for it, nats)."""
+        loss rise for it, nats; ``counted``: whether its norm and rise join the block's histories)."""
         self.db.execute(
             "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, state, "
-            "session, rise) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?),?)",
+            "session, rise, counted) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?),?,?)",
             (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value, worker,
-             rise),
+             rise, int(counted)),
         )
         self.db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
         self.db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (worker,))
@@ -344,28 +344,31 @@ class UpdateTable:
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
 
-    def recent_rises(self, k: int, n: int, min_samples: int = 0) -> list[float]:
+    def recent_rises(self, k: int, n: int) -> list[float]:
         """The gate's loss rises (nats) of the ``n`` latest updates of block k that have one, newest first, chosen as
         :meth:`recent_norms` chooses its updates: what a restart restores to the gate's calibration."""
-        rows = self.db.q("SELECT rise FROM updates u WHERE block=? AND state != ? AND samples >= ? AND rise IS NOT NULL "
-                         "AND NOT EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block AND "
-                         "a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, min_samples, n)
+        rows = self.db.q("SELECT rise FROM updates u WHERE block=? AND state != ? AND counted IS NOT 0 AND rise IS NOT "
+                         "NULL AND NOT EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block "
+                         "AND a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
         return [float(r["rise"]) for r in rows]
 
-    def update_rise(self, k: int, v: int, worker: str) -> float | None:
-        """The gate's loss rise of ``worker``'s update of block k version v (None: none measured)."""
-        row = self.db.q1("SELECT rise FROM updates WHERE block=? AND version=? AND worker=?", k, v, worker)
-        return None if row is None or row["rise"] is None else float(row["rise"])
+    def held_entry(self, k: int, v: int, worker: str) -> tuple[bool, float | None]:
+        """Whether ``worker``'s update of block k version v counts in the histories once its audit passes, and its
+        gate's loss rise (None: none measured)."""
+        row = self.db.q1("SELECT rise, counted FROM updates WHERE block=? AND version=? AND worker=?", k, v, worker)
+        if row is None:
+            return False, None
+        return row["counted"] != 0, None if row["rise"] is None else float(row["rise"])
 
-    def recent_norms(self, k: int, n: int, min_samples: int = 0) -> list[tuple[int, float]]:
+    def recent_norms(self, k: int, n: int) -> list[tuple[int, float]]:
         """(version, norm) of the ``n`` latest updates of block k a restart restores to the intake's history, newest
         first: not a dropped one (its worker was quarantined, a failed audit among the reasons; a coordinator that
         never restarted keeps the norm of one dropped for its worker's refusals), nor one whose audit is pending (held
-        again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one claiming fewer than
-        ``min_samples`` (:func:`blocktrain.coordinator.intake.full_claim`)."""
-        rows = self.db.q("SELECT version, norm FROM updates u WHERE block=? AND state != ? AND samples >= ? AND NOT "
+        again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one that did not count
+        (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`)."""
+        rows = self.db.q("SELECT version, norm FROM updates u WHERE block=? AND state != ? AND counted IS NOT 0 AND NOT "
                          "EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block AND "
-                         "a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, min_samples, n)
+                         "a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
         return [(int(r["version"]), float(r["norm"])) for r in rows]
 
     def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:

@@ -22,7 +22,7 @@ from blocktrain.config import RunConfig
 from blocktrain.coordinator.audit import AuditCase, Auditor
 from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.checkpoints import Checkpoints
-from blocktrain.coordinator.conduct import Conduct
+from blocktrain.coordinator.conduct import NOT_REFUSALS, Conduct
 from blocktrain.coordinator.groups import PeerHub, check_members
 from blocktrain.coordinator.intake import Checked, Intake, Published
 from blocktrain.coordinator.lineage import Derivation, Lineage, StoreRecords, derive, trace
@@ -154,7 +154,8 @@ class Uploads:
             s.blobs.commit_blob(staged)  # durable before the row that names it
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
                 s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
-                                        blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise)
+                                        blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise,
+                                        counted=checked.full)
                 if members:
                     s.updates.record_group(k, v, name, members)
                 if case is not None:
@@ -188,8 +189,10 @@ class Uploads:
                                            max(a.due, now + self.settings.audit_timeout_s),
                                            s.updates.previous_blobs(a.block, a.worker, a.version),
                                            self._trace(a.worker, a.block, a.version)))
-            self.intake.hold((a.worker, a.block, a.version), a.block, upd.norm / self.rounds.lr_scale(a.block, a.version),
-                             s.updates.update_rise(a.block, a.version, a.worker))
+            counted, rise = s.updates.held_entry(a.block, a.version, a.worker)
+            if counted:  # as remember() held it: a push that claimed too little holds nothing
+                self.intake.hold((a.worker, a.block, a.version), a.block,
+                                 upd.norm / self.rounds.lr_scale(a.block, a.version), rise)
             log.info("block %d v%d: the audit of %s awaits its upload again (drawn before the restart)", a.block,
                      a.version, a.worker)
 
@@ -272,7 +275,7 @@ class Uploads:
         """(Locked.) Log and count a refused update of an authenticated worker, durably (a ``rejections`` row)."""
         log.warning("rejected update from %s for block %s: %d %s: %s", name, k, exc.status, exc.reason, exc)
         block = k if k is not None and 0 <= k < self.checkpoints.n_blocks else None  # a bogus index is not stored
-        if exc.reason == Reason.RATE_LIMITED:  # not stored: a flood of refused requests writes nothing
+        if exc.reason in NOT_REFUSALS:  # not stored: a flood of refused requests writes nothing; a busy one is no fault
             return
         with self.store.tx():
             self.store.conduct.record_rejection(name, block, exc.status, exc.reason, str(exc), now)

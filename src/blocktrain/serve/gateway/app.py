@@ -96,10 +96,13 @@ class BoundedStream(StreamingResponse):
         self.timeout_s = timeout_s  # seconds the whole stream may take, its writes included
 
     async def stream_response(self, send: Callable[[Any], Coroutine[Any, Any, None]]) -> None:  # type: ignore[override]
+        limit = asyncio.timeout(self.timeout_s)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with limit:
                 await super().stream_response(send)
         except TimeoutError:
+            if not limit.expired():  # another timeout, raised inside: not this limit's to handle
+                raise
             log.warning("a stream's client read too slowly: closed after %.0f s", self.timeout_s)
             await self.events.aclose()  # type: ignore[attr-defined]
 

@@ -125,9 +125,10 @@ def check_fits(g: Generation, context: int) -> None:
     if g.logprobs is not None and len(g.prompt) + n > MAX_SCORED_BYTES:
         raise RequestError(400, f"prompt: log-probs are served for at most {MAX_SCORED_BYTES} bytes of prompt and "
                                 f"continuation, got {len(g.prompt)} + {n}; split the text", "context_length_exceeded", "prompt")
-    if g.logprobs is not None and g.n * (len(g.prompt) + n) * (g.logprobs + 1) > MAX_LOGPROB_ENTRIES:
+    shown = (len(g.prompt) if g.echo and not g.chat else 0) + n  # the bytes whose log-probs an answer lists
+    if g.logprobs is not None and g.n * shown * (g.logprobs + 1) > MAX_LOGPROB_ENTRIES:
         raise RequestError(400, f"logprobs: an answer holds at most {MAX_LOGPROB_ENTRIES} log-probs (choices x bytes x "
-                                f"(alternatives + 1)), this one would hold {g.n} x {len(g.prompt) + n} x {g.logprobs + 1}; "
+                                f"(alternatives + 1)), this one would hold {g.n} x {shown} x {g.logprobs + 1}; "
                                 "ask for fewer alternatives or choices, or split the text", "invalid_value", "logprobs")
     if MODE_RULES[g.mode].fits(p, n, context):
         return
