@@ -30,6 +30,8 @@ by ``audit_pushed_moment_tolerance``
         --cross --derive-rounds 2 --json benchmarks/results/audit-replay-derived-h100.json
     flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --blocks 0,1,2,3 \
         --cross --json benchmarks/results/audit-replay-pushed-moments.json
+    flock /tmp/blocktrain-cpu.lock python benchmarks/distributed/audit_replay.py --preset cpu-mini --h 100 --blocks 0,2 \
+        --cross --json benchmarks/results/audit-replay-pushed-moments-h100.json
 """
 
 from __future__ import annotations
