@@ -54,6 +54,14 @@ class Peer:
         return r.status_code, str(r.json().get("error", ""))
 
 
+def registered(c: Coordinator, client: TestClient, n: int) -> list[Peer]:
+    """Peers p0..p{n-1}, each registered on block 0."""
+    peers = [Peer(c, client, f"p{i}") for i in range(n)]
+    for p in peers:
+        p.register()
+    return peers
+
+
 def direction(c: Coordinator, seed: int, scale: float = 1e-3) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: scale * torch.randn(s, generator=g) for n, s in c.shapes.items()}
@@ -361,9 +369,7 @@ def test_pushes_claiming_a_sample_or_two_do_not_drag_the_norm_median_down(tmp_pa
                          audit_fraction=0.0)
     try:
         with TestClient(create_app(c, background=False)) as client:
-            peers = [Peer(c, client, f"p{i}") for i in range(5)]
-            for p in peers:
-                p.register()
+            peers = registered(c, client, 5)
             for i, p in enumerate(peers[:3]):
                 assert p.push(direction(c, 10 + i, scale=1e-9), samples=1) == (202, "")
             for i, p in enumerate(peers[3:]):  # honest pushes, full claims: judged against no tiny median
@@ -388,9 +394,7 @@ def test_a_restart_keeps_the_gate_s_calibration_and_every_fingerprint(tmp_path: 
     cheat = direction(c, 99)
     try:
         with TestClient(create_app(c, background=False)) as client:
-            peers = [Peer(c, client, f"p{i}") for i in range(4)]
-            for p in peers:
-                p.register()
+            peers = registered(c, client, 4)
             for i, p in enumerate(peers[:3]):
                 assert p.push(direction(c, 30 + i)) == (202, "")
             assert peers[3].push(cheat) == (202, "")
