@@ -344,16 +344,22 @@ def moment_error(claimed: Mapping[str, torch.Tensor], derived: Mapping[str, torc
             return math.inf
     worst = 0.0
     for leaf in MOMENTS:
-        num = den = 0.0
-        for n in (n for n in names if n.endswith("/" + leaf)):
-            d = derived.get(n)
-            c = claimed.get(n)
-            d64 = d.double() if d is not None else torch.zeros(())
-            c64 = c.double() if c is not None else torch.zeros(())
-            num += float((c64 - d64).square().sum())
-            den += float(d64.square().sum())
+        _, num, den = _sums(claimed, derived, [n for n in names if n.endswith("/" + leaf)])
         worst = max(worst, math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf))
     return worst
+
+
+def _sums(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], names: Sequence[str]) -> tuple[float, float, float]:
+    """<a, b>, ||a - b||^2 and ||b||^2 over the tensors ``names`` (in float64; one a side lacks counts as zeros)."""
+    dot = num = den = 0.0
+    zero = torch.zeros((), dtype=torch.float64)
+    for n in names:
+        x = a[n].double() if n in a else zero
+        y = b[n].double() if n in b else zero
+        dot += float((x * y).sum())
+        num += float((x - y).square().sum())
+        den += float(y.square().sum())
+    return dot, num, den
 
 
 MOMENT_SCALE_BOUND = 2.0  # a pushed moment's scale on its replay must lie in [1/2, 2]: a v pushed x8 or /8 sits at 8
@@ -371,13 +377,7 @@ def pushed_moment_error(pushed: Mapping[str, torch.Tensor], replayed: Mapping[st
         names = sorted({n for n in (*pushed, *replayed) if n.startswith(prefix)})
         if not names:
             continue
-        dot = num = den = 0.0
-        for n in names:
-            p = pushed[n].double() if n in pushed else torch.zeros(())
-            r = replayed[n].double() if n in replayed else torch.zeros(())
-            dot += float((p * r).sum())
-            num += float((p - r).square().sum())
-            den += float(r.square().sum())
+        dot, num, den = _sums(pushed, replayed, names)
         if den == 0:
             if num > 0:
                 return math.inf

@@ -35,6 +35,11 @@ from blocktrain.coordinator.settings import CloseReason, UpdateState, WorkerStat
 from blocktrain.protocol.codes import BlockState, RoundState
 from blocktrain.protocol.delta import Compression
 
+# the updates (of block ?, not in state ?) whose norm and rise a restart restores: not dropped, counted (NULL: a row
+# from before the column), and not awaiting an audit (held again until it is decided)
+_RESTORED = ("block=? AND state != ? AND counted IS NOT 0 AND NOT EXISTS (SELECT 1 FROM audits a WHERE "
+             "a.worker = u.worker AND a.block = u.block AND a.version = u.version)")
+
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
@@ -347,9 +352,8 @@ class UpdateTable:
     def recent_rises(self, k: int, n: int) -> list[float]:
         """The gate's loss rises (nats) of the ``n`` latest updates of block k that have one, newest first, chosen as
         :meth:`recent_norms` chooses its updates: what a restart restores to the gate's calibration."""
-        rows = self.db.q("SELECT rise FROM updates u WHERE block=? AND state != ? AND counted IS NOT 0 AND rise IS NOT "
-                         "NULL AND NOT EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block "
-                         "AND a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
+        rows = self.db.q(f"SELECT rise FROM updates u WHERE {_RESTORED} AND rise IS NOT NULL ORDER BY id DESC LIMIT ?",
+                         k, UpdateState.DROPPED.value, n)
         return [float(r["rise"]) for r in rows]
 
     def held_entry(self, k: int, v: int, worker: str) -> tuple[bool, float | None]:
@@ -366,9 +370,8 @@ class UpdateTable:
         never restarted keeps the norm of one dropped for its worker's refusals), nor one whose audit is pending (held
         again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one that did not count
         (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`)."""
-        rows = self.db.q("SELECT version, norm FROM updates u WHERE block=? AND state != ? AND counted IS NOT 0 AND NOT "
-                         "EXISTS (SELECT 1 FROM audits a WHERE a.worker = u.worker AND a.block = u.block AND "
-                         "a.version = u.version) ORDER BY id DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
+        rows = self.db.q(f"SELECT version, norm FROM updates u WHERE {_RESTORED} ORDER BY id DESC LIMIT ?", k,
+                         UpdateState.DROPPED.value, n)
         return [(int(r["version"]), float(r["norm"])) for r in rows]
 
     def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:

@@ -257,16 +257,19 @@ class Uploads:
         """(Locked.) ``name`` was quarantined: its audits that await an upload are forgotten (its updates are dropped,
         so their rounds close without them; their held norms never count)."""
         for key in self.auditor.forget_worker(name):
-            self.intake.release(key, passed=False)
-            with self.store.tx():
-                self.store.audits.drop_audit(*key)
+            self._unheld(key)
+
+    def _unheld(self, key: tuple[str, int, int]) -> None:
+        """(Locked.) An audit no longer awaited (its worker, block and version): its held norm never counts, and a
+        restart does not wait for it."""
+        self.intake.release(key, passed=False)
+        with self.store.tx():
+            self.store.audits.drop_audit(*key)
 
     def overdue_audits(self, now: float) -> None:
         """(Locked.) Quarantine the workers whose audit uploads are late."""
         for case in self.auditor.overdue(now):
-            self.intake.release((case.worker, case.update.block, case.update.base_version), passed=False)
-            with self.store.tx():
-                self.store.audits.drop_audit(case.worker, case.update.block, case.update.base_version)
+            self._unheld((case.worker, case.update.block, case.update.base_version))
             if not self.conduct.quarantined(case.worker):
                 self.conduct.quarantine(case.worker, f"failed audit: no state uploaded for block {case.update.block} "
                                         f"v{case.update.base_version} within {self.settings.audit_timeout_s:g} s", now)

@@ -92,7 +92,6 @@ class BoundedStream(StreamingResponse):
 
     def __init__(self, content: Events, timeout_s: float) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.events = content
         self.timeout_s = timeout_s  # seconds the whole stream may take, its writes included
 
     async def stream_response(self, send: Callable[[Any], Coroutine[Any, Any, None]]) -> None:  # type: ignore[override]
@@ -104,7 +103,7 @@ class BoundedStream(StreamingResponse):
             if not limit.expired():  # another timeout, raised inside: not this limit's to handle
                 raise
             log.warning("a stream's client read too slowly: closed after %.0f s", self.timeout_s)
-            await self.events.aclose()  # type: ignore[attr-defined]
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # the events themselves (an async iterator)
 
 
 def http(answer: Answer | Events, timeout_s: float) -> Answer | Response:

@@ -18,6 +18,7 @@ import torch
 from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.dataset import eval_windows
 from blocktrain.serve.gateway.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from blocktrain.serve.wire.speculative import windows_in_half_frame
 
 MAX_SCORED_BYTES = 1 << 16  # the most bytes (prompt and continuation) one request may have scored
 MAX_LOGPROB_ENTRIES = 1 << 20  # the most log-probs one request's answer may hold: choices x bytes x (alternatives + 1)
@@ -49,8 +50,7 @@ def text_offsets(data: bytes) -> list[int]:
 def windows_per_call(context: int, d_model: int, max_frame_bytes: int) -> int:
     """Windows one score call may carry: at most WINDOWS_PER_CALL, and no more than fill half a frame with their
     widest fp32 tensor (the logits, context x 256, or the hidden state a stage hands on, context x d_model)."""
-    per_window = 4 * max(context, 1) * max(VOCAB_SIZE, d_model)
-    return max(1, min(WINDOWS_PER_CALL, max_frame_bytes // (2 * per_window)))
+    return max(1, min(WINDOWS_PER_CALL, windows_in_half_frame(context, max(VOCAB_SIZE, d_model), max_frame_bytes)))
 
 
 async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: int = WINDOWS_PER_CALL) -> torch.Tensor:

@@ -155,11 +155,15 @@ class SpecParams:
         return draft, {"draft": torch.tensor([draft], dtype=torch.uint8, device=device), "q": torch.stack(qs)}
 
 
+def windows_in_half_frame(context: int, width: int, max_frame_bytes: int) -> int:
+    """How many windows of ``context`` positions fill at most half a frame with an fp32 tensor ``width`` wide each."""
+    return max_frame_bytes // (2 * 4 * max(context, 1) * max(width, 1))
+
+
 def windowed_draft_cap(context: int, d_model: int, max_frame_bytes: int) -> int:
     """The longest draft of a windowed spec frame: n_draft + 1 windows of ``context`` positions whose fp32 state
     (context x d_model) fills at most half a frame, and at most MAX_WINDOWS windows."""
-    per_window = 4 * max(context, 1) * max(d_model, 1)
-    return max(0, min(MAX_WINDOWS, max_frame_bytes // (2 * per_window)) - 1)
+    return max(0, min(MAX_WINDOWS, windows_in_half_frame(context, d_model, max_frame_bytes)) - 1)
 
 
 def windows(text: list[int], draft: list[int], context: int) -> list[list[int]]:
