@@ -459,6 +459,48 @@ def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: Data
     c.close()
 
 
+def test_an_audit_upload_still_arriving_at_its_deadline_is_not_late(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A worker on a slow link begins its upload before the audit's deadline and its body is still arriving after
+    it: the worker is not quarantined meanwhile (it was) and its upload is replayed and judged. An upload refused
+    before its replay (here its encoding) leaves its audit overdue: that worker is quarantined at the same tick."""
+    import httpx
+
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, **AUDIT_ALL)
+    slow_auth = {"Authorization": f"Bearer {c.add_token('slow')}"}
+    cut_auth = {"Authorization": f"Bearer {c.add_token('cut')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        for headers in (slow_auth, cut_auth):
+            assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w, answer = _push(client, c, slow_auth, state_sha({}))
+        delta = {n: 1e-3 * torch.randn(s, generator=torch.Generator().manual_seed(1)) for n, s in c.block_shapes[0].items()}
+        pushed = client.post("/v1/blocks/0/updates", headers=cut_auth, content=pack_delta(
+            delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha, samples=w.sequences,
+            state_sha=state_sha({})))
+        assert answer["audit"] is True and pushed.status_code == 202 and pushed.json()["audit"] is True, pushed.text
+        junk = client.post(f"/v1/blocks/0/audits/{w.version}", content=b"x" * 10,
+                           headers={**cut_auth, "Content-Encoding": "zstd"})
+        assert junk.status_code == 415, junk.text  # refused before its replay: that upload ended
+    body = pack_state({}, block=0, version=w.version)
+    ticked: list[tuple[bool, bool]] = []
+
+    def slow() -> Any:  # the first half, then the deadline passes and the coordinator ticks, then the rest
+        yield body[: len(body) // 2]
+        deadline = time.monotonic() + 30
+        while not c.auditor.arriving("slow", 0, w.version) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the coordinator has read the upload's head
+        clock.advance(60)
+        c.tick()
+        ticked.append((c.conduct.quarantined("slow"), c.conduct.quarantined("cut")))
+        yield body[len(body) // 2:]
+
+    with ThreadServer(c, background=False) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        r = http.post(f"/v1/blocks/0/audits/{w.version}", content=slow(), headers=slow_auth)
+    assert ticked == [(False, True)] and r.status_code == 200, (ticked, r.text)
+    assert AuditAnswer.model_validate(r.json()).passed is False  # judged: its random delta is no honest one
+    c.close()
+
+
 def test_no_audit_without_a_state_commitment_or_at_fraction_zero(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **{**AUDIT_ALL, "audit_fraction": 0.0})
     headers = {"Authorization": f"Bearer {c.add_token('a')}"}
@@ -656,7 +698,7 @@ def test_a_restart_gives_a_pending_audit_its_whole_timeout_again(tmp_path: Path,
     try:
         c2.tick()
         assert not c2.store.conduct.quarantined("a")
-        c2.expect_audit("a", 0, 0)  # still awaited
+        assert c2.auditor.awaits("a", 0, 0)  # still awaited
         clock.advance(61.0)
         c2.tick()  # a whole timeout after the restart: now it is late
         assert c2.store.conduct.quarantined("a")

@@ -336,8 +336,12 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         name = await auth(request)
         await run_in_threadpool(c.expect_audit, name, k, v)  # a stranger's upload is refused before its body is read
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
-        body = await run_in_threadpool(decode_body, await _read_capped(request, cap, c.settings.upload_timeout_s),
-                                       request.headers.get("content-encoding"), cap)
+        try:  # while its body arrives (at most upload_timeout_s), the audit's deadline does not quarantine its worker
+            body = await run_in_threadpool(decode_body, await _read_capped(request, cap, c.settings.upload_timeout_s),
+                                           request.headers.get("content-encoding"), cap)
+        except BaseException:  # cut, late or malformed (and cancelled: no await here)
+            c.audit_upload_cut(name, k, v)
+            raise
         return await run_in_threadpool(c.audit, name, k, v, body)
 
     return app

@@ -118,6 +118,9 @@ class Auditor:
         self._rng = rng or random.SystemRandom()  # which pushes are drawn: unpredictable (seeded only in process)
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
+        # cases whose upload has begun and whose body is still arriving: not overdue meanwhile (the body has its own
+        # bound, upload_timeout_s); changed without the coordinator's lock by :meth:`cut` (a set's add and discard)
+        self._arriving: set[tuple[str, int, int]] = set()
         self.passed = 0
         self.failed = 0
         self.replay_seconds: list[float] = []  # wall time of every replay
@@ -167,14 +170,27 @@ class Auditor:
         return (worker, k, v) in self._pending
 
     def expect(self, worker: str, k: int, v: int) -> None:
-        """404 unless an audit of ``worker`` for (k, v) awaits its upload (checked before the body is read)."""
+        """404 unless an audit of ``worker`` for (k, v) awaits its upload (checked before the body is read). Its upload
+        has begun: the case is not overdue while the body arrives, which ``upload_timeout_s`` bounds (a slow link
+        past the audit's deadline is no failure), until :meth:`take` or :meth:`cut`."""
         if (worker, k, v) in self._pending:
+            self._arriving.add((worker, k, v))
             return
         raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}", Reason.NO_AUDIT)
+
+    def arriving(self, worker: str, k: int, v: int) -> bool:
+        """Whether the upload of ``worker``'s audit for (k, v) has begun and its body is still arriving."""
+        return (worker, k, v) in self._arriving
+
+    def cut(self, worker: str, k: int, v: int) -> None:
+        """(Unlocked.) The upload begun at :meth:`expect` ended without a replay (cut, late or malformed): the case
+        is overdue again once past its deadline."""
+        self._arriving.discard((worker, k, v))
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
         """The case awaiting ``worker``'s upload, now being replayed: its round stays held until :meth:`decided`."""
         case = self._pending.pop((worker, k, v), None)
+        self._arriving.discard((worker, k, v))
         if case is not None:
             self._judging.add((worker, k, v))
         if case is None:
@@ -187,11 +203,13 @@ class Auditor:
         keys = [key for key in self._pending if key[0] == worker]
         for key in keys:
             del self._pending[key]
+            self._arriving.discard(key)
         return keys
 
     def overdue(self, now: float) -> list[AuditCase]:
-        """Cases whose upload is late (removed): the coordinator quarantines their workers."""
-        late = [key for key, c in self._pending.items() if c.due < now]
+        """Cases whose upload is late (removed): the coordinator quarantines their workers. A case whose upload is
+        arriving is not late yet."""
+        late = [key for key, c in self._pending.items() if c.due < now and key not in self._arriving]
         return [self._pending.pop(key) for key in late]
 
     def holds(self, k: int, v: int) -> bool:

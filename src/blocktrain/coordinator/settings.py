@@ -120,7 +120,7 @@ class CoordinatorSettings:
     audit_pushed_moment_tolerance: float = 0.25  # relative distance of a push's carried moments from its replay's, m
     # and v each (honest across bf16/fp32 and thread counts on cpu-mini, through the factored codec: up to 0.051 at
     # H=25, 0.047 at H=100; benchmarks/results/audit-replay-pushed-moments*.json)
-    audit_timeout_s: float = 120.0  # seconds an audited worker has to upload its state before it is quarantined
+    audit_timeout_s: float = 120.0  # seconds an audited worker has to begin its state upload before it is quarantined
     upload_timeout_s: float = 600.0  # seconds a request body may take to arrive; a stalled or trickling one gets 408
     max_connections: int = 1024  # connections the HTTP server serves at once; more are answered 503
     head_timeout_s: float = 10.0  # seconds a request's head (request line and headers) may take, and the small JSON
