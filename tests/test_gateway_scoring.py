@@ -229,6 +229,12 @@ def test_n_stop_and_tokenizer_endpoints(stack_run: Path) -> None:
         assert [c["index"] for c in three["choices"]] == [0, 1, 2] and three["choices"][0]["text"] == one
         assert len(set(three["blocktrain"]["seeds"])) == 3 and three["blocktrain"]["seeds"][0] == 5
         assert three["usage"]["completion_tokens"] == sum(len(base64.b64decode(c["raw_bytes"])) for c in three["choices"])
+        # each choice's log-probs (its prompt's rows scored once, with the first choice) equal its text scored alone
+        for c in post("/v1/completions", {**base, "n": 3, "logprobs": 1, "echo": True})["choices"]:
+            raw = base64.b64decode(c["raw_bytes"])  # echo: the prompt, then the choice's bytes
+            alone = post("/v1/completions", {"prompt": list(raw), "max_tokens": 0, "echo": True, "logprobs": 1})
+            want = alone["choices"][0]["logprobs"]["token_logprobs"]
+            assert len(want) == len(raw) and c["logprobs"]["token_logprobs"][1:] == pytest.approx(want[1:], abs=1e-5)
         stop = one[3:5]  # a stop sequence the first choice meets
         cut = post("/v1/completions", {**base, "stop": [stop, "\u2603"]})["choices"][0]
         assert cut["text"] == one[: one.index(stop)] and cut["finish_reason"] == "stop"

@@ -89,3 +89,26 @@ def test_the_windows_per_score_call_fit_a_frame_and_leave_every_score_as_it_was(
     for per_call in (1, 3):
         got = asyncio.run(byte_log_probs(data, model.context, score, per_call))
         assert torch.allclose(got[1:], whole[1:], atol=ATOL) and got[0].isnan().all()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_prompt_scored_once_serves_every_choice(kind: str) -> None:
+    """The gateway scores a request's prompt with its first choice and reuses those rows for the others (it scored
+    the prompt once per choice, n up to 8): a second continuation's log-probs equal those it scores whole, and it
+    sends only the windows that reach its own bytes."""
+    model, ctx = MODELS[kind], CFG.model.context
+    prompt, first, second = bytes(TEXT[: 6 * ctx + 5]), bytes(TEXT[-ctx:]), bytes(TEXT[-2 * ctx : -ctx - 3])
+    sent: list[int] = []
+
+    async def score(x: torch.Tensor) -> torch.Tensor:
+        sent.append(len(x))
+        return model.log_probs(x.long())[0]
+
+    known = asyncio.run(byte_log_probs(prompt + first, ctx, score))[: len(prompt)]
+    sent.clear()
+    whole = asyncio.run(byte_log_probs(prompt + second, ctx, score, 1))
+    alone = len(sent)
+    sent.clear()
+    reused = asyncio.run(byte_log_probs(prompt + second, ctx, score, 1, known))
+    assert reused[0].isnan().all() and torch.allclose(reused[1:], whole[1:], atol=ATOL)
+    assert sum(sent) <= 3 < alone  # the windows of the last rows only (the prompt holds 12 of them)

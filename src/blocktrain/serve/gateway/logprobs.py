@@ -53,20 +53,26 @@ def windows_per_call(context: int, d_model: int, max_frame_bytes: int) -> int:
     return max(1, min(WINDOWS_PER_CALL, windows_in_half_frame(context, max(VOCAB_SIZE, d_model), max_frame_bytes)))
 
 
-async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: int = WINDOWS_PER_CALL) -> torch.Tensor:
+async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: int = WINDOWS_PER_CALL,
+                         known: torch.Tensor | None = None) -> torch.Tensor:
     """Log-probs (n, 256) of the byte at each position of ``data`` given the bytes before it; row 0 is NaN.
 
     Windows of ``context`` bytes as :func:`eval_windows` lays them out (row i is predicted in the one window
     that scores target i), each sent at the full width (a short last window padded after its end), so a row never
     depends on the bytes after it: appending bytes to ``data`` leaves every earlier row as it was. ``per_call``:
-    windows per score call (:func:`windows_per_call`).
+    windows per score call (:func:`windows_per_call`). ``known``: the first rows (m, 256) of ``data``, scored before
+    (a request's prompt, for each of its choices); a window whose rows all lie among them is not sent again.
     """
     n = len(data)
     out = torch.full((n, VOCAB_SIZE), float("nan"))
+    m = 0
+    if known is not None:
+        m = min(len(known), n)
+        out[:m] = known[:m]
     if n < 2:
         return out
     arr = torch.tensor(list(data), dtype=torch.uint8)
-    windows = eval_windows(n, context)
+    windows = [w for w in eval_windows(n, context) if w[0] + w[1] >= m]  # its rows: start + first + 1 .. start + length
     for i in range(0, len(windows), per_call):
         batch = windows[i : i + per_call]
         x = torch.zeros(len(batch), context, dtype=torch.uint8)  # (w, context): each window's inputs, zero-padded
