@@ -414,3 +414,44 @@ def test_a_restart_keeps_the_gate_s_calibration_and_every_fingerprint(tmp_path: 
             assert colluder.push({n: 1.0001 * t for n, t in cheat.items()}) == (422, "replay")
     finally:
         again.close()
+
+
+def test_a_restart_reads_the_stored_sketches_not_the_deltas(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart decoded every delta the run ever accepted, all held in memory at once, to sketch them again: a long
+    run's restart grew with it and could run out of memory. Each accepted update's sketch is now stored with it and
+    read back (32 KiB each); a row from before (no sketch) or of another --sketch-dim has its delta sketched again,
+    one at a time. Either way the replay check knows every delta again."""
+    from blocktrain.coordinator import rounds
+
+    settings: dict[str, Any] = dict(round_seconds=3600, min_updates=8, audit_fraction=0.0, gate=False)
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **settings)
+    deltas = [direction(c, 40 + i) for i in range(3)]
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            for p, d in zip(registered(c, client, 3), deltas, strict=True):
+                assert p.push(d) == (202, "")
+        live = c.intake._sketches[0].rows()
+        assert live is not None and live.shape[0] == 3
+        stored = [str(r["sketch"]) for r in c.store.q("SELECT sketch FROM updates ORDER BY id")]
+    finally:
+        c.close()
+
+    def restart(**knobs: Any) -> torch.Tensor:
+        again = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **{**settings, **knobs})
+        try:
+            got = again.intake._sketches[0].rows()
+            assert got is not None
+            return got.clone()
+        finally:
+            again.close()
+
+    with monkeypatch.context() as m:
+        m.setattr(rounds, "decode_delta", lambda *a: pytest.fail("a restart decoded a delta it had the sketch of"))
+        assert torch.equal(restart(), live)
+    c2 = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **settings)
+    with c2.lock, c2.store.tx():
+        c2.store.db.execute("UPDATE updates SET sketch=NULL WHERE sketch=?", (stored[1],))  # a row from before
+    c2.close()
+    torch.testing.assert_close(restart(), live, atol=1e-6, rtol=0)  # the old row's delta is sketched again
+    assert restart(sketch_dim=1024).shape == (3, 1024)  # another dimension: every delta sketched again

@@ -67,10 +67,11 @@ CREATE TABLE IF NOT EXISTS group_refusals(
 # registrations so far (each starts its inner state afresh), whether the last one averages in hivemind groups, and
 # the registration an update was sent in, or a group member's mean stood for (coordinator.lineage); the held-out loss
 # rise the gate measured for an update (nats; NULL where the gate did not run), restored into its calibration, and
-# whether its norm and rise joined the histories at all (0: it claimed less than half its budget; NULL: an old row)
+# whether its norm and rise joined the histories at all (0: it claimed less than half its budget; NULL: an old row);
+# the blob of an update's count sketch, which a restart reads instead of decoding the delta (NULL: an old row)
 ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"), ("workers", "session", "INTEGER"), ("workers", "hivemind", "INTEGER"),
                  ("updates", "session", "INTEGER"), ("group_members", "session", "INTEGER"), ("updates", "rise", "REAL"),
-                 ("updates", "counted", "INTEGER"))
+                 ("updates", "counted", "INTEGER"), ("updates", "sketch", "TEXT"))
 
 
 class Db:

@@ -37,16 +37,17 @@ import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from blocktrain.checkpoint.safetensors_io import pack, unpack
 from blocktrain.coordinator.evaluation import Evaluator, FrozenWeights
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.validate import ParsedUpdate
 from blocktrain.device import CPU
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.codes import Reason
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,21 @@ class CountSketch:
         for n, idx in self.index.items():
             s.index_add_(0, idx, (delta[n].reshape(-1).float() * self.sign[n]).double())  # (...) -> (numel,)
         return (s / s.norm().clamp_min(1e-30)).float()
+
+
+def pack_sketch(k: int, sketch: torch.Tensor) -> bytes:
+    """An accepted update's count sketch (sketch_dim,) as the blob a restart reads back instead of its delta."""
+    return pack({"sketch": sketch}, {"kind": "sketch", "block_index": str(k)})
+
+
+def unpack_sketch(payload: bytes, k: int, dim: int, source: str) -> torch.Tensor | None:
+    """The sketch :func:`pack_sketch` stored for block k; None where it is of another dimension (the run's
+    --sketch-dim changed since: the delta is sketched again). CheckpointError for a blob that is no sketch of block k."""
+    tensors, meta = unpack(payload, source=source)
+    sketch = tensors.get("sketch")
+    if meta.get("kind") != "sketch" or meta.get("block_index") != str(k) or sketch is None or sketch.dim() != 1:
+        raise CheckpointError(f"{source} is not a count sketch of block {k}; the coordinator state is damaged")
+    return sketch.float() if sketch.numel() == dim else None
 
 
 @dataclass(frozen=True)
@@ -305,14 +321,15 @@ class Intake:
         self.checked += 1
         self.seconds += seconds
 
-    def restore(self, k: int, norms: Sequence[float], deltas: Sequence[dict[str, torch.Tensor]],
+    def restore(self, k: int, norms: Sequence[float], sketches: Iterable[torch.Tensor],
                 rises: Sequence[float] = ()) -> None:
         """Block k's history again after a restart: its recent accepted norms per unit of lr and loss rises (oldest
-        first) and every accepted delta."""
+        first) and the sketch of every accepted delta (taken one at a time: a long run's deltas do not fit in memory
+        together)."""
         self._norms[k].extend(norms)
         self._rises[k].extend(rises)
-        for d in deltas:
-            self.remember_sketch(k, self.sketch(k, d))
+        for sketch in sketches:
+            self.remember_sketch(k, sketch)
 
     def summary(self) -> dict[str, object]:
         """What the intake costs and how tight its gate is, for ``/v1/status``."""

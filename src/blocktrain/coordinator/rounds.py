@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+
+import torch
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import RunConfig, Schedule
 from blocktrain.coordinator.aggregate import RoundResult, next_version
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
-from blocktrain.coordinator.intake import Intake
+from blocktrain.coordinator.intake import Intake, unpack_sketch
 from blocktrain.coordinator.rows import UpdateRow
 from blocktrain.coordinator.settings import CloseReason, CoordinatorSettings, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
@@ -94,17 +96,26 @@ class Rounds:
                 ck.save_checkpoint(k)
                 continue
             v = ck.resume(k, row)
-            accepted = []  # the replay check knows every accepted delta again
-            for digest, compression in s.updates.update_blobs(k):
-                tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
-                accepted.append(decode_delta(split_moments(tensors)[0], compression))  # the delta, not its moments
             norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history)[::-1]]
             rises = s.updates.recent_rises(k, self.settings.gate_history)[::-1]
-            self.intake.restore(k, norms, accepted, rises)
+            self.intake.restore(k, norms, self._sketches(k), rises)  # the replay check knows every accepted delta again
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
                 ck.warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
+
+    def _sketches(self, k: int) -> Iterator[torch.Tensor]:
+        """The count sketch of every update of block k ever accepted, oldest first: its stored sketch, else (a row from
+        before sketches were stored, or of another --sketch-dim) its delta decoded and sketched, one at a time."""
+        s = self.store
+        for digest, compression, sketched in s.updates.update_blobs(k):
+            if sketched is not None:
+                sketch = unpack_sketch(s.blobs.get_blob(sketched), k, self.settings.sketch_dim, f"sketch {sketched[:12]}")
+                if sketch is not None:
+                    yield sketch
+                    continue
+            tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
+            yield self.intake.sketch(k, decode_delta(split_moments(tensors)[0], compression))  # the delta, not moments
 
     def _resumed_state(self, k: int, v: int, now: float) -> BlockState:
         """The stored state of block k; derived from its rounds for a store written before states existed."""

@@ -295,14 +295,16 @@ class UpdateTable:
                           k, worker, low, high) is not None
 
     def record_update(self, k: int, v: int, worker: str, *, samples: int, norm: float, compression: str, blob: str,
-                      arrived: float, arrival_s: float, rise: float | None = None, counted: bool = True) -> None:
+                      arrived: float, arrival_s: float, rise: float | None = None, counted: bool = True,
+                      sketch: str | None = None) -> None:
         """Store an accepted update and count it in its round, for its worker and in total (``rise``: the gate's
-        loss rise for it, nats; ``counted``: whether its norm and rise join the block's histories)."""
+        loss rise for it, nats; ``counted``: whether its norm and rise join the block's histories; ``sketch``: the
+        blob of its count sketch)."""
         self.db.execute(
             "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, state, "
-            "session, rise, counted) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?),?,?)",
+            "session, rise, counted, sketch) VALUES(?,?,?,?,?,?,?,?,?,?,(SELECT session FROM workers WHERE name=?),?,?,?)",
             (k, v, worker, samples, norm, compression, blob, arrived, arrival_s, UpdateState.ACCEPTED.value, worker,
-             rise, int(counted)),
+             rise, int(counted), sketch),
         )
         self.db.execute("UPDATE rounds SET n_updates=n_updates+1 WHERE block=? AND version=?", (k, v))
         self.db.execute("UPDATE workers SET accepted=accepted+1 WHERE name=?", (worker,))
@@ -340,11 +342,13 @@ class UpdateTable:
                          UpdateState.ACCEPTED.value)
         return [UpdateRow.of(r) for r in rows]
 
-    def update_blobs(self, k: int) -> list[tuple[str, Compression]]:
-        """(blob digest, compression) of every update of block k ever accepted, oldest first, whatever became of it
-        (applied, screened or dropped): a copy of any of them is a replay, as it was before a restart."""
-        rows = self.db.q("SELECT blob, compression FROM updates WHERE block=? ORDER BY id", k)
-        return [(str(r["blob"]), Compression(r["compression"])) for r in rows]
+    def update_blobs(self, k: int) -> list[tuple[str, Compression, str | None]]:
+        """(blob digest, compression, sketch blob digest or None) of every update of block k ever accepted, oldest
+        first, whatever became of it (applied, screened or dropped): a copy of any of them is a replay, as it was
+        before a restart."""
+        rows = self.db.q("SELECT blob, compression, sketch FROM updates WHERE block=? ORDER BY id", k)
+        return [(str(r["blob"]), Compression(r["compression"]), None if r["sketch"] is None else str(r["sketch"]))
+                for r in rows]
 
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])

@@ -24,7 +24,7 @@ from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import NOT_REFUSALS, Conduct
 from blocktrain.coordinator.groups import PeerHub, check_members
-from blocktrain.coordinator.intake import Checked, Intake, Published
+from blocktrain.coordinator.intake import Checked, Intake, Published, pack_sketch
 from blocktrain.coordinator.lineage import Derivation, Lineage, StoreRecords, derive, trace
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds
@@ -152,10 +152,11 @@ class Uploads:
                                  prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
         try:
             s.blobs.commit_blob(staged)  # durable before the row that names it
+            sketch = s.blobs.put_blob(pack_sketch(k, checked.sketch))  # what a restart reads instead of the delta
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
                 s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
                                         blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise,
-                                        counted=checked.full)
+                                        counted=checked.full, sketch=sketch)
                 if members:
                     s.updates.record_group(k, v, name, members)
                 if case is not None:
