@@ -22,6 +22,7 @@ import random
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -85,13 +86,16 @@ class CoordinatorClient:
         self.http.close()
 
     def request(self, method: str, path: str, *, content: bytes | None = None, json: Any = None,
-                retry: bool = True, encoding: str | None = None, read_s: float | None = None) -> httpx.Response:
+                retry: bool = True, encoding: str | None = None, read_s: float | None = None,
+                timed: Callable[[float], None] | None = None) -> httpx.Response:
         """``read_s``: seconds to wait for the answer, where the coordinator works before answering (default the
-        client's ``timeout_s``)."""
+        client's ``timeout_s``); ``timed``: given the seconds of the sending that was answered (not the retries).
+        A coordinator that answers 503 ``audits_busy`` until ``give_up_s`` raises that, not ``unreachable``."""
         timeout = httpx.Timeout(self.timeout_s, connect=10.0, read=max(read_s or 0.0, self.timeout_s))
         start = time.monotonic()
         attempt = 0
         while True:
+            sent_at, busy = time.monotonic(), None
             try:
                 headers = {"Content-Type": "application/octet-stream"} if content is not None else {}
                 if encoding is not None:
@@ -101,6 +105,8 @@ class CoordinatorClient:
                 resp = self._watched(request) if read_s is not None and read_s > self.timeout_s else self._capped(request)
                 if resp.status_code < 500:
                     if resp.status_code < 400:
+                        if timed is not None:
+                            timed(time.monotonic() - sent_at)
                         return resp
                     if not (attempt > 0 and resp.status_code in UNSETTLED):
                         raise _protocol_error(resp)
@@ -108,10 +114,14 @@ class CoordinatorClient:
                 # the first may have been taken, so the same request goes again until an answer settles it (a
                 # byte-identical resend of a push is answered as its first sending was)
                 problem = f"{resp.status_code} {resp.text[:200]}"
+                busy = _protocol_error(resp) if resp.status_code == 503 else None
+                busy = busy if busy is not None and busy.reason == Reason.AUDITS_BUSY else None
             except httpx.TransportError as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             elapsed = time.monotonic() - start
             if not retry or elapsed > self.give_up_s or self.stop.is_set() or self._left_long_ago():
+                if busy is not None:  # it is there, with no room to audit the push: not unreachable
+                    raise busy
                 raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}); check it is running",
                                     Reason.UNREACHABLE)
             delay = min(self.max_delay, self.base_delay * 2**attempt) * (0.5 + random.random() / 2)
@@ -210,12 +220,14 @@ class CoordinatorClient:
         """The finished block k's weights (safetensors), the frozen input of later stack blocks."""
         return self.request("GET", f"/v1/blocks/{k}/frozen").content
 
-    def push(self, k: int, payload: bytes) -> PushAnswer:
-        """Send an update (safetensors bytes), deflated on the wire unless ``deflate_pushes`` is off."""
-        if self.deflate_pushes:
-            resp = self.request("POST", f"/v1/blocks/{k}/updates", content=deflate(payload), encoding=DEFLATE)
-        else:
-            resp = self.request("POST", f"/v1/blocks/{k}/updates", content=payload)
+    def push(self, k: int, payload: bytes, timed: Callable[[float], None] | None = None) -> PushAnswer:
+        """Send an update (safetensors bytes), deflated on the wire unless ``deflate_pushes`` is off; ``timed`` is
+        given the seconds its deflating and answered sending took."""
+        t0 = time.monotonic()
+        body, encoding = (deflate(payload), DEFLATE) if self.deflate_pushes else (payload, None)
+        packed = time.monotonic() - t0
+        resp = self.request("POST", f"/v1/blocks/{k}/updates", content=body, encoding=encoding,
+                            timed=None if timed is None else lambda s: timed(packed + s))
         return parse(PushAnswer, resp.json(), "the coordinator's push answer", status=502)
 
     def audit(self, k: int, v: int, payload: bytes) -> AuditAnswer:

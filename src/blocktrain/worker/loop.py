@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 
 import torch
@@ -72,7 +73,9 @@ class Worker:
                                         leaving=self.stop, verify=opts.verify_tls)
         self.summary = WorkerSummary()
         self._last_beat = 0.0
-        self._slowest_push: float = 0.0  # seconds, for the margin kept before a deadline
+        self._push_s = Recent()  # seconds a push took, packed and sent (its last sending), for the deadline's margin
+        self._step_s = Recent()  # seconds a local step took, for the same margin
+        self._work_at = time.monotonic()  # time.monotonic() of the last work answer (its deadline_in counts from it)
         self.steps_done = 0  # local steps of the current round
         self.engine: Engine = (HivemindEngine(opts.group_size, opts.matchmaking_s, opts.p2p_host, self.abandon)
                                if opts.averaging is Averaging.HIVEMIND else DirectEngine())  # how the delta is averaged
@@ -162,8 +165,9 @@ class Worker:
         self.round_state = self.inner.committed(self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
         # its update counts, weighted by the samples behind it, instead of arriving stale.
-        deadline_in = work.deadline_in
-        self._deadline_at = time.monotonic() + deadline_in if deadline_in > 0 else float("inf")
+        # The deadline counts from the work answer, not from here: the frozen blocks and moments fetched since took
+        # some of it. An open round past its deadline (held for its audits) gets one step, not an unbounded round.
+        self._deadline_at = self._work_at + work.deadline_in
         stop_at = self._deadline_at - self._push_margin() - self.engine.reserve_s()
         self.steps_done = 0
         round_hook = _RoundHook(self, stop_at, H)
@@ -205,8 +209,9 @@ class Worker:
         return parse_moments(tensors, self.shapes, self.inner_start.shares, self.moment_codec)
 
     def _push_margin(self) -> float:
-        """Seconds kept free before a deadline for the push: twice the slowest push so far, at least half a second."""
-        return max(0.5, 2.0 * self._slowest_push)
+        """Seconds kept free before a deadline: a step that starts just before the stop still runs (the slowest step
+        of this round), then the push is packed and sent (twice their recent time; at least half a second)."""
+        return max(0.5, 2.0 * self._push_s.recent()) + self._step_s.recent()
 
     def _frozen(self, work: WorkAnswer) -> list[torch.nn.Module]:
         """The verified frozen copies of the blocks this block reads (fetched once per published version)."""
@@ -229,6 +234,7 @@ class Worker:
 
     def _push(self) -> None:
         assert self.base is not None
+        t_pack = time.monotonic()
         delta, samples = self._delta()
         # on a sharing round its moments travel with the delta
         delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
@@ -248,10 +254,10 @@ class Worker:
                              group=group,
                              state_sha=None if group else state_sha(self.round_state), precision=self.precision.value,
                              moments=moments, moment_codec=self.moment_codec if moments is not None else None)
-        t0 = time.monotonic()
+        packing = time.monotonic() - t_pack
         try:
             try:
-                answer = self.client.push(self.k, payload)
+                answer = self.client.push(self.k, payload, timed=lambda s: self._push_s.add(packing + s))
             except ProtocolError as exc:
                 # a refused push sent nothing: its quantisation error is not carried, nor do its moments go on (an
                 # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
@@ -261,7 +267,6 @@ class Worker:
                 self._moments_version = self._undo[1]
                 self._refused_push(exc)
                 return
-            self._slowest_push = max(self._slowest_push, time.monotonic() - t0)
             self._kept_version = self.base_version
             self.summary.rounds_pushed += 1
             self.summary.groups_uploaded += group is not None
@@ -279,6 +284,11 @@ class Worker:
             self.summary.rounds_stale += 1
             log.warning("block %d: delta against v%d refused (%s); pulling the new version", self.k, self.base_version,
                         exc)
+            return
+        if exc.reason == Reason.AUDITS_BUSY:  # its audit could not be drawn for want of room: sent again next round
+            self.summary.rounds_stale += 1
+            log.warning("block %d: the coordinator has no room to audit the push against v%d (%s); training the next "
+                        "round", self.k, self.base_version, exc)
             return
         if exc.status >= 500:
             raise exc
@@ -328,6 +338,7 @@ class Worker:
                     self._renew_p2p()
                 try:
                     work = self.client.work()
+                    self._work_at = time.monotonic()  # when deadline_in was true: downloads after it count against it
                 except ProtocolError as exc:
                     if exc.reason == Reason.NOT_REGISTERED:
                         self._register()
@@ -388,6 +399,20 @@ class Worker:
         self.client.close()
 
 
+class Recent:
+    """The largest of the last ``n`` durations (seconds; 0 before any): one slow outlier (a first step that compiles, a
+    push retried through an outage) stops counting after ``n`` more, where a running maximum kept it for good."""
+
+    def __init__(self, n: int = 8) -> None:
+        self._last: deque[float] = deque(maxlen=n)
+
+    def add(self, seconds: float) -> None:
+        self._last.append(seconds)
+
+    def recent(self) -> float:
+        return max(self._last, default=0.0)
+
+
 class _RoundHook(Hook):
     """The worker's side of a round in the loop: leaves on abandon, stops near the deadline, heartbeats, counts steps."""
 
@@ -396,6 +421,7 @@ class _RoundHook(Hook):
         self.stop_at = stop_at  # time.monotonic() after which no new step starts
         self.H = H
         self.abandoned = False
+        self._began = 0.0  # time.monotonic() as the current step began
 
     def before(self, step: int) -> bool:
         w = self.worker
@@ -407,8 +433,10 @@ class _RoundHook(Hook):
             log.info("block %d v%d: the deadline is near; pushing after %d of %d steps", w.k, w.base_version, step, self.H)
             return False
         w._beat()
+        self._began = time.monotonic()
         return True
 
     def after(self, rec: StepRecord) -> None:
+        self.worker._step_s.add(time.monotonic() - self._began)
         self.worker.summary.local_steps += 1
         self.worker.steps_done = rec.done

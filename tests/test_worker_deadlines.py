@@ -1,0 +1,107 @@
+"""The worker's side of a round's deadline: it counts from the work answer, keeps room for a step and a push, and a
+coordinator with no room to audit a push does not end an honest worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from blocktrain.data.dataset import DataDir
+from blocktrain.errors import ProtocolError
+from blocktrain.protocol.codes import Reason
+from blocktrain.protocol.messages import WorkAnswer
+from blocktrain.worker.client import CoordinatorClient
+from blocktrain.worker.loop import Recent, Worker
+from blocktrain.worker.options import WorkerOptions
+from tests.distributed_utils import ThreadServer, corpus, make_coordinator  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+BUSY = {"detail": "64 audits await their uploads", "error": "audits_busy"}
+
+
+def test_the_recent_window_forgets_an_outlier() -> None:
+    """A running maximum kept one slow push (a minutes-long outage) as the margin for good, so every later round was
+    cut to one step; the window forgets it after ``n`` more."""
+    r = Recent(n=3)
+    assert r.recent() == 0.0
+    for s in (120.0, 1.0, 2.0):
+        r.add(s)
+    assert r.recent() == 120.0
+    r.add(1.5)
+    assert r.recent() == 2.0
+
+
+def test_a_push_refused_audits_busy_until_give_up_raises_that_and_the_worker_goes_on(corpus: DataDir) -> None:  # noqa: F811
+    """503 ``audits_busy`` (a push on probation while the coordinator's audits are all taken) is sent again; past
+    ``give_up_s`` it raised "unreachable" and the honest worker left. It raises ``audits_busy`` now, which the worker
+    takes as a round to train again."""
+    calls: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        return httpx.Response(503, json=BUSY)
+
+    client = CoordinatorClient("http://coordinator", "t", base_delay=0.01, max_delay=0.02, give_up_s=0.2,
+                               deflate_pushes=False)
+    client.http = httpx.Client(base_url="http://coordinator", transport=httpx.MockTransport(answer))
+    with pytest.raises(ProtocolError) as exc:
+        client.push(0, b"push")
+    assert exc.value.status == 503 and exc.value.reason == Reason.AUDITS_BUSY and len(calls) > 2
+    client.close()
+
+    w = Worker(WorkerOptions(url="http://coordinator", token="t", block=0, progress=False), corpus)
+    w.k, w.base_version = 0, 3
+    w._refused_push(exc.value)  # no raise: the next work answer trains the round again
+    assert w.summary.rounds_stale == 1 and w._refused == (-1, -1)
+    with pytest.raises(ProtocolError):
+        w._refused_push(ProtocolError(503, "coordinator unreachable", Reason.UNREACHABLE))
+
+
+def test_a_push_is_timed_by_its_answered_sending() -> None:
+    """The margin kept before a deadline is the push's time: the sending that was answered, not its retries."""
+    answers = iter(["slow", "ok"])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if next(answers) == "slow":
+            time.sleep(0.5)
+            return httpx.Response(503, json={"detail": "restarting", "error": "unavailable"})
+        return httpx.Response(202, json={"accepted": True, "block": 0, "version": 0})
+
+    client = CoordinatorClient("http://coordinator", "t", base_delay=0.01, max_delay=0.02, deflate_pushes=False)
+    client.http = httpx.Client(base_url="http://coordinator", transport=httpx.MockTransport(answer))
+    timed: list[float] = []
+    assert client.push(0, b"push", timed=timed.append).accepted
+    assert len(timed) == 1 and timed[0] < 0.4
+    client.close()
+
+
+class SlowDownloads(Worker):
+    """Its frozen inputs and moments take 2 s to fetch after each work answer (a stack's later block, a slow link)."""
+
+    def _frozen(self, work: WorkAnswer) -> list:  # type: ignore[type-arg]
+        time.sleep(2.0)
+        return super()._frozen(work)
+
+
+def test_the_downloads_after_a_work_answer_count_against_its_deadline(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The deadline a work answer gives counts from that answer: the worker set it after its downloads, so a worker
+    whose downloads took 2 s trained 2 s past the round's deadline and its push came late (409 stale where the round
+    closed meanwhile)."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=5.0, eval_every=0, local_steps=100_000)
+    token = c.add_token("slow")
+    with ThreadServer(c) as srv:
+        w = SlowDownloads(WorkerOptions(url=srv.url, token=token, block=0, progress=False,
+                                        frozen_cache=tmp_path / "frozen"), corpus)
+        t = threading.Thread(target=w.run, daemon=True)
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert w.summary.rounds_cut == 1 and w.summary.rounds_pushed == 1
+    rows = c.store.q("SELECT arrival_s FROM updates WHERE block=0")
+    assert len(rows) == 1 and rows[0]["arrival_s"] < 5.0, rows  # before the deadline, downloads and all
+    c.close()
