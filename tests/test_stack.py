@@ -157,6 +157,38 @@ def test_concurrent_schedule_resumes_exactly(tmp_path: Path, data_dir: Path, mon
         assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.parametrize("killed", ["staging", "committing"])
+def test_a_kill_inside_a_concurrent_checkpoint_resumes_exactly(tmp_path: Path, data_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch, killed: str) -> None:
+    """The blocks were saved one after another: a kill between two left them at different steps, and the run could
+    only be thrown away. Every block is now staged, the step recorded, then each put in place: a kill while staging
+    resumes from the last checkpoint, one while committing puts the rest in place."""
+    from blocktrain.train.checkpointing import Checkpointer
+
+    cfg = stack_cfg(steps=12, eval_bytes=0, round_steps=2, refresh_rounds=2, schedule=Schedule.CONCURRENT)
+    dd = open_data_dir(data_dir)
+    train_concurrent(cfg, dd, tmp_path / "full", progress=False)
+    calls = {"n": 0}
+    real = getattr(Checkpointer, "stage" if killed == "staging" else "commit")
+
+    def dying(self: Checkpointer, *args: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == cfg.model.n_blocks + 2:  # the third block of the second checkpoint (step 8)
+            raise SystemExit("killed")
+        real(self, *args)
+
+    monkeypatch.setattr(Checkpointer, "stage" if killed == "staging" else "commit", dying)
+    with pytest.raises(SystemExit):
+        train_concurrent(cfg, dd, tmp_path / "half", progress=False)
+    monkeypatch.undo()
+    train_concurrent(cfg, dd, tmp_path / "half", progress=False)
+    for k in range(cfg.model.n_blocks):
+        a = load_block(RunDir(tmp_path / "full"), cfg, k).state_dict()
+        b = load_block(RunDir(tmp_path / "half"), cfg, k).state_dict()
+        assert all(torch.equal(a[n], b[n]) for n in a), k
+    assert not list((tmp_path / "half" / "blocks").glob("*.next"))
+
+
 def test_concurrent_refuses_blocks_at_different_steps(tmp_path: Path, data_dir: Path) -> None:
     cfg = stack_cfg(steps=4, eval_bytes=0)
     dd = open_data_dir(data_dir)

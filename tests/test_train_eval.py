@@ -81,6 +81,40 @@ def test_resume_after_kill_is_exact(
         assert torch.allclose(a[k], b[k], atol=1e-6), k
 
 
+@pytest.mark.parametrize("killed", ["before_weights", "after_weights"])
+def test_a_kill_inside_a_checkpoint_leaves_a_pair_that_resumes_exactly(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, killed: str
+) -> None:
+    """A save wrote the optimiser state, then the weights: a kill between the two left them at different steps, and
+    the run could only be deleted. The new state now waits beside the old one until the weights are written."""
+    from blocktrain.checkpoint.safetensors_io import load_file
+    from blocktrain.train import checkpointing
+
+    dd = open_data_dir(data_dir)
+    cfg = tiny().with_train(steps=12, checkpoint_every=4, eval_bytes=0)
+    train_block(cfg, dd, tmp_path / "straight", 1, progress=False)
+    real = checkpointing.save_model
+
+    def dying(path: Path, *args: object, step: int, **kwargs: object) -> str:
+        if step == 8 and killed == "before_weights":
+            raise SystemExit("killed")
+        out = real(path, *args, step=step, **kwargs)  # type: ignore[arg-type, misc]
+        if step == 8:
+            raise SystemExit("killed")
+        return out
+
+    monkeypatch.setattr(checkpointing, "save_model", dying)
+    with pytest.raises(SystemExit):
+        train_block(cfg, dd, tmp_path / "resumed", 1, progress=False)
+    monkeypatch.setattr(checkpointing, "save_model", real)
+    train_block(cfg, dd, tmp_path / "resumed", 1, progress=False)
+    a, _ = load_file(RunDir(tmp_path / "straight").block_path(1))
+    b, mb = load_file(RunDir(tmp_path / "resumed").block_path(1))
+    assert mb["step"] == "12" and not list((tmp_path / "resumed" / "blocks").glob("*.next"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
 def test_single_block_run_builds_only_its_block(tmp_path: Path, data_dir: Path) -> None:
     cfg = tiny().with_train(steps=2, eval_bytes=0)
     s = train_block(cfg, open_data_dir(data_dir), tmp_path / "r", 3, progress=False)
@@ -233,3 +267,17 @@ def test_the_bench_bar_moves_while_an_arm_trains(tmp_path: Path) -> None:
         assert bar.n == pytest.approx(200.0)
     follow.close()
     assert bar.n == pytest.approx(300.0)
+
+
+def test_a_metrics_line_cut_by_a_kill_neither_breaks_the_file_nor_the_next_record(tmp_path: Path) -> None:
+    """A kill inside a metrics write left a partial last line: the resumed run appended after it and every read of
+    the file raised on it (the run's summary failed once training had finished)."""
+    from blocktrain.train.metrics import JsonlWriter, read_jsonl
+
+    path = tmp_path / "m.jsonl"
+    JsonlWriter(path).write(step=1, loss=2.0)
+    with path.open("a") as f:
+        f.write('{"step": 2, "lo')  # killed mid-write
+    JsonlWriter(path).write(step=3, loss=1.0)  # the resumed run
+    assert [r["step"] for r in read_jsonl(path)] == [1, 3]
+    assert path.read_text().splitlines()[-1].startswith('{"loss": 1.0')

@@ -2,7 +2,10 @@
 
 The one place resume is written: :func:`blocktrain.train.run.run_training` keeps
 one :class:`Checkpointer`, the concurrent stack schedule one per block. Both files
-record the step; a resume refuses a pair whose steps disagree.
+record the step. A save writes the new optimiser state beside the old one first
+(``<state>.next``), then the weights, then renames the state into place, so a kill
+between any two writes leaves a pair a resume can load; a pair whose steps
+disagree otherwise is refused.
 """
 
 from __future__ import annotations
@@ -47,18 +50,62 @@ class Checkpointer(Hook):
         expect = {k: v for k, v in self.meta.items() if k != "kind"}
         step = load_model(self.weights, self.module, self.cfg, self.meta["kind"], **expect).step
         if step > 0:
-            if not self.state.exists():
-                raise CheckpointError(f"{self.state} is missing; cannot resume {self.weights} at step {step}: "
-                                      "delete the weights to start again")
-            tensors, meta = load_file(self.state)
-            if int(meta.get("step", "-1")) != step:
-                raise CheckpointError(f"{self.state} is at step {meta.get('step')}, {self.weights} at {step}; delete both")
-            load_optimizer_tensors(self.opt, self.names, tensors)
+            load_optimizer_tensors(self.opt, self.names, self._state_at(step))
         return step
 
+    def _state_at(self, step: int) -> dict[str, torch.Tensor]:
+        """The optimiser state saved with the weights at ``step``: the state file, or the new state a save wrote beside
+        it when it was killed between the weights and the state's rename (renamed into place now)."""
+        found = []
+        for path in (self.state, self._pending):
+            if path.exists():
+                tensors, meta = load_file(path)
+                if int(meta.get("step", "-1")) == step:
+                    if path == self._pending:
+                        path.replace(self.state)
+                    return tensors
+                found.append(f"{path} is at step {meta.get('step')}")
+        if not found:
+            raise CheckpointError(f"{self.state} is missing; cannot resume {self.weights} at step {step}: "
+                                  "delete the weights to start again")
+        raise CheckpointError(f"{'; '.join(found)}, {self.weights} at {step}; delete both")
+
+    @property
+    def _pending(self) -> Path:
+        """Where a save writes the new optimiser state before the weights (renamed into place after them)."""
+        return self.state.with_name(self.state.name + ".next")
+
+    @property
+    def _pending_weights(self) -> Path:
+        """Where :meth:`stage` writes the new weights (renamed into place by :meth:`commit`)."""
+        return self.weights.with_name(self.weights.name + ".next")
+
+    def stage(self, step: int) -> None:
+        """Write the checkpoint at ``step`` beside the current one (the current one stays what a resume loads until
+        :meth:`commit`): for modules checkpointed together, committed once every one is staged."""
+        save_file(self._pending, optimizer_tensors(self.opt, self.names), {"step": str(step), "name": self.name})
+        save_model(self._pending_weights, self.module, self.cfg, step=step, **self.meta)
+
+    def staged_step(self) -> int | None:
+        """The step of a checkpoint staged and not committed (None: none, or only part of one)."""
+        if not (self._pending_weights.exists() and self._pending.exists()):
+            return None
+        return int(load_file(self._pending_weights)[1].get("step", "-1"))
+
+    def commit(self) -> None:
+        """Put the staged checkpoint in place: its weights, then its state (a resume then finds the state beside)."""
+        self._pending_weights.replace(self.weights)
+        self._pending.replace(self.state)
+
+    def discard(self) -> None:
+        """Drop a checkpoint staged and never committed."""
+        self._pending_weights.unlink(missing_ok=True)
+        self._pending.unlink(missing_ok=True)
+
     def save(self, step: int) -> None:
-        save_file(self.state, optimizer_tensors(self.opt, self.names), {"step": str(step), "name": self.name})
+        save_file(self._pending, optimizer_tensors(self.opt, self.names), {"step": str(step), "name": self.name})
         save_model(self.weights, self.module, self.cfg, step=step, **self.meta)
+        self._pending.replace(self.state)
 
     def after(self, rec: StepRecord) -> None:
         if self.every and rec.done % self.every == 0:

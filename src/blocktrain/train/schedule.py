@@ -27,6 +27,7 @@ from torch import nn
 
 from blocktrain.checkpoint.blocks import block_save_meta
 from blocktrain.checkpoint.run import RunDir
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
 from blocktrain.config import Precision, RunConfig, Schedule
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
@@ -92,7 +93,7 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
                                         lr=lr, grad_clip=tc.grad_clip, precision=precision, device=device,
                                         hooks=[metrics[k]]).last_loss
         step = end
-        _checkpoint(ckpts, step)
+        _checkpoint(run, ckpts, step)
         if progress:
             log.info("concurrent: step %d of %d per block, losses %s (%.0f s)", step, tc.steps,
                      ", ".join(f"{v:.3f}" for v in losses), time.perf_counter() - t0)
@@ -102,14 +103,39 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     return losses
 
 
-def _checkpoint(ckpts: list[Checkpointer], step: int) -> None:
-    """Every block at ``step`` (a refresh boundary), so a resumed run restarts them together."""
+def _checkpoint(run: RunDir, ckpts: list[Checkpointer], step: int) -> None:
+    """Every block at ``step`` (a refresh boundary), so a resumed run restarts them together: each is staged beside
+    its last checkpoint, then the step is recorded (the commit point), then each is put in place. A kill before the
+    record leaves the last checkpoints; after it, a resume puts the rest in place (it left blocks at mixed steps)."""
     for ckpt in ckpts:
-        ckpt.save(step)
+        ckpt.stage(step)
+    atomic_write_bytes(_committed_path(run), f"{step}\n".encode())
+    for ckpt in ckpts:
+        ckpt.commit()
+
+
+def _committed_path(run: RunDir) -> Path:
+    """The step of the concurrent run's last whole checkpoint (its commit point)."""
+    return run.root / "blocks" / "concurrent.step"
+
+
+def _finish_checkpoint(run: RunDir, ckpts: list[Checkpointer]) -> None:
+    """A checkpoint a kill interrupted: put its staged blocks in place if its step was recorded, else drop them."""
+    path = _committed_path(run)
+    committed = int(path.read_text()) if path.exists() else None
+    for ckpt in ckpts:
+        staged = ckpt.staged_step()
+        if staged is None:  # nothing staged, or killed inside its commit (the state waits beside: Checkpointer.resume)
+            continue
+        if staged == committed:
+            ckpt.commit()
+        else:
+            ckpt.discard()
 
 
 def _resume(run: RunDir, ckpts: list[Checkpointer]) -> int:
     """Restore every block at the same step, or start at 0; mixed steps mean a run of another schedule."""
+    _finish_checkpoint(run, ckpts)
     present = [k for k, c in enumerate(ckpts) if c.exists()]
     if not present:
         return 0
