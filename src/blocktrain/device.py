@@ -36,9 +36,15 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         name = str(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {name!r} is not a device torch knows ({exc}); use cpu, cuda, cuda:N or auto") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but this torch has no CUDA device; use --device cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r} requested but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                          "use cuda:0 up to the last, or auto")
     if dev.type == "cuda":
         _allow_tf32()
     return dev

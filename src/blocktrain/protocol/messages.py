@@ -85,8 +85,8 @@ class WorkAnswer(Message):
     message: str = Field(default="", max_length=1024)  # what the worker should know about it
     frozen: tuple[FrozenRef, ...] = Field(default=(), max_length=4096)  # the finished blocks it reads
     round_state: RoundState  # whether round v takes updates (waiting: the block has no round yet)
-    deadline_in: float  # seconds until round v's deadline (0: no round)
-    seed: int  # the run's seed
+    deadline_in: float = Field(allow_inf_nan=False)  # seconds until round v's deadline (0: no round; < 0: past it)
+    seed: int = Field(ge=-(1 << 63), lt=1 << 63)  # the run's seed (a signed 64-bit integer: seeds.mix_seed)
     stream: int = Field(ge=0)  # the data stream of (this worker, block, version)
     steps: int = Field(ge=1, le=MAX_STEPS)  # budget: inner steps asked for this round (H)
     batch: int = Field(ge=1, le=1 << 16)  # budget: sequences per step; an update claims at most steps x batch

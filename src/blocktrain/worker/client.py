@@ -192,14 +192,14 @@ class CoordinatorClient:
     def register(self, block: int | None, dataset: str | None = None, p2p_key: str | None = None) -> Registration:
         """``p2p_key``: the hivemind engine; the coordinator answers with a token for this key."""
         body = RegisterRequest(block=block, dataset=dataset, p2p_key=p2p_key).model_dump(exclude_none=True)
-        return parse(Registration, self.request("POST", "/v1/register", json=body).json(), "the registration answer", 502)
+        return parse(Registration, _json(self.request("POST", "/v1/register", json=body)), "the registration answer", 502)
 
     def work(self) -> WorkAnswer:
-        return parse(WorkAnswer, self.request("GET", "/v1/work").json(), "the work answer", 502)
+        return parse(WorkAnswer, _json(self.request("GET", "/v1/work")), "the work answer", 502)
 
     def p2p_token(self) -> P2PToken:
         """A new DHT token for the key this worker registered with (hivemind engine), its session going on."""
-        return parse(P2PToken, self.request("POST", "/v1/p2p/token").json(), "the p2p token answer", 502)
+        return parse(P2PToken, _json(self.request("POST", "/v1/p2p/token")), "the p2p token answer", 502)
 
     def heartbeat(self) -> None:
         self.request("POST", "/v1/heartbeat", retry=False)
@@ -228,14 +228,24 @@ class CoordinatorClient:
         packed = time.monotonic() - t0
         resp = self.request("POST", f"/v1/blocks/{k}/updates", content=body, encoding=encoding,
                             timed=None if timed is None else lambda s: timed(packed + s))
-        return parse(PushAnswer, resp.json(), "the coordinator's push answer", status=502)
+        return parse(PushAnswer, _json(resp), "the coordinator's push answer", status=502)
 
     def audit(self, k: int, v: int, payload: bytes) -> AuditAnswer:
         """Upload the inner state an audited push committed to; the coordinator replays the round before it answers
         (waited for up to ``replay_wait_s``: a resend after a timeout would find the audit taken, 404)."""
         resp = self.request("POST", f"/v1/blocks/{k}/audits/{v}", content=deflate(payload), encoding=DEFLATE,
                             read_s=self.replay_wait_s)
-        return parse(AuditAnswer, resp.json(), "the coordinator's audit answer", status=502)
+        return parse(AuditAnswer, _json(resp), "the coordinator's audit answer", status=502)
+
+
+def _json(resp: httpx.Response) -> Any:
+    """A successful answer's JSON body; 502 for one that is not JSON (a proxy's or a captive portal's page)."""
+    try:
+        return resp.json()
+    except ValueError:
+        raise ProtocolError(502, f"the coordinator's answer to {resp.request.method} {resp.request.url.path} is not "
+                            f"JSON ({resp.headers.get('content-type', 'no content type')}: {resp.text[:100]!r}); check "
+                            "--url points at the coordinator", Reason.INVALID) from None
 
 
 def _protocol_error(resp: httpx.Response) -> ProtocolError:

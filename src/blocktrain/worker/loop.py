@@ -38,7 +38,7 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.data.dataset import DataDir
 from blocktrain.data.stream import TrainStream
 from blocktrain.device import compile_module, resolve_device, resolve_precision
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.codes import BlockState, Reason, RoundState
@@ -202,6 +202,9 @@ class Worker:
             if exc.status == 404:  # none published with v: its own state goes on
                 return None
             raise
+        except CheckpointError as exc:
+            raise ProtocolError(502, f"the coordinator's moments of block {self.k} version {at} could not be read: "
+                                f"{exc}", Reason.MOMENTS) from exc
         if meta.get("block_index") != str(self.k) or meta.get("version") != str(at):
             raise ProtocolError(502, f"the coordinator sent moments of block {meta.get('block_index')} version "
                                 f"{meta.get('version')} for block {self.k} version {at}", Reason.MOMENTS)

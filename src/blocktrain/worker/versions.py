@@ -44,7 +44,18 @@ def fetch_version(
             log.warning("block %d: step to v%d does not reproduce the published weights; pulling them", k, v)
         except (ProtocolError, CheckpointError, ValueError) as exc:
             log.warning("block %d: could not apply the step to v%d (%s); pulling full weights", k, v, exc)
-    tensors, meta = unpack(client.weights(k), source="weights")
+    try:
+        tensors, meta = unpack(client.weights(k), source="weights")
+        got = int(meta.get("version", v))
+    except (CheckpointError, ValueError) as exc:
+        raise ProtocolError(502, f"the coordinator's weights of block {k} could not be read: {exc}", Reason.SCHEMA) from exc
     if meta.get("block_index") != str(k) or {n: tuple(t.shape) for n, t in tensors.items()} != shapes:
         raise ProtocolError(422, f"the coordinator sent weights that do not fit block {k}", Reason.SCHEMA)
-    return {n: t.float() for n, t in tensors.items()}, int(meta.get("version", v))
+    new = {n: t.float() for n, t in tensors.items()}
+    # version v must be the one published (a newer one is checked against the next work answer's sha); an older one
+    # (a caching proxy) or other bytes would have the worker fetch them again and again
+    if got < v or (got == v and tensors_sha256(new) != sha):
+        raise ProtocolError(502, f"the weights served for block {k} are version {got}, not the version {v} with sha256 "
+                            f"{sha[:12]} the work answer named; a proxy between worker and coordinator may cache them",
+                            Reason.BASE)
+    return new, got

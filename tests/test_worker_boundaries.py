@@ -1,0 +1,91 @@
+"""What a worker reads from its coordinator and its command line is checked where it arrives: answers that are not
+JSON, work answers out of range, weights that are not the version the work answer named, corrupt moments, devices
+this machine lacks. Each is a specific error saying what to do, not a crash deep in a round or a loop without end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256
+from blocktrain.device import resolve_device
+from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.protocol.codes import BlockState, RoundState
+from blocktrain.protocol.messages import WorkAnswer, parse
+from blocktrain.worker.client import CoordinatorClient
+from blocktrain.worker.engines import DirectEngine
+from blocktrain.worker.versions import fetch_version
+
+SHAPES = {"w": (4, 3)}
+WORK: dict[str, Any] = {"block": 0, "version": 5, "weights_sha": "0" * 64, "block_state": BlockState.OPEN.value,
+                        "round_state": RoundState.OPEN.value, "deadline_in": 10.0, "seed": 0, "stream": 1,
+                        "steps": 4, "batch": 2, "submitted": False, "finished": False}
+
+
+def test_a_work_answer_out_of_range_is_refused_where_it_arrives() -> None:
+    """A seed past 64 bits failed in the middle of a round (struct.error in mix_seed); a NaN or infinite deadline
+    took the round's deadline away."""
+    assert parse(WorkAnswer, WORK, "the work answer", 502).seed == 0
+    for field, bad in (("seed", 1 << 63), ("deadline_in", float("nan")), ("deadline_in", float("inf"))):
+        with pytest.raises(ProtocolError, match=field) as exc:
+            parse(WorkAnswer, {**WORK, field: bad}, "the work answer", 502)
+        assert exc.value.status == 502
+    assert parse(WorkAnswer, {**WORK, "deadline_in": -3.0}, "the work answer", 502).deadline_in == -3.0  # held open
+
+
+def test_an_answer_that_is_not_json_is_a_protocol_error() -> None:
+    """A proxy's or captive portal's page answered 200: JSONDecodeError escaped the worker."""
+    client = CoordinatorClient("http://coordinator", "t", base_delay=0.01, max_delay=0.02)
+    client.http = httpx.Client(base_url="http://coordinator", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, text="<html>sign in to the wifi</html>",
+                                       headers={"content-type": "text/html"})))
+    with pytest.raises(ProtocolError, match=r"not JSON .*--url") as exc:
+        client.work()
+    assert exc.value.status == 502
+    client.close()
+
+
+class Serves:
+    """A coordinator client that serves ``payload`` as the block's whole weights."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def weights(self, k: int) -> bytes:
+        return self.payload
+
+
+def test_weights_that_are_not_the_named_version_are_refused() -> None:
+    """Weights of an older version (a caching proxy) or other bytes under the named version: the worker fetched them
+    again and again without end (its loop compared their sha with the next work answer's). Version v with the named
+    sha is taken; a newer version is taken and checked against the next work answer."""
+    w = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+    work = WorkAnswer.model_validate({**WORK, "weights_sha": tensors_sha256(w)})
+
+    def served(version: int, tensors: dict[str, torch.Tensor]) -> bytes:
+        return pack(tensors, {"kind": "weights", "block_index": "0", "version": str(version)})
+
+    def fetch(payload: bytes) -> tuple[dict[str, torch.Tensor], int]:
+        return fetch_version(Serves(payload), DirectEngine(), 0, SHAPES, work, None, -1)  # type: ignore[arg-type]
+
+    got, v = fetch(served(5, w))
+    assert v == 5 and torch.equal(got["w"], w["w"])
+    assert fetch(served(6, {"w": w["w"] + 1}))[1] == 6
+    for payload in (served(4, w), served(5, {"w": w["w"] + 1}), b"\x00" * 16):
+        with pytest.raises(ProtocolError) as exc:
+            fetch(payload)
+        assert exc.value.status == 502
+
+
+def test_a_device_this_machine_lacks_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda:7`` on a one-GPU machine passed and failed later at the first .to(); a misspelt device raised a bare
+    RuntimeError."""
+    with pytest.raises(ConfigError, match="not a device torch knows"):
+        resolve_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="1 CUDA device"):
+        resolve_device("cuda:7")
