@@ -824,9 +824,11 @@ def test_an_audit_upload_waits_for_the_replay_that_answers_it() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     client = CoordinatorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", timeout_s=0.5, replay_wait_s=10.0,
                                base_delay=0.01, max_delay=0.02, give_up_s=2.0)
+    beats: list[int] = []
+    client.waiting = lambda: beats.append(1)  # the worker's heartbeat: a replay may outlast its lease
     try:
         answer = client.audit(0, 3, b"state")
-        assert answer.passed and posts == ["/v1/blocks/0/audits/3"]  # one sending, answered
+        assert answer.passed and posts == ["/v1/blocks/0/audits/3"] and beats  # one sending, answered
         with pytest.raises(ProtocolError):  # a push gets no such wait: it times out and is resent until give_up_s
             client.push(0, b"push")
         assert posts.count("/v1/blocks/0/updates") >= 2

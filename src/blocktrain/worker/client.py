@@ -67,6 +67,7 @@ class CoordinatorClient:
         self.max_delay = max_delay
         self.give_up_s = give_up_s
         self.stop = stop or threading.Event()  # abandon: no more retries at all
+        self.waiting: Callable[[], None] = lambda: None  # called about every second of a long wait (the heartbeat)
         self.leaving = leaving or threading.Event()  # the worker is leaving: retry at most LEAVING_GIVE_UP_S more
         self.http = httpx.Client(
             base_url=self.url,
@@ -129,6 +130,8 @@ class CoordinatorClient:
             attempt += 1
             until = time.monotonic() + delay
             while (left := until - time.monotonic()) > 0:  # woken within a second by abandon or a long leave
+                if busy is not None:  # it answers, busy: the worker stays live while it waits for room
+                    self.waiting()
                 if self.stop.wait(min(left, 1.0)):
                     raise ProtocolError(503, "stopped while waiting for the coordinator", Reason.STOPPED)
                 if self._left_long_ago():
@@ -152,6 +155,7 @@ class CoordinatorClient:
 
         threading.Thread(target=send, name=f"{request.method} {request.url.path}", daemon=True).start()
         while not done.wait(1.0):
+            self.waiting()  # the replay may outlast the lease: the worker stays live meanwhile
             if self.stop.is_set():
                 raise ProtocolError(503, f"stopped while waiting for the answer to {request.method} {request.url.path}",
                                     Reason.STOPPED)

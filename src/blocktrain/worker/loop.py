@@ -87,6 +87,7 @@ class Worker:
         self.cfg = RunConfig.from_json(reg.config)
         self.k = reg.block
         self.lease_s = reg.lease_seconds
+        self.client.waiting = self._beat  # a long wait on the coordinator (a replay, retries) keeps the lease
         self.H = min(self.opts.local_steps or reg.local_steps, reg.local_steps)  # the coordinator assigns the budget
         self.inner_start = reg.inner_start
         rounds = reg.rounds
