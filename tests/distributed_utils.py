@@ -125,6 +125,21 @@ class ThreadServer:
         self.thread.join(timeout=30)
 
 
+def run_worker(c: Coordinator, kind: Any, data: DataDir, tmp_path: Path, name: str = "w", timeout: float = 60) -> Any:
+    """One worker of class ``kind`` (a :class:`~blocktrain.worker.loop.Worker`) on block 0 over loopback HTTP, run
+    until it stops; returns it."""
+    from blocktrain.worker.options import WorkerOptions
+
+    token = c.add_token(name)
+    with ThreadServer(c) as srv:
+        w = kind(WorkerOptions(url=srv.url, token=token, block=0, progress=False, frozen_cache=tmp_path / "frozen"), data)
+        t = threading.Thread(target=w.run, daemon=True)
+        t.start()
+        t.join(timeout=timeout)
+        assert not t.is_alive(), f"worker {name} did not stop within {timeout:g} s"
+    return w
+
+
 def cli(*args: str, **kw: Any) -> Any:
     """``blocktrain ARGS`` in its own process (forked from this one: see tests/forked_cli.py)."""
     # no BLOCKTRAIN_DATA from the developer's shell: a coordinator would take it as its dataset

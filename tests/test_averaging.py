@@ -398,21 +398,11 @@ def test_workers_over_http_match_the_in_process_reference(start: InnerStart, eve
 
 def test_a_slow_worker_pushes_what_it_has_before_the_deadline(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """H far beyond what fits in a 3 s round: the worker pushes early, weighted by the samples it trained on."""
-    import threading
-
     from blocktrain.worker.loop import Worker
-    from blocktrain.worker.options import WorkerOptions
-    from tests.distributed_utils import ThreadServer
+    from tests.distributed_utils import run_worker
 
     c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=3.0, eval_every=0, local_steps=100_000)
-    token = c.add_token("slow")
-    with ThreadServer(c) as srv:
-        w = Worker(WorkerOptions(url=srv.url, token=token, block=0, progress=False,
-                                 frozen_cache=tmp_path / "frozen"), corpus)
-        t = threading.Thread(target=w.run, daemon=True)
-        t.start()
-        t.join(timeout=60)
-        assert not t.is_alive()
+    w = run_worker(c, Worker, corpus, tmp_path, "slow")
     assert w.summary.rounds_cut == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1
     rows = c.store.q("SELECT samples, arrival_s FROM updates WHERE block=0")
     batch = get_preset("tiny").train.batch_size

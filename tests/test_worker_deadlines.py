@@ -3,7 +3,6 @@ coordinator with no room to audit a push does not end an honest worker."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from blocktrain.protocol.messages import WorkAnswer
 from blocktrain.worker.client import CoordinatorClient
 from blocktrain.worker.loop import Recent, Worker
 from blocktrain.worker.options import WorkerOptions
-from tests.distributed_utils import ThreadServer, corpus, make_coordinator  # noqa: F401
+from tests.distributed_utils import corpus, make_coordinator, run_worker  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,14 +94,7 @@ def test_the_downloads_after_a_work_answer_count_against_its_deadline(tmp_path: 
     whose downloads took 2 s trained 2 s past the round's deadline and its push came late (409 stale where the round
     closed meanwhile)."""
     c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=5.0, eval_every=0, local_steps=100_000)
-    token = c.add_token("slow")
-    with ThreadServer(c) as srv:
-        w = SlowDownloads(WorkerOptions(url=srv.url, token=token, block=0, progress=False,
-                                        frozen_cache=tmp_path / "frozen"), corpus)
-        t = threading.Thread(target=w.run, daemon=True)
-        t.start()
-        t.join(timeout=60)
-        assert not t.is_alive()
+    w = run_worker(c, SlowDownloads, corpus, tmp_path, "slow")
     assert w.summary.rounds_cut == 1 and w.summary.rounds_pushed == 1
     rows = c.store.q("SELECT arrival_s FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 5.0, rows  # before the deadline, downloads and all
