@@ -13,15 +13,19 @@ import torch
 EMPTY_PROMPT = b"\n"  # what generation continues when the prompt is empty (a model needs one byte of history)
 
 
+MIN_TEMPERATURE = 1e-6  # the lowest temperature sampled at: logits / 1e-6 stay finite in fp32
+
+
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Logits (n, V) -> the sampling distribution (n, V) in fp32 after temperature, top-k and top-p.
 
-    temperature <= 0: one-hot on the argmax. top_k = 0 keeps all bytes; top_p = 1 keeps all
+    temperature <= 0: one-hot on the argmax; one below MIN_TEMPERATURE samples at it (greedy in effect: a smaller one
+    overflowed the scaled logits to inf and the distribution to NaN). top_k = 0 keeps all bytes; top_p = 1 keeps all
     (nucleus sampling, Holtzman et al. 2020: the smallest set of most likely bytes whose mass reaches top_p).
     """
     if temperature <= 0:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    scaled = logits.float() / temperature
+    scaled = logits.float() / max(temperature, MIN_TEMPERATURE)
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

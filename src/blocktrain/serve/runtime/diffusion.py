@@ -26,7 +26,7 @@ from blocktrain.sampling import sample_rows
 from blocktrain.seeds import Seed
 from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheOptions
-from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_param
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_number, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class BlockSpan:
             prompt_len = frame_param(frame.params, "prompt_len", int)
             sweeps = frame_param(frame.params, "sweeps", int, 1)
             frame_param(frame.params, "top_k", int, 0)
-            frame_param(frame.params, "temperature", (int, float), 0.0)  # type: ignore[arg-type]
+            frame_number(frame.params, "temperature", 0.0)
             if n_new < 1 or sweeps < 1 or prompt_len < 1:
                 raise WireError("sweep needs n_new >= 1, sweeps >= 1 and a prompt of at least 1 byte")
             expected = prompt_len if "z" not in frame.tensors and frame.kind is FrameKind.SUBMIT else prompt_len + n_new

@@ -102,13 +102,14 @@ class E2ESpan:
             return self._score(f)
         pos = int(f.params.get("pos", 0))
         try:
-            kv = dict(self.cache.checkout(f.request_id, pos).kv)  # a copy: a failed step leaves the cache as it was
+            entry = self.cache.checkout(f.request_id, pos)
         except UnknownRequestError as exc:  # evicted since validate(): the client prefills it again (pos=0)
             return f.reply_error(ErrorCode.UNKNOWN_REQUEST, str(exc))
+        kv = dict(entry.kv)  # a copy: a failed step leaves the cache as it was
         h = self._input(f, pos)
         for i in range(self.lo, self.hi + 1):
             h = self.layers[i](h, cache=kv, name=str(i))
-        self.cache.put(f.request_id, CacheEntry(pos + h.shape[1], kv))
+        self.cache.put(f.request_id, CacheEntry(pos + h.shape[1], kv, epoch=entry.epoch))
         return self._output(f, h, h[:, -1])
 
     def _score(self, f: Frame) -> Frame:

@@ -29,6 +29,9 @@ from blocktrain.serve.wire.frames import UnknownRequestError
 log = logging.getLogger(__name__)
 
 
+RELEASES_KEPT = 4096  # request ids whose last RELEASE is remembered (a step then running does not store its cache)
+
+
 @dataclass(frozen=True)
 class CacheOptions:
     """Limits of a stage's KV caches."""
@@ -53,6 +56,7 @@ class CacheEntry:
     pos: int = 0  # positions cached
     kv: Cache = field(default_factory=dict)  # layer name -> (keys, values), as the model's cached forward names them
     used: float = field(default_factory=time.monotonic)  # time.monotonic() of the last use
+    epoch: int = 0  # the cache's release count when this entry was checked out (a RELEASE after it wins over its put)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.kv.values() for t in pair)
@@ -75,6 +79,8 @@ class KVCache:
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
         self._lock = threading.Lock()
         self.evictions = 0  # caches dropped by the limits (not by RELEASE)
+        self._epoch = 0  # RELEASEs so far
+        self._released: OrderedDict[str, int] = OrderedDict()  # request id -> the epoch of its last RELEASE (recent)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -113,15 +119,20 @@ class KVCache:
         with self._lock:
             entry = self._entries.get(rid)
             if pos == 0:
-                return CacheEntry()
+                return CacheEntry(epoch=self._epoch)
             if entry is None:
                 raise self._missing(rid)
             entry.truncate(pos)
+            entry.epoch = self._epoch
             return entry
 
     def put(self, rid: str, entry: CacheEntry) -> None:
-        """Store (or refresh) the request's cache, then apply the limits."""
+        """Store (or refresh) the request's cache, then apply the limits; not if the request was released while the
+        step that extended it ran (the RELEASE, on the event loop, came between :meth:`checkout` and this)."""
         with self._lock:
+            if self._released.get(rid, -1) > entry.epoch:
+                log.debug("%s: request %s was released during its step; its cache is not kept", self.name, rid)
+                return
             entry.used = time.monotonic()
             self._entries[rid] = entry
             self._entries.move_to_end(rid)
@@ -129,6 +140,11 @@ class KVCache:
 
     def release(self, rid: str) -> bool:
         with self._lock:
+            self._epoch += 1
+            self._released[rid] = self._epoch
+            self._released.move_to_end(rid)
+            while len(self._released) > RELEASES_KEPT:
+                self._released.popitem(last=False)
             return self._entries.pop(rid, None) is not None
 
     def expire_idle(self) -> int:

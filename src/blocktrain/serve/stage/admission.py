@@ -147,15 +147,17 @@ class Admission:
         return err
 
     async def _frame_start(self, conn: Conn) -> bytes:
-        """The first byte of the next frame; _HangupError once the connection has been idle for idle_timeout_s."""
+        """The first byte of the next frame; _HangupError once the connection has been idle for idle_timeout_s (a
+        connection that has not said HELLO yet: read_timeout_s, so strangers cannot hold every slot for long)."""
+        idle = self.opts.idle_timeout_s if conn.authenticated else min(self.opts.idle_timeout_s, self.opts.read_timeout_s)
         while True:
             try:
-                async with asyncio.timeout(self.opts.idle_timeout_s):
+                async with asyncio.timeout(idle):
                     return await conn.reader.readexactly(1)
             except TimeoutError:
                 if not self.busy(conn):
                     self.counters.conns_idle_closed += 1
-                    log.debug("closing %s: no frame for %.1fs", conn.peer, self.opts.idle_timeout_s)
+                    log.debug("closing %s: no frame for %.1fs", conn.peer, idle)
                     raise _HangupError() from None
 
     def _slow(self, conn: Conn, what: str) -> _HangupError:

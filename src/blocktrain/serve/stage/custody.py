@@ -19,6 +19,13 @@ from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind
 from blocktrain.serve.wire.links import Conn, Link
 
 
+def custody_tag(frame: Frame) -> int | None:
+    """The custody tag a neighbour stage's link gave ``frame`` (an int, echoed back in its ACK or ERROR); None for
+    anything else, which is never echoed (a long string would come back larger than it went, past the frame cap)."""
+    tag = frame.params.get("tag")
+    return tag if isinstance(tag, int) and not isinstance(tag, bool) else None
+
+
 class Router:
     """Frames in from a connection, results and errors out to where they belong, frames on to the next stage.
 
@@ -55,10 +62,10 @@ class Router:
                              f"request {frame.request_id!r} is not in flight at {self.name}")
             elif await admit(self.span, frame, conn):
                 conn.inflight += 1  # until the batch it joins has been emitted (keeps the idle timeout off)
-                self.enqueue(WorkItem(frame, conn, frame.params.get("tag")))
+                self.enqueue(WorkItem(frame, conn, custody_tag(frame)))
         elif kind is FrameKind.RESULT:
             if self.entry.holds(frame.request_id):
-                tag = frame.params.get("tag")
+                tag = custody_tag(frame)
                 await self.entry.deliver(frame)
                 await conn.send(Frame(FrameKind.ACK, frame.request_id, params={"tag": tag}))
             else:

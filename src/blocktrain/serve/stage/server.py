@@ -156,6 +156,9 @@ class StageServer:
                 for it, out in zip(group, outs, strict=True):
                     try:
                         await self.router.emit(it, out)
+                    except Exception:  # one frame's routing failed: logged, the batcher serves on (it died before)
+                        log.exception("stage %s could not route the %s of request %s", self.name, out.kind.value,
+                                      out.request_id)
                     finally:
                         if it.origin is not None:
                             it.origin.inflight -= 1

@@ -59,11 +59,16 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 
+INT64 = (-(1 << 63), 1 << 63)  # the range of an int frame parameter: a seed is mixed as a signed 64-bit integer
+
+
 def frame_param(params: dict[str, Any], name: str, kind: type, default: Any = None) -> Any:
-    """A frame parameter of type ``kind`` (bool is not an int here), else WireError naming it."""
+    """A frame parameter of type ``kind`` (bool is not an int here; an int within 64 bits), else WireError naming it."""
     value = params.get(name, default)
     if value is None or not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise WireError(f"parameter {name!r} must be a {kind.__name__}, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value < INT64[1]:
+        raise WireError(f"parameter {name!r} must be a 64-bit integer, got {value!r}")
     return value
 
 
@@ -208,7 +213,7 @@ def decode_body(header_bytes: bytes, payload: bytes) -> Frame:
     """Header JSON + payload -> Frame; WireError on anything inconsistent."""
     try:
         h = json.loads(header_bytes)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # ValueError: a number of 4,300+ digits too
         raise WireError(f"frame header is not JSON: {exc}") from exc
     if not isinstance(h, dict):
         raise WireError("frame header must be a JSON object")

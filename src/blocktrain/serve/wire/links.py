@@ -91,8 +91,20 @@ class Conn:
         return self.writer.is_closing()
 
     async def send(self, frame: Frame) -> bool:
-        """Write one frame; False if the connection is gone."""
-        data = encode(frame, self.max_frame)
+        """Write one frame; False if the connection is gone. A frame over the cap is answered by an ERROR in its place
+        (a result too large for the frame cap, an echoed parameter too long), so its receiver learns why."""
+        try:
+            data = encode(frame, self.max_frame)
+        except WireError as exc:
+            log.warning("could not send a %s frame of request %s to %s: %s", frame.kind.value, frame.request_id,
+                        self.peer, exc)
+            if frame.kind is FrameKind.ERROR:
+                return False
+            err = frame.reply_error(ErrorCode.TOO_LARGE, f"the {frame.kind.value} frame exceeds the frame cap "
+                                    f"({exc}); ask for fewer rows or bytes, or raise --max-frame-mib on both sides")
+            tag = frame.params.get("tag")
+            err.params = {"tag": tag} if isinstance(tag, int) and not isinstance(tag, bool) else {}
+            return await self.send(err)
         async with self._lock:
             if self.writer.is_closing():
                 return False
@@ -377,7 +389,10 @@ class Link:
                                "start every stage with the same BLOCKTRAIN_SERVE_TOKEN / --token-file")
                     log.error("%s", refused)
                     break
-                await self.on_frame(frame)
+                try:
+                    await self.on_frame(frame)
+                except Exception:  # a bug handling one frame from the next stage: logged, the link goes on
+                    log.exception("handling a %s frame from next stage %s failed", frame.kind.value, conn.peer)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, FramingError):
             pass
         finally:

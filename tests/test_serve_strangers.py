@@ -1,0 +1,97 @@
+"""What a stranger or a neighbour can send a stage, and what the stage does not let it do: stop its compute loop with
+one frame, hold its connection slots, fail others' batches, or keep a released request's KV cache alive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import time
+
+import pytest
+import torch
+
+from blocktrain.errors import ServeError, WireError
+from blocktrain.sampling import sample_rows
+from blocktrain.serve.client.pipeline import PipelineClient
+from blocktrain.serve.runtime.kvcache import CacheEntry, KVCache
+from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, decode_body, encode, frame_number, frame_param
+from tests.serve_sockets import TOKEN, closed, connect, open_stage, recv_frame, score, whole_span
+from tests.serve_utils import tiny_models
+
+MODELS = tiny_models(seed=3)
+
+
+def test_a_silent_stranger_is_closed_after_the_read_timeout() -> None:
+    """A connection that never says HELLO held one of the stage's slots for the whole idle timeout (300 s): 256 silent
+    sockets every five minutes locked every client out. It gets the read timeout now."""
+    with open_stage(whole_span(MODELS), token=TOKEN, idle_timeout_s=60.0, read_timeout_s=0.5) as st:
+        with connect(st.address) as s:
+            t0 = time.monotonic()
+            assert closed(s, timeout_s=10) and time.monotonic() - t0 < 5
+        assert asyncio.run(score(st.address, token=TOKEN)).shape == (1, 10, 256)  # a client that says HELLO idles on
+
+
+def test_a_result_over_the_frame_cap_is_an_error_and_the_stage_serves_on() -> None:
+    """A score whose logits exceed the stage's frame cap raised inside the compute loop, which died: every later
+    request timed out while the stage still answered PINGs. The client now gets TOO_LARGE, and the next request is
+    served."""
+    cfg = MODELS[0]
+    with open_stage(whole_span(MODELS), max_frame_bytes=1 << 20) as st:
+        async def run() -> torch.Tensor:
+            async with PipelineClient(st.address, timeout_s=10) as c:
+                big = torch.zeros(64, cfg.model.context, dtype=torch.uint8)  # 64 x 32 x 256 fp32 logits: 2 MiB
+                with pytest.raises(ServeError, match=r"too_large|exceeds"):
+                    await c.score(big)
+                return await c.score(torch.arange(10, dtype=torch.uint8).unsqueeze(0))
+
+        assert asyncio.run(run()).shape == (1, 10, 256)
+
+
+def test_a_long_tag_is_never_echoed() -> None:
+    """A frame's ``tag`` was echoed whatever it held: 30,000 characters of é come back escaped three times longer,
+    past the frame cap, and the stage's answer raised where nothing caught it. Only an int tag is echoed."""
+    with open_stage(whole_span(MODELS)) as st, connect(st.address) as s:
+        x = torch.zeros(1, 8, dtype=torch.uint8)
+        data = encode(Frame(FrameKind.WORK, "r1", Mode.SCORE, 1, {"tag": 0}, {"x": x}))
+        h_len, p_len = struct.unpack(">II", data[4:12])
+        header = json.loads(data[12 : 12 + h_len])
+        header["params"]["tag"] = "é" * 30000  # 60 KB as UTF-8, under the header cap; 180 KB once escaped
+        raw = json.dumps(header, ensure_ascii=False).encode()
+        s.sendall(data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :])
+        got = recv_frame(s)
+        assert got is not None and got.kind is FrameKind.ERROR and "tag" not in got.params, got  # refused, no echo
+        assert asyncio.run(score(st.address)).shape == (1, 10, 256)
+
+
+def test_headers_and_parameters_out_of_range_are_wire_errors() -> None:
+    """A header number of 4,300+ digits (ValueError) or nested 100,000 deep (RecursionError) escaped decode_body; a
+    seed of 2**63 failed a whole diffusion batch (struct.error in mix_seed); a tiny temperature sampled NaN."""
+    for header in (b'{"v": 1, "kind": "ping", "n": ' + b"9" * 5000 + b"}", b"[" * 100_000):
+        with pytest.raises(WireError):
+            decode_body(header, b"")
+    with pytest.raises(WireError, match="64-bit"):
+        frame_param({"seed": 1 << 63}, "seed", int)
+    assert frame_param({"seed": -(1 << 63)}, "seed", int) == -(1 << 63)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 256, generator=g)
+    assert torch.equal(sample_rows(logits, 1e-300, 0, g), logits.argmax(-1))  # greedy in effect, not NaN
+    with pytest.raises(WireError, match="finite"):  # JSON's NaN parses; a diffusion sweep reads it as a number now
+        frame_number({"temperature": json.loads("NaN")}, "temperature", 0.0)
+
+
+def test_a_release_during_a_step_is_not_undone_by_its_put() -> None:
+    """RELEASE pops a request's cache on the event loop while the compute thread holds the entry it checked out; the
+    step's put stored it again, and it stayed until the TTL. A put after a release is dropped; a request started
+    again after its release is cached as before."""
+    cache = KVCache(name="test")
+    cache.put("r", CacheEntry(4))
+    entry = cache.checkout("r", 4)
+    assert cache.release("r")  # the client finished meanwhile
+    entry.pos = 5
+    cache.put("r", entry)
+    assert "r" not in cache
+    fresh = cache.checkout("r", 0)  # the same id started again after its release
+    fresh.pos = 3
+    cache.put("r", fresh)
+    assert cache.positions("r") == 3
