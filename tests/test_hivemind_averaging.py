@@ -173,7 +173,7 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             with pytest.raises(ProtocolError) as exc:
                 c.submit(uploader, 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 3.0, v=1))
             assert exc.value.reason == "gate"
-        assert c.store.conduct.refused_groups("w2") == 2
+        assert c.store.conduct.refused_groups("w2") == 2  # means of two uploaders: one's means count once
         with pytest.raises(ProtocolError, match="quarantined"):
             c.register("w2", 0)
         with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts
@@ -219,6 +219,58 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
         c.close()
 
 
+def test_one_hostile_uploader_cannot_get_honest_members_quarantined(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """w3 sits in a group with w1 and w2, so it holds their proofs. It uploaded junk means naming them: without
+    itself (checked only once the mean had passed its checks, so the refusal was recorded against them first), or
+    with itself, round after round: two refused means quarantined w1 and w2. Now a mean must name its uploader
+    before it is checked, and one uploader's refused means count once against a member; w3 takes its own counted
+    refusals. A worker that pushes its own deltas cannot be named at all."""
+    c = make_coordinator(tmp_path / "run", corpus, hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1",
+                         rounds=3, gate_tolerance=0.0, norm_k=0.0, eval_every=0, quarantine_after=3)
+    try:
+        names = ["w1", "w2", "w3"]
+        _register(c, names, KEYS[:3])
+        with pytest.raises(ProtocolError, match="not a member"):  # not recorded against w1, w2: refused first
+            c.submit("w3", 0, _group_body(c, names[:2], KEYS[:2], ["PA", "PB"], 3.0))
+        assert c.store.conduct.refused_groups("w1") == 0
+        for _ in range(2):  # the same round's mean is refused again (a resend counts once), then w3 is at 2 refusals
+            with pytest.raises(ProtocolError) as exc:
+                c.submit("w3", 0, _group_body(c, names, KEYS[:3], ["PA", "PB", "PC"], 3.0))
+            assert exc.value.reason == "gate"
+        assert c.store.conduct.refused_groups("w1") == 1 and not c.conduct.quarantined("w1")
+        assert not c.conduct.quarantined("w2") and c.conduct.quarantined("w3")  # its three counted refusals
+        c.add_token("solo")
+        c.register("solo", 0)  # pushes its own deltas: a mean naming it is refused before it is checked
+        c.store.meta.set_meta("p2p_key:solo", KEYS[3].get_public_key().to_bytes().decode())
+        with pytest.raises(ProtocolError, match="not registered to average in groups"):
+            c.submit("w1", 0, _group_body(c, ["w1", "solo"], [KEYS[0], KEYS[3]], ["PA", "PD"], 3.0))
+        assert c.store.conduct.refused_groups("solo") == 0
+    finally:
+        c.close()
+
+
+def test_a_restart_finishes_a_group_quarantine_a_crash_cut_short(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A member's second refused group mean was stored, and the coordinator died before quarantining it: it counted
+    as quarantined but kept its token, its pending updates and its place in work answers' revoked lists. A restart
+    quarantines it in full."""
+    settings: dict[str, Any] = dict(hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1", eval_every=0)
+    c = make_coordinator(tmp_path / "run", corpus, **settings)
+    try:
+        _register(c, ["w1", "w2"], KEYS[:2])
+        with c.lock, c.store.tx():  # two uploaders' refused means, and no quarantine row (the crash)
+            c.store.conduct.record_group_refusal(0, 0, "w1", ["w1", "w2"], "gate", 0.0)
+            c.store.conduct.record_group_refusal(0, 0, "w2", ["w1", "w2"], "gate", 0.0)
+        assert not c.store.conduct.quarantined("w2")
+    finally:
+        c.close()
+    again = make_coordinator(tmp_path / "run", corpus, **settings)
+    try:
+        assert again.store.conduct.quarantined("w1") and again.store.conduct.quarantined("w2")
+        assert set(again.conduct.revoked) == {"w1", "w2"}
+    finally:
+        again.close()
+
+
 def test_a_group_with_a_quarantined_member_is_not_used() -> None:
     """A quarantined worker's DHT token is valid until it expires, so it may still join a group; the members drop a
     group whose cards name a worker the coordinator's work answer revoked (and upload alone) instead of uploading a
@@ -231,10 +283,16 @@ def test_a_group_with_a_quarantined_member_is_not_used() -> None:
     for name, key, peer in (("w1", KEYS[1], "PeerA"), ("w2", KEYS[2], "PeerB")):
         card = Card.make(key, authority.issue(name, key.get_public_key().to_bytes()), peer, scope)
         gathered[peer] = {"token": card.token, "proof": card.proof, "samples": 8}
-    members = averager._members(gathered, scope)
+    members = averager._members(gathered, scope, 8)
     assert members is not None and [m.worker for m in members] == ["w1", "w2"]
+    # a member claiming more than H x batch, or one worker's card under two peer ids: the coordinator would refuse
+    # the mean and count it against this uploader, so the group is not used
+    assert averager._members(gathered, scope, 7) is None
+    twice = Card.make(KEYS[1], authority.issue("w1", KEYS[1].get_public_key().to_bytes()), "PeerC", scope)
+    assert averager._members({**gathered, "PeerC": {"token": twice.token, "proof": twice.proof, "samples": 8}},
+                             scope, 8) is None
     averager.revoked = frozenset({"w2"})
-    assert averager._members(gathered, scope) is None
+    assert averager._members(gathered, scope, 8) is None
 
 
 def test_the_group_mean_is_weighted_by_the_claims_the_others_see() -> None:
@@ -371,7 +429,7 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
         deltas = [{"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)} for _ in range(4)]
         samples = [8, 16, 24, 100]
         with ThreadPoolExecutor(4) as pool:
-            futures = [pool.submit(a.average, d, s, 0, 5, 12.0)
+            futures = [pool.submit(a.average, d, s, 0, 5, 12.0, 100)
                        for a, d, s in zip([*members, *stranger], deltas, samples, strict=True)]
             outcomes = [f.result() for f in futures]
         ref = {n: sum(d[n] * s for d, s in zip(deltas[:3], samples[:3], strict=True)) / sum(samples[:3]) for n in "ab"}

@@ -83,6 +83,13 @@ class Conduct:
         self.quarantine(name, f"{n} refused updates (last: {reason})", at)
         return True
 
+    def finish_group_quarantines(self, at: float) -> list[str]:
+        """At start-up: quarantine in full each worker a crash left between its group refusal (stored) and its
+        quarantine (its token, pending updates and group means still there); those quarantined now."""
+        return [m for m in self.store.conduct.group_refused_workers()
+                if self.store.conduct.refused_groups(m) >= GROUP_REFUSALS and not self.store.conduct.quarantined(m)
+                and self.group_refused([m], at)]
+
     def group_refused(self, members: list[str], at: float) -> list[str]:
         """After a refused group mean (already stored): quarantine each member now in ``GROUP_REFUSALS`` of them (its
         token revoked, its pending updates dropped, as for any quarantine); the members quarantined, old and new."""

@@ -40,10 +40,15 @@ class ConductTable:
         self.db.add_counter("groups_refused", 1)
 
     def refused_groups(self, worker: str) -> int:
-        """How many refused group means ``worker`` was a member of."""
-        row = self.db.q1("SELECT COUNT(DISTINCT block || ':' || version || ':' || uploader) AS n FROM group_refusals "
-                         "WHERE worker=?", worker)
+        """How many uploaders sent refused group means ``worker`` was a member of: a mean's cards do not bind it, so
+        one uploader's refused means, however many, count once (else one hostile uploader naming honest workers got
+        them quarantined); its own counted refusals hold that uploader to account."""
+        row = self.db.q1("SELECT COUNT(DISTINCT uploader) AS n FROM group_refusals WHERE worker=?", worker)
         return 0 if row is None else int(row["n"])
+
+    def group_refused_workers(self) -> list[str]:
+        """Every worker recorded in a refused group mean."""
+        return [str(r["worker"]) for r in self.db.q("SELECT DISTINCT worker FROM group_refusals ORDER BY worker")]
 
     def quarantine(self, worker: str, reason: str, at: float) -> int:
         """Quarantine ``worker``: its token is revoked (its hash kept, to say so), it leaves, and its updates not yet

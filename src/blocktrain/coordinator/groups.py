@@ -93,14 +93,18 @@ class PeerHub:
 
 
 def check_members(store: Store, conduct: Conduct, uploader: str, names: list[str], k: int, v: int) -> None:
-    """Every member registered on block k, not quarantined, not already counted for v; the uploader among them
-    (called under the coordinator's lock)."""
+    """Every member registered on block k to average in groups, not quarantined, not already counted for v; the
+    uploader among them (called under the coordinator's lock, before the mean's checks, so that a mean naming workers
+    it may not name is refused before it is recorded against them, and again as it is accepted)."""
     if uploader not in names:
         raise ProtocolError(403, f"worker {uploader!r} uploads a group it is not a member of", Reason.GROUP)
     for name in names:
         row = store.workers.worker(name)
         if row is None or row.block != k:
             raise ProtocolError(409, f"group member {name!r} is not registered on block {k}", Reason.GROUP_MEMBER)
+        if not store.workers.averages_in_groups(name):  # it pushes its own deltas now (its trace would end here)
+            raise ProtocolError(409, f"group member {name!r} is not registered to average in groups",
+                                Reason.GROUP_MEMBER)
         if conduct.quarantined(name):
             raise ProtocolError(403, f"group member {name!r} is quarantined; the group's mean is refused", Reason.QUARANTINED)
         if store.updates.submitted(k, v, name):

@@ -97,6 +97,7 @@ class Coordinator:
         with self.lock:
             self.rounds.start(self.clock())
             self.uploads.restore_audits(self.clock())
+            self.conduct.finish_group_quarantines(self.clock())  # a crash between a group refusal and its quarantine
 
     # --- read-only views (tests, benchmarks, the HTTP layer's caps) -----------------------
     @property

@@ -88,13 +88,15 @@ class Uploads:
         return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
 
     def members(self, name: str, upd: ParsedUpdate) -> list[str]:
-        """(Locked.) The workers a group upload names (cards verified), or [] for one worker's own update."""
+        """(Locked.) The workers a group upload names (cards verified, each one that may be named: check_members),
+        or [] for one worker's own update."""
         if not upd.group:
             return []
         if self.hub is None:
             raise ProtocolError(409, "this coordinator does not host hivemind averaging; send your own delta, "
                                 "or start the coordinator with --hivemind", Reason.HIVEMIND_OFF)
         names = self.hub.members(upd.group, upd.block, upd.base_version)
+        check_members(self.store, self.conduct, name, names, upd.block, upd.base_version)
         claims, each = [m.samples for m in upd.group], self.budget(upd.block, [])
         if max(claims) > each:  # a member's claim is its weight in the mean (parse_update checked their sum)
             raise ProtocolError(422, f"group members claim {claims} samples; each may claim at most {each} "

@@ -112,8 +112,11 @@ class GroupAverager:
         self._state: tuple[dict[str, Any], list[torch.Tensor]] = ({}, [])  # the weights it shares: (meta, tensors)
         self.revoked: frozenset[str] = frozenset()  # quarantined workers (the coordinator's work answer): no member
 
-    def average(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, timeout: float) -> GroupOutcome | None:
-        """Average ``delta`` with this round's group; None when no group of admitted peers at version v formed."""
+    def average(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, timeout: float,
+                each: int) -> GroupOutcome | None:
+        """Average ``delta`` with this round's group; None when no group of admitted peers at version v formed
+        (``each``: the samples a member may claim, H x batch of the round: a group where one claims more is not
+        used, as the coordinator would refuse its mean)."""
         if timeout <= self.matchmaking_s:
             return None
         names = sorted(delta)
@@ -134,7 +137,7 @@ class GroupAverager:
         except Exception as exc:  # hivemind raises many kinds on a failed round; we upload alone
             log.warning("block %d v%d: group averaging failed (%s); uploading alone", k, v, exc)
             return None
-        members = self._members(gathered, scope)  # a card for another version or run does not verify either
+        members = self._members(gathered, scope, each)  # a card for another version or run does not verify either
         if members is None or len(members) < 2:
             return None
         return GroupOutcome(claim_weighted(summed, members), members, uploader=members[0].peer == self.peer)
@@ -248,10 +251,11 @@ class GroupAverager:
         self.close_averager()
         self.dht.shutdown()
 
-    def _members(self, gathered: dict[Any, Any], scope: str) -> list[GroupMember] | None:
-        """Every member's entry, if every card verifies and names no quarantined worker (else None: a stranger or
-        a quarantined worker joined, the mean is not used)."""
-        members = []
+    def _members(self, gathered: dict[Any, Any], scope: str, each: int) -> list[GroupMember] | None:
+        """Every member's entry, if every card verifies, names no quarantined worker and no worker twice, and each
+        claims at most ``each`` samples (else None: the mean is not used, this worker uploads alone; its uploader
+        would take the coordinator's refusal for what another member claimed)."""
+        members: list[GroupMember] = []
         for peer_id, data in gathered.items():
             peer = str(peer_id)
             ok = isinstance(data, dict) and isinstance(data.get("samples"), int) and data["samples"] > 0
@@ -264,6 +268,10 @@ class GroupAverager:
             if worker in self.revoked:  # its token still opens the DHT; the coordinator would refuse the mean whole
                 log.warning("group peer %s is quarantined worker %r; its group's mean is discarded and this worker "
                             "uploads alone", peer, worker)
+                return None
+            if data["samples"] > each or any(m.worker == worker for m in members):
+                log.warning("group peer %s (worker %r) claims %d samples (at most %d) or is in the group twice; its "
+                            "group's mean is discarded and this worker uploads alone", peer, worker, data["samples"], each)
                 return None
             members.append(GroupMember(peer, int(data["samples"]), worker, card.proof))
         return sorted(members, key=lambda m: m.peer)

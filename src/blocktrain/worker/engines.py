@@ -83,8 +83,10 @@ class Engine(Protocol):
     def revoke(self, workers: tuple[str, ...]) -> None:
         """The quarantined workers the coordinator names: a group with one of them is not used."""
 
-    def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
-        """What to upload for round (k, v); None when another member of its group uploads it."""
+    def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock,
+                each: int) -> Combined | None:
+        """What to upload for round (k, v); None when another member of its group uploads it (``each``: the samples
+        one member may claim, H x batch of the round)."""
 
     def waits_for_peers(self, v: int) -> bool:
         """Whether version v's delta went into a mean another member uploads (the worker need not ask yet)."""
@@ -122,7 +124,8 @@ class DirectEngine:
     def revoke(self, workers: tuple[str, ...]) -> None:
         return None
 
-    def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
+    def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock,
+                each: int) -> Combined | None:
         return Combined(delta, samples)
 
     def waits_for_peers(self, v: int) -> bool:
@@ -218,13 +221,14 @@ class HivemindEngine:
         if self.groups is not None:
             self.groups.revoked = frozenset(workers)
 
-    def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock) -> Combined | None:
+    def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock,
+                each: int) -> Combined | None:
         self._await_peers(k, v, clock)
         budget = min(self.reserve_s(), clock.give_up_at + self.reserve_s() - time.monotonic())
         # the averager's tensors are fixed when it starts: a round that shares no moments fills their slots with
         # zeros, which every member of its group does alike, and drops them from the mean
         idle = {n: torch.zeros_like(t) for n, t in self.like.items() if n not in delta}
-        group = self.groups.average({**delta, **idle}, samples, k, v, budget)
+        group = self.groups.average({**delta, **idle}, samples, k, v, budget, each)
         if group is None:  # no group formed: push its own delta
             return Combined(delta, samples)
         if not group.uploader:

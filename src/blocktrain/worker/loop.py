@@ -76,6 +76,7 @@ class Worker:
         self._push_s = Recent()  # seconds a push took, packed and sent (its last sending), for the deadline's margin
         self._step_s = Recent()  # seconds a local step took, for the same margin
         self._work_at = time.monotonic()  # time.monotonic() of the last work answer (its deadline_in counts from it)
+        self._claim_cap = 0  # samples one member of a group may claim this round (the work answer's steps x batch)
         self.steps_done = 0  # local steps of the current round
         self.engine: Engine = (HivemindEngine(opts.group_size, opts.matchmaking_s, opts.p2p_host, self.abandon)
                                if opts.averaging is Averaging.HIVEMIND else DirectEngine())  # how the delta is averaged
@@ -159,6 +160,7 @@ class Worker:
         stream = TrainStream(self.train.data, self.cfg.model.context, self.cfg.train.batch_size, work.seed,
                              stream=work.stream, device=self.device)
         H = min(self.H, work.steps)  # at most the round's budget
+        self._claim_cap = work.steps * work.batch  # what one member of a group may claim (the coordinator's check)
         # as the coordinator asks: fresh moments, its own carried, or the published ones (else its own go on); a round
         # whose push does not count is undone to here (coordinator.lineage derives an audited round's moments so)
         self._undo = (self.inner.snapshot(), self._moments_version)
@@ -243,7 +245,7 @@ class Worker:
         # on a sharing round its moments travel with the delta
         delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
         clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
-        combined = self.engine.combine(delta, samples, self.k, self.base_version, clock)
+        combined = self.engine.combine(delta, samples, self.k, self.base_version, clock, self._claim_cap)
         if combined is None:  # another member of its group uploads the mean
             load_trainable(self.block, self.base)
             self._kept_version = self.base_version
