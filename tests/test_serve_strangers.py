@@ -95,3 +95,27 @@ def test_a_release_during_a_step_is_not_undone_by_its_put() -> None:
     fresh.pos = 3
     cache.put("r", fresh)
     assert cache.positions("r") == 3
+
+
+def test_a_client_that_stops_reading_holds_only_its_own_answer() -> None:
+    """The compute loop sent each answer itself and waited for it to drain: a client that submits a large score and
+    reads nothing held every other client's requests for the write timeout (30 s by default). Answers are sent in
+    tasks of their own now; the other client is served at once."""
+    import socket
+
+    cfg = MODELS[0]
+    with open_stage(whole_span(MODELS), write_timeout_s=20.0) as st:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(st.address)
+        try:
+            x = torch.zeros(64, cfg.model.context, dtype=torch.uint8)  # 2 MiB of logits it never reads
+            for i in range(4):
+                slow.sendall(encode(Frame(FrameKind.SUBMIT, f"slow-{i}", Mode.SCORE, params={"seed": 0},
+                                          tensors={"x": x})))
+            time.sleep(0.5)  # its answers are computed and stuck in the socket
+            t0 = time.monotonic()
+            assert asyncio.run(score(st.address)).shape == (1, 10, 256)
+            assert time.monotonic() - t0 < 5.0
+        finally:
+            slow.close()

@@ -32,7 +32,7 @@ from blocktrain.serve.stage.core import WorkItem, log
 from blocktrain.serve.stage.custody import Router
 from blocktrain.serve.stage.entry import Entry
 from blocktrain.serve.stage.options import StageOptions, StageState
-from blocktrain.serve.wire.frames import SMALL_FRAME_BYTES, ErrorCode
+from blocktrain.serve.wire.frames import SMALL_FRAME_BYTES, ErrorCode, Frame
 from blocktrain.serve.wire.links import Address, ByteBudget, Conn, Counters, Link, format_address
 
 __all__ = ["StageOptions", "StageServer", "StageState", "StageThread", "serve_until_stopped"]
@@ -58,7 +58,7 @@ class StageServer:
                                    lambda: self.state is StageState.SERVING)
         self._server: asyncio.base_events.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._aux: set[asyncio.Task[Any]] = set()  # request timeouts in progress
+        self._aux: set[asyncio.Task[Any]] = set()  # request timeouts and computed frames' routing in progress
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
 
     @property
@@ -154,14 +154,18 @@ class StageServer:
                 self.counters.batched_frames += len(frames)
                 self.counters.max_batch = max(self.counters.max_batch, len(frames))
                 for it, out in zip(group, outs, strict=True):
-                    try:
-                        await self.router.emit(it, out)
-                    except Exception:  # one frame's routing failed: logged, the batcher serves on (it died before)
-                        log.exception("stage %s could not route the %s of request %s", self.name, out.kind.value,
-                                      out.request_id)
-                    finally:
-                        if it.origin is not None:
-                            it.origin.inflight -= 1
+                    # routed in a task of its own: a client that reads slowly (up to write_timeout_s) holds its own
+                    # answer, not the next batch of every other client (each connection's writes stay in order)
+                    self._spawn(self._emit(it, out))
+
+    async def _emit(self, it: WorkItem, out: Frame) -> None:
+        try:
+            await self.router.emit(it, out)
+        except Exception:  # one frame's routing failed: logged, the stage serves on (its compute loop died before)
+            log.exception("stage %s could not route the %s of request %s", self.name, out.kind.value, out.request_id)
+        finally:
+            if it.origin is not None:
+                it.origin.inflight -= 1
 
 
 # --- running a stage ---------------------------------------------------------------
