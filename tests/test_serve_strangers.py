@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import struct
 import time
 
@@ -15,7 +16,7 @@ from blocktrain.errors import ServeError, WireError
 from blocktrain.sampling import sample_rows
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.runtime.kvcache import CacheEntry, KVCache
-from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, decode_body, encode, frame_number, frame_param
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, decode_body, encode, frame_number, frame_param
 from tests.serve_sockets import TOKEN, closed, connect, open_stage, recv_frame, score, whole_span
 from tests.serve_utils import tiny_models
 
@@ -101,8 +102,6 @@ def test_a_client_that_stops_reading_holds_only_its_own_answer() -> None:
     """The compute loop sent each answer itself and waited for it to drain: a client that submits a large score and
     reads nothing held every other client's requests for the write timeout (30 s by default). Answers are sent in
     tasks of their own now; the other client is served at once."""
-    import socket
-
     cfg = MODELS[0]
     with open_stage(whole_span(MODELS), write_timeout_s=20.0) as st:
         slow = socket.socket()
@@ -119,3 +118,30 @@ def test_a_client_that_stops_reading_holds_only_its_own_answer() -> None:
             assert time.monotonic() - t0 < 5.0
         finally:
             slow.close()
+
+
+def test_the_entry_holds_a_bounded_number_of_requests_per_connection_and_in_all() -> None:
+    """Requests pending at the entry (their tensors kept for a retry) and frames queued from a connection were
+    unbounded: one client could submit until the host ran out of memory. Past the caps a frame gets OVERLOADED."""
+    from tests.serve_sockets import SlowSpan
+
+    x = torch.zeros(1, 8, dtype=torch.uint8)
+
+    def submit(s: socket.socket, rid: str) -> None:
+        s.sendall(encode(Frame(FrameKind.SUBMIT, rid, Mode.SCORE, params={"seed": 0}, tensors={"x": x})))
+
+    with open_stage(SlowSpan(whole_span(MODELS), delay_s=1.0), max_pending=2, max_pending_per_conn=1) as st, \
+            connect(st.address) as a, connect(st.address) as b, connect(st.address) as c:
+        submit(a, "a1")
+        submit(a, "a2")  # a second of this connection while its first is pending
+        got = recv_frame(a)
+        assert got is not None and got.request_id == "a2" and got.code is ErrorCode.OVERLOADED, got
+        submit(b, "b1")  # another connection: within the stage's cap
+        time.sleep(0.2)
+        submit(c, "c1")  # a third request: over the stage's cap of 2
+        got = recv_frame(c)
+        assert got is not None and got.request_id == "c1" and got.code is ErrorCode.OVERLOADED, got
+        for s, rid in ((a, "a1"), (b, "b1")):
+            got = recv_frame(s, timeout_s=10)
+            assert got is not None and got.request_id == rid and got.kind is FrameKind.RESULT, got
+        assert st.server.entry.pending_bytes == 0 and not st.server.entry.pending

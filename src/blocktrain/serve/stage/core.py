@@ -51,12 +51,19 @@ class WorkItem:
     frame: Frame
     origin: Conn | None  # connection it came in on (None: submitted here or re-entered locally)
     in_tag: int | None  # custody tag on that connection
+    nbytes: int = 0  # bytes of its tensors counted against the queue's cap until it is routed (0: not counted)
+
+
+def tensor_bytes(frame: Frame) -> int:
+    """Bytes of a frame's tensors (what a stage holds while it keeps the frame)."""
+    return sum(t.numel() * t.element_size() for t in frame.tensors.values())
 
 
 @dataclass
 class Pending:
     conn: Conn  # the client's connection
     submit: Frame  # the original request, kept for retries
+    nbytes: int = 0  # bytes of its tensors
     timer: asyncio.TimerHandle | None = None
     attempts: int = 0
     t0: float = field(default_factory=time.monotonic)

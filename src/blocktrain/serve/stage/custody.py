@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from blocktrain.serve.runtime import Span
-from blocktrain.serve.stage.core import WorkItem, ack, admit, log, reject
+from blocktrain.serve.stage.core import WorkItem, ack, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.entry import Entry
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind
 from blocktrain.serve.wire.links import Conn, Link
@@ -34,8 +34,11 @@ class Router:
     """
 
     def __init__(self, span: Span, entry: Entry, name: str, enqueue: Callable[[WorkItem], None],
-                 info: Callable[[], dict[str, Any]]) -> None:
+                 info: Callable[[], dict[str, Any]], max_queued: int = 1 << 30, max_queued_bytes: int = 1 << 62) -> None:
         self.span = span
+        self.max_queued = max_queued  # frames one connection may have queued or running here
+        self.max_queued_bytes = max_queued_bytes  # bytes of the frames queued from connections, all together
+        self.queued_bytes = 0
         self.entry = entry
         self.name = name
         self.enqueue = enqueue
@@ -61,8 +64,15 @@ class Router:
                 await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
                              f"request {frame.request_id!r} is not in flight at {self.name}")
             elif await admit(self.span, frame, conn):
+                n = tensor_bytes(frame)
+                if conn.inflight >= self.max_queued or self.queued_bytes + n > self.max_queued_bytes:
+                    await reject(conn, frame, ErrorCode.OVERLOADED, (
+                        f"stage {self.name} has {conn.inflight} frames of this connection and {self.queued_bytes} "
+                        "bytes queued; send it again once fewer are in flight"))
+                    return
                 conn.inflight += 1  # until the batch it joins has been emitted (keeps the idle timeout off)
-                self.enqueue(WorkItem(frame, conn, custody_tag(frame)))
+                self.queued_bytes += n
+                self.enqueue(WorkItem(frame, conn, custody_tag(frame), n))
         elif kind is FrameKind.RESULT:
             if self.entry.holds(frame.request_id):
                 tag = custody_tag(frame)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from blocktrain.serve.runtime import Span
-from blocktrain.serve.stage.core import Pending, Spawn, WorkItem, admit, log, reject
+from blocktrain.serve.stage.core import Pending, Spawn, WorkItem, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.options import StageOptions
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode
 from blocktrain.serve.wire.links import Conn
@@ -33,6 +33,7 @@ class Entry:
         self.enqueue = enqueue
         self.spawn = spawn
         self.pending: dict[str, Pending] = {}
+        self.pending_bytes = 0  # bytes of the pending requests' tensors
 
     def holds(self, rid: str) -> bool:
         """Whether request ``rid`` was given to this stage and is not answered yet."""
@@ -56,8 +57,17 @@ class Entry:
             return
         if not await admit(self.span, frame, conn):
             return
-        p = Pending(conn, frame)
+        n, mine = tensor_bytes(frame), sum(1 for p in self.pending.values() if p.conn is conn)
+        if (len(self.pending) >= self.opts.max_pending or mine >= self.opts.max_pending_per_conn
+                or self.pending_bytes + n > self.opts.buffer_bytes):
+            await reject(conn, frame, ErrorCode.OVERLOADED, (
+                f"stage {self.name} holds {len(self.pending)} requests ({mine} of this connection, "
+                f"{self.pending_bytes} bytes; at most {self.opts.max_pending}, {self.opts.max_pending_per_conn} and "
+                f"{self.opts.buffer_bytes}); send it again once fewer are in flight"))
+            return
+        p = Pending(conn, frame, nbytes=n)
         self.pending[frame.request_id] = p
+        self.pending_bytes += n
         self._arm(frame.request_id, p)
         self.enqueue(WorkItem(self._fresh(frame), None, None))
 
@@ -92,16 +102,20 @@ class Entry:
             self._arm(rid, p)
             self.enqueue(WorkItem(self._fresh(p.submit), None, None))
             return
-        del self.pending[rid]
-        if p.timer is not None:
-            p.timer.cancel()
+        self._drop(rid)
         err.params = {}
         await p.conn.send(err)
 
-    async def deliver(self, result: Frame) -> None:
-        p = self.pending.pop(result.request_id)
+    def _drop(self, rid: str) -> Pending:
+        """Request ``rid`` answered (or failed): no longer pending, its timer off, its bytes no longer held."""
+        p = self.pending.pop(rid)
+        self.pending_bytes -= p.nbytes
         if p.timer is not None:
             p.timer.cancel()
+        return p
+
+    async def deliver(self, result: Frame) -> None:
+        p = self._drop(result.request_id)
         result.params = {k: v for k, v in result.params.items() if k != "tag"}
         result.params["stage_seconds"] = time.monotonic() - p.t0
         if not await p.conn.send(result):

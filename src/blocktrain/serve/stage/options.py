@@ -42,6 +42,10 @@ class StageOptions:
     conn_buffer_bytes: int = DEFAULT_MAX_FRAME_BYTES  # bytes: the largest frame one connection may have buffered
     # bytes: frames buffered at once over all inbound connections, SMALL_FRAME_BYTES per connection set aside
     buffer_bytes: int = 4 * DEFAULT_MAX_FRAME_BYTES + 256 * SMALL_FRAME_BYTES
+    # requests held at once: at the entry, submitted and not yet answered (their tensors kept for a retry, at most
+    # buffer_bytes of them); at any stage, frames queued from one connection (at most buffer_bytes); more: OVERLOADED
+    max_pending: int = 1024
+    max_pending_per_conn: int = 256  # requests one connection may have pending at the entry at once
     token: str = field(default="", repr=False)  # shared secret a connection must send first in a HELLO ("" = none)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,10 @@ class StageOptions:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}; set {flag}")
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}; set --max-connections")
+        if self.max_pending < 1 or not 1 <= self.max_pending_per_conn <= self.max_pending:
+            raise ConfigError(f"max_pending ({self.max_pending}) and max_pending_per_conn ({self.max_pending_per_conn}) "
+                              "must be at least 1, the second at most the first; set --max-pending and "
+                              "--max-pending-per-conn")
         if self.conn_buffer_bytes < 12 + MAX_HEADER_BYTES:
             raise ConfigError(
                 f"conn_buffer_bytes ({self.conn_buffer_bytes}) must hold at least a frame with a full header "
