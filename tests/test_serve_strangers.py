@@ -145,3 +145,43 @@ def test_the_entry_holds_a_bounded_number_of_requests_per_connection_and_in_all(
             got = recv_frame(s, timeout_s=10)
             assert got is not None and got.request_id == rid and got.kind is FrameKind.RESULT, got
         assert st.server.entry.pending_bytes == 0 and not st.server.entry.pending
+
+
+class Poisoned:
+    """Wraps a span; a batch holding a frame with the ``poison`` parameter raises (a bad frame nothing caught)."""
+
+    def __init__(self, span: object) -> None:
+        self.span = span
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.span, name)
+
+    def run(self, frames: list[Frame]) -> list[Frame]:
+        if any("poison" in f.params for f in frames):
+            raise RuntimeError("poisoned")
+        return self.span.run(frames)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_one_bad_frame_fails_itself_not_its_batch_and_batches_are_bounded_in_rows() -> None:
+    """Frames of different clients run in one batch: an exception in it failed them all. The batch runs again frame by
+    frame, so only the bad one fails. And a batch holds at most --max-batch-rows sequences (16 frames of 64 rows ran
+    as one batch of 1,024)."""
+    x = torch.zeros(2, 8, dtype=torch.uint8)
+
+    def submit(s: socket.socket, rid: str, **params: object) -> None:
+        s.sendall(encode(Frame(FrameKind.SUBMIT, rid, Mode.SCORE, params={"seed": 0, **params}, tensors={"x": x})))
+
+    with open_stage(Poisoned(whole_span(MODELS)), batch_window_s=0.5) as st, \
+            connect(st.address) as a, connect(st.address) as b:
+        submit(a, "bad", poison=1)
+        submit(b, "good")
+        bad, good = recv_frame(a, timeout_s=10), recv_frame(b, timeout_s=10)
+        assert bad is not None and bad.code is ErrorCode.INTERNAL and "poisoned" in bad.error, bad
+        assert good is not None and good.kind is FrameKind.RESULT, good
+        assert st.server.counters.max_batch == 2  # they did run together first
+    with open_stage(whole_span(MODELS), batch_window_s=0.5, max_batch_rows=3) as st, \
+            connect(st.address) as a, connect(st.address) as b:
+        submit(a, "a")
+        submit(b, "b")
+        assert all(f is not None and f.kind is FrameKind.RESULT for f in (recv_frame(a), recv_frame(b)))
+        assert st.server.counters.max_batch == 1 and st.server.counters.batches == 2  # 2 + 2 rows > 3

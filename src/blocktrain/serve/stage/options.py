@@ -29,6 +29,7 @@ class StageOptions:
     link_delay_s: float = 0.0  # injected one-way delay on the forward link (benchmarks without netem)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # cap on header + payload of any frame
     max_batch: int = 16  # frames run together at most
+    max_batch_rows: int = 256  # sequences run together at most (a frame carries at most 64)
     batch_window_s: float = 0.0  # wait this long after the first frame for others to join its batch
     request_timeout_s: float = 60.0  # entry: deadline of a request (per attempt)
     retries: int = 1  # entry: re-runs of a deterministic request after a downstream failure
@@ -56,6 +57,9 @@ class StageOptions:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}; set {flag}")
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be at least 1, got {self.max_connections}; set --max-connections")
+        if self.max_batch < 1 or self.max_batch_rows < 1:
+            raise ConfigError(f"max_batch ({self.max_batch}) and max_batch_rows ({self.max_batch_rows}) must be at "
+                              "least 1; set --max-batch and --max-batch-rows")
         if self.max_pending < 1 or not 1 <= self.max_pending_per_conn <= self.max_pending:
             raise ConfigError(f"max_pending ({self.max_pending}) and max_pending_per_conn ({self.max_pending_per_conn}) "
                               "must be at least 1, the second at most the first; set --max-pending and "

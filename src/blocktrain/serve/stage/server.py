@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import threading
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -144,13 +144,14 @@ class StageServer:
             groups: dict[tuple[Any, ...], list[WorkItem]] = defaultdict(list)
             for it in items:
                 groups[self.span.batch_key(it.frame)].append(it)
-            for group in groups.values():
+            for group in (part for g in groups.values() for part in _by_rows(g, self.opts.max_batch_rows)):
                 frames = [it.frame for it in group]
                 try:
                     outs = await loop.run_in_executor(self._executor, self.span.run, frames)
-                except Exception as exc:  # a bug or bad input in compute: fail these requests, keep serving
-                    log.exception("stage %s failed on %d frame(s)", self.name, len(frames))
-                    outs = [f.reply_error(ErrorCode.INTERNAL, f"stage {self.name} failed: {exc!r}") for f in frames]
+                except Exception as exc:  # a bug or bad input in compute: each frame alone, so one fails only itself
+                    log.exception("stage %s failed on a batch of %d frame(s)", self.name, len(frames))
+                    outs = ([await self._alone(loop, f) for f in frames] if len(frames) > 1
+                            else [frames[0].reply_error(ErrorCode.INTERNAL, f"stage {self.name} failed: {exc!r}")])
                 self.counters.batches += 1
                 self.counters.batched_frames += len(frames)
                 self.counters.max_batch = max(self.counters.max_batch, len(frames))
@@ -158,6 +159,14 @@ class StageServer:
                     # routed in a task of its own: a client that reads slowly (up to write_timeout_s) holds its own
                     # answer, not the next batch of every other client (each connection's writes stay in order)
                     self._spawn(self._emit(it, out))
+
+    async def _alone(self, loop: asyncio.AbstractEventLoop, frame: Frame) -> Frame:
+        """``frame`` run by itself after its batch failed: its own answer, or its own error."""
+        try:
+            return (await loop.run_in_executor(self._executor, self.span.run, [frame]))[0]
+        except Exception as exc:
+            log.exception("stage %s failed on request %s", self.name, frame.request_id)
+            return frame.reply_error(ErrorCode.INTERNAL, f"stage {self.name} failed: {exc!r}")
 
     async def _emit(self, it: WorkItem, out: Frame) -> None:
         try:
@@ -168,6 +177,21 @@ class StageServer:
             self.router.queued_bytes -= it.nbytes
             if it.origin is not None:
                 it.origin.inflight -= 1
+
+
+def _by_rows(group: list[WorkItem], max_rows: int) -> Iterator[list[WorkItem]]:
+    """``group`` in runs of at most ``max_rows`` sequences (a frame with more runs alone)."""
+    part: list[WorkItem] = []
+    rows = 0
+    for it in group:
+        n = max((t.shape[0] for t in it.frame.tensors.values() if t.dim() > 0), default=1)
+        if part and rows + n > max_rows:
+            yield part
+            part, rows = [], 0
+        part.append(it)
+        rows += n
+    if part:
+        yield part
 
 
 # --- running a stage ---------------------------------------------------------------
