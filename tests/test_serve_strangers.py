@@ -185,3 +185,37 @@ def test_one_bad_frame_fails_itself_not_its_batch_and_batches_are_bounded_in_row
         submit(b, "b")
         assert all(f is not None and f.kind is FrameKind.RESULT for f in (recv_frame(a), recv_frame(b)))
         assert st.server.counters.max_batch == 1 and st.server.counters.batches == 2  # 2 + 2 rows > 3
+
+
+def test_a_next_stage_that_hangs_up_on_a_frame_fails_it_after_a_few_resends() -> None:
+    """A next stage that refuses a frame and closes (overloaded, its frame cap lower than ours) had the link resend it
+    at once, again and again, until the request timed out. A frame is resent at most MAX_RESENDS times, with backoff,
+    then failed: the client hears at once."""
+    import socketserver
+    import threading
+
+    from blocktrain.serve.wire.links import MAX_RESENDS
+    from tests.serve_utils import block_spans
+
+    accepted: list[int] = []
+
+    class HangsUp(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            accepted.append(1)
+            self.request.recv(65536)  # reads the frame, then closes without an answer
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), HangsUp)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cfg, blocks, _ = MODELS
+    span = block_spans(cfg, blocks, [(0, 1)])[0]
+    try:
+        with open_stage(span, next_stages=(server.server_address,), backoff_s=0.05, retries=0,
+                        request_timeout_s=30.0) as st:
+            t0 = time.monotonic()
+            with pytest.raises(ServeError, match="closed the connection"):
+                asyncio.run(score(st.address))
+            assert time.monotonic() - t0 < 10 and len(accepted) <= MAX_RESENDS + 2
+    finally:
+        server.shutdown()
+        server.server_close()

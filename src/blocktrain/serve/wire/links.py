@@ -217,6 +217,9 @@ class ByteBudget:
                 fut.set_result(None)
 
 
+MAX_RESENDS = 3  # times a frame is resent after the connection carrying it was lost, before it is failed
+
+
 class Link:
     """Persistent, custody-keeping connection to the next stage (with optional replicas)."""
 
@@ -253,6 +256,8 @@ class Link:
         self.conn: Conn | None = None
         self.unacked: OrderedDict[int, tuple[Frame, float]] = OrderedDict()  # tag -> (frame, time sent)
         self.written: set[int] = set()  # tags written on the current connection
+        self.resends: dict[int, int] = {}  # tag -> times resent after a connection carrying it was lost
+        self._failing: set[asyncio.Future[None]] = set()  # frames resent too often, being failed
         self._tags = itertools.count(1)
         self._queue: asyncio.Queue[tuple[float, int, Frame | None]] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
@@ -279,6 +284,7 @@ class Link:
     def release(self, tag: int) -> Frame | None:
         item = self.unacked.pop(tag, None)
         self.written.discard(tag)
+        self.resends.pop(tag, None)
         return item[0] if item else None
 
     async def close(self) -> None:
@@ -368,7 +374,16 @@ class Link:
             log.warning("connection to %s lost with %d frame(s) in custody; resending", self.target, len(tags))
             self.current = (self.current + 1) % len(self.targets)  # prefer a replica, come back later
         for t in tags:
-            self._queue.put_nowait((time.monotonic(), t, None))
+            n = self.resends[t] = self.resends.get(t, 0) + 1
+            if n > MAX_RESENDS:  # the next stage hangs up on this frame (it refuses it and closes): fail it
+                frame = self.release(t)
+                if frame is not None:
+                    task: asyncio.Future[None] = asyncio.ensure_future(self.on_undeliverable(
+                        frame, f"{self.target} closed the connection {n} times while it held the frame"))
+                    self._failing.add(task)
+                    task.add_done_callback(self._failing.discard)
+                continue
+            self._queue.put_nowait((time.monotonic() + self.backoff_s * (2 ** (n - 1) - 1), t, None))
         if tags and (self._sender is None or self._sender.done()):
             self._sender = asyncio.create_task(self._send_loop())
 
