@@ -14,6 +14,7 @@ from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.messages import WorkAnswer
 from blocktrain.worker.client import CoordinatorClient
+from blocktrain.worker.engines import DirectEngine
 from blocktrain.worker.loop import Recent, Worker
 from blocktrain.worker.options import WorkerOptions
 from tests.distributed_utils import corpus, make_coordinator, run_worker  # noqa: F401
@@ -98,4 +99,37 @@ def test_the_downloads_after_a_work_answer_count_against_its_deadline(tmp_path: 
     assert w.summary.rounds_cut == 1 and w.summary.rounds_pushed == 1
     rows = c.store.q("SELECT arrival_s FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 5.0, rows  # before the deadline, downloads and all
+    c.close()
+
+
+class NoMeanLands(DirectEngine):
+    """Its delta goes into a group mean that another member was to upload, and never does (the uploader left)."""
+
+    def __init__(self) -> None:
+        self.grouped = -1
+
+    def combine(self, delta: dict, samples: int, k: int, v: int, clock: object, each: int) -> None:  # type: ignore[override, type-arg]
+        self.grouped = v
+        return None
+
+    def waits_for_peers(self, v: int) -> bool:
+        return self.grouped == v
+
+
+class GroupedWorker(Worker):
+    def _register(self) -> None:
+        super()._register()
+        self.engine = NoMeanLands()
+
+
+def test_a_grouped_round_whose_mean_never_lands_is_pushed_alone_before_its_deadline(tmp_path: Path,
+                                                                                   corpus: DataDir) -> None:  # noqa: F811
+    """A member whose delta went into a group mean that another member was to upload dropped it and waited for the
+    next version: an uploader that left, was refused or never sent it cost the round all its members' training (and
+    held the round to its deadline). The member keeps its delta and pushes it alone as the deadline nears."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=6.0, eval_every=0, local_steps=4)
+    w = run_worker(c, GroupedWorker, corpus, tmp_path, "member", timeout=60)
+    assert w.summary.rounds_alone == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1
+    rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
+    assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] > 0, rows
     c.close()

@@ -51,7 +51,7 @@ from blocktrain.train.inner import InnerRounds, Snapshot
 from blocktrain.train.loop import Hook, ProgressHook, StepRecord
 from blocktrain.train.round import BlockTask, Targets, train_round
 from blocktrain.worker.client import UNSIZED_RESPONSE_BYTES, CoordinatorClient
-from blocktrain.worker.engines import Averaging, DirectEngine, Engine, HivemindEngine, RoundClock
+from blocktrain.worker.engines import Averaging, Combined, DirectEngine, Engine, HivemindEngine, RoundClock
 from blocktrain.worker.frozen import FrozenInputs
 from blocktrain.worker.options import WorkerOptions, WorkerSummary
 from blocktrain.worker.versions import fetch_version
@@ -77,6 +77,8 @@ class Worker:
         self._step_s = Recent()  # seconds a local step took, for the same margin
         self._work_at = time.monotonic()  # time.monotonic() of the last work answer (its deadline_in counts from it)
         self._claim_cap = 0  # samples one member of a group may claim this round (the work answer's steps x batch)
+        self._unsent: tuple[int, dict[str, torch.Tensor], int] | None = None  # a grouped round's (version, delta,
+        # samples), until its group's mean lands: pushed alone if it has not as the deadline nears
         self.steps_done = 0  # local steps of the current round
         self.engine: Engine = (HivemindEngine(opts.group_size, opts.matchmaking_s, opts.p2p_host, self.abandon)
                                if opts.averaging is Averaging.HIVEMIND else DirectEngine())  # how the delta is averaged
@@ -238,18 +240,26 @@ class Worker:
         local = trainable_state(self.block)
         return {n: local[n] - self.base[n] for n in self.base}, self.steps_done * self.cfg.train.batch_size
 
-    def _push(self) -> None:
+    def _push(self, unsent: tuple[dict[str, torch.Tensor], int] | None = None) -> None:
+        """Push this round's delta (or its group's mean); ``unsent``: the delta and samples of a round whose group
+        mean did not land, pushed alone before its deadline."""
         assert self.base is not None
         t_pack = time.monotonic()
-        delta, samples = self._delta()
-        # on a sharing round its moments travel with the delta
-        delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
-        clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s, self._beat)
-        combined = self.engine.combine(delta, samples, self.k, self.base_version, clock, self._claim_cap)
-        if combined is None:  # another member of its group uploads the mean
-            load_trainable(self.block, self.base)
-            self._kept_version = self.base_version
-            return
+        if unsent is None:
+            delta, samples = self._delta()
+            # on a sharing round its moments travel with the delta
+            delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
+            clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s,
+                               self._beat)
+            combined = self.engine.combine(delta, samples, self.k, self.base_version, clock, self._claim_cap)
+            if combined is None:  # another member of its group uploads the mean; kept in case it never lands
+                self._unsent = (self.base_version, delta, samples)
+                load_trainable(self.block, self.base)
+                self._kept_version = self.base_version
+                return
+        else:
+            combined = Combined(*unsent)
+        self._unsent = None
         group = combined.members
         samples = combined.samples
         delta = {n: t for n, t in combined.delta.items() if not n.startswith(self.inner_start.shares)}
@@ -361,6 +371,10 @@ class Worker:
                 if work.version != self.base_version or work.weights_sha != self.base_sha:
                     self._sync(work)  # a new version, or version 0 replaced by a warm start as the block opened
                     continue
+                if self._unsent is not None and self._unsent[0] != work.version:
+                    self._unsent = None  # its round closed: the group's mean landed, or the round went on without it
+                if self._alone_now(work):
+                    continue
                 if work.block_state is BlockState.WAITING and not waiting:
                     log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
                 waiting = work.block_state is BlockState.WAITING
@@ -380,6 +394,20 @@ class Worker:
         if isinstance(self.engine, HivemindEngine):
             self.summary.peer_pulls, self.summary.rounds_grouped = self.engine.peer_pulls, self.engine.rounds_grouped
         return self.summary
+
+    def _alone_now(self, work: WorkAnswer) -> bool:
+        """Whether it pushed alone now the delta of a round whose group mean has not landed as its deadline nears
+        (its uploader left, was refused, or never sent it): else that round's training would never count."""
+        if (self._unsent is None or work.round_state is not RoundState.OPEN or work.submitted
+                or work.deadline_in > self._push_margin() + 2 * self.opts.poll_s):
+            return False
+        _, delta, samples = self._unsent
+        log.warning("block %d v%d: its group's mean has not reached the coordinator %.1f s before the deadline; "
+                    "pushing its own delta", self.k, self.base_version, work.deadline_in)
+        self._deadline_at = self._work_at + work.deadline_in
+        self.summary.rounds_alone += 1
+        self._push((delta, samples))
+        return True
 
     def _renew_p2p(self) -> None:
         """A new DHT token from the coordinator, two days before its own expires: an answer that gives none (an older

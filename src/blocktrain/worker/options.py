@@ -66,5 +66,6 @@ class WorkerSummary:
     rounds_cut: int = 0  # rounds pushed with fewer than H steps because the deadline was near
     groups_uploaded: int = 0  # hivemind engine: group means this worker uploaded
     rounds_grouped: int = 0  # hivemind engine: rounds whose delta another member uploaded in its group's mean
+    rounds_alone: int = 0  # hivemind engine: grouped rounds whose mean had not landed near the deadline, pushed alone
     peer_pulls: int = 0  # hivemind engine: published versions fetched from a peer (hash-checked), not the coordinator
     audits: int = 0  # pushes the coordinator audited (this worker uploaded its inner state for a replay)
