@@ -123,10 +123,10 @@ def _register(c: object, names: list[str], keys: list[RSAPrivateKey]) -> list[by
 
 
 def _group_body(c: object, names: list[str], keys: list[RSAPrivateKey], peers: list[str], delta_scale: float,
-                v: int = 0, samples: int | list[int] = 8, signed_as: list[str] | None = None) -> bytes:
+                v: int = 0, samples: int | list[int] = 8, signed_as: list[str] | None = None, seed: int = 0) -> bytes:
     run = c.hub.run  # type: ignore[attr-defined]
     shapes = c.block_shapes[0]  # type: ignore[attr-defined]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     delta = {n: delta_scale * torch.randn(s, generator=g) for n, s in shapes.items()}  # scale 0: no change
     claims = samples if isinstance(samples, list) else [samples] * len(peers)
     members = [GroupMember(p, n, name, Card.make(k, b"", s, round_scope(run, 0, v)).proof)
@@ -247,6 +247,34 @@ def test_one_hostile_uploader_cannot_get_honest_members_quarantined(tmp_path: Pa
         assert c.store.conduct.refused_groups("solo") == 0
     finally:
         c.close()
+
+
+def test_group_means_are_judged_apart_from_single_workers_pushes(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A mean of n deltas has a smaller norm than one delta: in one history with the group means, a member's solo push
+    (its group did not form, or its mean did not land) sat above 3x their median and was refused as NORM, which
+    counts toward quarantine. Group means have their own norm and loss-rise histories, restored after a restart."""
+    settings: dict[str, Any] = dict(hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1", rounds=3,
+                                    gate=False, eval_every=0)
+    c = make_coordinator(tmp_path / "run", corpus, **settings)
+    try:
+        names = ["w1", "w2", "w3", "w4"]
+        _register(c, names, KEYS)
+        each = c.uploads.budget(0, [])  # whole rounds: they join the histories
+        for i, (pair, keys, peers) in enumerate(((names[:2], KEYS[:2], ["PA", "PB"]), (names[2:], KEYS[2:], ["PC", "PD"]))):
+            assert c.submit(pair[0], 0, _group_body(c, pair, keys, peers, 1e-3, samples=each, seed=10 + i)).accepted
+        assert c.version[0] == 1 and len(c.intake._group_norms[0]) == 2 and not c.intake._norms[0]
+        g = torch.Generator().manual_seed(20)
+        alone = {n: 4e-3 * torch.randn(s, generator=g) for n, s in c.block_shapes[0].items()}  # 4x a mean's norm
+        body = pack_delta(alone, Compression.NONE, block=0, base_version=1, base_sha=c.weights_sha[0], samples=each)
+        assert c.submit("w1", 0, body).accepted  # refused as NORM in a shared history
+        assert len(c.intake._norms[0]) == 1 and len(c.intake._group_norms[0]) == 2
+    finally:
+        c.close()
+    again = make_coordinator(tmp_path / "run", corpus, **settings)
+    try:
+        assert len(again.intake._norms[0]) == 1 and len(again.intake._group_norms[0]) == 2
+    finally:
+        again.close()
 
 
 def test_a_restart_finishes_a_group_quarantine_a_crash_cut_short(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811

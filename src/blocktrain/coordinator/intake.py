@@ -99,6 +99,7 @@ class Checked:
     replay_cos: float | None = None  # the largest sketch cosine with the block's accepted deltas (None: none yet)
     outlier: bool = False  # its norm or its loss rise is unusual for the block: audited more often (settings)
     full: bool = True  # it claims at least half its budget (FULL_CLAIM): its norm and loss rise join the histories
+    grouped: bool = False  # a group's mean: judged by, and joining, the histories of group means
 
     @property
     def rise(self) -> float | None:
@@ -194,6 +195,10 @@ class Intake:
         self.evaluator = evaluator if settings.gate and evaluator is not None and evaluator.valid is not None else None
         self._norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in shapes}
         self._rises: dict[int, deque[float]] = {k: deque(maxlen=settings.gate_history) for k in shapes}
+        # group means' own histories (hivemind): a mean of n deltas has a smaller norm and loss rise than one delta, so
+        # in a shared history its members' solo pushes (when their group did not form) were refused as NORM or GATE
+        self._group_norms: dict[int, deque[float]] = {k: deque(maxlen=settings.norm_history) for k in shapes}
+        self._group_rises: dict[int, deque[float]] = {k: deque(maxlen=settings.gate_history) for k in shapes}
         self._sketchers = {k: CountSketch(sh, settings.sketch_dim, seed=k) for k, sh in shapes.items()}
         self._sketches = {k: SketchRows(settings.sketch_dim) for k in shapes}  # the accepted deltas' sketches
         self._before: dict[tuple[int, str], float] = {}  # (block, weights and frozen sha) -> held-out loss at W_v
@@ -206,8 +211,13 @@ class Intake:
     def gating(self) -> bool:
         return self.evaluator is not None
 
-    def view(self, base: Published) -> IntakeView:
-        """The snapshot the checks of an update against ``base`` read; computes the held-out loss at ``base`` once."""
+    def _history(self, k: int, grouped: bool) -> tuple[deque[float], deque[float]]:
+        """Block k's (norms, rises) of single workers' pushes, or of group means."""
+        return (self._group_norms[k], self._group_rises[k]) if grouped else (self._norms[k], self._rises[k])
+
+    def view(self, base: Published, grouped: bool = False) -> IntakeView:
+        """The snapshot the checks of an update against ``base`` read (``grouped``: a group's mean, judged against
+        group means); computes the held-out loss at ``base`` once."""
         k = base.block
         before = None
         if self.evaluator is not None:
@@ -222,7 +232,8 @@ class Intake:
                 self._before[key] = before
             if not math.isfinite(before):
                 before = None
-        return IntakeView(tuple(self._norms[k]), self.tolerance(k), self._sketches[k].rows(), before)
+        return IntakeView(tuple(self._history(k, grouped)[0]), self.tolerance(k, grouped), self._sketches[k].rows(),
+                          before)
 
     def check(self, upd: ParsedUpdate, base: Published, budget: int, view: IntakeView | None = None,
               lr_scale: float = 1.0) -> Checked:
@@ -252,18 +263,18 @@ class Intake:
         s = self.settings
         outlier = ((len(view.norms) >= s.norm_min_history and norm > s.audit_outlier_ratio * statistics.median(view.norms))
                    or (gate is not None and gate[1] - gate[0] > 0.5 * view.tolerance))
-        return Checked(norm, sketch, gate, cos, outlier, full_claim(upd.samples, budget))
+        return Checked(norm, sketch, gate, cos, outlier, full_claim(upd.samples, budget), bool(upd.group))
 
     def check_replay(self, k: int, sketch: torch.Tensor) -> float | None:
         """The replay check against every sketch block k has accepted by now (under the lock that accepts)."""
         return replay_cosine(k, sketch, self._sketches[k].rows(), self.settings)
 
-    def tolerance(self, k: int) -> float:
-        """The gate's tolerance for block k now (nats)."""
+    def tolerance(self, k: int, grouped: bool = False) -> float:
+        """The gate's tolerance for block k now (nats), for a single worker's push or a group's mean."""
         s = self.settings
         if s.gate_tolerance is not None:
             return s.gate_tolerance
-        rises = self._rises[k]
+        rises = self._history(k, grouped)[1]
         if len(rises) < s.gate_min_history:  # too few honest rises known to calibrate on: a loose start
             return max(s.gate_floor, s.gate_start)
         med = statistics.median(rises)
@@ -287,7 +298,7 @@ class Intake:
         neither."""
         self.remember_sketch(k, checked.sketch)
         if not checked.full:
-            if not self._norms[k] and k not in self._partial_warned:
+            if not self._history(k, checked.grouped)[0] and k not in self._partial_warned:
                 self._partial_warned.add(k)
                 log.warning("block %d: accepted a push claiming less than half its budget before any whole one; the "
                             "norm bound and the gate's calibration wait for pushes of at least half a round (if every "
@@ -297,11 +308,11 @@ class Intake:
         if held is not None:
             self.hold(held, k, checked.norm, rise)
         else:
-            self._count(k, checked.norm, rise)
+            self._count(k, checked.norm, rise, checked.grouped)
 
     def hold(self, held: Hashable, k: int, norm: float, rise: float | None = None) -> None:
         """Keep a push's norm (per unit of lr) and loss rise under ``held`` until its audit is decided (also an audit
-        restored after a restart)."""
+        restored after a restart; only single workers' pushes are audited)."""
         self._held[held] = (k, norm, rise)
 
     def release(self, held: Hashable, passed: bool) -> None:
@@ -311,10 +322,11 @@ class Intake:
         if entry is not None and passed:
             self._count(*entry)
 
-    def _count(self, k: int, norm: float, rise: float | None) -> None:
-        self._norms[k].append(norm)
+    def _count(self, k: int, norm: float, rise: float | None, grouped: bool = False) -> None:
+        norms, rises = self._history(k, grouped)
+        norms.append(norm)
         if rise is not None:
-            self._rises[k].append(rise)
+            rises.append(rise)
 
     def count(self, seconds: float) -> None:
         """One update went through :meth:`check`, taking ``seconds``."""
@@ -322,12 +334,14 @@ class Intake:
         self.seconds += seconds
 
     def restore(self, k: int, norms: Sequence[float], sketches: Iterable[torch.Tensor],
-                rises: Sequence[float] = ()) -> None:
+                rises: Sequence[float] = (), group_norms: Sequence[float] = (), group_rises: Sequence[float] = ()) -> None:
         """Block k's history again after a restart: its recent accepted norms per unit of lr and loss rises (oldest
-        first) and the sketch of every accepted delta (taken one at a time: a long run's deltas do not fit in memory
-        together)."""
+        first; single workers' pushes, and group means') and the sketch of every accepted delta (taken one at a time:
+        a long run's deltas do not fit in memory together)."""
         self._norms[k].extend(norms)
         self._rises[k].extend(rises)
+        self._group_norms[k].extend(group_norms)
+        self._group_rises[k].extend(group_rises)
         for sketch in sketches:
             self.remember_sketch(k, sketch)
 

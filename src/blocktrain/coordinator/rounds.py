@@ -96,13 +96,21 @@ class Rounds:
                 ck.save_checkpoint(k)
                 continue
             v = ck.resume(k, row)
-            norms = [n / self.lr_scale(k, v) for v, n in s.updates.recent_norms(k, self.settings.norm_history)[::-1]]
-            rises = s.updates.recent_rises(k, self.settings.gate_history)[::-1]
-            self.intake.restore(k, norms, self._sketches(k), rises)  # the replay check knows every accepted delta again
+            norms, rises = self._histories(k, grouped=False)
+            group_norms, group_rises = self._histories(k, grouped=True)
+            self.intake.restore(k, norms, self._sketches(k), rises,  # the replay check knows every accepted delta again
+                                group_norms, group_rises)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
                 ck.warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
+
+    def _histories(self, k: int, grouped: bool) -> tuple[list[float], list[float]]:
+        """Block k's recent norms per unit of lr and loss rises, oldest first, of single workers' pushes or of group
+        means: what the intake judged the next ones by before a restart."""
+        s, cfg = self.store.updates, self.settings
+        norms = [n / self.lr_scale(k, v) for v, n in s.recent_norms(k, cfg.norm_history, grouped)[::-1]]
+        return norms, s.recent_rises(k, cfg.gate_history, grouped)[::-1]
 
     def _sketches(self, k: int) -> Iterator[torch.Tensor]:
         """The count sketch of every update of block k ever accepted, oldest first: its stored sketch, else (a row from

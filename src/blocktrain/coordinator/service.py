@@ -245,7 +245,7 @@ class Coordinator:
                 return resend
             members = up.members(name, upd)
             base = self.checkpoints.published(k)
-            view = self.intake.view(base)
+            view = self.intake.view(base, grouped=bool(members))
             scale = self.rounds.lr_scale(k, upd.base_version)
         t0 = time.perf_counter()
         try:  # unlocked: budget, norm, replay and the loss gate, on the snapshot

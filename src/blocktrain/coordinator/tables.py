@@ -39,6 +39,8 @@ from blocktrain.protocol.delta import Compression
 # from before the column), and not awaiting an audit (held again until it is decided)
 _RESTORED = ("block=? AND state != ? AND counted IS NOT 0 AND NOT EXISTS (SELECT 1 FROM audits a WHERE "
              "a.worker = u.worker AND a.block = u.block AND a.version = u.version)")
+# an update that is a group's mean (hivemind): its uploader recorded the group's members for its round
+_GROUP_MEAN = "EXISTS (SELECT 1 FROM group_members g WHERE g.block = u.block AND g.version = u.version AND g.uploader = u.worker)"
 
 
 def hash_token(token: str) -> str:
@@ -353,11 +355,12 @@ class UpdateTable:
     def set_update_state(self, ids: list[int], state: UpdateState) -> None:
         self.db.executemany("UPDATE updates SET state=? WHERE id=?", [(state.value, i) for i in ids])
 
-    def recent_rises(self, k: int, n: int) -> list[float]:
+    def recent_rises(self, k: int, n: int, grouped: bool = False) -> list[float]:
         """The gate's loss rises (nats) of the ``n`` latest updates of block k that have one, newest first, chosen as
         :meth:`recent_norms` chooses its updates: what a restart restores to the gate's calibration."""
-        rows = self.db.q(f"SELECT rise FROM updates u WHERE {_RESTORED} AND rise IS NOT NULL ORDER BY id DESC LIMIT ?",
-                         k, UpdateState.DROPPED.value, n)
+        kind = _GROUP_MEAN if grouped else f"NOT {_GROUP_MEAN}"
+        rows = self.db.q(f"SELECT rise FROM updates u WHERE {_RESTORED} AND {kind} AND rise IS NOT NULL ORDER BY id "
+                         "DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
         return [float(r["rise"]) for r in rows]
 
     def held_entry(self, k: int, v: int, worker: str) -> tuple[bool, float | None]:
@@ -368,14 +371,16 @@ class UpdateTable:
             return False, None
         return row["counted"] != 0, None if row["rise"] is None else float(row["rise"])
 
-    def recent_norms(self, k: int, n: int) -> list[tuple[int, float]]:
+    def recent_norms(self, k: int, n: int, grouped: bool = False) -> list[tuple[int, float]]:
         """(version, norm) of the ``n`` latest updates of block k a restart restores to the intake's history, newest
         first: not a dropped one (its worker was quarantined, a failed audit among the reasons; a coordinator that
         never restarted keeps the norm of one dropped for its worker's refusals), nor one whose audit is pending (held
         again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one that did not count
-        (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`)."""
-        rows = self.db.q(f"SELECT version, norm FROM updates u WHERE {_RESTORED} ORDER BY id DESC LIMIT ?", k,
-                         UpdateState.DROPPED.value, n)
+        (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`);
+        single workers' pushes, or (``grouped``) group means."""
+        kind = _GROUP_MEAN if grouped else f"NOT {_GROUP_MEAN}"
+        rows = self.db.q(f"SELECT version, norm FROM updates u WHERE {_RESTORED} AND {kind} ORDER BY id DESC LIMIT ?",
+                         k, UpdateState.DROPPED.value, n)
         return [(int(r["version"]), float(r["norm"])) for r in rows]
 
     def record_seed(self, worker: str, k: int, v: int, seed: int, stream: int) -> None:
