@@ -178,8 +178,10 @@ def test_the_coordinator_checks_a_group_upload_and_quarantines_members_of_refuse
             c.register("w2", 0)
         with pytest.raises(ProtocolError, match="quarantined"):  # and no group naming it counts
             c.submit("w3", 0, _group_body(c, names[1:], KEYS[1:3], ["PB", "PC"], 0.0, v=1))
-        # their DHT tokens stay valid until they expire: every work answer names them, whose cards no longer count
+        # their DHT tokens stay valid until they expire: every work answer names them, whose cards no longer count,
+        # and the run's DHT peer refuses their requests (its authoriser, in the DHT's own process)
         assert set(c.work("w3").revoked) == {"w1", "w2"}
+        assert c.hub.dht.run_coroutine(_revoked_in_dht) == ["w1", "w2"]
         c.add_token("w4")
         c.register("w4", 0)  # a worker that pushes its own deltas is told nothing of them
         assert c.work("w4").revoked == ()
@@ -297,6 +299,22 @@ def test_a_restart_finishes_a_group_quarantine_a_crash_cut_short(tmp_path: Path,
         assert set(again.conduct.revoked) == {"w1", "w2"}
     finally:
         again.close()
+
+
+async def _revoked_in_dht(dht: object, node: Any) -> list[str]:
+    return sorted(node.protocol.authorizer.revoked)
+
+
+def test_a_quarantined_worker_s_token_opens_no_dht_peer_that_knows_of_its_quarantine() -> None:
+    """A quarantined worker's DHT token is valid for up to 30 days: it could still read and write the run's DHT keys
+    (announce itself to every group and never join, stalling them). A peer told of the quarantine refuses it."""
+    authority = Authority(KEYS[0])
+    own = authority.issue("w1", KEYS[1].get_public_key().to_bytes())
+    other = parse_token(authority.issue("w2", KEYS[2].get_public_key().to_bytes()))
+    authorizer = PeerAuthorizer(KEYS[1], own, authority.public_key)
+    assert other is not None and authorizer.is_token_valid(other)
+    authorizer.revoked = frozenset({"w2"})
+    assert not authorizer.is_token_valid(other)
 
 
 def test_a_group_with_a_quarantined_member_is_not_used() -> None:

@@ -69,6 +69,16 @@ class PeerHub:
 
         return {"token": base64.b64encode(self.authority.issue(worker, public_key.encode())).decode(), **self.status()}
 
+    def revoke(self, workers: list[str]) -> None:
+        """The run's DHT peer refuses the requests of these quarantined workers (their tokens stay valid until they
+        expire); handed to its process without waiting (called under the coordinator's lock), logged if it fails."""
+        from blocktrain.p2p.groups import revoke_in
+
+        try:
+            revoke_in(self.dht, frozenset(workers), timeout_s=None)
+        except Exception as exc:
+            log.warning("could not hand the quarantined workers to the DHT process: %s", exc)
+
     def status(self) -> dict[str, Any]:
         return {"run": self.run, "initial_peers": self.initial_peers, "authority": self.authority.public_key.decode()}
 

@@ -49,7 +49,18 @@ from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState
-from blocktrain.protocol.messages import AuditAnswer, Heartbeat, Left, P2PToken, PushAnswer, Registration, WorkAnswer
+from blocktrain.protocol.messages import (
+    CLOCK_SKEW_S,
+    MAX_REVOKED,
+    P2P_TOKEN_TTL_S,
+    AuditAnswer,
+    Heartbeat,
+    Left,
+    P2PToken,
+    PushAnswer,
+    Registration,
+    WorkAnswer,
+)
 from blocktrain.protocol.status import Status
 
 log = logging.getLogger(__name__)
@@ -78,7 +89,7 @@ class Coordinator:
         self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store)
         self.intake = Intake(self.settings, self.checkpoints.block_shapes, self.evaluator)  # what every update passes
         self.conduct = Conduct(self.settings, self.store,  # rate limit and quarantine, which ends the audits it awaits
-                               on_quarantine=lambda name: self.uploads.forget_audits(name))
+                               on_quarantine=self._quarantined)
         if self.settings.gate and not self.intake.gating:
             log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
         self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
@@ -98,6 +109,19 @@ class Coordinator:
             self.rounds.start(self.clock())
             self.uploads.restore_audits(self.clock())
             self.conduct.finish_group_quarantines(self.clock())  # a crash between a group refusal and its quarantine
+            self._revoke_in_dht()
+
+    def _quarantined(self, name: str) -> None:
+        """(Locked.) What a quarantine of ``name`` ends beyond its token: the audits that await its uploads, and (with
+        --hivemind) its access to the run's DHT."""
+        self.uploads.forget_audits(name)
+        self._revoke_in_dht()
+
+    def _revoke_in_dht(self) -> None:
+        """(Locked.) The run's DHT peer refuses the quarantined workers whose tokens may still be valid."""
+        if self.hub is not None:
+            since = self.clock() - P2P_TOKEN_TTL_S - CLOCK_SKEW_S
+            self.hub.revoke(self.store.conduct.revoked_peers(MAX_REVOKED, since))
 
     # --- read-only views (tests, benchmarks, the HTTP layer's caps) -----------------------
     @property

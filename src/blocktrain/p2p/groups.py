@@ -242,6 +242,17 @@ class GroupAverager:
         self.dht.run_coroutine(partial(_renew_in_dht, token), return_future=True).result(timeout=timeout_s)
         self.token = token
 
+    def revoke(self, workers: frozenset[str]) -> None:
+        """Quarantined workers (the coordinator's work answer): no member of a group this worker uses, and refused by
+        its DHT process (pushed there when the list changes; a failure is logged and tried at the next change)."""
+        if workers == self.revoked:
+            return
+        self.revoked = workers
+        try:
+            revoke_in(self.dht, workers)
+        except Exception as exc:  # the DHT process busy or gone: its groups still drop their cards
+            log.warning("could not hand the revoked workers to the DHT process: %s", exc)
+
     def close_averager(self) -> None:
         if self._averager is not None:
             self._averager.shutdown()
@@ -275,6 +286,23 @@ class GroupAverager:
                 return None
             members.append(GroupMember(peer, int(data["samples"]), worker, card.proof))
         return sorted(members, key=lambda m: m.peer)
+
+
+def revoke_in(dht: hivemind.DHT, workers: frozenset[str], timeout_s: float | None = 10.0) -> None:
+    """The DHT process of ``dht`` refuses the requests of ``workers`` (quarantined: their tokens stay valid until
+    they expire, and opened the DHT meanwhile; a hostile one could stall every group by announcing itself); waited
+    for at most ``timeout_s`` (None: not waited for, from under a lock)."""
+    future = dht.run_coroutine(partial(_revoke_in_dht, workers), return_future=True)
+    if timeout_s is not None:
+        future.result(timeout=timeout_s)
+
+
+async def _revoke_in_dht(workers: frozenset[str], dht: hivemind.DHT, node: Any) -> None:
+    """In the DHT's own process (``DHT.run_coroutine``): its authoriser refuses ``workers``' tokens from now on."""
+    authorizer = node.protocol.authorizer
+    if not isinstance(authorizer, PeerAuthorizer):
+        raise TypeError(f"this DHT signs with {type(authorizer).__name__}, not BlockTrain's PeerAuthorizer")
+    authorizer.revoked = workers
 
 
 async def _renew_in_dht(token: bytes, dht: hivemind.DHT, node: Any) -> None:

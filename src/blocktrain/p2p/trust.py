@@ -114,6 +114,7 @@ class PeerAuthorizer(TokenAuthorizerBase):
         self._token = parsed
         self._authority = authority
         self._issuer = issuer
+        self.revoked: frozenset[str] = frozenset()  # quarantined workers: their still-valid tokens open nothing here
 
     def renew(self, token: bytes) -> None:
         """Sign this peer's traffic with ``token`` from now on (the coordinator's new token for the same key)."""
@@ -128,7 +129,7 @@ class PeerAuthorizer(TokenAuthorizerBase):
         return self._token
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
-        return verified_token(access_token, self._authority)
+        return access_token.username not in self.revoked and verified_token(access_token, self._authority)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         """hivemind's question about the token it signs with: a newer one was handed over, or this peer signs its

@@ -219,7 +219,7 @@ class HivemindEngine:
         """A quarantined worker's DHT token stays valid until it expires, so it may still find groups: its card no
         longer counts, and a group it joins is not used (its members upload alone, which the coordinator takes)."""
         if self.groups is not None:
-            self.groups.revoked = frozenset(workers)
+            self.groups.revoke(frozenset(workers))
 
     def combine(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, clock: RoundClock,
                 each: int) -> Combined | None:
