@@ -301,6 +301,22 @@ def test_a_restart_finishes_a_group_quarantine_a_crash_cut_short(tmp_path: Path,
         again.close()
 
 
+def test_a_restarted_coordinator_s_dht_peer_is_where_the_workers_left_it(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A restarted coordinator's DHT peer had a new identity on a new port: the workers already in the run never
+    found it again, and the workers registered since formed a second DHT apart from them. Its identity and port are
+    kept with the run."""
+    settings: dict[str, Any] = dict(hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1", eval_every=0)
+    c = make_coordinator(tmp_path / "run", corpus, **settings)
+    assert c.hub is not None
+    first = list(c.hub.initial_peers)
+    c.close()
+    again = make_coordinator(tmp_path / "run", corpus, **settings)
+    try:
+        assert again.hub is not None and again.hub.initial_peers == first
+    finally:
+        again.close()
+
+
 async def _revoked_in_dht(dht: object, node: Any) -> list[str]:
     return sorted(node.protocol.authorizer.revoked)
 

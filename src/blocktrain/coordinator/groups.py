@@ -47,9 +47,29 @@ class PeerHub:
         key = load_key(run_root / "coordinator" / "authority.der")
         self.authority = Authority(key)
         own = self.authority.issue("coordinator", key.get_public_key().to_bytes())
-        self.dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/0"],
-                                authorizer=PeerAuthorizer(key, own, self.authority.public_key, issuer=self.authority))
+        # the same peer id and port after a restart, so the workers already in the run find it where they left it
+        # (with new ones they would have formed a second DHT with the workers registered since)
+        identity = str(run_root / "coordinator" / "dht.identity")
+        port = store.meta.get_meta("p2p_port") or "0"
+
+        def start(port: str) -> hivemind.DHT:
+            authorizer = PeerAuthorizer(key, own, self.authority.public_key, issuer=self.authority)
+            return hivemind.DHT(start=True, host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity,
+                                authorizer=authorizer)
+
+        try:
+            self.dht = start(port)
+        except Exception as exc:
+            if port == "0":
+                raise
+            log.warning("the run's DHT port %s is taken (%s); it starts on another one: running workers join it again "
+                        "when they next register", port, exc)
+            self.dht = start("0")
         self.initial_peers = [str(a) for a in self.dht.get_visible_maddrs()]
+        bound = next((a.split("/tcp/")[1].split("/")[0] for a in self.initial_peers if "/tcp/" in a), "0")
+        if bound != port:
+            with store.tx():
+                store.meta.set_meta("p2p_port", bound)
         log.info("hivemind DHT up; workers join it at %s", ", ".join(self.initial_peers))
 
     def admit(self, worker: str, public_key: str) -> dict[str, Any]:
