@@ -501,6 +501,44 @@ def test_an_audit_upload_still_arriving_at_its_deadline_is_not_late(tmp_path: Pa
     c.close()
 
 
+def test_an_upload_window_is_kept_by_a_resend_and_not_stretched_by_restarts(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The upload window of an audit: a resend on a new connection while the first upload still arrives keeps it (the
+    first one's cut ended it, and the worker was quarantined mid-upload); uploads begun and cut again and again do not
+    stretch it past upload_timeout_s after the first began (they held the round as long as they went on); and an
+    upload begun after the audit's deadline is refused (408)."""
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, upload_timeout_s=100,
+                         lease_seconds=3600, **AUDIT_ALL)
+    with TestClient(create_app(c, background=False)) as client:
+        for name in ("resends", "restarts", "late"):
+            headers = {"Authorization": f"Bearer {c.add_token(name)}"}
+            assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+            w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+            delta = {n: 1e-3 * torch.randn(s, generator=torch.Generator().manual_seed(len(name)))
+                     for n, s in c.block_shapes[0].items()}
+            r = client.post("/v1/blocks/0/updates", headers=headers, content=pack_delta(
+                delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
+                samples=w.sequences, state_sha=state_sha({})))
+            assert r.status_code == 202 and r.json()["audit"] is True, r.text
+    c.expect_audit("resends", 0, 0)  # the first upload stalls; the client resends on a new connection
+    c.expect_audit("resends", 0, 0)
+    c.audit_upload_cut("resends", 0, 0)  # the first connection's end
+    c.expect_audit("restarts", 0, 0)
+    c.audit_upload_cut("restarts", 0, 0)
+    clock.advance(31)  # past the audits' deadline
+    c.expect_audit("restarts", 0, 0)  # begun again within its window: allowed
+    with pytest.raises(ProtocolError) as late:
+        c.expect_audit("late", 0, 0)  # its first upload begins after the deadline
+    assert late.value.status == 408
+    c.tick()
+    assert not c.conduct.quarantined("resends") and not c.conduct.quarantined("restarts")
+    assert c.conduct.quarantined("late")
+    clock.advance(70)  # 101 s after the first uploads began: past their window, arriving or not
+    c.tick()
+    assert c.conduct.quarantined("resends") and c.conduct.quarantined("restarts")
+    c.close()
+
+
 def test_no_audit_without_a_state_commitment_or_at_fraction_zero(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **{**AUDIT_ALL, "audit_fraction": 0.0})
     headers = {"Authorization": f"Bearer {c.add_token('a')}"}

@@ -279,6 +279,28 @@ def test_group_means_are_judged_apart_from_single_workers_pushes(tmp_path: Path,
         again.close()
 
 
+def test_the_first_group_means_are_judged_by_single_workers_pushes(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Until group means have a history of their own, a mean is judged against single workers' pushes (its norm is
+    at most its largest member's): the first means were judged against nothing, and set the median the next ones
+    were judged by."""
+    c = make_coordinator(tmp_path / "run", corpus, hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1",
+                         rounds=3, gate=False, eval_every=0, quarantine_after=0)
+    try:
+        names = ["w1", "w2", "w3", "w4"]
+        _register(c, names, KEYS)
+        each = c.uploads.budget(0, [])
+        for i, name in enumerate(names[:2]):
+            g = torch.Generator().manual_seed(30 + i)
+            delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.block_shapes[0].items()}
+            assert c.submit(name, 0, pack_delta(delta, Compression.NONE, block=0, base_version=0,
+                                                base_sha=c.weights_sha[0], samples=each)).accepted
+        with pytest.raises(ProtocolError) as exc:  # 40x the single pushes' norm
+            c.submit("w3", 0, _group_body(c, names[2:], KEYS[2:], ["PC", "PD"], 4e-2, samples=each, seed=40))
+        assert exc.value.reason == "norm"
+    finally:
+        c.close()
+
+
 def test_a_restart_finishes_a_group_quarantine_a_crash_cut_short(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """A member's second refused group mean was stored, and the coordinator died before quarantining it: it counted
     as quarantined but kept its token, its pending updates and its place in work answers' revoked lists. A restart

@@ -17,7 +17,7 @@ from blocktrain.sampling import sample_rows
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.runtime.kvcache import CacheEntry, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, decode_body, encode, frame_number, frame_param
-from tests.serve_sockets import TOKEN, closed, connect, open_stage, recv_frame, score, whole_span
+from tests.serve_sockets import TOKEN, closed, connect, open_stage, recv_frame, score, wait_until, whole_span
 from tests.serve_utils import tiny_models
 
 MODELS = tiny_models(seed=3)
@@ -219,3 +219,23 @@ def test_a_next_stage_that_hangs_up_on_a_frame_fails_it_after_a_few_resends() ->
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_peer_with_too_many_answers_unread_is_dropped() -> None:
+    """Answers are sent in tasks of their own, so a client that reads nothing could pin every result it asked for
+    (up to the write timeout). Past a cap on the bytes waiting for one connection it is dropped."""
+    cfg = MODELS[0]
+    with open_stage(whole_span(MODELS), write_timeout_s=30.0, max_frame_bytes=2 << 20, conn_buffer_bytes=2 << 20,
+                    buffer_bytes=(2 << 20) + 256 * (64 << 10)) as st:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(st.address)
+        try:
+            x = torch.zeros(32, cfg.model.context, dtype=torch.uint8)  # 1 MiB of logits each
+            for i in range(16):
+                slow.sendall(encode(Frame(FrameKind.SUBMIT, f"slow-{i}", Mode.SCORE, params={"seed": 0},
+                                          tensors={"x": x})))
+            wait_until(lambda: st.server.counters.writes_timed_out >= 1, timeout_s=20, what="the slow reader dropped")
+            assert asyncio.run(score(st.address)).shape == (1, 10, 256)
+        finally:
+            slow.close()

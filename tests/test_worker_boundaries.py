@@ -89,3 +89,31 @@ def test_a_device_this_machine_lacks_is_a_config_error(monkeypatch: pytest.Monke
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="1 CUDA device"):
         resolve_device("cuda:7")
+
+
+def test_weights_of_another_version_are_asked_for_again_a_few_times() -> None:
+    """The block may move on, or version 0 be replaced by a warm start, between a work answer and the download of its
+    weights: the worker asks for work again (SYNC_TRIES times in a row at most) instead of leaving at once."""
+    from blocktrain.data.dataset import DataDir
+    from blocktrain.protocol.codes import Reason
+    from blocktrain.worker.loop import SYNC_TRIES, Worker
+    from blocktrain.worker.options import WorkerOptions
+
+    w = Worker(WorkerOptions(url="http://coordinator", token="t", block=0, progress=False, poll_s=0.01),
+               DataDir.__new__(DataDir))
+    w.k = 0
+    misses = iter([True, True, False, True, True, True])
+
+    def sync(work: WorkAnswer) -> None:
+        if next(misses):
+            raise ProtocolError(502, "the weights served are version 1, not 0", Reason.BASE)
+
+    w._sync = sync  # type: ignore[method-assign]
+    work = WorkAnswer.model_validate(WORK)
+    for _ in range(3):  # two misses, then the weights named
+        w._synced(work)
+    assert w._sync_misses == 0
+    for _ in range(SYNC_TRIES - 1):
+        w._synced(work)
+    with pytest.raises(ProtocolError, match="version 1"):
+        w._synced(work)

@@ -339,10 +339,10 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         try:  # while its body arrives (at most upload_timeout_s), the audit's deadline does not quarantine its worker
             body = await run_in_threadpool(decode_body, await _read_capped(request, cap, c.settings.upload_timeout_s),
                                            request.headers.get("content-encoding"), cap)
-        except BaseException:  # cut, late or malformed (and cancelled: no await here)
+            return await run_in_threadpool(c.audit, name, k, v, body)
+        except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)
             c.audit_upload_cut(name, k, v)
             raise
-        return await run_in_threadpool(c.audit, name, k, v, body)
 
     return app
 

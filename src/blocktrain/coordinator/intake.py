@@ -232,8 +232,10 @@ class Intake:
                 self._before[key] = before
             if not math.isfinite(before):
                 before = None
-        return IntakeView(tuple(self._history(k, grouped)[0]), self.tolerance(k, grouped), self._sketches[k].rows(),
-                          before)
+        norms = self._history(k, grouped)[0]
+        if len(norms) < self.settings.norm_min_history:  # too few group means known: judged as one worker's push
+            norms = self._norms[k]                        # (a mean's norm is at most its largest member's)
+        return IntakeView(tuple(norms), self.tolerance(k, grouped), self._sketches[k].rows(), before)
 
     def check(self, upd: ParsedUpdate, base: Published, budget: int, view: IntakeView | None = None,
               lr_scale: float = 1.0) -> Checked:
@@ -275,6 +277,8 @@ class Intake:
         if s.gate_tolerance is not None:
             return s.gate_tolerance
         rises = self._history(k, grouped)[1]
+        if len(rises) < s.gate_min_history:  # too few group means' rises known: calibrated on single workers' pushes
+            rises = self._rises[k]
         if len(rises) < s.gate_min_history:  # too few honest rises known to calibrate on: a loose start
             return max(s.gate_floor, s.gate_start)
         med = statistics.median(rises)

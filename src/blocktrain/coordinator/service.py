@@ -304,7 +304,7 @@ class Coordinator:
         """404 unless an audit of ``name`` for (k, v) awaits its upload (asked before the body is read); from here
         until :meth:`audit` or :meth:`audit_upload_cut`, the audit is not overdue while its body arrives."""
         with self.lock:
-            self.auditor.expect(name, k, v)
+            self.auditor.expect(name, k, v, self.clock())
 
     def audit_upload_cut(self, name: str, k: int, v: int) -> None:
         """(Unlocked: called as a request unwinds.) The audit upload of ``name`` for (k, v) ended before its replay

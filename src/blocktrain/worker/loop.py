@@ -77,6 +77,7 @@ class Worker:
         self._step_s = Recent()  # seconds a local step took, for the same margin
         self._work_at = time.monotonic()  # time.monotonic() of the last work answer (its deadline_in counts from it)
         self._claim_cap = 0  # samples one member of a group may claim this round (the work answer's steps x batch)
+        self._sync_misses = 0  # weights fetched in a row that were not the version their work answer named
         self._unsent: tuple[int, dict[str, torch.Tensor], int] | None = None  # a grouped round's (version, delta,
         # samples), until its group's mean lands: pushed alone if it has not as the deadline nears
         self.steps_done = 0  # local steps of the current round
@@ -251,7 +252,9 @@ class Worker:
             delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
             clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s,
                                self._beat)
+            t_combine = time.monotonic()
             combined = self.engine.combine(delta, samples, self.k, self.base_version, clock, self._claim_cap)
+            t_pack += time.monotonic() - t_combine  # waiting for peers and averaging: reserve_s, not the push's time
             if combined is None:  # another member of its group uploads the mean; kept in case it never lands
                 self._unsent = (self.base_version, delta, samples)
                 load_trainable(self.block, self.base)
@@ -279,8 +282,9 @@ class Worker:
                 # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
                 # rounds they came from: coordinator.audit, coordinator.lineage)
                 self.feedback.residual = residual
-                self.inner.restore(self._undo[0])
-                self._moments_version = self._undo[1]
+                if not (unsent is not None and exc.reason == Reason.DUPLICATE):  # its group's mean landed meanwhile:
+                    self.inner.restore(self._undo[0])                         # the round counts (lineage), so its
+                    self._moments_version = self._undo[1]                     # moments go on
                 self._refused_push(exc)
                 return
             self._kept_version = self.base_version
@@ -369,11 +373,14 @@ class Worker:
                     self._register()
                     continue
                 if work.version != self.base_version or work.weights_sha != self.base_sha:
-                    self._sync(work)  # a new version, or version 0 replaced by a warm start as the block opened
+                    self._synced(work)  # a new version, or version 0 replaced by a warm start as the block opened
                     continue
-                if self._unsent is not None and self._unsent[0] != work.version:
-                    self._unsent = None  # its round closed: the group's mean landed, or the round went on without it
+                if self._unsent is not None and (self._unsent[0] != work.version or work.submitted):
+                    self._unsent = None  # the group's mean landed, or its round closed without it
                 if self._alone_now(work):
+                    continue
+                if self._unsent is not None:  # its group's mean not there yet: asked often, not to miss the deadline
+                    self.abandon.wait(self.opts.poll_s)
                     continue
                 if work.block_state is BlockState.WAITING and not waiting:
                     log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
@@ -394,6 +401,20 @@ class Worker:
         if isinstance(self.engine, HivemindEngine):
             self.summary.peer_pulls, self.summary.rounds_grouped = self.engine.peer_pulls, self.engine.rounds_grouped
         return self.summary
+
+    def _synced(self, work: WorkAnswer) -> None:
+        """:meth:`_sync`, asked again (at most SYNC_TRIES times in a row) when the weights served are not the version
+        the work answer named: the block may have moved on, or version 0 been replaced by a warm start, between the
+        two requests."""
+        try:
+            self._sync(work)
+            self._sync_misses = 0
+        except ProtocolError as exc:
+            self._sync_misses += 1
+            if exc.reason != Reason.BASE or self._sync_misses >= SYNC_TRIES:
+                raise
+            log.warning("block %d: %s; asking for work again", self.k, exc)
+            self.abandon.wait(self.opts.poll_s)
 
     def _alone_now(self, work: WorkAnswer) -> bool:
         """Whether it pushed alone now the delta of a round whose group mean has not landed as its deadline nears
@@ -431,6 +452,9 @@ class Worker:
         except ProtocolError as exc:
             log.warning("could not tell the coordinator we leave: %s", exc)
         self.client.close()
+
+
+SYNC_TRIES = 3  # fetches in a row of weights that are not the version named before the worker gives up
 
 
 class Recent:

@@ -72,7 +72,8 @@ class Admission:
         if not self.serving() or len(self.conns) >= self.opts.max_connections:
             self._refuse(writer)
             return
-        conn = Conn(reader, writer, self.counters, self.opts.max_frame_bytes, self.opts.write_timeout_s)
+        conn = Conn(reader, writer, self.counters, self.opts.max_frame_bytes, self.opts.write_timeout_s,
+                    max_unsent=4 * self.opts.max_frame_bytes)  # answers waiting for a slow reader: then it is dropped
         conn.authenticated = not self.opts.token
         task = asyncio.current_task()
         self.conns.add(conn)

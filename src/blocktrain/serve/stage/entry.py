@@ -115,10 +115,16 @@ class Entry:
         return p
 
     async def deliver(self, result: Frame) -> None:
+        """Answer a request with its result: sent in a task of its own, so a client that reads slowly holds only its
+        own answers, never the stage's compute or its link's reader (which deliver results from later stages)."""
         p = self._drop(result.request_id)
         result.params = {k: v for k, v in result.params.items() if k != "tag"}
         result.params["stage_seconds"] = time.monotonic() - p.t0
-        if not await p.conn.send(result):
+        self.spawn(self._answer(p.conn, result))
+
+    @staticmethod
+    async def _answer(conn: Conn, result: Frame) -> None:
+        if not await conn.send(result):
             log.info("client of request %s went away before its result", result.request_id)
 
     def stop(self) -> None:

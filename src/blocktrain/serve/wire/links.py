@@ -73,7 +73,7 @@ class Conn:
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counters: Counters, max_frame: int,
-        write_timeout_s: float | None = None,
+        write_timeout_s: float | None = None, max_unsent: int | None = None,
     ):
         self.reader = reader
         self.writer = writer
@@ -82,6 +82,8 @@ class Conn:
         self.write_timeout_s = write_timeout_s
         self.authenticated = False  # a stage's inbound connection: HELLO with the right token seen
         self.inflight = 0  # a stage's inbound connection: frames from it queued or running in the stage
+        self.unsent = 0  # bytes of frames waiting to be written (answers to a peer that reads slowly)
+        self.max_unsent = max_unsent  # more than this waiting: the peer is dropped (None: no cap)
         self._lock = asyncio.Lock()
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -90,12 +92,15 @@ class Conn:
     def closed(self) -> bool:
         return self.writer.is_closing()
 
-    async def send(self, frame: Frame) -> bool:
+    async def send(self, frame: Frame, substitute: bool = True) -> bool:
         """Write one frame; False if the connection is gone. A frame over the cap is answered by an ERROR in its place
-        (a result too large for the frame cap, an echoed parameter too long), so its receiver learns why."""
+        (a result too large for the frame cap, an echoed parameter too long), so its receiver learns why; with
+        ``substitute`` False (a link's frame in custody, failed back to its origin instead) the WireError is raised."""
         try:
             data = encode(frame, self.max_frame)
         except WireError as exc:
+            if not substitute:
+                raise
             log.warning("could not send a %s frame of request %s to %s: %s", frame.kind.value, frame.request_id,
                         self.peer, exc)
             if frame.kind is FrameKind.ERROR:
@@ -105,6 +110,19 @@ class Conn:
             tag = frame.params.get("tag")
             err.params = {"tag": tag} if isinstance(tag, int) and not isinstance(tag, bool) else {}
             return await self.send(err)
+        if self.max_unsent is not None and self.unsent and self.unsent + len(data) > self.max_unsent:
+            log.warning("closing %s: %d bytes of answers wait for it to read (at most %d)", self.peer,
+                        self.unsent + len(data), self.max_unsent)
+            self.counters.writes_timed_out += 1
+            self.close(abort=True)
+            return False
+        self.unsent += len(data)
+        try:
+            return await self._write(frame, data)
+        finally:
+            self.unsent -= len(data)
+
+    async def _write(self, frame: Frame, data: bytes) -> bool:
         async with self._lock:
             if self.writer.is_closing():
                 return False
@@ -319,7 +337,7 @@ class Link:
             if conn is None:
                 await self._give_up(f"no answer from {', '.join(map(format_address, self.targets))}")
                 return
-            if await conn.send(frame):
+            if await conn.send(frame, substitute=False):  # one it cannot encode fails back (WireError: _send_loop)
                 if tag:
                     self.written.add(tag)
                 return
@@ -355,6 +373,7 @@ class Link:
         frames = [f for f, _ in self.unacked.values()]
         self.unacked.clear()
         self.written.clear()
+        self.resends.clear()
         while not self._queue.empty():
             self._queue.get_nowait()
         for f in frames:
