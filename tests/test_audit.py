@@ -124,8 +124,8 @@ class PushesSlightlyInflatedV(PushesInflatedV):
 class LeavesAfterVersion1(Worker):
     """Leaves once it has pushed against version 1 (a process that ends; its name comes back in a new one)."""
 
-    def _push(self) -> None:
-        super()._push()
+    def _push(self, unsent: tuple[dict[str, torch.Tensor], int] | None = None) -> None:
+        super()._push(unsent)
         if self.base_version >= 1:
             self.stop.set()
 
@@ -520,11 +520,10 @@ def test_an_upload_window_is_kept_by_a_resend_and_not_stretched_by_restarts(tmp_
                 delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
                 samples=w.sequences, state_sha=state_sha({})))
             assert r.status_code == 202 and r.json()["audit"] is True, r.text
-    c.expect_audit("resends", 0, 0)  # the first upload stalls; the client resends on a new connection
+    first = c.expect_audit("resends", 0, 0)  # the first upload stalls; the client resends on a new connection
     c.expect_audit("resends", 0, 0)
-    c.audit_upload_cut("resends", 0, 0)  # the first connection's end
-    c.expect_audit("restarts", 0, 0)
-    c.audit_upload_cut("restarts", 0, 0)
+    c.audit_upload_cut("resends", 0, 0, first)  # the first connection's end
+    c.audit_upload_cut("restarts", 0, 0, c.expect_audit("restarts", 0, 0))
     clock.advance(31)  # past the audits' deadline
     c.expect_audit("restarts", 0, 0)  # begun again within its window: allowed
     with pytest.raises(ProtocolError) as late:

@@ -42,10 +42,10 @@ audit answer's ``seconds``); it needs the run's training split (the coordinator'
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -119,11 +119,12 @@ class Auditor:
         self._rng = rng or random.SystemRandom()  # which pushes are drawn: unpredictable (seeded only in process)
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
-        # cases whose upload has begun -> (uploads of it arriving now, the coordinator clock time by which its body must
-        # have arrived: its first begin + upload_timeout_s). Not overdue while one arrives within that time; its own
-        # lock, as :meth:`cut` runs without the coordinator's (as a request unwinds on the event loop)
-        self._arriving: dict[tuple[str, int, int], tuple[int, float]] = {}
-        self._arriving_lock = threading.Lock()
+        # cases whose upload has begun -> (the coordinator clock time by which its body must have arrived: its first
+        # begin + upload_timeout_s, the ids of its uploads arriving now). Not overdue while one arrives within that
+        # time. Keys are added and removed under the coordinator's lock only; :meth:`cut`, which runs without it (as a
+        # request unwinds on the event loop), only discards an id from a set (one operation under the GIL)
+        self._arriving: dict[tuple[str, int, int], tuple[float, set[int]]] = {}
+        self._uploads = itertools.count(1)
         self.passed = 0
         self.failed = 0
         self.replay_seconds: list[float] = []  # wall time of every replay
@@ -172,46 +173,44 @@ class Auditor:
         """Whether an audit of ``worker``'s push for (k, v) waits for its upload."""
         return (worker, k, v) in self._pending
 
-    def expect(self, worker: str, k: int, v: int, now: float) -> None:
+    def expect(self, worker: str, k: int, v: int, now: float) -> int:
         """404 unless an audit of ``worker`` for (k, v) awaits its upload, 408 past its deadline (checked before the
         body is read). An upload begun in time makes the case not overdue while it arrives, until ``upload_timeout_s``
         after the first one began (a slow link past the audit's deadline is no failure, and a resend on a new
         connection keeps that window; uploads begun and cut again and again do not stretch it); until :meth:`take`,
-        or :meth:`cut` of every upload begun."""
+        or :meth:`cut` of every upload begun. Returns the upload's id, for :meth:`cut`."""
         key = (worker, k, v)
         case = self._pending.get(key)
         if case is None:
             raise ProtocolError(404, f"no audit of worker {worker!r} is pending for block {k} version {v}",
                                 Reason.NO_AUDIT)
-        with self._arriving_lock:
-            n, until = self._arriving.get(key, (0, math.inf))
-            if until == math.inf:
-                if now > case.due:
-                    raise ProtocolError(408, f"the state for the audit of block {k} v{v} was due by {case.due:.0f}; "
-                                        "it is too late", Reason.SLOW)
-                until = now + self.settings.upload_timeout_s
-            elif now > until:
-                raise ProtocolError(408, f"the state for the audit of block {k} v{v} did not arrive within "
-                                    f"{self.settings.upload_timeout_s:g} s of its first upload", Reason.SLOW)
-            self._arriving[key] = (n + 1, until)
+        entry = self._arriving.get(key)
+        if entry is None:
+            if now > case.due:
+                raise ProtocolError(408, f"the state for the audit of block {k} v{v} was due by {case.due:.0f}; it is "
+                                    "too late", Reason.SLOW)
+            entry = self._arriving[key] = (now + self.settings.upload_timeout_s, set())
+        elif now > entry[0]:
+            raise ProtocolError(408, f"the state for the audit of block {k} v{v} did not arrive within "
+                                f"{self.settings.upload_timeout_s:g} s of its first upload", Reason.SLOW)
+        upload = next(self._uploads)
+        entry[1].add(upload)
+        return upload
 
     def arriving(self, worker: str, k: int, v: int) -> bool:
         """Whether an upload of ``worker``'s audit for (k, v) has begun and its body is still arriving."""
-        with self._arriving_lock:
-            return self._arriving.get((worker, k, v), (0, 0.0))[0] > 0
+        entry = self._arriving.get((worker, k, v))
+        return entry is not None and bool(entry[1])
 
-    def cut(self, worker: str, k: int, v: int) -> None:
-        """(Unlocked.) An upload begun at :meth:`expect` ended without a replay (cut, late or malformed): once no
-        other is arriving, the case is overdue again past its deadline (a no-op once the case was taken)."""
-        key = (worker, k, v)
-        with self._arriving_lock:
-            if key in self._arriving:
-                n, until = self._arriving[key]
-                self._arriving[key] = (max(0, n - 1), until)
+    def cut(self, worker: str, k: int, v: int, upload: int) -> None:
+        """(Unlocked.) The upload ``upload`` begun at :meth:`expect` ended without a replay (cut, late or malformed):
+        once no other is arriving, the case is overdue again past its deadline (a no-op once the case was taken)."""
+        entry = self._arriving.get((worker, k, v))
+        if entry is not None:
+            entry[1].discard(upload)
 
     def _not_arriving(self, key: tuple[str, int, int]) -> None:
-        with self._arriving_lock:
-            self._arriving.pop(key, None)
+        self._arriving.pop(key, None)
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
         """The case awaiting ``worker``'s upload, now being replayed: its round stays held until :meth:`decided`."""
@@ -235,8 +234,7 @@ class Auditor:
     def overdue(self, now: float) -> list[AuditCase]:
         """Cases whose upload is late (removed): the coordinator quarantines their workers. A case with an upload
         arriving within its window is not late yet."""
-        with self._arriving_lock:
-            arriving = {key for key, (n, until) in self._arriving.items() if n > 0 and now <= until}
+        arriving = {key for key, (until, uploads) in list(self._arriving.items()) if uploads and now <= until}
         late = [key for key, c in self._pending.items() if c.due < now and key not in arriving]
         for key in late:
             self._not_arriving(key)

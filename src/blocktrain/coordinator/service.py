@@ -300,16 +300,16 @@ class Coordinator:
             self.uploads.record_rejection(name, k, exc, self.clock())
 
     # --- an audit ------------------------------------------------------------------------------
-    def expect_audit(self, name: str, k: int, v: int) -> None:
+    def expect_audit(self, name: str, k: int, v: int) -> int:
         """404 unless an audit of ``name`` for (k, v) awaits its upload (asked before the body is read); from here
         until :meth:`audit` or :meth:`audit_upload_cut`, the audit is not overdue while its body arrives."""
         with self.lock:
-            self.auditor.expect(name, k, v, self.clock())
+            return self.auditor.expect(name, k, v, self.clock())
 
-    def audit_upload_cut(self, name: str, k: int, v: int) -> None:
+    def audit_upload_cut(self, name: str, k: int, v: int, upload: int) -> None:
         """(Unlocked: called as a request unwinds.) The audit upload of ``name`` for (k, v) ended before its replay
         (cut, past ``upload_timeout_s``, malformed): the audit is overdue again once past its deadline."""
-        self.auditor.cut(name, k, v)
+        self.auditor.cut(name, k, v, upload)
 
     def audit(self, name: str, k: int, v: int, body: bytes) -> AuditAnswer:
         """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it.
