@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 
 from blocktrain.config import Objective
 from blocktrain.coordinator.app import create_app
+from blocktrain.coordinator.audit import DECODE_GRACE_S
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
@@ -462,7 +463,8 @@ def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: Data
 def test_an_audit_upload_still_arriving_at_its_deadline_is_not_late(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """A worker on a slow link begins its upload before the audit's deadline and its body is still arriving after
     it: the worker is not quarantined meanwhile (it was) and its upload is replayed and judged. An upload refused
-    before its replay (here its encoding) leaves its audit overdue: that worker is quarantined at the same tick."""
+    before its replay (here its encoding) keeps the window open for a resend; once the window and its decoding grace
+    have passed with nothing taken, that worker is quarantined."""
     import httpx
 
     clock = FakeClock()
@@ -496,8 +498,11 @@ def test_an_audit_upload_still_arriving_at_its_deadline_is_not_late(tmp_path: Pa
 
     with ThreadServer(c, background=False) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         r = http.post(f"/v1/blocks/0/audits/{w.version}", content=slow(), headers=slow_auth)
-    assert ticked == [(False, True)] and r.status_code == 200, (ticked, r.text)
+    assert ticked == [(False, False)] and r.status_code == 200, (ticked, r.text)
     assert AuditAnswer.model_validate(r.json()).passed is False  # judged: its random delta is no honest one
+    clock.advance(c.settings.upload_timeout_s + DECODE_GRACE_S)
+    c.tick()
+    assert c.conduct.quarantined("cut")
     c.close()
 
 
@@ -520,19 +525,21 @@ def test_an_upload_window_is_kept_by_a_resend_and_not_stretched_by_restarts(tmp_
                 delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
                 samples=w.sequences, state_sha=state_sha({})))
             assert r.status_code == 202 and r.json()["audit"] is True, r.text
-    first = c.expect_audit("resends", 0, 0)  # the first upload stalls; the client resends on a new connection
+    first, _ = c.expect_audit("resends", 0, 0)  # the first upload stalls; the client resends on a new connection
     c.expect_audit("resends", 0, 0)
     c.audit_upload_cut("resends", 0, 0, first)  # the first connection's end
-    c.audit_upload_cut("restarts", 0, 0, c.expect_audit("restarts", 0, 0))
+    c.audit_upload_cut("restarts", 0, 0, c.expect_audit("restarts", 0, 0)[0])
     clock.advance(31)  # past the audits' deadline
-    c.expect_audit("restarts", 0, 0)  # begun again within its window: allowed
     with pytest.raises(ProtocolError) as late:
         c.expect_audit("late", 0, 0)  # its first upload begins after the deadline
     assert late.value.status == 408
+    c.tick()  # "restarts" is between a cut and its resend: the window holds (it was quarantined here)
+    assert not c.conduct.quarantined("restarts")
+    c.expect_audit("restarts", 0, 0)  # begun again within its window: allowed
     c.tick()
     assert not c.conduct.quarantined("resends") and not c.conduct.quarantined("restarts")
     assert c.conduct.quarantined("late")
-    clock.advance(70)  # 101 s after the first uploads began: past their window, arriving or not
+    clock.advance(70 + 60)  # past their window (100 s after the first uploads began) and its decoding grace
     c.tick()
     assert c.conduct.quarantined("resends") and c.conduct.quarantined("restarts")
     c.close()

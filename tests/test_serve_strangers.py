@@ -225,7 +225,7 @@ def test_a_peer_with_too_many_answers_unread_is_dropped() -> None:
     """Answers are sent in tasks of their own, so a client that reads nothing could pin every result it asked for
     (up to the write timeout). Past a cap on the bytes waiting for one connection it is dropped."""
     cfg = MODELS[0]
-    with open_stage(whole_span(MODELS), write_timeout_s=30.0, max_frame_bytes=2 << 20, conn_buffer_bytes=2 << 20,
+    with open_stage(whole_span(MODELS), write_timeout_s=30.0, max_frame_bytes=2 << 20, conn_buffer_bytes=2 << 20, max_batch=1,
                     buffer_bytes=(2 << 20) + 256 * (64 << 10)) as st:
         slow = socket.socket()
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -334,10 +334,12 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     async def audit(request: Request, k: int, v: int) -> AuditAnswer:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
         name = await auth(request)
-        upload = await run_in_threadpool(c.expect_audit, name, k, v)  # a stranger's is refused before its body is read
+        # a stranger's upload is refused before its body is read; ``left``: seconds the audit's upload window has left
+        upload, left = await run_in_threadpool(c.expect_audit, name, k, v)
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
-        try:  # while its body arrives (at most upload_timeout_s), the audit's deadline does not quarantine its worker
-            body = await run_in_threadpool(decode_body, await _read_capped(request, cap, c.settings.upload_timeout_s),
+        try:  # while its body arrives (within the window), the audit's deadline does not quarantine its worker
+            read_s = max(1e-3, min(c.settings.upload_timeout_s, left))
+            body = await run_in_threadpool(decode_body, await _read_capped(request, cap, read_s),
                                            request.headers.get("content-encoding"), cap)
             return await run_in_threadpool(c.audit, name, k, v, body)
         except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)

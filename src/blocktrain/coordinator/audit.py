@@ -88,6 +88,9 @@ def replay_scale(pushed: dict[str, torch.Tensor], replayed: dict[str, torch.Tens
     return dot / sq
 
 
+DECODE_GRACE_S = 60.0  # seconds past an upload window's end for a body that arrived in it to be decoded and taken
+
+
 @dataclass(frozen=True)
 class AuditCase:
     """An accepted push the coordinator will replay, with everything the replay needs but the worker's state."""
@@ -173,12 +176,13 @@ class Auditor:
         """Whether an audit of ``worker``'s push for (k, v) waits for its upload."""
         return (worker, k, v) in self._pending
 
-    def expect(self, worker: str, k: int, v: int, now: float) -> int:
+    def expect(self, worker: str, k: int, v: int, now: float) -> tuple[int, float]:
         """404 unless an audit of ``worker`` for (k, v) awaits its upload, 408 past its deadline (checked before the
         body is read). An upload begun in time makes the case not overdue while it arrives, until ``upload_timeout_s``
         after the first one began (a slow link past the audit's deadline is no failure, and a resend on a new
         connection keeps that window; uploads begun and cut again and again do not stretch it); until :meth:`take`,
-        or :meth:`cut` of every upload begun. Returns the upload's id, for :meth:`cut`."""
+        or :meth:`cut` of every upload begun. Returns the upload's id, for :meth:`cut`, and the seconds its body may
+        take (what is left of the window)."""
         key = (worker, k, v)
         case = self._pending.get(key)
         if case is None:
@@ -189,13 +193,13 @@ class Auditor:
             if now > case.due:
                 raise ProtocolError(408, f"the state for the audit of block {k} v{v} was due by {case.due:.0f}; it is "
                                     "too late", Reason.SLOW)
-            entry = self._arriving[key] = (now + self.settings.upload_timeout_s, set())
+            entry = self._arriving[key] = (max(case.due, now + self.settings.upload_timeout_s), set())
         elif now > entry[0]:
             raise ProtocolError(408, f"the state for the audit of block {k} v{v} did not arrive within "
                                 f"{self.settings.upload_timeout_s:g} s of its first upload", Reason.SLOW)
         upload = next(self._uploads)
         entry[1].add(upload)
-        return upload
+        return upload, entry[0] - now
 
     def arriving(self, worker: str, k: int, v: int) -> bool:
         """Whether an upload of ``worker``'s audit for (k, v) has begun and its body is still arriving."""
@@ -232,9 +236,10 @@ class Auditor:
         return keys
 
     def overdue(self, now: float) -> list[AuditCase]:
-        """Cases whose upload is late (removed): the coordinator quarantines their workers. A case with an upload
-        arriving within its window is not late yet."""
-        arriving = {key for key, (until, uploads) in list(self._arriving.items()) if uploads and now <= until}
+        """Cases whose upload is late (removed): the coordinator quarantines their workers. A case whose upload window
+        is open is not late yet, whether an upload arrives now or its worker is between a cut and its resend (the
+        window's end, plus DECODE_GRACE_S to decode a body that arrived at its end and take the lock, bounds both)."""
+        arriving = {key for key, (until, _) in list(self._arriving.items()) if now <= until + DECODE_GRACE_S}
         late = [key for key, c in self._pending.items() if c.due < now and key not in arriving]
         for key in late:
             self._not_arriving(key)

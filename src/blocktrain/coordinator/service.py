@@ -300,7 +300,7 @@ class Coordinator:
             self.uploads.record_rejection(name, k, exc, self.clock())
 
     # --- an audit ------------------------------------------------------------------------------
-    def expect_audit(self, name: str, k: int, v: int) -> int:
+    def expect_audit(self, name: str, k: int, v: int) -> tuple[int, float]:
         """404 unless an audit of ``name`` for (k, v) awaits its upload (asked before the body is read); from here
         until :meth:`audit` or :meth:`audit_upload_cut`, the audit is not overdue while its body arrives."""
         with self.lock:

@@ -73,7 +73,8 @@ class Admission:
             self._refuse(writer)
             return
         conn = Conn(reader, writer, self.counters, self.opts.max_frame_bytes, self.opts.write_timeout_s,
-                    max_unsent=4 * self.opts.max_frame_bytes)  # answers waiting for a slow reader: then it is dropped
+                    # answers waiting for a slow reader (a whole batch's, and a few more): past that it is dropped
+                    max_unsent=(self.opts.max_batch + 4) * self.opts.max_frame_bytes)
         conn.authenticated = not self.opts.token
         task = asyncio.current_task()
         self.conns.add(conn)

@@ -104,7 +104,7 @@ class Entry:
             return
         self._drop(rid)
         err.params = {}
-        await p.conn.send(err)
+        self.spawn(self._answer(p.conn, err))  # in a task: a slow client holds neither compute nor a link's reader
 
     def _drop(self, rid: str) -> Pending:
         """Request ``rid`` answered (or failed): no longer pending, its timer off, its bytes no longer held."""
