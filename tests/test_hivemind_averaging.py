@@ -301,6 +301,39 @@ def test_the_first_group_means_are_judged_by_single_workers_pushes(tmp_path: Pat
         c.close()
 
 
+def test_a_member_that_front_runs_its_group_s_mean_costs_the_uploader_nothing(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Every member receives the mean. One pushed it alone first; the real uploader's mean was then refused as a
+    replay, a refusal counted against the honest uploader (three quarantine it). The mean's members are now checked
+    before the mean is: one of them already counts, so the mean is a duplicate (409, counted against no one), and it
+    counts once, through the member's push. Also after a restart."""
+    settings: dict[str, Any] = dict(hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1", rounds=3, gate=False,
+                                    eval_every=0, norm_k=0.0, min_updates=8)
+    c = make_coordinator(tmp_path / "run", corpus, **settings)
+    names = ["w1", "w2", "w3"]
+    try:
+        _register(c, names, KEYS[:3])
+        each = c.uploads.budget(0, [])
+        g = torch.Generator().manual_seed(50)
+        mean = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.block_shapes[0].items()}
+        alone = pack_delta(mean, Compression.NONE, block=0, base_version=0, base_sha=c.weights_sha[0], samples=each)
+        assert c.submit("w2", 0, alone).accepted  # w2 front-runs the mean its group is about to upload
+    finally:
+        c.close()
+    c = make_coordinator(tmp_path / "run", corpus, **settings)  # after a restart
+    try:
+        run, shapes = c.hub.run, c.block_shapes[0]  # type: ignore[union-attr]
+        members = [GroupMember(p, each, name, Card.make(k, b"", p, round_scope(run, 0, 0)).proof)
+                   for p, name, k in (("PA", "w1", KEYS[0]), ("PB", "w2", KEYS[1]), ("PC", "w3", KEYS[2]))]
+        body = pack_delta({n: mean[n] for n in shapes}, Compression.NONE, block=0, base_version=0,
+                          base_sha=c.weights_sha[0], samples=3 * each, group=members)
+        with pytest.raises(ProtocolError) as exc:  # w1 uploads the group's mean, w2 among its members
+            c.submit("w1", 0, body)
+        assert exc.value.status == 409 and exc.value.reason == "duplicate", exc.value
+        assert c.store.conduct.counted_refusals("w1", ("replay",)) == 0
+    finally:
+        c.close()
+
+
 def test_a_restart_finishes_a_group_quarantine_a_crash_cut_short(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """A member's second refused group mean was stored, and the coordinator died before quarantining it: it counted
     as quarantined but kept its token, its pending updates and its place in work answers' revoked lists. A restart
