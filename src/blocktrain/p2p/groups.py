@@ -12,12 +12,14 @@ each member sends s_i x Delta_i at equal weight, and the sum is divided by the c
 weighs more than the claim the others and the coordinator see (hivemind's own per-peer weight is nobody's
 to check). A card is bound to the run, the block and the
 version, so every member must be an admitted worker at the same version (:mod:`.trust`); otherwise, or when
-no group forms in time, the worker uploads its own delta alone. The member with the smallest peer id
-uploads the group's mean; the others upload nothing for the round.
+no group forms in time, the worker uploads its own delta alone. The member :func:`uploader_of` names (a hash
+of the round and its peer id, a different member each round) uploads the group's mean; the others keep their
+delta until the mean lands, and push it alone if it has not as the round's deadline nears.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import signal
 import threading
@@ -77,6 +79,12 @@ def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) 
     return {n: t * scale for n, t in summed.items()}
 
 
+def uploader_of(members: list[GroupMember], scope: str) -> str:
+    """The peer id of the member that uploads its group's mean: the smallest sha256 of (round scope, peer id), which
+    every member computes alike. It was the smallest peer id, which one identity, ground once, won every round."""
+    return min(members, key=lambda m: hashlib.sha256(f"{scope}\0{m.peer}".encode()).digest()).peer
+
+
 def join_dht(initial_peers: list[str], authorizer: PeerAuthorizer, host: str) -> hivemind.DHT:
     """A DHT peer of the run, listening on ``host`` (its port chosen by the system)."""
     return hivemind.DHT(initial_peers=initial_peers, start=True, host_maddrs=[f"/ip4/{host}/tcp/0"],
@@ -87,7 +95,7 @@ def join_dht(initial_peers: list[str], authorizer: PeerAuthorizer, host: str) ->
 class GroupOutcome:
     mean: dict[str, torch.Tensor]  # the sample-weighted mean of the members' deltas
     members: list[GroupMember]  # every member, this worker included, sorted by peer id
-    uploader: bool  # this worker sends the mean (the smallest peer id)
+    uploader: bool  # this worker sends the mean (the member :func:`uploader_of` names)
 
     @property
     def samples(self) -> int:
@@ -140,7 +148,7 @@ class GroupAverager:
         members = self._members(gathered, scope, each)  # a card for another version or run does not verify either
         if members is None or len(members) < 2:
             return None
-        return GroupOutcome(claim_weighted(summed, members), members, uploader=members[0].peer == self.peer)
+        return GroupOutcome(claim_weighted(summed, members), members, uploader=uploader_of(members, scope) == self.peer)
 
     def share(self, k: int, v: int, sha: str, weights: dict[str, torch.Tensor]) -> None:
         """Offer block k's published weights at version v (sha256 ``sha``) to peers that pull them."""
