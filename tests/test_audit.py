@@ -20,7 +20,6 @@ from fastapi.testclient import TestClient
 
 from blocktrain.config import Objective
 from blocktrain.coordinator.app import create_app
-from blocktrain.coordinator.audit import DECODE_GRACE_S
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.data.dataset import DataDir
@@ -500,7 +499,7 @@ def test_an_audit_upload_still_arriving_at_its_deadline_is_not_late(tmp_path: Pa
         r = http.post(f"/v1/blocks/0/audits/{w.version}", content=slow(), headers=slow_auth)
     assert ticked == [(False, False)] and r.status_code == 200, (ticked, r.text)
     assert AuditAnswer.model_validate(r.json()).passed is False  # judged: its random delta is no honest one
-    clock.advance(c.settings.upload_timeout_s + DECODE_GRACE_S)
+    clock.advance(c.settings.upload_timeout_s + 1)
     c.tick()
     assert c.conduct.quarantined("cut")
     c.close()
@@ -539,9 +538,13 @@ def test_an_upload_window_is_kept_by_a_resend_and_not_stretched_by_restarts(tmp_
     c.tick()
     assert not c.conduct.quarantined("resends") and not c.conduct.quarantined("restarts")
     assert c.conduct.quarantined("late")
-    clock.advance(70 + 60)  # past their window (100 s after the first uploads began) and its decoding grace
+    c.audit_upload_received("resends", 0, 0)  # its body is whole: being decoded, waiting for the lock
+    clock.advance(70)  # past their window (100 s after the first uploads began)
     c.tick()
-    assert c.conduct.quarantined("resends") and c.conduct.quarantined("restarts")
+    assert c.conduct.quarantined("restarts") and not c.conduct.quarantined("resends")
+    c.audit_upload_cut("resends", 0, 0, first + 1)  # its decoding failed before the replay took it
+    c.tick()
+    assert c.conduct.quarantined("resends")
     c.close()
 
 

@@ -225,14 +225,14 @@ def test_a_peer_with_too_many_answers_unread_is_dropped() -> None:
     """Answers are sent in tasks of their own, so a client that reads nothing could pin every result it asked for
     (up to the write timeout). Past a cap on the bytes waiting for one connection it is dropped."""
     cfg = MODELS[0]
-    with open_stage(whole_span(MODELS), write_timeout_s=30.0, max_frame_bytes=2 << 20, conn_buffer_bytes=2 << 20, max_batch=1,
+    with open_stage(whole_span(MODELS), write_timeout_s=30.0, max_frame_bytes=2 << 20, conn_buffer_bytes=2 << 20,
                     buffer_bytes=(2 << 20) + 256 * (64 << 10)) as st:
         slow = socket.socket()
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         slow.connect(st.address)
         try:
             x = torch.zeros(32, cfg.model.context, dtype=torch.uint8)  # 1 MiB of logits each
-            for i in range(16):
+            for i in range(32):  # 32 MiB of answers: over the cap of 18 MiB (the stage's buffer)
                 slow.sendall(encode(Frame(FrameKind.SUBMIT, f"slow-{i}", Mode.SCORE, params={"seed": 0},
                                           tensors={"x": x})))
             wait_until(lambda: st.server.counters.writes_timed_out >= 1, timeout_s=20, what="the slow reader dropped")

@@ -339,8 +339,9 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
         try:  # while its body arrives (within the window), the audit's deadline does not quarantine its worker
             read_s = max(1e-3, min(c.settings.upload_timeout_s, left))
-            body = await run_in_threadpool(decode_body, await _read_capped(request, cap, read_s),
-                                           request.headers.get("content-encoding"), cap)
+            raw = await _read_capped(request, cap, read_s)
+            c.audit_upload_received(name, k, v)  # whole, in its window: decoding and the lock's wait are not late
+            body = await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
             return await run_in_threadpool(c.audit, name, k, v, body)
         except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)
             c.audit_upload_cut(name, k, v, upload)

@@ -88,9 +88,6 @@ def replay_scale(pushed: dict[str, torch.Tensor], replayed: dict[str, torch.Tens
     return dot / sq
 
 
-DECODE_GRACE_S = 60.0  # seconds past an upload window's end for a body that arrived in it to be decoded and taken
-
-
 @dataclass(frozen=True)
 class AuditCase:
     """An accepted push the coordinator will replay, with everything the replay needs but the worker's state."""
@@ -127,6 +124,7 @@ class Auditor:
         # time. Keys are added and removed under the coordinator's lock only; :meth:`cut`, which runs without it (as a
         # request unwinds on the event loop), only discards an id from a set (one operation under the GIL)
         self._arriving: dict[tuple[str, int, int], tuple[float, set[int]]] = {}
+        self._received: set[tuple[str, int, int]] = set()  # cases with a whole body in (decoding, waiting for the lock)
         self._uploads = itertools.count(1)
         self.passed = 0
         self.failed = 0
@@ -212,9 +210,16 @@ class Auditor:
         entry = self._arriving.get((worker, k, v))
         if entry is not None:
             entry[1].discard(upload)
+            self._received.discard((worker, k, v))
+
+    def received(self, worker: str, k: int, v: int) -> None:
+        """(Unlocked.) An upload's whole body is in, within its window: the case is not overdue while it is decoded
+        and waits for the lock, until :meth:`take` (or :meth:`cut` should that fail). One set operation."""
+        self._received.add((worker, k, v))
 
     def _not_arriving(self, key: tuple[str, int, int]) -> None:
         self._arriving.pop(key, None)
+        self._received.discard(key)
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
         """The case awaiting ``worker``'s upload, now being replayed: its round stays held until :meth:`decided`."""
@@ -238,8 +243,8 @@ class Auditor:
     def overdue(self, now: float) -> list[AuditCase]:
         """Cases whose upload is late (removed): the coordinator quarantines their workers. A case whose upload window
         is open is not late yet, whether an upload arrives now or its worker is between a cut and its resend (the
-        window's end, plus DECODE_GRACE_S to decode a body that arrived at its end and take the lock, bounds both)."""
-        arriving = {key for key, (until, _) in list(self._arriving.items()) if now <= until + DECODE_GRACE_S}
+        window's end bounds both), nor one whose body is in and being decoded."""
+        arriving = {key for key, (until, _) in list(self._arriving.items()) if now <= until} | set(self._received)
         late = [key for key, c in self._pending.items() if c.due < now and key not in arriving]
         for key in late:
             self._not_arriving(key)

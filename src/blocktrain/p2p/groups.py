@@ -80,9 +80,12 @@ def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) 
 
 
 def uploader_of(members: list[GroupMember], scope: str) -> str:
-    """The peer id of the member that uploads its group's mean: the smallest sha256 of (round scope, peer id), which
-    every member computes alike. It was the smallest peer id, which one identity, ground once, won every round."""
-    return min(members, key=lambda m: hashlib.sha256(f"{scope}\0{m.peer}".encode()).digest()).peer
+    """The peer id of the member that uploads its group's mean, which every member computes alike: the smallest
+    sha256 of (a seed, peer id), the seed hashed from the round's scope and every member's proof (signatures no one
+    can make before the group forms, so no identity can be ground for it). It was the smallest peer id, which one
+    identity, ground once, won every round."""
+    seed = hashlib.sha256(scope.encode() + b"".join(m.proof for m in sorted(members, key=lambda m: m.peer))).digest()
+    return min(members, key=lambda m: hashlib.sha256(seed + m.peer.encode()).digest()).peer
 
 
 def join_dht(initial_peers: list[str], authorizer: PeerAuthorizer, host: str) -> hivemind.DHT:

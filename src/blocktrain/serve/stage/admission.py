@@ -73,8 +73,9 @@ class Admission:
             self._refuse(writer)
             return
         conn = Conn(reader, writer, self.counters, self.opts.max_frame_bytes, self.opts.write_timeout_s,
-                    # answers waiting for a slow reader (a whole batch's, and a few more): past that it is dropped
-                    max_unsent=(self.opts.max_batch + 4) * self.opts.max_frame_bytes)
+                    # answers waiting for a slow reader: past 4 frames or the stage's buffer, whichever is larger, it is
+                    # dropped (a batch holds at most --max-batch-rows sequences, which bounds one batch's answers)
+                    max_unsent=max(4 * self.opts.max_frame_bytes, self.opts.buffer_bytes))
         conn.authenticated = not self.opts.token
         task = asyncio.current_task()
         self.conns.add(conn)
