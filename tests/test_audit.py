@@ -538,7 +538,7 @@ def test_an_upload_window_is_kept_by_a_resend_and_not_stretched_by_restarts(tmp_
     c.tick()
     assert not c.conduct.quarantined("resends") and not c.conduct.quarantined("restarts")
     assert c.conduct.quarantined("late")
-    c.audit_upload_received("resends", 0, 0)  # its body is whole: being decoded, waiting for the lock
+    c.audit_upload_received("resends", 0, 0, first + 1)  # its body is whole: being decoded, waiting for the lock
     clock.advance(70)  # past their window (100 s after the first uploads began)
     c.tick()
     assert c.conduct.quarantined("restarts") and not c.conduct.quarantined("resends")

@@ -340,7 +340,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         try:  # while its body arrives (within the window), the audit's deadline does not quarantine its worker
             read_s = max(1e-3, min(c.settings.upload_timeout_s, left))
             raw = await _read_capped(request, cap, read_s)
-            c.audit_upload_received(name, k, v)  # whole, in its window: decoding and the lock's wait are not late
+            c.audit_upload_received(name, k, v, upload)  # whole, in its window: decoding and the lock's wait are not late
             body = await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
             return await run_in_threadpool(c.audit, name, k, v, body)
         except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)

@@ -119,12 +119,12 @@ class Auditor:
         self._rng = rng or random.SystemRandom()  # which pushes are drawn: unpredictable (seeded only in process)
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
-        # cases whose upload has begun -> (the coordinator clock time by which its body must have arrived: its first
-        # begin + upload_timeout_s, the ids of its uploads arriving now). Not overdue while one arrives within that
-        # time. Keys are added and removed under the coordinator's lock only; :meth:`cut`, which runs without it (as a
-        # request unwinds on the event loop), only discards an id from a set (one operation under the GIL)
+        # cases whose upload has begun -> (the end of its upload window: the later of its deadline and its first
+        # upload's start + upload_timeout_s; the ids of its uploads whose body is whole, being decoded). Not overdue
+        # while the window is open or a whole body waits for its replay. Keys are added and removed under the
+        # coordinator's lock only; :meth:`received` and :meth:`cut`, which run without it (on the event loop), only add
+        # or discard an id in a set (one operation under the GIL)
         self._arriving: dict[tuple[str, int, int], tuple[float, set[int]]] = {}
-        self._received: set[tuple[str, int, int]] = set()  # cases with a whole body in (decoding, waiting for the lock)
         self._uploads = itertools.count(1)
         self.passed = 0
         self.failed = 0
@@ -195,31 +195,28 @@ class Auditor:
         elif now > entry[0]:
             raise ProtocolError(408, f"the state for the audit of block {k} v{v} did not arrive within "
                                 f"{self.settings.upload_timeout_s:g} s of its first upload", Reason.SLOW)
-        upload = next(self._uploads)
-        entry[1].add(upload)
-        return upload, entry[0] - now
+        return next(self._uploads), entry[0] - now
 
     def arriving(self, worker: str, k: int, v: int) -> bool:
-        """Whether an upload of ``worker``'s audit for (k, v) has begun and its body is still arriving."""
+        """Whether an upload of ``worker``'s audit for (k, v) has begun (its window opened)."""
+        return (worker, k, v) in self._arriving
+
+    def received(self, worker: str, k: int, v: int, upload: int) -> None:
+        """(Unlocked.) The body of ``upload`` is whole, within its window: the case is not overdue while it is decoded
+        and waits for the lock, until :meth:`take` (or its :meth:`cut`, should that fail)."""
         entry = self._arriving.get((worker, k, v))
-        return entry is not None and bool(entry[1])
+        if entry is not None:
+            entry[1].add(upload)
 
     def cut(self, worker: str, k: int, v: int, upload: int) -> None:
-        """(Unlocked.) The upload ``upload`` begun at :meth:`expect` ended without a replay (cut, late or malformed):
-        once no other is arriving, the case is overdue again past its deadline (a no-op once the case was taken)."""
+        """(Unlocked.) ``upload`` begun at :meth:`expect` ended without a replay (cut, late or malformed): the case is
+        overdue again once its window has passed (a no-op once the case was taken)."""
         entry = self._arriving.get((worker, k, v))
         if entry is not None:
             entry[1].discard(upload)
-            self._received.discard((worker, k, v))
-
-    def received(self, worker: str, k: int, v: int) -> None:
-        """(Unlocked.) An upload's whole body is in, within its window: the case is not overdue while it is decoded
-        and waits for the lock, until :meth:`take` (or :meth:`cut` should that fail). One set operation."""
-        self._received.add((worker, k, v))
 
     def _not_arriving(self, key: tuple[str, int, int]) -> None:
         self._arriving.pop(key, None)
-        self._received.discard(key)
 
     def take(self, worker: str, k: int, v: int) -> AuditCase:
         """The case awaiting ``worker``'s upload, now being replayed: its round stays held until :meth:`decided`."""
@@ -244,7 +241,7 @@ class Auditor:
         """Cases whose upload is late (removed): the coordinator quarantines their workers. A case whose upload window
         is open is not late yet, whether an upload arrives now or its worker is between a cut and its resend (the
         window's end bounds both), nor one whose body is in and being decoded."""
-        arriving = {key for key, (until, _) in list(self._arriving.items()) if now <= until} | set(self._received)
+        arriving = {key for key, (until, whole) in list(self._arriving.items()) if now <= until or whole}
         late = [key for key, c in self._pending.items() if c.due < now and key not in arriving]
         for key in late:
             self._not_arriving(key)

@@ -306,9 +306,9 @@ class Coordinator:
         with self.lock:
             return self.auditor.expect(name, k, v, self.clock())
 
-    def audit_upload_received(self, name: str, k: int, v: int) -> None:
+    def audit_upload_received(self, name: str, k: int, v: int, upload: int) -> None:
         """(Unlocked.) The audit upload of ``name`` for (k, v) is whole: not overdue while it is decoded."""
-        self.auditor.received(name, k, v)
+        self.auditor.received(name, k, v, upload)
 
     def audit_upload_cut(self, name: str, k: int, v: int, upload: int) -> None:
         """(Unlocked: called as a request unwinds.) The audit upload of ``name`` for (k, v) ended before its replay
