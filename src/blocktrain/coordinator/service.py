@@ -38,7 +38,7 @@ from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.evaluation import Evaluator
 from blocktrain.coordinator.groups import PeerHub
-from blocktrain.coordinator.intake import Intake
+from blocktrain.coordinator.intake import Intake, pack_sketch
 from blocktrain.coordinator.observe import Observed, Traffic, prometheus
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds, progressive_schedule
@@ -280,12 +280,14 @@ class Coordinator:
                 up.refused(name, upd, members, exc, self.clock())
             raise
         staged = self.store.blobs.stage_blob(body)  # unlocked: written and fsynced, named only once accepted
+        sketch = self.store.blobs.stage_blob(pack_sketch(k, checked.sketch))  # what a restart reads for the delta
         try:
             with self.lock:  # record: checked again against the round as it is now, stored, audited, quorum
                 self.intake.count(time.perf_counter() - t0)
-                return up.accept(name, worker, upd, checked, staged, arrived, members, base, self.clock())
+                return up.accept(name, worker, upd, checked, staged, sketch, arrived, members, base, self.clock())
         finally:
             self.store.blobs.discard_blob(staged)  # no-op once committed
+            self.store.blobs.discard_blob(sketch)
 
     def record_rejection(self, name: str | None, k: int | None, exc: ProtocolError) -> None:
         """Log and count a refused update; durably (a ``rejections`` row) only for an authenticated worker.

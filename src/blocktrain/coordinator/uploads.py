@@ -24,7 +24,7 @@ from blocktrain.coordinator.blobs import StagedBlob
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import NOT_REFUSALS, Conduct
 from blocktrain.coordinator.groups import PeerHub, check_members
-from blocktrain.coordinator.intake import Checked, Intake, Published, pack_sketch
+from blocktrain.coordinator.intake import Checked, Intake, Published
 from blocktrain.coordinator.lineage import Derivation, Lineage, StoreRecords, derive, trace
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds
@@ -125,9 +125,10 @@ class Uploads:
                         f"; quarantined {caught}" if caught else "")
 
     def accept(self, name: str, worker: WorkerRow, upd: ParsedUpdate, checked: Checked, staged: StagedBlob,
-               arrived: float, members: list[str], base: Published, now: float) -> PushAnswer:
+               sketch: StagedBlob, arrived: float, members: list[str], base: Published, now: float) -> PushAnswer:
         """(Locked.) Check the update again against the round as it is now (version, duplicates, the replays accepted
-        since its checks), store it, draw its audit, close the round if that makes a quorum."""
+        since its checks), store it (``staged``: its body, ``sketch``: its count sketch's blob, both written unlocked),
+        draw its audit, close the round if that makes a quorum."""
         k, v, s = upd.block, upd.base_version, self.store
         prior = s.updates.update_blob(k, v, name)
         if prior == staged.digest:  # a resend that raced its first sending (answered as that was, as in screen)
@@ -153,12 +154,12 @@ class Uploads:
                                  accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
                                  prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
         try:
-            s.blobs.commit_blob(staged)  # durable before the row that names it
-            sketch = s.blobs.put_blob(pack_sketch(k, checked.sketch))  # what a restart reads instead of the delta
+            s.blobs.commit_blob(staged)  # durable before the row that names it, as its sketch
+            s.blobs.commit_blob(sketch)
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
                 s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
                                         blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise,
-                                        counted=checked.full, sketch=sketch)
+                                        counted=checked.full, sketch=sketch.digest)
                 if members:
                     s.updates.record_group(k, v, name, members)
                 if case is not None:
