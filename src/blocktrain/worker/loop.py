@@ -419,7 +419,7 @@ class Worker:
     def _alone_now(self, work: WorkAnswer) -> bool:
         """Whether it pushed alone now the delta of a round whose group mean has not landed as its deadline nears
         (its uploader left, was refused, or never sent it): else that round's training would never count."""
-        if (self._unsent is None or work.round_state is not RoundState.OPEN or work.submitted
+        if (self._unsent is None or work.round_state is not RoundState.OPEN  # (a landed mean cleared it: run())
                 or work.deadline_in > self._push_margin() + 2 * self.opts.poll_s):
             return False
         _, delta, samples = self._unsent
