@@ -2,10 +2,10 @@
 
 The one place resume is written: :func:`blocktrain.train.run.run_training` keeps
 one :class:`Checkpointer`, the concurrent stack schedule one per block. Both files
-record the step. A save writes the new optimiser state beside the old one first
-(``<state>.next``), then the weights, then renames the state into place, so a kill
-between any two writes leaves a pair a resume can load; a pair whose steps
-disagree otherwise is refused.
+record the step. A save writes the new pair beside the old one (``<file>.next``,
+:meth:`Checkpointer.stage`), then renames the weights and then the state into place
+(:meth:`Checkpointer.commit`), so a kill between any two writes leaves a pair a
+resume can load; a pair whose steps disagree otherwise is refused.
 """
 
 from __future__ import annotations
@@ -103,9 +103,8 @@ class Checkpointer(Hook):
         self._pending.unlink(missing_ok=True)
 
     def save(self, step: int) -> None:
-        save_file(self._pending, optimizer_tensors(self.opt, self.names), {"step": str(step), "name": self.name})
-        save_model(self.weights, self.module, self.cfg, step=step, **self.meta)
-        self._pending.replace(self.state)
+        self.stage(step)
+        self.commit()
 
     def after(self, rec: StepRecord) -> None:
         if self.every and rec.done % self.every == 0:
