@@ -71,11 +71,7 @@ class Pending:
 
 async def reject(conn: Conn, frame: Frame, code: ErrorCode, message: str) -> None:
     """Answer ``frame`` on ``conn`` with an ERROR (carrying its custody tag, so the sender releases it)."""
-    err = frame.reply_error(code, message)
-    tag = frame.params.get("tag")
-    if isinstance(tag, int) and not isinstance(tag, bool):  # a custody tag (never another value, echoed back larger)
-        err.params = {"tag": tag}
-    await conn.send(err)
+    await conn.send(frame.reply_error(code, message, keep_tag=True))
 
 
 async def admit(span: Span, frame: Frame, conn: Conn) -> bool:

@@ -15,15 +15,8 @@ from typing import Any
 from blocktrain.serve.runtime import Span
 from blocktrain.serve.stage.core import WorkItem, ack, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.entry import Entry
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, custody_tag
 from blocktrain.serve.wire.links import Conn, Link
-
-
-def custody_tag(frame: Frame) -> int | None:
-    """The custody tag a neighbour stage's link gave ``frame`` (an int, echoed back in its ACK or ERROR); None for
-    anything else, which is never echoed (a long string would come back larger than it went, past the frame cap)."""
-    tag = frame.params.get("tag")
-    return tag if isinstance(tag, int) and not isinstance(tag, bool) else None
 
 
 class Router:

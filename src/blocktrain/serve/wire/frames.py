@@ -155,8 +155,20 @@ class Frame:
             h["code"] = (self.code or ErrorCode.INTERNAL).value
         return h
 
-    def reply_error(self, code: ErrorCode, message: str) -> Frame:
-        return Frame(FrameKind.ERROR, request_id=self.request_id, mode=self.mode, code=code, error=message)
+    def reply_error(self, code: ErrorCode, message: str, keep_tag: bool = False) -> Frame:
+        """An ERROR answering this frame; ``keep_tag``: carrying its custody tag, so its sender releases it."""
+        err = Frame(FrameKind.ERROR, request_id=self.request_id, mode=self.mode, code=code, error=message)
+        tag = custody_tag(self)
+        if keep_tag and tag is not None:
+            err.params = {"tag": tag}
+        return err
+
+
+def custody_tag(frame: Frame) -> int | None:
+    """The custody tag a neighbour stage's link gave ``frame`` (an int, echoed back in its ACK or ERROR); None for
+    anything else, which is never echoed (a long string would come back larger than it went, past the frame cap)."""
+    tag = frame.params.get("tag")
+    return tag if isinstance(tag, int) and not isinstance(tag, bool) else None
 
 
 class UnknownRequestError(WireError):

@@ -105,11 +105,9 @@ class Conn:
                         self.peer, exc)
             if frame.kind is FrameKind.ERROR:
                 return False
-            err = frame.reply_error(ErrorCode.TOO_LARGE, f"the {frame.kind.value} frame exceeds the frame cap "
-                                    f"({exc}); ask for fewer rows or bytes, or raise --max-frame-mib on both sides")
-            tag = frame.params.get("tag")
-            err.params = {"tag": tag} if isinstance(tag, int) and not isinstance(tag, bool) else {}
-            return await self.send(err)
+            return await self.send(frame.reply_error(ErrorCode.TOO_LARGE, (
+                f"the {frame.kind.value} frame exceeds the frame cap ({exc}); ask for fewer rows or bytes, or raise "
+                "--max-frame-mib on both sides"), keep_tag=True))
         if self.max_unsent is not None and self.unsent and self.unsent + len(data) > self.max_unsent:
             log.warning("closing %s: %d bytes of answers wait for it to read (at most %d)", self.peer,
                         self.unsent + len(data), self.max_unsent)
