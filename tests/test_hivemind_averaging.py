@@ -579,6 +579,10 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
         got = wait_for(lambda: members[1].pull(0, 6, sha, timeout=5.0), 30, "a peer's pull")
         assert all(torch.equal(got[n], weights[n]) for n in weights)
         assert members[2].pull(0, 6, "0" * 64, timeout=5.0) is None and members[2].pull(0, 7, sha, timeout=5.0) is None
+        # a peer's state past the block's size (22 floats, with 1 MiB of slack) is refused, its sha256 right or not
+        big = {"a": torch.randn(600, 600, generator=g)}  # 1.44 MB
+        members[0].share(0, 6, tensors_sha256(big), big)
+        assert members[1].pull(0, 6, tensors_sha256(big), timeout=5.0) is None
         # readiness: a round's group waits until every peer holding its version (here members[0]) has trained
         assert not members[1].all_ready(0, 6)
         members[0].mark_ready(0, 6)

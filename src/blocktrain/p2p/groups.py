@@ -19,8 +19,10 @@ delta until the mean lands, and push it alone if it has not as the round's deadl
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
+import random
 import signal
 import threading
 import time
@@ -32,6 +34,11 @@ from typing import Any
 import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256
@@ -41,6 +48,7 @@ from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 log = logging.getLogger(__name__)
 
 READY_TTL_S = 600.0  # seconds a worker's 'ready for round v' stays in the DHT
+STATE_SLACK_BYTES = 1 << 20  # bytes a peer's state may take beyond the block's fp32 weights (its metadata: names)
 
 
 def start_quietly(process: Any) -> None:
@@ -60,8 +68,13 @@ def start_quietly(process: Any) -> None:
     process.wait_until_ready()
 
 
+class StateTooLargeError(Exception):
+    """A peer's state stream ran past the bytes the block's weights take."""
+
+
 class _BlockAverager(DecentralizedAverager):  # type: ignore[misc]
-    """hivemind's averager, sharing this worker's copy of the block's published weights as its state."""
+    """hivemind's averager, sharing this worker's copy of the block's published weights as its state, and pulling a
+    peer's copy within a byte budget and a deadline (:meth:`pull_state`)."""
 
     def __init__(self, *args: Any, shared: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]], **kwargs: Any) -> None:
         self._shared = shared
@@ -70,6 +83,64 @@ class _BlockAverager(DecentralizedAverager):  # type: ignore[misc]
     def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
         meta, tensors = self._shared()  # called in this (the host) process, for a peer that downloads it
         return meta, tensors, None
+
+    def pull_state(self, version: int, max_bytes: int, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
+        """The state of a peer that offers ``version``, read for at most ``timeout`` seconds and ``max_bytes`` bytes
+        in all, else None. hivemind's ``load_state_from_peers`` bounds neither: its caller stops waiting, but its
+        download goes on in the averager's process, at a second per chunk, as long and as large as the peer streams
+        it; and it asks first the peer that declares the highest version, which any peer can declare."""
+        future = MPFuture()
+        self._outer_pipe.send(("_pull_state", [], dict(version=version, max_bytes=max_bytes, timeout=timeout,
+                                                        future=future)))
+        return future.result(timeout=timeout + 5.0)  # type: ignore[no-any-return]  # the process answers at the deadline
+
+    async def _pull_state(self, version: int, max_bytes: int, timeout: float, future: MPFuture) -> None:
+        """In the averager's process: the peers offering ``version`` exactly, in random order, until one serves it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+            peers = [PeerID(p) for p, e in entries.items()
+                     if isinstance(p, bytes) and getattr(e, "value", None) == version and PeerID(p) != self.peer_id]
+            random.shuffle(peers)
+            for peer in peers:
+                if loop.time() >= deadline:
+                    break
+                try:
+                    got = await asyncio.wait_for(self._read_state(peer, max_bytes), deadline - loop.time())
+                except Exception as exc:  # timed out, too large, cut or malformed: the next peer, then the coordinator
+                    log.info("peer %s did not serve v%d: %s: %s", peer, version, type(exc).__name__, exc)
+                    continue
+                if got is not None:
+                    future.set_result(got)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _read_state(self, peer: PeerID, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
+        """One peer's state stream (hivemind's ``rpc_download_state``: metadata on the first message, each tensor's
+        parts after the part that names its dtype), refused past ``max_bytes``."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        meta: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[Any] = []
+        received = 0
+        async for message in stream:
+            received += len(message.metadata) + len(message.tensor_part.buffer)
+            if received > max_bytes:
+                raise StateTooLargeError(f"its state runs past {max_bytes} bytes")
+            if message.metadata and meta is None:
+                meta = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a new tensor begins
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return None if meta is None else (meta, tensors)
 
 
 def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) -> dict[str, torch.Tensor]:
@@ -120,6 +191,7 @@ class GroupAverager:
         self.peer = str(dht.peer_id)
         self._averager: DecentralizedAverager | None = None
         self._block = -1  # the block its averager serves
+        self._state_bytes = 0  # bytes a peer's copy of that block's weights may take (fp32, with its metadata)
         self._state: tuple[dict[str, Any], list[torch.Tensor]] = ({}, [])  # the weights it shares: (meta, tensors)
         self.revoked: frozenset[str] = frozenset()  # quarantined workers (the coordinator's work answer): no member
 
@@ -179,7 +251,7 @@ class GroupAverager:
                 return None
             time.sleep(0.25)
         try:
-            got = self._averager.load_state_from_peers(timeout=timeout)
+            got = self._averager.pull_state(v, self._state_bytes, timeout)
         except Exception as exc:  # a failed download: the coordinator serves the version
             log.info("block %d: no peer served v%d (%s)", k, v, exc)
             return None
@@ -240,6 +312,7 @@ class GroupAverager:
             shared=lambda: self._state)
         start_quietly(averager)
         self._averager, self._block = averager, k
+        self._state_bytes = 4 * sum(t.numel() for t in like) + STATE_SLACK_BYTES
         return averager
 
     def renew(self, token: bytes, timeout_s: float = 30.0) -> None:
