@@ -269,9 +269,10 @@ def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path
     c.close()
 
 
-def _push(client: TestClient, c: Coordinator, headers: dict[str, str], sha: str) -> tuple[WorkAnswer, dict[str, object]]:
+def _push(client: TestClient, c: Coordinator, headers: dict[str, str], sha: str,
+          seed: int = 0) -> tuple[WorkAnswer, dict[str, object]]:
     w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     delta = {n: 1e-3 * torch.randn(s, generator=g) for n, s in c.block_shapes[0].items()}
     body = pack_delta(delta, Compression.INT8, block=0, base_version=w.version, base_sha=w.weights_sha,
                       samples=w.sequences, state_sha=sha)
@@ -298,14 +299,18 @@ def test_a_state_other_than_the_committed_one_fails_the_audit(tmp_path: Path, co
     c.close()
 
 
-@pytest.mark.parametrize("broken", ["no_second_moment", "no_step", "negative_v", "c1_above_one"])
-def test_a_committed_state_no_optimiser_holds_fails_the_audit(tmp_path: Path, corpus: DataDir,  # noqa: F811
-                                                              broken: str) -> None:
-    """A worker commits to a state whose sha it controls but that no optimiser holds (a parameter with m and no v, no
-    step counter, a negative v, a bias correction above 1): uploaded, it matches the commitment, and the replay from it
-    would break, which drops the push and blames no one, so such a worker would never be quarantined. It fails the
-    audit instead."""
+@pytest.mark.parametrize("broken", ["no_second_moment", "no_step", "negative_v", "c1_above_one",
+                                    "bias_corrections"])
+def test_a_committed_state_the_replay_s_optimiser_does_not_hold_fails_the_audit(
+        tmp_path: Path, corpus: DataDir, broken: str) -> None:  # noqa: F811
+    """A worker commits to a state whose sha it controls but that the replay's optimiser (torch AdamW, this run's
+    inner start being fresh) does not hold: a parameter with m and no v, no step counter, a negative v, a bias
+    correction above 1, or RoundAdamW's valid bias corrections in place of the step counter (another run's state; it
+    broke this replay with a KeyError, as a step counter broke a RoundAdamW run's). Uploaded, it matches the
+    commitment, and the replay from it would break, which drops the push and blames no one, so such a worker would
+    never be quarantined. It fails the audit."""
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    assert not c.settings.inner_start.shares  # torch AdamW: a step counter per parameter
     headers = {"Authorization": f"Bearer {c.add_token('dodger')}"}
     name, shape = next(iter(c.block_shapes[0].items()))
     state = {f"adam/{name}/exp_avg": torch.zeros(shape), f"adam/{name}/exp_avg_sq": torch.zeros(shape),
@@ -318,7 +323,8 @@ def test_a_committed_state_no_optimiser_holds_fails_the_audit(tmp_path: Path, co
         state[f"adam/{name}/exp_avg_sq"] = -torch.ones(shape)
     else:
         del state[f"adam/{name}/step"]
-        state.update({f"adam/{name}/c1": torch.tensor(1.5), f"adam/{name}/c2": torch.tensor(0.5)})
+        c1 = 1.5 if broken == "c1_above_one" else 0.5
+        state.update({f"adam/{name}/c1": torch.tensor(c1), f"adam/{name}/c2": torch.tensor(0.5)})
     with TestClient(create_app(c, background=False)) as client:
         assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
         w, answer = _push(client, c, headers, state_sha(state))
@@ -390,7 +396,8 @@ def test_an_audit_upload_that_is_not_safetensors_fails_the_audit_with_an_answer(
 def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """The coordinator's replay raises (its own fault, an out-of-memory say): the push is dropped, not applied
     unverified, its worker is not quarantined (it was) and is answered as for a push that does not count (it got a
-    500 and its worker stopped), and the round is no longer held."""
+    500 and its worker stopped), the round is no longer held, and the push does not count toward the worker's
+    probation (it did: pushes whose replays broke could end a probation no replay verified)."""
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
     headers = {"Authorization": f"Bearer {c.add_token('w')}"}
 
@@ -407,6 +414,8 @@ def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, c
         assert r.status_code == 200 and r.json()["passed"] is False, r.text
         assert not c.conduct.quarantined("w") and not c.auditor.holds(0, w.version)
         assert c.store.q("SELECT state FROM updates WHERE worker='w'") == [{"state": "dropped"}]
+        row = c.store.workers.worker("w")
+        assert row is not None and row.accepted == 0
         assert client.get("/v1/work", headers=headers).status_code == 200
     c.close()
 
@@ -923,3 +932,37 @@ def test_a_worker_told_to_abandon_stops_waiting_for_its_audit_s_replay(monkeypat
         client.close()
         server.shutdown()
         server.server_close()
+
+
+def test_audit_replays_run_at_most_audit_replays_at_once(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A round's audited workers upload together: their replays (each a block and its frozen inputs on the device,
+    trained H steps) run at most ``--audit-replays`` at once, the others waiting their turn; they all ran at once, up
+    to 64, and ran a GPU out of memory."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), audit_replays=1,
+                         **{**AUDIT_ALL, "min_updates": 3})
+    running, most = [0], [0]
+    guard = threading.Lock()
+
+    def slow(*args: Any, **kw: Any) -> AuditAnswer:
+        with guard:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with guard:
+            running[0] -= 1
+        return c.auditor.unjudged()
+
+    c.auditor.judge = slow  # type: ignore[method-assign]
+    names = ("w0", "w1", "w2")
+    heads = {n: {"Authorization": f"Bearer {c.add_token(n)}"} for n in names}
+    with TestClient(create_app(c, background=False)) as client:
+        for n in names:
+            assert client.post("/v1/register", json={"block": 0}, headers=heads[n]).status_code == 200
+        versions = {n: _push(client, c, heads[n], state_sha({}), seed=i)[0].version for i, n in enumerate(names)}
+        threads = [threading.Thread(target=c.audit, args=(n, 0, versions[n], b"")) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads) and most[0] == 1, most
+    c.close()

@@ -501,3 +501,89 @@ def test_a_worker_quarantined_while_its_push_is_checked_is_refused_at_acceptance
         assert status == 403 and "quarantined while its update was checked" in str(doc["detail"]), doc
         assert c.store.q("SELECT * FROM updates WHERE worker='evil' AND state='accepted'") == []
     c.close()
+
+
+def test_a_push_refused_at_acceptance_does_not_hold_its_round(tmp_path: Path) -> None:
+    """Two workers send one delta at once: both pass the unlocked checks, the first is accepted, and the second is
+    refused at acceptance as its replay (422). The round stops waiting for the second worker, as for a refusal in the
+    checks; it waited for it until the deadline."""
+    from fastapi.testclient import TestClient
+
+    from blocktrain.coordinator.app import create_app
+
+    c = make_coordinator(tmp_path / "run", None, round_seconds=120, lease_seconds=600, agree_min=None,
+                         refusal_burst=0, audit_fraction=0.0, min_updates=2)
+    with TestClient(create_app(c, background=False)) as client:
+        api = Api(c, client)
+        for name in ("a", "b", "c"):
+            api.register(name, block=0)
+        body = pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0],
+                          samples=4)
+        check = c.intake.check
+
+        def a_copy_lands_meanwhile(*args: Any, **kw: Any) -> Any:
+            out = check(*args, **kw)
+            c.intake.check = check  # type: ignore[method-assign]
+            assert c.submit("a", 0, body).accepted  # while b's copy is in its unlocked checks
+            return out
+
+        c.intake.check = a_copy_lands_meanwhile  # type: ignore[method-assign]
+        status, doc = api.push("b", 0, body)
+        assert status == 422 and doc["error"] == "replay", doc
+        assert c.store.rounds.refused(0, 0) == {"b"}
+    c.close()
+
+
+def test_a_second_quarantine_keeps_the_first(api: Api) -> None:  # noqa: F811
+    """A worker quarantined twice (a failed audit decided after its refusals had quarantined it) keeps its first
+    record: the second rewrote it without the revoked token's hash (its token then got 401, not 403) and counted it
+    twice."""
+    h = api.h("x")
+    with api.c.lock:
+        api.c.conduct.quarantine("x", "three refused updates", api.c.clock())
+        api.c.conduct.quarantine("x", "failed audit", api.c.clock())
+    assert api.c.store.conduct.quarantined_workers() == {"x": "three refused updates"}
+    assert api.c.store.q("SELECT value FROM counters WHERE key='workers_quarantined'") == [{"value": 1}]
+    api.c.tokens._last_reload = float("-inf")
+    api.c.tick()  # the token table re-read: the token is gone from it, its quarantine says why
+    r = api.client.get("/v1/work", headers=h)
+    assert r.status_code == 403 and "quarantined" in r.text
+
+
+def test_a_made_up_token_is_refused_without_waiting_for_the_lock(api: Api) -> None:  # noqa: F811
+    """A stranger's made-up tokens are answered 401 from the token cache while the coordinator's lock is held (a round
+    closing, an evaluation): each waited for the lock and queried the database, so a flood of them held every
+    worker's requests. A quarantined worker's token gets its 403 likewise; a token due a re-read takes the lock."""
+    import threading
+
+    from blocktrain.errors import ProtocolError
+
+    h = api.h("q")
+    token = h["Authorization"].removeprefix("Bearer ")
+    with api.c.lock:
+        api.c.conduct.quarantine("q", "three refused updates", api.c.clock())
+    api.c.tokens._last_reload = time.monotonic()  # just re-read
+    held, done = threading.Event(), threading.Event()
+    answers: list[int] = []
+
+    def hold() -> None:
+        with api.c.lock:
+            held.set()
+            done.wait(30)
+
+    def ask() -> None:
+        for t in ("made-up", token, ""):
+            try:
+                api.c.authenticate(t)
+            except ProtocolError as exc:
+                answers.append(exc.status)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(5)
+    done.set()
+    holder.join(10)
+    assert not asker.is_alive() and answers == [401, 403, 401], answers

@@ -69,7 +69,7 @@ from blocktrain.protocol.inner_state import ADAM, MOMENTS, SCALARS, load_inner_s
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, MomentCodec, decode_moments, encode_moments
 from blocktrain.protocol.weights import load_trainable, trainable_state
-from blocktrain.train.inner import InnerRounds
+from blocktrain.train.inner import InnerRounds, inner_scalars
 from blocktrain.train.round import BlockTask, train_round
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class Auditor:
         moments are taken as they are)."""
         t0 = time.perf_counter()
         k, v = case.update.block, case.update.base_version
-        tensors = unpack_state(body, shapes, block=k, version=v)
+        tensors = unpack_state(body, shapes, block=k, version=v, scalars=inner_scalars(self.settings.inner_start))
         off = pushed = 0.0  # how far its moments are from the records' (derived: 0 where none are) and from the replay's
         if state_sha(tensors) != case.update.state_sha:
             rel, scale = math.inf, math.inf

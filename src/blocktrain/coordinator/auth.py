@@ -8,8 +8,9 @@ process (``blocktrain token add/revoke``) stops working within seconds. A quaran
 (:mod:`.conduct`) and answered 403. Updates refused for want of a valid
 token are counted in memory only, and logged at a limited rate: unauthenticated traffic writes nothing to disk.
 
-:meth:`Tokens.worker_for_token` and :meth:`Tokens.refused` are called without the coordinator's lock (from every
-request, in the HTTP layer's threads): the first reads the cache, which is replaced whole, never changed in place;
+:meth:`Tokens.worker_for_token`, :meth:`Tokens.refuse` and :meth:`Tokens.refused` are called without the coordinator's
+lock (from every request, in the HTTP layer's threads): the first two read the cache, which is replaced whole, never
+changed in place (an unknown token takes the lock only when the table is due to be re-read);
 the second appends to a queue that :meth:`Tokens.unauthenticated_rejections` folds in, under the lock, as every other
 method is called.
 """
@@ -20,6 +21,7 @@ import hmac
 import logging
 import time
 from collections import deque
+from typing import NoReturn
 
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.store import Store, hash_token
@@ -40,6 +42,7 @@ class Tokens:
     def __init__(self, store: Store, conduct: Conduct) -> None:
         self.store, self.conduct = store, conduct
         self._tokens: dict[str, str] = {}  # token hash -> worker name (replaced whole on a re-read)
+        self._revoked_hashes: dict[str, str] = {}  # a quarantined worker's revoked token hash -> its name (likewise)
         self._last_reload = float("-inf")  # time.monotonic() of the last re-read of the token table
         self._unauth: deque[str] = deque()  # reasons of refused unauthenticated updates, not yet counted
         self._unauth_counts: dict[str, int] = {}  # reason -> refused unauthenticated updates (never stored)
@@ -49,33 +52,49 @@ class Tokens:
 
     def _reload(self) -> None:
         self._tokens = {h: name for name, h in self.store.tokens.token_hashes()}
+        self._revoked_hashes = self.store.conduct.revoked_tokens()
 
-    def worker_for_token(self, token: str) -> str | None:
-        """(Unlocked.) Constant-time comparison against every cached hash; None if unknown or revoked since cached."""
-        h = hash_token(token)
+    def _lookup(self, h: str) -> str | None:
+        """The cached worker of token hash ``h``, revoked or not (constant time in which hash matches)."""
         found = None
         for known, name in self._tokens.items():
             if hmac.compare_digest(h, known):
                 found = name
+        return found
+
+    def worker_for_token(self, token: str) -> str | None:
+        """(Unlocked.) Constant-time comparison against every cached hash; None if unknown or revoked since cached."""
+        found = self._lookup(hash_token(token))
         return None if found in self.conduct.revoked else found
 
-    def authenticate(self, token: str | None) -> str:
-        """The worker a request's token names (an unknown token re-reads the table, at most once per
-        TOKEN_RELOAD_SECONDS, so unknown tokens cannot hammer the database); 401 or 403 otherwise."""
+    def reload_due(self) -> bool:
+        """(Unlocked.) Whether an unknown token would re-read the table now (at most once per TOKEN_RELOAD_SECONDS)."""
+        return time.monotonic() - self._last_reload >= TOKEN_RELOAD_SECONDS
+
+    def refuse(self, token: str | None) -> NoReturn:
+        """(Unlocked.) The refusal of a token the cache does not admit: 403 if it is a quarantined worker's (revoked
+        since the cache was read, or by a quarantine the table holds), 401 otherwise. From the cache alone, so a flood
+        of made-up tokens neither queries the database nor waits for the coordinator's lock."""
         if not token:
             raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", Reason.AUTH)
-        name = self.worker_for_token(token)
-        now = time.monotonic()
-        if name is None and now - self._last_reload >= TOKEN_RELOAD_SECONDS:
-            self._last_reload = now  # a token may have been added by 'blocktrain token add' while we run
+        h = hash_token(token)
+        name = self._lookup(h)
+        revoked = name if name in self.conduct.revoked else self._revoked_hashes.get(h)
+        if revoked is not None:
+            raise ProtocolError(403, f"worker {revoked!r} is quarantined and its token revoked: its updates were "
+                                "refused too often for what they are or do; ask the run's operator", Reason.QUARANTINED)
+        raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", Reason.AUTH)
+
+    def authenticate(self, token: str | None) -> str:
+        """(Locked, when :meth:`reload_due`.) The worker a request's token names (an unknown token re-reads the table,
+        at most once per TOKEN_RELOAD_SECONDS, so unknown tokens cannot hammer the database); 401 or 403 otherwise."""
+        name = self.worker_for_token(token) if token else None
+        if name is None and token and self.reload_due():
+            self._last_reload = time.monotonic()  # a token may have been added by 'blocktrain token add' while we run
             self._reload()
             name = self.worker_for_token(token)
         if name is None:
-            revoked = self.store.conduct.quarantined_token(hash_token(token))
-            if revoked is not None:
-                raise ProtocolError(403, f"worker {revoked!r} is quarantined and its token revoked: its updates were "
-                                    "refused too often for what they are or do; ask the run's operator", Reason.QUARANTINED)
-            raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", Reason.AUTH)
+            self.refuse(token)
         return name
 
     def refresh(self) -> None:

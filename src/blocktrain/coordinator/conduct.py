@@ -104,6 +104,10 @@ class Conduct:
         return caught
 
     def quarantine(self, name: str, why: str, at: float) -> None:
+        """Quarantine ``name`` (once: a second call, such as a failed audit decided after another refusal quarantined
+        it, changes nothing; it rewrote the record without the revoked token's hash and counted it twice)."""
+        if self.store.conduct.quarantined(name):
+            return
         with self.store.tx():
             dropped = self.store.conduct.quarantine(name, why, at)
         self.revoked.add(name)

@@ -89,10 +89,10 @@ class ConductTable:
                          "ORDER BY q.at DESC, q.worker LIMIT ?", since, limit)
         return [str(r["worker"]) for r in rows]
 
-    def quarantined_token(self, token_hash: str) -> str | None:
-        """The quarantined worker whose revoked token has this hash, if any."""
-        row = self.db.q1("SELECT worker FROM quarantine WHERE token_hash=?", token_hash)
-        return None if row is None else str(row["worker"])
+    def revoked_tokens(self) -> dict[str, str]:
+        """The revoked token hash of every quarantined worker that had one -> the worker."""
+        return {str(r["token_hash"]): str(r["worker"])
+                for r in self.db.q("SELECT worker, token_hash FROM quarantine WHERE token_hash IS NOT NULL")}
 
 
 @dataclass(frozen=True)

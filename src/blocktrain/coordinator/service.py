@@ -84,6 +84,7 @@ class Coordinator:
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
+        self.replays = threading.BoundedSemaphore(self.settings.audit_replays)  # audit replays at once (device memory)
         self.n_blocks = self.cfg.model.n_blocks
         self.evaluator = Evaluator(self.cfg, settings, data)
         self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store)
@@ -191,10 +192,14 @@ class Coordinator:
         return self.tokens.worker_for_token(token)
 
     def authenticate(self, token: str | None) -> str:
+        """The worker ``token`` names; 401 or 403 from the cache unless the token table is due to be re-read (a
+        stranger's made-up tokens never wait for the lock that a round's close or an evaluation holds)."""
         if token:
             name = self.tokens.worker_for_token(token)
             if name is not None:
                 return name
+        if not token or not self.tokens.reload_due():
+            self.tokens.refuse(token)
         with self.lock:
             return self.tokens.authenticate(token)
 
@@ -284,7 +289,11 @@ class Coordinator:
         try:
             with self.lock:  # record: checked again against the round as it is now, stored, audited, quorum
                 self.intake.count(time.perf_counter() - t0)
-                return up.accept(name, worker, upd, checked, staged, sketch, arrived, members, base, self.clock())
+                try:
+                    return up.accept(name, worker, upd, checked, staged, sketch, arrived, members, base, self.clock())
+                except ProtocolError as exc:  # a replay of what was accepted since the checks: refused as they refuse
+                    up.refused(name, upd, members, exc, self.clock())
+                    raise
         finally:
             self.store.blobs.discard_blob(staged)  # no-op once committed
             self.store.blobs.discard_blob(sketch)
@@ -327,9 +336,10 @@ class Coordinator:
             case = self.auditor.take(name, k, v)  # its round stays held until decided
         answer: AuditAnswer | None = None
         why = "its replay broke"
-        try:  # unlocked: the replay
-            answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case),
-                                        self.uploads.derivation(case))
+        try:  # unlocked: the replay, at most --audit-replays at once (a round's uploads arrive together)
+            with self.replays:
+                answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case),
+                                            self.uploads.derivation(case))
             why = self._audit_failure(k, v, answer)
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = self.auditor.unjudged()

@@ -121,6 +121,8 @@ class CoordinatorSettings:
     # and v each (honest across bf16/fp32 and thread counts on cpu-mini, through the factored codec: up to 0.051 at
     # H=25, 0.047 at H=100; benchmarks/results/audit-replay-pushed-moments*.json)
     audit_timeout_s: float = 120.0  # seconds an audited worker has to begin its state upload before it is quarantined
+    audit_replays: int = 2  # audit replays run at once (each builds its block and frozen inputs on --device and trains
+    # H steps); more uploads wait their turn, held by their rounds, not overdue
     upload_timeout_s: float = 600.0  # seconds a request body may take to arrive; a stalled or trickling one gets 408
     max_connections: int = 1024  # connections the HTTP server serves at once; more are answered 503
     head_timeout_s: float = 10.0  # seconds a request's head (request line and headers) may take, and the small JSON
@@ -209,6 +211,8 @@ class CoordinatorSettings:
         if not (self.head_timeout_s > 0 and math.isfinite(self.head_timeout_s)):
             raise ConfigError(f"head_timeout_s must be a positive number of seconds, got {self.head_timeout_s!r}; set "
                               "--head-timeout-s")
+        if self.audit_replays < 1:
+            raise ConfigError(f"audit_replays must be >= 1, got {self.audit_replays}; set --audit-replays")
         if self.probation_pushes < 0:
             raise ConfigError(f"probation_pushes must be >= 0, got {self.probation_pushes}")
         if not 0 <= self.audit_outlier_fraction <= 1 or self.audit_outlier_ratio < 1:

@@ -269,10 +269,13 @@ class UpdateTable:
         return None if row is None else str(row["blob"])
 
     def drop_update(self, k: int, v: int, worker: str) -> bool:
-        """Drop ``worker``'s accepted update of block k version v from its round; whether there was one."""
+        """Drop ``worker``'s accepted update of block k version v from its round and from its accepted pushes (which
+        probation counts: a push that was never verified does not count toward it); whether there was one."""
         rows = self.db.q("SELECT id, block, version FROM updates WHERE block=? AND version=? AND worker=? AND state=?",
                          k, v, worker, UpdateState.ACCEPTED.value)
         drop_from_rounds(self.db, rows)
+        if rows:
+            self.db.execute("UPDATE workers SET accepted=accepted-1 WHERE name=?", (worker,))
         return bool(rows)
 
     def previous_blobs(self, k: int, worker: str, before: int, n: int = 2) -> tuple[str, ...]:

@@ -25,7 +25,9 @@ from blocktrain.protocol.codes import Reason
 ADAM = "adam/"
 RESIDUAL = "residual/"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-SCALARS = ("step", "c1", "c2")  # torch AdamW's step counter; RoundAdamW's bias corrections
+STEP_SCALARS = ("step",)  # torch AdamW's per-parameter scalar: its step counter
+ROUND_SCALARS = ("c1", "c2")  # RoundAdamW's: its two bias corrections
+SCALARS = (*STEP_SCALARS, *ROUND_SCALARS)
 STATE_FORMAT = "1"  # bumped when the names or their meaning change
 
 
@@ -68,10 +70,12 @@ def pack_state(tensors: Mapping[str, torch.Tensor], *, block: int, version: int)
                                 "base_version": str(version)})
 
 
-def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: int,
-                 version: int) -> dict[str, torch.Tensor]:
+def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: int, version: int,
+                 scalars: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """An audit upload as state tensors, every name, dtype and shape checked against block ``block``'s
-    ``shapes``; a :class:`ProtocolError` (422) that names what is wrong."""
+    ``shapes``, each parameter's AdamW state holding both moments and exactly ``scalars`` (the leaves of the optimiser
+    the replay builds: :data:`STEP_SCALARS` or :data:`ROUND_SCALARS`); a :class:`ProtocolError` (422) that names what
+    is wrong."""
     try:
         tensors, meta = unpack(body, source="inner state")
     except CheckpointError as exc:  # not safetensors, corrupt, too many tensors: what it uploaded is no state
@@ -96,24 +100,27 @@ def unpack_state(body: bytes, shapes: Mapping[str, tuple[int, ...]], *, block: i
             raise ProtocolError(422, f"unknown state tensor {name!r}", Reason.AUDIT_FORMAT)
         if tuple(t.shape) != want:
             raise ProtocolError(422, f"state tensor {name!r} has shape {tuple(t.shape)}, expected {want}", Reason.AUDIT_FORMAT)
-    _check_whole(tensors)
+    _check_whole(tensors, scalars)
     return tensors
 
 
-def _check_whole(tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_whole(tensors: Mapping[str, torch.Tensor], scalars: tuple[str, ...]) -> None:
     """Every parameter's AdamW state whole and in range (its names and shapes checked already): both moments and
-    either ``step`` (>= 0) or both bias corrections (in [0, 1]), v >= 0. A state the worker committed to may still be
-    one no optimiser holds, and a replay from it would break, which blames no one (the coordinator's own fault)."""
+    exactly ``scalars``, ``step`` >= 0, bias corrections in [0, 1], v >= 0. A state the worker committed to may still
+    be one the replay's optimiser does not hold (``step`` where it reads c1 and c2, or the other way round), and a
+    replay from it would break, which blames no one (the coordinator's own fault): so it fails the audit here."""
+    if scalars not in (STEP_SCALARS, ROUND_SCALARS):
+        raise ValueError(f"scalars must be {STEP_SCALARS} or {ROUND_SCALARS}, got {scalars}")
+    want = {*MOMENTS, *scalars}
     leaves: dict[str, set[str]] = {}
     for name in tensors:
         if name.startswith(ADAM):
             param, _, leaf = name[len(ADAM):].rpartition("/")
             leaves.setdefault(param, set()).add(leaf)
     for param, have in leaves.items():
-        if have not in ({*MOMENTS, "step"}, {*MOMENTS, "c1", "c2"}):
-            raise ProtocolError(422, f"the state of {param!r} holds {', '.join(sorted(have))}; a parameter's AdamW "
-                                "state is exp_avg, exp_avg_sq and step, or exp_avg, exp_avg_sq, c1 and c2",
-                                Reason.AUDIT_FORMAT)
+        if have != want:
+            raise ProtocolError(422, f"the state of {param!r} holds {', '.join(sorted(have))}; this run's inner "
+                                f"optimiser holds {', '.join(sorted(want))} for each parameter", Reason.AUDIT_FORMAT)
         key = f"{ADAM}{param}/"
         if bool((tensors[key + "exp_avg_sq"] < 0).any()):
             raise ProtocolError(422, f"{key}exp_avg_sq holds a negative value", Reason.AUDIT_FORMAT)

@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 from blocktrain.config import TrainConfig
-from blocktrain.protocol.inner_state import inner_state
+from blocktrain.protocol.inner_state import ROUND_SCALARS, STEP_SCALARS, inner_state
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
 from blocktrain.train.step import decay_groups, make_optimizer
 
-__all__ = ["InnerRounds", "InnerStart", "OptimizerFactory", "RoundAdamW", "Snapshot", "make_inner_optimizer",
+__all__ = ["InnerRounds", "InnerStart", "OptimizerFactory", "RoundAdamW", "Snapshot", "inner_scalars", "make_inner_optimizer",
            "make_round_optimizer", "moment_estimates", "start_round"]
 
 OptimizerFactory = Callable[[], tuple[torch.optim.Optimizer, dict[int, str]]]  # -> (optimiser, index -> name)
@@ -113,6 +113,12 @@ def make_inner_optimizer(module: nn.Module, cfg: TrainConfig, start: InnerStart)
     where moments are shared (its bias corrections are per moment), torch's (fused) AdamW otherwise. The worker, the
     in-process rounds and the audit's replay all build it here."""
     return make_round_optimizer(module, cfg) if start.shares else make_optimizer(module, cfg)
+
+
+def inner_scalars(start: InnerStart) -> tuple[str, ...]:
+    """The per-parameter scalars the inner optimiser :func:`make_inner_optimizer` builds for ``start`` holds beside
+    its two moments (what an audit upload of its state must name)."""
+    return ROUND_SCALARS if start.shares else STEP_SCALARS
 
 
 def _holders(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
