@@ -421,6 +421,36 @@ def test_request_time_is_bounded() -> None:
     assert '"raw_bytes": "YQ=="' in lines[0] and '"code": "timeout"' in lines[1]
 
 
+def test_a_whole_answer_whose_client_leaves_stops_generating() -> None:
+    """A client that asks for a whole (not streamed) answer and hangs up: its generation went on to its end or to the
+    request's time limit, holding its pipeline slot and KV caches (Starlette watches only a stream's client). It is
+    cancelled within about a second of the client leaving, its decoding closed (which sends its RELEASE)."""
+    import json
+    import socket
+
+    ended = threading.Event()
+
+    class Endless(FakeClient):
+        async def decode(self, mode: Mode, prompt: bytes, n_new: int, sampling: Sampling, stats: Any = None
+                         ) -> AsyncIterator[bytes]:
+            try:
+                async for c in super().decode(mode, prompt, n_new, sampling, stats):
+                    yield c
+            finally:
+                ended.set()
+
+    fake = Endless([b"a"] * 60, delays_s=(0.5,) * 60)  # 30 s of generation
+    with serve_app(opts(request_timeout_s=60), fake) as url:
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": "a", "max_tokens": 60, "mode": "ar"}).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(1.0)  # generating
+            assert not ended.is_set()
+        assert ended.wait(5), "the generation went on after its client left"
+
+
 # --- the real openai client against a loopback pipeline --------------------------------------------------
 def test_openai_client_against_a_pipeline() -> None:
     cfg, blocks, e2e = tiny_models(seed=0)

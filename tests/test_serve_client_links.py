@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import torch
 
-from blocktrain.errors import StageUnavailableError
+from blocktrain.errors import ServeError, StageUnavailableError
 from blocktrain.serve.client.pipeline import PipelineClient
-from blocktrain.serve.wire.frames import Frame, FrameKind
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode
 from blocktrain.serve.wire.links import Conn, Counters
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -109,3 +109,150 @@ def test_an_answer_without_the_tensors_asked_for_is_a_wire_error() -> None:
         answered(ok, "logits", (4, 256))
     with pytest.raises(WireError, match="expected"):
         answered(ok, "logits", (3, 256, 1))
+
+
+def test_an_answer_with_values_no_model_makes_is_a_wire_error() -> None:
+    """NaN or infinite logits reached the sampler (a RuntimeError: a 500, or a stream cut) or a score (a JSON null that
+    lm-eval cannot sum); a draft byte past 255 was an IndexError. Each is a WireError (the request's 502)."""
+    from blocktrain.errors import WireError
+    from blocktrain.serve.client.decoding import answered
+
+    def reply(name: str, t: torch.Tensor) -> Frame:
+        return Frame(FrameKind.RESULT, "r-1", tensors={name: t})
+
+    bad_logits = torch.zeros(2, 256)
+    bad_logits[1, 7] = float("nan")
+    with pytest.raises(WireError, match="finite floats"):
+        answered(reply("logits", bad_logits), "logits", (2, 256))
+    with pytest.raises(WireError, match="finite floats"):
+        answered(reply("q", torch.full((1, 256), float("inf"))), "q", (1, 256))
+    with pytest.raises(WireError, match="finite floats"):
+        answered(reply("logits", torch.zeros(2, 256, dtype=torch.int64)), "logits", (2, 256))
+    with pytest.raises(WireError, match="byte ids"):
+        answered(reply("draft", torch.tensor([[3, 256]])), "draft", (1, 2))
+    with pytest.raises(WireError, match="byte ids"):
+        answered(reply("bytes", torch.tensor([[-1, 5]])), "bytes", (1, 2))
+    with pytest.raises(WireError, match="byte ids"):
+        answered(reply("bytes", torch.tensor([[1.0, 5.0]])), "bytes", (1, 2))
+    assert answered(reply("draft", torch.tensor([[0, 255]], dtype=torch.uint8)), "draft", (1, 2)).tolist() == [[0, 255]]
+    assert answered(reply("bytes", torch.tensor([[0, 255]])), "bytes", (1, 2)).tolist() == [[0, 255]]
+
+
+PONG = {"family": "stack", "n": 1, "context": 64, "modes": ["score"], "state": "serving"}
+
+
+def test_a_request_s_own_overload_is_no_refusal_of_the_connection() -> None:
+    """The entry answers one request OVERLOADED (its pending cap) and keeps the connection: when that connection
+    later drops for another reason, the requests then in flight fail for that reason, not with the old overload
+    (which was kept as the connection's refusal). An OVERLOADED with no request id refuses the connection."""
+    async def stage(conn: Conn) -> None:
+        ping = await conn.recv()
+        await conn.send(Frame(FrameKind.PONG, ping.request_id, params=PONG))
+        first = await conn.recv()
+        await conn.send(first.reply_error(ErrorCode.OVERLOADED, "4 requests pending: at most 4"))
+        await conn.recv()  # the second request: the stage then goes away
+        conn.close()
+
+    async def main() -> None:
+        server, addr = await _serve(stage)
+        client = PipelineClient(addr, timeout_s=5.0, connect_attempts=1)
+        await client.connect()
+        with pytest.raises(ServeError, match="at most 4"):
+            await client.score(torch.zeros(1, 8, dtype=torch.uint8))
+        with pytest.raises(StageUnavailableError, match="connection") as lost:
+            await client.score(torch.zeros(1, 8, dtype=torch.uint8))
+        assert "at most 4" not in str(lost.value)
+        assert not client._futures
+        await client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_call_leaves_no_future_behind() -> None:
+    """A call cancelled while it waits (its HTTP client left) kept its future until an answer came, for ever when
+    none did."""
+    async def silent_after_pong(conn: Conn) -> None:
+        ping = await conn.recv()
+        await conn.send(Frame(FrameKind.PONG, ping.request_id, params=PONG))
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        server, addr = await _serve(silent_after_pong)
+        client = PipelineClient(addr, timeout_s=20.0, connect_attempts=1)
+        await client.connect()
+        task = asyncio.create_task(client.score(torch.zeros(1, 8, dtype=torch.uint8)))
+        await asyncio.sleep(0.2)
+        assert len(client._futures) == 1
+        task.cancel()
+        await asyncio.wait({task})
+        assert not client._futures
+        await client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_release_is_sent_even_when_its_caller_is_cancelled() -> None:
+    """A generation's finally asks for its RELEASE as its task is cancelled; the send waits for the connection (another
+    request's frame is being written). Awaited there, it was cancelled with the task from Python 3.12 on, and the KV
+    caches stayed until their idle timeout; it is sent in a task of its own."""
+    got: list[Frame] = []
+
+    async def stage(conn: Conn) -> None:
+        ping = await conn.recv()
+        await conn.send(Frame(FrameKind.PONG, ping.request_id, params=PONG))
+        got.append(await conn.recv())
+
+    async def main() -> None:
+        server, addr = await _serve(stage)
+        client = PipelineClient(addr, timeout_s=5.0, connect_attempts=1)
+        await client.connect()
+        assert client.conn is not None
+        busy = client.conn._lock  # the connection's writer, held as another request's frame is written
+        await busy.acquire()
+
+        async def generation() -> None:
+            try:
+                await asyncio.sleep(30)
+            finally:
+                await client.release("r-9", Mode.AR)
+
+        task = asyncio.create_task(generation())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.wait({task})
+        busy.release()
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert [(f.kind, f.request_id) for f in got] == [(FrameKind.RELEASE, "r-9")]
+        await client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_requests_waiting_for_a_failed_connect_share_its_failure() -> None:
+    """An entry stage that accepts connections and never answers: each waiting request connected again in turn, its
+    PING waited the whole request timeout, so the k-th waited k of them. The PING waits the connect timeout, and the
+    requests that waited for a failed connect get its failure."""
+    from blocktrain.serve.gateway.checks import RequestError
+    from blocktrain.serve.gateway.options import GatewayOptions
+    from blocktrain.serve.gateway.serving import Gateway
+
+    async def silent(conn: Conn) -> None:
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        server, addr = await _serve(silent)
+        opts = GatewayOptions(pipeline=f"{addr[0]}:{addr[1]}", request_timeout_s=20.0)
+        gw = Gateway(opts, PipelineClient(addr, timeout_s=20.0, connect_timeout_s=0.5, connect_attempts=1))
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(gw.stage() for _ in range(8)), return_exceptions=True)
+        assert all(isinstance(r, RequestError) and r.status == 503 for r in results), results
+        assert time.monotonic() - t0 < 5
+        server.close()
+
+    asyncio.run(main())

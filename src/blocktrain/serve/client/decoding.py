@@ -160,15 +160,30 @@ async def call_cached(t: Traversal, rid: str, mode: Mode, params: dict[str, Any]
         return await t.call(frame(0))
 
 
+BYTE_TENSORS = ("draft", "bytes")  # answers holding byte ids (0..255); every other answer holds finite floats
+
+
 def answered(reply: Frame, name: str, shape: tuple[int | None, ...]) -> torch.Tensor:
-    """The tensor ``name`` of a pipeline's answer, of ``shape`` (None: any size there); a WireError (the request's 502)
-    where the stage, run by someone else, sent none or another shape, not a KeyError or an IndexError later."""
+    """The tensor ``name`` of a pipeline's answer, of ``shape`` (None: any size there), byte ids in 0..255 for the
+    names in :data:`BYTE_TENSORS` and finite floats for the others; a WireError (the request's 502) where the stage,
+    run by someone else, sent none, another shape or other values (NaN logits were a sampler's RuntimeError, a 500,
+    or a score's JSON null; a byte id past 255 an IndexError), not an error later."""
     got = reply.tensors.get(name)
     if got is None or got.ndim != len(shape) or any(w is not None and w != n for w, n in zip(shape, got.shape, strict=True)):
         have = "none" if got is None else f"shape {tuple(got.shape)}"
         want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
         raise WireError(f"the pipeline answered request {reply.request_id} with {have} for {name!r}, expected {want}; "
                         "a stage runs another version or is faulty")
+    if name in BYTE_TENSORS:
+        ids = got.to(torch.int64) if not (got.is_floating_point() or got.is_complex()) else None  # no uint8 wrap
+        bad = ids is None or bool(((ids < 0) | (ids >= VOCAB_SIZE)).any())
+        want_values = "byte ids in 0..255"
+    else:
+        bad = not got.is_floating_point() or not bool(torch.isfinite(got).all())
+        want_values = "finite floats"
+    if bad:
+        raise WireError(f"the pipeline answered request {reply.request_id} with {name!r} of {got.dtype} holding values "
+                        f"other than {want_values}; a stage is faulty or its arithmetic overflowed (try --precision fp32)")
     return got
 
 

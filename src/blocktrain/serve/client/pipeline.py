@@ -79,6 +79,7 @@ class PipelineClient:
         self.counters = Counters()
         self.conn: Conn | None = None
         self._futures: dict[str, asyncio.Future[Frame]] = {}
+        self._releases: set[asyncio.Task[None]] = set()  # RELEASE frames being sent (held: a task is weakly referenced)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
         self._reader: asyncio.Task[None] | None = None
@@ -118,7 +119,8 @@ class PipelineClient:
         self._refusal = None
         self._reader = asyncio.create_task(self._read_loop(self.conn))
         try:
-            self._stage = StageInfo.from_pong((await self.call(Frame(FrameKind.PING, self.new_id()), reopen=False)).params)
+            pong = await self.call(Frame(FrameKind.PING, self.new_id()), self.connect_timeout_s, reopen=False)
+            self._stage = StageInfo.from_pong(pong.params)  # a PING is answered at once: a silent port is no stage
         except BaseException:  # no PONG, or not a stage's: its reader must not outlive it and fail a later connection's calls
             await self._drop()
             raise
@@ -133,6 +135,8 @@ class PipelineClient:
 
     async def close(self) -> None:
         self._opened = False
+        if self._releases:  # the last RELEASEs go out before the connection closes
+            await asyncio.wait(set(self._releases), timeout=1.0)
         await self._drop()
 
     async def _drop(self) -> None:
@@ -156,8 +160,11 @@ class PipelineClient:
                 except WireError as exc:
                     log.warning("bad frame from the entry stage: %s", exc)
                     continue
-                if frame.kind is FrameKind.ERROR and frame.code in (ErrorCode.UNAUTHORIZED, ErrorCode.OVERLOADED):
-                    self._refusal = error_from_frame(frame)  # the stage hangs up next: fail every request with it
+                if (frame.kind is FrameKind.ERROR and not frame.request_id
+                        and frame.code in (ErrorCode.UNAUTHORIZED, ErrorCode.OVERLOADED)):
+                    # the connection refused (no request's id): the stage hangs up next, fail every request with it
+                    # (a request's own OVERLOADED leaves the connection open, and later failures their own reasons)
+                    self._refusal = error_from_frame(frame)
                 fut = self._futures.pop(frame.request_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(frame)
@@ -197,11 +204,12 @@ class PipelineClient:
         try:
             reply = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            self._futures.pop(frame.request_id, None)
             raise StageUnavailableError(
                 f"request {frame.request_id} got no answer from the pipeline at {self.where} within {timeout:.1f}s; "
                 "a stage may be down or overloaded: check each 'blocktrain serve' process"
             ) from None
+        finally:  # answered, timed out or cancelled (its HTTP client left): no future is left behind
+            self._futures.pop(frame.request_id, None)
         if reply.kind is FrameKind.ERROR:
             raise error_from_frame(reply)
         return reply
@@ -216,10 +224,21 @@ class PipelineClient:
         return answered(await self.call(f), "logits", (*x.shape, VOCAB_SIZE))
 
     async def release(self, request_id: str, mode: Mode) -> None:
-        """Ask the stages to drop a request's KV caches; nothing when the connection is gone (they expire them)."""
-        if self.conn is not None and not self.conn.closed:
-            with contextlib.suppress(ServeError):
-                await self.conn.send(Frame(FrameKind.RELEASE, request_id, mode))
+        """Ask the stages to drop a request's KV caches; nothing when the connection is gone (they expire them).
+
+        Sent in a task of its own, not awaited: a generation's ``finally`` calls this as its task is cancelled (its
+        HTTP client left), and from Python 3.12 on a send awaited there is cancelled with it when it has to wait for
+        the connection, so the caches were kept until their idle timeout."""
+        conn = self.conn
+        if conn is not None and not conn.closed:
+            task = asyncio.get_running_loop().create_task(self._release(conn, Frame(FrameKind.RELEASE, request_id, mode)))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    @staticmethod
+    async def _release(conn: Conn, frame: Frame) -> None:
+        with contextlib.suppress(ServeError):
+            await conn.send(frame)
 
     def decode(self, mode: Mode, prompt: bytes, n_new: int, sampling: Sampling,
                stats: SpecResult | None = None) -> AsyncIterator[bytes]:

@@ -81,6 +81,8 @@ def streamed(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
                             "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{name}"}}}}}
 
 
+DISCONNECT_POLL_S = 0.5  # seconds between looks for a whole answer's client having gone
+CLIENT_GONE = 499  # the status logged for a request whose client left before its answer (nginx's)
 SEND_GRACE_S = 10.0  # seconds a stream may wait on a slow reader beyond the request's own time limit
 
 
@@ -187,9 +189,29 @@ class GuardedRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             opts: GatewayOptions = request.app.state.options
             authorize(request, opts.token)
-            return await handle(await read_json(request, opts) if request.method == "POST" else request)
+            if request.method != "POST":
+                return await handle(request)
+            return await until_gone(request, handle(await read_json(request, opts)))
 
         return guarded
+
+
+async def until_gone(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """``work``'s response, or its cancellation once the HTTP client has gone (Starlette watches only for a streamed
+    response's client: a whole answer went on generating, holding its pipeline slot and KV caches, up to the
+    request's time limit); the client is looked for every DISCONNECT_POLL_S."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                log.info("%s %s: the client went away; its generation is cancelled", request.method, request.url.path)
+                task.cancel()
+                await asyncio.wait({task})  # its generation's finally blocks have run (RELEASEs sent)
+                return Response(status_code=CLIENT_GONE)
+        return task.result()
+    finally:
+        if not task.done():  # this request itself cancelled (the server stopping)
+            task.cancel()
 
 
 class GatewayApp(FastAPI):
