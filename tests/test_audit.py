@@ -337,12 +337,14 @@ def test_a_committed_state_the_replay_s_optimiser_does_not_hold_fails_the_audit(
     c.close()
 
 
-def test_probation_is_never_skipped_while_every_audit_slot_is_taken(tmp_path: Path, corpus: DataDir,  # noqa: F811
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """While MAX_PENDING audits await their uploads (colluders can hold them until their timeouts), a push on
-    probation was accepted unaudited, so probation could be switched off. It is refused with a 503 instead (a worker's
-    client sends it again), and accepted, audited, once a slot is free."""
-    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+@pytest.mark.parametrize("probation", [3, 0])
+def test_no_drawn_audit_is_skipped_while_every_audit_slot_is_taken(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   probation: int) -> None:
+    """While MAX_PENDING audits await their uploads (colluders with many tokens can hold them until their timeouts), a
+    push drawn for an audit, on probation or past it, was accepted unaudited, so audits could be switched off. It is
+    refused with a 503 instead (a worker trains its round again), and accepted, audited, once a slot is free."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **{**AUDIT_ALL, "probation_pushes": probation})
     headers = {"Authorization": f"Bearer {c.add_token('new')}"}
     monkeypatch.setattr("blocktrain.coordinator.audit.MAX_PENDING", 0)  # every slot taken
     with TestClient(create_app(c, background=False)) as client:
@@ -965,4 +967,30 @@ def test_audit_replays_run_at_most_audit_replays_at_once(tmp_path: Path, corpus:
         for t in threads:
             t.join(30)
     assert not any(t.is_alive() for t in threads) and most[0] == 1, most
+    c.close()
+
+
+def test_a_push_drawn_for_an_audit_is_drawn_again_when_sent_again(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw is a keyed hash of (worker, block, version): a push drawn for an audit while every slot is taken gets
+    503 however often it is sent again (a fresh draw per sending let it through unaudited at the first miss: at
+    --audit-fraction 0.5, twenty sendings pass with probability 1 - 0.5^20)."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(),
+                         **{**AUDIT_ALL, "probation_pushes": 0, "audit_fraction": 0.5})
+    names = [f"w{i}" for i in range(64)]
+    lots = [c.auditor.lot(n, 0, 0) for n in names]
+    assert len(set(lots)) == 64 and all(0 <= u < 1 for u in lots) and c.auditor.lot("w0", 0, 1) != lots[0]
+    name = names[next(i for i, u in enumerate(lots) if u < 0.5)]  # drawn for block 0 v0
+    headers = {"Authorization": f"Bearer {c.add_token(name)}"}
+    monkeypatch.setattr("blocktrain.coordinator.audit.MAX_PENDING", 0)  # every slot taken
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+        assert w.version == 0
+        delta = {n: 1e-3 * torch.ones(s) for n, s in c.block_shapes[0].items()}
+        body = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=w.weights_sha,
+                          samples=w.sequences, state_sha=state_sha({}))
+        for _ in range(20):
+            r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
+            assert r.status_code == 503 and r.json()["error"] == "audits_busy", r.text
     c.close()

@@ -42,6 +42,8 @@ audit answer's ``seconds``); it needs the run's training split (the coordinator'
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import itertools
 import logging
 import math
@@ -75,7 +77,7 @@ from blocktrain.train.round import BlockTask, train_round
 log = logging.getLogger(__name__)
 
 AUDIT_TOLERANCE_STEPS = 25  # inner steps at which the audit tolerances hold as set; they scale by sqrt(H / this)
-MAX_PENDING = 64  # audits awaiting an upload at once (each holds one decoded delta); beyond it none is drawn
+MAX_PENDING = 64  # audits awaiting an upload at once (each holds one decoded delta); beyond it a drawn push gets 503
 
 
 def replay_scale(pushed: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> float:
@@ -116,7 +118,9 @@ class Auditor:
         self.objective = get_objective(cfg)
         self.train: ByteSplit | None = data.open("train") if data is not None and settings.audit_fraction > 0 else None
         self.device = resolve_device(settings.device)  # where replays train (the worker's may be another)
-        self._rng = rng or random.SystemRandom()  # which pushes are drawn: unpredictable (seeded only in process)
+        # which pushes are drawn: a keyed hash of (worker, block, version), unpredictable (seeded only in process), the
+        # same for a push sent again or trained again for its round (a fresh draw per sending was a free re-roll)
+        self._key = (rng or random.SystemRandom()).getrandbits(256).to_bytes(32, "big")
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
         # cases whose upload has begun -> (the end of its upload window: the later of its deadline and its first
@@ -143,24 +147,27 @@ class Auditor:
         --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
         the blobs of the worker's last pushes of the block, which bound the residual its state may hold;
         ``lineage``: traces the rounds its moments came from (:func:`.lineage.trace`), called for a drawn push only.
-        While :data:`MAX_PENDING` audits await their uploads, a push on probation is refused (503, sent again) and any
-        other is accepted unaudited."""
+        While :data:`MAX_PENDING` audits await their uploads, a drawn push is refused (503: its worker trains the round
+        again), never accepted unaudited: colluders holding every slot would switch the audits off for the others."""
         if not self.enabled or upd.state_sha is None or upd.group:
             return None
         rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
-        if accepted > self.settings.probation_pushes and self._rng.random() >= max(rate, self.settings.audit_fraction):
+        if accepted > self.settings.probation_pushes and self.lot(worker, upd.block, upd.base_version) >= max(
+                rate, self.settings.audit_fraction):
             return None
-        if len(self._pending) >= MAX_PENDING:
-            if accepted <= self.settings.probation_pushes:  # probation is never skipped: the worker sends it again
-                raise ProtocolError(503, f"{MAX_PENDING} audits await their uploads, and a push on probation is always "
-                                    "audited; it is sent again once one is decided", Reason.AUDITS_BUSY)
-            log.warning("%d audits await their uploads: %s's push for block %d v%d is accepted unaudited",
-                        MAX_PENDING, worker, upd.block, upd.base_version)
-            return None
+        if len(self._pending) >= MAX_PENDING:  # no audit drawn is skipped: the worker trains the round again
+            raise ProtocolError(503, f"{MAX_PENDING} audits await their uploads and this push was drawn for one; train "
+                                "the round again (a worker does so by itself)", Reason.AUDITS_BUSY)
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
                          now + self.settings.audit_timeout_s, prior, lineage())
         self._pending[(worker, upd.block, upd.base_version)] = case
         return case
+
+    def lot(self, worker: str, k: int, v: int) -> float:
+        """The uniform number in [0, 1) that draws ``worker``'s push for block k version v: a push is audited below
+        the audit rate. Keyed by this coordinator's secret, so no worker can tell its draws beforehand."""
+        digest = hmac.new(self._key, f"{worker}\0{k}\0{v}".encode(), hashlib.sha256).digest()
+        return int.from_bytes(digest[:8], "big") / 2.0**64
 
     def restore(self, case: AuditCase) -> None:
         """A case drawn before a restart, read back from the store: it waits for its upload again."""
