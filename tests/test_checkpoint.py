@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +131,69 @@ def test_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="safetensors cannot store"):
         save_file(target, {"w": torch.ones(2, dtype=torch.complex64)})
     assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
+
+
+def _with_header(payload: bytes, edit: object) -> bytes:
+    """``payload`` with its JSON header replaced by ``edit(header)`` (a dict, or header text), data unchanged."""
+    n = int.from_bytes(payload[:8], "little")
+    header = edit(json.loads(payload[8 : 8 + n]))  # type: ignore[operator]
+    raw = header.encode() if isinstance(header, str) else json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + payload[8 + n :]
+
+
+def test_a_dtype_torch_cannot_read_is_a_checkpoint_error() -> None:
+    """safetensors parses dtypes torch has no mapping for (F8_E8M0, F4): loading one raised a raw KeyError (a push's
+    500, and an audit upload's 'coordinator fault' that quarantined no one). It is a CheckpointError naming the dtype."""
+    payload = pack({"a": torch.zeros(4)})
+
+    def f8(h: dict[str, Any]) -> dict[str, Any]:
+        h["a"].update(dtype="F8_E8M0", shape=[16])
+        return h
+
+    with pytest.raises(CheckpointError, match="F8_E8M0"):
+        unpack(_with_header(payload, f8))
+
+
+def test_a_header_naming_a_tensor_twice_is_refused() -> None:
+    payload = pack({"a": torch.zeros(4)})
+
+    def twice(h: dict[str, Any]) -> str:
+        entry = json.dumps(h["a"])
+        return json.dumps(h).replace('"a": ', f'"a": {entry}, "a": ', 1)
+
+    with pytest.raises(CheckpointError, match="'a' twice"):
+        unpack(_with_header(payload, twice))
+
+
+def test_a_header_larger_than_a_blocktrain_file_s_is_refused_before_it_is_parsed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header of ten million empty lists deflates to 29 kB and took 718 MB and 3.4 s to parse: one past the cap is
+    refused from its length."""
+    from blocktrain.checkpoint import safetensors_io
+
+    payload = pack({"a": torch.zeros(4)})
+    n = int.from_bytes(payload[:8], "little")
+    monkeypatch.setattr(safetensors_io, "MAX_HEADER_BYTES", n - 1)
+    loads = []
+    monkeypatch.setattr(safetensors_io.json, "loads", lambda *a, **k: loads.append(1))
+    with pytest.raises(CheckpointError, match="header of"):
+        unpack(payload)
+    assert not loads
+
+
+def test_a_committed_blob_s_name_is_made_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blob renamed into place and then named by a committed row: its directory is fsynced after the rename (a power
+    loss could keep the row and lose the name), and after an atomic write's rename likewise."""
+    from blocktrain.checkpoint import safetensors_io
+    from blocktrain.coordinator import blobs
+
+    safetensors_io.fsync_dir(tmp_path)  # the real one: a directory opens and fsyncs here
+    synced: list[Path] = []
+    monkeypatch.setattr(blobs, "fsync_dir", lambda d: synced.append(Path(d)))
+    monkeypatch.setattr(safetensors_io, "fsync_dir", lambda d: synced.append(Path(d)))
+    store = blobs.BlobStore(tmp_path / "blobs")
+    digest = store.commit_blob(store.stage_blob(b"payload"))
+    assert store.get_blob(digest) == b"payload" and synced == [tmp_path / "blobs"]
+    safetensors_io.atomic_write_bytes(tmp_path / "d" / "f.bin", b"x")
+    assert synced[-1] == tmp_path / "d"

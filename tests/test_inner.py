@@ -173,6 +173,9 @@ def test_a_strangers_moments_are_checked_before_they_count() -> None:
     huge["m/w@scale"] = torch.tensor(3e38)  # ... whose product is inf (it passed, and two of them made a NaN median)
     with pytest.raises(ProtocolError, match="decodes to a non-finite"):
         parse_moments(huge, shapes, ("m/",), MomentCodec.INT8)
+    for bad in (0.0, -1.0):  # no encoder's scale (amax / 127, or 1 for zeros): accepted before
+        with pytest.raises(ProtocolError, match="must be > 0"):
+            parse_moments({**huge, "m/w@scale": torch.tensor(bad)}, shapes, ("m/",), MomentCodec.INT8)
     with pytest.raises(ProtocolError, match="lo is above"):
         parse_moments({**good, "v/w@lo": torch.tensor(5.0), "v/w@hi": torch.tensor(1.0)}, shapes, ("v/",),
                       MomentCodec.INT8)

@@ -46,6 +46,43 @@ def test_inflation_is_bounded_and_refuses_bad_data() -> None:
 def test_accept_encoding() -> None:
     assert accepts_deflate("gzip, deflate") and accepts_deflate("*") and accepts_deflate("deflate;q=0.5")
     assert not accepts_deflate(None) and not accepts_deflate("gzip") and not accepts_deflate("deflate;q=0")
+    assert not accepts_deflate("deflate;level=1;q=0") and accepts_deflate("deflate;level=1")  # q among other params
+    assert not accepts_deflate("deflate;q=x")  # a weight that is no number (it was a ValueError: a 500)
+
+
+def test_a_refusal_whose_json_is_not_an_object_is_read_as_text() -> None:
+    """A proxy answering 404 with a JSON string (or list) was an AttributeError that escaped the worker's client."""
+    import httpx
+
+    from blocktrain.worker.client import _protocol_error
+
+    for body in (b'"Not Found"', b"[1, 2]", b"<html>gone</html>"):
+        resp = httpx.Response(404, content=body, request=httpx.Request("GET", "http://x/v1/work"))
+        err = _protocol_error(resp)
+        assert err.status == 404 and err.reason == "http" and body.decode()[:5] in str(err)
+    resp = httpx.Response(409, json={"detail": "stale", "error": "stale"}, request=httpx.Request("POST", "http://x/"))
+    assert _protocol_error(resp).reason == "stale"
+
+
+def test_an_int8_scale_that_is_not_positive_is_refused(coordinator: Coordinator) -> None:
+    """An encoder's int8 scale is amax / 127, or 1 for an all-zero tensor: a scale of 0 or below is no encoding's,
+    and was accepted (0: a zero delta of norm 0; negative: the delta negated twice)."""
+    from blocktrain.coordinator.validate import parse_update
+
+    shapes = coordinator.block_shapes[0]
+    delta = {n: 1e-3 * torch.ones(s) for n, s in shapes.items()}
+    body = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=coordinator.weights_sha[0], samples=4)
+    assert parse_update(body, 0, shapes).norm > 0
+    tensors, meta = unpack(body)
+    name = next(n for n in tensors if n.endswith("@scale"))
+    for bad in (0.0, -0.01):
+        from blocktrain.checkpoint.safetensors_io import pack
+
+        forged = pack({**tensors, name: torch.tensor(bad)}, {k: v for k, v in meta.items()
+                                                              if k not in ("format", "format_version", "sha256")})
+        with pytest.raises(ProtocolError, match="must be > 0") as info:
+            parse_update(forged, 0, shapes)
+        assert info.value.status == 422
 
 
 @pytest.fixture

@@ -31,6 +31,8 @@ FORMAT_VERSION = "1"
 RESERVED = ("format", "format_version", "sha256")
 MAX_TENSORS = 16384  # tensors a payload may hold: far above any BlockTrain file (a paper E2E checkpoint: ~700),
 # far below what makes building them a denial of service (200,000 empty tensors in 13 MB took seconds)
+MAX_HEADER_BYTES = 8 << 20  # bytes of a payload's JSON header: MAX_TENSORS entries and their metadata fit easily; a
+# larger one is refused before it is parsed (a 30 MB header of empty lists took 718 MB and 3.4 s to parse)
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -82,15 +84,26 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
     header_len = int.from_bytes(payload[:8], "little")
     if header_len <= 0 or 8 + header_len > len(payload):
         raise CheckpointError(f"{source}: not a safetensors file (bad header length); it may be truncated")
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{source}: its header of {header_len} bytes is larger than the {MAX_HEADER_BYTES} a "
+                              "BlockTrain file's takes")
     try:
-        header = json.loads(payload[8 : 8 + header_len])
+        header = json.loads(payload[8 : 8 + header_len], object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         raise CheckpointError(f"{source}: not a safetensors file (header is not JSON)") from exc
+    except _DuplicateKeyError as exc:
+        raise CheckpointError(f"{source}: its header names {exc} twice; every tensor and metadata key is named once")\
+            from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{source}: not a safetensors file (header is not a JSON object)")
     n = len(header) - ("__metadata__" in header)
     if n > MAX_TENSORS:
         raise CheckpointError(f"{source}: {n} tensors is more than the {MAX_TENSORS} a BlockTrain file holds")
+    for name, entry in header.items():
+        if name != "__metadata__" and (not isinstance(entry, dict) or entry.get("dtype") not in _READABLE):
+            got = entry.get("dtype") if isinstance(entry, dict) else entry
+            raise CheckpointError(f"{source}: tensor {name!r} has dtype {got!r}; BlockTrain reads "
+                                  f"{', '.join(sorted(_READABLE))}")
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):
         raise CheckpointError(f"{source}: not a BlockTrain file (metadata is not a JSON object)")
@@ -103,8 +116,9 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
         )
     try:
         tensors = st_load(payload)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{source}: corrupt safetensors data ({exc}); it may be truncated") from exc
+    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError, OverflowError) as exc:
+        raise CheckpointError(f"{source}: corrupt safetensors data ({type(exc).__name__}: {exc}); it may be "
+                              "truncated") from exc
     digest = tensors_sha256(tensors)
     if digest != meta.get("sha256"):
         raise CheckpointError(
@@ -114,9 +128,35 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
     return tensors, dict(meta)
 
 
+class _DuplicateKeyError(Exception):
+    """A JSON object naming one key twice (the last would silently win)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(repr(key))
+        out[key] = value
+    return out
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the names last changed in ``directory`` (a rename into it) durable: without it a power loss may keep the
+    file's bytes and lose its name, while a database row written after the rename names it (POSIX; else nothing)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_open(path: Path) -> Iterator[BinaryIO]:
-    """A file that appears at ``path`` only once fully written: temp file in the same directory, fsync, rename."""
+    """A file that appears at ``path`` only once fully written: temp file in the same directory, fsync, rename, and
+    the directory fsynced (the new name durable)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -128,6 +168,7 @@ def atomic_open(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path, payload: bytes) -> None:
@@ -139,6 +180,7 @@ _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
+_READABLE = frozenset(_ST_DTYPES.values())  # header dtypes unpack reads (safetensors parses more than torch maps)
 
 
 def save_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> str:

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, fsync_dir
 from blocktrain.errors import CheckpointError
 
 
@@ -76,6 +76,8 @@ class BlobStore:
         if staged.tmp is not None:
             os.replace(staged.tmp, self.blob_path(staged.digest))
             staged.tmp = None
+            if self.fsync:  # the name durable before the row that names it is committed
+                fsync_dir(self.blob_dir)
         return staged.digest
 
     def discard_blob(self, staged: StagedBlob) -> None:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from blocktrain.checkpoint.safetensors_io import RESERVED, unpack
+from blocktrain.checkpoint.safetensors_io import MAX_HEADER_BYTES, RESERVED, unpack
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
 from blocktrain.protocol.messages import parse_meta
-from blocktrain.protocol.moments import MomentCodec, parse_moments, shares_moments, split_moments
+from blocktrain.protocol.moments import SCALE_SUFFIX, MomentCodec, parse_moments, shares_moments, split_moments
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _looks_like_safetensors(body: bytes) -> bool:
     if len(body) < 10:
         return False
     n = int.from_bytes(body[:8], "little")
-    if n <= 0 or n > 100 * 2**20:
+    if n <= 0 or n > MAX_HEADER_BYTES:
         return False
     head = body[8 : 8 + min(n, 1)]
     return head == b"{"
@@ -116,6 +116,8 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
             raise ProtocolError(
                 422, f"tensor {name!r} holds NaN or infinite values; the update is discarded", Reason.NON_FINITE
             )
+        if name.endswith(SCALE_SUFFIX) and not float(t) > 0:  # an encoder's scale is amax / 127, or 1 for zeros
+            raise ProtocolError(422, f"int8 scale {name!r} must be > 0, got {float(t)}", Reason.SCHEMA)
     delta = decode_delta(tensors, compression)
     norm = delta_norm(delta)
     if not norm < float("inf"):

@@ -93,9 +93,14 @@ class DataDir:
             doc = json.loads((self.root / MANIFEST).read_text())
         except (OSError, ValueError) as exc:
             raise DataError(f"{self.root / MANIFEST} cannot be read ({exc}); run 'blocktrain prepare' again") from None
-        if doc.get("format") != DATASET_FORMAT or doc.get("version") != DATASET_VERSION:
+        if not isinstance(doc, dict) or doc.get("format") != DATASET_FORMAT or doc.get("version") != DATASET_VERSION:
             raise DataError(f"{self.root / MANIFEST} is not a version-{DATASET_VERSION} {DATASET_FORMAT} manifest; "
                             "prepare the data with this BlockTrain")
+        splits = doc.get("splits")
+        if (not isinstance(doc.get("fingerprint"), str) or not isinstance(splits, dict)
+                or not all(isinstance(splits.get(s), dict) for s in SPLITS)):
+            raise DataError(f"{self.root / MANIFEST} lacks its fingerprint or a split's entry; run 'blocktrain prepare' "
+                            "again")
         return dict(doc)
 
     def fingerprint(self) -> str:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, fsync_dir
 from blocktrain.data.dataset import DATASET_FORMAT, DATASET_VERSION, MANIFEST, SPLITS, find_flavour, fingerprint_of
 from blocktrain.errors import DataError
 from blocktrain.progress import progress_bar
@@ -174,6 +175,9 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
         writers = {s: SplitWriter(s, (tmp / f"{s}.bin").open("wb")) for s in SPLITS}
         try:
             skipped = _fill(kind, src, writers, opts)
+            for w in writers.values():  # durable before they are named
+                w.f.flush()
+                os.fsync(w.f.fileno())
         finally:
             for w in writers.values():
                 w.f.close()
@@ -206,7 +210,7 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
             "binary_files_skipped": skipped,
             "fingerprint": fingerprint_of(shas),
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
         _install(tmp, out, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -222,7 +226,13 @@ def _check_out(out: Path) -> None:
 
 def _install(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
     if out.exists() and any(out.iterdir()):
-        old = json.loads((out / MANIFEST).read_text())
+        try:
+            old = json.loads((out / MANIFEST).read_text())
+        except (OSError, ValueError, RecursionError):
+            old = None
+        if not isinstance(old, dict):
+            raise DataError(f"output directory {out} holds a {MANIFEST} that cannot be read; choose another --out or "
+                            "delete it first")
         if old.get("fingerprint") != manifest["fingerprint"]:
             raise DataError(
                 f"output directory {out} already holds another dataset (fingerprint {str(old.get('fingerprint'))[:12]}, "
@@ -234,6 +244,7 @@ def _install(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
     if out.exists():
         out.rmdir()
     tmp.rename(out)
+    fsync_dir(out.parent)  # the dataset's name durable (its files and manifest were fsynced before)
 
 
 def _fill(kind: str, src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> int:
@@ -364,9 +375,11 @@ def _fill_text(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions)
                 current.write(buf[pos:m.end()])
                 current.documents += 1
                 current, index, pos = None, index + 1, m.end()
-            if cut < 0:
-                cut = buf.rfind(b"\n", pos)
-                cut = pos if cut < 0 else cut
+            if cut < 0:  # no separator reaches past the content: keep only the trailing whitespace from its first
+                # newline (where one may begin), not the text after the last newline (a file without newlines was
+                # kept whole and copied at every chunk: quadratic)
+                nl = buf.find(b"\n", content_end)
+                cut = len(buf) if nl < 0 else nl
             if cut > pos:
                 current = current or writers[split_of(f"paragraph:{index}", opts)]
                 current.write(buf[pos:cut])

@@ -52,6 +52,8 @@ def decode_group(text: str) -> tuple[GroupMember, ...]:
         rows = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"the group field is not JSON ({exc})") from None
+    except RecursionError:  # nested deeper than the parser goes: no group
+        raise ValueError("the group field is nested too deeply; it is a flat list of members") from None
     if not isinstance(rows, list) or not 2 <= len(rows) <= MAX_MEMBERS:
         raise ValueError(f"the group field must list 2..{MAX_MEMBERS} members")
     out = []

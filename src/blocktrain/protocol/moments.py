@@ -199,6 +199,8 @@ def parse_moments(wire: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[i
     for n, t in wire.items():
         if n.endswith((ROW_SUFFIX, COL_SUFFIX)) and not bool((t >= 0).all()):
             raise ProtocolError(422, f"factored second moment {n!r} must be >= 0", Reason.MOMENTS)
+        if n.endswith(SCALE_SUFFIX) and not float(t) > 0:  # an encoder's scale is amax / 127, or 1 for zeros
+            raise ProtocolError(422, f"int8 scale {n!r} must be > 0, got {float(t)}", Reason.MOMENTS)
     out = decode_moments(wire, codec, shapes)
     for n, t in out.items():
         if not bool(torch.isfinite(t).all()):  # finite parts may decode to inf (an int8 step times a scale of 3e38)

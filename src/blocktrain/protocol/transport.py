@@ -48,10 +48,17 @@ def decode_body(body: bytes, encoding: str | None, cap: int) -> bytes:
 
 
 def accepts_deflate(accept_encoding: str | None) -> bool:
-    """Whether an Accept-Encoding header allows deflate (q=0 refuses it)."""
+    """Whether an Accept-Encoding header allows deflate: named (or ``*``) without a weight of 0 among its parameters
+    (``deflate;level=1;q=0`` refuses it); a weight that is no number counts as 0 (it was a ValueError, a 500)."""
     for part in (accept_encoding or "").lower().split(","):
-        name, _, params = part.strip().partition(";")
+        name, *params = part.split(";")
         if name.strip() in (DEFLATE, "*"):
-            q = params.strip()
-            return not (q.startswith("q=") and float(q[2:] or 0) == 0)
+            for param in params:
+                key, _, value = param.partition("=")
+                if key.strip() == "q":
+                    try:
+                        return float(value.strip()) > 0
+                    except ValueError:
+                        return False
+            return True
     return False

@@ -253,10 +253,14 @@ def _json(resp: httpx.Response) -> Any:
 
 
 def _protocol_error(resp: httpx.Response) -> ProtocolError:
+    """The refusal ``resp`` carries: the coordinator's JSON (detail, error), or a proxy's page or JSON of another
+    shape as text (a JSON string or list was an AttributeError that escaped the client)."""
     try:
         doc = resp.json()
-        detail = str(doc.get("detail", doc))
-        reason = str(doc.get("error", "http"))
     except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        detail, reason = str(doc.get("detail", doc))[:2000], str(doc.get("error", "http"))[:64]
+    else:
         detail, reason = resp.text[:300], "http"
     return ProtocolError(resp.status_code, f"coordinator answered {resp.status_code}: {detail}", reason)
