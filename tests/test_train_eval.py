@@ -281,3 +281,42 @@ def test_a_metrics_line_cut_by_a_kill_neither_breaks_the_file_nor_the_next_recor
     JsonlWriter(path).write(step=3, loss=1.0)  # the resumed run
     assert [r["step"] for r in read_jsonl(path)] == [1, 3]
     assert path.read_text().splitlines()[-1].startswith('{"loss": 1.0')
+
+
+def test_every_model_s_forward_flops_per_byte_are_counted_one_way() -> None:
+    """The report's forward FLOPs per byte: the E2E's were 2 x every parameter (embeddings and norms in, attention out:
+    44% under the stack of the same layers at d=64, context 512), the diffusion chain's likewise; all three now count
+    matmul weights and attention as the stack and the training FLOPs do. A stack and an E2E of the same layers cost
+    the same."""
+    from blocktrain.config import Objective
+    from blocktrain.diffusion.sampler import evaluations_per_traversal
+    from blocktrain.model.e2e import E2ETransformer
+    from blocktrain.model.flops import forward_flops_per_token
+    from blocktrain.objectives import build_block
+
+    for objective in (Objective.STACK, Objective.DIFFUSION):
+        cfg = replace(tiny(), objective=objective)
+        m = cfg.model
+        blocks = [build_block(cfg, k) for k in range(m.n_blocks)]
+        e2e = E2EModel(E2ETransformer(m), cfg).traversal_flops_per_byte()
+        assert e2e == forward_flops_per_token(E2ETransformer(m), m.d_model, m.context)
+        got = AssembledModel(blocks, cfg).traversal_flops_per_byte()
+        if objective is Objective.STACK:
+            assert got == e2e
+        else:
+            per_block = forward_flops_per_token(blocks[0], m.d_model, m.context)
+            assert got == per_block * evaluations_per_traversal(cfg.diffusion, m.n_blocks)
+
+
+@pytest.mark.parametrize(("n", "context", "batch"), [(100, 8, 3), (9, 8, 1), (257, 16, 32)])
+def test_on_bytes_receives_every_target_once_in_the_text_s_order(n: int, context: int, batch: int) -> None:
+    """score_split hands on_bytes each scored byte's log-prob, selected by places computed once on the host (a boolean
+    mask's selection waited for the device every batch): with log p(v) = v, what it hands over is the text itself."""
+    data = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8)
+
+    def logp_is_the_byte(x: torch.Tensor) -> torch.Tensor:  # (b, t) -> (1, b, t, 256): log p(v) = v
+        return torch.arange(256, dtype=torch.float32).expand(1, *x.shape, 256)
+
+    got: list[torch.Tensor] = []
+    score_split(logp_is_the_byte, data, context, batch_size=batch, on_bytes=got.append)
+    assert torch.equal(torch.cat(got), torch.from_numpy(data[1:].astype(np.float32)))

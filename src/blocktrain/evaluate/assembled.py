@@ -22,6 +22,7 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.device import CPU, autocast
 from blocktrain.errors import RunError
 from blocktrain.model.e2e import E2ETransformer
+from blocktrain.model.flops import forward_flops_per_token
 from blocktrain.objectives import compose_logits, get_objective
 from blocktrain.seeds import Seed
 
@@ -116,7 +117,9 @@ class E2EModel:
         return cls(model, cfg, precision, device)
 
     def traversal_flops_per_byte(self) -> float:
-        return 2.0 * sum(p.numel() for p in self.model.parameters())
+        """One forward pass per byte, counted as the stack's and the training FLOPs are (:mod:`blocktrain.model.flops`:
+        matmul weights and attention; it was 2 x every parameter, embeddings and norms in, attention out)."""
+        return forward_flops_per_token(self.model, self.cfg.model.d_model, self.cfg.model.context)
 
     @torch.no_grad()
     def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:

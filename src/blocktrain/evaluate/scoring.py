@@ -68,6 +68,7 @@ def score_split(
     pos = torch.arange(context, device=device)  # (t,): every window is read at the full width, a short last one padded
     span = torch.arange(context + 1, device=device)  # (t+1,)
     count = sum(length - first for _, length, first in windows)  # bytes scored, known before any is
+    scored, ends = _scored_places(windows, context, device) if on_bytes is not None else (None, None)
     total: torch.Tensor | None = None  # (K,) float64 summed log-probs of chain k, on the device until the end
     total_mix = torch.zeros((), dtype=torch.float64, device=device)
     chains = 1
@@ -81,8 +82,10 @@ def score_split(
         lp_y = logp.gather(-1, y.unsqueeze(0).expand(chains, -1, -1).unsqueeze(-1)).squeeze(-1)  # (K, b, t)
         mask = (pos[None, :] >= firsts[sl, None]) & (pos[None, :] < lengths[sl, None])  # (b, t): the scored positions
         per_chain = (lp_y * mask).sum(dim=(1, 2)).double()
-        if on_bytes is not None:
-            on_bytes(lp_y[0][mask])  # (scored,): row-major, so the windows' targets in the text's order
+        if scored is not None and ends is not None and on_bytes is not None:  # the batch's scored places, selected
+            # (a boolean mask's selection waits for the device to count its rows): row-major, the text's order
+            flat = scored[ends[i]:ends[min(i + batch_size, len(windows))]] - i * context
+            on_bytes(lp_y[0].reshape(-1).index_select(0, flat))  # (scored,)
         total = per_chain if total is None else total + per_chain
         mix = torch.logsumexp(lp_y, dim=0) - math.log(chains)
         total_mix += (mix * mask).sum().double()
@@ -98,6 +101,18 @@ def score_split(
         ce_mixture_nats_per_byte=(-float(total_mix) / count) if chains > 1 else None,
         ce_per_chain=tuple(-v / count for v in sums),
     )
+
+
+def _scored_places(windows: list[tuple[int, int, int]], context: int,
+                   device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Each scored byte's place r x context + p in the (windows, context) grid of log-probs, in the text's order, on
+    ``device`` (uploaded once); and, per window, where its places begin (the last entry: their count)."""
+    firsts = np.array([first for _, _, first in windows], dtype=np.int64)  # (w,)
+    counts = np.array([length - first for _, length, first in windows], dtype=np.int64)  # (w,)
+    begins = np.concatenate([[0], np.cumsum(counts)])  # (w+1,)
+    rows = np.repeat(np.arange(len(windows), dtype=np.int64), counts)  # (scored,)
+    within = np.arange(begins[-1], dtype=np.int64) - np.repeat(begins[:-1], counts) + np.repeat(firsts, counts)
+    return torch.from_numpy(rows * context + within).to(device), begins.tolist()
 
 
 def target_log_probs(

@@ -21,24 +21,31 @@ from torch import nn
 
 
 @functools.cache
-def _causal_bias(t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(t, t) additive mask: 0 on and below the diagonal, -inf above (position i never sees j > i)."""
-    return torch.full((t, t), float("-inf"), device=device).triu(1).to(dtype)
+def _causal_bias(t: int, n_past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(t, n_past + t) additive mask: new position i (absolute n_past + i) sees keys 0..n_past + i (0), not later
+    ones (-inf)."""
+    return torch.full((t, n_past + t), float("-inf"), device=device).triu(n_past + 1).to(dtype)
+
+
+def _explicit(q: torch.Tensor) -> bool:
+    """bf16 on CPU takes the explicit form: oneDNN's bf16 batched matmuls plus a bf16 softmax (fp32 inside the
+    kernel) run fwd+bwd about 2x faster than the CPU flash-attention kernel at T=256, d_h=64
+    (``benchmarks/quality/speed_ablation.py``). Everywhere else (fp32, CUDA) SDPA picks its fused kernel."""
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_h) + M) v, q (b, h, t, d_h) over k, v (b, h, n_past + t, d_h), in q's dtype."""
+    t = q.shape[-2]
+    s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + _causal_bias(t, n_past, q.dtype, q.device)
+    return torch.matmul(torch.softmax(s, dim=-1), v)  # s: (b, h, t, n_past + t)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d_h) + M) v with the causal mask M (Vaswani et al. 2017, Eq. 1); q, k, v (b, h, t, d_h).
-
-    bf16 on CPU takes the explicit form: oneDNN's bf16 batched matmuls plus a
-    bf16 softmax (fp32 inside the kernel) run fwd+bwd about 2x faster than the
-    CPU flash-attention kernel at T=256, d_h=64 (``benchmarks/quality/speed_ablation.py``).
-    Everywhere else (fp32, CUDA) SDPA picks its fused kernel.
-    """
-    square = q.shape[-2] == k.shape[-2]
-    if square and q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        t = q.shape[-2]
-        s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5) + _causal_bias(t, q.dtype, q.device)  # (b, h, t, t)
-        return torch.matmul(torch.softmax(s, dim=-1), v)
+    """softmax(q k^T / sqrt(d_h) + M) v with the causal mask M (Vaswani et al. 2017, Eq. 1); q, k, v (b, h, t, d_h);
+    in the explicit form on CPU bf16 (:func:`_explicit`), else SDPA."""
+    if _explicit(q) and q.shape[-2] == k.shape[-2]:
+        return _explicit_attention(q, k, v, 0)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -55,7 +62,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: KV
     n_past, t = (0 if past is None else past[0].shape[2]), q.shape[2]
     if past is not None:
         k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-    if n_past == 0:
+    if _explicit(q):  # the form the whole sequence takes (:func:`causal_attention`): served logits equal local ones
+        y = _explicit_attention(q, k, v, n_past)  # (SDPA here was 2e-3 off a bf16 CPU model's own forward)
+    elif n_past == 0:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     elif t == 1:
         y = F.scaled_dot_product_attention(q, k, v)

@@ -21,7 +21,7 @@ from blocktrain.diffusion.partition import NoisePartition
 from blocktrain.diffusion.sampler import block_alone_logits, chain_step, evaluations_per_traversal, initial_noise
 from blocktrain.errors import CheckpointError
 from blocktrain.model.block import BlockDenoiser
-from blocktrain.model.flops import train_flops_per_token
+from blocktrain.model.flops import forward_flops_per_token, train_flops_per_token
 from blocktrain.objectives.base import LocalLoss
 from blocktrain.seeds import Seed
 
@@ -124,8 +124,11 @@ class DiffusionObjective:
                 raise CheckpointError(f"block {k} holds a different target embedding E; blocks are from other runs")
 
     def traversal_flops_per_byte(self, blocks: Sequence[nn.Module]) -> float:
-        params = sum(p.numel() for p in blocks[0].parameters())
-        return 2.0 * params * evaluations_per_traversal(self.cfg.diffusion, self.cfg.model.n_blocks)
+        """A block's forward (:mod:`blocktrain.model.flops`, as the stack's and the training FLOPs are counted) times
+        the block evaluations of one traversal."""
+        m = self.cfg.model
+        per_block = forward_flops_per_token(blocks[0], m.d_model, m.context)
+        return per_block * evaluations_per_traversal(self.cfg.diffusion, m.n_blocks)
 
     def train_flops_per_token(self, k: int) -> float:
         m = self.cfg.model
