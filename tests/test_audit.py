@@ -974,7 +974,7 @@ def test_a_push_drawn_for_an_audit_is_drawn_again_when_sent_again(tmp_path: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The draw is a keyed hash of (worker, block, version): a push drawn for an audit while every slot is taken gets
     503 however often it is sent again (a fresh draw per sending let it through unaudited at the first miss: at
-    --audit-fraction 0.5, twenty sendings pass with probability 1 - 0.5^20)."""
+    --audit-fraction 0.5, twenty sendings pass with probability 1 - 0.5^20), each before the checks' cost."""
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(),
                          **{**AUDIT_ALL, "probation_pushes": 0, "audit_fraction": 0.5})
     names = [f"w{i}" for i in range(64)]
@@ -990,7 +990,16 @@ def test_a_push_drawn_for_an_audit_is_drawn_again_when_sent_again(tmp_path: Path
         delta = {n: 1e-3 * torch.ones(s) for n, s in c.block_shapes[0].items()}
         body = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=w.weights_sha,
                           samples=w.sequences, state_sha=state_sha({}))
+        checks: list[int] = []
+        check = c.intake.check
+
+        def counted(*a: Any, **k: Any) -> Any:
+            checks.append(1)
+            return check(*a, **k)
+
+        c.intake.check = counted  # type: ignore[method-assign]
         for _ in range(20):
             r = client.post("/v1/blocks/0/updates", content=body, headers=headers)
             assert r.status_code == 503 and r.json()["error"] == "audits_busy", r.text
+        assert not checks  # refused before the checks' cost (the loss gate), sent again as often as it likes
     c.close()

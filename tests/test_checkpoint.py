@@ -154,6 +154,13 @@ def test_a_dtype_torch_cannot_read_is_a_checkpoint_error() -> None:
     with pytest.raises(CheckpointError, match="F8_E8M0"):
         unpack(_with_header(payload, f8))
 
+    def listed(h: dict[str, Any]) -> dict[str, Any]:
+        h["a"]["dtype"] = ["F32"]  # unhashable: a TypeError in the dtype check itself
+        return h
+
+    with pytest.raises(CheckpointError, match="dtype"):
+        unpack(_with_header(payload, listed))
+
 
 def test_a_header_naming_a_tensor_twice_is_refused() -> None:
     payload = pack({"a": torch.zeros(4)})
@@ -193,7 +200,9 @@ def test_a_committed_blob_s_name_is_made_durable(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(blobs, "fsync_dir", lambda d: synced.append(Path(d)))
     monkeypatch.setattr(safetensors_io, "fsync_dir", lambda d: synced.append(Path(d)))
     store = blobs.BlobStore(tmp_path / "blobs")
-    digest = store.commit_blob(store.stage_blob(b"payload"))
-    assert store.get_blob(digest) == b"payload" and synced == [tmp_path / "blobs"]
+    one, two = store.stage_blob(b"payload"), store.stage_blob(b"sketch")
+    store.commit_blob(one, two)
+    assert store.get_blob(one.digest) == b"payload" and store.get_blob(two.digest) == b"sketch"
+    assert synced == [tmp_path / "blobs"]  # once for both
     safetensors_io.atomic_write_bytes(tmp_path / "d" / "f.bin", b"x")
     assert synced[-1] == tmp_path / "d"

@@ -149,3 +149,17 @@ def test_a_bf16_cpu_cached_forward_takes_the_full_forward_s_attention(tiny_cfg: 
         cache: Cache = {}
         got = torch.cat([e2e(x[:, a:b], cache, a).float() for a, b in chunks], dim=1)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-4)
+
+
+def test_the_causal_masks_are_views_of_few_cached_squares() -> None:
+    """Every (t, n_past) a serving stage meets is a view of one cached square per power of two (a mask cached per pair
+    grew to tens of MB on a long-running bf16 CPU stage), and each is the causal mask of new positions."""
+    from blocktrain.model.layers import _causal_bias, _square_bias
+
+    _square_bias.cache_clear()
+    for n_past in range(0, 40, 3):
+        for t in (1, 2, 7, 16):
+            got = _causal_bias(t, n_past, torch.float32, torch.device("cpu"))
+            want = torch.full((t, n_past + t), float("-inf")).triu(n_past + 1)
+            assert torch.equal(got, want), (t, n_past)
+    assert _square_bias.cache_info().currsize <= 7  # sides 1, 2, 4, ..., 64

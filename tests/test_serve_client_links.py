@@ -195,8 +195,8 @@ def test_a_cancelled_call_leaves_no_future_behind() -> None:
 
 def test_a_release_is_sent_even_when_its_caller_is_cancelled() -> None:
     """A generation's finally asks for its RELEASE as its task is cancelled; the send waits for the connection (another
-    request's frame is being written). Awaited there, it was cancelled with the task from Python 3.12 on, and the KV
-    caches stayed until their idle timeout; it is sent in a task of its own."""
+    request's frame is being written). Awaited there, it held the cancelled task (or, under a stream's cancel scope,
+    was cancelled with it), and the KV caches stayed until their idle timeout; it is sent in a task of its own."""
     got: list[Frame] = []
 
     async def stage(conn: Conn) -> None:
@@ -221,7 +221,8 @@ def test_a_release_is_sent_even_when_its_caller_is_cancelled() -> None:
         task = asyncio.create_task(generation())
         await asyncio.sleep(0.05)
         task.cancel()
-        await asyncio.wait({task})
+        await asyncio.wait({task}, timeout=5)  # the old release held the cancelled task on the connection's writer
+        assert task.done()
         busy.release()
         for _ in range(100):
             if got:
@@ -253,6 +254,36 @@ def test_requests_waiting_for_a_failed_connect_share_its_failure() -> None:
         results = await asyncio.gather(*(gw.stage() for _ in range(8)), return_exceptions=True)
         assert all(isinstance(r, RequestError) and r.status == 503 for r in results), results
         assert time.monotonic() - t0 < 5
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_requests_reopening_a_lost_entry_share_a_failed_connect() -> None:
+    """The entry stage restarts and then accepts without answering: every request waiting to reopen the connection
+    connected in turn (the k-th after k failed PINGs); those that waited for a failed connect get its failure."""
+    conns = [0]
+
+    async def once_then_silent(conn: Conn) -> None:
+        conns[0] += 1
+        if conns[0] == 1:
+            ping = await conn.recv()
+            await conn.send(Frame(FrameKind.PONG, ping.request_id, params=PONG))
+            conn.close()  # the entry goes away; when it is back, it answers nothing
+            return
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        server, addr = await _serve(once_then_silent)
+        client = PipelineClient(addr, timeout_s=20.0, connect_timeout_s=1.0, connect_attempts=1)
+        await client.connect()
+        await asyncio.sleep(0.2)  # the connection closed
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(client.score(torch.zeros(1, 8, dtype=torch.uint8)) for _ in range(8)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, StageUnavailableError) for r in results), results
+        assert time.monotonic() - t0 < 4  # one PING timeout (1 s), not eight
+        await client.close()
         server.close()
 
     asyncio.run(main())

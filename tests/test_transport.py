@@ -48,6 +48,7 @@ def test_accept_encoding() -> None:
     assert not accepts_deflate(None) and not accepts_deflate("gzip") and not accepts_deflate("deflate;q=0")
     assert not accepts_deflate("deflate;level=1;q=0") and accepts_deflate("deflate;level=1")  # q among other params
     assert not accepts_deflate("deflate;q=x")  # a weight that is no number (it was a ValueError: a 500)
+    assert not accepts_deflate("*, deflate;q=0") and accepts_deflate("gzip;q=0, *") and not accepts_deflate("*;q=0")
 
 
 def test_a_refusal_whose_json_is_not_an_object_is_read_as_text() -> None:
@@ -187,3 +188,20 @@ def test_the_worker_reads_an_answer_up_to_its_cap_decoded() -> None:
         client.close()
         server.shutdown()
         server.server_close()
+
+
+def test_a_delta_of_subnormal_values_encodes_with_a_positive_scale(coordinator: Coordinator) -> None:
+    """amax / 127 of a tensor of subnormal values rounded to a float32 scale of 0, which the coordinator refuses (an
+    honest push counted toward quarantine); the scale is at least the least normal float32."""
+    from blocktrain.coordinator.validate import parse_update
+    from blocktrain.protocol.delta import encode_delta
+    from blocktrain.protocol.moments import MomentCodec, encode_moments
+
+    shapes = coordinator.block_shapes[0]
+    delta = {n: torch.full(s, 1e-44) for n, s in shapes.items()}  # subnormal float32
+    wire = encode_delta(delta, Compression.INT8)
+    assert all(float(t) > 0 for n, t in wire.items() if n.endswith("@scale"))
+    body = pack_delta(delta, Compression.INT8, block=0, base_version=0, base_sha=coordinator.weights_sha[0], samples=4)
+    assert parse_update(body, 0, shapes).norm >= 0
+    m = encode_moments({"m/w": torch.full((3, 2), 1e-44)}, MomentCodec.INT8)
+    assert float(m["m/w@scale"]) > 0

@@ -207,6 +207,8 @@ def _background(c: Coordinator, stop: threading.Event) -> list[threading.Thread]
 def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     """The ASGI app; ``background=False`` leaves ticking to the caller (tests)."""
     deflated: dict[tuple[int, int], bytes] = {}  # (block, from version) -> the deflated step, the newest few
+    replays = asyncio.Semaphore(c.settings.audit_replays)  # audit uploads waiting for a replay wait here, holding no
+    # thread of the pool that every other route runs in (waiting in it, 40 uploads held all of its threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -342,7 +344,8 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             raw = await _read_capped(request, cap, read_s)
             c.audit_upload_received(name, k, v, upload)  # whole, in its window: decoding and the lock's wait are not late
             body = await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
-            return await run_in_threadpool(c.audit, name, k, v, body)
+            async with replays:
+                return await run_in_threadpool(c.audit, name, k, v, body)
         except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)
             c.audit_upload_cut(name, k, v, upload)
             raise

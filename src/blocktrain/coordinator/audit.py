@@ -147,21 +147,31 @@ class Auditor:
         --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
         the blobs of the worker's last pushes of the block, which bound the residual its state may hold;
         ``lineage``: traces the rounds its moments came from (:func:`.lineage.trace`), called for a drawn push only.
-        While :data:`MAX_PENDING` audits await their uploads, a drawn push is refused (503: its worker trains the round
-        again), never accepted unaudited: colluders holding every slot would switch the audits off for the others."""
-        if not self.enabled or upd.state_sha is None or upd.group:
+        While :data:`MAX_PENDING` audits await their uploads, a drawn push is refused (:meth:`check_room`), never
+        accepted unaudited: colluders holding every slot would switch the audits off for the others."""
+        if not self.drawn(worker, upd, accepted, outlier):
             return None
-        rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
-        if accepted > self.settings.probation_pushes and self.lot(worker, upd.block, upd.base_version) >= max(
-                rate, self.settings.audit_fraction):
-            return None
-        if len(self._pending) >= MAX_PENDING:  # no audit drawn is skipped: the worker trains the round again
-            raise ProtocolError(503, f"{MAX_PENDING} audits await their uploads and this push was drawn for one; train "
-                                "the round again (a worker does so by itself)", Reason.AUDITS_BUSY)
+        self.check_room()
+
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
                          now + self.settings.audit_timeout_s, prior, lineage())
         self._pending[(worker, upd.block, upd.base_version)] = case
         return case
+
+    def drawn(self, worker: str, upd: ParsedUpdate, accepted: int, outlier: bool = False) -> bool:
+        """Whether this push is audited (see :meth:`draw`)."""
+        if not self.enabled or upd.state_sha is None or upd.group:
+            return False
+        rate = self.settings.audit_outlier_fraction if outlier else self.settings.audit_fraction
+        return accepted <= self.settings.probation_pushes or self.lot(worker, upd.block, upd.base_version) < max(
+            rate, self.settings.audit_fraction)
+
+    def check_room(self) -> None:
+        """503 ``audits_busy`` while MAX_PENDING audits await their uploads: a drawn push is never accepted unaudited
+        (its worker's client sends it again for a while, then the worker goes on to its next round)."""
+        if len(self._pending) >= MAX_PENDING:
+            raise ProtocolError(503, f"{MAX_PENDING} audits await their uploads and this push was drawn for one; send it "
+                                "again later (a worker does so by itself)", Reason.AUDITS_BUSY)
 
     def lot(self, worker: str, k: int, v: int) -> float:
         """The uniform number in [0, 1) that draws ``worker``'s push for block k version v: a push is audited below

@@ -41,8 +41,9 @@ class Tokens:
 
     def __init__(self, store: Store, conduct: Conduct) -> None:
         self.store, self.conduct = store, conduct
-        self._tokens: dict[str, str] = {}  # token hash -> worker name (replaced whole on a re-read)
-        self._revoked_hashes: dict[str, str] = {}  # a quarantined worker's revoked token hash -> its name (likewise)
+        # (token hash -> worker name, a quarantined worker's revoked token hash -> its name): replaced whole, as one
+        # object, on a re-read, so a reader never sees the new tokens beside the old revocations
+        self._cache: tuple[dict[str, str], dict[str, str]] = ({}, {})
         self._last_reload = float("-inf")  # time.monotonic() of the last re-read of the token table
         self._unauth: deque[str] = deque()  # reasons of refused unauthenticated updates, not yet counted
         self._unauth_counts: dict[str, int] = {}  # reason -> refused unauthenticated updates (never stored)
@@ -51,20 +52,19 @@ class Tokens:
         self._reload()
 
     def _reload(self) -> None:
-        self._tokens = {h: name for name, h in self.store.tokens.token_hashes()}
-        self._revoked_hashes = self.store.conduct.revoked_tokens()
+        self._cache = ({h: name for name, h in self.store.tokens.token_hashes()}, self.store.conduct.revoked_tokens())
 
-    def _lookup(self, h: str) -> str | None:
-        """The cached worker of token hash ``h``, revoked or not (constant time in which hash matches)."""
+    def _lookup(self, h: str, tokens: dict[str, str]) -> str | None:
+        """The worker of token hash ``h`` in ``tokens``, revoked or not (constant time in which hash matches)."""
         found = None
-        for known, name in self._tokens.items():
+        for known, name in tokens.items():
             if hmac.compare_digest(h, known):
                 found = name
         return found
 
     def worker_for_token(self, token: str) -> str | None:
         """(Unlocked.) Constant-time comparison against every cached hash; None if unknown or revoked since cached."""
-        found = self._lookup(hash_token(token))
+        found = self._lookup(hash_token(token), self._cache[0])
         return None if found in self.conduct.revoked else found
 
     def reload_due(self) -> bool:
@@ -78,8 +78,9 @@ class Tokens:
         if not token:
             raise ProtocolError(401, "missing bearer token; send 'Authorization: Bearer <token>'", Reason.AUTH)
         h = hash_token(token)
-        name = self._lookup(h)
-        revoked = name if name in self.conduct.revoked else self._revoked_hashes.get(h)
+        tokens, revoked_hashes = self._cache
+        name = self._lookup(h, tokens)
+        revoked = name if name in self.conduct.revoked else revoked_hashes.get(h)
         if revoked is not None:
             raise ProtocolError(403, f"worker {revoked!r} is quarantined and its token revoked: its updates were "
                                 "refused too often for what they are or do; ask the run's operator", Reason.QUARANTINED)

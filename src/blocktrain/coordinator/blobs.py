@@ -71,14 +71,17 @@ class BlobStore:
             raise
         return StagedBlob(digest, tmp)
 
-    def commit_blob(self, staged: StagedBlob) -> str:
-        """Name a staged blob by its digest (atomic rename); return the digest."""
-        if staged.tmp is not None:
-            os.replace(staged.tmp, self.blob_path(staged.digest))
-            staged.tmp = None
-            if self.fsync:  # the name durable before the row that names it is committed
-                fsync_dir(self.blob_dir)
-        return staged.digest
+    def commit_blob(self, *staged: StagedBlob) -> None:
+        """Name staged blobs by their digests (atomic renames), the names made durable by one fsync of the directory
+        (before the row that names them is committed: a power loss could keep the row and lose a name)."""
+        renamed = False
+        for blob in staged:
+            if blob.tmp is not None:
+                os.replace(blob.tmp, self.blob_path(blob.digest))
+                blob.tmp = None
+                renamed = True
+        if renamed and self.fsync:
+            fsync_dir(self.blob_dir)
 
     def discard_blob(self, staged: StagedBlob) -> None:
         """Delete a staged blob that was not committed (no-op after :meth:`commit_blob`)."""

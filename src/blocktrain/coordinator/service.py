@@ -85,6 +85,7 @@ class Coordinator:
         self.store = Store(self.run.root, fsync=settings.fsync)
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
         self.replays = threading.BoundedSemaphore(self.settings.audit_replays)  # audit replays at once (device memory)
+        self._reload_claim = threading.Lock()  # held by the one request re-reading the token table (never waited for)
         self.n_blocks = self.cfg.model.n_blocks
         self.evaluator = Evaluator(self.cfg, settings, data)
         self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store)
@@ -198,10 +199,13 @@ class Coordinator:
             name = self.tokens.worker_for_token(token)
             if name is not None:
                 return name
-        if not token or not self.tokens.reload_due():
-            self.tokens.refuse(token)
-        with self.lock:
-            return self.tokens.authenticate(token)
+        if not token or not self.tokens.reload_due() or not self._reload_claim.acquire(blocking=False):
+            self.tokens.refuse(token)  # one request at a time re-reads the table; a flood's others answer from the cache
+        try:
+            with self.lock:
+                return self.tokens.authenticate(token)
+        finally:
+            self._reload_claim.release()
 
     def add_token(self, name: str) -> str:
         with self.lock:

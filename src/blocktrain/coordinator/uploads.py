@@ -81,6 +81,9 @@ class Uploads:
         if self.store.updates.update_blob(k, v, name) == hashlib.sha256(body).hexdigest():
             return self._resent(name, k, v)
         self.rounds.check_version(k, v)
+        row = self.store.workers.worker(name)
+        if self.auditor.drawn(name, upd, (row.accepted if row is not None else 0) + 1):  # before the checks' cost:
+            self.auditor.check_room()  # a resend refused for want of audit room paid for the gate every time
         return None
 
     def _resent(self, name: str, k: int, v: int) -> PushAnswer:
@@ -154,8 +157,7 @@ class Uploads:
                                  accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
                                  prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
         try:
-            s.blobs.commit_blob(staged)  # durable before the row that names it, as its sketch
-            s.blobs.commit_blob(sketch)
+            s.blobs.commit_blob(staged, sketch)  # durable before the row that names them
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
                 s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
                                         blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise,

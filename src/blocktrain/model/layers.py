@@ -21,10 +21,17 @@ from torch import nn
 
 
 @functools.cache
+def _square_bias(side: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(side, side) additive causal mask: 0 on and below the diagonal, -inf above."""
+    return torch.full((side, side), float("-inf"), device=device).triu(1).to(dtype)
+
+
 def _causal_bias(t: int, n_past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(t, n_past + t) additive mask: new position i (absolute n_past + i) sees keys 0..n_past + i (0), not later
-    ones (-inf)."""
-    return torch.full((t, n_past + t), float("-inf"), device=device).triu(n_past + 1).to(dtype)
+    ones (-inf); a view of one cached square mask per power of two (a mask per (t, n_past) pair a serving stage meets
+    grew without bound)."""
+    n = n_past + t
+    return _square_bias(1 << max(n - 1, 0).bit_length(), dtype, device)[n_past:n, :n]
 
 
 def _explicit(q: torch.Tensor) -> bool:

@@ -57,7 +57,7 @@ class Reason(enum.StrEnum):
     NO_MOMENTS = "no_moments"  # no inner moments published with that version
     NO_AUDIT = "no_audit"  # an audit upload nobody asked for
     AUDIT_FORMAT = "audit_format"  # an audit upload that is not the state it should be
-    AUDITS_BUSY = "audits_busy"  # a push on probation while the coordinator's audits are all taken (503: sent again)
+    AUDITS_BUSY = "audits_busy"  # a push drawn for an audit while every audit slot is taken (503: sent again)
     # the request and its sender
     AUTH = "auth"  # no or an unknown bearer token
     QUARANTINED = "quarantined"  # the worker is quarantined

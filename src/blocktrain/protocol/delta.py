@@ -31,7 +31,7 @@ import torch
 from blocktrain.checkpoint.safetensors_io import pack
 from blocktrain.protocol.group import GroupMember, encode_group
 from blocktrain.protocol.messages import UpdateMeta
-from blocktrain.protocol.moments import SCALE_SUFFIX, MomentCodec, encode_moments  # SCALE_SUFFIX: int8 scales
+from blocktrain.protocol.moments import SCALE_SUFFIX, MomentCodec, encode_moments, int8_scale  # SCALE_SUFFIX: int8 scales
 
 
 class Compression(enum.Enum):
@@ -69,7 +69,7 @@ def encode_delta(delta: dict[str, torch.Tensor], compression: Compression) -> di
     out: dict[str, torch.Tensor] = {}
     for n, d in delta.items():
         amax = float(d.abs().max()) if d.numel() else 0.0
-        s = amax / 127.0 if amax > 0 else 1.0
+        s = int8_scale(amax)
         out[n] = torch.clamp(torch.round(d.float() / s), -127, 127).to(torch.int8)
         out[n + SCALE_SUFFIX] = torch.tensor(s, dtype=torch.float32, device=d.device)
     return out

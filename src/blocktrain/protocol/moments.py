@@ -36,6 +36,14 @@ V_PREFIX = "v/"  # second-moment estimates v / c2, per parameter name
 LO_SUFFIX, HI_SUFFIX = "@lo", "@hi"  # log-int8 v: the window's ends, float32 scalars
 ROW_SUFFIX, COL_SUFFIX = "@row", "@col"  # factored v of a matrix: its row and column means, float32
 SCALE_SUFFIX = "@scale"  # int8 (a delta's, a step's and m's): a tensor's float32 scale s, x ~= s q
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the least normal float32
+
+
+def int8_scale(amax: float) -> float:
+    """The int8 scale s of a tensor whose largest magnitude is ``amax``: amax / 127, never below the least normal
+    float32 (a tensor of subnormal values had s round to 0 in float32, and a coordinator refuses a scale <= 0), 1 for
+    an all-zero tensor."""
+    return max(amax / 127.0, FLOAT32_TINY) if amax > 0 else 1.0
 LOG_WINDOW = 24.0  # nats: the log-int8 window below a tensor's largest second moment (e^24 ~ 2.6e10)
 
 
@@ -116,7 +124,7 @@ def encode_moments(moments: Mapping[str, torch.Tensor], codec: MomentCodec) -> d
     for n, t in moments.items():
         if not _is_v(n):
             amax = float(t.abs().max()) if t.numel() else 0.0
-            s = amax / 127.0 if amax > 0 else 1.0
+            s = int8_scale(amax)
             out[n] = torch.clamp(torch.round(t.float() / s), -127, 127).to(torch.int8)
             out[n + SCALE_SUFFIX] = torch.tensor(s, dtype=torch.float32, device=t.device)
             continue

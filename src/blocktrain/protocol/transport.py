@@ -48,17 +48,25 @@ def decode_body(body: bytes, encoding: str | None, cap: int) -> bytes:
 
 
 def accepts_deflate(accept_encoding: str | None) -> bool:
-    """Whether an Accept-Encoding header allows deflate: named (or ``*``) without a weight of 0 among its parameters
-    (``deflate;level=1;q=0`` refuses it); a weight that is no number counts as 0 (it was a ValueError, a 500)."""
+    """Whether an Accept-Encoding header allows deflate: named, else ``*``, without a weight of 0 among its parameters
+    (``deflate;level=1;q=0`` refuses it, and ``*, deflate;q=0`` too: the named entry wins over ``*``); a weight that
+    is no number counts as 0 (it was a ValueError, a 500)."""
+    weights: dict[str, bool] = {}
     for part in (accept_encoding or "").lower().split(","):
         name, *params = part.split(";")
-        if name.strip() in (DEFLATE, "*"):
-            for param in params:
-                key, _, value = param.partition("=")
-                if key.strip() == "q":
-                    try:
-                        return float(value.strip()) > 0
-                    except ValueError:
-                        return False
-            return True
-    return False
+        name = name.strip()
+        if name in (DEFLATE, "*") and name not in weights:
+            weights[name] = _weight(params) > 0
+    return weights.get(DEFLATE, weights.get("*", False))
+
+
+def _weight(params: list[str]) -> float:
+    """The q of an Accept-Encoding entry's parameters (1 without one, 0 for one that is no number)."""
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip() == "q":
+            try:
+                return float(value.strip())
+            except ValueError:
+                return 0.0
+    return 1.0

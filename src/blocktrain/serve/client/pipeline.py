@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,6 +40,7 @@ from blocktrain.serve.wire.modes import generation_mode
 
 log = logging.getLogger(__name__)
 
+CONNECT_RETRY_S = 1.0  # seconds a failed connect to the entry stage answers the connects asked for after it
 TOKEN_ENV = "BLOCKTRAIN_SERVE_TOKEN"  # shared serving token, read by `blocktrain serve` and by clients
 _UNAVAILABLE = (ErrorCode.STAGE_UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.OVERLOADED)
 _WIRE = (ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNKNOWN_REQUEST, ErrorCode.DUPLICATE_REQUEST,
@@ -79,6 +81,7 @@ class PipelineClient:
         self.counters = Counters()
         self.conn: Conn | None = None
         self._futures: dict[str, asyncio.Future[Frame]] = {}
+        self._failed: tuple[float, ServeError] | None = None  # (time.monotonic(), why) of the last failed connect
         self._releases: set[asyncio.Task[None]] = set()  # RELEASE frames being sent (held: a task is weakly referenced)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
@@ -100,6 +103,20 @@ class PipelineClient:
         return f"{self.address[0]}:{self.address[1]}"
 
     async def connect(self) -> None:
+        """Open the connection and read the entry stage's description; StageUnavailableError when it cannot. A connect
+        that failed answers the connects asked for within CONNECT_RETRY_S after it with its error: requests waiting
+        for the first connect or for a reopen (the entry restarted) connected in turn, the k-th after k failures."""
+        failed = self._failed
+        if failed is not None and time.monotonic() - failed[0] < CONNECT_RETRY_S:
+            raise failed[1]
+        try:
+            await self._connect()
+        except ServeError as exc:
+            self._failed = (time.monotonic(), exc)
+            raise
+        self._failed = None
+
+    async def _connect(self) -> None:
         delay = 0.1
         last: Exception | None = None
         for _ in range(self.connect_attempts):
@@ -227,8 +244,9 @@ class PipelineClient:
         """Ask the stages to drop a request's KV caches; nothing when the connection is gone (they expire them).
 
         Sent in a task of its own, not awaited: a generation's ``finally`` calls this as its task is cancelled (its
-        HTTP client left), and from Python 3.12 on a send awaited there is cancelled with it when it has to wait for
-        the connection, so the caches were kept until their idle timeout."""
+        HTTP client left, its stream's cancel scope cancelling every await again), and a send awaited there when it
+        has to wait for the connection was cancelled too, or held the cancelled task, so the caches were kept until
+        their idle timeout."""
         conn = self.conn
         if conn is not None and not conn.closed:
             task = asyncio.get_running_loop().create_task(self._release(conn, Frame(FrameKind.RELEASE, request_id, mode)))

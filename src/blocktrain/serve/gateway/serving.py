@@ -68,7 +68,6 @@ from blocktrain.serve.gateway.responses import (
 )
 from blocktrain.serve.wire.frames import Mode
 
-CONNECT_RETRY_S = 1.0  # seconds a failed connect to the entry stage answers the requests that waited for it
 Events = AsyncIterator[bytes]  # server-sent events: ``data: <json>`` each
 Choice = TypeVar("Choice", bound=BaseModel)  # CompletionChoice or ChatChoice
 Whole = TypeVar("Whole", bound=BaseModel)  # CompletionResponse or ChatCompletionResponse
@@ -127,24 +126,16 @@ class Gateway:
         self.created = int(time.time())  # unix seconds: the model card's ``created``
         self._connected = False
         self._lock = asyncio.Lock()
-        self._failed: tuple[float, ServeError] | None = None  # (time.monotonic(), why) of the last failed connect
 
     async def stage(self) -> StageInfo:
-        """The entry stage's description, connecting first if needed (a 503 or 502 when that fails). Requests that
-        waited for a connect that failed share its failure, for CONNECT_RETRY_S: each tried again in turn, so the
-        k-th of them waited k connects."""
+        """The entry stage's description, connecting first if needed (a 503 or 502 when that fails; requests that
+        waited for a connect that failed share its failure: :meth:`PipelineClient.connect`)."""
         try:
             if not self._connected:
                 async with self._lock:
                     if not self._connected:
-                        if self._failed is not None and time.monotonic() - self._failed[0] < CONNECT_RETRY_S:
-                            raise self._failed[1]
-                        try:
-                            await self.client.connect()
-                        except ServeError as exc:
-                            self._failed = (time.monotonic(), exc)
-                            raise
-                        self._connected, self._failed = True, None
+                        await self.client.connect()
+                        self._connected = True
             return self.client.stage
         except ServeError as exc:
             raise unavailable(exc) from exc
