@@ -1003,3 +1003,23 @@ def test_a_push_drawn_for_an_audit_is_drawn_again_when_sent_again(tmp_path: Path
             assert r.status_code == 503 and r.json()["error"] == "audits_busy", r.text
         assert not checks  # refused before the checks' cost (the loss gate), sent again as often as it likes
     c.close()
+
+
+def test_an_audit_taken_and_never_replayed_is_decided(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """An upload takes its audit before it waits for a replay slot (a resend then gets 404 before its body is read);
+    one cancelled in that wait (the coordinator stopping) is decided as a replay that broke: its push dropped, no one
+    quarantined, its round no longer held."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('w')}"}
+    with TestClient(create_app(c, background=False)) as client:
+        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+        w, answer = _push(client, c, headers, state_sha({}))
+        assert answer["audit"] is True
+        case = c.take_audit("w", 0, w.version)
+        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=b"x", headers=headers)
+        assert r.status_code == 404  # taken: a resend is refused before its body is read
+        assert c.auditor.holds(0, w.version)
+        c.drop_audit(case, "the coordinator stopped before its replay")
+        assert not c.auditor.holds(0, w.version) and not c.conduct.quarantined("w")
+        assert c.store.q("SELECT state FROM updates WHERE worker='w'") == [{"state": "dropped"}]
+    c.close()

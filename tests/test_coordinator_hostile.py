@@ -550,21 +550,29 @@ def test_a_second_quarantine_keeps_the_first(api: Api) -> None:  # noqa: F811
     assert r.status_code == 403 and "quarantined" in r.text
 
 
-def test_a_made_up_token_is_refused_without_waiting_for_the_lock(api: Api) -> None:  # noqa: F811
+def test_a_made_up_token_is_refused_without_waiting_for_the_lock(api: Api,  # noqa: F811
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """A stranger's made-up tokens are answered 401 from the token cache while the coordinator's lock is held (a round
     closing, an evaluation): each waited for the lock and queried the database, so a flood of them held every
-    worker's requests. A quarantined worker's token gets its 403 likewise; a token due a re-read takes the lock."""
+    worker's requests. A quarantined worker's token gets its 403 likewise. A token added by another process while the
+    lock is held is found by a re-read of the table on the store's second connection, without the lock."""
     import threading
 
+    from blocktrain.cli.main import main
     from blocktrain.errors import ProtocolError
 
     h = api.h("q")
     token = h["Authorization"].removeprefix("Bearer ")
     with api.c.lock:
         api.c.conduct.quarantine("q", "three refused updates", api.c.clock())
+    capsys.readouterr()
+    assert main(["token", "add", "fresh", "--run-dir", str(api.c.run.root)]) == 0  # another process: not cached yet
+    fresh = capsys.readouterr().out.strip()
+    assert api.c.worker_for_token(fresh) is None
     api.c.tokens._last_reload = time.monotonic()  # just re-read
     held, done = threading.Event(), threading.Event()
     answers: list[int] = []
+    names: list[str] = []
 
     def hold() -> None:
         with api.c.lock:
@@ -577,6 +585,8 @@ def test_a_made_up_token_is_refused_without_waiting_for_the_lock(api: Api) -> No
                 api.c.authenticate(t)
             except ProtocolError as exc:
                 answers.append(exc.status)
+        api.c.tokens._last_reload = float("-inf")  # a re-read is due
+        names.append(api.c.authenticate(fresh))
 
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
@@ -584,6 +594,8 @@ def test_a_made_up_token_is_refused_without_waiting_for_the_lock(api: Api) -> No
     asker = threading.Thread(target=ask, daemon=True)
     asker.start()
     asker.join(5)
+    waited = asker.is_alive()  # still waiting for the lock the holder keeps
     done.set()
     holder.join(10)
-    assert not asker.is_alive() and answers == [401, 403, 401], answers
+    asker.join(10)
+    assert not waited and answers == [401, 403, 401] and names == ["fresh"], (waited, answers, names)

@@ -73,6 +73,11 @@ class FakeClient:
         self.score_seeds: list[int] = []  # the seed of every score call
         self.max_frame_bytes = 64 << 20  # the frame cap the gateway sizes its score calls by
 
+    connects = 0  # what Gateway.stage reads of a PipelineClient's connects: this one never fails
+
+    def failed_since(self, seen: int) -> None:
+        return None
+
     async def connect(self) -> None:
         self.stage = StageInfo(family=self.family, n=4, d_model=32, context=self.context, cached=False, state="serving",
                                modes=tuple(Mode(m) for m in self.modes))

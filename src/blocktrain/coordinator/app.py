@@ -344,11 +344,18 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             raw = await _read_capped(request, cap, read_s)
             c.audit_upload_received(name, k, v, upload)  # whole, in its window: decoding and the lock's wait are not late
             body = await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
-            async with replays:
-                return await run_in_threadpool(c.audit, name, k, v, body)
+            case = await run_in_threadpool(c.take_audit, name, k, v)  # taken: a resend is 404 before its body is read
         except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)
             c.audit_upload_cut(name, k, v, upload)
             raise
+        replaying = False
+        try:
+            async with replays:
+                replaying = True
+                return await run_in_threadpool(c.replay_audit, case, body)  # decided there, even if this is cancelled
+        finally:
+            if not replaying:  # cancelled while it waited for a slot (the server stopping): decided, no one blamed
+                c.drop_audit(case, "the coordinator stopped before its replay")
 
     return app
 

@@ -52,7 +52,8 @@ class Tokens:
         self._reload()
 
     def _reload(self) -> None:
-        self._cache = ({h: name for name, h in self.store.tokens.token_hashes()}, self.store.conduct.revoked_tokens())
+        reads = self.store.token_reads, self.store.revocation_reads  # the second connection: no lock needed
+        self._cache = ({h: name for name, h in reads[0].token_hashes()}, reads[1].revoked_tokens())
 
     def _lookup(self, h: str, tokens: dict[str, str]) -> str | None:
         """The worker of token hash ``h`` in ``tokens``, revoked or not (constant time in which hash matches)."""
@@ -87,8 +88,9 @@ class Tokens:
         raise ProtocolError(401, "unknown bearer token; create one with 'blocktrain token add NAME'", Reason.AUTH)
 
     def authenticate(self, token: str | None) -> str:
-        """(Locked, when :meth:`reload_due`.) The worker a request's token names (an unknown token re-reads the table,
-        at most once per TOKEN_RELOAD_SECONDS, so unknown tokens cannot hammer the database); 401 or 403 otherwise."""
+        """(Under the front's reload claim, not the coordinator's lock.) The worker a request's token names (an
+        unknown token re-reads the table on the store's second connection, at most once per TOKEN_RELOAD_SECONDS, so
+        unknown tokens cannot hammer the database); 401 or 403 otherwise."""
         name = self.worker_for_token(token) if token else None
         if name is None and token and self.reload_due():
             self._last_reload = time.monotonic()  # a token may have been added by 'blocktrain token add' while we run
@@ -99,7 +101,7 @@ class Tokens:
         return name
 
     def refresh(self) -> None:
-        """(Locked, from the tick.) Re-read the token table if it was not read for TOKEN_REFRESH_SECONDS."""
+        """(From the tick, under the front's reload claim.) Re-read the token table if it was not read for TOKEN_REFRESH_SECONDS."""
         now = time.monotonic()
         if now - self._last_reload >= TOKEN_REFRESH_SECONDS:
             self._last_reload = now

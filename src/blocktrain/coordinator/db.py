@@ -78,10 +78,15 @@ class Db:
     """The one SQLite connection of a run's coordinator state, shared by every table accessor. Not thread-safe: the
     caller holds the coordinator's lock."""
 
-    def __init__(self, path: Path, fsync: bool = True) -> None:
+    def __init__(self, path: Path, fsync: bool = True, *, reader: bool = False) -> None:
+        """The run's connection, or (``reader``) a second one to the same file that only reads, without the
+        coordinator's lock: in WAL it reads the last commit while the first writes (its user serialises its use)."""
         self.path = path
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
         conn.row_factory = sqlite3.Row
+        if reader:
+            self.conn = conn
+            return
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         conn.executescript(_SCHEMA)

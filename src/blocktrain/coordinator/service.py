@@ -32,7 +32,7 @@ import torch
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
 from blocktrain.coordinator.aggregate import OuterState
-from blocktrain.coordinator.audit import Auditor
+from blocktrain.coordinator.audit import AuditCase, Auditor
 from blocktrain.coordinator.auth import Tokens
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
@@ -85,7 +85,7 @@ class Coordinator:
         self.store = Store(self.run.root, fsync=settings.fsync)
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
         self.replays = threading.BoundedSemaphore(self.settings.audit_replays)  # audit replays at once (device memory)
-        self._reload_claim = threading.Lock()  # held by the one request re-reading the token table (never waited for)
+        self._reload_claim = threading.Lock()  # serialises re-reads of the token table (the store's second connection)
         self.n_blocks = self.cfg.model.n_blocks
         self.evaluator = Evaluator(self.cfg, settings, data)
         self.checkpoints = Checkpoints(self.run, self.cfg, self.settings, self.objective, self.store)
@@ -199,16 +199,13 @@ class Coordinator:
             name = self.tokens.worker_for_token(token)
             if name is not None:
                 return name
-        if not token or not self.tokens.reload_due() or not self._reload_claim.acquire(blocking=False):
-            self.tokens.refuse(token)  # one request at a time re-reads the table; a flood's others answer from the cache
-        try:
-            with self.lock:
-                return self.tokens.authenticate(token)
-        finally:
-            self._reload_claim.release()
+        if not token or not self.tokens.reload_due():
+            self.tokens.refuse(token)
+        with self._reload_claim:  # one re-read at a time, on the store's second connection: never the coordinator's lock
+            return self.tokens.authenticate(token)
 
     def add_token(self, name: str) -> str:
-        with self.lock:
+        with self.lock, self._reload_claim:
             return self.tokens.add_token(name, self.clock())
 
     # --- workers ---------------------------------------------------------------------------
@@ -288,6 +285,8 @@ class Coordinator:
                 self.intake.count(time.perf_counter() - t0)
                 up.refused(name, upd, members, exc, self.clock())
             raise
+        if self.auditor.drawn(name, upd, worker.accepted + 1, checked.outlier):  # drawn as an outlier: no room is a
+            self.auditor.check_room()  # 503 before its blobs are written (accept checks again, under the lock)
         staged = self.store.blobs.stage_blob(body)  # unlocked: written and fsynced, named only once accepted
         sketch = self.store.blobs.stage_blob(pack_sketch(k, checked.sketch))  # what a restart reads for the delta
         try:
@@ -331,13 +330,23 @@ class Coordinator:
         self.auditor.cut(name, k, v, upload)
 
     def audit(self, name: str, k: int, v: int, body: bytes) -> AuditAnswer:
-        """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it.
+        """Replay the audited push of ``name`` for (k, v) from its uploaded inner state; a failure quarantines it
+        (:meth:`take_audit`, then :meth:`replay_audit`)."""
+        return self.replay_audit(self.take_audit(name, k, v), body)
+
+    def take_audit(self, name: str, k: int, v: int) -> AuditCase:
+        """The audit of ``name``'s push for (k, v), taken for its replay: a resend of its upload is 404 from here, and
+        its round stays held until :meth:`replay_audit` or :meth:`drop_audit` decides it."""
+        self.checkpoints.check_block(k)
+        with self.lock:
+            return self.auditor.take(name, k, v)
+
+    def replay_audit(self, case: AuditCase, body: bytes) -> AuditAnswer:
+        """Replay a taken audit from its uploaded inner state ``body`` and decide it.
 
         Its round has waited for this decision (``Rounds.audits_pending``): a failed push is dropped before the round
         closes, so it is never applied, also where it completed the quorum."""
-        self.checkpoints.check_block(k)
-        with self.lock:
-            case = self.auditor.take(name, k, v)  # its round stays held until decided
+        name, k, v = case.worker, case.update.block, case.update.base_version
         answer: AuditAnswer | None = None
         why = "its replay broke"
         try:  # unlocked: the replay, at most --audit-replays at once (a round's uploads arrive together)
@@ -357,6 +366,12 @@ class Coordinator:
         if answer is None:  # answered as a push that does not count (the worker goes on; the log says why)
             return self.auditor.unjudged()
         return answer
+
+    def drop_audit(self, case: AuditCase, why: str) -> None:
+        """A taken audit that will not be replayed (the coordinator stopping while it waited for a replay slot): its
+        push is dropped and no one is blamed, as for a replay that broke, so its round is not held for ever."""
+        with self.lock:
+            self.uploads.decide(case.worker, case.update.block, case.update.base_version, None, why, self.clock())
 
     def _audit_failure(self, k: int, v: int, answer: AuditAnswer) -> str:
         """What a failed audit missed, each bound it broke with its limit (the quarantine's reason)."""
@@ -387,7 +402,8 @@ class Coordinator:
             self.rounds.close_due_rounds(now)
             self.traffic.flush_bytes()
             self.tokens.unauthenticated_rejections()  # folds the queued counts
-            self.tokens.refresh()  # tokens replaced or revoked by another process
+            with self._reload_claim:
+                self.tokens.refresh()  # tokens replaced or revoked by another process
 
     def maybe_evaluate(self, force: bool = False) -> float | None:
         """Evaluate the assembled model if an epoch (the least version over the blocks) is due: the weights are taken

@@ -60,6 +60,10 @@ class Store:
         self.conduct = ConductTable(self.db)
         self.evals = EvalTable(self.db)
         self.audits = AuditTable(self.db)
+        # the token table and the revoked tokens read on a second connection, without the coordinator's lock (the
+        # front serialises its use): an unknown token re-reads them while a round closes, in milliseconds
+        self.reads = Db(self.db_path, reader=True)
+        self.token_reads, self.revocation_reads = TokenTable(self.reads), ConductTable(self.reads)
         got = self.meta.get_meta("schema_version")
         if got is None:
             self.meta.set_meta("schema_version", SCHEMA_VERSION)
@@ -79,4 +83,5 @@ class Store:
         return None if row is None else dict(row)
 
     def close(self) -> None:
+        self.reads.close()
         self.db.close()

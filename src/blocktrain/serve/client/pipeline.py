@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import logging
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,7 +39,6 @@ from blocktrain.serve.wire.modes import generation_mode
 
 log = logging.getLogger(__name__)
 
-CONNECT_RETRY_S = 1.0  # seconds a failed connect to the entry stage answers the connects asked for after it
 TOKEN_ENV = "BLOCKTRAIN_SERVE_TOKEN"  # shared serving token, read by `blocktrain serve` and by clients
 _UNAVAILABLE = (ErrorCode.STAGE_UNAVAILABLE, ErrorCode.TIMEOUT, ErrorCode.OVERLOADED)
 _WIRE = (ErrorCode.MALFORMED, ErrorCode.TOO_LARGE, ErrorCode.UNKNOWN_REQUEST, ErrorCode.DUPLICATE_REQUEST,
@@ -81,7 +79,8 @@ class PipelineClient:
         self.counters = Counters()
         self.conn: Conn | None = None
         self._futures: dict[str, asyncio.Future[Frame]] = {}
-        self._failed: tuple[float, ServeError] | None = None  # (time.monotonic(), why) of the last failed connect
+        self.connects = 0  # connects finished, failed or not
+        self._failure: ServeError | None = None  # why the last connect failed (None: it succeeded)
         self._releases: set[asyncio.Task[None]] = set()  # RELEASE frames being sent (held: a task is weakly referenced)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:12]
@@ -103,18 +102,24 @@ class PipelineClient:
         return f"{self.address[0]}:{self.address[1]}"
 
     async def connect(self) -> None:
-        """Open the connection and read the entry stage's description; StageUnavailableError when it cannot. A connect
-        that failed answers the connects asked for within CONNECT_RETRY_S after it with its error: requests waiting
-        for the first connect or for a reopen (the entry restarted) connected in turn, the k-th after k failures."""
-        failed = self._failed
-        if failed is not None and time.monotonic() - failed[0] < CONNECT_RETRY_S:
-            raise failed[1]
+        """Open the connection and read the entry stage's description; StageUnavailableError when it cannot."""
         try:
             await self._connect()
         except ServeError as exc:
-            self._failed = (time.monotonic(), exc)
+            self._failure = exc
             raise
-        self._failed = None
+        else:
+            self._failure = None
+        finally:
+            self.connects += 1
+
+    def failed_since(self, seen: int) -> ServeError | None:
+        """Why the last connect failed, if one finished after the caller saw ``seen`` connects (:attr:`connects`) and
+        it failed: requests that waited for a connect (the first, or a reopen after the entry restarted) take its
+        failure rather than connecting in turn, the k-th after k failures; a later request tries again."""
+        if self.connects == seen or self._failure is None:
+            return None
+        return self._failure.with_traceback(None)  # raised again: its old traceback dropped, not grown
 
     async def _connect(self) -> None:
         delay = 0.1
@@ -203,8 +208,12 @@ class PipelineClient:
     async def call(self, frame: Frame, timeout_s: float | None = None, *, reopen: bool = True) -> Frame:
         """Send one frame and wait for the frame answering its id (RESULT/PONG); raise on ERROR."""
         if reopen and self._opened and (self.conn is None or self.conn.closed):
+            seen = self.connects
             async with self._reopen:  # the entry closed the connection (idle timeout, restart): open a fresh one
                 if self.conn is None or self.conn.closed:
+                    failed = self.failed_since(seen)
+                    if failed is not None:
+                        raise failed
                     await self._drop()
                     await self.connect()
         if self.conn is None or self.conn.closed:

@@ -196,11 +196,18 @@ class GuardedRoute(APIRoute):
         return guarded
 
 
+def _retrieved(task: asyncio.Future[Response]) -> None:
+    """Read a finished handler's exception (an unread one is logged as never retrieved)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a request handler ended with %r", task.exception())
+
+
 async def until_gone(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
     """``work``'s response, or its cancellation once the HTTP client has gone (Starlette watches only for a streamed
     response's client: a whole answer went on generating, holding its pipeline slot and KV caches, up to the
     request's time limit); the client is looked for every DISCONNECT_POLL_S."""
     task = asyncio.ensure_future(work)
+    task.add_done_callback(_retrieved)  # an outcome no one reads (the client gone, the server stopping) is not logged
     try:
         while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():

@@ -129,11 +129,15 @@ class Gateway:
 
     async def stage(self) -> StageInfo:
         """The entry stage's description, connecting first if needed (a 503 or 502 when that fails; requests that
-        waited for a connect that failed share its failure: :meth:`PipelineClient.connect`)."""
+        waited for a connect that failed share its failure: :meth:`PipelineClient.failed_since`)."""
         try:
             if not self._connected:
+                seen = self.client.connects
                 async with self._lock:
                     if not self._connected:
+                        failed = self.client.failed_since(seen)
+                        if failed is not None:
+                            raise failed
                         await self.client.connect()
                         self._connected = True
             return self.client.stage
