@@ -1005,10 +1005,9 @@ def test_a_push_drawn_for_an_audit_is_drawn_again_when_sent_again(tmp_path: Path
     c.close()
 
 
-def test_an_audit_taken_and_never_replayed_is_decided(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
-    """An upload takes its audit before it waits for a replay slot (a resend then gets 404 before its body is read);
-    one cancelled in that wait (the coordinator stopping) is decided as a replay that broke: its push dropped, no one
-    quarantined, its round no longer held."""
+def test_an_audit_is_taken_before_it_waits_for_a_replay_slot(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A taken audit (its upload waiting for a replay slot) answers a resend 404 before the resend's body is read, and
+    keeps its round held until its replay decides it."""
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
     headers = {"Authorization": f"Bearer {c.add_token('w')}"}
     with TestClient(create_app(c, background=False)) as client:
@@ -1017,9 +1016,8 @@ def test_an_audit_taken_and_never_replayed_is_decided(tmp_path: Path, corpus: Da
         assert answer["audit"] is True
         case = c.take_audit("w", 0, w.version)
         r = client.post(f"/v1/blocks/0/audits/{w.version}", content=b"x", headers=headers)
-        assert r.status_code == 404  # taken: a resend is refused before its body is read
+        assert r.status_code == 404
         assert c.auditor.holds(0, w.version)
-        c.drop_audit(case, "the coordinator stopped before its replay")
-        assert not c.auditor.holds(0, w.version) and not c.conduct.quarantined("w")
-        assert c.store.q("SELECT state FROM updates WHERE worker='w'") == [{"state": "dropped"}]
+        assert c.replay_audit(case, pack_state({}, block=0, version=w.version)).passed is False
+        assert not c.auditor.holds(0, w.version)
     c.close()

@@ -287,3 +287,29 @@ def test_requests_reopening_a_lost_entry_share_a_failed_connect() -> None:
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_cancelled_connect_shares_no_earlier_failure() -> None:
+    """A connect fails, then the next is cancelled (its request's client left): the requests that waited for that
+    second connect must try again, not take the first one's failure; and each waiter gets a failure of its own (one
+    object raised in many tasks gathered all their frames)."""
+    async def silent(conn: Conn) -> None:
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        server, addr = await _serve(silent)
+        client = PipelineClient(addr, timeout_s=5.0, connect_timeout_s=0.3, connect_attempts=1)
+        with pytest.raises(StageUnavailableError):
+            await client.connect()
+        a, b = client.failed_since(0), client.failed_since(0)
+        assert a is not None and b is not None and a is not b and a.__traceback__ is None
+        seen = client.connects
+        task = asyncio.create_task(client.connect())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.wait({task})
+        assert client.connects == seen + 1 and client.failed_since(seen) is None
+        await client.close()
+        server.close()
+
+    asyncio.run(main())

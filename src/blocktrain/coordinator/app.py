@@ -209,6 +209,14 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     deflated: dict[tuple[int, int], bytes] = {}  # (block, from version) -> the deflated step, the newest few
     replays = asyncio.Semaphore(c.settings.audit_replays)  # audit uploads waiting for a replay wait here, holding no
     # thread of the pool that every other route runs in (waiting in it, 40 uploads held all of its threads)
+    jobs: set[asyncio.Future[AuditAnswer]] = set()  # audit replays under way (held: a task is weakly referenced)
+
+    async def replayed(name: str, k: int, v: int, body: bytes) -> AuditAnswer:
+        """Take the audit (a resend is 404 from here, before its body is read), wait for a replay slot, replay and
+        decide it."""
+        case = await run_in_threadpool(c.take_audit, name, k, v)
+        async with replays:
+            return await run_in_threadpool(c.replay_audit, case, body)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -237,7 +245,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     async def auth(request: Request) -> str:
         """The worker a request's token names: from the cache on the event loop, else (an unknown or revoked token,
-        which takes the coordinator's lock) in a thread, so a stranger's request never stalls the loop."""
+        which may re-read the token table) in a thread, so a stranger's request never stalls the loop."""
         token = _bearer(request.headers.get("authorization", ""))
         name = c.worker_for_token(token) if token else None
         return name if name is not None else await run_in_threadpool(c.authenticate, token)
@@ -344,18 +352,13 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             raw = await _read_capped(request, cap, read_s)
             c.audit_upload_received(name, k, v, upload)  # whole, in its window: decoding and the lock's wait are not late
             body = await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
-            case = await run_in_threadpool(c.take_audit, name, k, v)  # taken: a resend is 404 before its body is read
-        except BaseException:  # cut, late, malformed, or failed before its replay took it (no await here: cancelled)
+        except BaseException:  # cut, late or malformed before its replay took it (no await here: cancelled)
             c.audit_upload_cut(name, k, v, upload)
             raise
-        replaying = False
-        try:
-            async with replays:
-                replaying = True
-                return await run_in_threadpool(c.replay_audit, case, body)  # decided there, even if this is cancelled
-        finally:
-            if not replaying:  # cancelled while it waited for a slot (the server stopping): decided, no one blamed
-                c.drop_audit(case, "the coordinator stopped before its replay")
+        job = asyncio.ensure_future(replayed(name, k, v, body))  # runs to its decision even if this request is
+        jobs.add(job)  # cancelled: a case taken and never decided would hold its round for good
+        job.add_done_callback(jobs.discard)
+        return await asyncio.shield(job)
 
     return app
 

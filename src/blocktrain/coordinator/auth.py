@@ -10,7 +10,8 @@ token are counted in memory only, and logged at a limited rate: unauthenticated 
 
 :meth:`Tokens.worker_for_token`, :meth:`Tokens.refuse` and :meth:`Tokens.refused` are called without the coordinator's
 lock (from every request, in the HTTP layer's threads): the first two read the cache, which is replaced whole, never
-changed in place (an unknown token takes the lock only when the table is due to be re-read);
+changed in place (an unknown token due a re-read of the table re-reads it on the store's second connection, under
+the front's reload claim, never under the coordinator's lock);
 the second appends to a queue that :meth:`Tokens.unauthenticated_rejections` folds in, under the lock, as every other
 method is called.
 """
@@ -52,8 +53,10 @@ class Tokens:
         self._reload()
 
     def _reload(self) -> None:
-        reads = self.store.token_reads, self.store.revocation_reads  # the second connection: no lock needed
-        self._cache = ({h: name for name, h in reads[0].token_hashes()}, reads[1].revoked_tokens())
+        with self.store.reads.snapshot():  # the second connection, both tables from one commit: no lock needed
+            tokens = {h: name for name, h in self.store.token_reads.token_hashes()}
+            revoked = self.store.revocation_reads.revoked_tokens()
+        self._cache = (tokens, revoked)
 
     def _lookup(self, h: str, tokens: dict[str, str]) -> str | None:
         """The worker of token hash ``h`` in ``tokens``, revoked or not (constant time in which hash matches)."""

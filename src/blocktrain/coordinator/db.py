@@ -75,8 +75,8 @@ ADDED_COLUMNS = (("versions", "moments_blob", "TEXT"), ("workers", "session", "I
 
 
 class Db:
-    """The one SQLite connection of a run's coordinator state, shared by every table accessor. Not thread-safe: the
-    caller holds the coordinator's lock."""
+    """The SQLite connection of a run's coordinator state that writes, shared by every table accessor (not
+    thread-safe: the caller holds the coordinator's lock); or, ``reader``, a second one that only reads."""
 
     def __init__(self, path: Path, fsync: bool = True, *, reader: bool = False) -> None:
         """The run's connection, or (``reader``) a second one to the same file that only reads, without the
@@ -85,6 +85,7 @@ class Db:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
         conn.row_factory = sqlite3.Row
         if reader:
+            conn.execute("PRAGMA query_only=1")
             self.conn = conn
             return
         conn.execute("PRAGMA journal_mode=WAL")
@@ -104,6 +105,15 @@ class Db:
             self.conn.execute("ROLLBACK")
             raise
         self.conn.execute("COMMIT")
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Reads from one commit (a deferred transaction), for a reader's several queries."""
+        self.conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            self.conn.execute("COMMIT")
 
     def execute(self, sql: str, args: tuple[Any, ...] = ()) -> None:
         self.conn.execute(sql, args)

@@ -336,7 +336,7 @@ class Coordinator:
 
     def take_audit(self, name: str, k: int, v: int) -> AuditCase:
         """The audit of ``name``'s push for (k, v), taken for its replay: a resend of its upload is 404 from here, and
-        its round stays held until :meth:`replay_audit` or :meth:`drop_audit` decides it."""
+        its round stays held until :meth:`replay_audit` decides it."""
         self.checkpoints.check_block(k)
         with self.lock:
             return self.auditor.take(name, k, v)
@@ -366,12 +366,6 @@ class Coordinator:
         if answer is None:  # answered as a push that does not count (the worker goes on; the log says why)
             return self.auditor.unjudged()
         return answer
-
-    def drop_audit(self, case: AuditCase, why: str) -> None:
-        """A taken audit that will not be replayed (the coordinator stopping while it waited for a replay slot): its
-        push is dropped and no one is blamed, as for a replay that broke, so its round is not held for ever."""
-        with self.lock:
-            self.uploads.decide(case.worker, case.update.block, case.update.base_version, None, why, self.clock())
 
     def _audit_failure(self, k: int, v: int, answer: AuditAnswer) -> str:
         """What a failed audit missed, each bound it broke with its limit (the quarantine's reason)."""

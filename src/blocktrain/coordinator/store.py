@@ -68,6 +68,7 @@ class Store:
         if got is None:
             self.meta.set_meta("schema_version", SCHEMA_VERSION)
         elif got != SCHEMA_VERSION:
+            self.close()
             raise RunError(f"{self.db_path} has state schema {got}, this BlockTrain reads {SCHEMA_VERSION}")
 
     def tx(self) -> AbstractContextManager[sqlite3.Connection]:

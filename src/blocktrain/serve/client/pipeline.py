@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 import os
@@ -108,6 +109,9 @@ class PipelineClient:
         except ServeError as exc:
             self._failure = exc
             raise
+        except BaseException:  # cancelled (its request's client left): no failure for the others to share
+            self._failure = None
+            raise
         else:
             self._failure = None
         finally:
@@ -117,9 +121,15 @@ class PipelineClient:
         """Why the last connect failed, if one finished after the caller saw ``seen`` connects (:attr:`connects`) and
         it failed: requests that waited for a connect (the first, or a reopen after the entry restarted) take its
         failure rather than connecting in turn, the k-th after k failures; a later request tries again."""
-        if self.connects == seen or self._failure is None:
+        failure = self._failure
+        if self.connects == seen or failure is None:
             return None
-        return self._failure.with_traceback(None)  # raised again: its old traceback dropped, not grown
+        try:  # a copy for each waiter: one object raised in many tasks gathered their frames and contexts
+            shared = copy.copy(failure)
+        except Exception:
+            shared = StageUnavailableError(str(failure))
+        shared.__traceback__ = shared.__context__ = shared.__cause__ = None
+        return shared
 
     async def _connect(self) -> None:
         delay = 0.1
