@@ -358,6 +358,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         job = asyncio.ensure_future(replayed(name, k, v, body))  # runs to its decision even if this request is
         jobs.add(job)  # cancelled: a case taken and never decided would hold its round for good
         job.add_done_callback(jobs.discard)
+        job.add_done_callback(lambda j: j.cancelled() or j.exception())  # read, if its request has gone: not logged
         return await asyncio.shield(job)
 
     return app

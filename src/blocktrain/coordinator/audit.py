@@ -152,7 +152,6 @@ class Auditor:
         if not self.drawn(worker, upd, accepted, outlier):
             return None
         self.check_room()
-
         case = AuditCase(worker, upd, base, self.cfg.train.seed, stream, schedule_steps, h,
                          now + self.settings.audit_timeout_s, prior, lineage())
         self._pending[(worker, upd.block, upd.base_version)] = case
