@@ -1021,3 +1021,17 @@ def test_an_audit_is_taken_before_it_waits_for_a_replay_slot(tmp_path: Path, cor
         assert c.replay_audit(case, pack_state({}, block=0, version=w.version)).passed is False
         assert not c.auditor.holds(0, w.version)
     c.close()
+
+
+def test_the_audit_draw_is_the_same_after_a_restart(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The draw's secret key is the run's, kept in its store: a restarted coordinator draws every push as before (a
+    key per process gave a push sent again after a restart a new draw)."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    lots = [c.auditor.lot(f"w{i}", 0, v) for i in range(4) for v in range(3)]
+    c.close()
+    again = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    assert [again.auditor.lot(f"w{i}", 0, v) for i in range(4) for v in range(3)] == lots
+    again.close()
+    other = make_coordinator(tmp_path / "other", corpus, clock=FakeClock(), **AUDIT_ALL)
+    assert [other.auditor.lot(f"w{i}", 0, v) for i in range(4) for v in range(3)] != lots  # another run, another key
+    other.close()

@@ -112,15 +112,16 @@ class Auditor:
     auditor's (:meth:`record` counts its answer, under the lock)."""
 
     def __init__(self, cfg: RunConfig, settings: CoordinatorSettings, data: DataDir | None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, key: bytes | None = None) -> None:
         self.cfg = cfg
         self.settings = settings
         self.objective = get_objective(cfg)
         self.train: ByteSplit | None = data.open("train") if data is not None and settings.audit_fraction > 0 else None
         self.device = resolve_device(settings.device)  # where replays train (the worker's may be another)
         # which pushes are drawn: a keyed hash of (worker, block, version), unpredictable (seeded only in process), the
-        # same for a push sent again or trained again for its round (a fresh draw per sending was a free re-roll)
-        self._key = (rng or random.SystemRandom()).getrandbits(256).to_bytes(32, "big")
+        # same for a push sent again or trained again for its round (a fresh draw per sending was a free re-roll);
+        # ``key``: the run's (kept by the coordinator across restarts), else one drawn from ``rng``
+        self._key = key if key is not None else (rng or random.SystemRandom()).getrandbits(256).to_bytes(32, "big")
         self._pending: dict[tuple[str, int, int], AuditCase] = {}  # (worker, block, version) -> case
         self._judging: set[tuple[str, int, int]] = set()  # cases taken for replay, not yet decided
         # cases whose upload has begun -> (the end of its upload window: the later of its deadline and its first

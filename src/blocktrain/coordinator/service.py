@@ -21,6 +21,7 @@ Durable state is the :class:`.store.Store`'s, one accessor per table owner.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -94,7 +95,8 @@ class Coordinator:
                                on_quarantine=self._quarantined)
         if self.settings.gate and not self.intake.gating:
             log.warning("no validation data: the loss gate is off (give the coordinator --data to turn it on)")
-        self.auditor = Auditor(self.cfg, self.settings, data)  # replays a sampled fraction of accepted pushes
+        self.auditor = Auditor(self.cfg, self.settings, data,  # replays a sampled fraction of accepted pushes
+                               key=self._audit_key())
         self.rounds = Rounds(self.cfg, self.settings, progressive_schedule(self.cfg, settings), self.store,
                              self.checkpoints, self.intake, self.conduct,
                              audits_pending=self.auditor.holds)  # a round waits for its audits
@@ -191,6 +193,16 @@ class Coordinator:
     def worker_for_token(self, token: str) -> str | None:
         """(Unlocked: every request's byte count asks.) The worker a token names, from the cache."""
         return self.tokens.worker_for_token(token)
+
+    def _audit_key(self) -> bytes:
+        """The run's secret key of the audit draw, made once and kept (a restart drew every push sent again anew)."""
+        with self.lock:
+            hexed = self.store.meta.get_meta("audit_key")
+            if hexed is None:
+                hexed = secrets.token_hex(32)
+                with self.store.tx():
+                    self.store.meta.set_meta("audit_key", hexed)
+            return bytes.fromhex(hexed)
 
     def authenticate(self, token: str | None) -> str:
         """The worker ``token`` names; 401 or 403 from the cache unless the token table is due to be re-read (a
