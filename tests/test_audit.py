@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -269,7 +270,7 @@ def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path
     c.close()
 
 
-def _push(client: TestClient, c: Coordinator, headers: dict[str, str], sha: str,
+def _push(client: TestClient | httpx.Client, c: Coordinator, headers: dict[str, str], sha: str,
           seed: int = 0) -> tuple[WorkAnswer, dict[str, object]]:
     w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
     g = torch.Generator().manual_seed(seed)
@@ -939,7 +940,9 @@ def test_a_worker_told_to_abandon_stops_waiting_for_its_audit_s_replay(monkeypat
 def test_audit_replays_run_at_most_audit_replays_at_once(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """A round's audited workers upload together: their replays (each a block and its frozen inputs on the device,
     trained H steps) run at most ``--audit-replays`` at once, the others waiting their turn; they all ran at once, up
-    to 64, and ran a GPU out of memory."""
+    to 64, and ran a GPU out of memory. Uploaded over HTTP, as workers do."""
+    import httpx
+
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), audit_replays=1,
                          **{**AUDIT_ALL, "min_updates": 3})
     running, most = [0], [0]
@@ -957,16 +960,22 @@ def test_audit_replays_run_at_most_audit_replays_at_once(tmp_path: Path, corpus:
     c.auditor.judge = slow  # type: ignore[method-assign]
     names = ("w0", "w1", "w2")
     heads = {n: {"Authorization": f"Bearer {c.add_token(n)}"} for n in names}
-    with TestClient(create_app(c, background=False)) as client:
+    with ThreadServer(c, background=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         for n in names:
-            assert client.post("/v1/register", json={"block": 0}, headers=heads[n]).status_code == 200
-        versions = {n: _push(client, c, heads[n], state_sha({}), seed=i)[0].version for i, n in enumerate(names)}
-        threads = [threading.Thread(target=c.audit, args=(n, 0, versions[n], b"")) for n in names]
+            assert http.post("/v1/register", json={"block": 0}, headers=heads[n]).status_code == 200
+        versions = {n: _push(http, c, heads[n], state_sha({}), seed=i)[0].version for i, n in enumerate(names)}
+        codes: list[int] = []
+
+        def upload(n: str) -> None:
+            body = pack_state({}, block=0, version=versions[n])
+            codes.append(http.post(f"/v1/blocks/0/audits/{versions[n]}", content=body, headers=heads[n]).status_code)
+
+        threads = [threading.Thread(target=upload, args=(n,)) for n in names]
         for t in threads:
             t.start()
         for t in threads:
             t.join(30)
-    assert not any(t.is_alive() for t in threads) and most[0] == 1, most
+    assert not any(t.is_alive() for t in threads) and codes == [200] * 3 and most[0] == 1, (codes, most)
     c.close()
 
 

@@ -85,7 +85,6 @@ class Coordinator:
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
-        self.replays = threading.BoundedSemaphore(self.settings.audit_replays)  # audit replays at once (device memory)
         self._reload_claim = threading.Lock()  # serialises re-reads of the token table (the store's second connection)
         self.n_blocks = self.cfg.model.n_blocks
         self.evaluator = Evaluator(self.cfg, settings, data)
@@ -361,10 +360,9 @@ class Coordinator:
         name, k, v = case.worker, case.update.block, case.update.base_version
         answer: AuditAnswer | None = None
         why = "its replay broke"
-        try:  # unlocked: the replay, at most --audit-replays at once (a round's uploads arrive together)
-            with self.replays:
-                answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case),
-                                            self.uploads.derivation(case))
+        try:  # unlocked: the replay (the app runs at most --audit-replays at once: a round's uploads arrive together)
+            answer = self.auditor.judge(case, body, self.checkpoints.block_shapes[k], self.uploads.prior(case),
+                                        self.uploads.derivation(case))
             why = self._audit_failure(k, v, answer)
         except ProtocolError as exc:  # a malformed state fails the audit too
             answer = self.auditor.unjudged()
