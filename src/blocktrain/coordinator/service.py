@@ -281,7 +281,7 @@ class Coordinator:
             worker = up.admit(name, k)
         upd = up.parse(k, body)  # unlocked: size, tensors, metadata
         with self.lock:  # screen against the round; snapshot what the checks read
-            resend = up.screen(name, upd, body)
+            resend = up.screen(name, upd, body, worker.accepted)
             if resend is not None:
                 return resend
             members = up.members(name, upd)

@@ -73,16 +73,16 @@ class Uploads:
                                 Reason.COMMITMENT)
         return upd
 
-    def screen(self, name: str, upd: ParsedUpdate, body: bytes) -> PushAnswer | None:
+    def screen(self, name: str, upd: ParsedUpdate, body: bytes, accepted: int) -> PushAnswer | None:
         """(Locked.) Answer a byte-identical resend as its first sending was (its answer may have been lost, also after
         its round closed; with its audit, if one awaits its upload); refuse an update for a round that does not take
-        it (None: go on)."""
+        it, or one drawn for an audit with no room for it (``accepted``: the worker's accepted pushes at its admission;
+        None: go on)."""
         k, v = upd.block, upd.base_version
         if self.store.updates.update_blob(k, v, name) == hashlib.sha256(body).hexdigest():
             return self._resent(name, k, v)
         self.rounds.check_version(k, v)
-        row = self.store.workers.worker(name)
-        if self.auditor.drawn(name, upd, (row.accepted if row is not None else 0) + 1):  # before the checks' cost:
+        if self.auditor.drawn(name, upd, accepted + 1):  # before the checks' cost:
             self.auditor.check_room()  # a resend refused for want of audit room paid for the gate every time
         return None
 
