@@ -25,7 +25,7 @@ from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import Compression, decode_delta, delta_norm, wire_schema
 from blocktrain.protocol.group import GroupMember, decode_group
 from blocktrain.protocol.messages import parse_meta
-from blocktrain.protocol.moments import SCALE_SUFFIX, MomentCodec, parse_moments, shares_moments, split_moments
+from blocktrain.protocol.moments import MomentCodec, check_int8_scale, parse_moments, shares_moments, split_moments
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,7 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
             raise ProtocolError(
                 422, f"tensor {name!r} holds NaN or infinite values; the update is discarded", Reason.NON_FINITE
             )
-        if name.endswith(SCALE_SUFFIX) and not float(t) > 0:  # an encoder's scale is amax / 127, or 1 for zeros
-            raise ProtocolError(422, f"int8 scale {name!r} must be > 0, got {float(t)}", Reason.SCHEMA)
+        check_int8_scale(name, t, Reason.SCHEMA)
     delta = decode_delta(tensors, compression)
     norm = delta_norm(delta)
     if not norm < float("inf"):

@@ -44,6 +44,13 @@ def int8_scale(amax: float) -> float:
     float32 (a tensor of subnormal values had s round to 0 in float32, and a coordinator refuses a scale <= 0), 1 for
     an all-zero tensor."""
     return max(amax / 127.0, FLOAT32_TINY) if amax > 0 else 1.0
+
+
+def check_int8_scale(name: str, t: torch.Tensor, reason: str) -> None:
+    """A stranger's tensor ``name``: if it is an int8 scale (``NAME@scale``), it must be > 0, as every encoder's is
+    (:func:`int8_scale`); else a :class:`ProtocolError` (422, ``reason``)."""
+    if name.endswith(SCALE_SUFFIX) and not float(t) > 0:
+        raise ProtocolError(422, f"int8 scale {name!r} must be > 0, got {float(t)}", reason)
 LOG_WINDOW = 24.0  # nats: the log-int8 window below a tensor's largest second moment (e^24 ~ 2.6e10)
 
 
@@ -207,8 +214,7 @@ def parse_moments(wire: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[i
     for n, t in wire.items():
         if n.endswith((ROW_SUFFIX, COL_SUFFIX)) and not bool((t >= 0).all()):
             raise ProtocolError(422, f"factored second moment {n!r} must be >= 0", Reason.MOMENTS)
-        if n.endswith(SCALE_SUFFIX) and not float(t) > 0:  # an encoder's scale is amax / 127, or 1 for zeros
-            raise ProtocolError(422, f"int8 scale {n!r} must be > 0, got {float(t)}", Reason.MOMENTS)
+        check_int8_scale(n, t, Reason.MOMENTS)
     out = decode_moments(wire, codec, shapes)
     for n, t in out.items():
         if not bool(torch.isfinite(t).all()):  # finite parts may decode to inf (an int8 step times a scale of 3e38)
