@@ -101,8 +101,7 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
     for name, entry in header.items():
         dtype = entry.get("dtype") if isinstance(entry, dict) else entry
         if name != "__metadata__" and not (isinstance(dtype, str) and dtype in _READABLE):  # a list is unhashable
-            got = dtype
-            raise CheckpointError(f"{source}: tensor {name!r} has dtype {got!r}; BlockTrain reads "
+            raise CheckpointError(f"{source}: tensor {name!r} has dtype {dtype!r}; BlockTrain reads "
                                   f"{', '.join(sorted(_READABLE))}")
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict):

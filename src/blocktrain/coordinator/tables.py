@@ -43,6 +43,11 @@ _RESTORED = ("block=? AND state != ? AND counted IS NOT 0 AND NOT EXISTS (SELECT
 _GROUP_MEAN = "EXISTS (SELECT 1 FROM group_members g WHERE g.block = u.block AND g.version = u.version AND g.uploader = u.worker)"
 
 
+def _kind(grouped: bool) -> str:
+    """The condition on ``updates u`` that keeps group means (``grouped``) or single workers' pushes."""
+    return _GROUP_MEAN if grouped else f"NOT {_GROUP_MEAN}"
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -361,8 +366,7 @@ class UpdateTable:
     def recent_rises(self, k: int, n: int, grouped: bool = False) -> list[float]:
         """The gate's loss rises (nats) of the ``n`` latest updates of block k that have one, newest first, chosen as
         :meth:`recent_norms` chooses its updates: what a restart restores to the gate's calibration."""
-        kind = _GROUP_MEAN if grouped else f"NOT {_GROUP_MEAN}"
-        rows = self.db.q(f"SELECT rise FROM updates u WHERE {_RESTORED} AND {kind} AND rise IS NOT NULL ORDER BY id "
+        rows = self.db.q(f"SELECT rise FROM updates u WHERE {_RESTORED} AND {_kind(grouped)} AND rise IS NOT NULL ORDER BY id "
                          "DESC LIMIT ?", k, UpdateState.DROPPED.value, n)
         return [float(r["rise"]) for r in rows]
 
@@ -381,8 +385,7 @@ class UpdateTable:
         again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one that did not count
         (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`);
         single workers' pushes, or (``grouped``) group means."""
-        kind = _GROUP_MEAN if grouped else f"NOT {_GROUP_MEAN}"
-        rows = self.db.q(f"SELECT version, norm FROM updates u WHERE {_RESTORED} AND {kind} ORDER BY id DESC LIMIT ?",
+        rows = self.db.q(f"SELECT version, norm FROM updates u WHERE {_RESTORED} AND {_kind(grouped)} ORDER BY id DESC LIMIT ?",
                          k, UpdateState.DROPPED.value, n)
         return [(int(r["version"]), float(r["norm"])) for r in rows]
 
