@@ -270,6 +270,13 @@ def test_moments_pushed_other_than_the_round_s_own_fail_the_audit(tmp_path: Path
     c.close()
 
 
+def _registered_push(client: TestClient, c: Coordinator, headers: dict[str, str],
+                     sha: str) -> tuple[WorkAnswer, dict[str, object]]:
+    """Register on block 0, then :func:`_push`."""
+    assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
+    return _push(client, c, headers, sha)
+
+
 def _push(client: TestClient | httpx.Client, c: Coordinator, headers: dict[str, str], sha: str,
           seed: int = 0) -> tuple[WorkAnswer, dict[str, object]]:
     w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
@@ -327,8 +334,7 @@ def test_a_committed_state_the_replay_s_optimiser_does_not_hold_fails_the_audit(
         c1 = 1.5 if broken == "c1_above_one" else 0.5
         state.update({f"adam/{name}/c1": torch.tensor(c1), f"adam/{name}/c2": torch.tensor(0.5)})
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        w, answer = _push(client, c, headers, state_sha(state))
+        w, answer = _registered_push(client, c, headers, state_sha(state))
         assert answer["audit"] is True
         r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state(state, block=0, version=w.version),
                         headers=headers)
@@ -370,8 +376,7 @@ def test_a_quarantine_ends_the_worker_s_audits_that_await_an_upload(tmp_path: Pa
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
     headers = {"Authorization": f"Bearer {c.add_token('w')}"}
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        w, answer = _push(client, c, headers, state_sha({}))
+        w, answer = _registered_push(client, c, headers, state_sha({}))
         assert answer["audit"] is True and c.auditor.holds(0, w.version)
         with c.lock:
             c.conduct.quarantine("w", "refused too often", c.clock())
@@ -387,8 +392,7 @@ def test_an_audit_upload_that_is_not_safetensors_fails_the_audit_with_an_answer(
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
     headers = {"Authorization": f"Bearer {c.add_token('junk')}"}
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        w, answer = _push(client, c, headers, state_sha({}))
+        w, answer = _registered_push(client, c, headers, state_sha({}))
         assert answer["audit"] is True
         r = client.post(f"/v1/blocks/0/audits/{w.version}", content=b"\x10" + b"\x00" * 7 + b"{not json}", headers=headers)
         assert r.status_code == 200 and r.json()["passed"] is False, r.text
@@ -409,8 +413,7 @@ def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, c
 
     c.auditor.replay_error = broken  # type: ignore[method-assign, assignment]
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        w, answer = _push(client, c, headers, state_sha({}))
+        w, answer = _registered_push(client, c, headers, state_sha({}))
         assert answer["audit"] is True
         r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state({}, block=0, version=w.version),
                         headers=headers)
@@ -459,8 +462,7 @@ def test_an_unanswered_audit_quarantines_its_worker(tmp_path: Path, corpus: Data
     c = make_coordinator(tmp_path / "run", corpus, clock=clock, audit_timeout_s=30, **AUDIT_ALL)
     headers = {"Authorization": f"Bearer {c.add_token('mute')}"}
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        _, answer = _push(client, c, headers, state_sha({}))
+        _, answer = _registered_push(client, c, headers, state_sha({}))
         assert answer["audit"] is True
         clock.advance(10)
         c.tick()
@@ -564,8 +566,7 @@ def test_no_audit_without_a_state_commitment_or_at_fraction_zero(tmp_path: Path,
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **{**AUDIT_ALL, "audit_fraction": 0.0})
     headers = {"Authorization": f"Bearer {c.add_token('a')}"}
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        _, answer = _push(client, c, headers, state_sha({}))
+        _, answer = _registered_push(client, c, headers, state_sha({}))
         assert answer["audit"] is False
         r = client.post("/v1/blocks/0/audits/0", content=pack_state({}, block=0, version=0), headers=headers)
         assert r.status_code == 404 and r.json()["error"] == "no_audit"
@@ -1020,8 +1021,7 @@ def test_an_audit_is_taken_before_it_waits_for_a_replay_slot(tmp_path: Path, cor
     c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
     headers = {"Authorization": f"Bearer {c.add_token('w')}"}
     with TestClient(create_app(c, background=False)) as client:
-        assert client.post("/v1/register", json={"block": 0}, headers=headers).status_code == 200
-        w, answer = _push(client, c, headers, state_sha({}))
+        w, answer = _registered_push(client, c, headers, state_sha({}))
         assert answer["audit"] is True
         case = c.take_audit("w", 0, w.version)
         r = client.post(f"/v1/blocks/0/audits/{w.version}", content=b"x", headers=headers)
