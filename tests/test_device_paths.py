@@ -5,17 +5,21 @@ No GPU is at hand in CI, so two checks stand in for one, and both fail when a pa
 
 * **The host by name only where it is a boundary.** Product code names the CPU (``torch.device("cpu")``,
   ``.cpu()``, a ``"cpu"`` autocast) only in the files listed in ``HOST_BOUNDARIES``, each with why: the device rule
-  itself, tensors leaving for a file or the wire, the seeded CPU generators that draw bytes and noise.
+  itself, tensors leaving for a file or the wire.
 * **No tensor made without a device.** Each path runs under ``with torch.device("meta")``, which sends every tensor
   created without an explicit device to the meta device. The path is given the CPU, so any such tensor mixes with
   the path's CPU tensors and the op fails: that tensor would have landed on the host beside a GPU model. The test
   then checks that the model's parameters, the batches the model saw and the KV cache are on the device named.
+
+A third check stands for the GPU's pipeline: **no value read back in a hot loop** (:class:`HostReads` counts every
+read of a tensor's value on the host, a wait for the device on a GPU), so training steps, drafts, sweeps and
+generation queue their work without waiting for it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -44,9 +48,6 @@ HOST_BOUNDARIES = {  # file -> (uses of the host by name, why)
     "protocol/weights.py": (1, "a block's weights leave for the wire"),
     "protocol/inner_state.py": (2, "an audit's inner state leaves for the wire; AdamW's step lives where torch puts it"),
     "evaluate/scoring.py": (1, "target_log_probs returns its figures to the caller"),
-    "evaluate/generate.py": (1, "each byte's 256 log-probs go to the host, where the seeded generator draws"),
-    "serve/runtime/diffusion.py": (1, "the sweep's estimate is drawn by the request's seeded CPU generator"),
-    "serve/wire/speculative.py": (1, "a draft byte is drawn by the request's seeded CPU generator; q rides the frame"),
     "train/memory.py": (1, "the RSS warm-up loads the host's own kernels before a memory baseline"),
 }
 
@@ -86,6 +87,23 @@ class Seen:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+class HostReads:
+    """Counts every read of a tensor's value on the host (a wait for the device on a GPU) until ``monkeypatch.undo()``."""
+
+    READS = ("__float__", "__int__", "__bool__", "__index__", "item", "tolist", "cpu", "numpy")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor: torch.Tensor, *a: object, _orig: object = original, _name: str = name, **kw: object) -> object:
+                self.names.append(_name)
+                return _orig(tensor, *a, **kw)  # type: ignore[operator]
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
 
 
 def _cfg(objective: Objective) -> RunConfig:
@@ -266,19 +284,11 @@ def test_the_training_loop_reads_no_figure_per_step(monkeypatch: pytest.MonkeyPa
         logits = model(x[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, 256).float(), x[:, 1:].reshape(-1).long()), {}
 
-    reads = []
-    for name in ("__float__", "item", "tolist", "__bool__", "__int__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self: torch.Tensor, *a: object, _orig: object = original, _name: str = name) -> object:
-            reads.append(_name)
-            return _orig(self, *a)  # type: ignore[operator]
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = HostReads(monkeypatch)
     result = train_steps(model, opt, loss_at, range(5), lr=lambda s: 1e-3, grad_clip=1.0)
     monkeypatch.undo()
     assert result.done == 5 and np.isfinite(result.last_loss)
-    assert reads == ["__float__"], reads
+    assert reads.names == ["__float__"], reads.names
 
 
 def test_a_hidden_progress_bar_reads_no_loss() -> None:
@@ -298,3 +308,37 @@ def test_a_hidden_progress_bar_reads_no_loss() -> None:
     for i in range(3):
         hook.after(Unread(i + 1, torch.zeros(()), 1e-3, torch.zeros(()), 0.0))
     assert hook.steps == 3
+
+
+def _reads(monkeypatch: pytest.MonkeyPatch, run: Callable[[int], object], n: int) -> list[str]:
+    reads = HostReads(monkeypatch)
+    try:
+        run(n)
+    finally:
+        monkeypatch.undo()
+    return reads.names
+
+
+def test_drafts_sweeps_and_generation_read_nothing_back_per_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each drawn byte stays on the device and feeds the next step there: a spec frame's draft (cached and windowed,
+    on a stack and on diffusion), a diffusion sweep and local generate read as many values back for 6 bytes as for
+    2 (the stack's spans none at all; generate its text once, at the end). Before, every byte was a read."""
+    cfg, dcfg = _cfg(Objective.STACK), _cfg(Objective.DIFFUSION)
+    span = build_span(cfg, dict(enumerate(_blocks(cfg))), device=CPU)
+    dspan = build_span(dcfg, dict(enumerate(_blocks(dcfg))), device=CPU)
+    model = AssembledModel(_blocks(cfg), cfg, device=CPU)
+    window = bytes(range(65, 65 + cfg.model.context))
+    paths: dict[str, Callable[[int], object]] = {
+        "stack spec": lambda n: span.run([_submit(Mode.SPEC, b"hello", pos=0, n_draft=n, temperature=0.8, top_k=5,
+                                                  top_p=0.9, seed=2)]) and span.release("r1"),
+        "stack windowed spec": lambda n: span.run([_submit(Mode.SPEC, window, pos=3, n_draft=n, temperature=0.8,
+                                                           seed=2, window=True)]),
+        "diffusion spec": lambda n: dspan.run([_submit(Mode.SPEC, b"hello", n_draft=n, temperature=0.8, seed=1)]),
+        "diffusion sweep": lambda n: dspan.run([_submit(Mode.SWEEP, b"hello", n_new=n, prompt_len=5, sweeps=1,
+                                                        temperature=0.8, seed=1)]),
+        "generate": lambda n: generate(model, b"The ", n, seed=0, top_p=0.9),
+    }
+    reads = {name: [_reads(monkeypatch, run, n) for n in (2, 6)] for name, run in paths.items()}
+    assert all(two == six for two, six in reads.values()), reads
+    assert reads["stack spec"][0] == reads["stack windowed spec"][0] == [], reads
+    assert reads["generate"][0] == ["tolist"], reads

@@ -24,7 +24,7 @@ from blocktrain.diffusion.sampler import chain_step, position_noise
 from blocktrain.errors import BlockTrainError, ConfigError, WireError
 from blocktrain.evaluate.generate import generate
 from blocktrain.model.block import BlockDenoiser
-from blocktrain.sampling import filtered_probs
+from blocktrain.sampling import filtered_probs, sample_probs
 from blocktrain.serve.client.decoding import Sampling
 from blocktrain.serve.client.pipeline import PipelineClient, generate_remote
 from blocktrain.serve.runtime.kvcache import CacheEntry
@@ -89,25 +89,47 @@ def test_filters_top_k_top_p() -> None:
     assert torch.allclose(filtered_probs(logits, 1.0, top_p=0.4), torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 
+def test_the_sampler_draws_what_multinomial_draws_without_reading_the_device() -> None:
+    """sample_probs (the exponential race on the host generator's noise) equals torch.multinomial(probs, 1) bit for
+    bit on the CPU, the generator left in the same state, for rows with zeros; on the meta device it runs through,
+    so it reads no value back (multinomial reads its validity check); a generator off the host is refused."""
+    for trial in range(200):
+        probs = torch.softmax(3 * torch.randn(1 + trial % 5, 256), -1)
+        probs[:, : trial % 200] = 0.0
+        g, h = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        assert torch.equal(sample_probs(probs, g), torch.multinomial(probs, 1, generator=h).squeeze(-1))
+        assert torch.equal(torch.rand(4, generator=g), torch.rand(4, generator=h))
+    drawn = sample_probs(torch.full((3, 256), 1 / 256, device="meta"), torch.Generator().manual_seed(0))
+    assert drawn.device.type == "meta" and drawn.shape == (3,)
+    with pytest.raises(ValueError, match="CPU generator"):
+        sample_probs(torch.ones(1, 256), cast(torch.Generator, FakeGenerator()))
+
+
+class FakeGenerator:
+    device = torch.device("meta")
+
+
 def test_the_draft_loop_reads_each_byte_after_the_draft_before_it() -> None:
     """SpecParams.draft: byte i comes from logits_for(draft[:i]); greedy takes the argmax; q is carried per byte."""
     seen: list[list[int]] = []
 
-    def logits_for(draft: list[int]) -> torch.Tensor:
-        seen.append(list(draft))
+    def logits_for(draft: torch.Tensor) -> torch.Tensor:
+        seen.append(draft.tolist())
         logits = torch.zeros(256)
         logits[(7 * len(draft) + 3) % 256] = 9.0  # a distinct argmax per prefix length
         return logits
 
     sp = SpecParams(n_draft=4, temperature=0.0, top_k=0, top_p=1.0, seed=0)
     draft, carried = sp.draft(10, logits_for, torch.device("cpu"))
-    assert draft == [3, 10, 17, 24]
+    assert draft.tolist() == [3, 10, 17, 24]
     assert seen == [[], [3], [3, 10], [3, 10, 17]]
-    assert carried["draft"].tolist() == [draft] and carried["draft"].dtype == torch.uint8
-    assert carried["q"].shape == (4, 256) and carried["q"].argmax(dim=1).tolist() == draft
+    assert carried["draft"].tolist() == [draft.tolist()] and carried["draft"].dtype == torch.uint8
+    assert carried["q"].shape == (4, 256) and carried["q"].argmax(dim=1).tolist() == draft.tolist()
     sampled = SpecParams(n_draft=4, temperature=1.0, top_k=0, top_p=1.0, seed=5)
-    assert sampled.draft(10, logits_for, torch.device("cpu"))[0] == sampled.draft(10, logits_for, torch.device("cpu"))[0]
-    assert SpecParams(0, 0.0, 0, 1.0, 0).draft(10, logits_for, torch.device("cpu")) == ([], {})
+    assert torch.equal(sampled.draft(10, logits_for, torch.device("cpu"))[0],
+                       sampled.draft(10, logits_for, torch.device("cpu"))[0])
+    empty, tensors = SpecParams(0, 0.0, 0, 1.0, 0).draft(10, logits_for, torch.device("cpu"))
+    assert empty.shape == (0,) and tensors == {}
 
 
 def test_draft_length_follows_acceptance() -> None:
@@ -194,7 +216,7 @@ def test_windowed_spec_frame_verifies_each_byte_on_the_window_generate_reads(sta
     out = windowed_step(first, last, text, n_draft=n, temperature=temp, top_k=0, top_p=1.0, seed=3)
     draft, q, logits = out.tensors["draft"][0].tolist(), out.tensors["q"], out.tensors["logits"]
     assert (tuple(q.shape), tuple(logits.shape)) == ((n, 256), (n + 1, 256))
-    rows = torch.tensor(windows(text, draft, 32), dtype=torch.uint8)  # (n + 1, 32)
+    rows = windows(torch.tensor(text, dtype=torch.uint8), torch.tensor(draft), 32)  # (n + 1, 32)
     assert rows.shape == (n + 1, 32) and rows[-1].tolist() == (text + draft)[-32:]
     with torch.inference_mode():
         want = model.log_probs(rows)[0][:, -1]  # (n + 1, 256)

@@ -41,8 +41,17 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 
 
 def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of probs (n, V) -> (n,) int64."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One draw per row of probs (n, V) -> (n,) int64 on probs' device, without waiting for that device.
+
+    The exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. picks v with probability p_v. It is the draw
+    torch.multinomial(probs, 1) makes, equal to it bit for bit on the CPU (same noise, same order), less the
+    validity check multinomial reads back from the device. E is drawn on the host by the seeded CPU ``generator``
+    and copied over, so a draw is the same on every device (given equal probs).
+    """
+    if generator.device.type != "cpu":
+        raise ValueError(f"the sampler draws its noise with a seeded CPU generator, got one on {generator.device}")
+    e = torch.empty(probs.shape, dtype=probs.dtype, device=generator.device).exponential_(1, generator=generator)  # (n, V)
+    return (probs / e.to(probs.device, non_blocking=True)).argmax(dim=-1)
 
 
 def sample_rows(

@@ -1,8 +1,9 @@
 """Autoregressive byte generation with temperature, top-k and top-p (:mod:`blocktrain.sampling`).
 
 For a BlockTrain model each new byte costs one traversal of the chain
-(B block steps); for the E2E model one forward pass. The model computes on its device; each byte's 256 log-probs
-come back to the host, where the seeded CPU generator draws it, so a continuation is the same on every device.
+(B block steps); for the E2E model one forward pass. The text stays on the model's device, each byte drawn there
+(:func:`~blocktrain.sampling.sample_rows`) with noise from the seeded CPU generator, so a draw is the same on every
+device given equal logits, and nothing is read back before the last byte.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.progress import progress_bar
-from blocktrain.sampling import EMPTY_PROMPT, sample_from_logits
+from blocktrain.sampling import EMPTY_PROMPT, sample_rows
 from blocktrain.seeds import Seed
 
 
@@ -29,10 +30,13 @@ def generate(
 ) -> bytes:
     if n_bytes < 0:
         raise ValueError("n_bytes must be >= 0")
-    out = bytearray(prompt or EMPTY_PROMPT)
+    start = prompt or EMPTY_PROMPT
+    out = torch.zeros(len(start) + n_bytes, dtype=torch.uint8, device=model.device)  # (P + n,): the text, filled on
+    out[: len(start)] = torch.frombuffer(bytearray(start), dtype=torch.uint8)
     g = Seed.SAMPLER.generator(seed)
     for i in progress_bar(range(n_bytes), desc="generate", unit="byte", disable=not progress):
-        ctx = torch.tensor(list(out[-model.context :]), dtype=torch.uint8, device=model.device).unsqueeze(0)  # (1, t)
+        end = len(start) + i
+        ctx = out[max(0, end - model.context) : end].unsqueeze(0)  # (1, t): the last context bytes
         logp = model.log_probs(ctx, chains=1, seed=Seed.BYTE.derive(seed, i))  # (1, 1, t, 256)
-        out.append(sample_from_logits(logp[0, 0, -1].cpu(), temperature, top_k, g, top_p))  # the byte is the output
-    return bytes(out[len(prompt or EMPTY_PROMPT) :])
+        out[end] = sample_rows(logp[0, 0, -1:], temperature, top_k, g, top_p)[0]  # stays on the device
+    return bytes(out[len(start) :].tolist())  # the one read back: after the last byte

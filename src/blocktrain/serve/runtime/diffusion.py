@@ -208,24 +208,23 @@ class BlockSpan:
         if "z" in f.tensors:
             x, z = f.tensors["x"].clone(), f.tensors["z"].float()
         else:
-            x = f.tensors["x"]
-            text = x[0].tolist()
+            text = f.tensors["x"][0]  # (t,) on the device
             g_noise = Seed.CHAIN.generator(sp.seed, 0)
-            eps = position_noise(1, min(x.shape[1] + n, c), c, d, g_noise, self.device)  # (1, t + n, d), a window at most
+            eps = position_noise(1, min(text.shape[0] + n, c), c, d, g_noise, self.device)  # (1, t + n, d), a window at most
             s0 = self.partition.block_steps(0, self.cfg.diffusion.steps_per_block)[0]
 
-            def block0_alone(draft: list[int]) -> torch.Tensor:
-                win = torch.tensor([(text + draft)[-c:]], dtype=torch.uint8, device=self.device)  # the text or its last window
+            def block0_alone(draft: torch.Tensor) -> torch.Tensor:
+                win = torch.cat([text, draft.to(torch.uint8)])[-c:].unsqueeze(0)  # (1, t'): the text or its last window
                 t = win.shape[1]
                 logits = self.blocks[0](win, s0 * eps[:, :t], torch.tensor(s0, device=self.device))  # (1, t, 256)
                 return logits[0, -1].float()
 
-            draft, drafted = sp.draft(int(f.params.get("pos", 0)) + len(text), block0_alone, self.device)
+            draft, drafted = sp.draft(int(f.params.get("pos", 0)) + text.shape[0], block0_alone, self.device)
             if drafted:
                 carried = drafted
-            rows = windows(text, draft, c) if sp.window else [text + draft]  # windowed: every row is c bytes
-            x = torch.tensor(rows, dtype=torch.uint8, device=self.device)
-            z = (self.cfg.diffusion.sigma_max * eps).expand(len(rows), -1, -1).clone()
+            # windowed: every row is c bytes (n + 1, c); else the one row (1, t + n)
+            x = windows(text, draft, c) if sp.window else torch.cat([text, draft.to(torch.uint8)]).unsqueeze(0)
+            z = (self.cfg.diffusion.sigma_max * eps).expand(x.shape[0], -1, -1).clone()
         logits = torch.empty(0)
         for k in range(f.sigma_index, self.hi + 1):
             z, logits = chain_step(self.blocks[k], k, x, z, self.partition, self.cfg.diffusion, k == self.n_last)
@@ -243,8 +242,8 @@ class BlockSpan:
         temp = float(f.params.get("temperature", 0.0))
         if k < self.n_last and f.params.get("estimate", "sample") == "greedy":
             temp = 0.0  # intermediate estimates by argmax; only the last block samples
-        drawn = sample_rows(est.float().cpu(), temp, int(f.params.get("top_k", 0)), g)  # (b*n,): the CPU generator draws
-        x[:, p : p + n] = drawn.view(x.shape[0], n).to(device=x.device, dtype=torch.uint8)
+        drawn = sample_rows(est, temp, int(f.params.get("top_k", 0)), g)  # (b*n,) on the device; the CPU generator's noise
+        x[:, p : p + n] = drawn.view(x.shape[0], n).to(torch.uint8)
 
     def _output(self, f: Frame, x: torch.Tensor, z: torch.Tensor, logits: torch.Tensor) -> Frame:
         params = dict(f.params)

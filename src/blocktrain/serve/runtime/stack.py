@@ -51,7 +51,7 @@ from blocktrain.model.stack import StackBlock
 from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
-from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft
+from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
 
 
 class StackSpan:
@@ -211,19 +211,19 @@ class StackSpan:
                 return self._work(f, h, carried)
             return self._result(f, self.blocks[self.hi].logits(h)[:, -1], carried)
         sp = SpecParams.read(f.params)
-        text, c = f.tensors["x"][0].tolist(), self.cfg.model.context
-        hs: list[torch.Tensor] = []  # row i: h (1, c', d) of windows(text, draft, c)[i]
+        text, c = f.tensors["x"][0], self.cfg.model.context  # (c,) the text's last c bytes, on the device
+        hs: list[torch.Tensor] = []  # row i: h (1, c, d) of windows(text, draft, c)[i]
         last: list[torch.Tensor] = []  # row i's logits (256,) at its last position
 
-        def forward_row(draft: list[int]) -> None:
-            hs.append(self._forward(torch.tensor([(text + draft)[-c:]], dtype=torch.uint8, device=self.device)))
+        def forward_row(draft: torch.Tensor) -> None:
+            hs.append(self._forward(windows(text, draft, c)[-1:]))  # (1, c): the window before the next draft byte
 
-        def row_logits(draft: list[int]) -> torch.Tensor:
+        def row_logits(draft: torch.Tensor) -> torch.Tensor:
             forward_row(draft)
             last.append(self.blocks[self.hi].logits(hs[-1])[0, -1].float())
             return last[-1]
 
-        draft, carried = sp.draft(int(f.params.get("pos", 0)) + len(text), row_logits, self.device)
+        draft, carried = sp.draft(int(f.params.get("pos", 0)) + c, row_logits, self.device)
         if self.is_last:  # one stage holds the whole model: the draft model is the target; row n gives the bonus
             row_logits(draft)
             return self._result(f, torch.stack(last), carried)
@@ -260,9 +260,9 @@ class StackSpan:
         assert logits is not None
         hs, last = [h], [logits[0, -1]]  # h (1, t, d) per step; the logits (256,) after each step's last byte
 
-        def step_on_last(draft: list[int]) -> torch.Tensor:
-            if draft:  # extend the cache by the byte drawn last
-                nxt = torch.tensor([[draft[-1]]], dtype=torch.uint8, device=self.device)  # (1, 1)
+        def step_on_last(draft: torch.Tensor) -> torch.Tensor:
+            if len(draft):  # extend the cache by the byte drawn last, on the device
+                nxt = draft[-1:].to(torch.uint8).unsqueeze(0)  # (1, 1)
                 h, logits = self.cached_step(entry, nxt, accepted_len + len(draft) - 1)
                 assert logits is not None
                 hs.append(h)

@@ -126,33 +126,28 @@ class SpecParams:
         """The draft's draws, seeded by the request seed and the length of the accepted text."""
         return Seed.DRAFT.generator(self.seed, accepted_len)
 
-    def draft_byte(self, logits: torch.Tensor, g: torch.Generator) -> tuple[int, torch.Tensor]:
-        """One draft byte from raw logits (256,) on any device: (the byte, q (256,) it was drawn from, on the host,
-        where the seeded CPU generator draws and the frame carries it)."""
-        q = filtered_probs(logits.float().cpu().unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
-        x = int(q.argmax()) if self.temperature <= 0 else int(sample_probs(q, g)[0])
-        return x, q[0]
-
     def draft(
-        self, accepted_len: int, logits_for: Callable[[list[int]], torch.Tensor], device: torch.device,
-    ) -> tuple[list[int], dict[str, torch.Tensor]]:
-        """The entry stage's draft, the one loop every span drafts with: byte i is drawn by :meth:`draft_byte`, on
-        the generator seeded by (seed, ``accepted_len``), from ``logits_for(draft[:i])``, the draft model's raw
-        logits (256,) for the byte after the accepted text and the draft's first i bytes.
+        self, accepted_len: int, logits_for: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The entry stage's draft, the one loop every span drafts with: byte i is drawn from
+        q_i = :func:`filtered_probs` of ``logits_for(draft[:i])``, the draft model's raw logits (256,) for the byte
+        after the accepted text and the draft's first i bytes (draft[:i] (i,) int64 on ``device``, a view valid
+        during the call), by :func:`sample_probs` (the argmax at temperature 0) on the generator seeded by (seed, ``accepted_len``).
 
-        Returns the ``n_draft`` bytes and the tensors the frame carries on to the client: ``draft`` (1, n) uint8 on
-        ``device`` and ``q`` (n, 256) on the host; none when n = 0.
+        Nothing comes back to the host: each byte stays on ``device`` and feeds the next step there (the noise
+        comes from the host's seeded generator). Returns the draft (n,) int64 and the tensors the frame carries on
+        to the client, ``draft`` (1, n) uint8 and ``q`` (n, 256), all on ``device``; no tensors when n = 0.
         """
         g = self.draft_generator(accepted_len)
-        draft: list[int] = []
+        draft = torch.zeros(self.n_draft, dtype=torch.int64, device=device)  # (n,) filled byte by byte
         qs: list[torch.Tensor] = []
-        for _ in range(self.n_draft):
-            byte, q = self.draft_byte(logits_for(draft), g)
-            draft.append(byte)
-            qs.append(q)
-        if not draft:
+        for i in range(self.n_draft):
+            q = filtered_probs(logits_for(draft[:i]).unsqueeze(0), self.temperature, self.top_k, self.top_p)  # (1, 256)
+            draft[i] = (q.argmax(dim=-1) if self.temperature <= 0 else sample_probs(q, g))[0]  # greedy draws nothing
+            qs.append(q[0])
+        if not qs:
             return draft, {}
-        return draft, {"draft": torch.tensor([draft], dtype=torch.uint8, device=device), "q": torch.stack(qs)}
+        return draft, {"draft": draft.to(torch.uint8).unsqueeze(0), "q": torch.stack(qs)}
 
 
 def windows_in_half_frame(context: int, width: int, max_frame_bytes: int) -> int:
@@ -166,10 +161,13 @@ def windowed_draft_cap(context: int, d_model: int, max_frame_bytes: int) -> int:
     return max(0, min(MAX_WINDOWS, windows_in_half_frame(context, d_model, max_frame_bytes)) - 1)
 
 
-def windows(text: list[int], draft: list[int], context: int) -> list[list[int]]:
-    """The windowed frame's rows: row i is the last ``context`` bytes of the text and the draft's first i bytes,
-    the window local ``generate`` reads the byte after them from (rows 0..n for a draft of n)."""
-    return [(text + draft[:i])[-context:] for i in range(len(draft) + 1)]
+def windows(text: torch.Tensor, draft: torch.Tensor, context: int) -> torch.Tensor:
+    """The windowed frame's rows (n + 1, context), on the text's device: row i is the last ``context`` bytes of the
+    text and the draft's first i bytes, the window local ``generate`` reads the byte after them from. text
+    (context,) is the text's last ``context`` bytes (what a windowed frame carries), draft (n,) its draft."""
+    if text.shape != (context,):
+        raise ValueError(f"a windowed frame's text is its last {context} bytes, got shape {tuple(text.shape)}")
+    return torch.cat([text, draft.to(text.dtype)]).unfold(0, context, 1).contiguous()  # (n + 1, context): row i from byte i
 
 
 def validate_carried_draft(tensors: dict[str, torch.Tensor], n: int) -> None:
