@@ -20,6 +20,7 @@ import torch
 
 hivemind = pytest.importorskip("hivemind")
 
+from hivemind.proto.auth_pb2 import AccessToken  # noqa: E402
 from hivemind.utils.crypto import RSAPrivateKey  # noqa: E402
 from hivemind.utils.timed_storage import get_dht_time  # noqa: E402
 
@@ -30,7 +31,7 @@ from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds  # noq
 from blocktrain.data.dataset import DataDir  # noqa: E402
 from blocktrain.errors import ProtocolError  # noqa: E402
 from blocktrain.p2p.groups import GroupAverager, join_dht  # noqa: E402
-from blocktrain.p2p.trust import Authority, Card, PeerAuthorizer, parse_token  # noqa: E402
+from blocktrain.p2p.trust import Authority, Card, PeerAuthorizer, parse_token, verified_token  # noqa: E402
 from blocktrain.presets import get_preset  # noqa: E402
 from blocktrain.protocol.delta import Compression, pack_delta  # noqa: E402
 from blocktrain.protocol.group import GroupMember, decode_group, encode_group, round_scope  # noqa: E402
@@ -386,6 +387,23 @@ def test_a_quarantined_worker_s_token_opens_no_dht_peer_that_knows_of_its_quaran
     assert other is not None and authorizer.is_token_valid(other)
     authorizer.revoked = frozenset({"w2"})
     assert not authorizer.is_token_valid(other)
+
+
+def test_a_token_s_fields_cannot_be_split_again_into_another_name() -> None:
+    """A key's comment may hold a NUL byte and still load. Registered as K = M + " c\\0" + M, a worker's token signed
+    the same bytes as one naming "mallory\\0M c" with key M (fields joined by NUL): a name no quarantine revoked.
+    Each field is now signed after its length."""
+    authority = Authority(KEYS[0])
+    m = KEYS[1].get_public_key().to_bytes()
+    raw = authority.issue("mallory", m + b" c\0" + m)
+    token = parse_token(raw)
+    assert token is not None and verified_token(token, authority.public_key)
+    forged = AccessToken(username="mallory\0" + (m + b" c").decode(), public_key=m,
+                         expiration_time=token.expiration_time, signature=token.signature)
+    assert not verified_token(forged, authority.public_key)
+    authorizer = PeerAuthorizer(KEYS[2], authority.issue("w2", KEYS[2].get_public_key().to_bytes()), authority.public_key)
+    authorizer.revoked = frozenset({"mallory"})
+    assert not authorizer.is_token_valid(forged) and not authorizer.is_token_valid(token)
 
 
 def test_a_group_with_a_quarantined_member_is_not_used() -> None:
