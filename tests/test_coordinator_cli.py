@@ -148,3 +148,24 @@ def test_signal_handlers_are_the_commands_own_and_a_forked_child_dies_on_sigterm
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
     assert seen == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_no_eval_with_data_keeps_the_gate_and_the_audits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-eval stops the assembled model's evaluations only. With --data given it also dropped the data from the
+    coordinator, and with it the loss gate and the audits, though the help said "no evaluation" and the dataset
+    was still published. Without --data the two are off, and the log says why."""
+    from blocktrain.cli.distributed import coordinator_inputs
+    from blocktrain.coordinator.service import Coordinator
+    from tests.distributed_utils import write_corpus
+
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    data = write_corpus(tmp_path / "data")
+    cfg, settings, got = coordinator_inputs(_parse(tmp_path, "--preset", "tiny", "--no-eval", "--data", str(data.root)))
+    assert got is not None and settings.eval_every == 0 and cfg.dataset
+    c = Coordinator(tmp_path / "run", cfg, settings, got)
+    try:
+        assert c.auditor.enabled and c.evaluator.valid is not None and c.settings.gate
+    finally:
+        c.close()
+    cfg, settings, got = coordinator_inputs(_parse(tmp_path, "--preset", "tiny", "--no-eval"))
+    assert got is None and settings.eval_every == 0

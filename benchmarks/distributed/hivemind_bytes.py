@@ -53,7 +53,9 @@ def one_run(engine: str, n: int, rounds: int, local_steps: int, data: Path, root
     url = f"http://127.0.0.1:{port}"
     coord_args = ["coordinator", "--run-dir", str(run), "--preset", "tiny", "--port", str(port), "--no-eval",
                   "--threads", "1", "--rounds", str(rounds), "--round-seconds", "300", "--data", str(data),
-                  "--local-steps", str(local_steps)]
+                  "--local-steps", str(local_steps),
+                  # the engines' traffic alone, as measured: --no-eval with --data had also turned these off
+                  "--no-gate", "--audit-fraction", "0", "--probation-pushes", "0"]
     hivemind = engine == "hivemind"
     coord = _blocktrain([*coord_args, *(["--hivemind", "--hivemind-host", "127.0.0.1"] if hivemind else [])],
                         run.parent / f"{engine}-{n}-coordinator.log")

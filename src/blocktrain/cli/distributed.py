@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -14,13 +15,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blocktrain.cli.common import add_run_args, config_from_args
 from blocktrain.cli.fields import Flags
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import BlockTrainError
 from blocktrain.worker.options import WorkerOptions
+
+if TYPE_CHECKING:
+    from blocktrain.config import RunConfig
+    from blocktrain.data.dataset import DataDir
 
 log = logging.getLogger("blocktrain")
 
@@ -34,10 +39,29 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     return SETTINGS_FLAGS.build(args)
 
 
+def coordinator_inputs(args: argparse.Namespace) -> tuple[RunConfig, CoordinatorSettings, DataDir | None]:
+    """The run's config, the coordinator's settings and its data (the gate's, the audits' and the evaluations'),
+    from the coordinator's flags."""
+    from blocktrain.data.dataset import resolve_data_dir
+
+    settings = settings_from_args(args)
+    if args.no_eval:  # no evaluation of the assembled model; the gate and the audits keep their own flags
+        settings = dataclasses.replace(settings, eval_every=0)
+    cfg = config_from_args(args)
+    needs_data = not args.no_eval or settings.gate_tolerance is not None
+    data = resolve_data_dir(args.data) if needs_data or args.data or os.environ.get("BLOCKTRAIN_DATA") else None
+    if data is not None:  # its fingerprint is published, workers holding other data are refused; gate and audits
+        cfg = cfg.with_dataset(data.fingerprint())
+        log.info("dataset %s", data.describe())
+    else:
+        log.warning("no --data: workers' datasets are not checked against the run's, and no update is gated or "
+                    "audited (give the coordinator --data DIR, the run's dataset, to check them)")
+    return cfg, settings, data
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from blocktrain.coordinator.app import run_server
     from blocktrain.coordinator.service import Coordinator
-    from blocktrain.data.dataset import resolve_data_dir
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise BlockTrainError("--tls-cert and --tls-key go together; pass both or neither")
@@ -45,16 +69,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    settings = settings_from_args(args)
-    cfg = config_from_args(args)
-    needs_data = not args.no_eval or settings.gate_tolerance is not None
-    data = resolve_data_dir(args.data) if needs_data or args.data or os.environ.get("BLOCKTRAIN_DATA") else None
-    if data is not None:  # its fingerprint is published, and workers holding other data are refused
-        cfg = cfg.with_dataset(data.fingerprint())
-        log.info("dataset %s", data.describe())
-    else:
-        log.warning("no --data: workers' datasets are not checked against the run's")
-    c = Coordinator(Path(args.run_dir), cfg, settings, data if needs_data else None)
+    cfg, settings, data = coordinator_inputs(args)
+    c = Coordinator(Path(args.run_dir), cfg, settings, data)
     # SIGTERM (a service manager's stop) ends the run as Ctrl-C does, through close(): its default action would
     # kill the process before it could stop the processes it started (the hivemind DHT peer).
     try:
@@ -174,7 +190,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--port", type=int, default=8470, help="port to listen on")
     # One flag per CoordinatorSettings field (--round-seconds, --no-fsync, ...): a new setting needs no edit here.
     SETTINGS_FLAGS.add(s)
-    s.add_argument("--no-eval", action="store_true", help="no evaluation (no data directory needed)")
+    s.add_argument("--no-eval", action="store_true",
+                   help="no evaluation of the assembled model (--eval-every 0); without --data, also no loss gate and "
+                        "no audits, which need the run's data")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
     s.add_argument("--tls-cert", default=None, help="TLS certificate (PEM)")
     s.add_argument("--tls-key", default=None, help="TLS private key (PEM)")
