@@ -4,6 +4,7 @@ coordinator with no room to audit a push does not end an honest worker."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -133,3 +134,72 @@ def test_a_grouped_round_whose_mean_never_lands_is_pushed_alone_before_its_deadl
     rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] > 0, rows
     c.close()
+
+
+def test_an_answer_garbled_on_the_way_is_asked_again_and_backoff_stays_finite() -> None:
+    """A deflate answer that does not inflate (a proxy, a cut) raised httpx.DecodingError, no TransportError, past the
+    retries: a heartbeat's ended the worker with a traceback. It is asked again. And the backoff's 2**attempt is
+    capped: past 1,024 retries (hours, with a long --give-up-s) it overflowed a float."""
+    answers = iter(["garbled", "ok"])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if next(answers) == "garbled":
+            return httpx.Response(200, headers={"Content-Encoding": "deflate"}, content=b"not deflate at all")
+        return httpx.Response(202, json={"accepted": True, "block": 0, "version": 0})
+
+    client = CoordinatorClient("http://coordinator", "t", base_delay=0.01, max_delay=0.02, deflate_pushes=False)
+    client.http = httpx.Client(base_url="http://coordinator", transport=httpx.MockTransport(answer))
+    assert client.push(0, b"push").accepted
+    client.close()
+
+    calls: list[int] = []
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) > 1100:
+            client.stop.set()
+        return httpx.Response(503, json={"detail": "restarting", "error": "unavailable"})
+
+    client = CoordinatorClient("http://coordinator", "t", base_delay=1e-300, max_delay=1e-300, give_up_s=3600.0,
+                               deflate_pushes=False)
+    client.http = httpx.Client(base_url="http://coordinator", transport=httpx.MockTransport(refused))
+    with pytest.raises(ProtocolError) as exc:
+        client.push(0, b"push")
+    assert exc.value.reason in (Reason.STOPPED, Reason.UNREACHABLE) and len(calls) > 1100  # not an OverflowError
+    client.close()
+
+
+def test_a_new_registration_drops_the_grouped_round_of_the_block_held_before(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A grouped round's delta waiting for its group's mean (``_unsent``) outlived a registration on another block:
+    at the same version it was pushed there, block k1's delta against block k2's weights."""
+    c = make_coordinator(tmp_path / "run", corpus, eval_every=0)
+    try:
+        c.add_token("w")
+        w = Worker(WorkerOptions(url="http://coordinator", token="t", block=0, progress=False), corpus)
+        w._setup(c.register("w", 0))
+        w._unsent = (0, {}, 8)
+        w._setup(c.register("w", 1))
+        assert w.k == 1 and w._unsent is None
+    finally:
+        c.close()
+
+
+def test_a_second_signal_cuts_a_long_answer_short() -> None:
+    """An answer read chunk after chunk (a slow link, a proxy that trickles) went on to its end after the worker was
+    told to leave at once; it stops at the next chunk."""
+    client = CoordinatorClient("http://coordinator", "t", base_delay=0.01, max_delay=0.02, deflate_pushes=False)
+    sent: list[int] = []
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(100):
+            sent.append(i)
+            if i == 3:
+                client.stop.set()  # the second Ctrl-C, while the weights come
+            yield b"x" * 1024
+
+    client.http = httpx.Client(base_url="http://coordinator",
+                               transport=httpx.MockTransport(lambda r: httpx.Response(200, content=chunks())))
+    with pytest.raises(ProtocolError) as exc:
+        client.weights(0)
+    assert exc.value.reason == Reason.STOPPED and len(sent) < 10
+    client.close()

@@ -117,7 +117,7 @@ class CoordinatorClient:
                 problem = f"{resp.status_code} {resp.text[:200]}"
                 busy = _protocol_error(resp) if resp.status_code == 503 else None
                 busy = busy if busy is not None and busy.reason == Reason.AUDITS_BUSY else None
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, httpx.DecodingError) as exc:  # unreachable, cut, or an answer garbled on the way
                 problem = f"{type(exc).__name__}: {exc}"
             elapsed = time.monotonic() - start
             if not retry or elapsed > self.give_up_s or self.stop.is_set() or self._left_long_ago():
@@ -125,7 +125,7 @@ class CoordinatorClient:
                     raise busy
                 raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}); check it is running",
                                     Reason.UNREACHABLE)
-            delay = min(self.max_delay, self.base_delay * 2**attempt) * (0.5 + random.random() / 2)
+            delay = min(self.max_delay, self.base_delay * 2 ** min(attempt, 30)) * (0.5 + random.random() / 2)  # capped: 2**1024 overflows a float
             log.warning("%s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
             attempt += 1
             until = time.monotonic() + delay
@@ -171,6 +171,9 @@ class CoordinatorClient:
             self.bytes_sent += len(request.content) if request.content else 0
             chunks, size = [], 0
             for chunk in resp.iter_bytes():
+                if chunks and self.stop.is_set():  # a second Ctrl-C cuts a long answer short (a short one is read)
+                    raise ProtocolError(503, f"stopped while reading the answer to {request.method} {request.url.path}",
+                                        Reason.STOPPED)
                 size += len(chunk)
                 if size > cap:
                     raise ProtocolError(502, f"the coordinator's answer to {request.method} {request.url.path} exceeds "

@@ -121,6 +121,7 @@ class Worker:
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
         self.base_sha = ""  # sha256 of the base weights: the coordinator's weights_sha for the same version
+        self._unsent = None  # a grouped round of the block it held before is not pushed to this one
         self.summary.block = self.k
         log.info("registered as %s on block %d (preset %s, %s objective)", reg.worker, self.k, self.cfg.name,
                  self.cfg.objective)
@@ -486,11 +487,11 @@ class _RoundHook(Hook):
         if w.abandon.is_set():
             self.abandoned = True
             return False
+        w._beat()  # first: a heartbeat the coordinator is slow to answer counts against the deadline
         if step > 0 and time.monotonic() > self.stop_at:
             w.summary.rounds_cut += 1
             log.info("block %d v%d: the deadline is near; pushing after %d of %d steps", w.k, w.base_version, step, self.H)
             return False
-        w._beat()
         self._began = time.monotonic()
         return True
 
