@@ -320,3 +320,32 @@ def test_on_bytes_receives_every_target_once_in_the_text_s_order(n: int, context
     got: list[torch.Tensor] = []
     score_split(logp_is_the_byte, data, context, batch_size=batch, on_bytes=got.append)
     assert torch.equal(torch.cat(got), torch.from_numpy(data[1:].astype(np.float32)))
+
+
+def test_a_ctrl_c_just_after_a_step_saves_it_under_that_step() -> None:
+    """The loop counted a step only after the optimiser had also zeroed its gradients and the timer stopped: a
+    Ctrl-C there saved step s + 1's weights labelled as s steps done, and a resume applied step s + 1 again."""
+    from blocktrain.train.loop import Hook, train_steps
+
+    model = torch.nn.Linear(4, 1)
+
+    class InterruptedOnce(torch.optim.SGD):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            InterruptedOnce.calls += 1
+            if InterruptedOnce.calls == 2:  # right after the second step
+                raise KeyboardInterrupt
+            super().zero_grad(set_to_none=set_to_none)
+
+    saved: list[int] = []
+
+    class Saves(Hook):
+        def interrupted(self, done: int) -> None:
+            saved.append(done)
+
+    x = torch.randn(8, 4)
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(model, InterruptedOnce(model.parameters(), lr=0.1), lambda s: (model(x).pow(2).mean(), {}),
+                    range(5), lr=lambda s: 0.1, grad_clip=1.0, hooks=[Saves()])
+    assert saved == [2]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -109,9 +110,8 @@ def train_steps(
             rate = lr(step)
             with autocast(precision, device):
                 loss, extra = loss_at(step)
-            gnorm = optimizer_step(module, opt, loss, rate, grad_clip)
+            gnorm = optimizer_step(module, opt, loss, rate, grad_clip, stepped=partial(setattr, result, "done", step + 1))
             timer.stop()
-            result.done = step + 1
             last = loss.detach()
             result.step_seconds.append(time.perf_counter() - t0)
             rec = StepRecord(result.done, last, rate, gnorm, result.step_seconds[-1], extra)

@@ -10,6 +10,7 @@ parameters' device (one kernel per step instead of one per tensor).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -92,14 +93,19 @@ class MuonAdamW(torch.optim.Optimizer):
 
 def optimizer_step(
     module: nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float,
+    stepped: Callable[[], object] | None = None,
 ) -> torch.Tensor:
     """One update of ``module`` from ``loss``; returns the global gradient norm before clipping, a scalar on the
-    parameters' device (reading it waits for the device, so the loop leaves that to whoever logs it)."""
+    parameters' device (reading it waits for the device, so the loop leaves that to whoever logs it). ``stepped`` is
+    called as soon as the optimiser has stepped: the loop counts the step there, so a Ctrl-C after it saves the
+    weights under the step that made them (one later resumed would apply that step again)."""
     for group in opt.param_groups:
         group["lr"] = lr
     loss.backward()
     gnorm = nn.utils.clip_grad_norm_(module.parameters(), grad_clip or float("inf"), foreach=True)
     opt.step()
+    if stepped is not None:
+        stepped()
     # Free the gradients now, not before the next backward: alive through the
     # next forward they sit between its activations and fragment the heap.
     opt.zero_grad(set_to_none=True)
