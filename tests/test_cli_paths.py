@@ -24,6 +24,7 @@ from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
 from blocktrain.data import integrity
 from blocktrain.data.dataset import open_data_dir
+from blocktrain.errors import ConfigError
 from blocktrain.presets import tiny
 from tests.conftest import write_data_dir
 from tests.forked_cli import ForkedCli, spawn
@@ -144,7 +145,10 @@ def test_an_isolated_arm_trains_in_its_own_process_and_reports_its_memory(tmp_pa
     """``--isolate yes`` (every preset but tiny): the arm is a child process, so its peak memory is its own."""
     data = write_data_dir(tmp_path / "data")
     cfg = replace(tiny(), train=replace(tiny().train, steps=2, eval_bytes=0))
-    opts = QualityOptions(cfg=cfg, data=open_data_dir(data), out=tmp_path / "q", progress=True, isolate=True)
+    with pytest.raises(ConfigError, match="--eval-bytes 0 scores none"):  # an lr sweep would pick lr x0.5 unseen
+        QualityOptions(cfg=cfg, data=open_data_dir(data), out=tmp_path / "q")
+    opts = QualityOptions(cfg=cfg, data=open_data_dir(data), out=tmp_path / "q", progress=True, isolate=True,
+                          lr_sweep=False)
     bench = _Bench(opts, planned_flops=opts.e2e_flops_step * 2)
     summary = bench.e2e(tmp_path / "q" / "e2e", 2)
     assert summary["steps"] == 2 and summary["train_mem_bytes"] > 0 and bench.arms == 1

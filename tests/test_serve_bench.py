@@ -82,11 +82,12 @@ def test_bench_serve_end_to_end(tmp_path: Path, data_dir: Path) -> None:
     out = tmp_path / "serve.json"
     args = ["bench", "serve", "--run", str(run), "--data", str(data_dir),
             "--prompt-bytes", "12", "--output-bytes", "16", "--prompts", "2", "--tf-bytes", "256", "--long-output-bytes", "52",
+            "--sweeps", "2",  # no k = 1: the summary's headline sweep was sweep_k1 by name (a KeyError after the run)
             "--json", str(out), "--base-port", str(free_ports(1)[0] // 10 * 10 % 50000 + 10000)]
     assert main(args) == 0
     r = json.loads(out.read_text())
     assert (r["output_bytes"], r["hops_per_traversal"], r["prompt_bytes"]) == (16, 3, 12)
-    assert r["hop_delay_ms"] >= 0
+    assert r["hop_delay_ms"] >= 0 and r["sweep_k"] == 2 and list(r["sweeps"]) == ["sweep_k2"]
     for key in ("sweep_seconds", "ar_seconds", "ar_baseline_seconds", "floor_seconds"):
         assert 0 < r[key] < 600, (key, r[key])  # a tiny run on loopback: well under ten minutes
     assert r["speedup_sweep_vs_baseline"] == pytest.approx(r["ar_baseline_seconds"] / r["sweep_seconds"], rel=1e-9)

@@ -84,6 +84,9 @@ class QualityOptions:
             raise ConfigError(f"max_eval_bytes must be >= 0, got {self.max_eval_bytes}")
         if not self.matched_steps and self.lr_sweep:
             raise ConfigError("the lr sweep trains the E2E at matched steps; pass --no-lr-sweep with --no-matched-steps")
+        if self.lr_sweep and self.cfg.train.eval_bytes == 0:  # every score NaN: the sweep "picked" its first lr, x0.5
+            raise ConfigError("the lr sweep picks the lr by validation CE, and --eval-bytes 0 scores none; give "
+                              "--eval-bytes > 0 or pass --no-lr-sweep")
 
     @property
     def objectives(self) -> list[Objective]:
