@@ -89,7 +89,8 @@ def format_table(r: dict[str, Any]) -> str:
                           f"{limit:,}).")
     if r.get("resumed"):
         notes.append("Resumed (--resume): each arm went on from its last checkpoint, so the wall times, seconds per step "
-                     "and MFU count this run's steps only; the CEs are those of a run without a cut.")
+                     "and MFU count this run's steps only (an arm finished before keeps those of the run that finished "
+                     "it); the CEs are those of a run without a cut.")
     if not r.get("arms_isolated", True):
         notes.append("Every arm trained in this one process (--isolate no): no per-arm memory rows.")
     mfus = [e["mfu"], *(o["block_worker"]["mfu"] for o in objs.values())]

@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from blocktrain.progress import progress_bar
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import EvalHook, Hook, LossFn, MetricsHook, ProgressHook, train_steps
 from blocktrain.train.memory import peak_rss_bytes
-from blocktrain.train.metrics import JsonlWriter
+from blocktrain.train.metrics import JsonlWriter, read_jsonl
 from blocktrain.train.profile import ProfileHook
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_bytes
 
@@ -54,6 +54,17 @@ class TrainSummary:
     seconds_per_step: float  # median wall time of one step (data, forward, backward, update), first step excluded
     flops_per_step: float  # model FLOPs of one step (6 N tokens + attention; frozen forwards included)
     achieved_flops: float  # flops_per_step / seconds_per_step, FLOP/s
+
+
+def finished_summary(metrics_path: Path, steps: int) -> TrainSummary | None:
+    """The last summary ``metrics_path`` records for a run of ``steps`` steps, or None."""
+    if not metrics_path.exists():
+        return None
+    names = {f.name for f in fields(TrainSummary)}
+    for record in reversed(read_jsonl(metrics_path)):
+        if record.get("event") == "summary" and record.get("steps") == steps and names <= record.keys():
+            return TrainSummary(**{k: record[k] for k in names})
+    return None
 
 
 def run_training(
@@ -101,6 +112,9 @@ def run_training(
     compile_module(module, tc.compile)
     ckpt = Checkpointer(name, module, opt, names, cfg, ckpt_path, state_path, save_meta, every=tc.checkpoint_every)
     start = ckpt.resume()
+    if start >= tc.steps and (done := finished_summary(metrics_path, tc.steps)) is not None:
+        log.info("%s: already trained its %d steps; its summary is the one recorded when it finished", name, tc.steps)
+        return done  # a summary of no step had NaN timings, ~0 s of wall time and the memory of a load
     if ckpt_path.exists():
         log.info("%s: resuming at step %d of %d", name, start, tc.steps)
     if start == 0:
