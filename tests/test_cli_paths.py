@@ -290,3 +290,16 @@ def test_serve_random_builds_a_stack_that_drafts_for_itself() -> None:
         spec = _generate(port, "spec", n=8)
         ar = _generate(port, "ar", n=8)
     assert spec.startswith("abc") and spec == ar
+
+
+def test_the_bench_counts_the_e2e_s_flops_as_its_trainer_does_under_recompute(tmp_path: Path) -> None:
+    """--recompute runs each layer's forward twice: the E2E trainer and the stack's blocks count it, the bench's
+    matched-FLOPs arithmetic did not (cpu-small: 44.4M against 59.1M FLOPs per token), so the matched E2E got 1.33x
+    the stack's FLOPs by its own count."""
+    from blocktrain.train.e2e import train_e2e
+
+    data = write_data_dir(tmp_path / "data")
+    cfg = replace(tiny(), train=replace(tiny().train, steps=1, eval_bytes=0, recompute=True))
+    summary = train_e2e(cfg, open_data_dir(data), tmp_path / "run", progress=False)
+    opts = QualityOptions(cfg=cfg, data=open_data_dir(data), out=tmp_path / "q", lr_sweep=False)
+    assert opts.e2e_flops_step == pytest.approx(summary.flops_per_step, rel=1e-12)

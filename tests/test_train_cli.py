@@ -66,3 +66,12 @@ def test_train_reports_a_failed_block_truthfully(tmp_path: Path, data_dir: Path,
     assert "training failed for blocks [1]" in err and "fix its cause" in err, err
     assert "rerun the same command to resume them" not in err
     assert rd.block_path(0).is_file()
+
+
+def test_train_block_refuses_a_block_outside_the_run(tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--block -1`` trained the E2E reference (its arm index) under the name of a block; -1 and B are refused."""
+    for k in ("-1", "4"):
+        assert main(["train-block", "--preset", "tiny", "--steps", "1", "--out", str(tmp_path / "run"), "--data",
+                     str(data_dir), "--block", k, "--no-progress"]) == 2
+        assert "out of range" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "e2e.safetensors").exists() and not any((tmp_path / "run").glob("**/*.safetensors"))

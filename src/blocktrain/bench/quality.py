@@ -42,6 +42,7 @@ from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.report import evaluate_model
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
+from blocktrain.model.layers import recompute_layers
 from blocktrain.objectives import get_objective
 from blocktrain.progress import MetricsProgress, progress_bar
 from blocktrain.train.child import E2E, arm_name, run_summary, train_arm
@@ -101,10 +102,13 @@ class QualityOptions:
 
     @functools.cached_property
     def e2e_flops_step(self) -> float:
-        """Training FLOPs of one E2E step: the E2E trainer's own formula (train/e2e.py), on a model that allocates nothing."""
+        """Training FLOPs of one E2E step: the E2E trainer's own formula (train/e2e.py), on a model that allocates nothing,
+        with its recomputed forward under --recompute (as the trainer and the stack's blocks count it)."""
         m = self.cfg.model
         with torch.device("meta"):
-            per_token = train_flops_per_token(E2ETransformer(m), m.d_model, m.context)
+            model = E2ETransformer(m)
+            recompute_layers(model, self.cfg.train.recompute)
+            per_token = train_flops_per_token(model, m.d_model, m.context)
         return per_token * self.cfg.train.batch_size * m.context
 
 

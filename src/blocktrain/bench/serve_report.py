@@ -115,7 +115,8 @@ def render_markdown(r: dict[str, Any]) -> str:
     tf = r["teacher_forced_ce"]
     lines += [
         "",
-        f"- Speedup of sweep (k = {r.get('sweep_k', 1)}) over the AR baseline: **{r['speedup_sweep_vs_baseline']:.1f}x**; over BlockTrain ar: "
+        f"- Speedup of sweep (k = {r.get('sweep_k', 1)}) over the AR baseline: **{r['speedup_sweep_vs_baseline']:.1f}x**; "
+        "over BlockTrain ar: "
         f"{r['speedup_sweep_vs_ar']:.1f}x.",
         f"- Floor: {r['hops_per_traversal']} x {r['hop_delay_ms']:.0f} ms + one pass of block compute "
         f"({r['floor_compute_seconds']:.3f} s) = {r['floor_seconds']:.3f} s; sweep takes "

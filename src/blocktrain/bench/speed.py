@@ -136,17 +136,22 @@ def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
             entry[f"{arm}_s_per_step"] = sps
             entry[f"{arm}_median_s_per_step"] = summary["seconds_per_step"]
             entry["flops_per_step"] = summary["flops_per_step"]
-            entry[f"{arm}_mfu_of_own_peak"] = summary["flops_per_step"] / sps / peak[precision]
+            ran = summary["precision"]  # what it trained in: bf16 falls back to fp32 where the machine lacks it
+            if ran != precision:
+                log.warning("%s asked for %s trained in %s (this machine's fallback): its MFU is of the %s peak",
+                            name, precision, ran, ran)
+            entry[f"{arm}_precision"] = ran
+            entry[f"{arm}_mfu_of_own_peak"] = summary["flops_per_step"] / sps / peak[ran]
             entry[f"{arm}_train_mem_bytes"] = summary["train_mem_bytes"]
             if profiled:
                 report = json.loads((out / "metrics" / f"{metrics_name}.profile.json").read_text())
                 entry[f"{arm}_profile"] = report["ops"][:PROFILE_TOP]
             result["commands"][f"{name}.{arm}"] = "blocktrain " + shlex.join(cmd)
-        entry["mfu"] = entry["flops_per_step"] / entry["bf16_s_per_step"] / peak["bf16"]
+        entry["mfu"] = entry["flops_per_step"] / entry["bf16_s_per_step"] / peak[entry["bf16_precision"]]
         entry["bytes_per_s"] = step_bytes / entry["bf16_s_per_step"]
         entry["speedup_bf16_over_fp32"] = entry["fp32_s_per_step"] / entry["bf16_s_per_step"]
         if "compiled_s_per_step" in entry:
-            entry["compiled_mfu"] = entry["flops_per_step"] / entry["compiled_s_per_step"] / peak["bf16"]
+            entry["compiled_mfu"] = entry["flops_per_step"] / entry["compiled_s_per_step"] / peak[entry["compiled_precision"]]
             entry["speedup_compiled_over_bf16"] = entry["bf16_s_per_step"] / entry["compiled_s_per_step"]
         result[name] = entry
     return result

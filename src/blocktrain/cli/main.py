@@ -41,9 +41,12 @@ def run_config(args: argparse.Namespace, open_train: bool = False) -> tuple[RunC
 
 def cmd_train_one(args: argparse.Namespace) -> int:
     """``train-block`` (one block alone) or ``train-e2e`` (the end-to-end reference)."""
+    from blocktrain.checkpoint.blocks import check_block_index
     from blocktrain.train.child import E2E, train_arm
 
     cfg, data = run_config(args)
+    if args.command == "train-block":  # before train_arm, which takes E2E (-1) for the E2E reference
+        check_block_index(args.block, cfg.model.n_blocks)
     k = args.block if args.command == "train-block" else E2E
     train_arm(cfg, data, Path(args.out), k, isolate=False, progress=not args.no_progress)
     return 0

@@ -125,7 +125,8 @@ class CoordinatorClient:
                     raise busy
                 raise ProtocolError(503, f"coordinator at {self.url} unreachable ({problem}); check it is running",
                                     Reason.UNREACHABLE)
-            delay = min(self.max_delay, self.base_delay * 2 ** min(attempt, 30)) * (0.5 + random.random() / 2)  # capped: 2**1024 overflows a float
+            backoff = self.base_delay * 2 ** min(attempt, 30)  # the exponent capped: 2**1024 overflows a float
+            delay = min(self.max_delay, backoff) * (0.5 + random.random() / 2)
             log.warning("%s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
             attempt += 1
             until = time.monotonic() + delay
