@@ -349,3 +349,29 @@ def test_a_ctrl_c_just_after_a_step_saves_it_under_that_step() -> None:
         train_steps(model, InterruptedOnce(model.parameters(), lr=0.1), lambda s: (model(x).pow(2).mean(), {}),
                     range(5), lr=lambda s: 0.1, grad_clip=1.0, hooks=[Saves()])
     assert saved == [2]
+
+
+def test_train_block_starts_from_the_coordinator_s_version_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's version 0 claims train-block's init; train-block seeded, then warmed its runtime up (layers
+    built and dropped) before it built the block: other weights. A local run and a distributed one now start alike."""
+    import blocktrain.train.block as block_mod
+    from blocktrain.protocol.weights import trainable_state
+    from tests.distributed_utils import make_coordinator
+
+    data = write_data_dir(tmp_path / "data")
+    started: dict[str, torch.Tensor] = {}
+
+    def first_state(**kw: object) -> None:
+        started.update(trainable_state(kw["module"]))  # type: ignore[arg-type]
+        raise KeyboardInterrupt  # nothing to train: the weights it starts from are the point
+
+    monkeypatch.setattr(block_mod, "run_training", first_state)
+    with pytest.raises(KeyboardInterrupt):
+        train_block(tiny(), open_data_dir(data), tmp_path / "run", 0, progress=False)
+    c = make_coordinator(tmp_path / "coord", open_data_dir(data), eval_every=0)
+    try:
+        version0 = c.weights[0]
+        assert started.keys() == version0.keys()
+        assert all(torch.equal(started[n], version0[n]) for n in started)
+    finally:
+        c.close()

@@ -43,12 +43,14 @@ def train_block(
     precision = resolve_precision(cfg.train.precision, device)
     tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed,
                           stream=block_stream(k, stream), device=device)
-    torch.manual_seed(init_seed(cfg.train.seed, k))
     warm_runtime()
     baseline = rss_bytes()  # frozen copies count towards the worker's training memory
     dtype = frozen_dtype(cfg.train.frozen_storage, precision is Precision.BF16)
     earlier = [load_block(run, cfg, j, finished=True) for j in range(objective.frozen_inputs(k))]
     frozen = [compile_module(objective.freeze(b, dtype).to(device), cfg.train.compile) for b in earlier]
+    # seeded just before it is built, as the coordinator's version 0 and the in-process rounds build it (the warm-up
+    # and the earlier blocks' construction drew from the generator after the seed: other weights)
+    torch.manual_seed(init_seed(cfg.train.seed, k))
     block = objective.build_block(k)
     objective.inherit(block, k, earlier, at_init=True)  # warm start and frozen heads (stack variants); a resume overwrites it
     del earlier  # only the frozen copies stay
