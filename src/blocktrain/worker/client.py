@@ -170,7 +170,8 @@ class CoordinatorClient:
         resp = self.http.send(request, stream=True)
         try:
             self.bytes_sent += len(request.content) if request.content else 0
-            chunks, size = [], 0
+            chunks: list[bytes] = []
+            size = 0
             for chunk in resp.iter_bytes():
                 if chunks and self.stop.is_set():  # a second Ctrl-C cuts a long answer short (a short one is read)
                     raise ProtocolError(503, f"stopped while reading the answer to {request.method} {request.url.path}",
