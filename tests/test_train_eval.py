@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.config import RunConfig
@@ -294,6 +295,7 @@ def test_every_model_s_forward_flops_per_byte_are_counted_one_way() -> None:
     from blocktrain.model.flops import forward_flops_per_token
     from blocktrain.objectives import build_block
 
+    assert tiny().diffusion.steps_per_block == 1 and tiny().diffusion.solver.value == "euler"  # one denoiser per block
     for objective in (Objective.STACK, Objective.DIFFUSION):
         cfg = replace(tiny(), objective=objective)
         m = cfg.model
@@ -303,9 +305,13 @@ def test_every_model_s_forward_flops_per_byte_are_counted_one_way() -> None:
         got = AssembledModel(blocks, cfg).traversal_flops_per_byte()
         if objective is Objective.STACK:
             assert got == e2e
-        else:
+        else:  # each solver step's denoiser softmax(logits) @ E too (E is a buffer: the module count missed it)
             per_block = forward_flops_per_token(blocks[0], m.d_model, m.context)
-            assert got == per_block * evaluations_per_traversal(cfg.diffusion, m.n_blocks)
+            with FlopCounterMode(display=False) as counted:
+                blocks[0].denoised(torch.zeros(1, 10, 256))  # type: ignore[operator]
+            denoiser = counted.get_total_flops() / 10  # per byte: 2 x 256 x d
+            assert denoiser == 2 * 256 * m.d_model
+            assert got == per_block * evaluations_per_traversal(cfg.diffusion, m.n_blocks) + denoiser * m.n_blocks
 
 
 @pytest.mark.parametrize(("n", "context", "batch"), [(100, 8, 3), (9, 8, 1), (257, 16, 32)])

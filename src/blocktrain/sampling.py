@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from blocktrain.device import to_device
+
 EMPTY_PROMPT = b"\n"  # what generation continues when the prompt is empty (a model needs one byte of history)
 
 
@@ -51,7 +53,7 @@ def sample_probs(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     if generator.device.type != "cpu":
         raise ValueError(f"the sampler draws its noise with a seeded CPU generator, got one on {generator.device}")
     e = torch.empty(probs.shape, dtype=probs.dtype, device=generator.device).exponential_(1, generator=generator)  # (n, V)
-    return (probs / e.to(probs.device, non_blocking=True)).argmax(dim=-1)
+    return (probs / to_device(e, probs.device)).argmax(dim=-1)  # from pinned memory on CUDA: queued, not waited for
 
 
 def sample_rows(

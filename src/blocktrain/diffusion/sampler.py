@@ -68,12 +68,12 @@ def block_steps(
     sigmas = partition.block_steps(k, cfg.steps_per_block)
     logits = torch.empty(0)
     for j, (s, s_next) in enumerate(itertools.pairwise(sigmas)):
-        logits = block(x, z, torch.tensor(s, device=z.device))
+        logits = block(x, z, z.new_full((), s))
         d = (z - block.denoised(logits)) / s
         z_next = z + (s_next - s) * d
         final = is_last and j == len(sigmas) - 2
         if cfg.solver is Solver.HEUN and not final:
-            logits2 = block(x, z_next, torch.tensor(s_next, device=z.device))
+            logits2 = block(x, z_next, z.new_full((), s_next))
             d2 = (z_next - block.denoised(logits2)) / s_next
             z_next = z + (s_next - s) * 0.5 * (d + d2)
             logits = logits2
@@ -113,7 +113,7 @@ def chain_step(
     """Block k's share of the chain: its solver steps, plus the sigma_min readout when it is the last block."""
     z, logits = block_steps(block, k, x, z, partition, cfg, is_last)
     if is_last and cfg.readout is Readout.SIGMA_MIN:
-        logits = block(x, z, torch.tensor(cfg.sigma_min, device=z.device))
+        logits = block(x, z, z.new_full((), cfg.sigma_min))
     return z, logits
 
 
@@ -128,11 +128,16 @@ def block_alone_logits(
     """Block ``k`` used alone: fed pure noise z = s_k * eps at the top of its own slice."""
     s = partition.slices[k].step_hi
     z = initial_noise(tuple(x.shape), block.cfg.d_model, s, generator, x.device)  # type: ignore[arg-type]
-    return block(x, z, torch.tensor(s, device=z.device))
+    return block(x, z, z.new_full((), s))
 
 
 def evaluations_per_traversal(cfg: DiffusionConfig, n_blocks: int) -> int:
     """Block forward passes one traversal costs (for compute accounting)."""
+    return solver_evaluations(cfg, n_blocks) + (1 if cfg.readout is Readout.SIGMA_MIN else 0)
+
+
+def solver_evaluations(cfg: DiffusionConfig, n_blocks: int) -> int:
+    """The evaluations of one traversal's solver steps, each followed by the denoiser D = softmax(logits) @ E (a
+    256 x d product per token; the sigma_min readout computes none)."""
     per_block = cfg.steps_per_block * (2 if cfg.solver is Solver.HEUN else 1)
-    total = n_blocks * per_block - (1 if cfg.solver is Solver.HEUN else 0)
-    return total + (1 if cfg.readout is Readout.SIGMA_MIN else 0)
+    return n_blocks * per_block - (1 if cfg.solver is Solver.HEUN else 0)  # the chain's last step is Euler's

@@ -15,10 +15,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from blocktrain.config import RunConfig, Schedule
+from blocktrain.config import VOCAB_SIZE, RunConfig, Schedule
 from blocktrain.diffusion.loss import block_loss
 from blocktrain.diffusion.partition import NoisePartition
-from blocktrain.diffusion.sampler import block_alone_logits, chain_step, evaluations_per_traversal, initial_noise
+from blocktrain.diffusion.sampler import (
+    block_alone_logits,
+    chain_step,
+    evaluations_per_traversal,
+    initial_noise,
+    solver_evaluations,
+)
 from blocktrain.errors import CheckpointError
 from blocktrain.model.block import BlockDenoiser
 from blocktrain.model.flops import forward_flops_per_token, train_flops_per_token
@@ -125,10 +131,12 @@ class DiffusionObjective:
 
     def traversal_flops_per_byte(self, blocks: Sequence[nn.Module]) -> float:
         """A block's forward (:mod:`blocktrain.model.flops`, as the stack's and the training FLOPs are counted) times
-        the block evaluations of one traversal."""
+        the block evaluations of one traversal, plus each solver step's denoiser product softmax(logits) @ E (2 x 256
+        x d per token: E is a buffer, no Linear, so the module count misses it)."""
         m = self.cfg.model
         per_block = forward_flops_per_token(blocks[0], m.d_model, m.context)
-        return per_block * evaluations_per_traversal(self.cfg.diffusion, m.n_blocks)
+        denoiser = 2.0 * VOCAB_SIZE * m.d_model * solver_evaluations(self.cfg.diffusion, m.n_blocks)
+        return per_block * evaluations_per_traversal(self.cfg.diffusion, m.n_blocks) + denoiser
 
     def train_flops_per_token(self, k: int) -> float:
         m = self.cfg.model

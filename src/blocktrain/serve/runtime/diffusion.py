@@ -216,7 +216,7 @@ class BlockSpan:
             def block0_alone(draft: torch.Tensor) -> torch.Tensor:
                 win = torch.cat([text, draft.to(torch.uint8)])[-c:].unsqueeze(0)  # (1, t'): the text or its last window
                 t = win.shape[1]
-                logits = self.blocks[0](win, s0 * eps[:, :t], torch.tensor(s0, device=self.device))  # (1, t, 256)
+                logits = self.blocks[0](win, s0 * eps[:, :t], eps.new_full((), s0))  # (1, t, 256)
                 return logits[0, -1].float()
 
             draft, drafted = sp.draft(int(f.params.get("pos", 0)) + text.shape[0], block0_alone, self.device)
