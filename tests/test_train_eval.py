@@ -381,3 +381,20 @@ def test_train_block_starts_from_the_coordinator_s_version_0(tmp_path: Path, mon
         assert all(torch.equal(started[n], version0[n]) for n in started)
     finally:
         c.close()
+
+
+def test_a_run_takes_the_callers_stack_recipe_whatever_its_train_section(tmp_path: Path) -> None:
+    """A stack's init, step split and later blocks' lr are how its blocks train, not what they are: RunDir.init kept
+    the recorded ones when the train section was unchanged (``--step-ratio 2`` was dropped) and took the caller's when
+    it changed. The caller's recipe is the one trained now, either way; the architecture must still agree."""
+    from blocktrain.config import Objective
+    from blocktrain.presets import cpu_small
+
+    cfg = replace(cpu_small(), objective=Objective.STACK)
+    run = RunDir(tmp_path / "run")
+    run.init(cfg)
+    again = replace(cfg, stack=replace(cfg.stack, step_ratio=2.0))
+    assert run.init(again).stack.step_ratio == 2.0
+    assert run.init(again.with_train(steps=cfg.train.steps + 1)).stack.step_ratio == 2.0
+    with pytest.raises(ConfigError, match="another model"):
+        run.init(replace(cfg, model=replace(cfg.model, d_model=cfg.model.d_model * 2)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,10 @@ class RunDir:
                 self._write(existing)
             elif data_dir is not None and self.recorded_data() != self._data:
                 self._write(existing)
-            return existing if existing.train == cfg.train else cfg
+            # the caller's recipe (its train section and the stack's init, step split and later lr, outside the
+            # architecture key); the run's own record for the rest. A changed --step-ratio with the same train section
+            # was dropped for the recorded one
+            return replace(existing, train=cfg.train, stack=cfg.stack)
         self._write(cfg)
         return cfg
 
