@@ -54,3 +54,23 @@ def test_dashboard_shows_blocks_workers_and_ce_curve(tmp_path: Path, corpus: Dat
     assert sorted(rows) == [("0", "1"), ("1", "1"), ("2", "1"), ("3", "1")]  # blocks at version 1, round open
     assert re.search(r'<polyline[^>]*id="ce-line"', dom) and 'data-points="2"' in dom
     assert "4 rounds closed" in dom and "latest CE" in dom
+
+
+def test_the_status_page_s_queries_use_indexes(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """/v1/status reads each of its last 50 rounds' refusals by (block, time), under the coordinator's lock, and is
+    built again after every worker request: a scan of the refusals table, which grows with each refusal, took 1.5 s
+    per page at 300k rows. The counted refusals of a worker and its group refusals are read by worker likewise."""
+    c = make_coordinator(tmp_path / "run", None)
+    try:
+        db = c.store.db
+        queries = {
+            "SELECT reason, COUNT(*) AS n FROM rejections WHERE block=? AND at>=? AND at<=? GROUP BY reason": (0, 0, 1),
+            "SELECT COUNT(*) AS n FROM rejections WHERE worker=? AND reason IN (?,?)": ("w", "gate", "norm"),
+            "SELECT COUNT(DISTINCT uploader) AS n FROM group_refusals WHERE worker=?": ("w",),
+            "SELECT * FROM rounds WHERE state=? ORDER BY closed DESC LIMIT ?": ("closed", 50),
+        }
+        for sql, args in queries.items():
+            plan = " / ".join(str(r[3]) for r in db.q("EXPLAIN QUERY PLAN " + sql, *args))
+            assert "USING" in plan and not re.search(r"\bSCAN\b", plan), (sql, plan)  # a search of the few rows it needs
+    finally:
+        c.close()

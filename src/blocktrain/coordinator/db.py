@@ -42,6 +42,10 @@ CREATE TABLE IF NOT EXISTS seeds(
 CREATE TABLE IF NOT EXISTS rejections(
     id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT, block INTEGER, status INTEGER NOT NULL,
     reason TEXT NOT NULL, message TEXT NOT NULL, at REAL NOT NULL);
+-- the status page reads a round's refusals by (block, time) for each of its last 50 rounds, and every counted refusal
+-- counts the worker's: without these, each was a scan of a table that grows with every refusal, under the lock
+CREATE INDEX IF NOT EXISTS rejections_by_block ON rejections(block, at);
+CREATE INDEX IF NOT EXISTS rejections_by_worker ON rejections(worker, reason);
 CREATE TABLE IF NOT EXISTS evals(
     id INTEGER PRIMARY KEY AUTOINCREMENT, epoch INTEGER NOT NULL, versions TEXT NOT NULL,
     ce REAL NOT NULL, bytes INTEGER NOT NULL, at REAL NOT NULL);
@@ -60,6 +64,8 @@ CREATE TABLE IF NOT EXISTS round_refusals(
 CREATE TABLE IF NOT EXISTS group_refusals(
     id INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL,
     uploader TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS group_refusals_by_worker ON group_refusals(worker, uploader);
+CREATE INDEX IF NOT EXISTS rounds_by_close ON rounds(state, closed);
 """
 
 
