@@ -476,3 +476,24 @@ def test_the_openapi_schema_lists_every_response_model(tmp_path: Path) -> None:
             ok = next(v for code, v in codes.items() if code.startswith("2"))
             ref = ok["content"]["application/json"]["schema"]["$ref"]
             assert ref.rsplit("/", 1)[-1] in components, (path, method, ref)
+
+
+def test_only_the_newest_outer_state_is_kept_and_a_restart_resumes_it(tmp_path: Path) -> None:
+    """Every round stored the block's whole outer state (Nesterov momentum, the step's residual: 8 of the ~13 bytes per
+    parameter a round stores) and kept every one, though only a restart reads it, from the newest version."""
+    c = make_coordinator(tmp_path / "run", None, outer=OuterOptimizer.NESTEROV)
+    c.register("a", 0)
+    for v in range(3):
+        c.submit("a", 0, pack_delta(small_delta(c, seed=v), Compression.BF16, block=0, base_version=v,
+                                    base_sha=c.weights_sha[0], samples=1))
+    assert c.version[0] == 3
+    rows = c.store.q("SELECT version, momentum_blob FROM versions WHERE block=0 ORDER BY version")
+    assert [r["version"] for r in rows if r["momentum_blob"]] == [3]
+    outer_files = [p for p in c.store.blobs.blob_dir.glob("*.safetensors") if b'"outer_state"' in p.read_bytes()[:4096]]
+    assert [p.stem for p in outer_files] == [rows[-1]["momentum_blob"]]
+    before = c.checkpoints.current(0).outer.tensors()
+    c.close()
+    c2 = make_coordinator(tmp_path / "run", None, outer=OuterOptimizer.NESTEROV)
+    after = c2.checkpoints.current(0).outer.tensors()
+    assert before and before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    c2.close()

@@ -2,7 +2,9 @@
 
 A blob is named by the sha256 of its bytes (``<sha256>.safetensors``) and written
 atomically (temp file, fsync, rename), so a name always points at a complete
-file; named blobs are never deleted. An update body is first staged in a temp
+file. Named blobs are kept, but for the outer states (momentum, residual) of versions older than a block's newest,
+which only a restart reads, from the newest: they are deleted once no row names them (:meth:`BlobStore.delete_blob`;
+no update, weights or step blob can share their bytes, which name their kind). An update body is first staged in a temp
 file and named only once it is accepted (:meth:`BlobStore.stage_blob`), so
 refused updates leave nothing behind. The rows that name blobs live in
 :mod:`.store`.
@@ -53,7 +55,7 @@ class BlobStore:
         """Write ``payload`` to a temp file in the blob directory (fsynced); it is named only by :meth:`commit_blob`.
 
         Lets the slow write happen outside the caller's lock, while a blob that is then refused
-        (:meth:`discard_blob`) never appears under a name. Named blobs are never deleted, so a digest
+        (:meth:`discard_blob`) never appears under a name. Named update blobs are never deleted, so a digest
         that is already stored needs no temp file.
         """
         digest = hashlib.sha256(payload).hexdigest()
@@ -88,6 +90,10 @@ class BlobStore:
         if staged.tmp is not None:
             staged.tmp.unlink(missing_ok=True)
             staged.tmp = None
+
+    def delete_blob(self, digest: str) -> None:
+        """Delete a named blob that no row names any more (an old version's outer state)."""
+        self.blob_path(digest).unlink(missing_ok=True)
 
     def blob_path(self, digest: str) -> Path:
         return self.blob_dir / f"{digest}.safetensors"

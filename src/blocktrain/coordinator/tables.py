@@ -182,6 +182,19 @@ class RoundTable:
             (k, v, weights_blob, step_blob, momentum_blob, weights_sha, created, moments_blob),
         )
 
+    def drop_outer_states(self, k: int, v: int) -> set[str]:
+        """Forget the outer states (momentum, residual) of block k's versions before v, which only a restart reads, from
+        the newest version; returns the digests no version names any more (the caller deletes their blobs once this
+        is committed)."""
+        old = {str(r["momentum_blob"]) for r in self.db.q(
+            "SELECT DISTINCT momentum_blob FROM versions WHERE block=? AND version<? AND momentum_blob IS NOT NULL", k, v)}
+        if not old:
+            return set()
+        self.db.execute("UPDATE versions SET momentum_blob=NULL WHERE block=? AND version<?", (k, v))
+        named = {str(r["momentum_blob"]) for r in self.db.q(
+            "SELECT DISTINCT momentum_blob FROM versions WHERE momentum_blob IS NOT NULL")}
+        return old - named
+
     def replace_weights(self, k: int, v: int, weights_blob: str, weights_sha: str) -> None:
         """Replace the weights of version v of block k, which no round has used yet (a warm start at opening)."""
         self.db.execute("UPDATE versions SET weights_blob=?, weights_sha=? WHERE block=? AND version=?", (weights_blob, weights_sha, k, v))
