@@ -495,3 +495,16 @@ def test_a_staggered_pool_spends_every_block_budget_and_overlaps_blocks(corpus: 
     assert any(sum(1 for m in w if m) > 1 for w in pool.workers_per_slot)  # two blocks trained in one slot
     assert pool.opened_at[1] < sum(R[:1]) and pool.slots <= sum(R) + 4
     assert _split(6, [5, 100]) == [3, 3] and _split(6, [1, 100]) == [1, 5] and _split(5, [10, 10]) == [3, 2]
+
+
+def test_a_replica_the_screen_drops_round_after_round_is_quarantined_as_by_the_coordinator(corpus: DataDir) -> None:  # noqa: F811
+    """The coordinator counts a screened update (dropped at its round's close) toward quarantine; the in-process
+    rounds only relabelled it, so a sign flip the gate let through kept pushing, and joining the screen's median,
+    for good, and a study built on them reported it undetected."""
+    s = CoordinatorSettings(gate=False, quarantine_after=2, norm_k=0.0)  # only the agreement screen judges
+    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=4, local_steps=3, steps=15), corpus,
+                           hostile=SignFlip())
+    bad = [u.outcome for u in run.updates if u.replica == 3]
+    assert bad[:2] == ["screened", "screened"] and len(bad) == 2, bad  # quarantined after its second
+    assert 3 in run.quarantined
+    assert all(u.outcome == "accepted" for u in run.updates if u.replica != 3)

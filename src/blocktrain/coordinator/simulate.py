@@ -58,6 +58,7 @@ from blocktrain.device import compile_module, resolve_device, resolve_precision
 from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
+from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import AuditAnswer
@@ -228,8 +229,9 @@ class BlockRun:
         result = next_version(W, [p.delta for _, p in kept], [p.samples for _, p in kept], self.settings, self.state,
                               moments or None, round_lr_scale(self.schedule, offset, h))
         for j, (at, _) in enumerate(kept):
-            if j not in result.kept:  # dropped by the agreement screen at the round's close
+            if j not in result.kept:  # dropped by the agreement screen at the round's close: a counted refusal
                 run.updates[at] = replace(run.updates[at], outcome="screened")
+                self._refused(run.updates[at].replica, Reason.SCREENED, v)
         self._publish(result, v)
 
     def _push(self, i: int, h: int, offset: int, base: Published) -> ParsedUpdate | None:
