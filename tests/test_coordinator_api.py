@@ -497,3 +497,29 @@ def test_only_the_newest_outer_state_is_kept_and_a_restart_resumes_it(tmp_path: 
     after = c2.checkpoints.current(0).outer.tensors()
     assert before and before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
     c2.close()
+
+
+def test_a_round_whose_deadline_passed_while_the_coordinator_was_down_takes_its_workers_retries(tmp_path: Path) -> None:
+    """Round 0 held 1 of its 2 workers' updates when the coordinator went down; it came back past the deadline, and its
+    first tick closed the round with that one: the other worker's retried push, trained for it, was stale (409)."""
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=20)
+    for n in ("a", "b"):
+        c.register(n, 0)
+    c.submit("a", 0, pack_delta(small_delta(c), Compression.BF16, block=0, base_version=0, base_sha=c.weights_sha[0], samples=1))
+    sha = c.weights_sha[0]
+    c.close()
+    clock.advance(90.0)  # down for a minute and a half: the deadline (30 s) passed meanwhile
+    c2 = make_coordinator(tmp_path / "run", None, clock=clock, round_seconds=30, lease_seconds=20)
+    try:
+        c2.tick()
+        assert c2.version[0] == 0  # still open: a lease longer
+        c2.register("b", 0)
+        c2.submit("b", 0, pack_delta(small_delta(c2, seed=5), Compression.BF16, block=0, base_version=0, base_sha=sha,
+                                     samples=1))
+        clock.advance(21.0)
+        c2.tick()
+        assert c2.version[0] == 1
+        assert one_row(c2.store, "SELECT n_updates FROM rounds WHERE block=0 AND version=0")["n_updates"] == 2
+    finally:
+        c2.close()

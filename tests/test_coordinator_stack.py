@@ -394,3 +394,21 @@ def test_cli_stack_run_trains_every_block_in_order(tmp_path: Path, corpus: DataD
     # one round per block; block k reads blocks 0..k-1, each downloaded once: blocks 0, 1 and 2
     assert (s["rounds_pushed"], s["frozen_downloads"], s["block"]) == (4, 3, 3)
     assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["block0", "block1", "block2"]
+
+
+def test_a_failed_checkpoint_copy_leaves_the_committed_block_states_in_memory(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run-directory copy of a block's checkpoint is written after the close is committed; when it failed (a full
+    disk), the states in memory stayed as before: block 0 open though finished in the store, block 1 waiting, until
+    a restart. The states follow the commit, and the failure is logged."""
+    c = stack_coordinator(tmp_path / "run", clock=FakeClock(), rounds=2)
+    try:
+        def full_disk(k: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(c.checkpoints, "save_checkpoint", full_disk)
+        finish_block(c, 0, "seed")
+        assert c.state == {0: BlockState.FINISHED, 1: BlockState.OPEN, 2: BlockState.WAITING, 3: BlockState.WAITING}
+        assert c.version[0] == 2
+    finally:
+        c.close()

@@ -81,6 +81,8 @@ class Rounds:
         s, ck = self.store, self.checkpoints
         if s.meta.get_meta("config") is None:
             s.meta.set_meta("config", self.cfg.to_json())
+        with s.tx():  # a restart: no worker could heartbeat while it was down, so none lapses at the first tick
+            s.workers.extend_leases(now + self.settings.lease_seconds)
         for k in range(self.n_blocks):
             row = s.rounds.latest_version(k)
             if row is None:
@@ -102,6 +104,7 @@ class Rounds:
                                 group_norms, group_rises)
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
+            self._grace(k, v, now)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
                 ck.warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
 
@@ -124,6 +127,18 @@ class Rounds:
                     continue
             tensors, _ = unpack(s.blobs.get_blob(digest), source=f"update {digest[:12]}")
             yield self.intake.sketch(k, decode_delta(split_moments(tensors)[0], compression))  # the delta, not moments
+
+    def _grace(self, k: int, v: int, now: float) -> None:
+        """A round whose deadline passed (or nearly) while the coordinator was down stays open a lease longer (its
+        workers' leases are renewed as long): they could not push meanwhile, and closed at the first tick it
+        refused their retries as stale."""
+        rnd = self.store.rounds.round(k, v)
+        grace = now + min(self.settings.round_seconds, self.settings.lease_seconds)
+        if self.state[k] is BlockState.OPEN and rnd is not None and rnd.state is RoundState.OPEN and rnd.deadline < grace:
+            with self.store.tx():
+                self.store.rounds.extend_round(k, v, grace)
+            log.info("block %d: round %d's deadline passed while the coordinator was down; open %.0f s more for the "
+                     "pushes its workers retry", k, v, grace - now)
 
     def _resumed_state(self, k: int, v: int, now: float) -> BlockState:
         """The stored state of block k; derived from its rounds for a store written before states existed."""
@@ -335,10 +350,16 @@ class Rounds:
                     s.rounds.set_block_state(j, state, now)
             else:
                 s.rounds.open_round(k, v + 1, now, now + seconds)
-        for digest in unnamed:  # after the commit: a crash before it leaves a file no row names, not a row without file
-            s.blobs.delete_blob(digest)
-        ck.publish(k, v + 1, w, payload, result.state)
-        ck.save_checkpoint(k)
+        ck.publish(k, v + 1, w, payload, result.state)  # memory follows what is committed before anything can fail
+        for j, state in changed.items():
+            self.state[j] = state
+        try:  # the files beside the store: a failure here leaves the run as stored, and is retried at the next close
+            for digest in unnamed:  # after the commit: a crash before leaves a file no row names, not a row without file
+                s.blobs.delete_blob(digest)
+            ck.save_checkpoint(k)
+        except OSError as exc:
+            log.error("block %d: version %d is stored, but its checkpoint copy in the run directory (or the deletion "
+                      "of an old outer state) failed: %s", k, v + 1, exc)
         return changed, warm
 
     def _advance(self, k: int, v: int, n_updates: int, screened: list[UpdateRow], changed: dict[int, BlockState],
@@ -350,6 +371,5 @@ class Rounds:
         for r in screened:
             log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r.worker)
             self.conduct.refused(r.worker, Reason.SCREENED, now)
-        for j, state in changed.items():
-            self.state[j] = state
+        for j, state in changed.items():  # (self.state took them as they were committed)
             log.info("block %d is now %s", j, state.value)

@@ -135,6 +135,11 @@ class WorkerTable:
         rows = self.db.q("SELECT name FROM workers WHERE state=? AND lease_until<?", WorkerState.ACTIVE.value, now)
         return [str(r["name"]) for r in rows]
 
+    def extend_leases(self, until: float) -> None:
+        """Active workers' leases run until ``until`` at least (a restart: none could heartbeat while it was down)."""
+        self.db.execute("UPDATE workers SET lease_until=? WHERE state=? AND lease_until<?",
+                        (until, WorkerState.ACTIVE.value, until))
+
     def lapse_worker(self, name: str) -> None:
         self.db.execute("UPDATE workers SET state=? WHERE name=?", (WorkerState.LAPSED.value, name))
 
