@@ -169,3 +169,12 @@ def test_no_eval_with_data_keeps_the_gate_and_the_audits(tmp_path: Path, monkeyp
         c.close()
     cfg, settings, got = coordinator_inputs(_parse(tmp_path, "--preset", "tiny", "--no-eval"))
     assert got is None and settings.eval_every == 0
+
+
+@pytest.mark.parametrize("flag", ["--log-every", "--checkpoint-every", "--test-bytes", "--profile-steps"])
+def test_the_coordinator_takes_no_flag_of_local_training_it_would_ignore(tmp_path: Path, flag: str,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers train; the coordinator parsed these flags of a local run and ignored them."""
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, flag, "5")
+    assert "unrecognized arguments" in capsys.readouterr().err
