@@ -508,3 +508,22 @@ def test_a_replica_the_screen_drops_round_after_round_is_quarantined_as_by_the_c
     assert bad[:2] == ["screened", "screened"] and len(bad) == 2, bad  # quarantined after its second
     assert 3 in run.quarantined
     assert all(u.outcome == "accepted" for u in run.updates if u.replica != 3)
+
+
+def test_a_refresh_of_the_frozen_blocks_refreshes_a_shared_head_too(tmp_path: Path) -> None:
+    """With --head shared block k trains against block 0's head, frozen: a worker takes it again each round, the
+    in-process rounds (the staggered schedule's refresh) kept the one of the version block k opened with."""
+    from blocktrain.config import StackHead
+    from tests.distributed_utils import write_corpus
+
+    base = replace(get_preset("tiny"), objective=Objective.STACK)
+    cfg = replace(base, stack=replace(base.stack, head=StackHead.SHARED), train=replace(base.train, batch_size=2))
+    obj = get_objective(cfg)
+    torch.manual_seed(0)
+    earlier = [obj.build_block(0)]
+    run = BlockRun(cfg, CoordinatorSettings(gate=False), LocalRounds(workers=2, local_steps=2, steps=4),
+                   write_corpus(tmp_path / "data"), k=1, frozen=[obj.freeze(earlier[0], torch.float32)], earlier=earlier)
+    newer = [obj.build_block(0)]  # block 0's next version: another head
+    assert not torch.equal(newer[0].head.weight, earlier[0].head.weight)  # type: ignore[union-attr, arg-type]
+    run.set_frozen([obj.freeze(newer[0], torch.float32)], newer)
+    assert all(torch.equal(r.head.weight, newer[0].head.weight) for r in run.replicas)  # type: ignore[union-attr, arg-type]

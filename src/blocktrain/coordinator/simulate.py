@@ -194,6 +194,9 @@ class BlockRun:
         replicas' frozen copies and whole (``earlier``): the weights the coordinator publishes for them, from which
         its gate and audit replay rebuild them."""
         self.frozen_weights = [(tensors_sha256(w), w) for w in (trainable_state(b) for b in earlier[:len(frozen)])]
+        if self.objective.inherits():  # frozen heads from the blocks before, as a worker takes them each round
+            for r in self.replicas:
+                self.objective.inherit(r, self.k, earlier, at_init=False)
         inputs = [b.to(self.device) for b in frozen]
         if self.tc.compile is not CompileMode.OFF:  # compiled copies: the caller's modules stay as they were
             inputs = [compile_module(copy.deepcopy(b), self.tc.compile) for b in inputs]
