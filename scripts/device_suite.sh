@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device suite (issue 42): one command that answers speed, depth, volunteers, live trust and serving on one GPU.
 #
-#   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H200, <= 8 minutes once started
+#   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H100/H200, DEADLINE_S (480 s)
 #   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py)
 #   SUITE=rehearsal DEVICE=cpu bash scripts/device_suite.sh   # full's jobs, flags and side-by-side launch at tiny
 #                                                             # budgets: run it before a GPU session (about 8 minutes here)
@@ -9,15 +9,25 @@
 # Environment:
 #   SUITE    full | smoke | rehearsal
 #   DEVICE   cuda | cpu (every job's --device)
-#   RESULTS  result folder (default benchmarks/results/device-suite-$SUITE); packed into RESULTS.tar.gz every 15 s
-#            and at the end, so a run cut short still returns what it finished. A second run resumes: a job whose
-#            .done marker exists is skipped, and the depth rows already in depth.jsonl are not trained again.
-#   DATA     byte-level data directory (default ../shared/data/wikitext/wikitext-2-v1-tokens)
+#   RESULTS  result folder (default benchmarks/results/device-suite-$SUITE). A second run resumes: a job whose .done
+#            marker exists is skipped, the depth rows already in depth.jsonl are not trained again, nor the live rows
+#            already in device-live.json (commit or carry the folder, checkpoints aside, to resume on another machine).
+#   ARCHIVE  the folder packed as one .tar.gz (default RESULTS.tar.gz; on a lent machine $OUT/device-suite.tar.gz, so
+#            that it comes back), every 15 s and at the end: a run cut short still returns what it finished. Model
+#            checkpoints (*.safetensors) stay out: they are GBs, and no result needs them.
+#   DEADLINE_S  seconds the jobs may take in all (full: 480; 0: no limit): each job's limit is cut to what is left,
+#            and a job with under 30 s left is skipped (not marked done: the next run does it); the summaries get a
+#            minute more
+#   DATA     byte-level data directory (default ../shared/data/wikitext/wikitext-2-v1-tokens). A lent machine has no
+#            ../shared: copy the folder into the repository (data/ is git-ignored), carry it with the command, and
+#            set DATA=data/wikitext-2-v1-tokens.
 #   PYTHON   interpreter (default python3): its own torch is used; nothing is installed from the network.
-#   WHEELS   optional folder of wheels, installed with pip --no-index before anything runs. Make it on a machine
-#            with the network and the device machine's Python version, for example:
-#              pip download --only-binary=:all: --python-version 3.11 -d wheels numpy safetensors tqdm httpx \
-#                  fastapi uvicorn pydantic opentelemetry-api   # torch is the machine's own: never in the folder
+#   WHEELS   optional folder of wheels, installed with pip --no-index before anything runs: only what the machine
+#            lacks (the serving stack; never torch or numpy, which it has). Make it on a machine with the network,
+#            for the device machine's Python (3.12 on the lent machines):
+#              pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#                  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels \
+#                  fastapi uvicorn httptools pydantic opentelemetry-api
 #
 # Jobs, in priority order (0 and a run alone first: a times the chip; the others run side by side, each under its
 # own time limit, writing its results as it finishes):
@@ -33,7 +43,10 @@
 #   f. serve      spec against the AR pipeline over loopback, with generative CE                   -> device-serve.json
 #   audit         a GPU worker's pushes replayed on the CPU (a coordinator's), as the audit does, its moments
 #                 also derived from earlier rounds: the relative errors the tolerance must cover (item 3) -> device-audit.json
-#   g. speed-paper-compiled  bench speed on the paper preset under torch.compile, alone, last     -> device-speed-paper-compiled.json
+#   summaries  device-depth.json and device-averaging.json from the rows that finished                  (seconds)
+#   g. speed-paper-compiled  bench speed on the paper preset under torch.compile, alone, last; opt-in in full
+#                 (PAPER_COMPILE_MODE=default): it times the eager arms again, as bench speed always does
+#                                                                                    -> device-speed-paper-compiled.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,16 +60,18 @@ export BLOCKTRAIN_DATA="$DATA"
 BT=("$PY" -m blocktrain)
 
 case "$SUITE" in
-  full)  SPEED_PRESETS="paper cpu-small"; DEPTH_PRESET=cpu-small; LRS="1e-3 1.5e-3 2e-3 3e-3 4e-3"; SEEDS="0 1 2"
-         LONG_LRS="1e-3 1.5e-3 2e-3 3e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=2000; AVG_PRESET=cpu-small; AVG_STEPS=2400
-         AVG_H="24 48"; AVG_SEEDS="0,1,2"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
-         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=420; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=default
-         NOISE_REPS=10; OPT_PRESETS="cpu-mini cpu-small paper"; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""; LIVE_DEFAULT=""
+  # full: the lrs middle first (a row cut short loses an edge lr, not the likely best); limits fit DEADLINE_S
+  full)  SPEED_PRESETS="paper cpu-small"; DEPTH_PRESET=cpu-small; LRS="2e-3 3e-3 1.5e-3 4e-3 1e-3"; SEEDS="0 1 2"
+         LONG_LRS="2e-3 3e-3 1.5e-3"; LONG_SEEDS="0 1"; PAPER_STEPS=300; AVG_PRESET=cpu-small; AVG_STEPS=2400
+         AVG_H="24 48"; AVG_SEEDS="0"; AVG_BLOCKS=cold,warm; LIVE_PRESET=cpu-mini; LIVE_STEPS=400; LIVE_H=25; SERVE_PRESET=cpu-small
+         SPEED_STEPS=30; TEST_BYTES=0; LIMIT=240; SPEED_COMPILE="cpu-small:reduce-overhead"; PAPER_COMPILE=""; DEADLINE=480
+         NOISE_REPS=10; OPT_PRESETS="cpu-mini cpu-small paper"; LONG_PRESET=cpu-small-long; PAPER_PRESET=paper; SERVE_DEFAULT=""
+         LIVE_DEFAULT=honest6,sign_flip,scaled_random
          AUDIT_ARGS="--preset cpu-mini --h 25 --blocks 0,1 --precisions bf16,fp32 --derive-rounds 2 --worker-threads 4 --replay-threads 4" ;;
   smoke) SPEED_PRESETS="tiny"; DEPTH_PRESET=tiny; LRS="2e-3"; SEEDS="0"; LONG_LRS=""; LONG_SEEDS=""; PAPER_STEPS=0
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny; LIVE_STEPS=20; LIVE_H=10
          SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=150; SPEED_COMPILE=""; PAPER_COMPILE=""; NOISE_REPS=1; OPT_PRESETS=cpu-mini
-         LONG_PRESET=tiny; PAPER_PRESET=tiny; LIVE_DEFAULT=honest6,sign_flip
+         LONG_PRESET=tiny; PAPER_PRESET=tiny; LIVE_DEFAULT=honest6,sign_flip; DEADLINE=0
          AUDIT_ARGS="--preset tiny --h 3 --blocks 0 --precisions fp32 --derive-rounds 1 --worker-threads 1 --replay-threads 1"
          SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4 --base-port 47300" ;;
   rehearsal)  # full's structure at tiny budgets: every job, compile mode and launch of the full suite, on a CPU
@@ -65,11 +80,16 @@ case "$SUITE" in
          AVG_PRESET=tiny; AVG_STEPS=20; AVG_H="5 10"; AVG_SEEDS="0"; AVG_BLOCKS=cold; LIVE_PRESET=tiny
          LIVE_STEPS=20; LIVE_H=10; SERVE_PRESET=tiny; SPEED_STEPS=20; TEST_BYTES=4096; LIMIT=600
          SPEED_COMPILE="tiny:reduce-overhead"; PAPER_COMPILE=default; NOISE_REPS=1; OPT_PRESETS=cpu-mini; LONG_PRESET=tiny; PAPER_PRESET=tiny
+         DEADLINE=0
          LIVE_DEFAULT=""; SERVE_DEFAULT="--output-bytes 16 --prompt-bytes 16 --prompts 1 --sweeps 1 --long-output-bytes 0 --tf-bytes 512 --hop-delay-ms 0 --draft-max 4"
          AUDIT_ARGS="--preset tiny --h 5 --blocks 0 --precisions bf16,fp32 --derive-rounds 2 --worker-threads 1 --replay-threads 1" ;;
   *) echo "SUITE must be full, smoke or rehearsal, got $SUITE" >&2; exit 2 ;;
 esac
 LIVE_ROWS=${LIVE_ROWS:-$LIVE_DEFAULT}  # the live job's rows (empty: every attack kind)
+PAPER_COMPILE=${PAPER_COMPILE_MODE:-$PAPER_COMPILE}  # job g's compile mode (empty: no job g)
+DEADLINE_S=${DEADLINE_S:-$DEADLINE}
+END=$(( $(date +%s) + DEADLINE_S ))  # (with DEADLINE_S > 0) when every job must have ended
+ARCHIVE=${ARCHIVE:-$RESULTS.tar.gz}
 SERVE_FLAGS=${SERVE_FLAGS:-$SERVE_DEFAULT}  # bench serve's flags beyond the runs and the device
 AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
 # The volunteers' default (issue 43's winner), as the study's flags: the rows measure what the coordinator runs
@@ -77,6 +97,10 @@ AVG_FLAGS="--aggregation median --inner-start shared_mv --mean-v --moment-codec 
 
 mkdir -p "$RESULTS"
 log() { echo "[device-suite $(date +%T)] $*" >&2; }
+if [ ! -d "$DATA" ]; then
+  log "no data directory at $DATA: copy the byte-level WikiText-2 folder into the repository (data/ is git-ignored), carry it, and set DATA"
+  exit 2
+fi
 
 if [ -n "${WHEELS:-}" ]; then
   log "installing the wheels in $WHEELS (no network)"
@@ -84,18 +108,31 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 "$PY" -c "import torch, blocktrain; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" \
   > "$RESULTS/machine.txt" 2>&1 || { cat "$RESULTS/machine.txt" >&2; exit 2; }
+"$PY" -c "import fastapi, uvicorn, pydantic, httptools" >> "$RESULTS/machine.txt" 2>&1 \
+  || log "the serving stack does not import (see machine.txt): the live and serve jobs will fail; give WHEELS"
 
-pack() {  # the whole result folder as one archive, replaced atomically
-  tar -czf "$RESULTS.tar.gz.part" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" 2>/dev/null \
-    && mv -f "$RESULTS.tar.gz.part" "$RESULTS.tar.gz"
+pack() {  # the result folder but its checkpoints as one archive, replaced atomically; tar's exit 1 is "a file changed
+  # as it was read" (the jobs write all the time): the archive is still whole, so it replaces the last one
+  local part="$ARCHIVE.$BASHPID.part"
+  tar --exclude='*.safetensors' --exclude='*.part' --warning=no-file-changed -czf "$part" -C "$(dirname "$RESULTS")" \
+    "$(basename "$RESULTS")" 2>/dev/null
+  if [ $? -le 1 ]; then mv -f "$part" "$ARCHIVE"; else rm -f "$part"; fi
 }
 ( while sleep 15; do pack; done ) &
 PACKER=$!
 trap 'kill $PACKER 2>/dev/null; pack' EXIT
 
-job() {  # job NAME SECONDS CMD...: run once under its own limit; .done marks a finished job, .rc its exit status
+left() {  # seconds until the deadline (a large number without one)
+  if [ "$DEADLINE_S" -gt 0 ]; then echo $(( END - $(date +%s) )); else echo 1000000; fi
+}
+
+job() {  # job NAME SECONDS CMD...: run once under its own limit, cut to the deadline; .done marks a finished job, .rc
+  # its exit status
   local name=$1 limit=$2; shift 2
   if [ -f "$RESULTS/$name.done" ]; then log "$name: done already, skipped"; return 0; fi
+  local rest; rest=$(left)
+  if [ "$rest" -lt 30 ]; then log "$name: skipped, ${rest}s left before the deadline (the next run does it)"; return 0; fi
+  if [ "$rest" -lt "$limit" ]; then limit=$rest; fi
   log "$name: start (limit ${limit}s)"
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
@@ -123,15 +160,28 @@ for p in $SPEED_PRESETS; do
 done
 
 # b. depth: one bench per (preset, lr, seed), each a row of depth.jsonl (rows already there are skipped); then the summary
-depth_rows() {
-  # shellcheck disable=SC2086  # the lr and seed lists split into words
+depth_rows() {  # one preset's rows for one seed (appending whole lines to depth.jsonl: safe side by side)
+  # shellcheck disable=SC2086  # the lr list splits into words
   "$PY" benchmarks/quality/device_depth.py rows --preset "$1" --lrs $2 --seeds $3 --device "$DEVICE" --data "$DATA" \
     --max-eval-bytes "$TEST_BYTES" --runs "$RESULTS/runs" --jsonl "$RESULTS/depth.jsonl" --timeout "$LIMIT"
 }  # its log is the job's, depth.log; each bench's own is runs/depth-KEY.log
-depth() {
-  depth_rows "$DEPTH_PRESET" "$LRS" "$SEEDS"
-  if [ -n "$LONG_LRS" ]; then depth_rows "$LONG_PRESET" "$LONG_LRS" "$LONG_SEEDS"; fi
-  "$PY" benchmarks/quality/device_depth.py summary --jsonl "$RESULTS/depth.jsonl" --json "$RESULTS/device-depth.json"
+depth() {  # a process per seed, side by side; the long preset's after (the summary is job "summaries")
+  local pids=() s
+  for s in $SEEDS; do depth_rows "$DEPTH_PRESET" "$LRS" "$s" & pids+=($!); done
+  wait "${pids[@]}"
+  if [ -n "$LONG_LRS" ]; then
+    pids=(); for s in $LONG_SEEDS; do depth_rows "$LONG_PRESET" "$LONG_LRS" "$s" & pids+=($!); done
+    wait "${pids[@]}"
+  fi
+}
+summaries() {  # what the rows that finished say, whatever the jobs' fate
+  if [ -s "$RESULTS/depth.jsonl" ]; then
+    "$PY" benchmarks/quality/device_depth.py summary --jsonl "$RESULTS/depth.jsonl" --json "$RESULTS/device-depth.json"
+  fi
+  if [ -s "$RESULTS/averaging.jsonl" ]; then
+    "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --table-only \
+      --jsonl "$RESULTS/averaging.jsonl" --json "$RESULTS/device-averaging.json"
+  fi
 }
 
 paper() {
@@ -149,15 +199,13 @@ averaging() {
   done
   # shellcheck disable=SC2086
   "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --stack --rounds "$AVG_ROUNDS" --workers 6 \
-    $AVG_FLAGS --seeds 0 --device "$DEVICE" --data "$DATA" --no-progress --jsonl "$RESULTS/averaging.jsonl" || return 1
-  "$PY" benchmarks/distributed/averaging_scaling.py --preset "$AVG_PRESET" --steps "$AVG_STEPS" --table-only \
-    --jsonl "$RESULTS/averaging.jsonl" --json "$RESULTS/device-averaging.json"
-}
+    $AVG_FLAGS --seeds 0 --device "$DEVICE" --data "$DATA" --no-progress --jsonl "$RESULTS/averaging.jsonl"
+}  # its table is job "summaries"
 
 live() {
   "$PY" benchmarks/distributed/hostile_http.py --preset "$LIVE_PRESET" --steps "$LIVE_STEPS" --h "$LIVE_H" \
     --device "$DEVICE" --data "$DATA" --work "$RESULTS/runs/live" --out "$RESULTS/device-live.json" \
-    --timeout-s "$LIMIT" ${LIVE_ROWS:+--rows "$LIVE_ROWS"}
+    --timeout-s "$LIMIT" --skip-done ${LIVE_ROWS:+--rows "$LIVE_ROWS"}
 }
 
 audit() {  # the worker on the device, its replays on the CPU (and on the device), in both arithmetics
@@ -184,6 +232,8 @@ if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve"
   job audit "$LIMIT" bash -c "$(declare -f audit); $(declare -p RESULTS AUDIT_ARGS DEVICE DATA PY); audit"
+  rm -f "$RESULTS/summaries.done"  # the summaries follow the rows: made again by every run
+  job summaries 60 bash -c "$(declare -f summaries); $(declare -p RESULTS AVG_PRESET AVG_STEPS PY); summaries"
 else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
   pids=()
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
@@ -199,7 +249,11 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
   job audit "$LIMIT" bash -c "$(declare -f audit); $(declare -p RESULTS AUDIT_ARGS DEVICE DATA PY); audit" &
   pids+=($!)
   wait "${pids[@]}"  # these jobs only: a bare wait would wait for the packer, which never ends
-  # g. the paper preset compiled, alone again: the last priority (its eager rows are job a's)
+  rm -f "$RESULTS/summaries.done"  # the summaries follow the rows: made again by every run
+  END=$(( END + 60 ))  # the summaries' minute is kept past the jobs' deadline
+  job summaries 60 bash -c "$(declare -f summaries); $(declare -p RESULTS AVG_PRESET AVG_STEPS PY); summaries"
+  END=$(( END - 60 ))
+  # g. the paper preset compiled, alone again: the last priority, opt-in (it times the eager arms again)
   if [ -n "$PAPER_COMPILE" ]; then
     job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset "$PAPER_PRESET" --steps "$SPEED_STEPS" --device "$DEVICE" \
       --data "$DATA" --profile --compile "$PAPER_COMPILE" --out "$RESULTS/runs/speed-paper-compiled" \

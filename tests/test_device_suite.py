@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.timeout(420)]
 
 
-def _suite(results: Path, data: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+def _suite(results: Path, data: Path, **extra: str) -> tuple[subprocess.CompletedProcess[str], float]:
     env = {**os.environ, "SUITE": "smoke", "DEVICE": "cpu", "RESULTS": str(results), "DATA": str(data),
-           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
     t0 = time.perf_counter()
     done = subprocess.run(["bash", str(ROOT / "scripts" / "device_suite.sh")], env=env, capture_output=True, text=True,
                           timeout=400)
@@ -36,7 +36,7 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     rcs = {p.stem: p.read_text().split()[0] for p in results.glob("*.rc")}
     jobs = ("checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "averaging", "live", "serve", "audit")
-    assert rcs == dict.fromkeys(jobs, "0"), (rcs, done.stderr[-3000:])
+    assert rcs == dict.fromkeys((*jobs, "summaries"), "0"), (rcs, done.stderr[-3000:])
     checks = json.loads((results / "device-checks.json").read_text())
     assert checks["ok"] and checks["noise_hashes_equal"] and checks["device"] == "cpu"
     assert checks["optimizer_max_abs_diff"] == 0.0  # the CPU against itself
@@ -63,13 +63,27 @@ def test_the_smoke_suite_runs_every_job_packs_and_resumes(tmp_path: Path) -> Non
     assert {"honest", "honest, derived from 1 rounds"} <= cases, cases
     live = json.loads((results / "device-live.json").read_text())
     assert {r["row"] for r in live["http"]["rows"]} == {"honest6", "sign_flip"}
-    with tarfile.open(f"{results}.tar.gz") as tar:  # the archive holds what the folder holds
+    with tarfile.open(f"{results}.tar.gz") as tar:  # the archive holds what the folder holds, but the checkpoints
         names = set(tar.getnames())
     assert f"{results.name}/device-depth.json" in names and f"{results.name}/device-live.json" in names
+    assert any(results.glob("runs/**/*.safetensors")) and not any(n.endswith(".safetensors") for n in names)
     again, wall_again = _suite(results, data)
     assert json.loads((results / "device-serve.json").read_text())
     assert again.returncode == 0 and again.stderr.count("done already, skipped") == len(jobs), again.stderr[-2000:]
+    assert "summaries: start" in again.stderr  # made again from the rows, every run
     assert wall_again < wall / 3
+
+
+def test_a_job_past_the_deadline_is_skipped_not_marked_done(tmp_path: Path) -> None:
+    """DEADLINE_S bounds the whole suite (a lent GPU gives ten minutes a command): a job with under 30 s left is
+    skipped, and not marked done, so the next run does it; the archive goes to ARCHIVE."""
+    data = write_corpus(tmp_path / "data").root
+    results, archive = tmp_path / "device-suite", tmp_path / "out" / "suite.tar.gz"
+    archive.parent.mkdir()
+    done, _ = _suite(results, data, DEADLINE_S="20", ARCHIVE=str(archive))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("before the deadline (the next run does it)") >= 8, done.stderr[-3000:]
+    assert not list(results.glob("*.done")) and archive.is_file()
 
 
 def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

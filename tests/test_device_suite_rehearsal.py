@@ -16,7 +16,7 @@ from tests.distributed_utils import write_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {"checks", "noise-speed", "optimizer-speed", "speed-tiny", "depth", "paper", "averaging", "live", "serve",
-        "speed-paper-compiled", "audit"}
+        "speed-paper-compiled", "audit", "summaries"}
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -149,6 +150,7 @@ def _plan(row: str, colluders: int) -> tuple[int, int, str | None]:
 def run_row(row: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     n_honest, n_bad, attack = _plan(row, args.colluders)
     run = root / row
+    shutil.rmtree(run, ignore_errors=True)  # a fresh run: a row cut short before left a store a coordinator would resume
     store = Store(run)
     names = [f"h{i}" for i in range(n_honest)] + [f"x{i}" for i in range(n_bad)]
     tokens = {n: store.tokens.add_token(n, time.time()) for n in names}
@@ -207,9 +209,9 @@ def run_row(row: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "quarantined": status["quarantined"], "rate_limited": status["rate_limited"],
         "honest_refused": honest_refused,  # honest updates refused for what they are or do (must stay empty)
         "intake_ms_per_update": status["intake"]["ms_per_update"],
-        "command": f"flock /tmp/blocktrain-cpu.lock .venv/bin/python benchmarks/distributed/hostile_http.py --rows {row} "
-                   f"--preset {args.preset} --steps {args.steps} --h {args.h} --colluders {args.colluders} "
-                   f"--eval-bytes {args.eval_bytes}",
+        "command": f"python benchmarks/distributed/hostile_http.py --rows {row} --preset {args.preset} --steps {args.steps} "
+                   f"--h {args.h} --colluders {args.colluders} --eval-bytes {args.eval_bytes} --device {args.device} "
+                   f"--data {args.data_given}",
     }
 
 
@@ -264,7 +266,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("runs/hostile-http"))
     ap.add_argument("--device", default="cpu", help="the workers' --device (the coordinator's replays stay on the CPU)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hostile-peers.json"))
+    ap.add_argument("--skip-done", action="store_true", help="skip the rows --out holds already (a run that resumes)")
     args = ap.parse_args()
+    args.data_given = args.data  # as written, for the recorded command
     args.data = resolve_data_dir(args.data).root
     rows = list(ROWS) if args.rows == "all" else [r.strip() for r in args.rows.split(",")]
     unknown = set(rows) - set(ROWS)
@@ -274,6 +278,9 @@ def main() -> int:
     if "http" not in doc:
         doc["http"] = {"what": __doc__.split("\n\n")[0], "rows": []}
     for row in rows:
+        if args.skip_done and any(r["row"] == row for r in doc["http"]["rows"]):
+            print(f"== {row}: in {args.out} already, skipped", flush=True)
+            continue
         print(f"== {row}", flush=True)
         result = run_row(row, args, args.work)
         print(json.dumps({k: result[k] for k in ("row", "ce_nats_per_byte", "quarantined", "honest_refused",

@@ -63,15 +63,25 @@ def append_row(jsonl: Path, row: dict[str, Any]) -> None:
 
 def run_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
     """Run one bench in its own process group, its output appended to ``log_path``; None if it exited 0, else why
-    not. At ``timeout`` the whole group is killed (compile workers included), as ``timeout`` did in the suite."""
+    not. At ``timeout`` the whole group is killed (compile workers included), as ``timeout`` did in the suite; so it
+    is when this process is told to end (the suite's ``timeout`` signals its own group, which the bench left: it
+    trained on, unlimited, beside the next jobs)."""
     with log_path.open("a") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def end(signum: int, frame: object) -> None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, end)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return f"cut at {timeout:g} s"
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     if rc == 0:
         return None
     return f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
