@@ -342,3 +342,30 @@ def test_drafts_sweeps_and_generation_read_nothing_back_per_byte(monkeypatch: py
     assert all(two == six for two, six in reads.values()), reads
     assert reads["stack spec"][0] == reads["stack windowed spec"][0] == [], reads
     assert reads["generate"][0] == ["tolist"], reads
+
+
+def test_a_logged_rate_counts_the_steps_the_device_has_done() -> None:
+    """bench speed times a run by the bytes/s of its metrics lines; the rate was read before the line's loss, whose
+    read is the wait for the device: on a GPU it counted the steps queued, up to an interval's work too fast."""
+    from blocktrain.train.loop import MetricsHook, ProgressHook, StepRecord
+
+    order: list[str] = []
+
+    class Read(StepRecord):
+        @property
+        def loss(self) -> float:
+            order.append("loss")
+            return 0.0
+
+    class Rate(ProgressHook):
+        def rate(self) -> float:
+            order.append("rate")
+            return 1.0
+
+    class Lines:
+        def write(self, **record: object) -> None:
+            order.append("line")
+
+    hook = MetricsHook(Lines(), every=1, progress=Rate(None, bytes_per_step=4))  # type: ignore[arg-type]
+    hook.after(Read(1, torch.zeros(()), 1e-3, torch.zeros(()), 0.0))
+    assert order == ["loss", "rate", "line"]

@@ -191,8 +191,9 @@ class MetricsHook(Hook):
 
     def after(self, rec: StepRecord) -> None:
         if rec.done % self.every == 0 or rec.done == self.last:
+            loss = rec.loss  # first: reading it waits for the device, so the rate counts the steps done, not queued
             rate = {"bytes_per_s": self.progress.rate()} if self.progress and self.progress.bytes_per_step else {}
-            self.writer.write(step=rec.done, loss=rec.loss, lr=rec.lr, grad_norm=rec.grad_norm, **rate,
+            self.writer.write(step=rec.done, loss=loss, lr=rec.lr, grad_norm=rec.grad_norm, **rate,
                               step_s=rec.seconds, **rec.metrics)
 
 
