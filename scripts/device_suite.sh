@@ -120,7 +120,8 @@ pack() {  # the result folder but its checkpoints as one archive, replaced atomi
 }
 ( while sleep 15; do pack; done ) &
 PACKER=$!
-trap 'kill $PACKER 2>/dev/null; pack' EXIT
+# a tar the packer had begun goes on alone after the kill: its part file is removed (it writes on, unlinked)
+trap 'kill $PACKER 2>/dev/null; pack; rm -f "$ARCHIVE".*.part' EXIT
 
 left() {  # seconds until the deadline (a large number without one)
   if [ "$DEADLINE_S" -gt 0 ]; then echo $(( END - $(date +%s) )); else echo 1000000; fi
@@ -165,14 +166,16 @@ depth_rows() {  # one preset's rows for one seed (appending whole lines to depth
   "$PY" benchmarks/quality/device_depth.py rows --preset "$1" --lrs $2 --seeds $3 --device "$DEVICE" --data "$DATA" \
     --max-eval-bytes "$TEST_BYTES" --runs "$RESULTS/runs" --jsonl "$RESULTS/depth.jsonl" --timeout "$LIMIT"
 }  # its log is the job's, depth.log; each bench's own is runs/depth-KEY.log
-depth() {  # a process per seed, side by side; the long preset's after (the summary is job "summaries")
-  local pids=() s
+depth() {  # a process per seed, side by side; the long preset's after (the summary is job "summaries"); fails if any
+  # seed's rows did (a job marked done is not run again)
+  local pids=() s p rc=0
   for s in $SEEDS; do depth_rows "$DEPTH_PRESET" "$LRS" "$s" & pids+=($!); done
-  wait "${pids[@]}"
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
   if [ -n "$LONG_LRS" ]; then
     pids=(); for s in $LONG_SEEDS; do depth_rows "$LONG_PRESET" "$LONG_LRS" "$s" & pids+=($!); done
-    wait "${pids[@]}"
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
   fi
+  return $rc
 }
 summaries() {  # what the rows that finished say, whatever the jobs' fate
   if [ -s "$RESULTS/depth.jsonl" ]; then
@@ -260,5 +263,5 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
       --json "$RESULTS/device-speed-paper-compiled.json"
   fi
 fi
-log "finished; results in $RESULTS (and $RESULTS.tar.gz)"
+log "finished; results in $RESULTS (and $ARCHIVE)"
 for f in "$RESULTS"/*.rc; do echo "$(basename "$f" .rc) $(cat "$f")"; done

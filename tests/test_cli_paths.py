@@ -132,7 +132,6 @@ def test_bench_quality_e2e_once_at_matched_flops(tmp_path: Path) -> None:
     assert again["resumed"] and "Resumed" in (tmp_path / "again.md").read_text()
     assert again["e2e"]["ce_nats_per_byte"] == q["e2e"]["ce_nats_per_byte"]
     assert again["objectives"]["stack"]["ce_nats_per_byte"] == q["objectives"]["stack"]["ce_nats_per_byte"]
-    # an arm already finished reports the timings and memory recorded when it trained (they were NaN: no step ran)
     # an arm already finished reports the timings recorded when it trained (they were NaN: no step ran)
     assert again["e2e"]["seconds_per_step"] == q["e2e"]["seconds_per_step"] and math.isfinite(again["e2e"]["mfu"])
     # another seed (or any other training option) on that directory is not a resume of it: refused, nothing trained

@@ -20,7 +20,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
+from blocktrain.checkpoint.run import RunDir
+from blocktrain.checkpoint.safetensors_io import load_file, pack, tensors_sha256, unpack
 from blocktrain.config import Objective, Precision, Schedule
 from blocktrain.coordinator.app import create_app
 from blocktrain.coordinator.evaluation import Evaluator
@@ -410,5 +411,12 @@ def test_a_failed_checkpoint_copy_leaves_the_committed_block_states_in_memory(tm
         finish_block(c, 0, "seed")
         assert c.state == {0: BlockState.FINISHED, 1: BlockState.OPEN, 2: BlockState.WAITING, 3: BlockState.WAITING}
         assert c.version[0] == 2
+        monkeypatch.undo()  # room again: block 0's copy is written at the next close, whichever block's
+        assert load_file(RunDir(tmp_path / "run").block_path(0))[1]["step"] == "0"
+        c.add_token("w1")
+        c.register("w1", 1)
+        c.submit("w1", 1, pack_delta(delta_for(c, 1), Compression.BF16, block=1, base_version=0,
+                                     base_sha=c.weights_sha[1], samples=4))
+        assert c.version[1] == 1 and load_file(RunDir(tmp_path / "run").block_path(0))[1]["step"] == "2"
     finally:
         c.close()

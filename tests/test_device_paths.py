@@ -322,7 +322,7 @@ def _reads(monkeypatch: pytest.MonkeyPatch, run: Callable[[int], object], n: int
 def test_drafts_sweeps_and_generation_read_nothing_back_per_byte(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each drawn byte stays on the device and feeds the next step there: a spec frame's draft (cached and windowed,
     on a stack and on diffusion), a diffusion sweep and local generate read as many values back for 6 bytes as for
-    2 (the stack's spans none at all; generate its text once, at the end). Before, every byte was a read."""
+    2 (the stack's spans none at all; generate, at the end, whether all was finite and its text). Before, every byte was a read."""
     cfg, dcfg = _cfg(Objective.STACK), _cfg(Objective.DIFFUSION)
     span = build_span(cfg, dict(enumerate(_blocks(cfg))), device=CPU)
     dspan = build_span(dcfg, dict(enumerate(_blocks(dcfg))), device=CPU)
@@ -341,7 +341,7 @@ def test_drafts_sweeps_and_generation_read_nothing_back_per_byte(monkeypatch: py
     reads = {name: [_reads(monkeypatch, run, n) for n in (2, 6)] for name, run in paths.items()}
     assert all(two == six for two, six in reads.values()), reads
     assert reads["stack spec"][0] == reads["stack windowed spec"][0] == [], reads
-    assert reads["generate"][0] == ["tolist"], reads
+    assert reads["generate"][0] == ["__bool__", "tolist"], reads  # all finite?, then the text
 
 
 def test_a_logged_rate_counts_the_steps_the_device_has_done() -> None:

@@ -398,3 +398,20 @@ def test_a_run_takes_the_callers_stack_recipe_whatever_its_train_section(tmp_pat
     assert run.init(again.with_train(steps=cfg.train.steps + 1)).stack.step_ratio == 2.0
     with pytest.raises(ConfigError, match="another model"):
         run.init(replace(cfg, model=replace(cfg.model, d_model=cfg.model.d_model * 2)))
+
+
+def test_generate_refuses_log_probs_that_are_not_finite() -> None:
+    """torch.multinomial refused NaN probabilities; the sampler that reads nothing back draws byte 0 from them. A
+    diverged model's text is refused once, after the last byte (one read, not one per byte)."""
+    from blocktrain.errors import RunError
+
+    class Diverged:
+        context, device = 16, torch.device("cpu")
+
+        def log_probs(self, x: torch.Tensor, chains: int = 1, seed: int = 0) -> torch.Tensor:
+            out = torch.log_softmax(torch.zeros(1, 1, x.shape[1], 256), -1)
+            return out if x.shape[1] < 6 else torch.full_like(out, float("nan"))  # NaN from the third byte on
+
+    with pytest.raises(RunError, match="not finite"):
+        generate(Diverged(), b"The ", 4, seed=0)  # type: ignore[arg-type]
+    assert len(generate(Diverged(), b"The ", 2, seed=0)) == 2  # type: ignore[arg-type]

@@ -178,6 +178,8 @@ def test_a_new_registration_drops_the_grouped_round_of_the_block_held_before(tmp
         w = Worker(WorkerOptions(url="http://coordinator", token="t", block=0, progress=False), corpus)
         w._setup(c.register("w", 0))
         w._unsent = (0, {}, 8)
+        w._setup(c.register("w", 0))  # registered again on the same block (a lapsed lease): its round may still count
+        assert w._unsent == (0, {}, 8)
         w._setup(c.register("w", 1))
         assert w.k == 1 and w._unsent is None
     finally:

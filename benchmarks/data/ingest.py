@@ -130,7 +130,8 @@ def _one(preset: str, run: Path, updates: int, compression: Compression, n_clien
     store.close()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # no BLOCKTRAIN_DATA: with data the coordinator gates and audits every push (the intake alone is timed here)
+    env = {**{k: v for k, v in os.environ.items() if k != "BLOCKTRAIN_DATA"}, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "blocktrain", "coordinator", "--run-dir", str(run), "--preset", preset,
          "--objective", "diffusion", "--port",  # the updates below are diffusion blocks

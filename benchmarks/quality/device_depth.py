@@ -15,6 +15,7 @@ arms at their best lr:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -70,7 +71,8 @@ def run_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | No
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
         def end(signum: int, frame: object) -> None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended as the signal came
+                os.killpg(proc.pid, signal.SIGKILL)
             raise SystemExit(128 + signum)
 
         previous = signal.signal(signal.SIGTERM, end)

@@ -193,8 +193,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     # One flag per CoordinatorSettings field (--round-seconds, --no-fsync, ...): a new setting needs no edit here.
     SETTINGS_FLAGS.add(s)
     s.add_argument("--no-eval", action="store_true",
-                   help="no evaluation of the assembled model (--eval-every 0); without --data, also no loss gate and "
-                        "no audits, which need the run's data")
+                   help="no evaluation of the assembled model (--eval-every 0); without --data (or $BLOCKTRAIN_DATA), "
+                        "also no loss gate and no audits, which need the run's data")
     s.add_argument("--threads", type=int, default=None, help="torch threads")
     s.add_argument("--tls-cert", default=None, help="TLS certificate (PEM)")
     s.add_argument("--tls-key", default=None, help="TLS private key (PEM)")

@@ -74,6 +74,7 @@ class Rounds:
         self.objective = get_objective(cfg)
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
+        self._copies_due: set[int] = set()  # blocks whose run-directory checkpoint copy failed (a full disk): due again
 
     # --- start-up -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -98,6 +99,7 @@ class Rounds:
                 ck.save_checkpoint(k)
                 continue
             v = ck.resume(k, row)
+            self._copy(k, v)  # a crash, or a full disk, between a close's commit and its copy left the copy behind
             norms, rises = self._histories(k, grouped=False)
             group_norms, group_rises = self._histories(k, grouped=True)
             self.intake.restore(k, norms, self._sketches(k), rises,  # the replay check knows every accepted delta again
@@ -353,14 +355,26 @@ class Rounds:
         ck.publish(k, v + 1, w, payload, result.state)  # memory follows what is committed before anything can fail
         for j, state in changed.items():
             self.state[j] = state
-        try:  # the files beside the store: a failure here leaves the run as stored, and is retried at the next close
-            for digest in unnamed:  # after the commit: a crash before leaves a file no row names, not a row without file
+        try:  # after the commit: a crash before leaves a file no row names, not a row without its file
+            for digest in unnamed:
                 s.blobs.delete_blob(digest)
-            ck.save_checkpoint(k)
         except OSError as exc:
-            log.error("block %d: version %d is stored, but its checkpoint copy in the run directory (or the deletion "
-                      "of an old outer state) failed: %s", k, v + 1, exc)
+            log.warning("block %d: an old outer state's blob could not be deleted (%s); it stays, unused", k, exc)
+        for j in sorted(self._copies_due | {k}):  # this block's copy, and any a full disk held back before
+            self._copy(j, ck.current(j).version)
         return changed, warm
+
+    def _copy(self, k: int, v: int) -> None:
+        """Mirror block k's current version (v) into the run directory (``blocktrain eval RUN``): the files beside the
+        store. A failure (a full disk) leaves the run as stored, and the copy is tried again at the next close of any
+        block and at a restart."""
+        try:
+            self.checkpoints.save_checkpoint(k)
+            self._copies_due.discard(k)
+        except OSError as exc:
+            self._copies_due.add(k)
+            log.error("block %d: version %d is stored, but its checkpoint copy in the run directory failed (%s); it is "
+                      "tried again at the next close and at a restart", k, v, exc)
 
     def _advance(self, k: int, v: int, n_updates: int, screened: list[UpdateRow], changed: dict[int, BlockState],
                  warm: int | None, reason: CloseReason, now: float) -> None:
