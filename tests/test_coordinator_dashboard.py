@@ -74,3 +74,13 @@ def test_the_status_page_s_queries_use_indexes(tmp_path: Path, corpus: DataDir) 
             assert "USING" in plan and not re.search(r"\bSCAN\b", plan), (sql, plan)  # a search of the few rows it needs
     finally:
         c.close()
+
+
+def test_the_status_cost_benchmark_times_both_stores() -> None:
+    """benchmarks/data/status_cost.py at a small size: a row with the indexes and one without, every build timed."""
+    from benchmarks.data.status_cost import measure
+
+    r = measure(refusals=2000, rounds=50, reps=2)
+    assert set(r["rows"]) == {"indexed", "no_indexes"}
+    assert all(len(row["ms"]) == 2 and row["median_ms"] > 0 for row in r["rows"].values())
+    assert r["command"].startswith("python benchmarks/data/status_cost.py")
