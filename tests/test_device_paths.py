@@ -369,3 +369,17 @@ def test_a_logged_rate_counts_the_steps_the_device_has_done() -> None:
     hook = MetricsHook(Lines(), every=1, progress=Rate(None, bytes_per_step=4))  # type: ignore[arg-type]
     hook.after(Read(1, torch.zeros(()), 1e-3, torch.zeros(()), 0.0))
     assert order == ["loss", "rate", "line"]
+
+
+def test_a_diffusion_sweep_from_logits_that_are_not_finite_is_an_error() -> None:
+    """The sampler draws byte 0 from NaN (multinomial refused it): a sweep whose last block's logits are not finite
+    answers an ERROR frame, not bytes, with one read at its last stage."""
+    from blocktrain.serve.wire.frames import ErrorCode
+
+    cfg = _cfg(Objective.DIFFUSION)
+    blocks = _blocks(cfg)
+    with torch.no_grad():
+        blocks[-1].head.weight.fill_(float("nan"))  # type: ignore[union-attr, operator]
+    span = build_span(cfg, dict(enumerate(blocks)), device=CPU)
+    out = span.run([_submit(Mode.SWEEP, b"hello", n_new=3, prompt_len=5, sweeps=1, temperature=0.8, seed=1)])[0]
+    assert out.kind is FrameKind.ERROR and out.code is ErrorCode.INTERNAL and "not finite" in (out.error or "")

@@ -26,7 +26,7 @@ from blocktrain.sampling import sample_rows
 from blocktrain.seeds import Seed
 from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheOptions
-from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, frame_number, frame_param
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, frame_number, frame_param
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
 
 log = logging.getLogger(__name__)
@@ -253,6 +253,10 @@ class BlockSpan:
             return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, params, {"logits": logits.float()})
         if f.mode is Mode.AR:
             return Frame(FrameKind.RESULT, f.request_id, f.mode, 0, params, {"logits": logits[:, -1].float()})
+        if not bool(torch.isfinite(logits).all()):  # a NaN estimate drew byte 0 (the sampler reads nothing back): one
+            # read per traversal, at its last stage, where the bytes go to the host anyway
+            return f.reply_error(ErrorCode.INTERNAL, "the model's logits are not finite (a diverged or damaged "
+                                 "checkpoint?): no sweep from it")
         s = int(params.get("sweep_index", 0))
         if s + 1 < int(params.get("sweeps", 1)):
             params["sweep_index"] = s + 1  # another sweep: fresh noise, the estimate as context
