@@ -397,6 +397,29 @@ def test_cli_stack_run_trains_every_block_in_order(tmp_path: Path, corpus: DataD
     assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["block0", "block1", "block2"]
 
 
+def test_a_failed_copy_of_a_warm_started_block_does_not_escape_the_close(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack that copies block k-1 into block k warm-starts block k as block k-1 finishes, and wrote its copy there
+    itself: on a full disk the OSError came out of the close (after its commit), past the screened workers' refusals.
+    Its copy is tried again like any other."""
+    from blocktrain.config import StackInit
+
+    cfg = replace(STACK, stack=replace(STACK.stack, init=StackInit.COPY))
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(fsync=False, rounds=2, **HANDMADE), None,
+                    clock=FakeClock())
+    try:
+        assert c.rounds.objective.inherits()
+
+        def full_disk(k: int) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(c.checkpoints, "save_checkpoint", full_disk)
+        finish_block(c, 0, "seed")  # its last close warm-starts block 1: no raise
+        assert c.state[1] is BlockState.OPEN and {0, 1} <= c.rounds._copies_due
+    finally:
+        c.close()
+
+
 def test_a_failed_checkpoint_copy_leaves_the_committed_block_states_in_memory(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The run-directory copy of a block's checkpoint is written after the close is committed; when it failed (a full

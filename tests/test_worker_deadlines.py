@@ -171,17 +171,19 @@ def test_an_answer_garbled_on_the_way_is_asked_again_and_backoff_stays_finite() 
 
 def test_a_new_registration_drops_the_grouped_round_of_the_block_held_before(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """A grouped round's delta waiting for its group's mean (``_unsent``) outlived a registration on another block:
-    at the same version it was pushed there, block k1's delta against block k2's weights."""
+    at the same version it was pushed there, block k1's delta against block k2's weights. On the same block its
+    inner state is reset by the registration, so its push would commit to an empty state and fail its audit."""
     c = make_coordinator(tmp_path / "run", corpus, eval_every=0)
     try:
         c.add_token("w")
         w = Worker(WorkerOptions(url="http://coordinator", token="t", block=0, progress=False), corpus)
         w._setup(c.register("w", 0))
         w._unsent = (0, {}, 8)
-        w._setup(c.register("w", 0))  # registered again on the same block (a lapsed lease): its round may still count
-        assert w._unsent == (0, {}, 8)
         w._setup(c.register("w", 1))
         assert w.k == 1 and w._unsent is None
+        w._unsent = (0, {}, 8)  # registered again on the same block (a lapsed lease): its round's inner state is gone
+        w._setup(c.register("w", 1))
+        assert w._unsent is None and w.round_state == {}
     finally:
         c.close()
 

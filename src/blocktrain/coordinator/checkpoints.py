@@ -117,19 +117,18 @@ class Checkpoints:
         save_file(self.run.block_path(k), {**now.weights, **extra}, meta)
 
     def warm_start(self, k: int) -> None:
-        """Re-initialise waiting block k from the finished blocks before it (``stack.init``), as version 0."""
+        """Re-initialise waiting block k from the finished blocks before it (``stack.init``), as version 0. Its
+        run-directory copy is the caller's to write (its frozen heads now come from the finished blocks)."""
         whole = whole_blocks(self.objective, [self._current[j].weights for j in range(k + 1)])
         self.objective.inherit(whole[k], k, whole[:k], at_init=True)
         w = trainable_state(whole[k])
         if all(torch.equal(w[n], self._current[k].weights[n]) for n in w):
-            self.save_checkpoint(k)  # its frozen heads now come from the finished blocks
             return
         payload = self.payload(k, 0, w)
         digest = self.store.blobs.put_blob(payload)
         with self.store.tx():
             self.store.rounds.replace_weights(k, 0, digest, tensors_sha256(w))
         self.publish(k, 0, w, payload)
-        self.save_checkpoint(k)
         log.info("block %d: warm-started from block %d (%s)", k, k - 1, self.cfg.stack.init.value)
 
     def published(self, k: int) -> Published:

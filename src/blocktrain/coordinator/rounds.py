@@ -109,6 +109,7 @@ class Rounds:
             self._grace(k, v, now)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
                 ck.warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
+                self._copy(k, 0)
 
     def _histories(self, k: int, grouped: bool) -> tuple[list[float], list[float]]:
         """Block k's recent norms per unit of lr and loss rises, oldest first, of single workers' pushes or of group
@@ -381,6 +382,7 @@ class Rounds:
         """What follows a stored close: the warm start of a block that opened, screened workers' refusals, states."""
         if warm is not None:
             self.checkpoints.warm_start(warm)
+            self._copy(warm, 0)
         log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, n_updates, v + 1)
         for r in screened:
             log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r.worker)

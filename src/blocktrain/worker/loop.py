@@ -78,7 +78,6 @@ class Worker:
         self._work_at = time.monotonic()  # time.monotonic() of the last work answer (its deadline_in counts from it)
         self._claim_cap = 0  # samples one member of a group may claim this round (the work answer's steps x batch)
         self._sync_misses = 0  # weights fetched in a row that were not the version their work answer named
-        self.k = -1  # the block it trains (-1: not registered yet)
         self._unsent: tuple[int, dict[str, torch.Tensor], int] | None = None  # a grouped round's (version, delta,
         # samples), until its group's mean lands: pushed alone if it has not as the deadline nears
         self.steps_done = 0  # local steps of the current round
@@ -89,8 +88,6 @@ class Worker:
 
     # --- set-up ---------------------------------------------------------------
     def _setup(self, reg: Registration) -> None:
-        if reg.block != self.k:
-            self._unsent = None  # a grouped round of the block held before is not pushed to this one
         self.cfg = RunConfig.from_json(reg.config)
         self.k = reg.block
         self.lease_s = reg.lease_seconds
@@ -124,6 +121,9 @@ class Worker:
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
         self.base_sha = ""  # sha256 of the base weights: the coordinator's weights_sha for the same version
+        # a grouped round's delta waiting for its group's mean is not pushed after a registration: to another block
+        # it does not belong, and on the same block its inner state (round_state, above) is gone, so its audit fails
+        self._unsent = None
         self.summary.block = self.k
         log.info("registered as %s on block %d (preset %s, %s objective)", reg.worker, self.k, self.cfg.name,
                  self.cfg.objective)
