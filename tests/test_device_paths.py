@@ -383,3 +383,37 @@ def test_a_diffusion_sweep_from_logits_that_are_not_finite_is_an_error() -> None
     span = build_span(cfg, dict(enumerate(blocks)), device=CPU)
     out = span.run([_submit(Mode.SWEEP, b"hello", n_new=3, prompt_len=5, sweeps=1, temperature=0.8, seed=1)])[0]
     assert out.kind is FrameKind.ERROR and out.code is ErrorCode.INTERNAL and "not finite" in (out.error or "")
+
+
+def test_a_split_is_kept_resident_on_an_accelerator(tmp_path: Path) -> None:
+    """TrainStream keeps the split on an accelerator and cuts batches there; its cache was a WeakKeyDictionary keyed
+    by the array, which is not hashable: every stream on a GPU raised TypeError before its first batch. The meta
+    device stands in for the accelerator; the copy is made once per split and dropped with it."""
+    import gc
+
+    from blocktrain.data import stream
+
+    path = tmp_path / "split.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    meta = torch.device("meta")
+    first = stream.resident(data, meta)
+    assert first is not None and first.shape == (1024,) and stream.resident(data, meta) is first
+    x, y = stream.TrainStream(data, 16, 3, seed=0, device=meta).batch(0)
+    assert x.shape == y.shape == (3, 16) and x.device == meta
+    n = len(stream._RESIDENT)
+    del data, first
+    gc.collect()
+    assert len(stream._RESIDENT) == n - 1
+
+
+def test_auto_resolves_as_its_device_named_tf32_included(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device auto`` (TrainConfig's default) returned CUDA before TF32 was allowed: on one GPU, auto and cuda
+    computed fp32 matmuls apart (the arithmetic an audit's tolerance is set for)."""
+    from blocktrain import device as device_mod
+
+    allowed: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device_mod, "_allow_tf32", lambda: allowed.append(1))
+    assert device_mod.resolve_device("auto") == torch.device("cuda") and allowed == [1]
+    assert device_mod.resolve_device("cuda") == torch.device("cuda") and allowed == [1, 1]

@@ -34,8 +34,8 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     """
     if isinstance(name, torch.device):
         name = str(name)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "auto":  # then as if named: on CUDA TF32 is allowed too (it returned before that, so auto and cuda
+        name = "cuda" if torch.cuda.is_available() else "cpu"  # computed fp32 matmuls apart on the same GPU)
     try:
         dev = torch.device(name)
     except RuntimeError as exc:

@@ -22,7 +22,9 @@ from blocktrain.device import CPU, to_device
 from blocktrain.errors import DataError
 
 RESIDENT_MAX_BYTES = 2**30  # bytes: a split up to this size is kept on an accelerator; a larger one is cut on the host
-_RESIDENT: weakref.WeakKeyDictionary[np.ndarray, dict[torch.device, torch.Tensor]] = weakref.WeakKeyDictionary()
+# id(split array) -> its copies by device, dropped with the array (a WeakKeyDictionary cannot hold an ndarray: it is
+# not hashable, and every accelerator's stream failed on it)
+_RESIDENT: dict[int, dict[torch.device, torch.Tensor]] = {}
 
 
 def resident(data: np.ndarray, device: torch.device) -> torch.Tensor | None:
@@ -30,7 +32,11 @@ def resident(data: np.ndarray, device: torch.device) -> torch.Tensor | None:
     CPU or for a split over RESIDENT_MAX_BYTES."""
     if device.type == "cpu" or data.nbytes > RESIDENT_MAX_BYTES:
         return None
-    per_device = _RESIDENT.setdefault(data, {})
+    key = id(data)
+    per_device = _RESIDENT.get(key)
+    if per_device is None:
+        per_device = _RESIDENT[key] = {}
+        weakref.finalize(data, _RESIDENT.pop, key, None)  # the id may name another array once this one is gone
     if device not in per_device:
         per_device[device] = torch.from_numpy(np.array(data, dtype=np.uint8)).to(device)  # (n,)
     return per_device[device]
