@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 
 from blocktrain.config import DiffusionConfig, ModelConfig, Readout, RunConfig, Slicing, TrainConfig
@@ -62,3 +65,14 @@ def test_unknown_config_field_rejected() -> None:
     d["model"]["depth"] = 3
     with pytest.raises(ConfigError, match="unknown fields"):
         RunConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: TrainConfig(lr=math.inf), lambda: TrainConfig(weight_decay=math.inf), lambda: TrainConfig(grad_clip=math.inf),
+    lambda: DiffusionConfig(sigma_max=math.inf), lambda: DiffusionConfig(sigma_data=math.inf),
+    lambda: DiffusionConfig(p_std=math.inf), lambda: TrainConfig(device=None),  # type: ignore[arg-type]
+])
+def test_infinite_floats_and_a_device_that_is_no_string_are_config_errors(bad: Any) -> None:
+    """inf passed the comparisons (NaN slice edges later); "device": null in a run.json was an AttributeError."""
+    with pytest.raises(ConfigError):
+        bad()
