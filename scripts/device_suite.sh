@@ -235,8 +235,6 @@ if [ "$SUITE" = smoke ]; then  # two cores: one job at a time
   job live "$LIMIT" bash -c "$(declare -f live); $(declare -p RESULTS LIVE_PRESET LIVE_STEPS LIVE_H DEVICE DATA LIMIT PY LIVE_ROWS); live"
   job serve "$LIMIT" bash -c "$(declare -f serve); $(declare -p RESULTS SERVE_PRESET DEVICE DATA PY BT SERVE_FLAGS); serve"
   job audit "$LIMIT" bash -c "$(declare -f audit); $(declare -p RESULTS AUDIT_ARGS DEVICE DATA PY); audit"
-  rm -f "$RESULTS/summaries.done"  # the summaries follow the rows: made again by every run
-  job summaries 60 bash -c "$(declare -f summaries); $(declare -p RESULTS AVG_PRESET AVG_STEPS PY); summaries"
 else  # launch-bound jobs side by side (16 cores, one GPU), each under its own limit
   pids=()
   job depth "$LIMIT" bash -c "$(declare -f depth depth_rows); $(declare -p RESULTS LRS SEEDS LONG_LRS LONG_SEEDS LONG_PRESET DEPTH_PRESET LIMIT DEVICE DATA TEST_BYTES PY BT); depth" &
@@ -252,16 +250,17 @@ else  # launch-bound jobs side by side (16 cores, one GPU), each under its own l
   job audit "$LIMIT" bash -c "$(declare -f audit); $(declare -p RESULTS AUDIT_ARGS DEVICE DATA PY); audit" &
   pids+=($!)
   wait "${pids[@]}"  # these jobs only: a bare wait would wait for the packer, which never ends
-  rm -f "$RESULTS/summaries.done"  # the summaries follow the rows: made again by every run
-  END=$(( END + 60 ))  # the summaries' minute is kept past the jobs' deadline
-  job summaries 60 bash -c "$(declare -f summaries); $(declare -p RESULTS AVG_PRESET AVG_STEPS PY); summaries"
-  END=$(( END - 60 ))
-  # g. the paper preset compiled, alone again: the last priority, opt-in (it times the eager arms again)
-  if [ -n "$PAPER_COMPILE" ]; then
-    job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset "$PAPER_PRESET" --steps "$SPEED_STEPS" --device "$DEVICE" \
-      --data "$DATA" --profile --compile "$PAPER_COMPILE" --out "$RESULTS/runs/speed-paper-compiled" \
-      --json "$RESULTS/device-speed-paper-compiled.json"
-  fi
+fi
+rm -f "$RESULTS/summaries.done"  # the summaries follow the rows: made again by every run
+EXTRA=$([ "$SUITE" = smoke ] && echo 0 || echo 60)  # side by side: the summaries' minute past the jobs' deadline
+END=$(( END + EXTRA ))
+job summaries 60 bash -c "$(declare -f summaries); $(declare -p RESULTS AVG_PRESET AVG_STEPS PY); summaries"
+END=$(( END - EXTRA ))
+# g. the paper preset compiled, alone again: the last priority, opt-in (it times the eager arms again; never in smoke)
+if [ -n "$PAPER_COMPILE" ]; then
+  job speed-paper-compiled "$LIMIT" "${BT[@]}" bench speed --preset "$PAPER_PRESET" --steps "$SPEED_STEPS" --device "$DEVICE" \
+    --data "$DATA" --profile --compile "$PAPER_COMPILE" --out "$RESULTS/runs/speed-paper-compiled" \
+    --json "$RESULTS/device-speed-paper-compiled.json"
 fi
 log "finished; results in $RESULTS (and $ARCHIVE)"
 for f in "$RESULTS"/*.rc; do echo "$(basename "$f" .rc) $(cat "$f")"; done

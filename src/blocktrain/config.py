@@ -204,8 +204,8 @@ class DiffusionConfig:
         _check(0.0 <= self.overlap < 1.0, "overlap", f"must be in [0, 1), got {self.overlap}")
         _check(self.steps_per_block >= 1, "steps_per_block", f"must be >= 1, got {self.steps_per_block}")
         _check_enums(self)
-        for name in ("p_mean", "sigma_max", "sigma_data", "p_std"):  # inf passed the comparisons: NaN slice edges
-            _check(math.isfinite(getattr(self, name)), name, f"must be finite, got {getattr(self, name)}")
+        # inf passed the comparisons above: NaN slice edges
+        _check_all(self, math.isfinite, "finite", "p_mean", "sigma_max", "sigma_data", "p_std")
 
 
 @dataclass(frozen=True)
@@ -241,8 +241,7 @@ class TrainConfig:
         _check_all(self, lambda v: v > 0, "positive", "batch_size", "checkpoint_every", "log_every", "round_steps",
                    "refresh_rounds")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        for name in ("lr", "weight_decay", "grad_clip"):  # inf passed the comparisons
-            _check(math.isfinite(getattr(self, name)), name, f"must be finite, got {getattr(self, name)}")
+        _check_all(self, math.isfinite, "finite", "lr", "weight_decay", "grad_clip")  # inf passed the comparisons
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _check_enums(self)
         _check(
