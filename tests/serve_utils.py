@@ -102,3 +102,12 @@ def extras(obj: BaseModel) -> dict[str, Any]:
     allow extra fields)."""
     assert obj.model_extra is not None
     return obj.model_extra
+
+
+def entry_name(stage: StageThread, rid: str) -> str:
+    """The entry's name of a connected client's request ``rid``: the key of its KV caches at every stage."""
+    server = stage.server
+    names = {server.entry.inner(conn, rid) for conn in list(server.conns)}
+    held = [name for name in names if name in getattr(server.span, "cache", ())]
+    assert len(held) == 1, f"request {rid!r} is cached under {len(held)} of the entry's names"
+    return held[0]

@@ -33,7 +33,7 @@ from blocktrain.serve.runtime.stack import StackSpan
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode
 from blocktrain.serve.wire.speculative import SpecParams, accept_draft, next_draft_len, update_rate, windows
 from tests.forked_cli import spawn
-from tests.serve_utils import SPANS, block_spans, ring, tiny_models, wait_port
+from tests.serve_utils import SPANS, block_spans, entry_name, ring, tiny_models, wait_port
 from tests.test_serve_stack import local, spans, train_stack_run
 
 CHI2_7DOF_99_99 = 29.88  # the 0.9999 quantile of chi-square with 7 degrees of freedom
@@ -284,16 +284,17 @@ def test_rejection_rolls_back_every_stage_cache(stack_run: Path) -> None:
             x = torch.tensor([list(word)], dtype=torch.uint8)
             reply = await c.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
             draft = reply.tensors["draft"][0].tolist()
-            held = [s.server.span.cache.positions(rid) for s in stages]
+            name = entry_name(stages[0], rid)  # the stages' caches key the request by the entry's name for it
+            held = [s.server.span.cache.positions(name) for s in stages]
             correction = (draft[m] + 1) % 256  # the client rejected draft byte m and drew another byte
             params.update(pos=len(word) + m, n_draft=0)
             x = torch.tensor([[correction]], dtype=torch.uint8)
             await c.call(Frame(FrameKind.SUBMIT, rid, Mode.SPEC, params=params, tensors={"x": x}))
-            return rid, word + bytes(draft[:m]) + bytes([correction]), held
+            return name, word + bytes(draft[:m]) + bytes([correction]), held
 
     with ring(spans(stack_run)) as stages:
-        rid, text, held = asyncio.run(run(stages[0].address, stages))
-        entries = [cast(StackSpan, s.server.span).cache.peek(rid) for s in stages]
+        name, text, held = asyncio.run(run(stages[0].address, stages))
+        entries = [cast(StackSpan, s.server.span).cache.peek(name) for s in stages]
         fresh = [CacheEntry(), CacheEntry()]
         first, last = spans(stack_run)
         with torch.inference_mode():

@@ -4,20 +4,26 @@ one frame, hold its connection slots, fail others' batches, or keep a released r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import struct
 import time
+from typing import cast
 
 import pytest
 import torch
 
+from blocktrain.config import Objective
 from blocktrain.errors import ServeError, WireError
+from blocktrain.model.stack import StackBlock
+from blocktrain.presets import tiny
 from blocktrain.sampling import sample_rows
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.runtime.kvcache import CacheEntry, KVCache
+from blocktrain.serve.runtime.stack import StackSpan
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, decode_body, encode, frame_number, frame_param
-from tests.serve_sockets import TOKEN, closed, connect, open_stage, recv_frame, score, wait_until, whole_span
+from tests.serve_sockets import TOKEN, SlowSpan, closed, connect, open_stage, recv_frame, score, wait_until, whole_span
 from tests.serve_utils import tiny_models
 
 MODELS = tiny_models(seed=3)
@@ -239,3 +245,58 @@ def test_a_peer_with_too_many_answers_unread_is_dropped() -> None:
             assert asyncio.run(score(st.address)).shape == (1, 10, 256)
         finally:
             slow.close()
+
+
+def _stack_span() -> StackSpan:
+    cfg = dataclasses.replace(tiny(), objective=Objective.STACK)
+    torch.manual_seed(0)
+    return StackSpan({k: StackBlock(cfg.model, k).eval() for k in range(cfg.model.n_blocks)}, cfg)  # random weights
+
+
+def _ask(sock: socket.socket, frame: Frame) -> Frame:
+    sock.sendall(encode(frame))
+    got = recv_frame(sock)
+    assert got is not None
+    return got
+
+
+def _ar(rid: str, text: bytes, pos: int) -> Frame:
+    return Frame(FrameKind.SUBMIT, rid, Mode.AR, params={"pos": pos}, tensors={"x": torch.tensor([list(text)], dtype=torch.uint8)})
+
+
+def test_a_client_cannot_touch_another_clients_kv_cache_by_sending_its_request_id() -> None:
+    """Caches were keyed by the id a client chose: a second client sending the same id extended (and so corrupted)
+    the first one's cache, or RELEASEd it. The entry now names each request by its connection too: the second client
+    finds no cache of its own, its RELEASE drops nothing of the first's, and the first continues as a fresh prefill of
+    its whole text would (fp32, tolerance 1e-5)."""
+    with open_stage(_stack_span()) as st, connect(st.address) as a, connect(st.address) as b:
+        first = _ask(a, _ar("shared", b"hello", 0))
+        assert first.kind is FrameKind.RESULT and first.request_id == "shared"  # the client's own id comes back
+        other = _ask(b, _ar("shared", b"!", 5))  # B continues "A's" request at A's position
+        assert other.kind is FrameKind.ERROR and other.code is ErrorCode.UNKNOWN_REQUEST and other.request_id == "shared"
+        b.sendall(encode(Frame(FrameKind.RELEASE, "shared", Mode.AR)))
+        assert _ask(b, Frame(FrameKind.PING, "p")).kind is FrameKind.PONG  # B's release was handled before this
+        went_on = _ask(a, _ar("shared", b"!", 5))
+        assert went_on.kind is FrameKind.RESULT, went_on.error
+        fresh = _ask(a, _ar("fresh", b"hello!", 0))
+        assert (went_on.tensors["logits"] - fresh.tensors["logits"]).abs().max() <= 1e-5
+        a.sendall(encode(Frame(FrameKind.RELEASE, "shared", Mode.AR)))
+        wait_until(lambda: len(cast(StackSpan, st.server.span).cache) == 1, what="A's own release to drop its cache")  # "fresh" left
+
+
+def test_a_client_cannot_answer_another_clients_request() -> None:
+    """The entry delivered any RESULT frame naming a pending request id, whichever connection sent it: a client could
+    answer another's request with logits of its own. Only the entry's own name for the request is taken now, which
+    no client can derive; the forger is refused and the victim gets the stage's answer."""
+    span = SlowSpan(_stack_span(), delay_s=1.0)  # type: ignore[arg-type]
+    with open_stage(span) as st, connect(st.address) as victim, connect(st.address) as forger:
+        x = torch.tensor([list(b"hello")], dtype=torch.uint8)
+        victim.sendall(encode(Frame(FrameKind.SUBMIT, "v1", Mode.SCORE, params={"seed": 0}, tensors={"x": x})))
+        wait_until(lambda: len(st.server.entry.pending) == 1, what="the victim's request to be pending")
+        fake = Frame(FrameKind.RESULT, "v1", Mode.SCORE, 0, {}, {"logits": torch.zeros(1, 5, 256)})
+        refused = _ask(forger, fake)
+        assert refused.kind is FrameKind.ERROR and refused.code is ErrorCode.UNKNOWN_REQUEST
+        got = recv_frame(victim)
+        assert got is not None and got.kind is FrameKind.RESULT and got.request_id == "v1"
+        want = span.span.run([Frame(FrameKind.SUBMIT, "ref", Mode.SCORE, params={"seed": 0}, tensors={"x": x})])[0]
+        assert torch.equal(got.tensors["logits"], want.tensors["logits"])  # the stage's answer, not the forger's

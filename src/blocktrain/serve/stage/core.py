@@ -74,15 +74,16 @@ async def reject(conn: Conn, frame: Frame, code: ErrorCode, message: str) -> Non
     await conn.send(frame.reply_error(code, message, keep_tag=True))
 
 
-async def admit(span: Span, frame: Frame, conn: Conn) -> bool:
-    """Whether ``span`` can run ``frame``; if not, the sender got an ERROR saying why."""
+async def admit(span: Span, frame: Frame, conn: Conn, sent: Frame | None = None) -> bool:
+    """Whether ``span`` can run ``frame``; if not, the sender got an ERROR saying why (in answer to ``sent``, the frame
+    as it arrived, where the entry renamed its request)."""
     try:
         span.validate(frame)
     except UnknownRequestError as exc:
-        await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST, str(exc))
+        await reject(conn, sent or frame, ErrorCode.UNKNOWN_REQUEST, str(exc))
         return False
     except WireError as exc:
-        await reject(conn, frame, ErrorCode.BAD_REQUEST, str(exc))
+        await reject(conn, sent or frame, ErrorCode.BAD_REQUEST, str(exc))
         return False
     return True
 

@@ -75,6 +75,8 @@ class Router:
                 await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
                              f"no request {frame.request_id!r} is pending at {self.name}")
         elif kind is FrameKind.RELEASE:
+            if self.span.holds(0):  # a client's release at the entry: of its own request, by the entry's name for it
+                frame = Frame(FrameKind.RELEASE, self.entry.inner(conn, frame.request_id), frame.mode)
             found = self.span.release(frame.request_id)
             if self.link is not None and not self.span.is_last:
                 self.link.send(frame, custody=False)

@@ -4,12 +4,21 @@ The stage holding block/layer 0 is the *entry*: it keeps each request it was
 given (``pending``) with a deadline. Deterministic requests (score, sweep, ar,
 baseline prefill) are retried on a downstream failure up to ``retries`` times;
 otherwise the client gets an ERROR saying which stage failed and what to do.
+
+A request id is the client's name for its request, and clients do not know each other's: the entry names each request
+on its own (:meth:`Entry.inner`, a keyed hash of the client's connection and id) before anything keys on it, so a
+client can neither evict, rewind nor read another client's KV caches by sending its id, nor answer its request with a
+RESULT of its own. The stages after the entry only ever see these names; the client gets its own id back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import secrets
 import time
+import weakref
 from collections.abc import Callable
 
 from blocktrain.serve.runtime import Span
@@ -32,11 +41,23 @@ class Entry:
         self.name = name
         self.enqueue = enqueue
         self.spawn = spawn
-        self.pending: dict[str, Pending] = {}
+        self.pending: dict[str, Pending] = {}  # the entry's name of a request (:meth:`inner`) -> the request
+        self._secret = secrets.token_bytes(32)  # keys the names: nobody outside this process can derive one
+        self._conn_keys: weakref.WeakKeyDictionary[Conn, bytes] = weakref.WeakKeyDictionary()  # a connection's salt
         self.pending_bytes = 0  # bytes of the pending requests' tensors
 
+    def inner(self, conn: Conn, rid: str) -> str:
+        """The entry's name of request ``rid`` of the client on ``conn``: the same for every frame of that request on
+        that connection (its KV caches are found again), different for any other connection (another client's, or this
+        client's after it reconnected: its caches are then missing, and it prefills again), and not derivable without
+        this entry's secret. 32 hex digits, a valid request id on the wire."""
+        salt = self._conn_keys.get(conn)
+        if salt is None:
+            salt = self._conn_keys[conn] = secrets.token_bytes(16)
+        return hmac.new(self._secret, salt + rid.encode(), hashlib.sha256).hexdigest()[:32]
+
     def holds(self, rid: str) -> bool:
-        """Whether request ``rid`` was given to this stage and is not answered yet."""
+        """Whether the request the entry named ``rid`` was given to this stage and is not answered yet."""
         return rid in self.pending
 
     def serves(self, conn: Conn) -> bool:
@@ -48,14 +69,15 @@ class Entry:
             await reject(conn, frame, ErrorCode.MISROUTED,
                          f"stage {self.name} is not the entry; send requests to the stage holding index 0")
             return
-        if frame.request_id in self.pending:
-            await reject(conn, frame, ErrorCode.DUPLICATE_REQUEST,
-                         f"request {frame.request_id!r} is already in flight; use a fresh id")
-            return
         if not frame.request_id:
             await reject(conn, frame, ErrorCode.BAD_REQUEST, "SUBMIT frames need a request id")
             return
-        if not await admit(self.span, frame, conn):
+        rid = self.inner(conn, frame.request_id)
+        if rid in self.pending:
+            await reject(conn, frame, ErrorCode.DUPLICATE_REQUEST,
+                         f"request {frame.request_id!r} is already in flight; use a fresh id")
+            return
+        if not await admit(self.span, self._fresh(frame, rid), conn, sent=frame):
             return
         n, mine = tensor_bytes(frame), sum(1 for p in self.pending.values() if p.conn is conn)
         if (len(self.pending) >= self.opts.max_pending or mine >= self.opts.max_pending_per_conn
@@ -66,14 +88,15 @@ class Entry:
                 f"{self.opts.buffer_bytes}); send it again once fewer are in flight"))
             return
         p = Pending(conn, frame, nbytes=n)
-        self.pending[frame.request_id] = p
+        self.pending[rid] = p
         self.pending_bytes += n
-        self._arm(frame.request_id, p)
-        self.enqueue(WorkItem(self._fresh(frame), None, None))
+        self._arm(rid, p)
+        self.enqueue(WorkItem(self._fresh(frame, rid), None, None))
 
     @staticmethod
-    def _fresh(frame: Frame) -> Frame:
-        return Frame(FrameKind.SUBMIT, frame.request_id, frame.mode, 0, dict(frame.params), dict(frame.tensors))
+    def _fresh(frame: Frame, rid: str) -> Frame:
+        """The client's ``frame`` as the entry's request ``rid`` (what the stages compute and key caches on)."""
+        return Frame(FrameKind.SUBMIT, rid, frame.mode, 0, dict(frame.params), dict(frame.tensors))
 
     def _arm(self, rid: str, p: Pending) -> None:
         if p.timer is not None:
@@ -86,7 +109,7 @@ class Entry:
             return
         await self.fail_or_retry(rid, p.submit.reply_error(
             ErrorCode.TIMEOUT,
-            f"no result for request {rid} within {self.opts.request_timeout_s:.1f}s after {self.name}; a later stage "
+            f"no result for request {p.submit.request_id} within {self.opts.request_timeout_s:.1f}s after {self.name}; a later stage "
             "may have died or be overloaded: check each 'blocktrain serve' process and restart the dead one",
         ))
 
@@ -100,10 +123,11 @@ class Entry:
             p.attempts += 1
             log.warning("request %s: %s; retry %d of %d", rid, err.error, p.attempts, self.opts.retries)
             self._arm(rid, p)
-            self.enqueue(WorkItem(self._fresh(p.submit), None, None))
+            self.enqueue(WorkItem(self._fresh(p.submit, rid), None, None))
             return
         self._drop(rid)
         err.params = {}
+        err.request_id = p.submit.request_id  # the client's id
         self.spawn(self._answer(p.conn, err))  # in a task: a slow client holds neither compute nor a link's reader
 
     def _drop(self, rid: str) -> Pending:
@@ -118,6 +142,7 @@ class Entry:
         """Answer a request with its result: sent in a task of its own, so a client that reads slowly holds only its
         own answers, never the stage's compute or its link's reader (which deliver results from later stages)."""
         p = self._drop(result.request_id)
+        result.request_id = p.submit.request_id  # the client's id
         result.params = {k: v for k, v in result.params.items() if k != "tag"}
         result.params["stage_seconds"] = time.monotonic() - p.t0
         self.spawn(self._answer(p.conn, result))
