@@ -45,7 +45,7 @@ def quality(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], P
     data = write_data_dir(root / "data")
     out = root / "q.json"
     assert main(["bench", "quality", "--preset", "tiny", "--data", str(data), "--steps", "4", "--no-lr-sweep",
-                 "--max-eval-bytes", "4096", "--eval-bytes", "0", "--objective", "both", "--out", str(root / "runs"),
+                 "--max-eval-bytes", "4096", "--eval-bytes", "512", "--objective", "both", "--out", str(root / "runs"),
                  "--json", str(out), "--no-progress"]) == 0
     return json.loads(out.read_text()), data, root
 
@@ -65,6 +65,10 @@ def test_bench_quality_tiny_end_to_end(quality: tuple[dict[str, Any], Path, Path
         assert ev["bytes_scored"] == q["bytes_scored"], name
         assert ev["train_steps_per_block"] == [4, 4, 4, 4], name
     assert all(0.0 < c < 6.0 for c in ces), ces
+    # each arm's validation CE at the end of its training (what lrs are picked by): every block's, the matched E2E's
+    vals = [*q["objectives"]["stack"]["val_prefix_ce"], *q["objectives"]["diffusion"]["val_blocks_alone_ce"],
+            q["e2e_matched_flops"]["val_ce"]]
+    assert len(vals) == 9 and all(0.0 < v < 6.0 for v in vals), vals
     # the stack's composed model is its last prefix; its gain is over the best prefix
     assert bt["objective"] == "stack" and len(bt["prefix_ce"]) == 4
     assert bt["prefix_ce"][-1] == pytest.approx(bt["ce_nats_per_byte"], abs=1e-12)

@@ -88,12 +88,13 @@ def test_a_job_past_the_deadline_is_skipped_not_marked_done(tmp_path: Path) -> N
 
 def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``device_depth.py rows`` trains only the (lr, seed) pairs whose key is not in the JSONL yet (a line cut short
-    is skipped, not fatal), keys each as its lr is written, and counts a bench that fails, or exits 0 without its
+    is skipped, not fatal; 0.002 is the 2e-3 done), keys each as its lr is written, and counts a bench that fails, or exits 0 without its
     JSON, as a missing row; the rows after it still run."""
     from benchmarks.quality import device_depth
 
     jsonl = tmp_path / "depth.jsonl"
-    jsonl.write_text(json.dumps({"key": "tiny-lr2e-3-seed0"}) + "\n" + '{"key": "tiny-lr3e')  # killed mid-write
+    done = {"key": "tiny-lr2e-3-seed0", "preset": "tiny", "lr": 2e-3, "seed": 0}
+    jsonl.write_text(json.dumps(done) + "\n" + '{"key": "tiny-lr3e')  # killed mid-write
     ran: list[list[str]] = []
 
     def fake_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
@@ -101,7 +102,7 @@ def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: py
         return "exit 3" if len(ran) == 1 else None  # the first fails; the second exits 0 but wrote no JSON
 
     monkeypatch.setattr(device_depth, "run_bench", fake_bench)
-    failed = device_depth.train_rows("tiny", ["2e-3", "3e-3", "1e-3"], [0], "cpu", tmp_path / "data", tmp_path / "runs",
+    failed = device_depth.train_rows("tiny", ["0.002", "3e-3", "1e-3"], [0], "cpu", tmp_path / "data", tmp_path / "runs",
                                      jsonl, 4096, timeout=5)
     assert failed == 2 and len(ran) == 2
     assert [c[c.index("--lr") + 1] for c in ran] == ["3e-3", "1e-3"] and ran[0][ran[0].index("--device") + 1] == "cpu"
@@ -139,3 +140,51 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _depth_row(lr: float, seed: int, test: tuple[float, float, float], val: tuple[float, float, float] | None) -> dict:
+    arms = ("stack", "stack_prefix0", "e2e_matched_flops")
+    row = {"key": f"p-lr{lr}-seed{seed}", "preset": "p", "lr": lr, "seed": seed, "ce": dict(zip(arms, test, strict=True))}
+    if val is not None:
+        row["val_ce"] = dict(zip(arms, val, strict=True))
+    return row
+
+
+def test_the_depth_summary_picks_lrs_on_validation_over_common_seeds(tmp_path: Path) -> None:
+    """The summary picked each arm's lr by its test CE, and compared a one-seed lr's lucky seed with another lr's
+    three-seed mean; two spellings of one lr counted as two seeds. It picks on validation now, over the seeds every
+    lr has; a row written again (0.002 for 2e-3) replaces the first; one seed has no spread; the gap pairs seeds."""
+    from benchmarks.quality import device_depth
+
+    jsonl = tmp_path / "depth.jsonl"
+    rows = [
+        _depth_row(1e-3, 0, (1.30, 1.40, 1.50), (1.35, 1.45, 1.55)),  # best on test, worse on validation
+        _depth_row(2e-3, 0, (1.32, 1.42, 1.52), (1.33, 1.43, 1.53)),
+        _depth_row(2e-3, 1, (1.40, 1.44, 1.54), (1.40, 1.44, 1.54)),  # 2e-3's mean over both seeds is worse ...
+        _depth_row(1e-3, 1, (9.0, 9.0, 9.0), None),  # (replaced below)
+    ]
+    for r in rows:
+        device_depth.append_row(jsonl, r)
+    device_depth.append_row(jsonl, _depth_row(0.001, 1, (1.31, 1.41, 1.51), (1.36, 1.46, 1.56)))  # 1e-3 again
+    with jsonl.open("a") as f:
+        f.write('{"key": "cut')  # a row killed mid-write; the next one starts on its own line
+    device_depth.append_row(jsonl, _depth_row(3e-3, 0, (1.20, 1.20, 1.20), (1.00, 1.00, 1.00)))  # ... seed 0 only
+    got = device_depth.summarise(device_depth.read_rows(jsonl))["p"]
+    assert got["rows"] == 5
+    stack = got["arms"]["stack"]
+    # 3e-3 has only seed 0, so lrs are compared on seed 0: 3e-3 (1.00) beats 2e-3 (1.33) and 1e-3 (1.35)
+    assert (stack["best_lr"], stack["picked_on"], stack["seeds_compared"]) == (3e-3, "validation", [0])
+    assert stack["seeds"] == 1 and stack["spread"] is None and stack["mean"] == 1.20
+    assert got["gap_seeds"] == [0] and got["gap_stack_minus_e2e"] == pytest.approx(1.20 - 1.20)
+    assert got["gap_spread"] is None
+    two = device_depth.summarise([r for r in device_depth.read_rows(jsonl) if r["lr"] != 3e-3])["p"]
+    # seeds 0 and 1 in common: on validation the stack's 1e-3 (mean 1.355) beats 2e-3 (1.365), though 2e-3 had the
+    # best single seed; the E2E's 2e-3 (1.535) beats 1e-3 (1.555)
+    assert two["arms"]["stack"]["best_lr"] == 1e-3 and two["arms"]["stack"]["seeds"] == 2
+    assert two["arms"]["e2e_matched_flops"]["best_lr"] == 2e-3
+    assert two["arms"]["stack"]["spread"] == pytest.approx(0.01)
+    assert two["gap_seeds"] == [0, 1] and two["gap_stack_minus_e2e"] == pytest.approx(((1.30 - 1.52) + (1.31 - 1.54)) / 2)
+    assert two["gap_spread"] == pytest.approx(0.01)
+    old = [{k: v for k, v in r.items() if k != "val_ce"} for r in device_depth.read_rows(jsonl)]
+    assert device_depth.summarise(old)["p"]["arms"]["stack"]["picked_on"] == "test"  # rows from before validation
+    assert "n/a" in device_depth.table(device_depth.summarise(device_depth.read_rows(jsonl)))

@@ -53,7 +53,7 @@ from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression
 from blocktrain.protocol.moments import InnerStart, MomentCodec
 from blocktrain.protocol.weights import load_trainable
-from blocktrain.train.metrics import read_jsonl
+from blocktrain.train.metrics import append_jsonl, read_jsonl
 
 
 def settings_for(row: dict[str, Any]) -> tuple[CoordinatorSettings, LocalRounds]:
@@ -526,9 +526,7 @@ def main() -> int:
             print("+", row_key(row), file=sys.stderr, flush=True)
             out = (measure_stack if row["block"] == "stack" else measure)(cfg, row, data, args)
             out["command"] = command
-            args.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            with args.jsonl.open("a") as f:
-                f.write(json.dumps(out) + "\n")
+            append_jsonl(args.jsonl, out)
             done.add(out["key"])
             print(f"{out['key']}: CE {out['ce_nats_per_byte']:.4f} in {out['wall_s']:.0f} s", file=sys.stderr, flush=True)
     every = _read(args.jsonl)

@@ -22,7 +22,6 @@ Rows already in ``--jsonl`` are skipped (the study resumes). Prints the table of
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from blocktrain.coordinator.simulate import LocalRounds, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
 from blocktrain.protocol.delta import Compression
+from blocktrain.train.metrics import append_jsonl, read_jsonl
 
 AVG = {"outer": OuterOptimizer.AVERAGE, "outer_lr": 1.0}
 BF16 = {"push": Compression.BF16, "step": Compression.BF16}  # the transport before issue 19
@@ -210,9 +210,7 @@ def main() -> int:
             print("+", tag + name, file=sys.stderr, flush=True)
             row = measure(name, cfg, args, command)
             row["row"], row["objective"] = tag + name, str(cfg.objective)
-            args.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            with args.jsonl.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.jsonl, row)
             print(f"{name}: CE {row['ce_nats_per_byte']:.4f} in {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     rows = _read(args.jsonl)
     print(table(rows))
@@ -222,9 +220,7 @@ def main() -> int:
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl(path) if path.is_file() else []
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from blocktrain.coordinator.store import Store
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.protocol.delta import delta_norm
 from blocktrain.train.inner import InnerRounds
+from blocktrain.train.metrics import write_json
 from blocktrain.worker.loop import Worker
 from blocktrain.worker.options import WorkerOptions
 
@@ -286,7 +287,7 @@ def main() -> int:
         print(json.dumps({k: result[k] for k in ("row", "ce_nats_per_byte", "quarantined", "honest_refused",
                                                  "intake_ms_per_update", "wall_s")}), flush=True)
         doc["http"]["rows"] = [r for r in doc["http"]["rows"] if r["row"] != row] + [result]
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.out, doc)
     print(table(doc["http"]["rows"]))
     return 0
 

@@ -39,6 +39,7 @@ from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.coordinator.simulate import LocalRounds, LocalRun, run_local_rounds
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.presets import get_preset
+from blocktrain.train.metrics import write_json
 
 CAUGHT_AT_INTAKE = {"claim", "norm", "lazy", "replay", "gate", "stale", "base"}  # refusals that recur on every push
 
@@ -183,11 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(its default settings); CE on the first eval bytes of the test split"),
                     "settings": {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(settings).items()},
                     "rows": list(rows.values())})
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")  # written after every row: a cut study keeps them
+        write_json(args.out, doc)  # written after every row (whole or not at all): a cut study keeps them
     if rows:  # the rows as they stand (a migrated p_undetected included)
         doc["rows"] = list(rows.values())
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.out, doc)
     print(table(list(rows.values())))
     return 0
 

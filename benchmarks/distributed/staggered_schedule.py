@@ -29,6 +29,7 @@ from blocktrain.coordinator.staggered import PoolSchedule, run_pool
 from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
+from blocktrain.train.metrics import write_json
 
 
 def main() -> int:
@@ -70,7 +71,7 @@ def main() -> int:
         key = (row["preset"], row["steps"], row["seed"], row["workers"], row["h"], f)
         rows[:] = [r for r in rows if (r["preset"], r["steps"], r["seed"], r["workers"], r["h"], r["open_fraction"]) != key]
         rows.append(row)
-        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.json, doc)
         print(f"open fraction {f}: CE {prefix[-1]:.4f} in {pool.slots} slots", file=sys.stderr, flush=True)
     print("| schedule | open fraction | W | H | slots (wall time, rounds) | worker-rounds | composed CE | prefixes |")
     print("|---|---|---|---|---|---|---|---|")

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from blocktrain.train.metrics import read_jsonl
+
 Row = dict[str, Any]
 DEFAULT_LR = {"cpu-mini": 2e-3, "cpu-small": 1e-3}  # the presets' learning rates
 DEFAULT_LAYERS = 2  # cpu-mini's L/B
@@ -42,7 +44,7 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 
 def _rows(jsonl: Path) -> list[Row]:
-    return [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
+    return read_jsonl(jsonl) if jsonl.exists() else []
 
 
 def _row_line(r: Row, e2e: dict[tuple[int, float], float]) -> str:

@@ -68,11 +68,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import ablation_table
 import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.quality import ablation_table
 from benchmarks.quality.ablation_recipes import (
     FEATURES,
     LIBRARY_STACK,
@@ -95,6 +95,7 @@ from blocktrain.model.block import BlockDenoiser
 from blocktrain.objectives import compose_logits
 from blocktrain.objectives.diffusion import DiffusionObjective
 from blocktrain.presets import cpu_mini, cpu_small, tiny
+from blocktrain.train.metrics import append_jsonl
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 EVAL_BYTES = 131072
@@ -258,9 +259,7 @@ def main() -> int:
            "slicing": args.slicing, "overlap": args.overlap, "lr": lr, "block_layers": block_layers, "block_steps": block_steps,
            "refresh_rounds": args.refresh_rounds, "round_steps": args.round_steps, "catchup_steps": args.catchup_steps, **res,
            "wall_s": round(time.time() - t0, 1), "command": "python -m benchmarks.quality.chain_ablation " + " ".join(sys.argv[1:])}
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    with jsonl.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_jsonl(jsonl, row)
     sys.stdout.write(json.dumps(row, indent=1) + "\n")
     return 0
 

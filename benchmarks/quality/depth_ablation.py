@@ -20,6 +20,7 @@ Appends one JSON line per row; prints the table of every row in the file.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shlex
 import subprocess
@@ -33,6 +34,7 @@ from blocktrain.config import RunConfig
 from blocktrain.model.e2e import E2ETransformer
 from blocktrain.model.flops import train_flops_per_token
 from blocktrain.objectives import get_objective
+from blocktrain.train.metrics import append_jsonl, read_jsonl, write_json
 
 # row name -> (lever, extra run flags). Rows that lose stay in the table.
 ROWS: dict[str, tuple[str, list[str]]] = {
@@ -87,24 +89,27 @@ def _eval(run: Path, model: str, data: str, max_bytes: int, blocks_alone: bool) 
 
 
 class E2ECache:
-    """E2E references by step count, trained once each (they are deterministic)."""
+    """E2E references by step count, trained once each (they are deterministic), for one set of training flags, data
+    and scored bytes: a reference is found again only under the same ones (``--extra --lr 4e-3`` trains its own)."""
 
     def __init__(self, out: Path, common: list[str], data: str, max_bytes: int, share: float) -> None:
         self.out, self.common, self.data, self.max_bytes, self.share = out, common, data, max_bytes, share
+        ident = json.dumps({"flags": common, "data": data, "max_bytes": max_bytes})
+        self.key = hashlib.sha256(ident.encode()).hexdigest()[:12]  # what the references' folders are named by
 
     def get(self, steps: int) -> tuple[int, dict[str, Any]]:
-        for run in sorted(self.out.glob("e2e-*")):
-            have = int(run.name.split("-")[1])
+        for run in sorted(self.out.glob(f"e2e-ref-{self.key}-*")):
+            have = int(run.name.rsplit("-", 1)[1])
             if abs(have - steps) <= self.share * steps and (run / "eval.json").exists():
                 return have, json.loads((run / "eval.json").read_text())
-        run = self.out / f"e2e-{steps}"
+        run = self.out / f"e2e-ref-{self.key}-{steps}"
         t0 = time.perf_counter()
         _run([sys.executable, "-m", "blocktrain", "train-e2e", *self.common, "--steps", str(steps), "--out", str(run)])
         summary = _summaries(run, "e2e")
         ev = _eval(run, "e2e", self.data, self.max_bytes, blocks_alone=False)
         ev.update(train_wall_s=time.perf_counter() - t0, train_mem_bytes=summary["train_mem_bytes"],
                   train_flops=summary["flops_per_step"] * summary["steps"], steps=summary["steps"])
-        (run / "eval.json").write_text(json.dumps(ev, indent=2))
+        write_json(run / "eval.json", ev)  # whole or absent: a cut one is not read back as a reference
         return steps, ev
 
 
@@ -143,7 +148,8 @@ def measure(name: str, args: argparse.Namespace, e2e: E2ECache) -> dict[str, Any
         "stack_train_wall_s": wall, "stack_wall_s_per_block": [s["wall_s"] for s in sums],
         "e2e_train_wall_s": ref["train_wall_s"], "bytes_scored": ev["bytes_scored"],
         "command": "python " + shlex.join(["benchmarks/quality/depth_ablation.py", "--preset", args.preset, "--rows", name,
-                                           "--max-bytes", str(args.max_bytes), "--e2e-share", f"{args.e2e_share:g}",
+                                           "--data", args.data, "--out", args.out, "--max-bytes", str(args.max_bytes),
+                                           "--e2e-share", f"{args.e2e_share:g}",
                                            *(["--extra", *args.extra] if args.extra else [])]),
     }
 
@@ -185,7 +191,9 @@ def sweep_e2e_lr(args: argparse.Namespace, steps: int, lrs: list[float]) -> list
                     "bytes_scored": ev["bytes_scored"],
                     "command": "python " + shlex.join(["benchmarks/quality/depth_ablation.py", "--preset", args.preset,
                                                        "--sweep-e2e-lr", ",".join(f"{x:g}" for x in lrs),
-                                                       "--sweep-steps", str(steps), "--max-bytes", str(args.max_bytes)])})
+                                                       "--sweep-steps", str(steps), "--data", args.data, "--out",
+                                                       args.out, "--max-bytes", str(args.max_bytes),
+                                                       *(["--extra", *args.extra] if args.extra else [])])})
         print(f"E2E {steps} steps, lr {lr:g}: val {out[-1]['val_ce']:.4f}, test {out[-1]['test_ce']:.4f}", flush=True)
     return out
 
@@ -207,13 +215,12 @@ def main() -> int:
     if args.table_only:
         if not args.jsonl or not args.jsonl.is_file():
             ap.error("--table-only reads the rows of an existing --jsonl file")
-        print(table([r for r in (json.loads(x) for x in args.jsonl.read_text().splitlines() if x.strip()) if "row" in r]))
+        print(table([r for r in read_jsonl(args.jsonl) if "row" in r]))
         return 0
     if args.sweep_e2e_lr:
         res = sweep_e2e_lr(args, args.sweep_steps, [float(x) for x in args.sweep_e2e_lr.split(",")])
         if args.jsonl:
-            with args.jsonl.open("a") as f:
-                f.write(json.dumps({"e2e_lr_sweep": res}) + "\n")
+            append_jsonl(args.jsonl, {"e2e_lr_sweep": res})
         return 0
     unknown = [r for r in args.rows.split(",") if r not in ROWS]
     if unknown:
@@ -225,11 +232,9 @@ def main() -> int:
         row = measure(name, args, e2e)
         rows.append(row)
         if args.jsonl:
-            args.jsonl.parent.mkdir(parents=True, exist_ok=True)
-            with args.jsonl.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.jsonl, row)
     if args.jsonl:
-        rows = [r for r in (json.loads(x) for x in args.jsonl.read_text().splitlines() if x.strip()) if "row" in r]
+        rows = [r for r in read_jsonl(args.jsonl) if "row" in r]
     print(table(rows))
     return 0
 

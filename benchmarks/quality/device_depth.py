@@ -3,8 +3,9 @@
 Each ``bench quality`` run (one preset, one lr, one seed: the stack against the E2E at matched FLOPs) becomes one
 row of a JSONL file. ``rows`` trains every (lr, seed) of a preset whose row is not in the file yet (so a second
 run resumes), each under its own time limit; ``row`` adds one from a finished bench's JSON; ``summary`` picks each
-arm's best lr by its mean over seeds and prints the gap (stack minus E2E, nats/byte) with the seed spread of both
-arms at their best lr:
+arm's best lr by its mean validation CE over the seeds every lr has (the test split only reports), and prints each
+arm's test CE at its best lr (seed mean, spread) and the gap (stack minus E2E, nats/byte) over the seeds both best
+lrs have, with its spread:
 
     python benchmarks/quality/device_depth.py rows --preset P --lrs 1e-3 2e-3 --seeds 0 1 --device cuda \
         --data DATA --runs RUNS --jsonl depth.jsonl [--max-eval-bytes 0] [--timeout 420]
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import statistics
@@ -26,6 +28,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from blocktrain.train.metrics import append_jsonl, read_jsonl, write_json
 
 ARMS = ("stack", "stack_prefix0", "e2e_matched_flops")
 log = logging.getLogger("device_depth")
@@ -45,21 +49,21 @@ def bench_command(preset: str, lr: str, seed: int, device: str, data: Path, out:
 
 
 def read_rows(jsonl: Path) -> list[dict[str, Any]]:
-    """The rows written so far; a line cut short (a run killed mid-write) is skipped with a warning, not fatal."""
-    rows = []
-    for i, line in enumerate(jsonl.read_text().splitlines() if jsonl.exists() else [], 1):
-        try:
-            if line.strip():
-                rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            log.warning("%s:%d is not a JSON row (cut short?); skipped", jsonl, i)
-    return rows
+    """The rows written so far (a line cut short by a kill is skipped with a warning); of two rows of one (preset,
+    lr, seed), however the lr was written (2e-3, 0.002), the later."""
+    rows: dict[tuple[str, float, int], dict[str, Any]] = {}
+    for r in read_jsonl(jsonl) if jsonl.exists() else []:
+        rows[_identity(r)] = r
+    return list(rows.values())
+
+
+def _identity(row: dict[str, Any]) -> tuple[str, float, int]:
+    return row.get("preset", ""), float(row.get("lr", math.nan)), int(row.get("seed", -1))
 
 
 def append_row(jsonl: Path, row: dict[str, Any]) -> None:
-    """Add one row to the JSONL (the only writer of its lines)."""
-    with jsonl.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    """Add one row to the JSONL (the only writer of its lines), on a line of its own after a cut one."""
+    append_jsonl(jsonl, row)
 
 
 def run_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
@@ -93,13 +97,13 @@ def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data:
                max_eval_bytes: int, timeout: float | None) -> int:
     """Train every (lr, seed) of ``preset`` not yet in ``jsonl`` and append its row as it finishes; returns how many
     failed or ran out of time (their rows stay missing, for the next run). Each bench's output goes to its log."""
-    done = {r.get("key") for r in read_rows(jsonl)}
+    done = {_identity(r) for r in read_rows(jsonl)}
     runs.mkdir(parents=True, exist_ok=True)
     failed = 0
     for lr in lrs:
         for seed in seeds:
             key = row_key(preset, lr, seed)
-            if key in done:
+            if (preset, float(lr), seed) in done:
                 log.info("%s: in %s already, skipped", key, jsonl)
                 continue
             out = runs / f"depth-{key}"
@@ -121,45 +125,83 @@ def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data:
 
 
 def bench_row(key: str, preset: str, lr: float, seed: int, bench: dict[str, Any]) -> dict[str, Any]:
-    """One row: every arm's test CE (the composed stack, its first prefix, the E2E at matched FLOPs)."""
+    """One row: every arm's test CE (the composed stack, its first prefix, the E2E at matched FLOPs) and its
+    validation CE at the end of its training (what the summary picks lrs by; None from a bench that recorded none)."""
     stack = bench["objectives"]["stack"]
+    val = stack.get("val_prefix_ce") or [None]
     return {"key": key, "preset": preset, "lr": lr, "seed": seed, "device": bench["machine"]["device"],
             "bytes_scored": stack["bytes_scored"], "command": bench["command"], "resumed": bench.get("resumed", False),
             "ce": {"stack": stack["ce_nats_per_byte"], "stack_prefix0": stack["prefix_ce"][0],
-                   "e2e_matched_flops": bench["e2e_matched_flops"]["ce_nats_per_byte"]}}
+                   "e2e_matched_flops": bench["e2e_matched_flops"]["ce_nats_per_byte"]},
+            "val_ce": {"stack": val[-1], "stack_prefix0": val[0],  # a stack's last prefix is its composed model
+                       "e2e_matched_flops": bench["e2e_matched_flops"].get("val_ce")}}
+
+
+def _spread(values: list[float]) -> float | None:
+    return max(values) - min(values) if len(values) > 1 else None
+
+
+def pick_lr(by_lr: dict[float, dict[int, dict[str, Any]]], arm: str) -> tuple[float, str, list[int]]:
+    """The arm's best lr: the lowest mean validation CE over the seeds every lr has (so no lr wins on a lucky seed
+    the others lack); on test CE, said so, where a row has no validation CE (rows from before it was recorded).
+    Returns (lr, the split it was picked on, the seeds compared)."""
+    common = sorted(set.intersection(*(set(seeds) for seeds in by_lr.values())))
+    rows = [r for seeds in by_lr.values() for r in seeds.values()]
+    split = "validation" if all((r.get("val_ce") or {}).get(arm) is not None for r in rows) else "test"
+
+    def score(lr: float) -> float:
+        seeds = common or sorted(by_lr[lr])  # no seed in common: each lr on its own (the table flags it)
+        return statistics.mean((r["val_ce"][arm] if split == "validation" else r["ce"][arm])
+                               for r in (by_lr[lr][s] for s in seeds))
+
+    return min(by_lr, key=score), split, common
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per preset: each arm's CE by lr (seed mean, spread), its best lr, and the gap at the best lrs."""
+    """Per preset: each arm's test CE by lr (seed mean, spread), its best lr (picked on validation, :func:`pick_lr`),
+    and the gap stack minus E2E at the best lrs over the seeds both have, with its spread over those seeds."""
     out: dict[str, Any] = {}
     by_preset: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_preset[r["preset"]].append(r)
     for preset, rs in sorted(by_preset.items()):
+        by_lr: dict[float, dict[int, dict[str, Any]]] = defaultdict(dict)
+        for r in rs:
+            by_lr[float(r["lr"])][int(r["seed"])] = r
         arms: dict[str, Any] = {}
         for arm in ARMS:
-            by_lr: dict[float, list[float]] = defaultdict(list)
-            for r in rs:
-                by_lr[r["lr"]].append(r["ce"][arm])
-            means = {lr: statistics.mean(v) for lr, v in by_lr.items()}
-            best = min(means, key=lambda lr: means[lr])
-            arms[arm] = {"best_lr": best, "mean": means[best], "seeds": len(by_lr[best]),
-                         "spread": max(by_lr[best]) - min(by_lr[best]),
-                         "by_lr": {str(lr): {"mean": means[lr], "ces": by_lr[lr]} for lr in sorted(by_lr)}}
-        gap = arms["stack"]["mean"] - arms["e2e_matched_flops"]["mean"]
-        out[preset] = {"arms": arms, "gap_stack_minus_e2e": gap,
-                       "spread_max": max(arms["stack"]["spread"], arms["e2e_matched_flops"]["spread"]),
+            best, split, common = pick_lr(by_lr, arm)
+            ces = [by_lr[best][s]["ce"][arm] for s in sorted(by_lr[best])]
+            arms[arm] = {"best_lr": best, "picked_on": split, "seeds_compared": common, "mean": statistics.mean(ces),
+                         "seeds": len(ces), "spread": _spread(ces),
+                         "by_lr": {str(lr): {"mean": statistics.mean(r["ce"][arm] for r in seeds.values()),
+                                             "ces": [seeds[s]["ce"][arm] for s in sorted(seeds)],
+                                             "seeds": sorted(seeds)} for lr, seeds in sorted(by_lr.items())}}
+        s_lr, e_lr = arms["stack"]["best_lr"], arms["e2e_matched_flops"]["best_lr"]
+        paired = sorted(set(by_lr[s_lr]) & set(by_lr[e_lr]))
+        gaps = [by_lr[s_lr][s]["ce"]["stack"] - by_lr[e_lr][s]["ce"]["e2e_matched_flops"] for s in paired]
+        out[preset] = {"arms": arms, "gap_stack_minus_e2e": statistics.mean(gaps) if gaps else None,
+                       "gap_seeds": paired, "gap_spread": _spread(gaps),
+                       "spread_max": max((a["spread"] for a in (arms["stack"], arms["e2e_matched_flops"])
+                                          if a["spread"] is not None), default=None),
                        "rows": len(rs)}
     return out
 
 
+def _f(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 def table(summary: dict[str, Any]) -> str:
-    lines = ["| preset | arm | best lr | seed mean CE | seeds | spread |", "|---|---|---|---|---|---|"]
+    lines = ["| preset | arm | best lr (picked on) | seed mean CE (test) | seeds | spread |", "|---|---|---|---|---|---|"]
     for preset, s in summary.items():
         for arm in ARMS:
             a = s["arms"][arm]
-            lines.append(f"| {preset} | {arm} | {a['best_lr']:g} | {a['mean']:.4f} | {a['seeds']} | {a['spread']:.4f} |")
-        lines.append(f"| {preset} | gap (stack - E2E) | | {s['gap_stack_minus_e2e']:+.4f} | | {s['spread_max']:.4f} |")
+            lines.append(f"| {preset} | {arm} | {a['best_lr']:g} ({a['picked_on']}"
+                         f"{'' if a['seeds_compared'] else ', no seed common to every lr'}) | {a['mean']:.4f} | "
+                         f"{a['seeds']} | {_f(a['spread'], '.4f')} |")
+        lines.append(f"| {preset} | gap (stack - E2E), paired seeds | | {_f(s['gap_stack_minus_e2e'], '+.4f')} | "
+                     f"{len(s['gap_seeds'])} | {_f(s['gap_spread'], '.4f')} |")
     return "\n".join(lines)
 
 
@@ -205,7 +247,7 @@ def main() -> int:
     summary = summarise(rows)
     sys.stdout.write(table(summary) + "\n")
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "device-depth", "summary": summary, "rows": rows}, indent=1) + "\n")
+        write_json(args.json, {"benchmark": "device-depth", "summary": summary, "rows": rows})
     return 0
 
 

@@ -288,6 +288,12 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
     return result
 
 
+def _val(summary: dict[str, Any], key: str) -> float | None:
+    """An arm's validation CE at the end of its training, from its summary (None: it scored no validation)."""
+    value = (summary.get("eval") or {}).get(key)
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
 def _assemble(
     opts: QualityOptions, sections: dict[str, dict[str, Any]], e2e_eval: dict[str, Any], e2e_sum: dict[str, Any],
     matched: dict[str, Any] | None, sweeps: dict[str, Any], peak: dict[str, float], precision: str, tokens: int, steps: int,
@@ -309,6 +315,9 @@ def _assemble(
             "ce_nats_per_byte": ev["ce_nats_per_byte"],
             "gain_reference": obj.gain_reference,
             ref_key: ev[ref_key],
+            # each block's own CE on the first eval_bytes of validation at the end of its training (None: no
+            # validation): a stack's last is its composed model's; what picks an lr, where the test CE only reports
+            f"val_{ref_key}": [_val(s, f"val_{ref_key}") for s in sums],
             "train_flops": sum(s["flops_per_step"] * s["steps"] for s in sums),
             "train_flops_over_e2e": sum(s["flops_per_step"] * s["steps"] for s in sums) / e2e_train_flops,
             "train_wall_s_sequential": sum(s["wall_s"] for s in sums),
@@ -371,5 +380,6 @@ def _assemble(
             "ce_nats_per_byte": matched["eval"]["ce_nats_per_byte"], "steps": matched["steps"],
             "train_flops": matched["train_flops"], "lr": matched["lr"], "eval": matched["eval"],
             "seconds_per_step": matched["summary"]["seconds_per_step"],
+            "val_ce": _val(matched["summary"], "val_ce"),
         }
     return derive_figures(result)  # gains and gaps: the same code as --rederive

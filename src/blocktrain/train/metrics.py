@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -26,14 +28,35 @@ class JsonlWriter:
         line = json.dumps(record, sort_keys=True) + "\n"
         if not self._checked:
             self._checked = True
-            if self.path.exists() and self.path.stat().st_size:
-                with self.path.open("rb") as f:
-                    f.seek(-1, 2)
-                    if f.read(1) != b"\n":  # a line cut short by a kill: this record starts on its own line
-                        line = "\n" + line
+            if _ends_cut(self.path):  # a line cut short by a kill: this record starts on its own line
+                line = "\n" + line
         with self.path.open("a") as f:
             f.write(line)
             f.flush()
+
+
+def _ends_cut(path: Path) -> bool:
+    """Whether ``path`` ends inside a line (its last write was cut short by a kill)."""
+    if not path.exists() or not path.stat().st_size:
+        return False
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record to the JSONL at ``path`` (made with its folder if missing), on a line of its own even after
+    a line cut short by a kill (which would otherwise swallow it: a reader skips the joined line)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record) + "\n"
+    with path.open("a") as f:
+        f.write(("\n" if _ends_cut(path) else "") + line)
+        f.flush()
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """``doc`` as indented JSON at ``path``, whole or not at all (a kill mid-write leaves the previous file)."""
+    atomic_write_bytes(path, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
