@@ -146,6 +146,10 @@ def test_the_residual_bound_holds_every_honest_residual_and_no_forged_one(compre
     tiny = ErrorFeedback(compression)  # subnormal values, where bfloat16's steps no longer shrink with |x|
     sent = decode_delta(tiny.encode({"w": torch.tensor([1e-39, 3e-40, 1.0, 0.0])}), compression)
     assert residual_excess(dict(tiny.residual), sent, compression) is None
+    for v in (1e-44, 1e-39, 3e-38, 1e-30):  # every value tiny: int8's scale floored at the least normal float32
+        small = ErrorFeedback(compression)
+        sent = decode_delta(small.encode({"w": torch.tensor([v, v / 2, -v])}), compression)
+        assert residual_excess(dict(small.residual), sent, compression) is None, v
 
 
 def test_pack_delta_with_feedback_refuses_another_encoding() -> None:

@@ -300,3 +300,42 @@ def test_a_client_cannot_answer_another_clients_request() -> None:
         assert got is not None and got.kind is FrameKind.RESULT and got.request_id == "v1"
         want = span.span.run([Frame(FrameKind.SUBMIT, "ref", Mode.SCORE, params={"seed": 0}, tensors={"x": x})])[0]
         assert torch.equal(got.tensors["logits"], want.tensors["logits"])  # the stage's answer, not the forger's
+
+
+def test_a_release_is_passed_on_bare() -> None:
+    """A middle stage passed a RELEASE on whole, tensors included, into its link's unbounded queue once the frame
+    had left the byte budget: RELEASEs of 4 MiB each piled up while the budget read 0. Only its id and mode go on."""
+    from blocktrain.serve.stage.custody import Router
+    from blocktrain.serve.stage.entry import Entry
+    from blocktrain.serve.stage.options import StageOptions
+
+    class Middle:  # holds block 1 of 4: neither the entry nor the last stage
+        is_last = False
+
+        def __init__(self) -> None:
+            self.released: list[str] = []
+
+        def holds(self, k: int) -> bool:
+            return k == 1
+
+        def release(self, rid: str) -> bool:
+            self.released.append(rid)
+            return False
+
+    class Link:
+        def __init__(self) -> None:
+            self.sent: list[Frame] = []
+
+        def send(self, frame: Frame, custody: bool = True) -> int:
+            self.sent.append(frame)
+            return 0
+
+    span, link = Middle(), Link()
+    entry = Entry(span, StageOptions(), "mid", lambda item: None, lambda coro: None)  # type: ignore[arg-type]
+    router = Router(span, entry, "mid", lambda item: None, dict)  # type: ignore[arg-type]
+    router.link = link  # type: ignore[assignment]
+    big = Frame(FrameKind.RELEASE, "abc", Mode.AR, params={"pad": "x" * 1000}, tensors={"t": torch.zeros(1 << 20)})
+    asyncio.run(router.on_frame(big, None))  # type: ignore[arg-type]
+    (sent,) = link.sent
+    assert (sent.kind, sent.request_id, sent.mode, sent.params, sent.tensors) == (FrameKind.RELEASE, "abc", Mode.AR, {}, {})
+    assert span.released == ["abc"]  # a middle stage releases the id it was given (the entry's name)

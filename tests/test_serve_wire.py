@@ -67,6 +67,14 @@ def test_size_cap() -> None:
         decode(huge + b"x" * 10)
 
 
+def _header(data: bytes, **fields: object) -> bytes:
+    """``data`` (an encoded frame) with header fields replaced, its lengths fixed up."""
+    h_len, p_len = struct.unpack(">II", data[4:12])
+    header = {**json.loads(data[12 : 12 + h_len]), **fields}
+    raw = json.dumps(header).encode()
+    return data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :]
+
+
 @pytest.mark.parametrize(
     ("mutate", "error", "match"),
     [
@@ -76,6 +84,10 @@ def test_size_cap() -> None:
         (lambda d: d.replace(b'"kind":"submit"', b'"kind":"submyt"'), WireError, "unknown value"),
         (lambda d: d.replace(b'"x":[1,2]', b'"x":[2,1]'), WireError, "disagree"),
         (lambda d: d.replace(b'"id":"req-1"', b'"id":"req/1"'), WireError, "request id"),
+        (lambda d: _header(d, id="r" * 64 + "\n"), WireError, "request id"),  # "$" matched before a last newline
+        (lambda d: _header(d, v=True), WireError, "wire version"),  # true == 1 in Python
+        (lambda d: _header(d, sigma_index=-1), WireError, "sigma_index"),
+        (lambda d: _header(d, sigma_index=True), WireError, "sigma_index"),
         (lambda d: d[:-3], FramingError, "declares"),
     ],
 )
@@ -137,3 +149,17 @@ def test_e2e_span_takes_the_stage_cache_limits() -> None:
     limits = CacheOptions(max_requests=3, ttl_s=5.0, max_bytes=1024)
     assert random_e2e_span(tiny(), 0, 0, cache=limits).cache.opts == limits
     assert random_e2e_span(tiny(), 0, 0).cache.opts == CacheOptions()  # the --cache-* defaults, with a byte cap
+
+
+def test_tokens_and_addresses_a_stranger_or_a_typo_can_give() -> None:
+    """A HELLO token with a lone surrogate raised UnicodeEncodeError out of the connection handler (a traceback per
+    stranger, no UNAUTHORIZED); a port past 65535 parsed, then raised OverflowError where connecting catches OSError."""
+    from blocktrain.serve.wire.frames import hello, token_matches
+    from blocktrain.serve.wire.links import parse_address
+
+    token = "0123456789abcdef0123456789abcdef"
+    assert token_matches(hello(token), token) and not token_matches(hello("\ud800"), token)
+    assert parse_address("h:65535") == ("h", 65535) and parse_address("h:0") == ("h", 0)  # 0: listen on any port
+    for bad in ("h:65536", "h:70000", "h:\u0661\u0662", "h:", ":80", "h"):  # "\u0661\u0662": Arabic-Indic 12
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)

@@ -31,7 +31,7 @@ import torch
 from blocktrain.checkpoint.safetensors_io import pack
 from blocktrain.protocol.group import GroupMember, encode_group
 from blocktrain.protocol.messages import UpdateMeta
-from blocktrain.protocol.moments import SCALE_SUFFIX, MomentCodec, encode_moments, int8_scale  # SCALE_SUFFIX: int8 scales
+from blocktrain.protocol.moments import FLOAT32_TINY, SCALE_SUFFIX, MomentCodec, encode_moments, int8_scale  # SCALE_SUFFIX: int8 scales
 
 
 class Compression(enum.Enum):
@@ -138,7 +138,8 @@ def residual_excess(residual: dict[str, torch.Tensor], previous: dict[str, torch
 
     e = c - decode(encode(c)) for the corrected update c of that push, elementwise:
 
-    * ``int8``:  |e_i| <= s / 2, s = max|previous| / 127 (its scale: the largest element decodes to +-127 s);
+    * ``int8``:  |e_i| <= s / 2, s = max(max|previous| / 127, tiny) (its scale: the largest element decodes to
+      +-127 s, unless s was floored at the least normal float32, :func:`~.moments.int8_scale`);
     * ``bf16``:  |e_i| <= 2^-8 |c_i| <= 2^-8 |previous_i| / (1 - 2^-8) (half a unit in the last place);
     * ``none``:  e = 0 (float32 is what it sends).
 
@@ -151,7 +152,9 @@ def residual_excess(residual: dict[str, torch.Tensor], previous: dict[str, torch
         if prev is None or prev.shape != e.shape or compression is None or compression is Compression.NONE:
             return n
         if compression is Compression.INT8:
-            bound = prev.abs().max() / 127.0 / 2.0 * BOUND_SLACK  # () broadcast
+            # s never below the least normal float32 (int8_scale): a tensor of values all under 127 x tiny had
+            # s = tiny > max|previous| / 127, and an honest residual failed its audit
+            bound = torch.clamp(prev.abs().max() / 127.0, min=FLOAT32_TINY) / 2.0 * BOUND_SLACK  # () broadcast
         else:
             bound = prev.abs() * (BF16_HALF_ULP / (1.0 - BF16_HALF_ULP) * BOUND_SLACK) + BF16_SUBNORMAL_ULP  # prev's shape
         if bool((e.abs() > bound).any()):

@@ -75,8 +75,10 @@ class Router:
                 await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
                              f"no request {frame.request_id!r} is pending at {self.name}")
         elif kind is FrameKind.RELEASE:
-            if self.span.holds(0):  # a client's release at the entry: of its own request, by the entry's name for it
-                frame = Frame(FrameKind.RELEASE, self.entry.inner(conn, frame.request_id), frame.mode)
+            # passed on bare (its tensors, if a peer sent any, would bypass the byte budget in the link's queue); at
+            # the entry, a client's release of its own request, by the entry's name for it
+            rid = self.entry.inner(conn, frame.request_id) if self.span.holds(0) else frame.request_id
+            frame = Frame(FrameKind.RELEASE, rid, frame.mode)
             found = self.span.release(frame.request_id)
             if self.link is not None and not self.span.is_last:
                 self.link.send(frame, custody=False)
@@ -122,8 +124,8 @@ class Router:
 
     # --- frames coming back from the next stage (the link's callbacks) ---------------
     async def from_downstream(self, frame: Frame) -> None:
-        tag = frame.params.get("tag")
-        if frame.kind in (FrameKind.ACK, FrameKind.ERROR, FrameKind.RESULT) and isinstance(tag, int):
+        tag = custody_tag(frame)  # an int, never a bool (True would release tag 1)
+        if frame.kind in (FrameKind.ACK, FrameKind.ERROR, FrameKind.RESULT) and tag is not None:
             assert self.link is not None
             sent = self.link.release(tag)
             origin, in_tag, _ = self.upstream.pop(tag, (None, None, 0.0))

@@ -55,7 +55,7 @@ from blocktrain.serve.wire.limits import (
 MAGIC = b"BTW1"
 PREFIX = struct.Struct(">4sII")  # magic, header length, payload length
 WIRE_VERSION = 1
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # whole ids only (fullmatch: "$" let a trailing newline through)
 
 
 
@@ -177,7 +177,7 @@ class UnknownRequestError(WireError):
 
 def encode(frame: Frame, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """Frame -> bytes. Raises WireError if the result would exceed the cap."""
-    if frame.request_id and not _ID_RE.match(frame.request_id):
+    if frame.request_id and not _ID_RE.fullmatch(frame.request_id):
         raise WireError(f"request id {frame.request_id!r} must be 1-64 characters of [A-Za-z0-9_.:-]")
     header = json.dumps(frame.header(), sort_keys=True, separators=(",", ":")).encode()
     payload = pack(frame.tensors) if frame.tensors else b""
@@ -201,7 +201,10 @@ def token_matches(frame: Frame, token: str) -> bool:
     given = frame.params.get("token")
     if frame.kind is not FrameKind.HELLO or not isinstance(given, str):
         return False
-    return hmac.compare_digest(given.encode(), token.encode())
+    try:
+        return hmac.compare_digest(given.encode(), token.encode())
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" parses from JSON): no token of ours
+        return False
 
 
 def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
@@ -229,7 +232,7 @@ def decode_body(header_bytes: bytes, payload: bytes) -> Frame:
         raise WireError(f"frame header is not JSON: {exc}") from exc
     if not isinstance(h, dict):
         raise WireError("frame header must be a JSON object")
-    if h.get("v") != WIRE_VERSION:
+    if type(h.get("v")) is not int or h.get("v") != WIRE_VERSION:  # JSON's true equals 1 in Python
         raise WireError(f"wire version {h.get('v')!r} is not supported (this side speaks {WIRE_VERSION})")
     try:
         kind = FrameKind(h.get("kind"))
@@ -238,13 +241,13 @@ def decode_body(header_bytes: bytes, payload: bytes) -> Frame:
     except ValueError as exc:
         raise WireError(f"frame header has an unknown value: {exc}") from exc
     rid = h.get("id", "")
-    if not isinstance(rid, str) or (rid and not _ID_RE.match(rid)):
+    if not isinstance(rid, str) or (rid and not _ID_RE.fullmatch(rid)):
         raise WireError(f"request id {rid!r} must be 1-64 characters of [A-Za-z0-9_.:-]")
     sigma_index = h.get("sigma_index", 0)
     params = h.get("params", {})
     shapes = h.get("shapes", {})
-    if not isinstance(sigma_index, int) or not isinstance(params, dict) or not isinstance(shapes, dict):
-        raise WireError("frame header fields sigma_index/params/shapes have the wrong types")
+    if type(sigma_index) is not int or sigma_index < 0 or not isinstance(params, dict) or not isinstance(shapes, dict):
+        raise WireError("frame header fields sigma_index/params/shapes have the wrong types (sigma_index: an int >= 0)")
     tensors: dict[str, torch.Tensor] = {}
     if payload:
         try:

@@ -43,8 +43,8 @@ def format_address(addr: Address) -> str:
 
 def parse_address(text: str) -> Address:
     host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address {text!r} must be HOST:PORT")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:  # past it: OverflowError
+        raise ValueError(f"address {text!r} must be HOST:PORT, the port a number up to 65535")
     return host, int(port)
 
 
