@@ -8,40 +8,36 @@ then :meth:`GroupAverager.average` looks for peers under the block's key
 (:func:`blocktrain.protocol.group.group_prefix`), all-reduces its delta with them (hivemind's butterfly
 all-reduce: each peer sends and receives about twice the tensor, whatever the group size), and all-gathers
 every member's card and samples. The mean is weighted by the samples each member claims in that all-gather:
-each member sends s_i x Delta_i at equal weight, and the sum is divided by the claims' total, so no member
-weighs more than the claim the others and the coordinator see (hivemind's own per-peer weight is nobody's
-to check). A card is bound to the run, the block and the
-version, so every member must be an admitted worker at the same version (:mod:`.trust`); otherwise, or when
-no group forms in time, the worker uploads its own delta alone. The member :func:`uploader_of` names (a hash
-of the round and its peer id, a different member each round) uploads the group's mean; the others keep their
-delta until the mean lands, and push it alone if it has not as the round's deadline nears.
+each member sends s_i x Delta_i at weight 1, and the sum is divided by the claims' total. That makes the
+weights the claims the others and the coordinator see, not hivemind's per-peer weight (a sender whose weight
+is not 1 fails the group); it does not bound a member's influence: a member chooses its s_i x Delta_i (any
+size) and, as a reducer, the mean of its slice, so the coordinator's loss gate on the mean is what limits a
+member (a refused mean counts against every member of its group). A card is bound to the run, the block and
+the version, so every member must be an admitted worker at the same version (:mod:`.trust`); otherwise, or when
+no group forms in time, the worker uploads its own delta alone.
+
+hivemind's all-reduce is used only whole, within bounds (:mod:`.averager`), and :meth:`GroupAverager.average`
+gives up at its timeout whatever hivemind waits for. The member :func:`uploader_of` names (a hash of the round and its peer id, a
+different member each round) uploads the group's mean; the others keep their delta until the mean lands, and
+push it alone if it has not as the round's deadline nears.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
-import random
-import signal
-import threading
 import time
-from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.averaging import DecentralizedAverager
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from blocktrain.checkpoint.safetensors_io import tensors_sha256
+from blocktrain.p2p.averager import BlockAverager, exchange_timeouts, start_quietly
 from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey, parse_token, verified_token
 from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 
@@ -49,103 +45,14 @@ log = logging.getLogger(__name__)
 
 READY_TTL_S = 600.0  # seconds a worker's 'ready for round v' stays in the DHT
 STATE_SLACK_BYTES = 1 << 20  # bytes a peer's state may take beyond the block's fp32 weights (its metadata: names)
-
-
-def start_quietly(process: Any) -> None:
-    """Start a hivemind background process with SIGINT ignored in it, the caller's handler kept.
-
-    hivemind's own ``run_in_background`` sets SIGINT to ignored in the *calling* process for good (the
-    worker's Ctrl-C would stop working) and fails outside the main thread; this works around both.
-    """
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the forked child only
-        try:
-            process.start()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-    else:
-        process.start()
-    process.wait_until_ready()
-
-
-class StateTooLargeError(Exception):
-    """A peer's state stream ran past the bytes the block's weights take."""
-
-
-class _BlockAverager(DecentralizedAverager):  # type: ignore[misc]
-    """hivemind's averager, sharing this worker's copy of the block's published weights as its state, and pulling a
-    peer's copy within a byte budget and a deadline (:meth:`pull_state`)."""
-
-    def __init__(self, *args: Any, shared: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]], **kwargs: Any) -> None:
-        self._shared = shared
-        super().__init__(*args, **kwargs)
-
-    def get_current_state(self) -> tuple[dict[str, Any], list[torch.Tensor], None]:
-        meta, tensors = self._shared()  # called in this (the host) process, for a peer that downloads it
-        return meta, tensors, None
-
-    def pull_state(self, version: int, max_bytes: int, timeout: float) -> tuple[Any, list[torch.Tensor]] | None:
-        """The state of a peer that offers ``version``, read for at most ``timeout`` seconds and ``max_bytes`` bytes
-        in all, else None. hivemind's ``load_state_from_peers`` bounds neither: its caller stops waiting, but its
-        download goes on in the averager's process, at a second per chunk, as long and as large as the peer streams
-        it; and it asks first the peer that declares the highest version, which any peer can declare."""
-        future = MPFuture()
-        self._outer_pipe.send(("_pull_state", [], dict(version=version, max_bytes=max_bytes, timeout=timeout,
-                                                        future=future)))
-        return future.result(timeout=timeout + 5.0)  # type: ignore[no-any-return]  # the process answers at the deadline
-
-    async def _pull_state(self, version: int, max_bytes: int, timeout: float, future: MPFuture) -> None:
-        """In the averager's process: the peers offering ``version`` exactly, in random order, until one serves it."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        try:
-            found = await self.dht.get(f"{self.prefix}.all_averagers", latest=True, return_future=True)
-            entries = found.value if found is not None and isinstance(found.value, dict) else {}
-            peers = [PeerID(p) for p, e in entries.items()
-                     if isinstance(p, bytes) and getattr(e, "value", None) == version and PeerID(p) != self.peer_id]
-            random.shuffle(peers)
-            for peer in peers:
-                if loop.time() >= deadline:
-                    break
-                try:
-                    got = await asyncio.wait_for(self._read_state(peer, max_bytes), deadline - loop.time())
-                except Exception as exc:  # timed out, too large, cut or malformed: the next peer, then the coordinator
-                    log.info("peer %s did not serve v%d: %s: %s", peer, version, type(exc).__name__, exc)
-                    continue
-                if got is not None:
-                    future.set_result(got)
-                    return
-        finally:
-            if not future.done():
-                future.set_result(None)
-
-    async def _read_state(self, peer: PeerID, max_bytes: int) -> tuple[Any, list[torch.Tensor]] | None:
-        """One peer's state stream (hivemind's ``rpc_download_state``: metadata on the first message, each tensor's
-        parts after the part that names its dtype), refused past ``max_bytes``."""
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        meta: Any = None
-        tensors: list[torch.Tensor] = []
-        parts: list[Any] = []
-        received = 0
-        async for message in stream:
-            received += len(message.metadata) + len(message.tensor_part.buffer)
-            if received > max_bytes:
-                raise StateTooLargeError(f"its state runs past {max_bytes} bytes")
-            if message.metadata and meta is None:
-                meta = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # a new tensor begins
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return None if meta is None else (meta, tensors)
-
-
 def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) -> dict[str, torch.Tensor]:
     """The sample-weighted mean sum_i s_i Delta_i / sum_i s_i, from the equal-weight all-reduce of s_i Delta_i
-    ((1/n) sum_i s_i Delta_i over the n members) and the samples s_i each member claimed in the all-gather."""
+    ((1/n) sum_i s_i Delta_i over the n members, every sender at weight 1) and the samples s_i each member claimed
+    in the all-gather.
+
+    The claims set the weights the coordinator sees, not a bound on any member's pull on the mean: a member sends
+    whatever s_i Delta_i it likes (a delta scaled up weighs as much more), so the coordinator's loss gate on the
+    mean is the limit on a member's influence."""
     scale = len(members) / sum(m.samples for m in members)
     return {n: t * scale for n, t in summed.items()}
 
@@ -189,7 +96,7 @@ class GroupAverager:
         self.target_group_size = target_group_size  # peers per group at most
         self.matchmaking_s = matchmaking_s  # seconds a group waits for more peers before it starts
         self.peer = str(dht.peer_id)
-        self._averager: DecentralizedAverager | None = None
+        self._averager: BlockAverager | None = None
         self._block = -1  # the block its averager serves
         self._state_bytes = 0  # bytes a peer's copy of that block's weights may take (fp32, with its metadata)
         self._state: tuple[dict[str, Any], list[torch.Tensor]] = ({}, [])  # the weights it shares: (meta, tensors)
@@ -197,28 +104,44 @@ class GroupAverager:
 
     def average(self, delta: dict[str, torch.Tensor], samples: int, k: int, v: int, timeout: float,
                 each: int) -> GroupOutcome | None:
-        """Average ``delta`` with this round's group; None when no group of admitted peers at version v formed
-        (``each``: the samples a member may claim, H x batch of the round: a group where one claims more is not
-        used, as the coordinator would refuse its mean)."""
+        """Average ``delta`` with this round's group within ``timeout`` seconds; None when no group of admitted peers
+        at version v averaged every member's whole delta in that time (``each``: the samples a member may claim, H x
+        batch of the round: a group where one claims more is not used, as the coordinator would refuse its mean).
+
+        hivemind's step bounds only its matchmaking by its timeout, and waits for the all-reduce as long as a member
+        stalls it: the step is cancelled when ``timeout`` runs out (hivemind's own all-reduce timeout then ends it in
+        the averager's process), and a step never retries (the tensors are averaged in place, one at a time: a
+        retry would average a half-averaged mixture with a new group)."""
+        give_up = time.monotonic() + timeout
         if timeout <= self.matchmaking_s:
             return None
         names = sorted(delta)
-        averager = self._averager_for(k, [delta[n] for n in names])
         scope = round_scope(self.run, k, v)
-        card = Card.make(self.key, self.token, self.peer, scope)
         try:
-            with averager.get_tensors() as shared:
+            averager = self._averager_for(k, [delta[n] for n in names])
+            card = Card.make(self.key, self.token, self.peer, scope)
+            with averager.tensors_within(give_up - time.monotonic()) as shared:
                 for t, n in zip(shared, names, strict=True):
                     t.copy_(delta[n]).mul_(float(samples))  # s_i x Delta_i; the weights come from the claims below
-            gathered: Any = averager.step(gather={"token": card.token, "proof": card.proof, "samples": samples},
-                                          weight=1.0, timeout=timeout)
+            left = give_up - time.monotonic()
+            if left <= self.matchmaking_s:  # hivemind's step needs a whole matchmaking window before its deadline
+                log.info("block %d v%d: no time left to look for a group; uploading alone", k, v)
+                return None
+            control: Any = averager.step(gather={"token": card.token, "proof": card.proof, "samples": samples},
+                                         weight=1.0, timeout=left, allow_retries=False, wait=False)
+            try:
+                gathered: Any = control.result(timeout=max(0.0, give_up - time.monotonic()))
+            except TimeoutError:
+                control.cancel()
+                log.warning("block %d v%d: the group did not finish averaging in %.1f s; uploading alone", k, v, timeout)
+                return None
             if not gathered:
                 log.info("block %d v%d: no group formed in %.0f s; uploading alone", k, v, timeout)
                 return None
-            with averager.get_tensors() as shared:
+            with averager.tensors_within(give_up - time.monotonic()) as shared:
                 summed = {n: t.detach().clone() for n, t in zip(names, shared, strict=True)}  # (1/n) sum_i s_i Delta_i
-        except Exception as exc:  # hivemind raises many kinds on a failed round; we upload alone
-            log.warning("block %d v%d: group averaging failed (%s); uploading alone", k, v, exc)
+        except Exception as exc:  # hivemind raises many kinds on a failed round (PartialGroupError among them)
+            log.warning("block %d v%d: group averaging failed (%s: %s); uploading alone", k, v, type(exc).__name__, exc)
             return None
         members = self._members(gathered, scope, each)  # a card for another version or run does not verify either
         if members is None or len(members) < 2:
@@ -300,17 +223,24 @@ class GroupAverager:
         return {peer: float(e.value) for peer, e in entries.items()
                 if isinstance(peer, bytes) and isinstance(getattr(e, "value", None), int | float)}
 
-    def _averager_for(self, k: int, like: list[torch.Tensor]) -> DecentralizedAverager:
-        """The long-lived averager of block k (one per block: hivemind's averager is a process, made once)."""
+    def _averager_for(self, k: int, like: list[torch.Tensor]) -> BlockAverager:
+        """The long-lived averager of block k (one per block: hivemind's averager is a process, made once), its
+        all-reduce bounded (:func:`exchange_timeouts`)."""
         if self._averager is not None and self._block == k:
             return self._averager
         self.close_averager()
-        averager = _BlockAverager(
+        averager = BlockAverager(
             [t.detach().float().clone().contiguous() for t in like], self.dht, prefix=group_prefix(self.run, k),
             target_group_size=self.target_group_size, min_matchmaking_time=self.matchmaking_s,
             request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False, allow_state_sharing=False,
-            shared=lambda: self._state)
-        start_quietly(averager)
+            shared=lambda: self._state, **exchange_timeouts(self.matchmaking_s))
+        try:
+            start_quietly(averager)
+        except BaseException:
+            if averager.is_alive():  # started, not ready in time: no process is left behind
+                with suppress(Exception):  # the start's own error is the one to raise
+                    averager.shutdown()
+            raise
         self._averager, self._block = averager, k
         self._state_bytes = 4 * sum(t.numel() for t in like) + STATE_SLACK_BYTES
         return averager

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +47,9 @@ class WorkerOptions:
             raise ConfigError("poll_s and give_up_s must be positive (seconds)")
         if self.max_rejections < 1:
             raise ConfigError(f"max_rejections must be >= 1, got {self.max_rejections}")
-        if self.group_size < 2 or not self.matchmaking_s > 0:
-            raise ConfigError(f"group_size must be >= 2 and matchmaking_s > 0, got {self.group_size}, {self.matchmaking_s}")
+        if self.group_size < 2 or not 0 < self.matchmaking_s < math.inf:  # inf passed `> 0`: the exchange's bounds derive from it
+            raise ConfigError(f"group_size must be >= 2 and matchmaking_s a finite number > 0 (seconds), got "
+                              f"{self.group_size}, {self.matchmaking_s}")
         if self.averaging is Averaging.HIVEMIND:
             from blocktrain.p2p import require_hivemind
 
