@@ -460,3 +460,42 @@ def test_scoring_on_the_e2e_baseline_equals_local_eval() -> None:
     assert lp1 is not None and lp1.tokens is not None and lp1.token_logprobs is not None
     assert len(lp1.tokens) == len(data) + 1
     assert lp1.token_logprobs[1 : len(data) - ctx] == pytest.approx(lp.token_logprobs[1 : len(data) - ctx], abs=1e-6)
+
+
+def test_offsets_agree_with_the_decoder_on_any_bytes() -> None:
+    """The incremental decoder holds ED A9 as the start of a character (it checks only that A9 may continue some
+    sequence, not ED's stricter range), so ED A9 AC got offsets [0, 0, 1] where the text is three U+FFFD. Offsets now
+    follow the decoder's own error spans: checked against the text, character by character, on random bytes."""
+    assert text_offsets(b"\xed\xa9\xac") == [0, 1, 2] and text_offsets(b"\xed\xa0\x82\x9f") == [0, 1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    alphabet = torch.tensor([0x41, 0x7F, 0x80, 0x9F, 0xA0, 0xBF, 0xC2, 0xDF, 0xE0, 0xED, 0xEF, 0xF0, 0xF4, 0xF5, 0xFF])
+    for _ in range(3000):
+        n = int(torch.randint(1, 12, (), generator=g))
+        data = bytes(alphabet[torch.randint(0, len(alphabet), (n,), generator=g)].tolist())
+        text = data.decode("utf-8", errors="replace")
+        offsets = text_offsets(data)
+        assert len(offsets) == len(data) and offsets == sorted(offsets) and offsets[0] == 0
+        assert offsets[-1] == len(text) - 1, data  # the last byte starts (or is in) the last character
+        for c in range(len(text)):  # each character is exactly the bytes sharing its offset
+            piece = bytes(b for b, o in zip(data, offsets, strict=True) if o == c)
+            assert piece.decode("utf-8", errors="replace") == text[c], (data, c)
+
+
+def test_log_probs_that_are_not_finite_are_a_pipeline_error() -> None:
+    """Logits of +-3e38 (a faulty stage: finite, so the client took them) overflow log_softmax to -inf, which the
+    answer served as null, where OpenAI allows null only for the first token and lm-eval sums the values. The scoring
+    raises a WireError now, which the gateway answers as a 502."""
+    from blocktrain.errors import WireError
+    from blocktrain.serve.gateway.logprobs import byte_log_probs
+
+    async def faulty(x: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*x.shape, 256)
+        logits[..., 0], logits[..., 1] = 3e38, -3e38
+        return logits
+
+    async def fine(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*x.shape, 256)
+
+    with pytest.raises(WireError, match="not finite"):
+        asyncio.run(byte_log_probs(b"hello world", 8, faulty))
+    assert torch.isfinite(asyncio.run(byte_log_probs(b"hello world", 8, fine))[1:]).all()

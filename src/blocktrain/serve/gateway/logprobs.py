@@ -11,12 +11,14 @@ the bytes after it), so a served score equals the local one.
 from __future__ import annotations
 
 import codecs
+import threading
 from collections.abc import Awaitable, Callable
 
 import torch
 
 from blocktrain.config import VOCAB_SIZE
 from blocktrain.data.dataset import eval_windows
+from blocktrain.errors import WireError
 from blocktrain.serve.gateway.responses import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from blocktrain.serve.wire.speculative import windows_in_half_frame
 
@@ -32,19 +34,46 @@ def token_str(byte: int) -> str:
 
 
 def text_offsets(data: bytes) -> list[int]:
-    """For each byte of ``data``, the offset in characters of ``data.decode("utf-8", "replace")`` where it starts
-    (the bytes of one character share their character's offset; an incomplete sequence cut short by a byte that
-    cannot continue it is one U+FFFD, and that byte starts after it)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, chars = [], 0
-    for b in data:
-        held = decoder.getstate()[0]  # bytes of a character begun but not finished
-        out = decoder.decode(bytes([b]))
-        now = decoder.getstate()[0]
-        continues = bool(held) and (now == held + bytes([b]) or (not now and len(out) == 1))
-        offsets.append(chars + (1 if held and not continues else 0))  # a broken sequence's U+FFFD comes first
-        chars += len(out)
+    """For each byte of ``data``, the offset in characters of ``data.decode("utf-8", "replace")`` where it starts:
+    the bytes of one character share their character's offset, and so do the bytes one U+FFFD replaces (the spans
+    the decoder itself reports, so this agrees with it however the bytes are broken: a lead byte's stricter second
+    byte, E0/ED/F0/F4, included)."""
+    broken = _broken_spans(data)
+    offsets: list[int] = []
+    chars = i = 0
+    while i < len(data):
+        end = broken.get(i) or i + _utf8_length(data[i])  # a valid character: as long as its lead byte says
+        offsets += [chars] * (end - i)
+        chars += 1
+        i = end
     return offsets
+
+
+_SPANS = threading.local()  # the spans the decoder reported in this thread's text_offsets call
+
+
+def _record_span(exc: UnicodeError) -> tuple[str, int]:
+    assert isinstance(exc, UnicodeDecodeError)
+    _SPANS.found[exc.start] = exc.end
+    return "\ufffd", exc.end  # what errors="replace" does
+
+
+codecs.register_error("blocktrain.utf8_spans", _record_span)
+
+
+def _broken_spans(data: bytes) -> dict[int, int]:
+    """start -> end of each byte run ``data.decode("utf-8", "replace")`` turns into one U+FFFD (one linear pass)."""
+    _SPANS.found = {}
+    try:
+        data.decode("utf-8", errors="blocktrain.utf8_spans")
+        return dict(_SPANS.found)
+    finally:
+        _SPANS.found = {}
+
+
+def _utf8_length(lead: int) -> int:
+    """Bytes of the valid UTF-8 character whose first byte is ``lead``."""
+    return 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
 
 
 def windows_per_call(context: int, d_model: int, max_frame_bytes: int) -> int:
@@ -81,6 +110,9 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: in
         lp = torch.log_softmax((await score(x)).float(), dim=-1)  # (w, context, 256)
         for j, (start, length, first) in enumerate(batch):
             out[start + first + 1 : start + length + 1] = lp[j, first:length]  # position p predicts byte start + p + 1
+    if not bool(torch.isfinite(out[1:]).all()):  # JSON would carry null where a client sums numbers (lm-eval)
+        raise WireError("the pipeline's logits give log-probs that are not finite (a stage's arithmetic overflowed, "
+                        "or a stage is faulty): check each stage's weights and precision")
     return out
 
 
