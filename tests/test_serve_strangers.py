@@ -332,10 +332,60 @@ def test_a_release_is_passed_on_bare() -> None:
 
     span, link = Middle(), Link()
     entry = Entry(span, StageOptions(), "mid", lambda item: None, lambda coro: None)  # type: ignore[arg-type]
-    router = Router(span, entry, "mid", lambda item: None, dict)  # type: ignore[arg-type]
+    router = Router(span, entry, "mid", lambda item: None, lambda coro: None, dict)  # type: ignore[arg-type]
     router.link = link  # type: ignore[assignment]
     big = Frame(FrameKind.RELEASE, "abc", Mode.AR, params={"pad": "x" * 1000}, tensors={"t": torch.zeros(1 << 20)})
     asyncio.run(router.on_frame(big, None))  # type: ignore[arg-type]
     (sent,) = link.sent
     assert (sent.kind, sent.request_id, sent.mode, sent.params, sent.tensors) == (FrameKind.RELEASE, "abc", Mode.AR, {}, {})
     assert span.released == ["abc"]  # a middle stage releases the id it was given (the entry's name)
+
+
+def test_an_upstream_peer_that_reads_nothing_holds_up_no_other_frame_coming_back() -> None:
+    """The link's reader sent each ACK, ERROR or RESULT upstream itself: one upstream peer that stopped reading held
+    every frame coming back through the link for the write timeout (30 s), an honest peer's ACK among them. Those
+    sends go in tasks of their own now."""
+    from blocktrain.serve.stage.custody import Router
+    from blocktrain.serve.stage.entry import Entry
+    from blocktrain.serve.stage.options import StageOptions
+
+    class Origin:  # an upstream connection
+        def __init__(self, stuck: bool) -> None:
+            self.stuck = stuck
+            self.got: list[Frame] = []
+
+        async def send(self, frame: Frame) -> bool:
+            if self.stuck:
+                await asyncio.Event().wait()  # never read: the write waits
+            self.got.append(frame)
+            return True
+
+    class Link:
+        def release(self, tag: int) -> Frame:
+            return Frame(FrameKind.WORK, "x", Mode.SCORE)
+
+    class Middle:
+        is_last = False
+
+        def holds(self, k: int) -> bool:
+            return k == 1
+
+    async def run() -> list[Frame]:
+        tasks: list[asyncio.Task[None]] = []
+        span = Middle()
+        entry = Entry(span, StageOptions(), "mid", lambda item: None, lambda coro: None)  # type: ignore[arg-type]
+        router = Router(span, entry, "mid", lambda item: None, lambda c: tasks.append(asyncio.ensure_future(c)),  # type: ignore[arg-type, func-returns-value]
+                        dict)
+        router.link = Link()  # type: ignore[assignment]
+        slow, honest = Origin(stuck=True), Origin(stuck=False)
+        router.upstream = {1: (slow, 11, 0.0), 2: (honest, 22, 0.0)}  # type: ignore[dict-item]
+        await asyncio.wait_for(router.from_downstream(Frame(FrameKind.ACK, "a", params={"tag": 1})), 1.0)
+        await asyncio.wait_for(router.from_downstream(Frame(FrameKind.ACK, "b", params={"tag": 2})), 1.0)
+        await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return honest.got
+
+    got = asyncio.run(run())
+    assert [(f.kind, f.request_id, f.params) for f in got] == [(FrameKind.ACK, "b", {"tag": 22})]

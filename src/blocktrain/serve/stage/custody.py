@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from blocktrain.serve.runtime import Span
-from blocktrain.serve.stage.core import WorkItem, ack, admit, log, reject, tensor_bytes
+from blocktrain.serve.stage.core import Spawn, WorkItem, ack, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.entry import Entry
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, custody_tag
 from blocktrain.serve.wire.links import Conn, Link
@@ -22,11 +22,13 @@ from blocktrain.serve.wire.links import Conn, Link
 class Router:
     """Frames in from a connection, results and errors out to where they belong, frames on to the next stage.
 
-    ``entry`` holds the requests given to this stage, ``enqueue`` hands a frame to the compute queue and
-    ``info`` is what a PING is answered with; ``link`` (to the next stage) is set once the server has started.
+    ``entry`` holds the requests given to this stage, ``enqueue`` hands a frame to the compute queue, ``spawn``
+    runs a task the server cancels on stop (what the link's reader sends upstream is sent in one: a peer that reads
+    slowly holds its own frames, not every ACK, ERROR and RESULT coming back through the link) and ``info`` is what a
+    PING is answered with; ``link`` (to the next stage) is set once the server has started.
     """
 
-    def __init__(self, span: Span, entry: Entry, name: str, enqueue: Callable[[WorkItem], None],
+    def __init__(self, span: Span, entry: Entry, name: str, enqueue: Callable[[WorkItem], None], spawn: Spawn,
                  info: Callable[[], dict[str, Any]], max_queued: int = 1 << 30, max_queued_bytes: int = 1 << 62) -> None:
         self.span = span
         self.max_queued = max_queued  # frames one connection may have queued or running here
@@ -35,6 +37,7 @@ class Router:
         self.entry = entry
         self.name = name
         self.enqueue = enqueue
+        self.spawn = spawn
         self.info = info
         self.link: Link | None = None
         self.upstream: dict[int, tuple[Conn | None, int | None, float]] = {}  # link tag -> origin of the frame
@@ -131,16 +134,17 @@ class Router:
             origin, in_tag, _ = self.upstream.pop(tag, (None, None, 0.0))
             if sent is None and frame.kind is not FrameKind.RESULT:
                 return  # already settled (duplicate after a resend)
+            # this runs in the link's reader: every send upstream goes in a task of its own
             if frame.kind is FrameKind.ACK:
-                await ack(origin, in_tag, frame.request_id)
+                self.spawn(ack(origin, in_tag, frame.request_id))
             elif frame.kind is FrameKind.ERROR:
-                await self._route_error(frame.request_id, origin, in_tag, frame)
+                self.spawn(self._route_error(frame.request_id, origin, in_tag, frame))
             elif self.entry.holds(frame.request_id):  # RESULT answered back to us (the next stage has no --next)
-                await self.entry.deliver(frame)
-                await ack(origin, in_tag, frame.request_id)
+                await self.entry.deliver(frame)  # its answer to the client is sent in a task of its own
+                self.spawn(ack(origin, in_tag, frame.request_id))
             elif origin is not None:
                 frame.params = {**frame.params, "tag": in_tag}
-                await origin.send(frame)
+                self.spawn(self._send(origin, frame))
         elif frame.kind is FrameKind.ERROR:
             log.warning("next stage reported: %s", frame.error)
 
@@ -153,7 +157,11 @@ class Router:
             f"stage {self.name} could not pass request {frame.request_id} on to {self.link.target} ({reason}); "
             "restart that stage on the same address (its neighbours need no restart) or list replicas in --next",
         )
-        await self._route_error(frame.request_id, origin, in_tag, err)
+        self.spawn(self._route_error(frame.request_id, origin, in_tag, err))  # the link's task: sent in one of its own
+
+    @staticmethod
+    async def _send(conn: Conn, frame: Frame) -> None:
+        await conn.send(frame)
 
     def expire(self, horizon_s: float) -> None:
         """Forget custody older than ``horizon_s`` (its requests have long timed out)."""

@@ -53,7 +53,7 @@ class StageServer:
         self.budget = ByteBudget(self.opts.buffer_bytes, SMALL_FRAME_BYTES, self.opts.max_connections)
         self._queue: asyncio.Queue[WorkItem] = asyncio.Queue()
         self.entry = Entry(span, self.opts, self.name, self._queue.put_nowait, self._spawn)
-        self.router = Router(span, self.entry, self.name, self._queue.put_nowait, self.info,
+        self.router = Router(span, self.entry, self.name, self._queue.put_nowait, self._spawn, self.info,
                              self.opts.max_pending, self.opts.buffer_bytes)
         self.admission = Admission(self.opts, self.counters, self.budget, self.name, self.router.on_frame, self._busy,
                                    lambda: self.state is StageState.SERVING)
