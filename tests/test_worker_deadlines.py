@@ -13,9 +13,10 @@ import pytest
 from blocktrain.data.dataset import DataDir
 from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
+from blocktrain.protocol.group import GroupMember
 from blocktrain.protocol.messages import WorkAnswer
 from blocktrain.worker.client import CoordinatorClient
-from blocktrain.worker.engines import DirectEngine
+from blocktrain.worker.engines import Combined, DirectEngine
 from blocktrain.worker.loop import Recent, Worker
 from blocktrain.worker.options import WorkerOptions
 from tests.distributed_utils import corpus, make_coordinator, run_worker  # noqa: F401
@@ -207,3 +208,30 @@ def test_a_second_signal_cuts_a_long_answer_short() -> None:
         client.weights(0)
     assert exc.value.reason == Reason.STOPPED and len(sent) < 10
     client.close()
+
+
+class RefusedMean(DirectEngine):
+    """It uploads its group's mean, which the coordinator refuses for a member's sake (here: it hosts no groups)."""
+
+    def combine(self, delta: dict, samples: int, k: int, v: int, clock: object, each: int) -> Combined:  # type: ignore[override, type-arg]
+        members = [GroupMember("PeerA", samples, "uploader", b"a"), GroupMember("PeerB", samples, "other", b"b")]
+        return Combined({n: 2 * t for n, t in delta.items()}, 2 * samples, members)
+
+
+class Uploader(Worker):
+    def _register(self) -> None:
+        super()._register()
+        self.engine = RefusedMean()
+
+
+def test_an_uploader_whose_mean_is_refused_for_a_member_pushes_its_own_delta_alone(tmp_path: Path,
+                                                                                   corpus: DataDir) -> None:  # noqa: F811
+    """The member that uploads its group's mean kept no delta of its own: a mean refused for another member's sake (one
+    that pushed alone first: 409 duplicate) cost the uploader its round, where every other member keeps its delta to
+    push alone. It keeps its own now and pushes it alone before the deadline."""
+    c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=6.0, eval_every=0, local_steps=4)
+    w = run_worker(c, Uploader, corpus, tmp_path, "uploader", timeout=60)
+    assert w.summary.rounds_alone == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1
+    rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
+    assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] == 4 * c.cfg.train.batch_size, rows
+    c.close()

@@ -58,6 +58,10 @@ from blocktrain.worker.versions import fetch_version
 
 log = logging.getLogger(__name__)
 
+# why a group's mean can be refused for a member other than its uploader (one already counts, one cannot count or is
+# quarantined) or for no member at all (the coordinator hosts no groups): the uploader's own delta still counts alone
+MEAN_REFUSED_FOR_A_MEMBER = frozenset({Reason.DUPLICATE, Reason.GROUP_MEMBER, Reason.QUARANTINED, Reason.HIVEMIND_OFF})
+
 
 class Worker:
     targets: Targets | None = None  # what it trains on instead of the stream's next bytes (None: those; a hostile peer's)
@@ -249,6 +253,7 @@ class Worker:
         mean did not land, pushed alone before its deadline."""
         assert self.base is not None
         t_pack = time.monotonic()
+        own: tuple[dict[str, torch.Tensor], int] | None = None  # this worker's own delta and samples, where it uploads a mean
         if unsent is None:
             delta, samples = self._delta()
             # on a sharing round its moments travel with the delta
@@ -263,6 +268,7 @@ class Worker:
                 load_trainable(self.block, self.base)
                 self._kept_version = self.base_version
                 return
+            own = (delta, samples)
         else:
             combined = Combined(*unsent)
         self._unsent = None
@@ -285,6 +291,15 @@ class Worker:
                 # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
                 # rounds they came from: coordinator.audit, coordinator.lineage)
                 self.feedback.residual = residual
+                if group is not None and own is not None and exc.reason in MEAN_REFUSED_FOR_A_MEMBER:
+                    # the mean it uploads is refused for a member (one counts already, cannot count, or the
+                    # coordinator hosts no groups): its own delta is kept, pushed alone as the deadline nears, as
+                    # every other member keeps its own (else this round's training never counts)
+                    self._unsent = (self.base_version, *own)
+                    self._kept_version = self.base_version  # as a member whose mean another uploads (its round counts)
+                    log.warning("block %d v%d: the group's mean was refused (%s); its own delta goes alone before the "
+                                "deadline", self.k, self.base_version, exc)
+                    return
                 if not (unsent is not None and exc.reason == Reason.DUPLICATE):  # its group's mean landed meanwhile:
                     self.inner.restore(self._undo[0])                         # the round counts (lineage), so its
                     self._moments_version = self._undo[1]                     # moments go on
