@@ -3,6 +3,7 @@ coordinator with no room to audit a push does not end an honest worker."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from blocktrain.data.dataset import DataDir
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.protocol.codes import Reason
 from blocktrain.protocol.group import GroupMember
 from blocktrain.protocol.messages import WorkAnswer
@@ -235,3 +236,12 @@ def test_an_uploader_whose_mean_is_refused_for_a_member_pushes_its_own_delta_alo
     rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] == 4 * c.cfg.train.batch_size, rows
     c.close()
+
+
+@pytest.mark.parametrize(("poll_s", "give_up_s"), [(math.inf, 600.0), (math.nan, 600.0), (0.5, math.nan), (0.0, 600.0)])
+def test_worker_options_refuse_polls_and_give_ups_that_are_no_numbers(poll_s: float, give_up_s: float) -> None:
+    """NaN passed ``<= 0`` for both, and an infinite poll waited for ever between work requests; inf stays a give-up
+    time (never)."""
+    with pytest.raises(ConfigError, match="poll_s"):
+        WorkerOptions(url="http://127.0.0.1:9", token="t", poll_s=poll_s, give_up_s=give_up_s)
+    assert WorkerOptions(url="http://127.0.0.1:9", token="t", give_up_s=math.inf).give_up_s == math.inf

@@ -43,8 +43,9 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.local_steps is not None and self.local_steps < 1:
             raise ConfigError(f"local_steps must be >= 1, got {self.local_steps}")
-        if self.poll_s <= 0 or self.give_up_s <= 0:
-            raise ConfigError("poll_s and give_up_s must be positive (seconds)")
+        if not 0 < self.poll_s < math.inf or not self.give_up_s > 0:  # NaN passed `<= 0`; an infinite poll never polls
+            raise ConfigError(f"poll_s must be a finite number of seconds > 0 and give_up_s a number > 0 (inf: never give "
+                              f"up), got {self.poll_s}, {self.give_up_s}")
         if self.max_rejections < 1:
             raise ConfigError(f"max_rejections must be >= 1, got {self.max_rejections}")
         if self.group_size < 2 or not 0 < self.matchmaking_s < math.inf:  # inf passed `> 0`: the exchange's bounds derive from it
