@@ -499,3 +499,26 @@ def test_log_probs_that_are_not_finite_are_a_pipeline_error() -> None:
     with pytest.raises(WireError, match="not finite"):
         asyncio.run(byte_log_probs(b"hello world", 8, faulty))
     assert torch.isfinite(asyncio.run(byte_log_probs(b"hello world", 8, fine))[1:]).all()
+
+
+def test_rows_before_the_wanted_one_are_not_scored_and_the_rest_are_unchanged() -> None:
+    """A request for the continuation's log-probs without echo had every window of its prompt scored, up to 64 KB of
+    it for one listed byte. Only the windows holding a wanted row are sent now, and each row computed is the whole
+    scoring's, bit for bit (the layout does not depend on which windows are sent)."""
+    from blocktrain.serve.gateway.logprobs import byte_log_probs
+
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(256, 256, generator=g)
+    sent: list[int] = []
+
+    async def score(x: torch.Tensor) -> torch.Tensor:  # a bigram "model": logits depend on the byte read
+        sent.append(len(x))
+        return table[x.long()] + 0.01 * torch.arange(x.shape[1])[None, :, None]  # and on the position in the window
+
+    data = bytes(torch.randint(0, 256, (300,), generator=g).tolist())
+    whole = asyncio.run(byte_log_probs(data, 16, score, per_call=1))
+    calls = len(sent)
+    sent.clear()
+    tail = asyncio.run(byte_log_probs(data, 16, score, per_call=1, wanted=290))
+    assert torch.equal(tail[290:], whole[290:]) and tail[1:270].isnan().all()  # a sent window's other rows come too
+    assert len(sent) <= 2 < calls  # the windows holding rows 290..299, of about 40

@@ -83,7 +83,7 @@ def windows_per_call(context: int, d_model: int, max_frame_bytes: int) -> int:
 
 
 async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: int = WINDOWS_PER_CALL,
-                         known: torch.Tensor | None = None) -> torch.Tensor:
+                         known: torch.Tensor | None = None, wanted: int = 0) -> torch.Tensor:
     """Log-probs (n, 256) of the byte at each position of ``data`` given the bytes before it; row 0 is NaN.
 
     Windows of ``context`` bytes as :func:`eval_windows` lays them out (row i is predicted in the one window
@@ -91,6 +91,9 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: in
     depends on the bytes after it: appending bytes to ``data`` leaves every earlier row as it was. ``per_call``:
     windows per score call (:func:`windows_per_call`). ``known``: the first rows (m, 256) of ``data``, scored before
     (a request's prompt, for each of its choices); a window whose rows all lie among them is not sent again.
+    ``wanted``: the first row the caller reads (a window that holds only rows before it is not sent, and its rows
+    are NaN: a prompt's rows where the answer lists only the continuation's). The layout does not depend on either,
+    so every row computed is the one a whole scoring gives.
     """
     n = len(data)
     out = torch.full((n, VOCAB_SIZE), float("nan"))
@@ -101,7 +104,8 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: in
     if n < 2:
         return out
     arr = torch.tensor(list(data), dtype=torch.uint8)
-    windows = [w for w in eval_windows(n, context) if w[0] + w[1] >= m]  # its rows: start + first + 1 .. start + length
+    skip = max(m, wanted)
+    windows = [w for w in eval_windows(n, context) if w[0] + w[1] >= skip]  # its rows: start + first + 1 .. start + length
     for i in range(0, len(windows), per_call):
         batch = windows[i : i + per_call]
         x = torch.zeros(len(batch), context, dtype=torch.uint8)  # (w, context): each window's inputs, zero-padded
@@ -110,7 +114,7 @@ async def byte_log_probs(data: bytes, context: int, score: ScoreFn, per_call: in
         lp = torch.log_softmax((await score(x)).float(), dim=-1)  # (w, context, 256)
         for j, (start, length, first) in enumerate(batch):
             out[start + first + 1 : start + length + 1] = lp[j, first:length]  # position p predicts byte start + p + 1
-    if not bool(torch.isfinite(out[1:]).all()):  # JSON would carry null where a client sums numbers (lm-eval)
+    if not bool(torch.isfinite(out[max(1, wanted):]).all()):  # JSON would carry null where a client sums numbers (lm-eval)
         raise WireError("the pipeline's logits give log-probs that are not finite (a stage's arithmetic overflowed, "
                         "or a stage is faulty): check each stage's weights and precision")
     return out

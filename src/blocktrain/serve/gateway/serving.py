@@ -287,20 +287,23 @@ class Gateway:
         return ChatChoice(index=i, finish_reason=finish, raw_bytes=b64(data), logprobs=logprobs,
                           message=AssistantMessage(content=data.decode("utf-8", errors="replace")))
 
-    async def log_probs(self, data: bytes, stage: StageInfo, seed: int, known: torch.Tensor | None = None) -> Any:
+    async def log_probs(self, data: bytes, stage: StageInfo, seed: int, known: torch.Tensor | None = None,
+                        wanted: int = 0) -> Any:
         """Log-probs (len(data), 256) of each byte of ``data`` given the bytes before it (row 0: NaN); ``known``: its
-        first rows, scored before."""
+        first rows, scored before; ``wanted``: the first row read (those before it are NaN, unscored)."""
         per_call = windows_per_call(stage.context, stage.d_model, self.client.max_frame_bytes)
-        return await byte_log_probs(data, stage.context, lambda x: self.client.score(x, seed=seed), per_call, known)
+        return await byte_log_probs(data, stage.context, lambda x: self.client.score(x, seed=seed), per_call, known,
+                                    wanted)
 
     def rows(self, g: Generation, stage: StageInfo) -> Rows:
         """The log-probs of the history and each choice's bytes, for the choices of ``g`` one after another: the
         history's rows depend on it alone (prefix-stable), so they are scored once, with the first choice."""
         history = g.prompt or EMPTY_PROMPT
         known: list[torch.Tensor] = []
+        wanted = 0 if g.echo and not g.chat else len(history)  # without echo, only the continuation's rows are listed
 
         async def scored(text: bytes) -> torch.Tensor:
-            out = await self.log_probs(text, stage, g.score_seed, known[0] if known else None)
+            out = await self.log_probs(text, stage, g.score_seed, known[0] if known else None, wanted)
             if not known:
                 known.append(out[: len(history)])
             return out
