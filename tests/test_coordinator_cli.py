@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import os
 import signal
 import time
@@ -178,3 +179,11 @@ def test_the_coordinator_takes_no_flag_of_local_training_it_would_ignore(tmp_pat
     with pytest.raises(SystemExit):
         _parse(tmp_path, flag, "5")
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_settings_record_as_json_with_enums_as_their_values() -> None:
+    """What a result records of the coordinator settings it ran with: every field, JSON as it stands."""
+    s = CoordinatorSettings(gate=False, aggregation=Aggregation.MEAN)
+    d = json.loads(json.dumps(s.to_dict()))
+    assert set(d) == {f.name for f in fields(CoordinatorSettings)}
+    assert d["aggregation"] == "mean" and d["gate"] is False and d["step_compression"] == s.step_compression.value

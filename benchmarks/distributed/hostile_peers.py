@@ -28,7 +28,7 @@ import argparse
 import json
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         doc.update({"what": (f"block 0 of a stack run ({args.preset}), {args.workers} honest replicas plus the attack's "
                              "hostile ones, in process with the coordinator's intake, audits, aggregation and outer step "
                              "(its default settings); CE on the first eval bytes of the test split"),
-                    "settings": {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(settings).items()},
+                    "settings": settings.to_dict(),
                     "rows": list(rows.values())})
         write_json(args.out, doc)  # written after every row (whole or not at all): a cut study keeps them
     if rows:  # the rows as they stand (a migrated p_undetected included)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +31,12 @@ from blocktrain.data.dataset import resolve_data_dir
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.train.metrics import write_json
+
+
+def _key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two rows the same arm: rows from before the settings were recorded are kept beside new ones."""
+    return (row["preset"], row["steps"], row["seed"], row["workers"], row["h"], row["open_fraction"], row["eval_bytes"],
+            json.dumps(row.get("settings"), sort_keys=True))
 
 
 def main() -> int:
@@ -54,6 +61,7 @@ def main() -> int:
     data = resolve_data_dir(args.data)
     settings = CoordinatorSettings(gate=False, audit_fraction=0.0, aggregation=Aggregation(args.aggregation))
     command = "python benchmarks/distributed/staggered_schedule.py " + " ".join(sys.argv[1:])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc: dict[str, Any] = json.loads(args.json.read_text()) if args.json.is_file() else {"what": __doc__.split("\n\n")[0]}
     rows: list[dict[str, Any]] = doc.setdefault("rows", [])
     for f in (float(x) for x in args.fractions.split(",")):
@@ -67,9 +75,9 @@ def main() -> int:
                "open_fraction": f, "schedule": "progressive" if f >= 1 else "staggered", "ce_nats_per_byte": prefix[-1],
                "prefix_ce": prefix, "slots": pool.slots, "worker_rounds": pool.worker_rounds, "rounds": pool.rounds,
                "opened_at": pool.opened_at, "eval_split": "test", "eval_bytes": args.eval_bytes,
-               "cpu_wall_s": time.perf_counter() - t0, "command": command}
-        key = (row["preset"], row["steps"], row["seed"], row["workers"], row["h"], f)
-        rows[:] = [r for r in rows if (r["preset"], r["steps"], r["seed"], r["workers"], r["h"], r["open_fraction"]) != key]
+               "cpu_wall_s": time.perf_counter() - t0, "command": command, "settings": settings.to_dict(),
+               "commit": commit}
+        rows[:] = [r for r in rows if _key(r) != _key(row)]  # the same arm run again, with the same settings
         rows.append(row)
         write_json(args.json, doc)
         print(f"open fraction {f}: CE {prefix[-1]:.4f} in {pool.slots} slots", file=sys.stderr, flush=True)

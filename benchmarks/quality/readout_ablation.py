@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -91,8 +92,9 @@ def main() -> int:
     for k, v in rows.items():
         sys.stdout.write(f"  {k:18s} {v:.4f}\n")
     if args.json:
+        command = "python " + shlex.join(["benchmarks/quality/readout_ablation.py", *sys.argv[1:]])
         Path(args.json).write_text(json.dumps({"run": args.run, "split": args.split, "max_bytes": args.max_bytes,
-                                               "ce_nats_per_byte": rows}, indent=2) + "\n")
+                                               "ce_nats_per_byte": rows, "command": command}, indent=2) + "\n")
     return 0
 
 

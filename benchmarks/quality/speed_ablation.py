@@ -31,7 +31,7 @@ from blocktrain.model.loss import lm_loss
 from blocktrain.objectives import get_objective
 from blocktrain.presets import get_preset
 from blocktrain.train.loop import train_steps
-from blocktrain.train.step import lr_at, make_optimizer
+from blocktrain.train.step import decay_groups, lr_at, make_optimizer
 
 CPU = torch.device("cpu")
 
@@ -66,8 +66,9 @@ def make_step(kind: str, cfg: Any, precision: Precision, opt_kind: str, compiled
     else:
         model = get_objective(cfg).build_block(0)
     opt, _ = make_optimizer(model, cfg.train)
-    if opt_kind != "fused":
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.95), foreach=opt_kind == "foreach")
+    if opt_kind != "fused":  # the same groups (weight decay on matrices only) and betas, another implementation
+        groups, _ = decay_groups(model, cfg.train)
+        opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95), foreach=opt_kind == "foreach")
     fwd = torch.compile(model) if compiled else model
     obj = get_objective(cfg)
     g = torch.Generator().manual_seed(0)

@@ -69,12 +69,15 @@ def main() -> int:
         return row
 
     variants = args.variants.split(",")
+    from blocktrain.presets import get_preset
+
+    n_blocks = get_preset(args.preset).model.n_blocks  # every block of the preset, however many it has
     with tempfile.TemporaryDirectory(prefix="worker-memory-") as tmp:
         e2e = run("e2e", "auto", Path(tmp) / "e2e")  # the E2E trainer as it runs by default: the reference
         e2e_recompute = run("e2e", "auto+recompute", Path(tmp) / "e2e-recompute")
         for variant in variants:
             out = Path(tmp) / f"blocks-{variant}"
-            for k in range(4):
+            for k in range(n_blocks):
                 row = run(str(k), variant, out)
                 row["ratio_over_e2e"] = row["train_mem_bytes"] / e2e["train_mem_bytes"]
                 rows.append(row)
@@ -83,8 +86,8 @@ def main() -> int:
            "command": "python benchmarks/quality/worker_memory.py " + " ".join(sys.argv[1:]),
            "e2e_train_mem_bytes": e2e["train_mem_bytes"], "e2e_recompute_train_mem_bytes": e2e_recompute["train_mem_bytes"],
            "rows": rows, "worst_ratio": worst}
-    print("| variant | " + " | ".join(f"block {k}" for k in range(4)) + " | worst / E2E |")
-    print("|---|" + "---|" * 5)
+    print("| variant | " + " | ".join(f"block {k}" for k in range(n_blocks)) + " | worst / E2E |")
+    print("|---|" + "---|" * (n_blocks + 1))
     for v in variants:
         mib = [f"{r['train_mem_bytes'] / 2**20:.1f} MiB ({r['ratio_over_e2e']:.3f})" for r in rows if r["variant"] == v]
         print(f"| {v} | " + " | ".join(mib) + f" | {worst[v]:.3f} |")

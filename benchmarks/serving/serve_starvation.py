@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import struct
@@ -162,7 +163,8 @@ def main() -> int:
             rc = stage.wait()
     text = Path(log.name).read_text()
     result.update(stage_exit_code=rc, clean_shutdown=rc == 0 and "Traceback" not in text,
-                  wall_seconds=round(time.monotonic() - t_start, 1))
+                  wall_seconds=round(time.monotonic() - t_start, 1),
+                  command="python " + shlex.join(["benchmarks/serving/serve_starvation.py", *sys.argv[1:]]))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.write(

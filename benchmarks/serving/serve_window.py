@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -80,7 +82,8 @@ def main() -> None:
             h = b(h, cache=cache, pos=c - 1)
         return blocks[-1].logits(h, cache=cache)[:, -1]
 
-    out: dict[str, object] = {"preset": args.preset, "context": c, "d_model": cfg.model.d_model,
+    out: dict[str, object] = {"command": "python " + shlex.join(["benchmarks/serving/serve_window.py", *sys.argv[1:]]),
+                              "preset": args.preset, "context": c, "d_model": cfg.model.d_model,
                               "n_layers": cfg.model.n_layers, "n_blocks": cfg.model.n_blocks, "threads": args.threads}
     out["reprefill_ms"], out["reprefill_min_ms"] = best_ms(prefill, args.repeat)
     out["cached_step_ms"], out["cached_step_min_ms"] = best_ms(cached_step, args.repeat)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from blocktrain.errors import ConfigError
 from blocktrain.protocol.delta import Compression
@@ -152,6 +153,10 @@ class CoordinatorSettings:
         """The moment prefixes a push against ``version`` carries (``m/``, ``v/``): the inner start's on every
         ``moment_every``-th round (:func:`~blocktrain.protocol.moments.shares_moments`), else none."""
         return self.inner_start.shares_at(version, self.moment_every)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, enums as their values: what a result records of the settings it ran with."""
+        return {f.name: (v.value if isinstance(v := getattr(self, f.name), enum.Enum) else v) for f in fields(self)}
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or self.device.startswith("cuda:")):
