@@ -55,13 +55,13 @@ class AuxE2E(nn.Module):
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x (b, t) -> logits of every head, the auxiliary ones first and the model's own head last."""
         m = self.e2e
-        h = m.tok_emb(x.long()) + m.pos_emb(torch.arange(x.shape[1]))
+        h = m.embed(x)
         outs = []
         for i, layer in enumerate(m.layers):
             h = layer(h)
             if i + 1 in self.after:
                 outs.append(self.aux[self.after.index(i + 1)](h))
-        return [*outs, m.head(m.ln_f(h))]
+        return [*outs, m.readout(h)]
 
 
 def train_and_score(cfg: RunConfig, variant: str, data: Any, valid: Any, eval_bytes: int) -> dict[str, Any]:

@@ -30,10 +30,18 @@ class E2ETransformer(nn.Module):
         With ``cache`` (one sequence's keys and values of positions 0..pos-1, layers named by index) it is
         extended by x's positions.
         """
+        h = self.embed(x, pos)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cache=cache, name=str(i))
+        return self.readout(h)
+
+    def embed(self, x: torch.Tensor, pos: int = 0) -> torch.Tensor:
+        """x: (b, t) bytes at positions pos.. -> the residual stream (b, t, d) the first layer reads."""
         t = x.shape[1]
         if pos + t > self.cfg.context:
             raise ValueError(f"sequence of {pos + t} bytes exceeds the context of {self.cfg.context}")
-        h = self.tok_emb(x.long()) + self.pos_emb(torch.arange(pos, pos + t, device=x.device))
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cache=cache, name=str(i))
+        return self.tok_emb(x.long()) + self.pos_emb(torch.arange(pos, pos + t, device=x.device))
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """The residual stream (b, t, d) after the last layer -> logits (b, t, 256)."""
         return self.head(self.ln_f(h))
