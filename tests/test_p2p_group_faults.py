@@ -355,3 +355,12 @@ def test_a_peers_state_stream_counts_every_byte_it_sends() -> None:
     with pytest.raises(StateTooLargeError):
         asyncio.run(BlockAverager._read_state(Peer(), "peer", 64 * 1024))  # type: ignore[arg-type]
     assert sent < 100  # refused within its budget, not at the stream's end
+
+
+def test_the_averagers_rpc_handles_keep_their_released_names() -> None:
+    """hivemind names a peer's RPC handles after the averager's class: renaming the class (to BlockAverager) renamed
+    every handle, and peers of the two releases met in the DHT but never formed a group. The names are kept."""
+    from blocktrain.p2p.averager import BlockAverager
+
+    assert BlockAverager._get_handle_name("run.b0", "rpc_join_group") == "run.b0::_BlockAverager.rpc_join_group"
+    assert BlockAverager._get_handle_name(None, "rpc_aggregate_part") == "_BlockAverager.rpc_aggregate_part"

@@ -10,7 +10,8 @@
   (:meth:`BlockAverager.tensors_within`);
 * a peer's copy of the block's weights is pulled within a byte budget and a deadline (:meth:`BlockAverager.pull_state`).
 
-hivemind names its RPC handlers after the averager's class, so every peer runs this class by this name.
+hivemind names its RPC handlers after the averager's class; :attr:`BlockAverager.RPC_NAME` keeps the name they had
+before the class was renamed, so peers of either release still meet.
 :mod:`.groups` builds one per block and runs a round's exchange with it.
 """
 
@@ -132,6 +133,14 @@ class WholeRunner(AllReduceRunner):  # type: ignore[misc]
 class BlockAverager(DecentralizedAverager):  # type: ignore[misc]
     """hivemind's averager, sharing this worker's copy of the block's published weights as its state, and pulling a
     peer's copy within a byte budget and a deadline (:meth:`pull_state`)."""
+
+    RPC_NAME = "_BlockAverager"  # what peers' RPC handlers are named by (hivemind: the class's name); kept as released
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        """hivemind's handle name, by :attr:`RPC_NAME` whatever this class (or a subclass) is called."""
+        handle = f"{cls.RPC_NAME}.{method_name}"
+        return handle if namespace is None else f"{namespace}::{handle}"
 
     def __init__(self, *args: Any, shared: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]], **kwargs: Any) -> None:
         self._shared = shared
