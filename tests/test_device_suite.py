@@ -150,17 +150,18 @@ def _depth_row(lr: float, seed: int, test: tuple[float, float, float], val: tupl
     return row
 
 
-def test_the_depth_summary_picks_lrs_on_validation_over_common_seeds(tmp_path: Path) -> None:
+def test_the_depth_summary_picks_lrs_on_validation_among_complete_lrs(tmp_path: Path) -> None:
     """The summary picked each arm's lr by its test CE, and compared a one-seed lr's lucky seed with another lr's
-    three-seed mean; two spellings of one lr counted as two seeds. It picks on validation now, over the seeds every
-    lr has; a row written again (0.002 for 2e-3) replaces the first; one seed has no spread; the gap pairs seeds."""
+    three-seed mean; two spellings of one lr counted as two seeds. It picks on validation now, among the lrs that
+    have every seed (the others are named as left out); a diverged run (validation CE NaN) loses; a row written again
+    (0.002 for 2e-3) replaces the first; one seed has no spread; the gap pairs seeds."""
     from benchmarks.quality import device_depth
 
     jsonl = tmp_path / "depth.jsonl"
     rows = [
-        _depth_row(1e-3, 0, (1.30, 1.40, 1.50), (1.35, 1.45, 1.55)),  # best on test, worse on validation
-        _depth_row(2e-3, 0, (1.32, 1.42, 1.52), (1.33, 1.43, 1.53)),
-        _depth_row(2e-3, 1, (1.40, 1.44, 1.54), (1.40, 1.44, 1.54)),  # 2e-3's mean over both seeds is worse ...
+        _depth_row(1e-3, 0, (1.30, 1.40, 1.50), (1.35, 1.45, 1.55)),
+        _depth_row(2e-3, 0, (1.25, 1.42, 1.52), (1.33, 1.43, 1.53)),  # best test and validation on seed 0 ...
+        _depth_row(2e-3, 1, (1.40, 1.44, 1.54), (1.40, 1.44, 1.54)),  # ... not over both seeds
         _depth_row(1e-3, 1, (9.0, 9.0, 9.0), None),  # (replaced below)
     ]
     for r in rows:
@@ -168,23 +169,29 @@ def test_the_depth_summary_picks_lrs_on_validation_over_common_seeds(tmp_path: P
     device_depth.append_row(jsonl, _depth_row(0.001, 1, (1.31, 1.41, 1.51), (1.36, 1.46, 1.56)))  # 1e-3 again
     with jsonl.open("a") as f:
         f.write('{"key": "cut')  # a row killed mid-write; the next one starts on its own line
-    device_depth.append_row(jsonl, _depth_row(3e-3, 0, (1.20, 1.20, 1.20), (1.00, 1.00, 1.00)))  # ... seed 0 only
+    device_depth.append_row(jsonl, _depth_row(3e-3, 0, (1.20, 1.20, 1.20), (1.00, 1.00, 1.00)))  # one seed only
     got = device_depth.summarise(device_depth.read_rows(jsonl))["p"]
     assert got["rows"] == 5
-    stack = got["arms"]["stack"]
-    # 3e-3 has only seed 0, so lrs are compared on seed 0: 3e-3 (1.00) beats 2e-3 (1.33) and 1e-3 (1.35)
-    assert (stack["best_lr"], stack["picked_on"], stack["seeds_compared"]) == (3e-3, "validation", [0])
-    assert stack["seeds"] == 1 and stack["spread"] is None and stack["mean"] == 1.20
-    assert got["gap_seeds"] == [0] and got["gap_stack_minus_e2e"] == pytest.approx(1.20 - 1.20)
-    assert got["gap_spread"] is None
-    two = device_depth.summarise([r for r in device_depth.read_rows(jsonl) if r["lr"] != 3e-3])["p"]
-    # seeds 0 and 1 in common: on validation the stack's 1e-3 (mean 1.355) beats 2e-3 (1.365), though 2e-3 had the
-    # best single seed; the E2E's 2e-3 (1.535) beats 1e-3 (1.555)
-    assert two["arms"]["stack"]["best_lr"] == 1e-3 and two["arms"]["stack"]["seeds"] == 2
-    assert two["arms"]["e2e_matched_flops"]["best_lr"] == 2e-3
-    assert two["arms"]["stack"]["spread"] == pytest.approx(0.01)
-    assert two["gap_seeds"] == [0, 1] and two["gap_stack_minus_e2e"] == pytest.approx(((1.30 - 1.52) + (1.31 - 1.54)) / 2)
-    assert two["gap_spread"] == pytest.approx(0.01)
+    stack, e2e = got["arms"]["stack"], got["arms"]["e2e_matched_flops"]
+    # 3e-3 lacks seed 1: left out (on seed 0 alone it would win); of the two complete lrs 1e-3 has the lower
+    # validation mean (1.355 against 1.365), though 2e-3 had the best single seed
+    assert (stack["best_lr"], stack["picked_on"], stack["seeds_compared"]) == (1e-3, "validation", [0, 1])
+    assert stack["excluded_incomplete"] == [3e-3] and not stack["uneven"]
+    assert stack["seeds"] == 2 and stack["spread"] == pytest.approx(0.01) and stack["mean"] == pytest.approx(1.305)
+    assert e2e["best_lr"] == 2e-3  # the E2E's 2e-3 (1.535) beats its 1e-3 (1.555)
+    assert got["gap_seeds"] == [0, 1] and got["gap_stack_minus_e2e"] == pytest.approx(((1.30 - 1.52) + (1.31 - 1.54)) / 2)
+    assert got["gap_spread"] == pytest.approx(0.01)
+    table = device_depth.table(device_depth.summarise(device_depth.read_rows(jsonl)))
+    assert "0.003 left out" in table and "validation, 2 seeds" in table
+    # a diverged lr loses, though it comes first: 1e-3's validation CE is NaN (recorded as None)
+    diverged = [r for r in device_depth.read_rows(jsonl) if r["lr"] != 3e-3]
+    for r in diverged:
+        if r["lr"] == 1e-3:
+            r["val_ce"] = {"stack": None, "stack_prefix0": None, "e2e_matched_flops": None}  # NaN is recorded as None
+    assert device_depth.summarise(diverged)["p"]["arms"]["stack"]["best_lr"] == 2e-3
+    one = device_depth.summarise([_depth_row(1e-3, 0, (1.3, 1.4, 1.5), (1.3, 1.4, 1.5))])["p"]
+    assert one["arms"]["stack"]["spread"] is None and one["gap_spread"] is None
+    uneven = device_depth.summarise([_depth_row(1e-3, 0, (1.3,) * 3, (1.3,) * 3), _depth_row(2e-3, 1, (1.2,) * 3, (1.2,) * 3)])
+    assert uneven["p"]["arms"]["stack"]["uneven"] and uneven["p"]["gap_seeds"] in ([0], [1])
     old = [{k: v for k, v in r.items() if k != "val_ce"} for r in device_depth.read_rows(jsonl)]
     assert device_depth.summarise(old)["p"]["arms"]["stack"]["picked_on"] == "test"  # rows from before validation
-    assert "n/a" in device_depth.table(device_depth.summarise(device_depth.read_rows(jsonl)))

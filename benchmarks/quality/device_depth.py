@@ -3,9 +3,9 @@
 Each ``bench quality`` run (one preset, one lr, one seed: the stack against the E2E at matched FLOPs) becomes one
 row of a JSONL file. ``rows`` trains every (lr, seed) of a preset whose row is not in the file yet (so a second
 run resumes), each under its own time limit; ``row`` adds one from a finished bench's JSON; ``summary`` picks each
-arm's best lr by its mean validation CE over the seeds every lr has (the test split only reports), and prints each
-arm's test CE at its best lr (seed mean, spread) and the gap (stack minus E2E, nats/byte) over the seeds both best
-lrs have, with its spread:
+arm's best lr by its mean validation CE among the lrs with every seed (:func:`pick_lr`; the test split only reports),
+and prints each arm's test CE at its best lr (seed mean, spread) and the gap (stack minus E2E, nats/byte) over the
+seeds both best lrs have, with its spread:
 
     python benchmarks/quality/device_depth.py rows --preset P --lrs 1e-3 2e-3 --seeds 0 1 --device cuda \
         --data DATA --runs RUNS --jsonl depth.jsonl [--max-eval-bytes 0] [--timeout 420]
@@ -141,20 +141,31 @@ def _spread(values: list[float]) -> float | None:
     return max(values) - min(values) if len(values) > 1 else None
 
 
-def pick_lr(by_lr: dict[float, dict[int, dict[str, Any]]], arm: str) -> tuple[float, str, list[int]]:
-    """The arm's best lr: the lowest mean validation CE over the seeds every lr has (so no lr wins on a lucky seed
-    the others lack); on test CE, said so, where a row has no validation CE (rows from before it was recorded).
-    Returns (lr, the split it was picked on, the seeds compared)."""
-    common = sorted(set.intersection(*(set(seeds) for seeds in by_lr.values())))
+def pick_lr(by_lr: dict[float, dict[int, dict[str, Any]]], arm: str) -> dict[str, Any]:
+    """The arm's best lr: the lowest mean validation CE over the seeds, among the lrs that have every seed any lr has
+    (an lr missing a seed, a crashed or unfinished row, is left out and named: comparing on fewer seeds would let a
+    survivor win on a lucky one); a CE that is missing or not finite (a diverged run) scores +inf, so it loses. On
+    test CE, said so, where the rows record no validation CE at all (rows from before it was recorded). When no lr has
+    every seed, each is compared on the seeds all have (or, with none in common, on its own), and it says so."""
+    seeds_all = set().union(*(set(seeds) for seeds in by_lr.values()))
+    complete = sorted(lr for lr, seeds in by_lr.items() if set(seeds) == seeds_all)
+    candidates = complete or sorted(by_lr)
+    common = sorted(set.intersection(*(set(by_lr[lr]) for lr in candidates)))
     rows = [r for seeds in by_lr.values() for r in seeds.values()]
-    split = "validation" if all((r.get("val_ce") or {}).get(arm) is not None for r in rows) else "test"
+    split = "validation" if all(isinstance(r.get("val_ce"), dict) for r in rows) else "test"
+
+    def ce(r: dict[str, Any]) -> float:
+        value = r["val_ce"].get(arm) if split == "validation" else r["ce"].get(arm)
+        return float(value) if value is not None and math.isfinite(value) else math.inf
 
     def score(lr: float) -> float:
-        seeds = common or sorted(by_lr[lr])  # no seed in common: each lr on its own (the table flags it)
-        return statistics.mean((r["val_ce"][arm] if split == "validation" else r["ce"][arm])
-                               for r in (by_lr[lr][s] for s in seeds))
+        seeds = common or sorted(by_lr[lr])
+        return statistics.mean(ce(by_lr[lr][s]) for s in seeds)
 
-    return min(by_lr, key=score), split, common
+    best = min(candidates, key=lambda lr: (score(lr), lr))  # a tie (two diverged lrs): the smaller lr
+    return {"best_lr": best, "picked_on": split, "seeds_compared": common or sorted(by_lr[best]),
+            "excluded_incomplete": sorted(set(by_lr) - set(complete)) if complete else [],
+            "uneven": not complete}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,10 +181,10 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             by_lr[float(r["lr"])][int(r["seed"])] = r
         arms: dict[str, Any] = {}
         for arm in ARMS:
-            best, split, common = pick_lr(by_lr, arm)
+            pick = pick_lr(by_lr, arm)
+            best = pick["best_lr"]
             ces = [by_lr[best][s]["ce"][arm] for s in sorted(by_lr[best])]
-            arms[arm] = {"best_lr": best, "picked_on": split, "seeds_compared": common, "mean": statistics.mean(ces),
-                         "seeds": len(ces), "spread": _spread(ces),
+            arms[arm] = {**pick, "mean": statistics.mean(ces), "seeds": len(ces), "spread": _spread(ces),
                          "by_lr": {str(lr): {"mean": statistics.mean(r["ce"][arm] for r in seeds.values()),
                                              "ces": [seeds[s]["ce"][arm] for s in sorted(seeds)],
                                              "seeds": sorted(seeds)} for lr, seeds in sorted(by_lr.items())}}
@@ -197,9 +208,11 @@ def table(summary: dict[str, Any]) -> str:
     for preset, s in summary.items():
         for arm in ARMS:
             a = s["arms"][arm]
-            lines.append(f"| {preset} | {arm} | {a['best_lr']:g} ({a['picked_on']}"
-                         f"{'' if a['seeds_compared'] else ', no seed common to every lr'}) | {a['mean']:.4f} | "
-                         f"{a['seeds']} | {_f(a['spread'], '.4f')} |")
+            left_out = ", ".join(f"{lr:g}" for lr in a["excluded_incomplete"])
+            how = (f"{a['picked_on']}, {len(a['seeds_compared'])} seeds" + (", seeds uneven" if a["uneven"] else "")
+                   + (f"; {left_out} left out, seeds missing" if left_out else ""))
+            lines.append(f"| {preset} | {arm} | {a['best_lr']:g} ({how}) | {a['mean']:.4f} | {a['seeds']} | "
+                         f"{_f(a['spread'], '.4f')} |")
         lines.append(f"| {preset} | gap (stack - E2E), paired seeds | | {_f(s['gap_stack_minus_e2e'], '+.4f')} | "
                      f"{len(s['gap_seeds'])} | {_f(s['gap_spread'], '.4f')} |")
     return "\n".join(lines)
