@@ -274,6 +274,7 @@ def test_a_client_cannot_touch_another_clients_kv_cache_by_sending_its_request_i
         assert first.kind is FrameKind.RESULT and first.request_id == "shared"  # the client's own id comes back
         other = _ask(b, _ar("shared", b"!", 5))  # B continues "A's" request at A's position
         assert other.kind is FrameKind.ERROR and other.code is ErrorCode.UNKNOWN_REQUEST and other.request_id == "shared"
+        assert "request shared has no KV cache" in other.error  # named by the client's own id, not the entry's
         b.sendall(encode(Frame(FrameKind.RELEASE, "shared", Mode.AR)))
         assert _ask(b, Frame(FrameKind.PING, "p")).kind is FrameKind.PONG  # B's release was handled before this
         went_on = _ask(a, _ar("shared", b"!", 5))

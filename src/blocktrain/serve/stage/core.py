@@ -79,11 +79,10 @@ async def admit(span: Span, frame: Frame, conn: Conn, sent: Frame | None = None)
     as it arrived, where the entry renamed its request)."""
     try:
         span.validate(frame)
-    except UnknownRequestError as exc:
-        await reject(conn, sent or frame, ErrorCode.UNKNOWN_REQUEST, str(exc))
-        return False
     except WireError as exc:
-        await reject(conn, sent or frame, ErrorCode.BAD_REQUEST, str(exc))
+        code = ErrorCode.UNKNOWN_REQUEST if isinstance(exc, UnknownRequestError) else ErrorCode.BAD_REQUEST
+        message = str(exc) if sent is None else str(exc).replace(frame.request_id, sent.request_id)  # its own id
+        await reject(conn, sent or frame, code, message)
         return False
     return True
 
