@@ -102,7 +102,10 @@ def _stack_section(results: Path) -> list[str]:
     """The stack objective's rows (issue 11), from the result files of bench quality and the stack benchmarks."""
     out = ["", "## The stack objective (issue 11)", "",
            "Whole test split unless noted. Gain = first prefix (block 0 with its own head) minus the composed stack.",
-           "E2E rows: matched steps, and matched training FLOPs (frozen forward passes of the stack counted).", "",
+           "E2E rows: matched steps, and matched training FLOPs (frozen forward passes of the stack counted).",
+           "These rows trained the stack recipe of their day (fresh blocks, equal steps: before 931dfa3); their commands "
+           "now train the presets' recipe (blocks copied, step_ratio 0.7), so a rerun is a new measurement, not a "
+           "reproduction.", "",
            "| run | E2E matched steps | E2E matched FLOPs | stack composed | prefixes | gain | gap at matched FLOPs "
            "| stack FLOPs / E2E | worker memory / E2E | command |",
            "|---|---|---|---|---|---|---|---|---|---|"]

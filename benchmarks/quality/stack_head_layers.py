@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from blocktrain.config import Objective, StackConfig
+from blocktrain.config import Objective
 from blocktrain.objectives.stack import StackObjective
 from blocktrain.presets import get_preset
 
@@ -43,7 +43,7 @@ def measure(preset: str, head_layers: int, data: str, out: Path, max_bytes: int 
               "--json", "--no-progress"]
     ev = json.loads(_run(ev_cmd + (["--max-bytes", str(max_bytes)] if max_bytes else [])))
     cfg = get_preset(preset)
-    cfg = replace(cfg, objective=Objective.STACK, stack=StackConfig(head_layers=head_layers))
+    cfg = replace(cfg, objective=Objective.STACK, stack=replace(cfg.stack, head_layers=head_layers))  # as trained
     obj = StackObjective(cfg)
     params = [sum(p.numel() for p in obj.build_block(k).parameters()) for k in range(cfg.model.n_blocks)]
     return {"head_layers": head_layers, "ce_nats_per_byte": ev["ce_nats_per_byte"], "prefix_ce": ev["prefix_ce"],
