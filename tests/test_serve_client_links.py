@@ -4,15 +4,17 @@ running, and a stage that stops reading cannot hold a request past the client's 
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import torch
 
-from blocktrain.errors import ServeError, StageUnavailableError
+from blocktrain.errors import ServeError, StageUnavailableError, WireError
 from blocktrain.serve.client.pipeline import PipelineClient
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, encode
 from blocktrain.serve.wire.links import Conn, Counters
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -313,3 +315,51 @@ def test_a_cancelled_connect_shares_no_earlier_failure() -> None:
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_bad_answer_fails_its_request_at_once() -> None:
+    """An answer the client cannot decode (here: its payload's shapes disagree with its header's) was logged and
+    dropped, and its request waited out the whole timeout (120 s by default) to fail as 'unavailable'. A bad frame
+    whose header names a request fails that request at once, as a WireError."""
+    async def garbles(conn: Conn) -> None:
+        ping = await conn.recv()
+        await conn.send(Frame(FrameKind.PONG, ping.request_id, params={"family": "stack", "n": 1, "context": 64,
+                                                                        "modes": ["score"], "state": "serving"}))
+        sub = await conn.recv()
+        data = encode(Frame(FrameKind.RESULT, sub.request_id, Mode.SCORE, tensors={"logits": torch.zeros(1, 4, 256)}))
+        h_len, p_len = struct.unpack(">II", data[4:12])
+        header = {**json.loads(data[12 : 12 + h_len]), "shapes": {"logits": [1, 5, 256]}}
+        raw = json.dumps(header).encode()
+        conn.writer.write(data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :])
+        await conn.writer.drain()
+        await asyncio.sleep(30)
+
+    async def main() -> None:
+        server, addr = await _serve(garbles)
+        client = PipelineClient(addr, timeout_s=20.0, connect_attempts=1)
+        await client.connect()
+        t0 = time.monotonic()
+        with pytest.raises(WireError, match="bad frame") as exc:
+            await client.score(torch.zeros(1, 4, dtype=torch.uint8))
+        assert time.monotonic() - t0 < 5 and not isinstance(exc.value, StageUnavailableError)
+        await client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_bad_request_frame_is_refused_by_its_id() -> None:
+    """A stage refused a malformed frame with an ERROR naming no request, which its client could only log: the
+    request waited out its timeout. The refusal names the request where the frame's header did."""
+    from tests.serve_sockets import connect, open_stage, recv_frame, whole_span
+    from tests.serve_utils import tiny_models
+
+    with open_stage(whole_span(tiny_models(seed=1))) as st, connect(st.address) as s:
+        data = encode(Frame(FrameKind.SUBMIT, "mine", Mode.SCORE, tensors={"x": torch.zeros(1, 4, dtype=torch.uint8)}))
+        h_len, p_len = struct.unpack(">II", data[4:12])
+        header = {**json.loads(data[12 : 12 + h_len]), "shapes": {"x": [1, 5]}}
+        raw = json.dumps(header).encode()
+        s.sendall(data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :])
+        got = recv_frame(s)
+        assert got is not None and got.kind is FrameKind.ERROR and got.code is ErrorCode.MALFORMED
+        assert got.request_id == "mine" and "disagree" in got.error

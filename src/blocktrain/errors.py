@@ -48,6 +48,8 @@ class ServeError(BlockTrainError):
 class WireError(ServeError):
     """A serving frame broke the wire protocol (bad header, payload, shapes or request id)."""
 
+    request_id: str = ""  # the request a bad frame named, where its header could be read that far ("" if not)
+
 
 class FramingError(WireError):
     """The byte stream lost its framing (bad magic or oversized frame); the connection must close."""

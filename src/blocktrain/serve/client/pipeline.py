@@ -191,6 +191,10 @@ class PipelineClient:
                     raise
                 except WireError as exc:
                     log.warning("bad frame from the entry stage: %s", exc)
+                    bad = self._futures.pop(exc.request_id, None) if exc.request_id else None
+                    if bad is not None and not bad.done():  # its request fails now, not at its timeout
+                        bad.set_exception(WireError(f"the entry stage at {self.where} answered request "
+                                                    f"{exc.request_id} with a bad frame: {exc}"))
                     continue
                 if (frame.kind is FrameKind.ERROR and not frame.request_id
                         and frame.code in (ErrorCode.UNAUTHORIZED, ErrorCode.OVERLOADED)):

@@ -124,7 +124,8 @@ class Admission:
                     await conn.send(self._unauthorized(conn, f"its first frame was unreadable ({exc})"))
                     return
                 log.warning("rejected a frame from %s: %s", conn.peer, exc)
-                await conn.send(Frame(FrameKind.ERROR, code=ErrorCode.MALFORMED, error=str(exc)))
+                # naming its request where the header said (its sender fails it now, not at its timeout)
+                await conn.send(Frame(FrameKind.ERROR, exc.request_id, code=ErrorCode.MALFORMED, error=str(exc)))
                 continue
             try:
                 if conn.authenticated:

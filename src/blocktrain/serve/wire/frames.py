@@ -243,6 +243,16 @@ def decode_body(header_bytes: bytes, payload: bytes) -> Frame:
     rid = h.get("id", "")
     if not isinstance(rid, str) or (rid and not _ID_RE.fullmatch(rid)):
         raise WireError(f"request id {rid!r} must be 1-64 characters of [A-Za-z0-9_.:-]")
+    try:
+        return _decode_rest(h, rid, kind, mode, code, payload)
+    except WireError as exc:
+        exc.request_id = rid  # its receiver can fail that request now, not at its timeout
+        raise
+
+
+def _decode_rest(h: dict[str, Any], rid: str, kind: FrameKind, mode: Mode | None, code: ErrorCode | None,
+                 payload: bytes) -> Frame:
+    """The rest of :func:`decode_body`, once the header names a valid request id."""
     sigma_index = h.get("sigma_index", 0)
     params = h.get("params", {})
     shapes = h.get("shapes", {})
