@@ -363,3 +363,49 @@ def test_a_bad_request_frame_is_refused_by_its_id() -> None:
         got = recv_frame(s)
         assert got is not None and got.kind is FrameKind.ERROR and got.code is ErrorCode.MALFORMED
         assert got.request_id == "mine" and "disagree" in got.error
+
+
+def test_a_next_stage_that_hangs_with_its_socket_open_is_failed_over() -> None:
+    """A next stage that hangs (stopped, stuck on its device) keeps its socket open: the link noticed only a dropped
+    connection, so frames in its custody sat there until their requests timed out, and every later frame went to the
+    same hung stage. A frame held past the stall bound drops the connection, and the frames go to a replica."""
+    from blocktrain.serve.wire.links import Link
+
+    async def hung(conn: Conn) -> None:
+        while True:
+            await conn.recv()  # takes every frame, answers none
+
+    async def good(conn: Conn) -> None:
+        while True:
+            frame = await conn.recv()
+            await conn.send(Frame(FrameKind.ACK, frame.request_id, params={"tag": frame.params["tag"]}))
+
+    async def main() -> tuple[list[Frame], bool]:
+        s1, a1 = await _serve(hung)
+        s2, a2 = await _serve(good)
+        back: list[Frame] = []
+
+        async def on_frame(frame: Frame) -> None:  # what the router does with an ACK: custody released
+            back.append(frame)
+            link.release(frame.params["tag"])
+
+        async def undeliverable(frame: Frame, reason: str) -> None:
+            raise AssertionError(f"{frame.request_id} failed: {reason}")
+
+        link = Link([a1, a2], Counters(), on_frame, undeliverable, backoff_s=0.01)
+        tag = link.send(Frame(FrameKind.WORK, "r1", Mode.SCORE, 1, tensors={"h": torch.zeros(1, 4, 8)}))
+        await asyncio.sleep(0.5)
+        assert not back and not link.stalled(5.0)  # held, not yet past the bound
+        assert link.stalled(0.2)
+        deadline = time.monotonic() + 5
+        while not back and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        again = link.stalled(0.2)  # acknowledged by the replica: nothing held
+        assert link.release(tag) is None and link.target == f"{a2[0]}:{a2[1]}"
+        await link.close()
+        s1.close()
+        s2.close()
+        return back, again
+
+    back, again = asyncio.run(main())
+    assert [(f.kind, f.request_id) for f in back] == [(FrameKind.ACK, "r1")] and not again

@@ -164,9 +164,11 @@ class Router:
         await conn.send(frame)
 
     def expire(self, horizon_s: float) -> None:
-        """Forget custody older than ``horizon_s`` (its requests have long timed out)."""
+        """Forget custody older than ``horizon_s`` (its requests have long timed out); a next stage that held a frame
+        half that long without answering is taken for hung (:meth:`Link.stalled`)."""
         now = time.monotonic()
         for tag in [t for t, (_, _, ts) in self.upstream.items() if now - ts > horizon_s]:
             del self.upstream[tag]
         if self.link is not None:
+            self.link.stalled(horizon_s / 2)
             self.link.expire(horizon_s)

@@ -6,7 +6,9 @@
 address, or several replicas tried in order). Every WORK/RESULT frame it
 forwards gets a ``tag`` and stays in custody until the next stage ACKs that
 tag, which it does only once the request has left the whole rest of the
-pipeline. When the connection drops, the frames in custody are resent on a
+pipeline. When the connection drops, or the next stage holds a frame past a
+bound without answering (a hung stage keeps its socket open: :meth:`Link.stalled`),
+the frames in custody are resent on a
 fresh connection (to the same address, or the next replica); when no address
 answers within the bounded retries, each frame is handed back to the stage as
 undeliverable, which turns it into an ERROR for the request's origin. A
@@ -336,8 +338,9 @@ class Link:
                 await self._give_up(f"no answer from {', '.join(map(format_address, self.targets))}")
                 return
             if await conn.send(frame, substitute=False):  # one it cannot encode fails back (WireError: _send_loop)
-                if tag:
+                if tag and tag in self.unacked:
                     self.written.add(tag)
+                    self.unacked[tag] = (frame, time.monotonic())  # held by this connection from now (stalled())
                 return
             self._broken(conn)
         await self._give_up(f"writes to {self.target} keep failing")
@@ -431,6 +434,21 @@ class Link:
             self._broken(conn, resend=not refused)
         if refused and not self.closed:  # resending would be refused again: fail the frames in custody now
             await self._give_up(refused)
+
+    def stalled(self, stall_s: float) -> bool:
+        """Whether the next stage has held a frame written to it for more than ``stall_s`` seconds without answering:
+        a stage that hangs (stopped, or stuck on its device) keeps its socket open, so no connection drop tells. The
+        connection is then dropped as if it had been, and its frames resent, to a replica first."""
+        conn = self.conn
+        if conn is None or self.closed:
+            return False
+        held = [sent for tag, (_, sent) in self.unacked.items() if tag in self.written]
+        if not held or time.monotonic() - min(held) <= stall_s:
+            return False
+        log.warning("next stage %s has held %d frame(s) for more than %.0f s without an answer; dropping the connection",
+                    self.target, len(held), stall_s)
+        self._broken(conn)
+        return True
 
     def expire(self, max_age_s: float) -> None:
         """Drop custody of frames older than ``max_age_s`` (their requests timed out long ago)."""
