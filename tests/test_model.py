@@ -163,3 +163,14 @@ def test_the_causal_masks_are_views_of_few_cached_squares() -> None:
             want = torch.full((t, n_past + t), float("-inf")).triu(n_past + 1)
             assert torch.equal(got, want), (t, n_past)
     assert _square_bias.cache_info().currsize <= 7  # sides 1, 2, 4, ..., 64
+
+
+def test_the_denoised_embedding_is_fp32_under_bf16_autocast(tiny_cfg: RunConfig) -> None:
+    """D = softmax(logits) @ E cast the softmax to fp32, and autocast ran the product in bf16 all the same (about
+    three digits); the solver divides D's error by sigma. It is computed in fp32 under any autocast now."""
+    block = BlockDenoiser(tiny_cfg.model, tiny_cfg.diffusion.sigma_data)
+    logits = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(0))
+    want = torch.softmax(logits.double(), -1) @ block.E.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = block.denoised(logits)
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-6

@@ -168,3 +168,17 @@ def test_bf16_is_used_on_a_cpu_only_where_it_is_native(monkeypatch: pytest.Monke
         assert device.resolve_precision(Precision.BF16, cpu) is (Precision.BF16 if native else Precision.FP32)
         assert device.resolve_precision(Precision.FP32, cpu) is Precision.FP32
     device.bf16_supported.cache_clear()
+
+
+def test_a_stack_reference_asked_for_alone_is_that_prefix() -> None:
+    """``single_block_logits(only=k)`` ignored ``only`` on a stack and returned every prefix, so a caller taking the
+    first got prefix 0 whatever k it asked for."""
+    cfg = replace(tiny(), objective=Objective.STACK)
+    obj = get_objective(cfg)
+    torch.manual_seed(0)
+    blocks = [obj.build_block(k).eval() for k in range(cfg.model.n_blocks)]
+    x = torch.randint(0, 256, (2, 16), dtype=torch.uint8)
+    with torch.no_grad():
+        every = obj.single_block_logits(blocks, x)
+        (two,) = obj.single_block_logits(blocks, x, only=2)
+    assert len(every) == cfg.model.n_blocks and torch.equal(two, every[2]) and not torch.equal(two, every[0])

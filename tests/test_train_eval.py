@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -415,3 +416,22 @@ def test_generate_refuses_log_probs_that_are_not_finite() -> None:
     with pytest.raises(RunError, match="not finite"):
         generate(Diverged(), b"The ", 4, seed=0)  # type: ignore[arg-type]
     assert len(generate(Diverged(), b"The ", 2, seed=0)) == 2  # type: ignore[arg-type]
+
+
+def test_a_value_that_is_not_finite_where_nothing_is_scored_stays_out_of_the_score() -> None:
+    """The scored positions were selected by multiplying by a 0/1 mask: a -inf or NaN at a position not scored (the
+    padded tail, a later window's first half; a bf16 overflow there) made 0 x inf = NaN, and the batch's CE NaN."""
+    data = np.frombuffer(bytes(range(50)) * 3, dtype=np.uint8)  # 150 bytes: the last window is padded
+
+    def uniform(x: torch.Tensor) -> torch.Tensor:
+        return torch.full((1, *x.shape, 256), -math.log(256.0))
+
+    def poisoned(x: torch.Tensor) -> torch.Tensor:
+        lp = uniform(x)
+        lp[0, :, :4] = float("nan")  # the first positions of every window: scored only in window 0
+        lp[0, 0, :4] = -math.log(256.0)
+        return lp
+
+    want = score_split(uniform, data, 16, batch_size=4).ce_nats_per_byte
+    got = score_split(poisoned, data, 16, batch_size=4).ce_nats_per_byte
+    assert want == pytest.approx(math.log(256.0)) and got == pytest.approx(want)

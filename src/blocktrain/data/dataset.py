@@ -227,8 +227,9 @@ def eval_windows(n: int, context: int) -> list[tuple[int, int, int]]:
     """Windows that score every target byte 1..n-1 exactly once, laid out from the start of the text.
 
     Returns (start, length, first_scored) triples: inputs are bytes [start, start+length), targets
-    [start+1, start+length+1), and positions >= first_scored of the window are scored. Window i starts at
-    i * (context // 2); window 0 scores all its positions, every later one its positions >= context - context // 2,
+    [start+1, start+length+1), and positions >= first_scored of the window are scored. With stride
+    s = max(1, context // 2), window i starts at i * s; window 0 scores all its positions, every later one its
+    positions >= context - s,
     so every scored byte after the first window sees at least half a window of context. Only the last window may
     be short (length < context). The layout is prefix-stable: the window that scores byte j, and the bytes it
     reads, depend on j and ``context`` alone, never on n, so appending bytes never moves an earlier byte's score.

@@ -81,14 +81,14 @@ def score_split(
         chains = logp.shape[0]
         lp_y = logp.gather(-1, y.unsqueeze(0).expand(chains, -1, -1).unsqueeze(-1)).squeeze(-1)  # (K, b, t)
         mask = (pos[None, :] >= firsts[sl, None]) & (pos[None, :] < lengths[sl, None])  # (b, t): the scored positions
-        per_chain = (lp_y * mask).sum(dim=(1, 2)).double()
+        per_chain = torch.where(mask, lp_y, 0.0).sum(dim=(1, 2)).double()  # an unscored -inf or NaN stays out (0 x inf)
         if scored is not None and ends is not None and on_bytes is not None:  # the batch's scored places, selected
             # (a boolean mask's selection waits for the device to count its rows): row-major, the text's order
             flat = scored[ends[i]:ends[min(i + batch_size, len(windows))]] - i * context
             on_bytes(lp_y[0].reshape(-1).index_select(0, flat))  # (scored,)
         total = per_chain if total is None else total + per_chain
         mix = torch.logsumexp(lp_y, dim=0) - math.log(chains)
-        total_mix += (mix * mask).sum().double()
+        total_mix += torch.where(mask, mix, 0.0).sum().double()
     assert total is not None and count == n - 1, f"scored {count} of {n - 1} bytes"
     sums = total.tolist()  # the one wait for the device: after the last batch
     ce = -sums[0] / count

@@ -1,7 +1,8 @@
 """One block: a complete, shallow denoiser of the next byte's embedding.
 
 Input at position t: the clean byte context x_{<=t} and z_t, a noisy embedding
-of byte x_{t+1} at noise level sigma_t. With EDM preconditioning
+of byte x_{t+1} at noise level sigma_t (and, through causal attention, z_{<t}:
+noisy copies of bytes already in the context). With EDM preconditioning
 (Karras et al. 2022, Eq. 7):
 
     h_0   = ByteEmb(x) + PosEmb + W_in (c_in(sigma) * z)
@@ -42,9 +43,12 @@ class BlockDenoiser(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB_SIZE)
         init_weights(self)
-        # Zero-init the z path: the block starts as a plain causal LM on the
-        # context and learns how far to trust z (at init c_in*z would be ~10x
-        # louder than the byte embedding and drown it).
+        # Zero-init z's path into the layers: F starts as a causal LM's estimate
+        # from the context alone, and learns how far to trust z (at init c_in*z
+        # would be ~10x louder than the byte embedding and drown it). z still
+        # reaches the head through the skip, c_skip(sigma) * z: a block does not
+        # start as a plain LM (sigma_data 0.5 is a hyperparameter here, not the
+        # per-coordinate spread of E's unit rows, 1/sqrt(d)).
         nn.init.zeros_(self.z_in.weight)
         # Zero-init adaLN: at init every layer computes a plain LayerNorm.
         nn.init.zeros_(self.mod.weight)
@@ -80,5 +84,7 @@ class BlockDenoiser(nn.Module):
         return self.head(y_hat)
 
     def denoised(self, logits: torch.Tensor) -> torch.Tensor:
-        """D = softmax(logits) @ E: the expected target embedding, (b, t, d)."""
-        return torch.softmax(logits.float(), dim=-1) @ self.E
+        """D = softmax(logits) @ E: the expected target embedding, (b, t, d), in fp32 under any autocast (the solver
+        divides D's error by sigma)."""
+        with torch.autocast(self.E.device.type, enabled=False):
+            return torch.softmax(logits.float(), dim=-1) @ self.E.float()

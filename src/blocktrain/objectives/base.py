@@ -65,8 +65,8 @@ class Objective(Protocol):
     def single_block_logits(
         self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
     ) -> list[torch.Tensor]:
-        """Logits of the single-block references on bytes x: every prefix (stack), or each block alone (diffusion;
-        ``only=k``: block k alone), with the noise of ``seed``."""
+        """Logits of the single-block references on bytes x: every prefix (stack), or each block alone (diffusion),
+        with the noise of ``seed``; ``only=k``: reference k's alone (a one-element list)."""
 
     def build_block(self, k: int) -> nn.Module:
         """A freshly initialised block k (fp32, on CPU)."""

@@ -198,7 +198,8 @@ class StackObjective:
     def single_block_logits(
         self, blocks: Sequence[nn.Module], x: torch.Tensor, seed: int = 0, only: int | None = None,
     ) -> list[torch.Tensor]:
-        return self.reference_logits(blocks, x, torch.Generator())  # the prefixes come in one pass; no noise
+        refs = self.reference_logits(blocks, x, torch.Generator())  # the prefixes come in one pass; no noise
+        return refs if only is None else [refs[only]]  # ``only=k``: prefix k, as the protocol says
 
     def schedule(self) -> Schedule:
         return self.cfg.train.schedule
