@@ -9,7 +9,7 @@ import json
 import socket
 import struct
 import time
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -390,3 +390,43 @@ def test_an_upstream_peer_that_reads_nothing_holds_up_no_other_frame_coming_back
 
     got = asyncio.run(run())
     assert [(f.kind, f.request_id, f.params) for f in got] == [(FrameKind.ACK, "b", {"tag": 22})]
+
+
+def test_a_later_stages_error_names_the_clients_own_id() -> None:
+    """The stages after the entry know a request by the entry's name for it, and their error messages say that name;
+    the client gets the error under its own id, and the message names that id too."""
+    from blocktrain.serve.stage.entry import Entry
+    from blocktrain.serve.stage.options import StageOptions
+
+    class Whole:  # the entry: holds index 0, takes any frame
+        def holds(self, k: int) -> bool:
+            return True
+
+        def validate(self, frame: Frame) -> None:
+            pass
+
+    class Client:
+        def __init__(self) -> None:
+            self.got: list[Frame] = []
+
+        async def send(self, frame: Frame) -> bool:
+            self.got.append(frame)
+            return True
+
+    async def run() -> list[Frame]:
+        answers: list[Any] = []
+        entry = Entry(Whole(), StageOptions(retries=0), "entry", lambda item: None, answers.append)  # type: ignore[arg-type]
+        client = Client()
+        await entry.submit(Frame(FrameKind.SUBMIT, "mine", Mode.SCORE, tensors={"x": torch.zeros(1, 4, dtype=torch.uint8)}),
+                           client)  # type: ignore[arg-type]
+        (name,) = entry.pending
+        err = Frame(FrameKind.ERROR, name, Mode.SCORE, code=ErrorCode.UNKNOWN_REQUEST,
+                    error=f"request {name} has no KV cache at stack[2-3]")
+        await entry.fail_or_retry(name, err)
+        entry.stop()
+        for coro in answers:
+            await coro
+        return client.got
+
+    (got,) = asyncio.run(run())
+    assert got.request_id == "mine" and got.error == "request mine has no KV cache at stack[2-3]"

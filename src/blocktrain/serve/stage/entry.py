@@ -109,8 +109,8 @@ class Entry:
             return
         await self.fail_or_retry(rid, p.submit.reply_error(
             ErrorCode.TIMEOUT,
-            f"no result for request {p.submit.request_id} within {self.opts.request_timeout_s:.1f}s after {self.name}; a later stage "
-            "may have died or be overloaded: check each 'blocktrain serve' process and restart the dead one",
+            f"no result for request {p.submit.request_id} within {self.opts.request_timeout_s:.1f}s after {self.name}; a "
+            "later stage may have died or be overloaded: check each 'blocktrain serve' process and restart the dead one",
         ))
 
     async def fail_or_retry(self, rid: str, err: Frame) -> None:
@@ -127,7 +127,8 @@ class Entry:
             return
         self._drop(rid)
         err.params = {}
-        err.request_id = p.submit.request_id  # the client's id
+        err.request_id = p.submit.request_id  # the client's id, in the message too (a later stage names the entry's)
+        err.error = err.error.replace(rid, p.submit.request_id)
         self.spawn(self._answer(p.conn, err))  # in a task: a slow client holds neither compute nor a link's reader
 
     def _drop(self, rid: str) -> Pending:
