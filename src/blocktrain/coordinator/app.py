@@ -295,7 +295,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         return Response(payload, media_type=SAFETENSORS, headers={"X-Block-Version": str(v)})
 
     @app.get("/v1/blocks/{k}/steps/{v}", response_class=Response,
-             responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors bf16 step v -> v+1"}})
+             responses={200: {"content": {SAFETENSORS: {}}, "description": "safetensors step v -> v+1 (int8 by default)"}})
     async def step(request: Request, k: int, v: int) -> Response:
         await auth(request)
         payload = await run_in_threadpool(c.step_bytes, k, v)

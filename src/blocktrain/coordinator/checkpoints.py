@@ -153,7 +153,7 @@ class Checkpoints:
         return first
 
     def step_bytes(self, k: int, from_version: int) -> bytes:
-        """The published bf16 step from ``from_version`` to ``from_version + 1``."""
+        """The published step (encoded as --step-compression says) from ``from_version`` to ``from_version + 1``."""
         self.check_block(k)
         missing = ProtocolError(404, f"block {k} has no step from version {from_version}; pull the full weights instead", Reason.NO_STEP)
         now = self._current[k]

@@ -3,7 +3,7 @@
 A delta is ``Delta = W_local - W_v`` against the published version v, encoded as
 
 * ``none``: float32 tensors, one per parameter;
-* ``bf16``: bfloat16 tensors (half the bytes; the default);
+* ``bf16``: bfloat16 tensors (half the bytes);
 * ``int8``: int8 tensors q with a float32 scalar ``NAME@scale`` s each,
   Delta ~= s * q with s = max|Delta| / 127 (the default: a quarter of the bytes).
 

@@ -2,8 +2,8 @@
 
 Every JSON body the coordinator and a worker exchange, and the metadata of a pushed delta, is one of these
 models. A field's bounds are those of what an honest peer can send; anything else is refused where it is parsed
-(:func:`parse`), with a message that names the field. Each message carries ``protocol``: a peer that speaks
-another version is told to upgrade instead of misreading a field.
+(:func:`parse`), with a message that names the field. Each message carries ``protocol`` (one without it is read
+as this version): a peer that speaks another version is told to upgrade instead of misreading a field.
 
 * :class:`RegisterRequest` (worker -> coordinator) and :class:`Registration` (its answer);
 * :class:`WorkAnswer`: what a worker trains next, including the **budget** the coordinator assigns
