@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import time
@@ -86,6 +87,14 @@ def send_some(sock: socket.socket, data: bytes, timeout_s: float = 1.0) -> int:
     except TimeoutError:
         pass
     return sent
+
+
+def with_header(data: bytes, **fields: object) -> bytes:
+    """``data`` (an encoded frame) with header fields replaced, its lengths fixed up: a frame no encoder would write."""
+    h_len, p_len = struct.unpack(">II", data[4:12])
+    header = {**json.loads(data[12 : 12 + h_len]), **fields}
+    raw = json.dumps(header).encode()
+    return data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :]
 
 
 def frame_prefix(total: int, h_len: int = 100) -> bytes:

@@ -4,8 +4,6 @@ running, and a stage that stops reading cannot hold a request past the client's 
 from __future__ import annotations
 
 import asyncio
-import json
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -16,6 +14,7 @@ from blocktrain.errors import ServeError, StageUnavailableError, WireError
 from blocktrain.serve.client.pipeline import PipelineClient
 from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, encode
 from blocktrain.serve.wire.links import Conn, Counters
+from tests.serve_sockets import with_header
 
 pytestmark = [pytest.mark.timeout(60)]
 BIG = 64 << 20  # bytes a frame may have here: more than a loopback socket buffers
@@ -327,10 +326,7 @@ def test_a_bad_answer_fails_its_request_at_once() -> None:
                                                                         "modes": ["score"], "state": "serving"}))
         sub = await conn.recv()
         data = encode(Frame(FrameKind.RESULT, sub.request_id, Mode.SCORE, tensors={"logits": torch.zeros(1, 4, 256)}))
-        h_len, p_len = struct.unpack(">II", data[4:12])
-        header = {**json.loads(data[12 : 12 + h_len]), "shapes": {"logits": [1, 5, 256]}}
-        raw = json.dumps(header).encode()
-        conn.writer.write(data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :])
+        conn.writer.write(with_header(data, shapes={"logits": [1, 5, 256]}))
         await conn.writer.drain()
         await asyncio.sleep(30)
 
@@ -356,10 +352,7 @@ def test_a_bad_request_frame_is_refused_by_its_id() -> None:
 
     with open_stage(whole_span(tiny_models(seed=1))) as st, connect(st.address) as s:
         data = encode(Frame(FrameKind.SUBMIT, "mine", Mode.SCORE, tensors={"x": torch.zeros(1, 4, dtype=torch.uint8)}))
-        h_len, p_len = struct.unpack(">II", data[4:12])
-        header = {**json.loads(data[12 : 12 + h_len]), "shapes": {"x": [1, 5]}}
-        raw = json.dumps(header).encode()
-        s.sendall(data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :])
+        s.sendall(with_header(data, shapes={"x": [1, 5]}))
         got = recv_frame(s)
         assert got is not None and got.kind is FrameKind.ERROR and got.code is ErrorCode.MALFORMED
         assert got.request_id == "mine" and "disagree" in got.error

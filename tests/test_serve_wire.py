@@ -11,6 +11,7 @@ import torch
 from blocktrain.checkpoint.safetensors_io import pack
 from blocktrain.errors import FramingError, WireError
 from blocktrain.serve.wire.frames import MAGIC, ErrorCode, Frame, FrameKind, Mode, decode, encode
+from tests.serve_sockets import with_header
 
 
 def _frame() -> Frame:
@@ -67,14 +68,6 @@ def test_size_cap() -> None:
         decode(huge + b"x" * 10)
 
 
-def _header(data: bytes, **fields: object) -> bytes:
-    """``data`` (an encoded frame) with header fields replaced, its lengths fixed up."""
-    h_len, p_len = struct.unpack(">II", data[4:12])
-    header = {**json.loads(data[12 : 12 + h_len]), **fields}
-    raw = json.dumps(header).encode()
-    return data[:4] + struct.pack(">II", len(raw), p_len) + raw + data[12 + h_len :]
-
-
 @pytest.mark.parametrize(
     ("mutate", "error", "match"),
     [
@@ -84,10 +77,10 @@ def _header(data: bytes, **fields: object) -> bytes:
         (lambda d: d.replace(b'"kind":"submit"', b'"kind":"submyt"'), WireError, "unknown value"),
         (lambda d: d.replace(b'"x":[1,2]', b'"x":[2,1]'), WireError, "disagree"),
         (lambda d: d.replace(b'"id":"req-1"', b'"id":"req/1"'), WireError, "request id"),
-        (lambda d: _header(d, id="r" * 64 + "\n"), WireError, "request id"),  # "$" matched before a last newline
-        (lambda d: _header(d, v=True), WireError, "wire version"),  # true == 1 in Python
-        (lambda d: _header(d, sigma_index=-1), WireError, "sigma_index"),
-        (lambda d: _header(d, sigma_index=True), WireError, "sigma_index"),
+        (lambda d: with_header(d, id="r" * 64 + "\n"), WireError, "request id"),  # "$" matched before a last newline
+        (lambda d: with_header(d, v=True), WireError, "wire version"),  # true == 1 in Python
+        (lambda d: with_header(d, sigma_index=-1), WireError, "sigma_index"),
+        (lambda d: with_header(d, sigma_index=True), WireError, "sigma_index"),
         (lambda d: d[:-3], FramingError, "declares"),
     ],
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -119,10 +119,15 @@ class NoMeanLands(DirectEngine):
         return self.grouped == v
 
 
-class GroupedWorker(Worker):
-    def _register(self) -> None:
-        super()._register()
-        self.engine = NoMeanLands()
+def engine_worker(engine: Callable[[], DirectEngine]) -> type[Worker]:
+    """A worker that carries its deltas with ``engine()`` (made again at each registration) instead of its own."""
+
+    class EngineWorker(Worker):
+        def _register(self) -> None:
+            super()._register()
+            self.engine = engine()
+
+    return EngineWorker
 
 
 def test_a_grouped_round_whose_mean_never_lands_is_pushed_alone_before_its_deadline(tmp_path: Path,
@@ -131,7 +136,7 @@ def test_a_grouped_round_whose_mean_never_lands_is_pushed_alone_before_its_deadl
     next version: an uploader that left, was refused or never sent it cost the round all its members' training (and
     held the round to its deadline). The member keeps its delta and pushes it alone as the deadline nears."""
     c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=6.0, eval_every=0, local_steps=4)
-    w = run_worker(c, GroupedWorker, corpus, tmp_path, "member", timeout=60)
+    w = run_worker(c, engine_worker(NoMeanLands), corpus, tmp_path, "member", timeout=60)
     assert w.summary.rounds_alone == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1
     rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] > 0, rows
@@ -219,19 +224,13 @@ class RefusedMean(DirectEngine):
         return Combined({n: 2 * t for n, t in delta.items()}, 2 * samples, members)
 
 
-class Uploader(Worker):
-    def _register(self) -> None:
-        super()._register()
-        self.engine = RefusedMean()
-
-
 def test_an_uploader_whose_mean_is_refused_for_a_member_pushes_its_own_delta_alone(tmp_path: Path,
                                                                                    corpus: DataDir) -> None:  # noqa: F811
     """The member that uploads its group's mean kept no delta of its own: a mean refused for another member's sake (one
     that pushed alone first: 409 duplicate) cost the uploader its round, where every other member keeps its delta to
     push alone. It keeps its own now and pushes it alone before the deadline."""
     c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=6.0, eval_every=0, local_steps=4)
-    w = run_worker(c, Uploader, corpus, tmp_path, "uploader", timeout=60)
+    w = run_worker(c, engine_worker(RefusedMean), corpus, tmp_path, "uploader", timeout=60)
     assert w.summary.rounds_alone == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1
     rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] == 4 * c.cfg.train.batch_size, rows

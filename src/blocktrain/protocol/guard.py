@@ -122,10 +122,13 @@ def guarded_http(timeout_s: float = HEAD_TIMEOUT_S, max_bytes: int = MAX_HEAD_BY
                 self._watch(self.transport.get_write_buffer_size())
 
         def resume_writing(self) -> None:  # the client read enough to bring them under the low-water mark
+            self._unwatch()
+            super().resume_writing()
+
+        def _unwatch(self) -> None:
             if self._stall is not None:
                 self._stall.cancel()
                 self._stall = None
-            super().resume_writing()
 
         def _watch(self, unsent: int) -> None:
             """Look again in ``write_stall_s``: the client must have read some of the ``unsent`` bytes by then."""
@@ -143,9 +146,7 @@ def guarded_http(timeout_s: float = HEAD_TIMEOUT_S, max_bytes: int = MAX_HEAD_BY
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._start(None)
-            if self._stall is not None:
-                self._stall.cancel()
-                self._stall = None
+            self._unwatch()
             super().connection_lost(exc)
 
     return GuardedHTTP
