@@ -701,6 +701,21 @@ def test_the_tolerance_rule_leaves_room_for_rounding_but_not_for_scaling() -> No
     assert replay_scale({"w": torch.zeros(3)}, {"w": torch.zeros(3)}) == 1.0
 
 
+def test_a_round_cut_short_keeps_the_full_rounds_tolerance() -> None:
+    """A round its deadline cut to one or two steps is replayed against the H = 25 tolerance, not a smaller one: one
+    bf16 step replayed in fp32 was already 0.011-0.015 away on cpu-mini (a review's measurement), above the
+    0.05 x sqrt(1 / 25) = 0.01 the rule gave before, which quarantined a slow honest worker on another device. Longer
+    rounds still get more room; a push scaled by 1.1 fails on its scale at any length (the test above)."""
+    from blocktrain.coordinator.audit import AUDIT_TOLERANCE_STEPS, Auditor
+
+    auditor = Auditor(get_preset("tiny"), CoordinatorSettings(), None)
+    for precision in ("fp32", "bf16"):
+        full = auditor.tolerance(precision, AUDIT_TOLERANCE_STEPS)
+        assert [auditor.tolerance(precision, s) for s in (0, 1, 2, 24)] == [full] * 4
+        assert auditor.tolerance(precision, 4 * AUDIT_TOLERANCE_STEPS) == pytest.approx(2 * full)
+        assert auditor.tolerance(precision, 1) > 0.015  # the honest one-step difference measured across arithmetic
+
+
 def test_an_audit_drawn_before_a_restart_still_holds_its_round(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """The coordinator draws a push for audit, then dies before the worker uploads its state. The restarted
     coordinator reads the audit back from its store: the round does not close at its deadline, the worker's upload

@@ -113,7 +113,7 @@ class CoordinatorSettings:
     audit_outlier_fraction: float = 0.5  # after probation, an outlier push is replayed with this probability
     audit_outlier_ratio: float = 2.0  # an outlier: its norm per unit of lr above this x the block's recent median, or a
     # loss rise above half the gate's tolerance
-    audit_tolerance: float = 0.05  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this x sqrt(H/25)
+    audit_tolerance: float = 0.05  # fp32 push: a replay passes at ||replayed - pushed|| / ||pushed|| <= this x sqrt(max(H, 25)/25)
     audit_tolerance_bf16: float = 0.05  # the same for a push trained in bf16 (benchmarks/results/audit-replay*.json)
     audit_scale_tolerance: float = 0.02  # a replay passes only if the push's scale on it is within this of 1
     audit_moment_tolerance: float = 1.0  # relative distance of uploaded AdamW moments from derived ones, m and v each
