@@ -117,3 +117,50 @@ def test_weights_of_another_version_are_asked_for_again_a_few_times() -> None:
         w._synced(work)
     with pytest.raises(ProtocolError, match="version 1"):
         w._synced(work)
+
+
+def test_an_answer_that_trickles_is_cut_like_a_read_timeout() -> None:
+    """httpx's read timeout bounds each read, not the answer: a peer that sent a byte every 0.2 s (inside the 0.5 s
+    timeout) held a request for as long as it liked, and the worker's lease with it. The answer must now average
+    MIN_ANSWER_BYTES_PER_S after timeout_s: it is cut within about a second and retried until give_up_s (a real
+    server on loopback; the trickle ends after 30 s whatever happens, so the test cannot hang)."""
+    import http.server
+    import threading
+    import time
+
+    done = threading.Event()
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the http.server hook
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(150):  # 30 s at most
+                if done.is_set():
+                    return
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = CoordinatorClient(f"http://127.0.0.1:{server.server_address[1]}", "t", timeout_s=0.5, base_delay=0.01,
+                               max_delay=0.02, give_up_s=1.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ProtocolError) as err:
+            client.request("GET", "/v1/status")
+        assert err.value.reason == "unreachable" and "bytes/s" in str(err.value)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        done.set()
+        client.close()
+        server.shutdown()
+        server.server_close()

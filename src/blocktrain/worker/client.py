@@ -43,6 +43,7 @@ from blocktrain.protocol.transport import DEFLATE, deflate
 log = logging.getLogger(__name__)
 LEAVING_GIVE_UP_S = 10.0  # seconds a leaving worker (SIGTERM) keeps retrying a coordinator that is gone
 UNSIZED_RESPONSE_BYTES = 16 * 2**20  # bytes an answer may have until the worker knows its block (JSON answers)
+MIN_ANSWER_BYTES_PER_S = 16 * 2**10  # bytes/s an answer must average once it has come for timeout_s (a trickle ends)
 UNSETTLED = (408, 429)  # refusals before a body is read: after a lost sending, they do not say whether it was taken
 
 
@@ -165,17 +166,26 @@ class CoordinatorClient:
         return got[0]
 
     def _capped(self, request: httpx.Request) -> httpx.Response:
-        """Send ``request`` and read its answer, at most ``max_response_bytes`` of it after decoding."""
+        """Send ``request`` and read its answer, at most ``max_response_bytes`` of it after decoding. httpx's read
+        timeout bounds each read, not the answer: a peer that sends a byte just inside it would hold the worker (and
+        its lease) for as long as it liked. So an answer must average ``MIN_ANSWER_BYTES_PER_S`` once ``timeout_s``
+        has passed since its headers came; one slower is cut as a read timeout (then retried like one)."""
         cap = self.max_response_bytes
         resp = self.http.send(request, stream=True)
         try:
             self.bytes_sent += len(request.content) if request.content else 0
             chunks: list[bytes] = []
             size = 0
+            began = time.monotonic()  # the answer's headers came: from here it must keep coming
             for chunk in resp.iter_bytes():
                 if chunks and self.stop.is_set():  # a second Ctrl-C cuts a long answer short (a short one is read)
                     raise ProtocolError(503, f"stopped while reading the answer to {request.method} {request.url.path}",
                                         Reason.STOPPED)
+                late = time.monotonic() - began - self.timeout_s
+                if late > 0 and resp.num_bytes_downloaded < MIN_ANSWER_BYTES_PER_S * late:
+                    raise httpx.ReadTimeout(f"the answer to {request.method} {request.url.path} came at "
+                                            f"{resp.num_bytes_downloaded} bytes in {late + self.timeout_s:.0f}s, under "
+                                            f"{MIN_ANSWER_BYTES_PER_S} bytes/s", request=request)
                 size += len(chunk)
                 if size > cap:
                     raise ProtocolError(502, f"the coordinator's answer to {request.method} {request.url.path} exceeds "
