@@ -244,6 +244,27 @@ def test_wrong_block_and_wrong_version_metadata(api: Api) -> None:
     assert status == 422 and "block 1" in str(doc["detail"])
 
 
+def test_a_version_past_sqlite_s_integers_is_refused_and_counted(api: Api) -> None:
+    """base_version 2**63 (or 10**30) passed the message's schema and reached SQL, which raised OverflowError: a 500
+    with a traceback, stored nowhere, so it escaped the refusal rate limit and quarantine. Versions and block indices
+    now stop at MAX_INT, and such a push is a counted schema refusal like any malformed message."""
+    import json
+    import struct
+
+    api.register("a", block=0)
+    body = pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, base_sha=api.c.weights_sha[0],
+                      samples=full(api.c))  # a sender of this BlockTrain cannot write such a version: rewritten below
+    (n,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8:8 + n])
+    for v in (2**63, 10**30):
+        header["__metadata__"]["base_version"] = str(v)
+        raw = json.dumps(header).encode()
+        status, doc = api.push("a", 0, struct.pack("<Q", len(raw)) + raw + body[8 + n:])
+        assert status == 422, doc
+    rows = api.c.store.q("SELECT reason FROM rejections WHERE worker='a'")
+    assert len(rows) == 2
+
+
 def test_int8_and_bf16_roundtrip_and_pull_paths(api: Api) -> None:
     api.register("a", block=2)
     w0 = block_weights(api.c, 2)

@@ -27,6 +27,7 @@ from blocktrain.protocol.moments import InnerStart, MomentCodec
 
 PROTOCOL_VERSION = 6  # bumped when a message changes meaning (2: budgets, base sha256; 3: audits; 4: inner_start;
 # 5: moment_every; 6: a refused round leaves the worker's inner state as it was, audits derive the moments)
+MAX_INT = 1 << 62  # the largest block index or version a message may carry (stored as SQLite INTEGER: 64-bit signed)
 MAX_SAMPLES = 1 << 30  # sequences one update may claim, whatever its budget
 MAX_STEPS = 1 << 20  # inner steps one round may assign
 MAX_REVOKED = 1024  # quarantined workers a work answer names (the newest)
@@ -54,7 +55,7 @@ class RegisterRequest(Message):
 class Registration(Message):
     model_config = ConfigDict(frozen=True, extra="ignore")  # a newer coordinator may add fields
     worker: str = Field(max_length=128)  # the name the coordinator admitted this token under
-    block: int = Field(ge=0)  # the block this worker trains
+    block: int = Field(ge=0, le=MAX_INT)  # the block this worker trains
     block_state: BlockState  # waiting, open or finished
     message: str = Field(default="", max_length=1024)  # what the worker should know about its block's state
     config: str = Field(max_length=1 << 16)  # the run config (RunConfig.to_json)
@@ -71,15 +72,15 @@ class Registration(Message):
 
 class FrozenRef(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    block: int = Field(ge=0)  # a finished block this block reads
-    version: int = Field(ge=0)  # its final version
+    block: int = Field(ge=0, le=MAX_INT)  # a finished block this block reads
+    version: int = Field(ge=0, le=MAX_INT)  # its final version
     weights_sha: str = Field(pattern=SHA256_HEX)  # sha256 of its tensors (tensors_sha256)
 
 
 class WorkAnswer(Message):
     model_config = ConfigDict(frozen=True, extra="ignore")
-    block: int = Field(ge=0)  # the block to train
-    version: int = Field(ge=0)  # its published version W_v
+    block: int = Field(ge=0, le=MAX_INT)  # the block to train
+    version: int = Field(ge=0, le=MAX_INT)  # its published version W_v
     weights_sha: str = Field(pattern=SHA256_HEX)  # sha256 of W_v: the update names it back
     block_state: BlockState  # the block's state
     message: str = Field(default="", max_length=1024)  # what the worker should know about it
@@ -137,8 +138,8 @@ class UpdateMeta(Message):
     """The metadata of a pushed delta (string-valued in safetensors; :meth:`to_meta` / :func:`parse_meta`)."""
 
     kind: Literal["delta"] = "delta"  # what the payload is
-    block_index: int = Field(ge=0)  # the block the delta is for
-    base_version: int = Field(ge=0)  # the version W_v it was trained from
+    block_index: int = Field(ge=0, le=MAX_INT)  # the block the delta is for
+    base_version: int = Field(ge=0, le=MAX_INT)  # the version W_v it was trained from
     base_sha: str = Field(pattern=SHA256_HEX)  # sha256 of W_v's tensors, as the work answer named it
     samples: int = Field(ge=1, le=MAX_SAMPLES)  # sequences behind the delta (claimed; capped by the budget)
     compression: Literal["none", "bf16", "int8"]  # the tensors' encoding (a protocol.delta.Compression value)
@@ -159,8 +160,8 @@ class PushAnswer(Message):
     model_config = ConfigDict(frozen=True, extra="ignore")
     accepted: bool  # the update counts for its round
     duplicate: bool = False  # a byte-identical resend of an update already accepted
-    block: int = Field(ge=0)  # k
-    version: int = Field(ge=0)  # the version the update is against
+    block: int = Field(ge=0, le=MAX_INT)  # k
+    version: int = Field(ge=0, le=MAX_INT)  # the version the update is against
     round_closed: bool = False  # this update made the round's quorum
     audit: bool = False  # upload the inner state the push committed to (POST /v1/blocks/{k}/audits/{version})
 
