@@ -32,6 +32,17 @@ else
   ROUNDS=$((STEPS / H)); WORKER_H=(--local-steps "$H")
 fi
 rm -rf "$OUT"; mkdir -p "$OUT/logs"
+PIDS=()  # every process started here: the exit trap ends them all, so a failed worker leaves no others behind
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+wait_for() {  # wait_for WHAT PID LOG SECONDS COMMAND... : poll until the command succeeds; fail once PID exits or time is up
+  local what=$1 pid=$2 log=$3 limit=$4 t0=$SECONDS; shift 4
+  until "$@" > /dev/null 2>&1; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "$what exited before it answered; the end of $log:" >&2; tail -n 5 "$log" >&2; exit 1; fi
+    if (( SECONDS - t0 > limit )); then echo "$what did not come up within $limit s; see $log" >&2; exit 1; fi
+    sleep 0.5
+  done
+}
 
 if [ "${SKIP_SINGLE:-0}" != 1 ]; then
 echo "== single machine: blocktrain train, $STEPS steps per block"
@@ -47,23 +58,23 @@ OMP_NUM_THREADS=1 $BT coordinator --run-dir "$OUT/six" --preset "$PRESET" --obje
   --port "$PORT" --rounds "$ROUNDS" --round-seconds 300 --lease-seconds 120 --eval-every 2 --eval-bytes 8192 \
   --threads 1 --local-steps "$H" ${COORD_FLAGS:-} 2> "$OUT/logs/coordinator.log" &
 COORD=$!
-trap 'kill $COORD 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$PORT/v1/status" > /dev/null; do sleep 0.5; done
+PIDS+=("$COORD")
+wait_for "the coordinator" "$COORD" "$OUT/logs/coordinator.log" 120 curl -sf "http://127.0.0.1:$PORT/v1/status"
 t0=$(date +%s)
-PIDS=()
+WPIDS=()
 for i in 0 1 2 3 4 5; do
   CMD=("$BT")
   if [ "${SLOW:-0}" = 1 ] && [ "$i" = 5 ]; then CMD=(.venv/bin/python benchmarks/distributed/slow_worker.py --factor 2 --); fi
   OMP_NUM_THREADS=1 BLOCKTRAIN_TOKEN=$(cat "$OUT/w$i.token") "${CMD[@]}" worker --coordinator "http://127.0.0.1:$PORT" \
     "${WORKER_H[@]}" --data "$DATA" --threads 1 --no-progress --frozen-cache "$OUT/frozen-cache" --summary-json "$OUT/w$i.summary.json" \
     ${WORKER_FLAGS:-} 2> "$OUT/logs/w$i.log" &
-  PIDS+=($!)
+  WPIDS+=($!); PIDS+=($!)
 done
-for p in "${PIDS[@]}"; do wait "$p"; done
+for p in "${WPIDS[@]}"; do wait "$p"; done  # a failed worker ends the script (set -e); the trap ends the others
 echo $(( $(date +%s) - t0 )) > "$OUT/six.wall_s"
 sleep 3  # let the final evaluation land
 curl -sf "http://127.0.0.1:$PORT/v1/status" > "$OUT/six.status.json"
-kill $COORD; wait $COORD || true; trap - EXIT
+kill "$COORD"; wait "$COORD" || true; trap - EXIT
 
 echo "== final CE of both models on the first $EVAL_BYTES test bytes (same command)"
 if [ "${SKIP_SINGLE:-0}" = 1 ]; then cp "$SINGLE_EVAL" "$OUT/single.eval.json"; echo "${SINGLE_WALL_S:-0}" > "$OUT/single.wall_s"; else

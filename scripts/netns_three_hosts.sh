@@ -37,6 +37,15 @@ NS_C=bt-coord; NS_1=bt-host1; NS_2=bt-host2
 PY=$(pwd)/.venv/bin/python
 BT="$PY -m blocktrain"
 
+wait_for() {  # wait_for WHAT PID LOG SECONDS COMMAND... : poll until the command succeeds; fail once PID exits or time is up
+  local what=$1 pid=$2 log=$3 limit=$4 t0=$SECONDS; shift 4
+  until "$@" > /dev/null 2>&1; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "$what exited before it answered; the end of $log:" >&2; tail -n 5 "$log" >&2; exit 1; fi
+    if (( SECONDS - t0 > limit )); then echo "$what did not come up within $limit s; see $log" >&2; exit 1; fi
+    sleep 0.5
+  done
+}
+
 down() {
   for ns in $NS_C $NS_1 $NS_2; do ip netns del "$ns" 2> /dev/null || true; done
 }
@@ -91,7 +100,8 @@ run() {
     --steps $((ROUNDS * H)) --data "$DATA" --host $LISTEN --port $CPORT --rounds "$ROUNDS" --round-seconds 300 \
     --lease-seconds 120 --eval-every 2 --eval-bytes 8192 --threads 1 --local-steps "$H" \
     $([ "$HIVEMIND" = 1 ] && echo "--hivemind --hivemind-host 0.0.0.0") 2> "$OUT/logs/coordinator.log" &
-  until ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status" > /dev/null; do sleep 0.5; done
+  # bounded, and given up at once if the coordinator exits (the exit trap ends every job and removes the namespaces)
+  wait_for "the coordinator" $! "$OUT/logs/coordinator.log" 120 ip netns exec $NS_1 curl -sf "http://10.77.1.1:8470/v1/status"
   RTT=$(ip netns exec $NS_1 "$PY" benchmarks/distributed/measure_rtt.py "http://10.77.1.1:8470/" --n 30)
   echo "{\"rtt_ms\": $(echo "$RTT" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["rtt_ms_median"])'),
     \"rtt_note\": \"median of 30 small HTTP GETs from bt-host1 to the coordinator over a kept-alive connection\",

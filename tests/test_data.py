@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from blocktrain.data import download
 from blocktrain.data.dataset import eval_windows, open_data_dir, resolve_data_dir
 from blocktrain.data.download import download_wikitext, rows_to_raw
 from blocktrain.data.stream import TrainStream
@@ -86,7 +88,7 @@ def test_rows_to_raw_rebuilds_official_layout() -> None:
     assert rows_to_raw(["", " = A = \n", "", "text .\n"]) == b" \n = A = \n \ntext .\n"
 
 
-def test_download_from_local_parquet(tmp_path: Path) -> None:
+def test_download_from_local_parquet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     src = tmp_path / "hub"
@@ -103,6 +105,9 @@ def test_download_from_local_parquet(tmp_path: Path) -> None:
         split = filename.split("/")[-1].split("-")[0]
         return files[split]
 
+    monkeypatch.setattr(download, "KNOWN_SHA256", {  # these tiny files stand in for the published ones
+        "wiki.train.raw": hashlib.sha256(b" \n = T = \na b\n").hexdigest(),
+        "wiki.valid.raw": hashlib.sha256(b" \nv\n").hexdigest(), "wiki.test.raw": hashlib.sha256(b" \nt\n").hexdigest()})
     dest = download_wikitext("wikitext-2", tmp_path / "out", fetch=fetch)
     assert (dest / "wiki.train.raw").read_bytes() == b" \n = T = \na b\n"
     assert (dest / "wiki.valid.raw").read_bytes() == b" \nv\n"
@@ -114,3 +119,45 @@ def test_download_from_local_parquet(tmp_path: Path) -> None:
     assert asked == []
     with pytest.raises(DataError, match="unknown dataset"):
         download_wikitext("wikitext-5", dest, fetch=fetch)
+
+
+def test_an_interrupted_download_in_the_cache_is_resumed_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache holding only some splits (a download cut short) resolved as data, so the download was never resumed
+    and every run failed on the missing split. It is used only once complete; until then the download is called
+    (it fetches only what is missing). A directory the user names still resolves with some splits (eval-only)."""
+    monkeypatch.setenv("BLOCKTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    cached = tmp_path / "cache" / "wikitext-2-raw"
+    cached.mkdir(parents=True)
+    (cached / "wiki.train.raw").write_bytes(b" \n = T = \n" * 100)
+    calls: list[Path] = []
+
+    def fake_download(dest: Path) -> Path:
+        calls.append(dest)
+        return write_data_dir(dest, flavour="raw")
+
+    dd = resolve_data_dir(download=fake_download)
+    assert calls == [cached] and dd.root == cached and len(dd.open("valid")) > 0
+    calls.clear()
+    assert resolve_data_dir(download=fake_download).root == cached and calls == []  # complete now: used as it is
+    (cached / "wiki.test.raw").unlink()
+    assert open_data_dir(cached).flavour == "raw"  # named by the user, a partial directory is still data
+
+
+def test_a_download_that_differs_from_the_published_digest_is_an_error_and_not_kept(tmp_path: Path) -> None:
+    """A fetched split whose sha256 is not the published one only logged a warning and stayed in the cache, used by
+    every later run. It is a DataError saying what to do, and the file is not left behind; one an older version
+    left there is removed."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    shard = tmp_path / "hub.parquet"
+    pq.write_table(pa.table({"text": ["", "not the published text\n"]}), shard)
+    dest = tmp_path / "cache"
+    with pytest.raises(DataError, match=r"wiki\.train\.raw does not match the published sha256 .*Run again.*--data DIR"):
+        download_wikitext("wikitext-2", dest, fetch=lambda repo, name: shard)
+    assert not (dest / "wiki.train.raw").exists()
+    dest.mkdir(exist_ok=True)
+    (dest / "wiki.train.raw").write_bytes(b"kept by a version that only warned\n")
+    with pytest.raises(DataError, match="it was removed"):
+        download_wikitext("wikitext-2", dest, fetch=lambda repo, name: shard)
+    assert not (dest / "wiki.train.raw").exists()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 from blocktrain.cli.main import main as cli
 from blocktrain.data.dataset import MANIFEST, SPLITS, fingerprint_of, open_data_dir
 from blocktrain.data.integrity import sha256_file
-from blocktrain.data.prepare import PrepareOptions, prepare, split_of
+from blocktrain.data.prepare import PrepareOptions, _unit, prepare, split_of
 from blocktrain.errors import DataError
 
 SMALL = PrepareOptions(valid_fraction=0.2, test_fraction=0.2, min_split_bytes=64, progress=False)
@@ -321,3 +323,88 @@ def test_a_folder_of_30_files_gets_every_split_with_the_default_fractions(tmp_pa
     assert all(m["splits"][s]["bytes"] >= PrepareOptions().min_split_bytes for s in SPLITS)
     again = prepare(src, tmp_path / "again", PrepareOptions(progress=False)).manifest
     assert again["fingerprint"] == m["fingerprint"]
+
+
+def test_a_split_cut_short_after_prepare_is_a_data_error_on_open(tmp_path: Path) -> None:
+    """A train.bin cut short (or grown) since prepare wrote it trained silently under the manifest's fingerprint;
+    every open compares its size with the manifest's byte count and says to prepare again."""
+    _text_file(tmp_path / "a.txt")
+    prepare(tmp_path / "a.txt", tmp_path / "out", SMALL)
+    with open(tmp_path / "out" / "train.bin", "r+b") as f:
+        f.truncate(100)
+    dd = open_data_dir(tmp_path / "out")
+    with pytest.raises(DataError, match=r"train\.bin holds 100 bytes, but its manifest\.json lists \d+.*prepare.*"
+                                        r"fresh --out"):
+        dd.open("train")
+    assert len(dd.open("valid")) > 0  # the intact splits still open
+
+
+def test_prepare_again_checks_the_splits_there_and_replaces_a_damaged_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Re-running prepare into an --out holding the same fingerprint called it identical without reading it; a split
+    altered since (same size: only its sha256 tells) is replaced by the one just made, and the rerun says so."""
+    _text_file(tmp_path / "a.txt")
+    prepare(tmp_path / "a.txt", tmp_path / "out", SMALL)
+    good = _splits(tmp_path / "out")
+    (tmp_path / "out" / "valid.bin").write_bytes(b"x" * len(good["valid"]))
+    caplog.set_level("INFO", logger="blocktrain.data.prepare")
+    prepare(tmp_path / "a.txt", tmp_path / "out", SMALL)
+    assert _splits(tmp_path / "out") == good
+    assert "split(s) valid did not match it; replaced" in caplog.text
+    assert not list(tmp_path.glob(".*partial*"))
+    caplog.clear()
+    prepare(tmp_path / "a.txt", tmp_path / "out", SMALL)  # intact: left as it is
+    assert "already holds this dataset" in caplog.text and "replaced" not in caplog.text
+
+
+def test_jsonl_lone_surrogate_escapes_become_replacement_characters(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lone "\\ud800" escape was written with surrogatepass: ED A0 80, invalid UTF-8 in a split. It becomes U+FFFD
+    (a proper pair still decodes to its character), and the count is logged once for the file."""
+    src = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": p}) for p in _paragraphs(60)]
+    lines[0] = '{"text": "lone \\ud800 and \\udfff, pair \\ud83d\\ude00 ' + "x" * 80 + '"}'
+    src.write_text("\n".join(lines) + "\n")
+    caplog.set_level("WARNING", logger="blocktrain.data.prepare")
+    prepare(src, tmp_path / "out", SMALL)
+    joined = b"".join(_splits(tmp_path / "out").values())
+    text = joined.decode("utf-8")  # raised UnicodeDecodeError before
+    assert "lone \ufffd and \ufffd, pair \U0001f600 " in text
+    assert [r.getMessage() for r in caplog.records if "surrogate" in r.getMessage()] == [
+        f"{src}: replaced 2 lone surrogate escape(s) (e.g. \\ud800, not valid UTF-8) with U+FFFD"]
+
+
+def test_a_binary_file_is_left_out_before_the_splits_are_chosen(tmp_path: Path) -> None:
+    """A binary file's bytes counted when test/valid files were chosen, then it was skipped: 'test' ended up empty
+    and the message said to raise --test-fraction. Binary files are now told apart first."""
+    opts = PrepareOptions(include=("*.txt", "*.dat"), progress=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    names = [f"t{i}.txt" for i in range(12)]
+    for n in names:
+        (src / n).write_text(f"text of {n} " * 40 + "\n")
+    low = min(_unit(n) for n in names)  # a binary file of lower hash than every text file: moved to test first
+    blob = next(f"blob{i}.dat" for i in range(10000) if _unit(f"blob{i}.dat") < low
+                and split_of(f"blob{i}.dat", opts) == "train")
+    (src / blob).write_bytes(b"\0" * 4000)
+    m = prepare(src, tmp_path / "out", opts).manifest
+    assert m["binary_files_skipped"] == 1
+    assert all(m["splits"][s]["bytes"] >= opts.min_split_bytes for s in SPLITS)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask-022", "umask-027"])
+def test_a_prepared_dataset_gets_the_modes_the_umask_gives(tmp_path: Path, umask: int) -> None:
+    """mkdtemp made the dataset directory 0o700 and the manifest's atomic write 0o600: readable by its owner alone.
+    The directory and its files get 0o777 / 0o666 less the umask, like anything else the user makes."""
+    _text_file(tmp_path / "a.txt")
+    old = os.umask(umask)
+    try:
+        prepare(tmp_path / "a.txt", tmp_path / "out", SMALL)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        name: 0o666 & ~umask for name in (MANIFEST, "train.bin", "valid.bin", "test.bin")}

@@ -6,8 +6,9 @@ memory-mapped read-only straight from disk, never copied into RAM.
 Resolution order (first hit wins):
   1. an explicit ``--data DIR``;
   2. the ``BLOCKTRAIN_DATA`` environment variable;
-  3. the local cache (``$BLOCKTRAIN_CACHE`` or ``~/.cache/blocktrain``)/wikitext-2-raw;
-  4. a download of WikiText-2 raw from the Hugging Face hub into that cache.
+  3. the local cache (``$BLOCKTRAIN_CACHE`` or ``~/.cache/blocktrain``)/wikitext-2-raw, once it holds all three splits;
+  4. a download of WikiText-2 raw from the Hugging Face hub into that cache (an interrupted one fetches only the
+     splits it lacks).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ PREPARED = "bin"  # the flavour of a prepared directory: {train,valid,test}.bin 
 MANIFEST = "manifest.json"  # a prepared directory's manifest
 DATASET_FORMAT = "blocktrain-dataset"  # manifest "format"
 DATASET_VERSION = 1  # manifest "version"
+PREPARE_AGAIN = ("run 'blocktrain prepare' again into a fresh --out and use that directory (or delete {root} and "
+                 "prepare into it again)")  # what to do about a damaged prepared split
 
 def cache_dir() -> Path:
     return Path(os.environ.get("BLOCKTRAIN_CACHE", Path.home() / ".cache" / "blocktrain"))
@@ -131,6 +134,12 @@ class DataDir:
         if not path.is_file():
             raise DataError(f"split {split!r} is missing: {path} not found; {expected_files_message(self.root)}")
         size = path.stat().st_size
+        if self.flavour == PREPARED:  # cheap, on every open: a cut-short or grown split would train under the
+            # manifest's fingerprint, which then names bytes this machine does not hold
+            want = (self.manifest() or {})["splits"][split].get("bytes")
+            if not isinstance(want, int) or isinstance(want, bool) or size != want:
+                raise DataError(f"{path} holds {size} bytes, but its {MANIFEST} lists {want}: the split was cut short "
+                                f"or changed after 'blocktrain prepare' wrote it; {PREPARE_AGAIN.format(root=self.root)}")
         if size < 2:
             raise DataError(f"split {split!r} at {path} is empty; re-copy or re-download the data")
         with path.open("rb") as f:
@@ -140,7 +149,8 @@ class DataDir:
         if verify and self.flavour == PREPARED:
             listed = str((self.manifest() or {}).get("splits", {}).get(split, {}).get("sha256"))
             if sha256_file(path) != listed:
-                raise DataError(f"{path} does not match the sha256 in its manifest; run 'blocktrain prepare' again")
+                raise DataError(f"{path} does not match the sha256 in its manifest; "
+                                f"{PREPARE_AGAIN.format(root=self.root)}")
         elif verify:
             want = KNOWN_SHA256.get(path.name)
             got = sha256_file(path)
@@ -150,12 +160,16 @@ class DataDir:
         return ByteSplit(name=split, path=path, data=data)
 
 
-def find_flavour(root: Path) -> str | None:
+def find_flavour(root: Path, partial: bool = True) -> str | None:
+    """The flavour of the dataset in ``root``, or None. ``partial``: also a WikiText directory holding only some of
+    its splits (an eval-only copy a user made); the download cache is used only when it holds every split."""
     if (root / MANIFEST).is_file() and all((root / f"{s}.bin").is_file() for s in SPLITS):
         return PREPARED
     for flavour in FLAVOURS:
         if all((root / f"wiki.{s}.{flavour}").is_file() for s in SPLITS):
             return flavour
+    if not partial:
+        return None
     for flavour in FLAVOURS:  # partial directories (e.g. eval-only) still resolve
         if any((root / f"wiki.{s}.{flavour}").is_file() for s in SPLITS):
             return flavour
@@ -185,7 +199,7 @@ def resolve_data_dir(
     if env:
         return open_data_dir(Path(env).expanduser())
     cached = cache_dir() / "wikitext-2-raw"
-    if find_flavour(cached) is not None:
+    if find_flavour(cached, partial=False) is not None:  # an interrupted download is resumed below, not used
         return open_data_dir(cached)
     if no_download is not None:
         raise DataError(no_download)

@@ -19,8 +19,10 @@ source, the per-split document and byte counts and sha256, and one dataset
 time or machine, so the same source gives byte-identical output.
 
 Everything is written into a temporary directory beside ``out`` and renamed into
-place at the end: a failure leaves no partial output. Memory stays flat: files
-are streamed in 1 MiB chunks and only the hashes and counts are kept.
+place at the end: a failure leaves no partial output; the directory and its files
+get the modes a plain mkdir/open would give (0o777 / 0o666 less the umask), not
+the temporary directory's owner-only 0o700. Memory stays flat: files are streamed
+in 1 MiB chunks and only the hashes and counts are kept.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, BinaryIO
 
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, fsync_dir
 from blocktrain.data.dataset import DATASET_FORMAT, DATASET_VERSION, MANIFEST, SPLITS, find_flavour, fingerprint_of
+from blocktrain.data.integrity import sha256_file
 from blocktrain.errors import DataError
 from blocktrain.progress import progress_bar
 
@@ -48,6 +51,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20  # bytes read at a time
 BINARY_PROBE = 8192  # bytes inspected for a NUL to call a file binary
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # after json.loads every surrogate left in a str is a lone one
 SMALL_FOLDER_RULE = "train files of lowest hash moved to test, then valid, until each holds a context window"
 
 
@@ -211,11 +215,30 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
             "fingerprint": fingerprint_of(shas),
         }
         atomic_write_bytes(tmp / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        _publish_modes(tmp)
         _install(tmp, out, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Prepared(manifest, out)
+
+
+def _umask() -> int:
+    """The process's umask, read by setting one and restoring it (a strict one meanwhile: a file another thread
+    makes in that instant is private rather than public)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _publish_modes(tmp: Path) -> None:
+    """Give the temporary dataset directory and its files the modes a plain mkdir/open would (0o777 / 0o666 less the
+    umask): mkdtemp makes the directory 0o700 and the manifest's atomic write (mkstemp) 0o600, so without this the
+    dataset would be readable by its owner alone, e.g. not by workers run as another user."""
+    mask = _umask()
+    for path in tmp.iterdir():
+        path.chmod(0o666 & ~mask)
+    tmp.chmod(0o777 & ~mask)
 
 
 def _check_out(out: Path) -> None:
@@ -238,13 +261,35 @@ def _install(tmp: Path, out: Path, manifest: dict[str, Any]) -> None:
                 f"output directory {out} already holds another dataset (fingerprint {str(old.get('fingerprint'))[:12]}, "
                 f"this one {manifest['fingerprint'][:12]}); choose another --out or delete it first"
             )
-        shutil.rmtree(tmp)  # the same dataset is already there, byte for byte
-        log.info("%s already holds this dataset (fingerprint %s)", out, manifest["fingerprint"][:12])
+        # The same fingerprint names the same bytes, but the files there may have been cut short or changed since
+        # they were written: check each split's size and sha256 (a read of the output, cheaper than the prepare just
+        # done) before calling the dataset identical. A damaged split is replaced by the one just made rather than
+        # refused: its own manifest proves it wrong, the new file is byte for byte what that manifest names (so runs
+        # that trained on this fingerprint stay valid), and re-running the same prepare is the repair a user expects,
+        # where an error would only send them to delete the directory and run it again. os.replace swaps the name:
+        # a process with the old file open or mapped keeps its bytes.
+        damaged = [s for s in SPLITS if not _holds(out / f"{s}.bin", manifest["splits"][s])]
+        if damaged or old.get("splits") != manifest["splits"]:
+            for s in damaged:
+                os.replace(tmp / f"{s}.bin", out / f"{s}.bin")
+            os.replace(tmp / MANIFEST, out / MANIFEST)
+            fsync_dir(out)
+            log.warning("%s held this dataset (fingerprint %s) but %s; replaced with the files just prepared", out,
+                        manifest["fingerprint"][:12], f"split(s) {', '.join(damaged)} did not match it" if damaged
+                        else f"its {MANIFEST} listed other split entries")
+        else:
+            log.info("%s already holds this dataset (fingerprint %s)", out, manifest["fingerprint"][:12])
+        shutil.rmtree(tmp)
         return
     if out.exists():
         out.rmdir()
     tmp.rename(out)
     fsync_dir(out.parent)  # the dataset's name durable (its files and manifest were fsynced before)
+
+
+def _holds(path: Path, entry: dict[str, Any]) -> bool:
+    """Whether ``path`` is the split a manifest's ``entry`` names: its byte count, then its sha256."""
+    return path.is_file() and path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
 
 
 def _fill(kind: str, src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> int:
@@ -295,23 +340,30 @@ def _append_document(w: SplitWriter, chunks: Iterator[bytes]) -> None:
 
 def _fill_directory(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> int:
     files = directory_files(src, opts.include, opts.exclude)
-    sizes: dict[str, int] = {}
+    # binary files are told apart before the splits are chosen and left out of the sizes: a split chosen by bytes
+    # that are then skipped could end up empty
+    sizes: dict[str, int] = {}  # text files only
     unreadable: list[str] = []
+    skipped = 0
     for rel, p in files:
         try:
-            sizes[rel] = os.stat(p).st_size
+            if _is_binary(p):  # binary: skipped and counted
+                skipped += 1
+            else:
+                sizes[rel] = os.stat(p).st_size
         except OSError:
             unreadable.append(rel)
     if unreadable:
         raise DataError(_unreadable_message(src, unreadable))
-    skipped = 0
     split = directory_splits(sizes, opts)
     with _bytes_bar(sum(sizes.values()), f"prepare {src.name}", opts) as bar:
         for rel, p in files:
+            if rel not in split:  # binary, skipped above
+                continue
             try:
                 with open(p, "rb") as f:
                     head = f.read(BINARY_PROBE)
-                    if b"\0" in head:  # binary: skipped and counted
+                    if b"\0" in head:  # turned binary since it was probed: skipped too
                         skipped += 1
                     elif head:
                         rest = iter(lambda f=f: f.read(CHUNK), b"")  # type: ignore[misc]
@@ -331,6 +383,9 @@ def _unreadable_message(src: Path, paths: list[str]) -> str:
 
 
 def _fill_jsonl(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions) -> None:
+    """Each line's string ``opts.field`` is a document. A lone surrogate escape ("\\ud800": JSON allows it, UTF-8
+    cannot hold it) becomes U+FFFD, so every split stays valid UTF-8; how many were replaced is logged once."""
+    replaced = 0
     with src.open("rb") as f, _bytes_bar(src.stat().st_size, f"prepare {src.name}", opts) as bar:
         for n, line in enumerate(f, start=1):
             bar.update(len(line))
@@ -348,8 +403,12 @@ def _fill_jsonl(src: Path, writers: dict[str, SplitWriter], opts: PrepareOptions
                     + "; pass --field NAME"
                 )
             if text:
-                _append_document(writers[split_of(f"line:{n}", opts)],
-                                 iter([text.encode("utf-8", "surrogatepass")]))
+                text, lone = LONE_SURROGATE.subn("\ufffd", text)
+                replaced += lone
+                _append_document(writers[split_of(f"line:{n}", opts)], iter([text.encode("utf-8")]))
+    if replaced:
+        log.warning("%s: replaced %d lone surrogate escape(s) (e.g. \\ud800, not valid UTF-8) with U+FFFD", src,
+                    replaced)
 
 
 BLANK = re.compile(rb"\n(?:[ \t\r]*\n)+")  # the end of a paragraph: a newline, then blank lines
