@@ -39,7 +39,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from blocktrain.coordinator.dashboard import DASHBOARD_HTML
-from blocktrain.coordinator.inflight import InFlight
 from blocktrain.coordinator.polls import Generation, Snapshot
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
@@ -211,7 +210,6 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     replays = asyncio.Semaphore(c.settings.audit_replays)  # audit uploads waiting for a replay wait here, holding no
     # thread of the pool that every other route runs in (waiting in it, 40 uploads held all of its threads)
     jobs: set[asyncio.Future[AuditAnswer]] = set()  # audit replays under way (held: a task is weakly referenced)
-    uploading = InFlight()  # each worker's pushes and audit uploads in flight, a few of each
 
     async def replayed(name: str, k: int, v: int, body: bytes) -> AuditAnswer:
         """Take the audit (a resend is 404 from here, before its body is read), wait for a replay slot, replay and
@@ -328,30 +326,24 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     @app.post("/v1/blocks/{k}/updates", status_code=202, openapi_extra=BINARY_BODY, response_model=PushAnswer)
     async def update(request: Request, k: int) -> PushAnswer:
+        name = None
         try:
             name = await auth(request)
-        except ProtocolError as exc:  # no valid token: counted in memory only, no lock, nothing written
-            c.record_rejection(None, k, exc)
-            raise
-        with uploading.one(name, "update"):  # 429 past its few in flight, before anything is read or locked
-            try:
-                await run_in_threadpool(c.admit, name, k)  # quarantined, over its refusal rate: refused before its body
-                body = await run_in_threadpool(  # is read
-                    decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
-                    request.headers.get("content-encoding"), c.max_body_bytes)
-            except ProtocolError as exc:
+            await run_in_threadpool(c.admit, name, k)  # quarantined, over its refusal rate: refused before its body is read
+            body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
+                                           request.headers.get("content-encoding"), c.max_body_bytes)
+        except ProtocolError as exc:
+            if name is None:  # no valid token: counted in memory only, no lock, nothing written
+                c.record_rejection(None, k, exc)
+            else:
                 await run_in_threadpool(c.record_rejection, name, k, exc)
-                raise
-            return await run_in_threadpool(c.submit, name, k, body)
+            raise
+        return await run_in_threadpool(c.submit, name, k, body)
 
     @app.post("/v1/blocks/{k}/audits/{v}", openapi_extra=BINARY_BODY, response_model=AuditAnswer)
     async def audit(request: Request, k: int, v: int) -> AuditAnswer:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
         name = await auth(request)
-        with uploading.one(name, "audit"):  # 429 past its few in flight (each buffers up to 4x the block)
-            return await audit_upload(request, name, k, v)
-
-    async def audit_upload(request: Request, name: str, k: int, v: int) -> AuditAnswer:
         # a stranger's upload is refused before its body is read; ``left``: seconds the audit's upload window has left
         upload, left = await run_in_threadpool(c.expect_audit, name, k, v)
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
