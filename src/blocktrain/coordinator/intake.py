@@ -294,19 +294,13 @@ class Intake:
                                 f"tolerance {view.tolerance:.4g})", Reason.GATE)
         return before, after
 
-    def remember(self, k: int, checked: Checked, held: Hashable | None = None, verified: bool = True) -> None:
+    def remember(self, k: int, checked: Checked, held: Hashable | None = None) -> None:
         """Count an accepted update in block k's history. Its sketch counts at once (a copy of it is a replay whatever
         its audit decides). Its norm and loss rise count at once too, unless the push awaits its audit (``held``: a
         key for it): then they count when :meth:`release` says the audit passed, so a push that fails its audit leaves
         nothing the next pushes are judged by. A push that claims less than half its budget (:data:`FULL_CLAIM`) adds
-        neither, nor does one that will never be replayed (``verified`` False: audits are on and it was not drawn).
-        The bounds are relative to the history, so a history of pushes nobody checked could be set by a worker past
-        its probation: two near-zero pushes at a block's start made every honest push a NORM refusal, one huge push a
-        LAZY one, and those refusals quarantine. Where audits run, the history holds only replayed pushes (every push
-        of a worker on probation, then the audited fraction; a group's mean, never audited, keeps its own history)."""
+        neither."""
         self.remember_sketch(k, checked.sketch)
-        if not verified:
-            return
         if not checked.full:
             if not self._history(k, checked.grouped)[0] and k not in self._partial_warned:
                 self._partial_warned.add(k)

@@ -304,9 +304,7 @@ class BlockRun:
         failed = audited is not None and not audited.passed
         if self.records is not None and not failed:
             self.records.keep(_name(i), v, body, parsed.samples)  # its round counts: the next trace starts here
-        audits = self.auditor is not None and self.records is not None and self.auditor.enabled
-        # as the service counts it: a push never replayed (audits on, not drawn) adds nothing to the histories
-        self.intake.release((i, v), passed=not failed and (audited is not None or not audits or checked.grouped))
+        self.intake.release((i, v), passed=not failed)
         run.updates.append(UpdateRecord(i, v, parsed.norm, "audit" if failed else "accepted", checked.gate,
                                         checked.replay_cos, ratio, audited is not None, bad is not None,
                                         None if audited is None else audited.relative_error,

@@ -401,8 +401,7 @@ class UpdateTable:
         first: not a dropped one (its worker was quarantined, a failed audit among the reasons; a coordinator that
         never restarted keeps the norm of one dropped for its worker's refusals), nor one whose audit is pending (held
         again until it is decided, :meth:`blocktrain.coordinator.intake.Intake.hold`), nor one that did not count
-        (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`, or it
-        was never replayed while audits ran, :meth:`blocktrain.coordinator.intake.Intake.remember`);
+        (``counted`` 0: it claimed less than half its budget, :func:`blocktrain.coordinator.intake.full_claim`);
         single workers' pushes, or (``grouped``) group means."""
         rows = self.db.q(f"SELECT version, norm FROM updates u WHERE {_RESTORED} AND {_kind(grouped)} ORDER BY id DESC LIMIT ?",
                          k, UpdateState.DROPPED.value, n)

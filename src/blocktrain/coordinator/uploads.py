@@ -156,13 +156,12 @@ class Uploads:
         case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
                                  accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
                                  prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
-        verified = case is not None or not self.auditor.enabled or checked.grouped  # its norm and rise may count
         try:
             s.blobs.commit_blob(staged, sketch)  # durable before the row that names them
             with s.tx():  # the update and, if drawn, its audit: a restart still holds its round for the audit
                 s.updates.record_update(k, v, name, samples=upd.samples, norm=upd.norm, compression=upd.compression.value,
                                         blob=staged.digest, arrived=arrived, arrival_s=arrived - opened, rise=checked.rise,
-                                        counted=checked.full and verified, sketch=sketch.digest)
+                                        counted=checked.full, sketch=sketch.digest)
                 if members:
                     s.updates.record_group(k, v, name, members)
                 if case is not None:
@@ -171,7 +170,7 @@ class Uploads:
             if case is not None:
                 self.auditor.forget(case)
             raise
-        self.intake.remember(k, checked, held=(name, k, v) if case is not None else None, verified=verified)
+        self.intake.remember(k, checked, held=(name, k, v) if case is not None else None)
         log.info("block %d v%d: accepted update from %s (norm %.4g, %d samples)", k, v, name, upd.norm, upd.samples)
         closed = self.rounds.check_quorum(now)
         return PushAnswer(accepted=True, block=k, version=v, round_closed=k in closed, audit=case is not None)
