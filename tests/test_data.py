@@ -142,22 +142,3 @@ def test_an_interrupted_download_in_the_cache_is_resumed_not_used(tmp_path: Path
     assert resolve_data_dir(download=fake_download).root == cached and calls == []  # complete now: used as it is
     (cached / "wiki.test.raw").unlink()
     assert open_data_dir(cached).flavour == "raw"  # named by the user, a partial directory is still data
-
-
-def test_a_download_that_differs_from_the_published_digest_is_an_error_and_not_kept(tmp_path: Path) -> None:
-    """A fetched split whose sha256 is not the published one only logged a warning and stayed in the cache, used by
-    every later run. It is a DataError saying what to do, and the file is not left behind; one an older version
-    left there is removed."""
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    shard = tmp_path / "hub.parquet"
-    pq.write_table(pa.table({"text": ["", "not the published text\n"]}), shard)
-    dest = tmp_path / "cache"
-    with pytest.raises(DataError, match=r"wiki\.train\.raw does not match the published sha256 .*Run again.*--data DIR"):
-        download_wikitext("wikitext-2", dest, fetch=lambda repo, name: shard)
-    assert not (dest / "wiki.train.raw").exists()
-    dest.mkdir(exist_ok=True)
-    (dest / "wiki.train.raw").write_bytes(b"kept by a version that only warned\n")
-    with pytest.raises(DataError, match="it was removed"):
-        download_wikitext("wikitext-2", dest, fetch=lambda repo, name: shard)
-    assert not (dest / "wiki.train.raw").exists()
