@@ -701,6 +701,79 @@ def test_the_tolerance_rule_leaves_room_for_rounding_but_not_for_scaling() -> No
     assert replay_scale({"w": torch.zeros(3)}, {"w": torch.zeros(3)}) == 1.0
 
 
+def test_a_failed_audit_whose_outcome_cannot_be_written_holds_its_round(tmp_path: Path, corpus: DataDir,  # noqa: F811
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quarantine of a worker whose audit failed is a write; when it raised (a full disk, an I/O error), the audit
+    was marked decided anyway, and the next quorum check applied the push that had failed (a review's repro:
+    version 1, the liar's update 'applied', the liar not quarantined). The round now stays held until the outcome is
+    written: each tick decides the audit again, and once the store takes writes the worker is quarantined and its
+    update dropped, never applied."""
+    import sqlite3
+
+    from blocktrain.coordinator.conduct_tables import ConductTable
+
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('liar')}"}
+    real = ConductTable.quarantine
+
+    def full_disk(*args: Any, **kwargs: Any) -> int:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(ConductTable, "quarantine", full_disk)
+    try:
+        with TestClient(create_app(c, background=False), raise_server_exceptions=False) as client:
+            w, answer = _registered_push(client, c, headers, state_sha({}))
+            assert answer["audit"] is True
+            other = {"residual/" + n: torch.zeros(s) for n, s in c.block_shapes[0].items()}  # not the committed state
+            r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state(other, block=0, version=w.version),
+                            headers=headers)
+            assert r.status_code == 500
+            assert c.auditor.holds(0, w.version) and not c.conduct.quarantined("liar")
+            with pytest.raises(sqlite3.OperationalError):
+                c.tick()  # decided again, still not written: still held
+            assert c.version[0] == 0 and c.auditor.holds(0, w.version)
+            monkeypatch.setattr(ConductTable, "quarantine", real)
+            c.tick()
+            assert c.conduct.quarantined("liar") and not c.auditor.holds(0, w.version)
+            states = {str(r["state"]) for r in c.store.q("SELECT state FROM updates WHERE worker='liar'")}
+            assert states == {"dropped"} and c.version[0] == 0
+    finally:
+        c.close()
+
+
+def test_a_late_audit_whose_quarantine_cannot_be_written_still_holds_its_round(
+        tmp_path: Path, corpus: DataDir, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The same for an audit whose upload never came: the late case was taken off the pending ones before its
+    worker's quarantine was written, so a failed write let its round close with the unverified push in it."""
+    import sqlite3
+
+    from blocktrain.coordinator.conduct_tables import ConductTable
+
+    clock = FakeClock()
+    c = make_coordinator(tmp_path / "run", corpus, clock=clock, **{**AUDIT_ALL, "audit_timeout_s": 5.0,
+                                                                   "round_seconds": 3600.0, "lease_seconds": 3600.0})
+    headers = {"Authorization": f"Bearer {c.add_token('silent')}"}
+    real = ConductTable.quarantine
+
+    def full_disk(*args: Any, **kwargs: Any) -> int:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            w, answer = _registered_push(client, c, headers, state_sha({}))
+            assert answer["audit"] is True
+            clock.advance(10.0)  # past the audit's upload deadline
+            monkeypatch.setattr(ConductTable, "quarantine", full_disk)
+            with pytest.raises(sqlite3.OperationalError):
+                c.tick()
+            assert c.auditor.holds(0, w.version) and c.version[0] == 0
+            monkeypatch.setattr(ConductTable, "quarantine", real)
+            c.tick()
+            assert c.conduct.quarantined("silent") and not c.auditor.holds(0, w.version) and c.version[0] == 0
+    finally:
+        c.close()
+
+
 def test_a_round_cut_short_keeps_the_full_rounds_tolerance() -> None:
     """A round its deadline cut to one or two steps is replayed against the H = 25 tolerance, not a smaller one: one
     bf16 step replayed in fp32 was already 0.011-0.015 away on cpu-mini (a review's measurement), above the

@@ -49,6 +49,8 @@ class Uploads:
                  hub: PeerHub | None) -> None:
         self.cfg, self.settings, self.store, self.roster, self.rounds = cfg, settings, store, roster, rounds
         self.checkpoints, self.intake, self.auditor, self.conduct, self.hub = checkpoints, intake, auditor, conduct, hub
+        # audits judged whose outcome could not be written (a full disk): decided again at each tick, rounds held
+        self._undecided: dict[tuple[str, int, int], tuple[AuditAnswer | None, str]] = {}
 
     # --- a push ------------------------------------------------------------------------
     def admit(self, name: str, k: int) -> WorkerRow:
@@ -237,9 +239,16 @@ class Uploads:
     def decide(self, name: str, k: int, v: int, answer: AuditAnswer | None, why: str, now: float) -> None:
         """(Locked.) An audit's outcome, before its round may close: a failure quarantines the worker and drops its
         update; a replay that broke (``answer`` None: the coordinator's own fault, such as running out of memory)
-        drops the update, which is not applied unverified, and blames no one; either way the round may now close."""
+        drops the update, which is not applied unverified, and blames no one; either way the round may now close.
+
+        A push that did not pass is let go only once its drop is durable: if writing it fails (a full disk, an I/O
+        error), the audit stays undecided and its round held; each tick decides it again (a restart awaits the audit
+        again). Marking it decided whatever happened let the next quorum check apply the push that had failed its
+        audit."""
+        settled = answer is not None and answer.passed  # nothing to undo: the round may close whatever follows
+        self._undecided.pop((name, k, v), None)
         try:
-            passed = answer is not None and answer.passed and not self.conduct.quarantined(name)  # not if since dropped
+            passed = settled and not self.conduct.quarantined(name)  # not if since dropped
             self.intake.release((name, k, v), passed=passed)
             if answer is None:
                 with self.store.tx():
@@ -251,12 +260,16 @@ class Uploads:
                          answer.relative_error, answer.seconds)
             else:
                 self.conduct.quarantine(name, f"failed audit: {why}", now)
+            settled = True  # its update is dropped (and its worker quarantined) for good
             if answer is not None:
                 self.auditor.record(answer)
-        finally:  # decided whatever happened above, or its round would stay held for ever
-            self.auditor.decided(name, k, v)
-            with self.store.tx():
-                self.store.audits.drop_audit(name, k, v)
+        finally:
+            if settled:
+                self.auditor.decided(name, k, v)
+                with self.store.tx():
+                    self.store.audits.drop_audit(name, k, v)
+            else:  # decided again at the next tick (:meth:`overdue_audits`)
+                self._undecided[(name, k, v)] = (answer, why)
         self.rounds.check_quorum(now)  # the decided audit may complete its round
 
     def forget_audits(self, name: str) -> None:
@@ -273,12 +286,20 @@ class Uploads:
             self.store.audits.drop_audit(*key)
 
     def overdue_audits(self, now: float) -> None:
-        """(Locked.) Quarantine the workers whose audit uploads are late."""
+        """(Locked.) Decide again the audits whose outcome could not be written; quarantine the workers whose audit
+        uploads are late."""
+        for (name, k, v), (answer, why) in list(self._undecided.items()):
+            self.decide(name, k, v, answer, why, now)
         for case in self.auditor.overdue(now):
+            try:  # its quarantine drops its update: durable before the round stops waiting for the audit
+                if not self.conduct.quarantined(case.worker):
+                    self.conduct.quarantine(case.worker, f"failed audit: no state uploaded for block "
+                                            f"{case.update.block} v{case.update.base_version} within "
+                                            f"{self.settings.audit_timeout_s:g} s", now)
+            except BaseException:  # not written: awaited again (the next tick retries), its round still held
+                self.auditor.restore(case)
+                raise
             self._unheld((case.worker, case.update.block, case.update.base_version))
-            if not self.conduct.quarantined(case.worker):
-                self.conduct.quarantine(case.worker, f"failed audit: no state uploaded for block {case.update.block} "
-                                        f"v{case.update.base_version} within {self.settings.audit_timeout_s:g} s", now)
 
     def record_rejection(self, name: str, k: int | None, exc: ProtocolError, now: float) -> None:
         """(Locked.) Log and count a refused update of an authenticated worker, durably (a ``rejections`` row)."""
