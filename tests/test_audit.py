@@ -774,6 +774,34 @@ def test_a_late_audit_whose_quarantine_cannot_be_written_still_holds_its_round(
         c.close()
 
 
+def test_probation_is_per_block(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """Probation counted a worker's accepted pushes over the whole run, so a worker past it on block 0 met only the
+    sampled audit (here none) on block 1, and its first pushes there, which set that block's norm bound and gate
+    calibration, went unchecked (a review: two near-zero pushes made every honest push a NORM refusal). Its first
+    push of block 1 is now audited; a push of block 0 still counts on block 0."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(),
+                         **{**AUDIT_ALL, "audit_fraction": 1e-12, "probation_pushes": 1})
+    headers = {"Authorization": f"Bearer {c.add_token('vet')}"}
+    try:
+        with TestClient(create_app(c, background=False)) as client:
+            assert client.post("/v1/register", json={"block": 1}, headers=headers).status_code == 200
+            with c.lock, c.store.tx():  # its probation on block 0, done (an applied push of an old round)
+                c.store.updates.record_update(0, 999, "vet", samples=1, norm=1.0, compression="int8", blob="0" * 64,
+                                              arrived=0.0, arrival_s=0.0)
+            assert c.store.workers.worker("vet").accepted == 1  # type: ignore[union-attr]
+            w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
+            assert w.block == 1
+            delta = {n: 1e-3 * torch.randn(s, generator=torch.Generator().manual_seed(0))
+                     for n, s in c.block_shapes[1].items()}
+            body = pack_delta(delta, Compression.INT8, block=1, base_version=w.version, base_sha=w.weights_sha,
+                              samples=w.sequences, state_sha=state_sha({}))
+            r = client.post("/v1/blocks/1/updates", content=body, headers=headers)
+            assert r.status_code == 202, r.text
+            assert r.json()["audit"] is True  # on probation on block 1
+    finally:
+        c.close()
+
+
 def test_a_round_cut_short_keeps_the_full_rounds_tolerance() -> None:
     """A round its deadline cut to one or two steps is replayed against the H = 25 tolerance, not a smaller one: one
     bf16 step replayed in fp32 was already 0.011-0.015 away on cpu-mini (a review's measurement), above the

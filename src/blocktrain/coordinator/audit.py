@@ -144,7 +144,7 @@ class Auditor:
              now: float, accepted: int = 0, outlier: bool = False, prior: tuple[str, ...] = (),
              lineage: Callable[[], Lineage | None] = lambda: None) -> AuditCase | None:
         """The case if this accepted push is audited (it then waits for the worker's upload), else None: every push of
-        a worker on probation (``accepted``, its accepted pushes so far, this one included, at most
+        a worker on probation (``accepted``, its pushes of this block so far, this one included, at most
         --probation-pushes), then a random --audit-fraction, --audit-outlier-fraction for an ``outlier``. ``prior``:
         the blobs of the worker's last pushes of the block, which bound the residual its state may hold;
         ``lineage``: traces the rounds its moments came from (:func:`.lineage.trace`), called for a drawn push only.

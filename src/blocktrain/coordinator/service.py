@@ -281,7 +281,8 @@ class Coordinator:
             worker = up.admit(name, k)
         upd = up.parse(k, body)  # unlocked: size, tensors, metadata
         with self.lock:  # screen against the round; snapshot what the checks read
-            resend = up.screen(name, upd, body, worker.accepted)
+            pushed = self.store.updates.probation_pushes(name, k)  # its pushes of block k so far (probation)
+            resend = up.screen(name, upd, body, pushed)
             if resend is not None:
                 return resend
             members = up.members(name, upd)
@@ -296,7 +297,7 @@ class Coordinator:
                 self.intake.count(time.perf_counter() - t0)
                 up.refused(name, upd, members, exc, self.clock())
             raise
-        if self.auditor.drawn(name, upd, worker.accepted + 1, checked.outlier):  # drawn as an outlier: no room is a
+        if self.auditor.drawn(name, upd, pushed + 1, checked.outlier):  # drawn as an outlier: no room is a
             self.auditor.check_room()  # 503 before its blobs are written (accept checks again, under the lock)
         staged = self.store.blobs.stage_blob(body)  # unlocked: written and fsynced, named only once accepted
         sketch = self.store.blobs.stage_blob(pack_sketch(k, checked.sketch))  # what a restart reads for the delta

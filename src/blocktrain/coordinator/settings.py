@@ -109,7 +109,7 @@ class CoordinatorSettings:
     refusal_burst: int = 10  # refused update requests a worker may make per refusal_window_s before a 429 (0 = no cap)
     refusal_window_s: float = 60.0  # seconds of the refusal rate limit's window
     audit_fraction: float = 0.05  # accepted pushes replayed by the coordinator (needs its --data; 0 = no audits)
-    probation_pushes: int = 3  # a worker's first this many accepted pushes are all replayed (probation; 0 = none)
+    probation_pushes: int = 3  # a worker's first this many accepted pushes of each block are all replayed (0 = none)
     audit_outlier_fraction: float = 0.5  # after probation, an outlier push is replayed with this probability
     audit_outlier_ratio: float = 2.0  # an outlier: its norm per unit of lr above this x the block's recent median, or a
     # loss rise above half the gate's tolerance

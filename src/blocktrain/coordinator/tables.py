@@ -301,6 +301,15 @@ class UpdateTable:
             self.db.execute("UPDATE workers SET accepted=accepted-1 WHERE name=?", (worker,))
         return bool(rows)
 
+    def probation_pushes(self, worker: str, k: int) -> int:
+        """``worker``'s pushes of block k that count toward its probation there: its own (a group's mean is never
+        audited), not dropped (a push never verified does not count). Per block: counted over the run, a worker past
+        its probation on one block met only the sampled audit on the next, so its first pushes there, which set the
+        block's norm bound and gate calibration, went unchecked."""
+        row = self.db.q1(f"SELECT COUNT(*) AS n FROM updates u WHERE worker=? AND block=? AND state != ? AND "
+                         f"{_kind(False)}", worker, k, UpdateState.DROPPED.value)
+        return 0 if row is None else int(row["n"])
+
     def previous_blobs(self, k: int, worker: str, before: int, n: int = 2) -> tuple[str, ...]:
         """Digests of ``worker``'s last ``n`` updates of block k against versions before ``before``, newest first."""
         rows = self.db.q("SELECT blob FROM updates WHERE block=? AND worker=? AND version<? ORDER BY version DESC "

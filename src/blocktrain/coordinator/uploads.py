@@ -78,8 +78,8 @@ class Uploads:
     def screen(self, name: str, upd: ParsedUpdate, body: bytes, accepted: int) -> PushAnswer | None:
         """(Locked.) Answer a byte-identical resend as its first sending was (its answer may have been lost, also after
         its round closed; with its audit, if one awaits its upload); refuse an update for a round that does not take
-        it, or one drawn for an audit with no room for it (``accepted``: the worker's accepted pushes at its admission;
-        None: go on)."""
+        it, or one drawn for an audit with no room for it (``accepted``: the worker's pushes of the block so far, as
+        :meth:`.tables.UpdateTable.probation_pushes` counts them; None: go on)."""
         k, v = upd.block, upd.base_version
         if self.store.updates.update_blob(k, v, name) == hashlib.sha256(body).hexdigest():
             return self._resent(name, k, v)
@@ -154,9 +154,8 @@ class Uploads:
         opened = rnd.opened if rnd is not None else arrived
         rounds, h = self.rounds.block_rounds(k), self.rounds.local_steps(k)
         stream = worker_stream(worker.id, k, v)  # the stream the work answer named
-        now_row = s.workers.worker(name)  # its accepted pushes so far
         case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
-                                 accepted=(now_row.accepted if now_row is not None else 0) + 1, outlier=checked.outlier,
+                                 accepted=s.updates.probation_pushes(name, k) + 1, outlier=checked.outlier,
                                  prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
         try:
             s.blobs.commit_blob(staged, sketch)  # durable before the row that names them
