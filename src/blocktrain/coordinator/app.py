@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from blocktrain.coordinator.dashboard import DASHBOARD_HTML
+from blocktrain.coordinator.inflight import UPLOAD_STALL_S, InFlight
 from blocktrain.coordinator.polls import Generation, Snapshot
 from blocktrain.coordinator.service import Coordinator
 from blocktrain.errors import ProtocolError
@@ -159,15 +160,27 @@ class ByteCounter:
                 self.generation.bump()
 
 
-async def _read_capped(request: Request, cap: int, timeout_s: float) -> bytes:
-    """The request body: at most ``cap`` bytes (413), arrived within ``timeout_s`` seconds (408)."""
+async def _read_capped(request: Request, cap: int, timeout_s: float, stall_s: float | None = None) -> bytes:
+    """The request body: at most ``cap`` bytes (413), arrived within ``timeout_s`` seconds, with no pause longer than
+    ``stall_s`` (default UPLOAD_STALL_S; 408: a connection whose path died holds nothing for long, its worker's upload
+    slot included)."""
+    stall_s = UPLOAD_STALL_S if stall_s is None else stall_s
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise ProtocolError(413, f"body of {declared} bytes exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
     chunks, size = [], 0
+    stream = request.stream().__aiter__()
     try:
         async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
+            while True:
+                try:
+                    async with asyncio.timeout(stall_s):
+                        chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise ProtocolError(408, f"no byte of the body came for {stall_s:g} s after {size} bytes; push it "
+                                        "again", Reason.SLOW) from None
                 size += len(chunk)
                 if size > cap:
                     raise ProtocolError(413, f"body exceeds the cap of {cap} bytes", Reason.TOO_LARGE)
@@ -210,6 +223,7 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
     replays = asyncio.Semaphore(c.settings.audit_replays)  # audit uploads waiting for a replay wait here, holding no
     # thread of the pool that every other route runs in (waiting in it, 40 uploads held all of its threads)
     jobs: set[asyncio.Future[AuditAnswer]] = set()  # audit replays under way (held: a task is weakly referenced)
+    uploading = InFlight()  # each worker's pushes and audit uploads in flight, a few of each
 
     async def replayed(name: str, k: int, v: int, body: bytes) -> AuditAnswer:
         """Take the audit (a resend is 404 from here, before its body is read), wait for a replay slot, replay and
@@ -326,24 +340,36 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
 
     @app.post("/v1/blocks/{k}/updates", status_code=202, openapi_extra=BINARY_BODY, response_model=PushAnswer)
     async def update(request: Request, k: int) -> PushAnswer:
-        name = None
         try:
             name = await auth(request)
-            await run_in_threadpool(c.admit, name, k)  # quarantined, over its refusal rate: refused before its body is read
-            body = await run_in_threadpool(decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
-                                           request.headers.get("content-encoding"), c.max_body_bytes)
-        except ProtocolError as exc:
-            if name is None:  # no valid token: counted in memory only, no lock, nothing written
-                c.record_rejection(None, k, exc)
-            else:
-                await run_in_threadpool(c.record_rejection, name, k, exc)
+        except ProtocolError as exc:  # no valid token: counted in memory only, no lock, nothing written
+            c.record_rejection(None, k, exc)
             raise
-        return await run_in_threadpool(c.submit, name, k, body)
+        with uploading.one(name, "update"):  # 503 past its few in flight, before anything is read or locked
+            try:
+                await run_in_threadpool(c.admit, name, k)  # quarantined, over its refusal rate: refused before its body
+                body = await run_in_threadpool(  # is read
+                    decode_body, await _read_capped(request, c.max_body_bytes, c.settings.upload_timeout_s),
+                    request.headers.get("content-encoding"), c.max_body_bytes)
+            except ProtocolError as exc:
+                await run_in_threadpool(c.record_rejection, name, k, exc)
+                raise
+            return await run_in_threadpool(c.submit, name, k, body)
 
     @app.post("/v1/blocks/{k}/audits/{v}", openapi_extra=BINARY_BODY, response_model=AuditAnswer)
     async def audit(request: Request, k: int, v: int) -> AuditAnswer:
         """An audited worker's inner state at the start of round (k, v); the coordinator replays the round."""
         name = await auth(request)
+        with uploading.one(name, "audit"):  # 503 past its few being read (each buffers up to 4x the block)
+            body = await audit_body(request, name, k, v)
+        job = asyncio.ensure_future(replayed(name, k, v, body))  # runs to its decision even if this request is
+        jobs.add(job)  # cancelled: a case taken and never decided would hold its round for good
+        job.add_done_callback(jobs.discard)
+        job.add_done_callback(lambda j: j.cancelled() or j.exception())  # read, if its request has gone: not logged
+        return await asyncio.shield(job)
+
+    async def audit_body(request: Request, name: str, k: int, v: int) -> bytes:
+        """The audit upload's body, read within its window and decoded."""
         # a stranger's upload is refused before its body is read; ``left``: seconds the audit's upload window has left
         upload, left = await run_in_threadpool(c.expect_audit, name, k, v)
         cap = 4 * c.block_fp32_bytes + 65536  # AdamW moments and the residual: three times the block, and names
@@ -351,15 +377,10 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
             read_s = max(1e-3, min(c.settings.upload_timeout_s, left))
             raw = await _read_capped(request, cap, read_s)
             c.audit_upload_received(name, k, v, upload)  # whole, in its window: decoding and the lock's wait are not late
-            body = await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
+            return await run_in_threadpool(decode_body, raw, request.headers.get("content-encoding"), cap)
         except BaseException:  # cut, late or malformed before its replay took it (no await here: cancelled)
             c.audit_upload_cut(name, k, v, upload)
             raise
-        job = asyncio.ensure_future(replayed(name, k, v, body))  # runs to its decision even if this request is
-        jobs.add(job)  # cancelled: a case taken and never decided would hold its round for good
-        job.add_done_callback(jobs.discard)
-        job.add_done_callback(lambda j: j.cancelled() or j.exception())  # read, if its request has gone: not logged
-        return await asyncio.shield(job)
 
     return app
 
