@@ -109,6 +109,17 @@ def test_a_token_replaced_or_revoked_by_another_process_stops_working_at_the_nex
     assert api.client.get("/v1/work", headers=new).status_code == 401
 
 
+def test_a_worker_name_the_answers_cannot_carry_is_refused_when_its_token_is_made(api: Api) -> None:
+    """A token added under a 129-character name was stored, and its worker's first registration wrote its row, then
+    failed to build its answer (a 500): a live replica its rounds waited for until its lease lapsed."""
+    from blocktrain.errors import ConfigError
+
+    for bad in ("x" * 129, "", "two\nlines"):
+        with pytest.raises(ConfigError, match="printable"):
+            api.c.add_token(bad)
+    assert api.register("x" * 128, block=0) == 0  # the longest name that fits
+
+
 def test_token_lookup_compares_every_hash_in_constant_time(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every stored hash goes through hmac.compare_digest, the match included: no early exit, no ``==``."""
     import hmac

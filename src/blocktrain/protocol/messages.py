@@ -33,7 +33,8 @@ MAX_STEPS = 1 << 20  # inner steps one round may assign
 MAX_REVOKED = 1024  # quarantined workers a work answer names (the newest)
 P2P_TOKEN_TTL_S = 30 * 24 * 3600.0  # seconds a hivemind access token stays valid from its issue (registration, renewal)
 CLOCK_SKEW_S = 24 * 3600.0  # seconds a peer's clock may lag the coordinator's when it checks a token's expiry
-WorkerName = Annotated[str, Field(min_length=1, max_length=128)]  # a worker's name, as the coordinator admits it
+MAX_WORKER_NAME = 128  # characters of a worker's name
+WorkerName = Annotated[str, Field(min_length=1, max_length=MAX_WORKER_NAME)]  # a worker's name, as the coordinator admits it
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
 M = TypeVar("M", bound="Message")
@@ -54,7 +55,7 @@ class RegisterRequest(Message):
 
 class Registration(Message):
     model_config = ConfigDict(frozen=True, extra="ignore")  # a newer coordinator may add fields
-    worker: str = Field(max_length=128)  # the name the coordinator admitted this token under
+    worker: str = Field(max_length=MAX_WORKER_NAME)  # the name the coordinator admitted this token under
     block: int = Field(ge=0, le=MAX_INT)  # the block this worker trains
     block_state: BlockState  # waiting, open or finished
     message: str = Field(default="", max_length=1024)  # what the worker should know about its block's state
