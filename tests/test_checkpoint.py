@@ -206,3 +206,23 @@ def test_a_committed_blob_s_name_is_made_durable(tmp_path: Path, monkeypatch: py
     assert synced == [tmp_path / "blobs"]  # once for both
     safetensors_io.atomic_write_bytes(tmp_path / "d" / "f.bin", b"x")
     assert synced[-1] == tmp_path / "d"
+
+
+def test_a_crash_s_temp_files_in_the_blob_store_are_swept_once_stale(tmp_path: Path) -> None:
+    """A crash while pushes were staged left their bodies (up to the body cap each) as temp files nothing ever
+    removed. Opening the store deletes those older than STALE_TMP_S; a fresh one (a live writer's) stays, and so do
+    named blobs."""
+    import os
+    import time
+
+    from blocktrain.coordinator.blobs import STALE_TMP_S, BlobStore
+
+    store = BlobStore(tmp_path / "blobs", fsync=False)
+    named = store.put_blob(b"kept")
+    old = store.stage_blob(b"a body whose push never finished")
+    fresh = store.stage_blob(b"a body being checked now")
+    assert old.tmp is not None and fresh.tmp is not None
+    then = time.time() - STALE_TMP_S - 60
+    os.utime(old.tmp, (then, then))
+    BlobStore(tmp_path / "blobs", fsync=False)  # a restart
+    assert not old.tmp.exists() and fresh.tmp.exists() and store.get_blob(named) == b"kept"

@@ -13,13 +13,19 @@ refused updates leave nothing behind. The rows that name blobs live in
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, fsync_dir
 from blocktrain.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+STALE_TMP_S = 3600.0  # seconds after which a temp file in the blob directory is a crash's leftover
 
 
 @dataclass
@@ -37,6 +43,24 @@ class BlobStore:
         self.fsync = fsync  # False: survives process crashes (kill -9) but not power loss
         self.blob_dir = Path(blob_dir)
         self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.sweep_stale()
+
+    def sweep_stale(self, older_than_s: float = STALE_TMP_S) -> int:
+        """Delete the temp files a crash left (a staged update body, a blob being written), once older than
+        ``older_than_s``: a live writer's are seconds old (another process reading this store never removes them);
+        a crash during N pushes left N bodies of up to the body cap for good. Returns how many were deleted."""
+        now, n, size = time.time(), 0, 0
+        for tmp in self.blob_dir.glob(".*.tmp"):
+            try:
+                st = tmp.stat()
+                if now - st.st_mtime > older_than_s:
+                    tmp.unlink()
+                    n, size = n + 1, size + st.st_size
+            except FileNotFoundError:  # committed or discarded meanwhile
+                continue
+        if n:
+            log.info("deleted %d temp file(s) of %d bytes a crash left in %s", n, size, self.blob_dir)
+        return n
 
     def put_blob(self, payload: bytes) -> str:
         """Write ``payload`` under its sha256 (idempotent); return the digest."""
