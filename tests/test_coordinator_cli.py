@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from blocktrain.cli.distributed import handling_signals, settings_from_args
+from blocktrain.cli.common import handling_signals
+from blocktrain.cli.distributed import settings_from_args
 from blocktrain.cli.fields import field_comments, flag_name
 from blocktrain.cli.main import build_parser
 from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer

@@ -75,3 +75,30 @@ def test_train_block_refuses_a_block_outside_the_run(tmp_path: Path, data_dir: P
                      str(data_dir), "--block", k, "--no-progress"]) == 2
         assert "out of range" in capsys.readouterr().err
     assert not (tmp_path / "run" / "e2e.safetensors").exists() and not any((tmp_path / "run").glob("**/*.safetensors"))
+
+
+def test_sigterm_stops_a_training_as_ctrl_c_does(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kill PID`` (or a service manager's stop) sends SIGTERM, whose default action killed ``train`` and its block
+    process at once, losing every step since the last checkpoint (up to --checkpoint-every). It now stops the run as
+    Ctrl-C does: the block process is told to stop too, saves its checkpoint, and the command exits 130."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from blocktrain.checkpoint.safetensors_io import load_file
+    from tests.forked_cli import spawn
+
+    monkeypatch.setattr(child, "START_METHOD", "fork")  # the block processes: forked, not re-imported
+    run = tmp_path / "run"
+    proc = spawn(["train", "--preset", "tiny", "--steps", "1000000", "--checkpoint-every", "1000000", "--log-every", "1",
+                  "--out", str(run), "--data", str(data_dir), "--no-progress"], stderr=subprocess.PIPE)
+    metrics = RunDir(run).metrics_path("block_0")
+    deadline = time.monotonic() + 60
+    while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, "the training did not start"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGTERM)  # this process alone, as ``kill PID`` sends it
+    assert proc.wait(timeout=60) == 130
+    assert proc.stderr is not None and b"interrupted" in proc.stderr.read()
+    assert int(load_file(RunDir(run).block_path(0))[1]["step"]) >= 3  # saved on the way out

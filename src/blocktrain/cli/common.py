@@ -9,7 +9,12 @@ one edit: its declaration. The help text is the field's unit comment.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from dataclasses import replace
+from types import FrameType
 from typing import Any
 
 from blocktrain.cli.fields import Flags
@@ -56,3 +61,32 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if kw := flags.values(args):
             cfg = replace(cfg, **{section: replace(getattr(cfg, section), **kw)})
     return cfg
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """A signal handler that stops the command as Ctrl-C does (its checkpoint or state saved on the way out)."""
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def handling_signals(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
+    """These signal handlers for the block, the earlier ones back after it: a command run in-process (a test, a
+    notebook) leaves its caller's handlers as it found them. A process forked meanwhile inherits them (hivemind's DHT
+    peer is one): there each takes the signal's default action, so that its owner's ``terminate()`` still ends it."""
+    owner = os.getpid()
+
+    def here_only(fn: Any) -> Any:
+        def handle(signum: int, frame: FrameType | None) -> None:
+            if os.getpid() != owner:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            fn(signum, frame)
+        return handle
+
+    earlier = {sig: signal.signal(sig, here_only(fn)) for sig, fn in handlers.items()}
+    try:
+        yield
+    finally:
+        for sig, fn in earlier.items():
+            signal.signal(sig, fn)

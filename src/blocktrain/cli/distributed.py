@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -12,12 +11,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from blocktrain.cli.common import add_run_args, config_from_args
+from blocktrain.cli.common import add_run_args, config_from_args, handling_signals, interrupt
 from blocktrain.cli.fields import Flags
 from blocktrain.coordinator.settings import CoordinatorSettings
 from blocktrain.errors import BlockTrainError
@@ -74,7 +72,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     # SIGTERM (a service manager's stop) ends the run as Ctrl-C does, through close(): its default action would
     # kill the process before it could stop the processes it started (the hivemind DHT peer).
     try:
-        with handling_signals({signal.SIGTERM: _interrupt}):
+        with handling_signals({signal.SIGTERM: interrupt}):
             run_server(c, args.host, args.port, args.tls_cert, args.tls_key)
     except KeyboardInterrupt:
         # Not a training checkpoint: every acknowledged update and published version is already stored.
@@ -87,34 +85,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     finally:
         c.close()
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def handling_signals(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
-    """These signal handlers for the block, the earlier ones back after it: a command run in-process (a test, a
-    notebook) leaves its caller's handlers as it found them. A process forked meanwhile inherits them (hivemind's DHT
-    peer is one): there each takes the signal's default action, so that its owner's ``terminate()`` still ends it."""
-    owner = os.getpid()
-
-    def here_only(fn: Any) -> Any:
-        def handle(signum: int, frame: FrameType | None) -> None:
-            if os.getpid() != owner:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            fn(signum, frame)
-        return handle
-
-    earlier = {sig: signal.signal(sig, here_only(fn)) for sig, fn in handlers.items()}
-    try:
-        yield
-    finally:
-        for sig, fn in earlier.items():
-            signal.signal(sig, fn)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -6,12 +6,14 @@ import argparse
 import json
 import logging
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blocktrain.bench.speed import SpeedOptions
-from blocktrain.cli.common import add_run_args, config_from_args
+from blocktrain.cli.common import add_run_args, config_from_args, handling_signals, interrupt
 from blocktrain.cli.fields import Flags
 from blocktrain.data.prepare import PrepareOptions
 from blocktrain.errors import BlockTrainError
@@ -332,8 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # SIGTERM (a service manager's stop, ``kill PID``) stops a command as Ctrl-C does: a training saves its checkpoint
+    # (its default action killed it, losing up to --checkpoint-every steps). Signal handlers live in the main thread.
+    signals = {signal.SIGTERM: interrupt} if threading.current_thread() is threading.main_thread() else {}
     try:
-        return int(args.fn(args))
+        with handling_signals(signals):
+            return int(args.fn(args))
     except BlockTrainError as exc:
         sys.stderr.write(f"blocktrain: error: {exc}\n")
         return 2

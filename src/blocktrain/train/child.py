@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ def train_arm(cfg: RunConfig, data: DataDir, out: Path, k: int, *, isolate: bool
     RunDir(out).init(cfg, data.root)  # records the data directory for eval and the other readers
     if isolate:
         proc = _start(cfg, data, out, k, progress)
-        proc.join()
+        _join([proc])
         if proc.exitcode != 0:
             raise ArmFailedError(k, proc.exitcode)
     else:
@@ -85,8 +86,9 @@ def _parallel(cfg: RunConfig, data: DataDir, out: Path, width: int, progress: bo
         while pending and len(running) < width:
             k = pending.pop(0)
             running.append((k, _start(cfg, data, out, k, progress)))
-        k, proc = running.pop(0)
-        proc.join()
+        k, proc = running[0]
+        _join([p for _, p in running])  # the oldest; every one stopped with it on an interrupt
+        running.pop(0)
         if proc.exitcode != 0:
             failed.append(k)
     if failed:
@@ -103,6 +105,25 @@ class ArmFailedError(BlockTrainError):
 def _failed(blocks: list[int], later: str) -> str:
     return (f"training failed for blocks {blocks}{later}; each one's error is printed above: fix its cause, then run "
             "the same command again (every block resumes from its last checkpoint)")
+
+
+def _join(procs: list[multiprocessing.process.BaseProcess]) -> None:
+    """Wait for the first of ``procs``. Interrupted (Ctrl-C, or SIGTERM to this process alone, as ``kill PID`` sends
+    it), each one still running is told to stop as Ctrl-C would (SIGTERM: it saves its checkpoint) and waited for,
+    so no arm goes on training, or dies unsaved, after its run said it stopped."""
+    try:
+        procs[0].join()
+    except KeyboardInterrupt:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join()
+        raise
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _start(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> multiprocessing.process.BaseProcess:
@@ -129,7 +150,9 @@ def _train(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> 
 
 
 def _child(cfg_json: str, data_root: str, out: str, k: int, progress: bool, level: int) -> None:
-    """The body of a fresh training process: the same logging and errors as the command line's."""
+    """The body of a fresh training process: the same logging and errors as the command line's; SIGTERM (a service
+    manager's stop, or its parent's) saves the checkpoint as Ctrl-C does."""
+    signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         _train(RunConfig.from_json(cfg_json), open_data_dir(Path(data_root)), Path(out), k, progress)
