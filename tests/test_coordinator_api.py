@@ -112,11 +112,13 @@ def test_a_token_replaced_or_revoked_by_another_process_stops_working_at_the_nex
 def test_a_worker_name_the_answers_cannot_carry_is_refused_when_its_token_is_made(api: Api) -> None:
     """A token added under a 129-character name was stored, and its worker's first registration wrote its row, then
     failed to build its answer (a 500): a live replica its rounds waited for until its lease lapsed."""
+    from blocktrain.cli.main import main
     from blocktrain.errors import ConfigError
 
     for bad in ("x" * 129, "", "two\nlines"):
         with pytest.raises(ConfigError, match="printable"):
             api.c.add_token(bad)
+    assert main(["token", "add", "y" * 129, "--run-dir", str(api.c.run.root)]) == 2  # the operator's command too
     assert api.register("x" * 128, block=0) == 0  # the longest name that fits
 
 

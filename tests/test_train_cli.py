@@ -102,3 +102,19 @@ def test_sigterm_stops_a_training_as_ctrl_c_does(tmp_path: Path, data_dir: Path,
     assert proc.wait(timeout=60) == 130
     assert proc.stderr is not None and b"interrupted" in proc.stderr.read()
     assert int(load_file(RunDir(run).block_path(0))[1]["step"]) >= 3  # saved on the way out
+
+
+def test_an_arm_takes_only_the_first_stop_signal_so_its_save_is_not_cut_short() -> None:
+    """Ctrl-C reaches the whole process group, so a block process got SIGINT, began saving its checkpoint, and then
+    the parent's SIGTERM (it stops its arms when interrupted) raised a second KeyboardInterrupt inside the save. The
+    arm's handler now ignores every later SIGINT and SIGTERM. (Run here on this process's handlers, put back after.)"""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            child._interrupt_once(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

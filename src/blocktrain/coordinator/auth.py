@@ -26,9 +26,8 @@ from typing import NoReturn
 
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.store import Store, hash_token
-from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.errors import ProtocolError
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.messages import MAX_WORKER_NAME
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +111,7 @@ class Tokens:
             self._reload()
 
     def add_token(self, name: str, now: float) -> str:
-        """A new bearer token for worker ``name`` (1-128 printable characters: the name every answer carries back, so
-        a longer one was stored, then failed its first registration's answer with a 500 after writing the row)."""
-        if not (1 <= len(name) <= MAX_WORKER_NAME and name.isprintable()):
-            raise ConfigError(f"a worker name must be 1 to {MAX_WORKER_NAME} printable characters, got {name[:40]!r} "
-                              f"({len(name)} characters); choose another")
-        token = self.store.tokens.add_token(name, now)
+        token = self.store.tokens.add_token(name, now)  # ConfigError for a name the answers cannot carry
         self._reload()
         return token
 

@@ -281,7 +281,7 @@ class Coordinator:
             worker = up.admit(name, k)
         upd = up.parse(k, body)  # unlocked: size, tensors, metadata
         with self.lock:  # screen against the round; snapshot what the checks read
-            pushed = self.store.updates.probation_pushes(name, k)  # its pushes of block k so far (probation)
+            pushed = up.probation(name, k)  # its pushes of block k so far (probation)
             resend = up.screen(name, upd, body, pushed)
             if resend is not None:
                 return resend

@@ -32,8 +32,10 @@ from blocktrain.coordinator.blobs import BlobStore
 from blocktrain.coordinator.db import Db
 from blocktrain.coordinator.rows import EvalRow, KeptRound, RoundRow, RoundTraffic, UpdateRow, VersionRow, WorkerRow
 from blocktrain.coordinator.settings import CloseReason, UpdateState, WorkerState
+from blocktrain.errors import ConfigError
 from blocktrain.protocol.codes import BlockState, RoundState
 from blocktrain.protocol.delta import Compression
+from blocktrain.protocol.messages import MAX_WORKER_NAME
 
 # the updates (of block ?, not in state ?) whose norm and rise a restart restores: not dropped, counted (NULL: a row
 # from before the column), and not awaiting an audit (held again until it is decided)
@@ -66,7 +68,12 @@ class TokenTable:
     db: Db  # the shared connection
 
     def add_token(self, name: str, now: float) -> str:
-        """Create (or replace) the bearer token of worker ``name``; return it (shown once)."""
+        """Create (or replace) the bearer token of worker ``name``; return it (shown once). The name must be 1-128
+        printable characters, the name every answer carries back: a longer one was stored, then failed its first
+        registration's answer with a 500 after writing the worker's row."""
+        if not (1 <= len(name) <= MAX_WORKER_NAME and name.isprintable()):
+            raise ConfigError(f"a worker name must be 1 to {MAX_WORKER_NAME} printable characters, got {name[:40]!r} "
+                              f"({len(name)} characters); choose another")
         token = "bt_" + secrets.token_urlsafe(32)
         self.db.execute("INSERT OR REPLACE INTO tokens(name, hash, created) VALUES(?, ?, ?)", (name, hash_token(token), now))
         return token
@@ -301,13 +308,13 @@ class UpdateTable:
             self.db.execute("UPDATE workers SET accepted=accepted-1 WHERE name=?", (worker,))
         return bool(rows)
 
-    def probation_pushes(self, worker: str, k: int) -> int:
-        """``worker``'s pushes of block k that count toward its probation there: its own (a group's mean is never
-        audited), not dropped (a push never verified does not count). Per block: counted over the run, a worker past
-        its probation on one block met only the sampled audit on the next, so its first pushes there, which set the
-        block's norm bound and gate calibration, went unchecked."""
-        row = self.db.q1(f"SELECT COUNT(*) AS n FROM updates u WHERE worker=? AND block=? AND state != ? AND "
-                         f"{_kind(False)}", worker, k, UpdateState.DROPPED.value)
+    def probation_pushes(self, worker: str, k: int, cap: int) -> int:
+        """``worker``'s pushes of block k that count toward its probation there, up to ``cap``: its own (a group's
+        mean is never audited), not dropped (a push never verified does not count). Per block: counted over the run,
+        a worker past its probation on one block met only the sampled audit on the next, so its first pushes there,
+        which set the block's norm bound and gate calibration, went unchecked."""
+        row = self.db.q1(f"SELECT COUNT(*) AS n FROM (SELECT 1 FROM updates u WHERE worker=? AND block=? AND state != ? "
+                         f"AND {_kind(False)} LIMIT ?)", worker, k, UpdateState.DROPPED.value, cap)
         return 0 if row is None else int(row["n"])
 
     def previous_blobs(self, k: int, worker: str, before: int, n: int = 2) -> tuple[str, ...]:

@@ -88,6 +88,12 @@ class Uploads:
             self.auditor.check_room()  # a resend refused for want of audit room paid for the gate every time
         return None
 
+    def probation(self, name: str, k: int) -> int:
+        """(Locked.) ``name``'s pushes of block k that count toward its probation there, up to one past it (all that
+        matters: the count stays one short query however long the run)."""
+        n = self.settings.probation_pushes
+        return self.store.updates.probation_pushes(name, k, n + 1) if n and self.auditor.enabled else 0
+
     def _resent(self, name: str, k: int, v: int) -> PushAnswer:
         """The answer to a byte-identical resend of ``name``'s push for (k, v): taken, audited if its audit awaits."""
         return PushAnswer(accepted=True, duplicate=True, block=k, version=v, audit=self.auditor.awaits(name, k, v))
@@ -155,7 +161,7 @@ class Uploads:
         rounds, h = self.rounds.block_rounds(k), self.rounds.local_steps(k)
         stream = worker_stream(worker.id, k, v)  # the stream the work answer named
         case = self.auditor.draw(name, upd, base, stream, rounds * h if rounds else self.cfg.train.steps, h, now,
-                                 accepted=s.updates.probation_pushes(name, k) + 1, outlier=checked.outlier,
+                                 accepted=self.probation(name, k) + 1, outlier=checked.outlier,
                                  prior=s.updates.previous_blobs(k, name, v), lineage=lambda: self._trace(name, k, v))
         try:
             s.blobs.commit_blob(staged, sketch)  # durable before the row that names them
@@ -288,17 +294,22 @@ class Uploads:
         """(Locked.) Decide again the audits whose outcome could not be written; quarantine the workers whose audit
         uploads are late."""
         for (name, k, v), (answer, why) in list(self._undecided.items()):
-            self.decide(name, k, v, answer, why, now)
-        for case in self.auditor.overdue(now):
+            try:  # one that still cannot be written holds its own round only: the tick goes on
+                self.decide(name, k, v, answer, why, now)
+            except Exception:
+                log.exception("block %d v%d: the outcome of %s's audit still cannot be written", k, v, name)
+        late = self.auditor.overdue(now)
+        for i, case in enumerate(late):
             try:  # its quarantine drops its update: durable before the round stops waiting for the audit
                 if not self.conduct.quarantined(case.worker):
                     self.conduct.quarantine(case.worker, f"failed audit: no state uploaded for block "
                                             f"{case.update.block} v{case.update.base_version} within "
                                             f"{self.settings.audit_timeout_s:g} s", now)
-            except BaseException:  # not written: awaited again (the next tick retries), its round still held
-                self.auditor.restore(case)
+                self._unheld((case.worker, case.update.block, case.update.base_version))
+            except BaseException:  # not written: this case and the ones after it are awaited again (the next tick
+                for rest in late[i:]:  # retries), their rounds still held
+                    self.auditor.restore(rest)
                 raise
-            self._unheld((case.worker, case.update.block, case.update.base_version))
 
     def record_rejection(self, name: str, k: int | None, exc: ProtocolError, now: float) -> None:
         """(Locked.) Log and count a refused update of an authenticated worker, durably (a ``rejections`` row)."""

@@ -122,7 +122,11 @@ def _join(procs: list[multiprocessing.process.BaseProcess]) -> None:
         raise
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def _interrupt_once(signum: int, frame: object) -> None:
+    """Stop the arm as Ctrl-C does, once: later SIGINTs and SIGTERMs are ignored, so the checkpoint being saved is not
+    cut short (Ctrl-C reaches the whole process group, and the parent then tells the arm to stop as well)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -151,8 +155,9 @@ def _train(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> 
 
 def _child(cfg_json: str, data_root: str, out: str, k: int, progress: bool, level: int) -> None:
     """The body of a fresh training process: the same logging and errors as the command line's; SIGTERM (a service
-    manager's stop, or its parent's) saves the checkpoint as Ctrl-C does."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    manager's stop, or its parent's) saves the checkpoint as Ctrl-C does, and the first of them is the only one."""
+    signal.signal(signal.SIGINT, _interrupt_once)
+    signal.signal(signal.SIGTERM, _interrupt_once)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         _train(RunConfig.from_json(cfg_json), open_data_dir(Path(data_root)), Path(out), k, progress)
