@@ -435,3 +435,40 @@ def test_a_value_that_is_not_finite_where_nothing_is_scored_stays_out_of_the_sco
     want = score_split(uniform, data, 16, batch_size=4).ce_nats_per_byte
     got = score_split(poisoned, data, 16, batch_size=4).ce_nats_per_byte
     assert want == pytest.approx(math.log(256.0)) and got == pytest.approx(want)
+
+
+def test_a_run_killed_between_checkpoints_logs_each_step_once(tmp_path: Path) -> None:
+    """A trainer killed hard at step 6 (no Ctrl-C save) resumes from its step-4 checkpoint and logs steps 5 and 6
+    again: the metrics file held [1, 2, 3, 4, 5, 5, 6, 7, 8] (a review's repro). The records past the checkpoint are
+    dropped on resume, so each step is logged once."""
+    from torch import nn
+
+    from blocktrain.presets import get_preset
+    from blocktrain.train.metrics import read_jsonl
+    from blocktrain.train.run import run_training
+
+    class Killed(BaseException):
+        """A hard kill: nothing the trainer catches."""
+
+    cfg = get_preset("tiny").with_train(steps=8, checkpoint_every=4, log_every=1, eval_bytes=0, eval_every=0,
+                                        profile_steps=0)
+    torch.manual_seed(0)
+    module = nn.Linear(4, 4)
+
+    def train(kill_at: int | None) -> None:
+        def step_fn(step: int) -> tuple[torch.Tensor, dict[str, float | torch.Tensor]]:
+            if step == kill_at:
+                raise Killed
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            return (module(x) ** 2).mean(), {}
+
+        run_training(name="toy", module=module, cfg=cfg, step_fn=step_fn, ckpt_path=tmp_path / "toy.safetensors",
+                     state_path=tmp_path / "toy.state.safetensors", metrics_path=tmp_path / "toy.jsonl",
+                     baseline_rss=0, save_meta={"kind": "toy"}, valid=None, evaluate=("x", lambda x, g: x),
+                     progress=False)
+
+    with pytest.raises(Killed):
+        train(kill_at=5)  # the sixth step (0-based 5) begins: steps 1-5 are logged, the checkpoint holds 4
+    train(kill_at=None)
+    steps = [r["step"] for r in read_jsonl(tmp_path / "toy.jsonl") if "loss" in r]
+    assert steps == list(range(1, 9)), steps

@@ -75,3 +75,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             continue
         out.append(record)
     return out
+
+
+def drop_after(path: Path, step: int) -> int:
+    """Rewrite ``path`` (atomically) without its records of steps after ``step``; how many were dropped. A run killed
+    between two checkpoints resumes from the earlier one and logs the steps after it again: without this the file held
+    them twice, and a curve drawn from it went back on itself. Records without a step are kept."""
+    if not path.is_file():
+        return 0
+    records = read_jsonl(path)
+    kept = [r for r in records if not (isinstance(r.get("step"), int) and r["step"] > step)]
+    if len(kept) < len(records):
+        atomic_write_bytes(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept).encode())
+    return len(records) - len(kept)

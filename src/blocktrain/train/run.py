@@ -26,7 +26,7 @@ from blocktrain.progress import progress_bar
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import EvalHook, Hook, LossFn, MetricsHook, ProgressHook, train_steps
 from blocktrain.train.memory import peak_rss_bytes
-from blocktrain.train.metrics import JsonlWriter, read_jsonl
+from blocktrain.train.metrics import JsonlWriter, drop_after, read_jsonl
 from blocktrain.train.profile import ProfileHook
 from blocktrain.train.step import lr_at, make_optimizer, optimizer_bytes
 
@@ -117,6 +117,8 @@ def run_training(
         return done  # a summary of no step had NaN timings, ~0 s of wall time and the memory of a load
     if ckpt_path.exists():
         log.info("%s: resuming at step %d of %d", name, start, tc.steps)
+    if start > 0 and (dropped := drop_after(metrics_path, start)):
+        log.info("%s: dropped %d metrics records of steps after %d, which this run logs again", name, dropped, start)
     if start == 0:
         ckpt.save(0)  # step-0 weights: initial state is reproducible and resumable
     metrics = JsonlWriter(metrics_path)
