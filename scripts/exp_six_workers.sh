@@ -35,14 +35,7 @@ rm -rf "$OUT"; mkdir -p "$OUT/logs"
 PIDS=()  # every process started here: the exit trap ends them all, so a failed worker leaves no others behind
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
-wait_for() {  # wait_for WHAT PID LOG SECONDS COMMAND... : poll until the command succeeds; fail once PID exits or time is up
-  local what=$1 pid=$2 log=$3 limit=$4 t0=$SECONDS; shift 4
-  until "$@" > /dev/null 2>&1; do
-    if ! kill -0 "$pid" 2>/dev/null; then echo "$what exited before it answered; the end of $log:" >&2; tail -n 5 "$log" >&2; exit 1; fi
-    if (( SECONDS - t0 > limit )); then echo "$what did not come up within $limit s; see $log" >&2; exit 1; fi
-    sleep 0.5
-  done
-}
+source scripts/wait_for.sh  # wait_for WHAT PID LOG SECONDS COMMAND... (the working directory is the repository)
 
 if [ "${SKIP_SINGLE:-0}" != 1 ]; then
 echo "== single machine: blocktrain train, $STEPS steps per block"

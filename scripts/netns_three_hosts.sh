@@ -37,14 +37,7 @@ NS_C=bt-coord; NS_1=bt-host1; NS_2=bt-host2
 PY=$(pwd)/.venv/bin/python
 BT="$PY -m blocktrain"
 
-wait_for() {  # wait_for WHAT PID LOG SECONDS COMMAND... : poll until the command succeeds; fail once PID exits or time is up
-  local what=$1 pid=$2 log=$3 limit=$4 t0=$SECONDS; shift 4
-  until "$@" > /dev/null 2>&1; do
-    if ! kill -0 "$pid" 2>/dev/null; then echo "$what exited before it answered; the end of $log:" >&2; tail -n 5 "$log" >&2; exit 1; fi
-    if (( SECONDS - t0 > limit )); then echo "$what did not come up within $limit s; see $log" >&2; exit 1; fi
-    sleep 0.5
-  done
-}
+source scripts/wait_for.sh  # wait_for WHAT PID LOG SECONDS COMMAND... (the working directory is the repository)
 
 down() {
   for ns in $NS_C $NS_1 $NS_2; do ip netns del "$ns" 2> /dev/null || true; done
