@@ -34,9 +34,6 @@ class InFlight:
         self._n: dict[tuple[str, str], int] = {}  # (worker, route) -> requests in flight
         self.refused = 0  # requests answered 503 here since start-up
 
-    def count(self, name: str, route: str) -> int:
-        return self._n.get((name, route), 0)
-
     @contextmanager
     def one(self, name: str, route: str) -> Iterator[None]:
         """Hold one of ``name``'s slots on ``route`` for the block's duration; 503 when it has none left."""

@@ -134,9 +134,11 @@ class DataDir:
         if not path.is_file():
             raise DataError(f"split {split!r} is missing: {path} not found; {expected_files_message(self.root)}")
         size = path.stat().st_size
+        entry: dict[str, Any] = {}  # a prepared split's manifest entry (its bytes and sha256), read once
         if self.flavour == PREPARED:  # cheap, on every open: a cut-short or grown split would train under the
             # manifest's fingerprint, which then names bytes this machine does not hold
-            want = (self.manifest() or {})["splits"][split].get("bytes")
+            entry = (self.manifest() or {})["splits"][split]
+            want = entry.get("bytes")
             if not isinstance(want, int) or isinstance(want, bool) or size != want:
                 raise DataError(f"{path} holds {size} bytes, but its {MANIFEST} lists {want}: the split was cut short "
                                 f"or changed after 'blocktrain prepare' wrote it; {PREPARE_AGAIN.format(root=self.root)}")
@@ -147,8 +149,7 @@ class DataDir:
         if self.flavour != PREPARED and b"\x00" in head:
             raise DataError(f"split {split!r} at {path} holds NUL bytes and is not WikiText text; the file is corrupt")
         if verify and self.flavour == PREPARED:
-            listed = str((self.manifest() or {}).get("splits", {}).get(split, {}).get("sha256"))
-            if sha256_file(path) != listed:
+            if sha256_file(path) != str(entry.get("sha256")):
                 raise DataError(f"{path} does not match the sha256 in its manifest; "
                                 f"{PREPARE_AGAIN.format(root=self.root)}")
         elif verify:
