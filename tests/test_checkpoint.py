@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -17,7 +18,9 @@ def test_exact_bytes_of_wire_format() -> None:
     n = int.from_bytes(payload[:8], "little")
     header = json.loads(payload[8 : 8 + n])
     digest = tensors_sha256({"a": torch.tensor([1.0, 2.0])})
-    assert header["__metadata__"] == {"kind": "x", "format": "blocktrain", "format_version": "1", "sha256": digest}
+    meta_digest = hashlib.sha256(b'{"kind":"x"}').hexdigest()  # canonical JSON of the free-form fields
+    assert header["__metadata__"] == {"kind": "x", "format": "blocktrain", "format_version": "2", "sha256": digest,
+                                      "meta_sha256": meta_digest}
     assert header["a"] == {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     assert payload[8 + n :] == b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0f, 2.0f little-endian
     assert digest == tensors_sha256({"a": torch.tensor([1.0, 2.0])})
@@ -35,6 +38,33 @@ def test_tampered_tensor_detected(tmp_path: Path) -> None:
     payload[-1] ^= 0x01
     with pytest.raises(CheckpointError, match="sha256 mismatch"):
         unpack(bytes(payload))
+
+
+def test_tampered_metadata_detected(tmp_path: Path) -> None:
+    """A damaged free-form field (here the block index, one digit changed in place) is refused like a damaged
+    tensor: before version 2 it loaded, naming another block."""
+    payload = pack({"w": torch.zeros(4)}, {"block": "1", "config": "{}"})
+    damaged = payload.replace(b'"block":"1"', b'"block":"3"')
+    assert len(damaged) == len(payload) and damaged != payload
+    with pytest.raises(CheckpointError, match="meta_sha256"):
+        unpack(damaged)
+    save_file(tmp_path / "c.safetensors", {"w": torch.zeros(4)}, {"block": "1"})
+    raw = (tmp_path / "c.safetensors").read_bytes()
+    (tmp_path / "c.safetensors").write_bytes(raw.replace(b'"block":"1"', b'"block":"2"'))
+    with pytest.raises(CheckpointError, match="meta_sha256"):
+        load_file(tmp_path / "c.safetensors")
+
+
+def test_version_1_files_still_load() -> None:
+    """A file written before meta_sha256 existed (version 1: tensors' sha256 only) still loads."""
+    from safetensors.torch import save
+
+    t = {"w": torch.arange(3.0)}
+    old = save(t, metadata={"block": "0", "format": "blocktrain", "format_version": "1", "sha256": tensors_sha256(t)})
+    got, meta = unpack(old)
+    assert torch.equal(got["w"], t["w"]) and meta["block"] == "0"
+    with pytest.raises(CheckpointError, match="format version '3' is not supported"):
+        unpack(save(t, metadata={"format": "blocktrain", "format_version": "3", "sha256": tensors_sha256(t)}))
 
 
 @pytest.mark.parametrize(

@@ -77,10 +77,9 @@ def test_an_int8_scale_that_is_not_positive_is_refused(coordinator: Coordinator)
     tensors, meta = unpack(body)
     name = next(n for n in tensors if n.endswith("@scale"))
     for bad in (0.0, -0.01):
-        from blocktrain.checkpoint.safetensors_io import pack
+        from blocktrain.checkpoint.safetensors_io import RESERVED, pack
 
-        forged = pack({**tensors, name: torch.tensor(bad)}, {k: v for k, v in meta.items()
-                                                              if k not in ("format", "format_version", "sha256")})
+        forged = pack({**tensors, name: torch.tensor(bad)}, {k: v for k, v in meta.items() if k not in RESERVED})
         with pytest.raises(ProtocolError, match="must be > 0") as info:
             parse_update(forged, 0, shapes)
         assert info.value.status == 422

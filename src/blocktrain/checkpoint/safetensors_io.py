@@ -5,7 +5,11 @@ Every file or payload carries a metadata header with
 * ``format`` = ``"blocktrain"`` and ``format_version`` (bumped on breaking change);
 * ``sha256``: digest of the tensors' canonical form (sorted names, dtype,
   shape, raw little-endian bytes), checked on every load;
+* ``meta_sha256`` (version 2 on): digest of the free-form fields' canonical JSON, checked on every load, so a
+  damaged config or block index is caught like a damaged tensor;
 * free-form string fields chosen by the caller (config JSON, block index, ...).
+
+Version 1 files (no ``meta_sha256``) are still read; every file written is version 2.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from safetensors.torch import save as st_save
 from blocktrain.errors import CheckpointError
 
 FORMAT = "blocktrain"
-FORMAT_VERSION = "1"
-RESERVED = ("format", "format_version", "sha256")
+FORMAT_VERSION = "2"  # written; 2 added meta_sha256
+READ_VERSIONS = ("1", "2")  # read: a version 1 file has no meta_sha256 and its free-form fields go unchecked
+RESERVED = ("format", "format_version", "sha256", "meta_sha256")
 MAX_TENSORS = 16384  # tensors a payload may hold: far above any BlockTrain file (a paper E2E checkpoint: ~700),
 # far below what makes building them a denial of service (200,000 empty tensors in 13 MB took seconds)
 MAX_HEADER_BYTES = 8 << 20  # bytes of a payload's JSON header: MAX_TENSORS entries and their metadata fit easily; a
@@ -45,6 +50,12 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         h.update(json.dumps(list(t.shape)).encode())
         h.update(_raw_bytes(t))
     return h.hexdigest()
+
+
+def metadata_sha256(meta: dict[str, str]) -> str:
+    """sha256 over the canonical JSON (sorted keys, ASCII) of the free-form fields, the reserved ones left out."""
+    free = {k: v for k, v in meta.items() if k not in RESERVED}
+    return hashlib.sha256(json.dumps(free, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
@@ -72,7 +83,8 @@ def _prepare(
     if bad:
         raise ValueError(f"metadata values must be strings: {bad}")
     clean = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    meta.update(format=FORMAT, format_version=FORMAT_VERSION, sha256=tensors_sha256(clean))
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, sha256=tensors_sha256(clean),
+                meta_sha256=metadata_sha256(meta))
     return clean, meta
 
 
@@ -108,10 +120,16 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
         raise CheckpointError(f"{source}: not a BlockTrain file (metadata is not a JSON object)")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{source}: not a BlockTrain file (metadata 'format' is {meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version")
+    if version not in READ_VERSIONS:
         raise CheckpointError(
-            f"{source}: format version {meta.get('format_version')!r} is not supported "
-            f"(this BlockTrain reads version {FORMAT_VERSION}); upgrade or re-create the file"
+            f"{source}: format version {version!r} is not supported "
+            f"(this BlockTrain reads versions {', '.join(READ_VERSIONS)}); upgrade or re-create the file"
+        )
+    if version != "1" and meta.get("meta_sha256") != metadata_sha256(meta):
+        raise CheckpointError(
+            f"{source}: its metadata does not match its meta_sha256; the header is corrupt or was modified; "
+            "delete the file and re-create it"
         )
     try:
         tensors = st_load(payload)
