@@ -264,6 +264,8 @@ def test_a_version_past_sqlite_s_integers_is_refused_and_counted(api: Api) -> No
     import json
     import struct
 
+    from blocktrain.checkpoint.safetensors_io import metadata_sha256
+
     api.register("a", block=0)
     body = pack_delta(small_delta(api.c), Compression.BF16, block=0, base_version=0, base_sha=api.c.weights_sha[0],
                       samples=full(api.c))  # a sender of this BlockTrain cannot write such a version: rewritten below
@@ -271,6 +273,7 @@ def test_a_version_past_sqlite_s_integers_is_refused_and_counted(api: Api) -> No
     header = json.loads(body[8:8 + n])
     for v in (2**63, 10**30):
         header["__metadata__"]["base_version"] = str(v)
+        header["__metadata__"]["meta_sha256"] = metadata_sha256(header["__metadata__"])  # a forger recomputes it
         raw = json.dumps(header).encode()
         status, doc = api.push("a", 0, struct.pack("<Q", len(raw)) + raw + body[8 + n:])
         assert status == 422, doc
