@@ -364,3 +364,48 @@ def test_the_averagers_rpc_handles_keep_their_released_names() -> None:
 
     assert BlockAverager._get_handle_name("run.b0", "rpc_join_group") == "run.b0::_BlockAverager.rpc_join_group"
     assert BlockAverager._get_handle_name(None, "rpc_aggregate_part") == "_BlockAverager.rpc_aggregate_part"
+
+
+def test_a_peers_copy_with_another_schema_under_the_same_old_digest_is_not_pulled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The version 1 digest had nothing to mark where a tensor's bytes end: an all-zero tensor folded into the next
+    tensor's name gave a dict of other names with the block's sha256. A hostile peer served it, pull() took it, and
+    loading it into the block raised a KeyError that ended the worker. The digest is one-to-one now, and pull() also
+    checks the block's names and shapes before the digest."""
+    from blocktrain import presets
+    from blocktrain.checkpoint.safetensors_io import _tensors_sha256_v1, tensors_sha256
+    from blocktrain.objectives import get_objective
+    from blocktrain.protocol.weights import trainable_state
+
+    honest = trainable_state(get_objective(presets.tiny()).build_block(0))
+    names = sorted(honest)
+    i = next(j for j, n in enumerate(names) if not honest[n].any() and j + 1 < len(names))
+    a, b = names[i], names[i + 1]
+    t = honest[a]
+    merged = a + "\0" + str(t.dtype) + str(list(t.shape)).replace(",", ", ") + "\0" * (4 * t.numel()) + b
+    forged = {n: w for n, w in honest.items() if n not in (a, b)} | {merged: honest[b]}
+    assert _tensors_sha256_v1(forged) == _tensors_sha256_v1(honest)  # the old digest's collision
+    assert tensors_sha256(forged) != tensors_sha256(honest)
+
+    class Serving:  # what a peer streams through rpc_download_state
+        def __init__(self, copy: dict[str, torch.Tensor], sha: str) -> None:
+            self.copy, self.sha = copy, sha
+
+        def pull_state(self, version: int, max_bytes: int, timeout: float) -> Any:
+            ns = sorted(self.copy)
+            return {"block": 0, "version": 0, "sha": self.sha, "names": ns}, [self.copy[n] for n in ns]
+
+    groups = GroupAverager.__new__(GroupAverager)  # pull()'s own checks only: no DHT
+    groups._block, groups._state_bytes, groups._schema = 0, 1 << 30, {n: tuple(w.shape) for n, w in honest.items()}
+    groups.newest_shared = lambda k: 0.0  # type: ignore[method-assign]
+    for sha in (tensors_sha256(honest), _tensors_sha256_v1(honest)):
+        groups._averager = Serving(forged, sha)  # type: ignore[assignment]
+        assert groups.pull(0, 0, sha, timeout=1.0) is None
+    monkeypatch.setattr(G, "tensors_sha256", _tensors_sha256_v1)  # a digest that collides: the schema check alone
+    groups._averager = Serving(forged, _tensors_sha256_v1(honest))  # type: ignore[assignment]
+    assert groups.pull(0, 0, _tensors_sha256_v1(honest), timeout=1.0) is None
+    monkeypatch.undo()
+    groups._averager = Serving(honest, tensors_sha256(honest))  # type: ignore[assignment]
+    got = groups.pull(0, 0, tensors_sha256(honest), timeout=1.0)
+    assert got is not None and all(torch.equal(got[n], honest[n]) for n in honest)

@@ -4,7 +4,7 @@ Every file or payload carries a metadata header with
 
 * ``format`` = ``"blocktrain"`` and ``format_version`` (bumped on breaking change);
 * ``sha256``: digest of the tensors' canonical form (sorted names, dtype,
-  shape, raw little-endian bytes), checked on every load;
+  shape, byte count, raw little-endian bytes), checked on every load;
 * ``meta_sha256`` (version 2 on): digest of the free-form fields' canonical JSON, checked on every load, so a
   damaged config or block index is caught like a damaged tensor;
 * free-form string fields chosen by the caller (config JSON, block index, ...).
@@ -30,7 +30,7 @@ from safetensors.torch import save as st_save
 from blocktrain.errors import CheckpointError
 
 FORMAT = "blocktrain"
-FORMAT_VERSION = "2"  # written; 2 added meta_sha256
+FORMAT_VERSION = "2"  # written; 2 added meta_sha256 and made the tensors' sha256 one-to-one
 READ_VERSIONS = ("1", "2")  # read: a version 1 file has no meta_sha256 and its free-form fields go unchecked
 RESERVED = ("format", "format_version", "sha256", "meta_sha256")
 MAX_TENSORS = 16384  # tensors a payload may hold: far above any BlockTrain file (a paper E2E checkpoint: ~700),
@@ -40,7 +40,20 @@ MAX_HEADER_BYTES = 8 << 20  # bytes of a payload's JSON header: MAX_TENSORS entr
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over the canonical form of a tensor dict (order-independent)."""
+    """sha256 over the canonical form of a tensor dict (order-independent, one-to-one): per tensor in name order, the
+    JSON line ``[name, dtype, shape, nbytes]`` then its raw bytes, so no tensor's bytes can pass for another's name."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape), t.numel() * t.element_size()]).encode() + b"\n")
+        h.update(_raw_bytes(t))
+    return h.hexdigest()
+
+
+def _tensors_sha256_v1(tensors: dict[str, torch.Tensor]) -> str:
+    """The digest format version 1 files carry: ``name NUL dtype shape bytes`` per tensor, with nothing to mark where
+    a tensor's bytes end, so a tensor of UTF-8 bytes could be folded into the next one's name under the same digest
+    (a hostile peer's copy of a block passed as the block). Read only, for files written before version 2."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
@@ -136,7 +149,7 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
     except Exception as exc:  # safetensors and torch raise many kinds on a stranger's bytes: each is a bad file
         raise CheckpointError(f"{source}: corrupt safetensors data ({type(exc).__name__}: {exc}); it may be "
                               "truncated") from exc
-    digest = tensors_sha256(tensors)
+    digest = _tensors_sha256_v1(tensors) if version == "1" else tensors_sha256(tensors)
     if digest != meta.get("sha256"):
         raise CheckpointError(
             f"{source}: sha256 mismatch (stored {meta.get('sha256')}, computed {digest}); "

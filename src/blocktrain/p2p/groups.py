@@ -99,6 +99,7 @@ class GroupAverager:
         self._averager: BlockAverager | None = None
         self._block = -1  # the block its averager serves
         self._state_bytes = 0  # bytes a peer's copy of that block's weights may take (fp32, with its metadata)
+        self._schema: dict[str, tuple[int, ...]] = {}  # that block's tensor names -> shapes: a peer's copy has these
         self._state: tuple[dict[str, Any], list[torch.Tensor]] = ({}, [])  # the weights it shares: (meta, tensors)
         self.revoked: frozenset[str] = frozenset()  # quarantined workers (the coordinator's work answer): no member
 
@@ -118,7 +119,7 @@ class GroupAverager:
         names = sorted(delta)
         scope = round_scope(self.run, k, v)
         try:
-            averager = self._averager_for(k, [delta[n] for n in names])
+            averager = self._averager_for(k, delta)
             card = Card.make(self.key, self.token, self.peer, scope)
             with averager.tensors_within(give_up - time.monotonic()) as shared:
                 for t, n in zip(shared, names, strict=True):
@@ -151,14 +152,14 @@ class GroupAverager:
     def share(self, k: int, v: int, sha: str, weights: dict[str, torch.Tensor]) -> None:
         """Offer block k's published weights at version v (sha256 ``sha``) to peers that pull them."""
         names = sorted(weights)
-        averager = self._averager_for(k, [weights[n] for n in names])
+        averager = self._averager_for(k, weights)
         self._state = ({"block": k, "version": v, "sha": sha, "names": names}, [weights[n] for n in names])
         averager.state_sharing_priority = float(v)  # peers download from the newest version first
         averager.allow_state_sharing = True
 
     def prepare(self, k: int, like: dict[str, torch.Tensor]) -> None:
         """Start block k's averager (its tensors shaped ``like``), so this worker can pull before it trains."""
-        self._averager_for(k, [like[n] for n in sorted(like)])
+        self._averager_for(k, like)
 
     def pull(self, k: int, v: int, sha: str, timeout: float, wait_s: float = 0.0) -> dict[str, torch.Tensor] | None:
         """Block k's weights at version v from a peer that has them, if their sha256 is ``sha`` (else None).
@@ -187,6 +188,10 @@ class GroupAverager:
         if not isinstance(names, list) or len(names) != len(tensors):
             return None
         weights = {str(n): t.float().contiguous() for n, t in zip(names, tensors, strict=True)}
+        if {n: tuple(t.shape) for n, t in weights.items()} != self._schema:  # before its digest: only the block's names
+            log.warning("block %d: a peer's v%d does not have the block's tensor names and shapes; pulling from the "
+                        "coordinator", k, v)
+            return None
         if tensors_sha256(weights) != sha:
             log.warning("block %d: a peer's v%d does not match the coordinator's sha256; pulling from the coordinator",
                         k, v)
@@ -223,14 +228,14 @@ class GroupAverager:
         return {peer: float(e.value) for peer, e in entries.items()
                 if isinstance(peer, bytes) and isinstance(getattr(e, "value", None), int | float)}
 
-    def _averager_for(self, k: int, like: list[torch.Tensor]) -> BlockAverager:
+    def _averager_for(self, k: int, like: dict[str, torch.Tensor]) -> BlockAverager:
         """The long-lived averager of block k (one per block: hivemind's averager is a process, made once), its
-        all-reduce bounded (:func:`exchange_timeouts`)."""
+        all-reduce bounded (:func:`exchange_timeouts`); ``like``: the block's tensors by name (their shapes)."""
         if self._averager is not None and self._block == k:
             return self._averager
         self.close_averager()
         averager = BlockAverager(
-            [t.detach().float().clone().contiguous() for t in like], self.dht, prefix=group_prefix(self.run, k),
+            [like[n].detach().float().clone().contiguous() for n in sorted(like)], self.dht, prefix=group_prefix(self.run, k),
             target_group_size=self.target_group_size, min_matchmaking_time=self.matchmaking_s,
             request_timeout=min(1.0, self.matchmaking_s / 3), daemon=True, start=False, allow_state_sharing=False,
             shared=lambda: self._state, **exchange_timeouts(self.matchmaking_s))
@@ -242,7 +247,8 @@ class GroupAverager:
                     averager.shutdown()
             raise
         self._averager, self._block = averager, k
-        self._state_bytes = 4 * sum(t.numel() for t in like) + STATE_SLACK_BYTES
+        self._schema = {n: tuple(t.shape) for n, t in like.items()}
+        self._state_bytes = 4 * sum(t.numel() for t in like.values()) + STATE_SLACK_BYTES
         return averager
 
     def renew(self, token: bytes, timeout_s: float = 30.0) -> None:
