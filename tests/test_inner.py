@@ -199,6 +199,19 @@ def test_a_strangers_moments_are_checked_before_they_count() -> None:
     bare = pack_delta({"w": torch.ones(3, 2)}, Compression.INT8, block=0, base_version=2, base_sha=SHA, samples=4)
     with pytest.raises(ProtocolError, match="version 2 must carry its inner moments"):
         parse_update(bare, 0, shapes, ("v/",), moments_every=3)
+    # undeclared tensors under m/ and v/ on a round that shares none: they went unchecked into the stored body
+    from blocktrain.checkpoint.safetensors_io import RESERVED, pack, unpack
+
+    plain = pack_delta({"w": torch.ones(3, 2)}, Compression.INT8, block=0, base_version=0, base_sha=SHA, samples=4)
+    assert parse_update(plain, 0, shapes, ("v/",), moments_every=3).moments is None  # version 0: a round without
+    wire, meta = unpack(plain)
+    junk = {"m/not_a_param": torch.full((1000,), float("nan")), "v/x": torch.tensor([1, 2, 3])}
+    smuggled = pack({**wire, **junk}, {n: t for n, t in meta.items() if n not in RESERVED})
+    with pytest.raises(ProtocolError, match="declares no inner moments but carries") as err:
+        parse_update(smuggled, 0, shapes, ("v/",), moments_every=3)
+    assert err.value.status == 422 and err.value.reason == Reason.MOMENTS
+    with pytest.raises(ProtocolError, match="declares no inner moments but carries"):
+        parse_update(smuggled, 0, shapes)  # and a coordinator that shares none
     with pytest.raises(ConfigError, match="moment_every"):
         CoordinatorSettings(moment_every=0)
     assert CoordinatorSettings(moment_every=3).moments_at(5) == InnerStart.SHARED_MV.shares

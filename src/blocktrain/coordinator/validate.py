@@ -93,6 +93,9 @@ def parse_update(body: bytes, block: int, shapes: dict[str, tuple[int, ...]],
         want = f"its inner moments ({', '.join(moments)}) encoded as 'moments'" if moments else "no inner moments"
         raise ProtocolError(422, f"a push against version {m.base_version} must carry {want}; the worker must follow "
                             "the coordinator's inner_start and moment_every", Reason.MOMENTS)
+    if m.moments is None and carried:  # else they went unchecked (any name, dtype, NaN) into the stored body
+        raise ProtocolError(422, f"the push declares no inner moments but carries {sorted(carried)[:5]}; the worker "
+                            "must follow the coordinator's inner_start and moment_every", Reason.MOMENTS)
     decoded = parse_moments(carried, shapes, moments, MomentCodec(m.moments)) if m.moments is not None else None
     schema = wire_schema(shapes, compression)
     missing = sorted(set(schema) - set(tensors))
