@@ -303,6 +303,36 @@ def test_average_gives_up_on_tensors_a_stopped_all_reduce_still_holds(monkeypatc
     assert out is None and took < 2.0 + MARGIN_S and not averager.steps
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), None])
+def test_a_mean_a_member_poisoned_with_nan_or_inf_is_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                               poison: float | None) -> None:
+    """A member's NaN or inf made the group's mean one the coordinator refuses, counted against its honest uploader:
+    average() now drops such a mean, and every member uploads alone."""
+    from blocktrain.protocol.group import GroupMember
+
+    class Finished(_Control):
+        def result(self, timeout: float | None = None) -> Any:
+            return {"PeerA": {}, "PeerB": {}}
+
+    class Averaged(_Hung):
+        def step(self, **kwargs: Any) -> Any:
+            self.steps.append(kwargs)
+            if poison is not None:
+                self.tensors[0][1] = poison  # what the all-reduce left: another member's values in the mean
+            return Finished()
+
+    monkeypatch.setattr(G.Card, "make", staticmethod(lambda *a: G.Card(b"t", b"p")))
+    groups = _lone_averager(Averaged(held=False))
+    members = [GroupMember("PeerA", 1, "a", b"a"), GroupMember("PeerB", 1, "b", b"b")]
+    monkeypatch.setattr(groups, "_members", lambda gathered, scope, each: members)
+    out = groups.average({"a": torch.ones(3)}, 1, 0, 5, 5.0, 100)
+    if poison is None:
+        assert out is not None and torch.equal(out.mean["a"], torch.ones(3))  # (1/n) sum s_i Delta_i x n / sum s_i
+    else:
+        assert out is None
+
+
 def test_start_quietly_waits_for_the_process_a_bounded_time() -> None:
     class Process:
         def __init__(self) -> None:

@@ -4,6 +4,7 @@ coordinator with no room to audit a push does not end an honest worker."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from blocktrain.worker.client import CoordinatorClient
 from blocktrain.worker.engines import Combined, DirectEngine
 from blocktrain.worker.loop import Recent, Worker
 from blocktrain.worker.options import WorkerOptions
-from tests.distributed_utils import corpus, make_coordinator, run_worker  # noqa: F401
+from tests.distributed_utils import ThreadServer, corpus, make_coordinator, run_worker  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -234,6 +235,38 @@ def test_an_uploader_whose_mean_is_refused_for_a_member_pushes_its_own_delta_alo
     assert w.summary.rounds_alone == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1
     rows = c.store.q("SELECT arrival_s, samples FROM updates WHERE block=0")
     assert len(rows) == 1 and rows[0]["arrival_s"] < 6.0 and rows[0]["samples"] == 4 * c.cfg.train.batch_size, rows
+    c.close()
+
+
+def test_an_uploader_whose_mean_is_refused_for_what_it_holds_pushes_its_own_delta_and_is_not_ended(
+        tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A mean refused for its content (a NaN, a norm, the gate) counted against its uploader, which kept no delta of its
+    own: one hostile member poisoning the means an honest uploader sent cost it every such round and ended it at
+    --max-rejections (here 1). It cannot tell whose the fault is, so it keeps its own delta to push alone, uncounted.
+    The coordinator here hosts no groups, so its answer to a mean holding another member's NaN is stood in for."""
+
+    class PoisonedMeanWorker(engine_worker(RefusedMean)):  # type: ignore[misc]
+        def _register(self) -> None:
+            super()._register()
+            push = self.client.push
+
+            def refuse_means(k: int, payload: bytes, **kw: object) -> object:
+                if b'"group"' in payload[:65536]:  # the mean's header names its members
+                    raise ProtocolError(422, "tensor 'w' holds NaN or infinite values", Reason.NON_FINITE)
+                return push(k, payload, **kw)  # type: ignore[arg-type]
+
+            self.client.push = refuse_means  # type: ignore[method-assign]
+
+    c = make_coordinator(tmp_path / "run", corpus, rounds=1, round_seconds=6.0, eval_every=0, local_steps=4)
+    token = c.add_token("uploader")
+    with ThreadServer(c) as srv:
+        w = PoisonedMeanWorker(WorkerOptions(url=srv.url, token=token, block=0, progress=False, max_rejections=1,
+                                             frozen_cache=tmp_path / "frozen"), corpus)
+        t = threading.Thread(target=w.run, daemon=True)
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "the worker did not stop within 60 s"
+    assert w.summary.rounds_alone == 1 and w.summary.rounds_pushed == 1 and c.version[0] == 1 and w._rejections == 0
     c.close()
 
 

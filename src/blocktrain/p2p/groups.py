@@ -147,6 +147,10 @@ class GroupAverager:
         members = self._members(gathered, scope, each)  # a card for another version or run does not verify either
         if members is None or len(members) < 2:
             return None
+        if not all(bool(torch.isfinite(t).all()) for t in summed.values()):  # a member sent NaN or inf: the
+            log.warning("block %d v%d: the group's mean holds NaN or infinite values (a member sent them); uploading "
+                        "alone", k, v)  # coordinator would refuse it, counted against its honest uploader
+            return None
         return GroupOutcome(claim_weighted(summed, members), members, uploader=uploader_of(members, scope) == self.peer)
 
     def share(self, k: int, v: int, sha: str, weights: dict[str, torch.Tensor]) -> None:

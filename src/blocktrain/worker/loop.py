@@ -58,9 +58,19 @@ from blocktrain.worker.versions import fetch_version
 
 log = logging.getLogger(__name__)
 
+
 # why a group's mean can be refused for a member other than its uploader (one already counts, one cannot count or is
-# quarantined) or for no member at all (the coordinator hosts no groups): the uploader's own delta still counts alone
+# quarantined) or for no member at all (the coordinator hosts no groups)
 MEAN_REFUSED_FOR_A_MEMBER = frozenset({Reason.DUPLICATE, Reason.GROUP_MEMBER, Reason.QUARANTINED, Reason.HIVEMIND_OFF})
+
+
+def mean_refusal_keeps_own(exc: ProtocolError) -> bool:
+    """Whether a group mean's refusal leaves its uploader's own delta to push alone: a refusal for a member
+    (:data:`MEAN_REFUSED_FOR_A_MEMBER`), or any other 4xx but a conflict (409: a stale base, which its own delta
+    shares). Those include refusals for what the mean holds (a NaN, its norm, the gate), which its uploader cannot tell
+    apart from what another member sent into it: counting them against the uploader let one hostile member, poisoning
+    the means its honest uploader sent, end it at --max-rejections."""
+    return exc.reason in MEAN_REFUSED_FOR_A_MEMBER or (400 <= exc.status < 500 and exc.status != 409)
 
 
 class Worker:
@@ -291,10 +301,9 @@ class Worker:
                 # audit bounds the residual by this worker's last accepted pushes and derives its moments from the
                 # rounds they came from: coordinator.audit, coordinator.lineage)
                 self.feedback.residual = residual
-                if group is not None and own is not None and exc.reason in MEAN_REFUSED_FOR_A_MEMBER:
-                    # the mean it uploads is refused for a member (one counts already, cannot count, or the
-                    # coordinator hosts no groups): its own delta is kept, pushed alone as the deadline nears, as
-                    # every other member keeps its own (else this round's training never counts)
+                if group is not None and own is not None and mean_refusal_keeps_own(exc):
+                    # its own delta is kept, pushed alone as the deadline nears, as every other member keeps its own
+                    # (else this round's training never counts); the refusal is not counted toward --max-rejections
                     self._unsent = (self.base_version, *own)
                     self._kept_version = self.base_version  # as a member whose mean another uploads (its round counts)
                     log.warning("block %d v%d: the group's mean was refused (%s); its own delta goes alone before the "
