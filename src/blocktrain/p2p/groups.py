@@ -59,10 +59,12 @@ def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) 
 
 def uploader_of(members: list[GroupMember], scope: str) -> str:
     """The peer id of the member that uploads its group's mean, which every member computes alike: the smallest
-    sha256 of (a seed, peer id), the seed hashed from the round's scope and every member's proof (signatures no one
-    can make before the group forms, so no identity can be ground for it). It was the smallest peer id, which one
-    identity, ground once, won every round."""
-    seed = hashlib.sha256(scope.encode() + b"".join(m.proof for m in sorted(members, key=lambda m: m.peer))).digest()
+    sha256 of (a seed, peer id), the seed hashed from the round's scope and the members' sorted peer ids. Nothing in
+    it can be varied once the group forms: a peer id is its key's, which its coordinator token binds, and the scope
+    changes every round, so no identity can be ground for it. (It was the smallest peer id, which one identity,
+    ground once, won every round; then a seed from the members' proofs, which a member re-signs at will, since
+    hivemind's RSA-PSS signatures are randomised, and the group's leader sees the others' before it sends its own.)"""
+    seed = hashlib.sha256("\n".join([scope, *sorted(m.peer for m in members)]).encode()).digest()
     return min(members, key=lambda m: hashlib.sha256(seed + m.peer.encode()).digest()).peer
 
 
