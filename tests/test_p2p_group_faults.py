@@ -333,6 +333,30 @@ def test_a_mean_a_member_poisoned_with_nan_or_inf_is_not_used(monkeypatch: pytes
         assert out is None
 
 
+@pytest.mark.timeout(30)
+def test_a_dht_that_never_answers_does_not_hang_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's DHT gets and stores (who offers which version, who is ready) waited on hivemind's futures with no
+    timeout: a wedged DHT process hung the worker, its heartbeat included. Each waits DHT_CALL_S now."""
+    from concurrent.futures import Future
+
+    class Wedged:
+        peer_id = type("PeerID", (), {"to_bytes": lambda self: b"me"})()
+
+        def get(self, *args: Any, **kwargs: Any) -> Future[Any]:
+            assert kwargs.get("return_future")
+            return Future()  # never resolved
+
+        store = get
+
+    monkeypatch.setattr(G, "DHT_CALL_S", 0.2)
+    groups = GroupAverager.__new__(GroupAverager)
+    groups.dht, groups.run = Wedged(), "r1"  # type: ignore[assignment]
+    start = time.monotonic()
+    assert groups.newest_shared(0) == -1.0 and groups.all_ready(0, 3)  # nobody else known: nobody to wait for
+    groups.mark_ready(0, 3)
+    assert time.monotonic() - start < 3 * 0.2 + MARGIN_S
+
+
 def test_start_quietly_waits_for_the_process_a_bounded_time() -> None:
     class Process:
         def __init__(self) -> None:

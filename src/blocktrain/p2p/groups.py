@@ -44,7 +44,10 @@ from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 log = logging.getLogger(__name__)
 
 READY_TTL_S = 600.0  # seconds a worker's 'ready for round v' stays in the DHT
+DHT_CALL_S = 10.0  # seconds a DHT get or store from the worker's own thread waits (hivemind's wait for ever)
 STATE_SLACK_BYTES = 1 << 20  # bytes a peer's state may take beyond the block's fp32 weights (its metadata: names)
+
+
 def claim_weighted(summed: dict[str, torch.Tensor], members: list[GroupMember]) -> dict[str, torch.Tensor]:
     """The sample-weighted mean sum_i s_i Delta_i / sum_i s_i, from the equal-weight all-reduce of s_i Delta_i
     ((1/n) sum_i s_i Delta_i over the n members, every sender at weight 1) and the samples s_i each member claimed
@@ -212,8 +215,12 @@ class GroupAverager:
 
     def mark_ready(self, k: int, v: int) -> None:
         """Say that this worker has trained block k's round v and is about to look for its group."""
-        self.dht.store(f"{group_prefix(self.run, k)}.ready", subkey=self.dht.peer_id.to_bytes(), value=v,
-                       expiration_time=get_dht_time() + READY_TTL_S)
+        future = self.dht.store(f"{group_prefix(self.run, k)}.ready", subkey=self.dht.peer_id.to_bytes(), value=v,
+                                expiration_time=get_dht_time() + READY_TTL_S, return_future=True)
+        try:
+            future.result(timeout=DHT_CALL_S)
+        except Exception as exc:  # a busy or dead DHT process: its peers wait for it no longer than their deadline
+            log.warning("block %d v%d: could not say so in the DHT (%s: %s)", k, v, type(exc).__name__, exc)
 
     def all_ready(self, k: int, v: int) -> bool:
         """Whether every peer that holds block k at version v has said it is ready (:meth:`mark_ready`).
@@ -229,7 +236,11 @@ class GroupAverager:
     def _versions(self, key: str) -> dict[bytes, float]:
         """Peer id (bytes) -> the number each peer stored under ``key``'s subkeys (hivemind's averagers declare
         their state-sharing priority, here the version they share, under ``PREFIX.all_averagers``)."""
-        found = self.dht.get(key, latest=True)
+        try:
+            found = self.dht.get(key, latest=True, return_future=True).result(timeout=DHT_CALL_S)
+        except Exception as exc:  # a busy or dead DHT process: as if no peer had said anything (the callers poll)
+            log.warning("the DHT did not answer for %s (%s: %s)", key, type(exc).__name__, exc)
+            return {}
         entries = found.value if found is not None and isinstance(found.value, dict) else {}
         return {peer: float(e.value) for peer, e in entries.items()
                 if isinstance(peer, bytes) and isinstance(getattr(e, "value", None), int | float)}
