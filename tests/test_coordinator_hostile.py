@@ -599,3 +599,43 @@ def test_a_made_up_token_is_refused_without_waiting_for_the_lock(api: Api,  # no
     holder.join(10)
     asker.join(10)
     assert not waited and answers == [401, 403, 401] and names == ["fresh"], (waited, answers, names)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_a_refusal_stops_counting_toward_quarantine_once_its_worker_has_had_window_updates_applied(
+        tmp_path: Path, window: int) -> None:
+    """Counted refusals never decayed: an honest worker's rare refused pushes (1 of 1,200 in a depth-proxy row of
+    averaging-scaling.json) added up over a long run until it was quarantined. A refusal now stops counting once its
+    worker has had quarantine_window updates applied since (0: never)."""
+    from blocktrain.coordinator.settings import UpdateState
+    from blocktrain.protocol.codes import Reason
+
+    c = make_coordinator(tmp_path / "run", None, quarantine_after=3, quarantine_window=window)
+    t = [0.0]
+
+    def refuse() -> bool:
+        t[0] += 1
+        with c.lock, c.store.tx():
+            c.store.conduct.record_rejection("x", 0, 422, Reason.GATE, "refused", t[0])
+        with c.lock:
+            return c.conduct.refused("x", Reason.GATE, t[0])
+
+    def applied(n: int) -> None:
+        with c.lock, c.store.tx():
+            for _ in range(n):
+                t[0] += 1
+                c.store.db.execute(
+                    "INSERT INTO updates(block, version, worker, samples, norm, compression, blob, arrived, arrival_s, "
+                    "state) VALUES(0, ?, 'x', 1, 1.0, 'none', 'b', ?, 0.0, ?)", (int(t[0]), t[0], UpdateState.APPLIED.value))
+
+    assert not refuse() and not refuse()
+    applied(4)
+    if window:
+        with c.lock:  # one short of the window: both still count
+            assert c.store.conduct.counted_refusals("x", (Reason.GATE,), window) == 2
+    applied(1)
+    assert refuse() == (window == 0)  # 5 applied since: the first two no longer count (with a window)
+    if window:
+        assert not refuse() and refuse()  # three within the window quarantine it
+    assert c.store.conduct.quarantined("x")
+    c.close()

@@ -4,7 +4,8 @@
   gets 429 ``rate_limited`` for the rest of the window, before its body is parsed (kept in memory only).
 * **Quarantine.** A refusal for what an update is or does (:data:`COUNTED`: a claim above its budget, a norm out of
   bounds, a replay, a loss-gate refusal, a malformed body, a delta dropped at its round's close because it disagreed
-  with the others) counts against its worker. At ``quarantine_after`` of them, or as a member of
+  with the others) counts against its worker, until it has had ``quarantine_window`` updates applied since. At
+  ``quarantine_after`` of them, or as a member of
   ``GROUP_REFUSALS`` refused group means (the hivemind engine), the worker is quarantined: its token is revoked,
   its later requests are refused (403 ``quarantined``), and its updates not yet applied are dropped from their rounds.
   Refusals an honest worker meets in an ordinary run (``stale``, ``base``, ``duplicate``, ``finished``, ...) are
@@ -77,7 +78,7 @@ class Conduct:
         self._recent(name).append(time.monotonic())
         if reason not in COUNTED or not self.settings.quarantine_after or self.store.conduct.quarantined(name):
             return False
-        n = self.store.conduct.counted_refusals(name, COUNTED)
+        n = self.store.conduct.counted_refusals(name, COUNTED, self.settings.quarantine_window)
         if n < self.settings.quarantine_after:
             return False
         self.quarantine(name, f"{n} refused updates (last: {reason})", at)

@@ -5,6 +5,7 @@ connection, begin no transaction and return frozen row types."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from blocktrain.coordinator.db import Db
@@ -28,10 +29,17 @@ class ConductTable:
         self.db.add_counter(f"rejected:{reason}", 1)
         self.db.execute("UPDATE workers SET rejected=rejected+1 WHERE name=?", (worker,))
 
-    def counted_refusals(self, worker: str, reasons: tuple[str, ...]) -> int:
-        """Stored refusals of ``worker`` for one of ``reasons``."""
+    def counted_refusals(self, worker: str, reasons: tuple[str, ...], window: int = 0) -> int:
+        """Stored refusals of ``worker`` for one of ``reasons``; with ``window``, only those since the arrival of its
+        ``window``-th newest applied update (all of them while it has fewer)."""
         marks = ",".join("?" * len(reasons))
-        row = self.db.q1(f"SELECT COUNT(*) AS n FROM rejections WHERE worker=? AND reason IN ({marks})", worker, *reasons)
+        since = None
+        if window:
+            row = self.db.q1("SELECT arrived FROM updates WHERE worker=? AND state=? ORDER BY arrived DESC LIMIT 1 "
+                             "OFFSET ?", worker, UpdateState.APPLIED.value, window - 1)
+            since = None if row is None else float(row["arrived"])
+        row = self.db.q1(f"SELECT COUNT(*) AS n FROM rejections WHERE worker=? AND reason IN ({marks}) AND at > ?",
+                         worker, *reasons, -math.inf if since is None else since)
         return 0 if row is None else int(row["n"])
 
     def record_group_refusal(self, k: int, v: int, uploader: str, members: list[str], reason: str, at: float) -> None:

@@ -106,6 +106,9 @@ class CoordinatorSettings:
     gate_min_history: int = 8  # the calibration starts once this many rises are known
     gate_batch: int = 8  # sequences in the gate's held-out batch
     quarantine_after: int = 3  # refusals for what an update is or does before its worker is quarantined (0 = never)
+    quarantine_window: int = 100  # updates: a refusal stops counting toward quarantine_after once its worker has had
+    # this many updates applied since (0: never; honest pushes are refused now and then, 1 of 1,200 in a depth-proxy
+    # row of averaging-scaling.json, so without it a run of thousands of rounds quarantined an honest worker)
     refusal_burst: int = 10  # refused update requests a worker may make per refusal_window_s before a 429 (0 = no cap)
     refusal_window_s: float = 60.0  # seconds of the refusal rate limit's window
     audit_fraction: float = 0.05  # accepted pushes replayed by the coordinator (needs its --data; 0 = no audits)
@@ -222,5 +225,5 @@ class CoordinatorSettings:
             raise ConfigError(f"probation_pushes must be >= 0, got {self.probation_pushes}")
         if not 0 <= self.audit_outlier_fraction <= 1 or self.audit_outlier_ratio < 1:
             raise ConfigError("audit_outlier_fraction must be in [0, 1] and audit_outlier_ratio >= 1")
-        if self.quarantine_after < 0 or self.refusal_burst < 0 or self.refusal_window_s <= 0:
-            raise ConfigError("quarantine_after and refusal_burst must be >= 0 and refusal_window_s > 0")
+        if self.quarantine_after < 0 or self.refusal_burst < 0 or self.refusal_window_s <= 0 or self.quarantine_window < 0:
+            raise ConfigError("quarantine_after, quarantine_window and refusal_burst must be >= 0 and refusal_window_s > 0")
