@@ -50,12 +50,14 @@ class BigramEnsemble:
 
     name = NAME
     reference_name = "blocks_alone_ce"
+    reference_label = "bigrams alone"
     deterministic = True
     trains_in_order = False
     blocks_alike = True
     gain_reference = "best"
     composed_is_last_reference = False
     prefix_drafts = False
+    serves_sweep = False
     serving_span = ""
 
     def __init__(self, cfg: RunConfig) -> None:
@@ -227,3 +229,20 @@ def test_validation_is_logged_under_the_objectives_reference_name(
                 progress=False)
     vals = [r["val_blocks_alone_ce"] for r in read_jsonl(RunDir(run).metrics_path("block_0")) if "val_blocks_alone_ce" in r]
     assert vals and all(math.isfinite(v) for v in vals)
+
+
+def test_bench_serve_refuses_its_runs_through_the_sweep_flag_before_any_stage(
+    cfg: RunConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serves_sweep`` False: bench serve, which times sweep, refuses the run by that flag, not by a name it knows."""
+    from blocktrain.bench.serve import run_serve_bench
+    from blocktrain.bench.serve_options import ServeBenchOptions
+    from blocktrain.bench.serve_pipeline import Pipeline
+
+    def start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a stage started before the run was refused")
+
+    monkeypatch.setattr(Pipeline, "start", start)
+    RunDir(tmp_path / "run").init(cfg)
+    with pytest.raises(ConfigError, match=f"is a {NAME} run, whose stages do not serve the sweep mode"):
+        run_serve_bench(ServeBenchOptions(run=tmp_path / "run", output_bytes=16))

@@ -8,7 +8,9 @@ with ``isolate=False`` (torch starts once; the memory rows are then not per arm)
   learning-rate sweep, E2E runs at the preset's lr x0.5, x1 and x2 and the
   best on validation is kept; the stack's block 0 gets the same sweep.
 * **E2E at matched FLOPs** -- steps scaled so that its training FLOPs equal
-  the stack's, frozen forward passes included (at the swept lr).
+  the primary objective's, frozen forward passes included (at the swept lr).
+  One run: with ``both``, the other objective's FLOPs differ, and the result
+  records the ratio (``matched_e2e_flops_ratio``) and the table says so.
 * **diffusion** and/or **stack** -- B blocks; a stack's blocks train in order
   (progressive schedule), block k on frozen copies of blocks 0..k-1.
 
@@ -116,6 +118,16 @@ def _analytic(module: Any) -> dict[str, int]:
     params = sum(p.numel() for p in module.parameters() if p.requires_grad)
     return {"params": params, "param_bytes": 4 * params, "grad_bytes": 4 * params,
             "optimizer_bytes": 8 * params, "total_state_bytes": 16 * params}  # AdamW: two fp32 moments
+
+
+def _largest_block_analytic(cfg: RunConfig, objective: Objective) -> dict[str, int]:
+    """Training state of the objective's block with the most trainable parameters: what the biggest block worker
+    holds (a stack's block 0 embeds the bytes, and every block but the last may carry aux head layers). Built on the
+    meta device: counting parameters allocates nothing."""
+    obj = get_objective(replace(cfg, objective=objective))
+    with torch.device("meta"):
+        blocks = [_analytic(obj.build_block(k)) for k in range(cfg.model.n_blocks)]
+    return max(blocks, key=lambda a: a["params"])
 
 
 class _Bench:
@@ -254,7 +266,7 @@ def run_quality_bench(opts: QualityOptions) -> dict[str, Any]:
         m_dir = opts.out / "e2e-matched-flops"
         m_sum = bench.e2e(m_dir, m_steps, lr_e2e)
         matched = {"run_dir": str(m_dir), "steps": m_steps, "train_flops": e2e_flops_step * m_steps, "lr": lr_e2e,
-                   "summary": m_sum}
+                   "summary": m_sum, "matched_to": primary.value}
     bench.bar.close()
     train_wall = time.perf_counter() - t0
     log.info("bench quality: %d arms trained in %.0f s; scoring", bench.arms, train_wall)
@@ -306,7 +318,7 @@ def _assemble(
     for name, sec in sections.items():
         sums, ev = sec["summaries"], sec["eval"]
         obj = get_objective(replace(cfg, objective=Objective(name)))
-        ref_key = obj.reference_name
+        ref_key = obj.reference_name  # the key of its single-block references, recorded in the section for readers
         mem = max(s["train_mem_bytes"] for s in sums) if opts.isolate else None  # one process: no arm's own peak
         sps = [s["seconds_per_step"] for s in sums]
         entry: dict[str, Any] = {
@@ -314,6 +326,8 @@ def _assemble(
             "run_dir": sec["run_dir"],
             "ce_nats_per_byte": ev["ce_nats_per_byte"],
             "gain_reference": obj.gain_reference,
+            "reference_name": ref_key,
+            "reference_label": obj.reference_label,
             ref_key: ev[ref_key],
             # each block's own CE on the first eval_bytes of validation at the end of its training (None: no
             # validation): a stack's last is its composed model's; what picks an lr, where the test CE only reports
@@ -330,7 +344,7 @@ def _assemble(
                 "seconds_per_step_per_block": sps,
                 "mfu": sum(s["achieved_flops"] for s in sums) / len(sums) / peak_p,
                 "mfu_per_block": [s["achieved_flops"] / peak_p for s in sums],
-                "analytic": _analytic(obj.build_block(cfg.model.n_blocks - 1)),  # the largest stack block: a local head
+                "analytic": _largest_block_analytic(cfg, Objective(name)),
             },
             "memory_ratio_block_over_e2e": None if mem is None else mem / max(1, e2e_sum["train_mem_bytes"]),
         }
@@ -372,11 +386,11 @@ def _assemble(
         "objectives": per_objective,
         "steps_per_block": steps,
     }
-    for sec in per_objective.values():  # the objective whose references are its blocks alone (the diffusion chain)
-        if "blocks_alone_ce" in sec:
-            result["blocks_alone_ce"] = sec["blocks_alone_ce"]
+    for sec in per_objective.values():  # each objective's references at the top level too, under its reference name
+        result.setdefault(sec["reference_name"], sec[sec["reference_name"]])  # (historic: the diffusion chain's)
     if matched is not None:
         result["e2e_matched_flops"] = {
+            "matched_to": matched["matched_to"],  # the objective whose training FLOPs it matches (derive_figures: ratios)
             "ce_nats_per_byte": matched["eval"]["ce_nats_per_byte"], "steps": matched["steps"],
             "train_flops": matched["train_flops"], "lr": matched["lr"], "eval": matched["eval"],
             "seconds_per_step": matched["summary"]["seconds_per_step"],

@@ -8,11 +8,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from blocktrain.evaluate.report import compositional_gain
+from blocktrain.errors import RunError
+from blocktrain.evaluate.report import compositional_gain, reference_key, reference_label
 
 log = logging.getLogger(__name__)
 
 MIB = 2**20
+FLOPS_MATCH_TOLERANCE = 0.05  # an E2E within 5% of an objective's training FLOPs is at matched FLOPs for it
 
 
 def _flops(x: float) -> str:
@@ -22,6 +24,51 @@ def _flops(x: float) -> str:
 
 def _fmt_list(values: list[float]) -> str:
     return ", ".join(f"{v:.3f}" for v in values)
+
+
+def _references(sec: dict[str, Any]) -> tuple[str, list[float]]:
+    """A result section's single-block references: their key (the objective's reference name) and CEs."""
+    key = reference_key(sec)
+    if key is None or key not in sec:
+        raise RunError("a bench quality result section names no single-block references (no reference_name, or no "
+                       "list under it): pass a result file written by 'blocktrain bench quality'")
+    return key, list(sec[key])
+
+
+def matched_flops_ratio(result: dict[str, Any], sec: dict[str, Any]) -> float | None:
+    """Training FLOPs of the E2E at matched FLOPs over those of objective section ``sec`` (None: no such E2E).
+
+    The E2E is matched to one objective's FLOPs (``e2e_matched_flops.matched_to``, the primary); with two objectives
+    the other's ratio is not 1, and its matched-FLOPs gap is against an E2E that trained that many times its FLOPs."""
+    matched = result.get("e2e_matched_flops")
+    return None if matched is None else float(matched["train_flops"]) / float(sec["train_flops"])
+
+
+def _unmatched_ratio(r: dict[str, Any], o: dict[str, Any]) -> float | None:
+    """The matched-FLOPs E2E's training FLOPs over objective ``o``'s where they differ by more than the tolerance
+    (that E2E is not at this objective's FLOPs), else None."""
+    ratio = o.get("matched_e2e_flops_ratio", matched_flops_ratio(r, o))  # a result from before the ratio: from its FLOPs
+    return ratio if ratio is not None and abs(ratio - 1.0) > FLOPS_MATCH_TOLERANCE else None
+
+
+def _gap_at_matched_flops(r: dict[str, Any], o: dict[str, Any], gap: float) -> str:
+    """A gap to the matched-FLOPs E2E, saying so where that E2E did not train at this objective's FLOPs."""
+    ratio = _unmatched_ratio(r, o)
+    return f"{gap:+.4f}" + ("" if ratio is None else f" (E2E at {ratio:.2f}x its FLOPs)")
+
+
+def _lr_note(r: dict[str, Any]) -> str:
+    """The learning-rate sweep's line: E2E's, then the block-0 sweep of every objective that trains in order."""
+    sweep = r["lr_sweep"]
+    if "e2e_lr" not in sweep:
+        return f"No learning-rate sweep: every arm trains at lr {r['config']['train']['lr']:g}."
+    blocks = ""
+    for name, sec in r["objectives"].items():
+        if f"{name}_lr" in sweep:  # its block 0 was swept on validation of its references (their key: its reference name)
+            scores = sweep.get(f"{name}_block0_val_{reference_key(sec)}")
+            blocks += f"; {name} block 0 {scores} -> lr {sweep[f'{name}_lr']:g}"
+    return (f"Learning-rate sweep on validation (x{', x'.join(f'{f:g}' for f in sweep['factors'])} of the preset's lr): "
+            f"E2E {sweep['e2e_val_ce']} -> lr {sweep['e2e_lr']:g}{blocks}.")
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -41,13 +88,15 @@ def format_table(r: dict[str, Any]) -> str:
     row("test CE (nats/byte)", f"{e['ce_nats_per_byte']:.4f}", f"{m['ce_nats_per_byte']:.4f}" if m else "",
         [f"{o['ce_nats_per_byte']:.4f}" for o in objs.values()])
     row("gap to E2E, matched FLOPs" if only_matched else "gap to E2E, matched steps", "",
-        f"{m['ce_nats_per_byte'] - e['ce_nats_per_byte']:+.4f}" if m else "", [f"{o['gap_nats_per_byte']:+.4f}" for o in objs.values()])
+        f"{m['ce_nats_per_byte'] - e['ce_nats_per_byte']:+.4f}" if m else "",
+        [_gap_at_matched_flops(r, o, o["gap_nats_per_byte"]) if only_matched else f"{o['gap_nats_per_byte']:+.4f}"
+         for o in objs.values()])
     if m:
-        row("gap to E2E, matched FLOPs", "", "", [f"{o['gap_matched_flops_nats_per_byte']:+.4f}" for o in objs.values()])
-    row("single-block references", "", "", [
-        ("prefixes " + _fmt_list(o["prefix_ce"])) if "prefix_ce" in o else ("blocks alone " + _fmt_list(o["blocks_alone_ce"]))
-        for o in objs.values()
-    ])
+        row("gap to E2E, matched FLOPs", "", "",
+            [_gap_at_matched_flops(r, o, o["gap_matched_flops_nats_per_byte"]) for o in objs.values()])
+    refs = [_references(o) for o in objs.values()]
+    row("single-block references", "", "", [f"{reference_label(o, key)} {_fmt_list(ces)}"
+                                            for o, (key, ces) in zip(objs.values(), refs, strict=True)])
     row("compositional gain (first prefix or best block alone - composed)", "", "",
         [f"{o['compositional_gain_nats_per_byte']:+.4f}" for o in objs.values()])
     row("training steps", f"{e['train_steps']}", f"{m['steps']}" if m else "",
@@ -67,21 +116,16 @@ def format_table(r: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(c.ljust(width[i]) for i, c in enumerate(rw)) + " |" for rw in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
     peak = r["peak_flops"]
-    sweep = r["lr_sweep"]
-    lr_note = (
-        f"No learning-rate sweep: every arm trains at lr {r['config']['train']['lr']:g}."
-        if "e2e_lr" not in sweep else
-        f"Learning-rate sweep on validation (x{', x'.join(f'{f:g}' for f in sweep['factors'])} of the preset's lr): "
-        f"E2E {sweep['e2e_val_ce']} -> lr {sweep['e2e_lr']:g}"
-        + (f"; stack block 0 {sweep['stack_block0_val_prefix_ce']} -> lr {sweep['stack_lr']:g}" if "stack_lr" in sweep else "")
-        + "."
-    )
     notes = [
         "",
         f"Measured matmul peak: fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s; MFU is against the "
         f"{r['precision']} peak.",
-        lr_note,
+        _lr_note(r),
     ]
+    if any(_unmatched_ratio(r, o) is not None for o in objs.values()):
+        to = (r.get("e2e_matched_flops") or {}).get("matched_to")  # absent from results written before it was recorded
+        notes.append(f"The E2E at matched FLOPs trained for {f'the {to} arm' if to else 'one arm'}'s training FLOPs; a gap "
+                     "marked 'E2E at Nx its FLOPs' is against an E2E that trained N times that objective's FLOPs.")
     if r.get("test_bytes_limit"):
         limit, scored = int(r["test_bytes_limit"]), int(r.get("bytes_scored") or e["bytes_scored"])
         notes.append(f"Scored on the first {limit:,} bytes of the test split (the preset's test_bytes)." if scored >= limit
@@ -105,12 +149,15 @@ def derive_figures(result: dict[str, Any]) -> dict[str, Any]:
     e2e_ce = result["e2e"]["ce_nats_per_byte"]
     matched = result.get("e2e_matched_flops")
     for sec in result["objectives"].values():
-        refs = sec.get("prefix_ce") or sec["blocks_alone_ce"]
-        reference = sec.get("gain_reference") or ("first" if "prefix_ce" in sec else "best")  # results before it was recorded
+        key, refs = _references(sec)
+        # results from before the gain reference was recorded hold a built-in's references: a stack's gain is over its
+        # first prefix
+        reference = sec.get("gain_reference") or ("first" if key == "prefix_ce" else "best")
         sec["compositional_gain_nats_per_byte"] = compositional_gain(sec["ce_nats_per_byte"], refs, reference)
         sec["gap_nats_per_byte"] = sec["ce_nats_per_byte"] - e2e_ce
         if matched is not None:
             sec["gap_matched_flops_nats_per_byte"] = sec["ce_nats_per_byte"] - matched["ce_nats_per_byte"]
+            sec["matched_e2e_flops_ratio"] = matched_flops_ratio(result, sec)
     primary = result["objectives"][result["primary_objective"]]
     result["blocktrain"] = primary
     result["gap_nats_per_byte"] = primary["gap_nats_per_byte"]

@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +33,23 @@ import torch
 from blocktrain.bench.machine import machine_info
 from blocktrain.bench.serve_options import ServeBenchOptions
 from blocktrain.bench.serve_pipeline import Pipeline, Placement, split_blocks, split_layers
-from blocktrain.bench.serve_quality import bench_data, bench_prompts, generative_ce, output_quality, traversal_compute_s
+from blocktrain.bench.serve_quality import (
+    bench_data,
+    bench_prompts,
+    generative_ce,
+    output_quality,
+    traversal_compute_s,
+)
 from blocktrain.bench.serve_report import render_markdown, summarise
-from blocktrain.bench.serve_spec import long_task, run_spec, spec_task
+from blocktrain.bench.serve_spec import check_stack_run, long_task, run_spec, spec_task
 from blocktrain.checkpoint.run import RunDir
+from blocktrain.config import RunConfig
 from blocktrain.device import resolve_device
-from blocktrain.errors import BlockTrainError
+from blocktrain.errors import BlockTrainError, ConfigError
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
 from blocktrain.evaluate.scoring import score_split
+from blocktrain.objectives import get_objective, objective_names
+from blocktrain.presets import tiny
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +89,8 @@ def run_main_comparison(opts: ServeBenchOptions, pipe: Pipeline, run: RunDir) ->
                            max_bytes=opts.tf_bytes, batch_size=8, device=device).ce_nats_per_byte
     tf_e2e = score_split(e2e.log_probs, data, cfg.model.context, max_bytes=opts.tf_bytes, batch_size=8,
                          device=device).ce_nats_per_byte
-    compute_s = traversal_compute_s(cfg, assembled, opts.prompt_bytes + opts.output_bytes)
+    # a traversal carries at most one context window of prompt + output (a longer text is served in windows)
+    compute_s = traversal_compute_s(cfg, assembled, min(cfg.model.context, opts.prompt_bytes + opts.output_bytes))
     return {"tasks": tasks, "quality": quality, "reference_continuation_ce": reference,
             "teacher_forced": {"blocktrain_pipeline_score": bt.get("teacher_forced_ce_pipeline"),
                                "blocktrain_local": tf_local, "e2e_local": tf_e2e, "bytes": opts.tf_bytes,
@@ -91,10 +102,9 @@ def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None,
     """The whole benchmark, its stages placed by ``placement`` (default: loopback); ``command`` is recorded."""
     resolve_device(opts.device)  # a device this machine lacks fails before any stage starts
     run = RunDir(opts.run)
-    cfg = run.load_config()
-    if not run.has_blocks(cfg.model.n_blocks) or not run.has_e2e():
-        raise BlockTrainError(f"{run.root} needs all {cfg.model.n_blocks} blocks and the E2E model; "
-                              "train them with 'blocktrain bench quality'")
+    check_serve_run(opts, run)  # and a run this bench cannot serve
+    if opts.stack_run is not None:
+        check_stack_run(RunDir(opts.stack_run))
     placement = placement or Placement()
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="bt-serve-bench-") as tmp:
@@ -108,6 +118,53 @@ def run_serve_bench(opts: ServeBenchOptions, placement: Placement | None = None,
         finally:
             pipe.stop()
     return _finish(opts, result, t0, echo=True, command=command)
+
+
+def _sweep_objective(cfg: RunConfig | None) -> str:
+    """The objective to train a run for this bench: the run's own where it serves the sweep mode, else those that do
+    (``serves_sweep``), as ``a|b``."""
+    if cfg is not None and get_objective(cfg).serves_sweep:
+        return str(cfg.objective)
+    base = cfg or tiny()  # a stand-in config, only to ask each objective whether it serves sweep
+    return "|".join(name for name in objective_names() if get_objective(replace(base, objective=name)).serves_sweep)
+
+
+def _how_to_make_run(root: Path, cfg: RunConfig | None, data: str | None = None) -> str:
+    """The commands that make the run directory ``bench serve --run`` reads: one objective's blocks and the E2E
+    reference trained into the same --out. (``bench quality`` trains every arm into a directory of its own, so none
+    of its directories holds both.) ``root`` is the --out where its run may go on (no run, or a sweep-serving one)."""
+    mine = cfg is None or get_objective(cfg).serves_sweep  # else another objective's run: a new directory
+    preset = cfg.name if cfg is not None else "PRESET"
+    flags = f"--preset {preset} --objective {_sweep_objective(cfg)} --data {data or 'DATA'} --out {root if mine else 'RUN'}"
+    return ("'blocktrain bench serve --run' reads one run directory holding the blocks of a run whose objective serves "
+            "the sweep mode and, beside them, the E2E reference ('blocktrain bench quality' writes each arm to a "
+            f"directory of its own, so none of its directories is one); make it with 'blocktrain train {flags}', then "
+            "'blocktrain train-e2e' with the same flags")
+
+
+def check_serve_run(opts: ServeBenchOptions, run: RunDir) -> RunConfig:
+    """The run's config, once the run is one this bench can serve with these options; else a BlockTrainError that
+    says how to make one. Called before any stage starts."""
+    if not run.config_path.is_file():
+        raise BlockTrainError(f"{run.root} is not a run directory (no run.json). {_how_to_make_run(run.root, None)}")
+    cfg = run.load_config()
+    context = cfg.model.context
+    if opts.output_bytes >= context:  # sweep writes the whole output in one window, after at least one prompt byte
+        raise ConfigError(f"output_bytes ({opts.output_bytes}) must be below the run's context ({context}): sweep "
+                          f"writes the output in one window; set --output-bytes {context - 1} or less")
+    data = (run.recorded_data() or {}).get("dir")
+    objective = get_objective(cfg)
+    if not objective.serves_sweep:  # the bench times sweep first: a stage of this run would refuse it mid-bench
+        spec = f"; to time its spec mode, pass it as --stack-run {run.root} beside such a --run" if objective.prefix_drafts else ""
+        raise ConfigError(f"{run.root} is a {cfg.objective} run, whose stages do not serve the sweep mode that "
+                          f"'bench serve' times{spec}. {_how_to_make_run(run.root, cfg, data)}")
+    blocker = objective.serving_blocker()
+    if blocker is not None:
+        raise ConfigError(f"{run.root} cannot be served by a pipeline of stages: {blocker}")
+    if not run.has_blocks(cfg.model.n_blocks) or not run.has_e2e():
+        raise BlockTrainError(f"{run.root} needs all {cfg.model.n_blocks} blocks and the E2E reference. "
+                              f"{_how_to_make_run(run.root, cfg, data)}")
+    return cfg
 
 
 def _finish(opts: ServeBenchOptions, result: dict[str, Any], t0: float, echo: bool = False,

@@ -15,7 +15,8 @@ from blocktrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class ServeBenchOptions:
-    run: Path = Path("runs/bench-quality-cpu-small")  # run with trained blocks and the E2E model
+    run: Path = Path("runs/serve-cpu-small")  # run directory with a diffusion run's blocks and its E2E reference
+    # beside them: 'blocktrain train' then 'blocktrain train-e2e', the same --preset, --objective diffusion and --out
     data: Path | None = None  # data directory: prompts and teacher-forced CE from its test split (None: the one run.json records)
     json: Path | None = None  # write the result JSON here, and its markdown summary beside it (None: stdout only)
     hop_delay_ms: float = 25.0  # ms: one-way delay per hop

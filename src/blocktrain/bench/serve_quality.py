@@ -15,6 +15,7 @@ from blocktrain.config import RunConfig
 from blocktrain.data.dataset import DataDir, eval_windows, resolve_run_data
 from blocktrain.device import synchronize
 from blocktrain.evaluate.assembled import AssembledModel, E2EModel
+from blocktrain.sampling import EMPTY_PROMPT
 
 
 def generative_ce(e2e: E2EModel, prompt: bytes, output: bytes) -> float:
@@ -23,7 +24,11 @@ def generative_ce(e2e: E2EModel, prompt: bytes, output: bytes) -> float:
     An output that fits one window is scored in the last window of prompt + output; a longer one in
     ``blocktrain eval``'s windows over prompt + output (:func:`eval_windows`: each byte once, with at least half a
     context before it), averaged over the output's bytes.
+
+    An empty prompt is scored as generation continues it, after :data:`EMPTY_PROMPT`: every output byte is scored,
+    its first too, and the mean is over all of them.
     """
+    prompt = prompt or EMPTY_PROMPT  # else the first output byte had no history: scored by none, yet counted in n
     n = len(output)
     if n <= e2e.context:
         seq = (prompt + output)[-(e2e.context + 1) :]
@@ -63,7 +68,12 @@ def repeat_fraction(text: bytes, n: int = 4) -> float:
 
 
 def traversal_compute_s(cfg: RunConfig, model: AssembledModel, t: int, repeat: int = 5) -> float:
-    """Median wall time of one traversal of the block stack on (1, t) bytes, one thread (as a stage)."""
+    """Median wall time of one traversal of the block stack on a text of t bytes, one thread (as a stage).
+
+    A traversal carries at most one context window (a longer text is served in windows of the context), so a
+    text longer than the context is timed on (1, context) bytes.
+    """
+    t = min(t, model.context)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -39,12 +39,14 @@ class Objective(Protocol):
     name: str  # "diffusion" or "stack"
     cfg: RunConfig
     reference_name: str  # JSON key of the single-block references' CE: "prefix_ce" or "blocks_alone_ce"
+    reference_label: str  # how a printed table names those references: "prefix CE" or "blocks alone"
     deterministic: bool  # composing draws no noise: one "chain" is all there is
     trains_in_order: bool  # block k trains only once blocks 0..k-1 have finished (it reads frozen copies of them)
     blocks_alike: bool  # every block has the same parameters (names and shapes): one template serves all
     gain_reference: str  # the reference a composed model's gain is measured against: "first" (prefix 0) or "best" block
     composed_is_last_reference: bool  # single_block_logits' last entry is the composed model (a stack's last prefix)
     prefix_drafts: bool  # block 0 alone is the composed model's first prefix, so the first stage drafts for spec serving
+    serves_sweep: bool  # its stages serve the sweep mode: a traversal refines every output byte at once (no byte-per-pass)
     serving_span: str  # "module:Class" of the span that serves these blocks (serve/ builds it; this layer names it)
 
     def schedule(self) -> Schedule:

@@ -35,12 +35,14 @@ from blocktrain.seeds import Seed
 class DiffusionObjective:
     name = "diffusion"
     reference_name = "blocks_alone_ce"
+    reference_label = "blocks alone"  # each block on pure noise
     deterministic = False
     trains_in_order = False
     gain_reference = "best"  # a chain must beat its best block alone
     composed_is_last_reference = False
     blocks_alike = True
     prefix_drafts = False  # block 0 on noise drafts, but it is no prefix of the chain
+    serves_sweep = True  # the chain denoises the whole output window in each traversal
     serving_span = "blocktrain.serve.runtime.diffusion:BlockSpan"
 
     def __init__(self, cfg: RunConfig) -> None:

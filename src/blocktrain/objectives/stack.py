@@ -25,12 +25,14 @@ from blocktrain.objectives.base import LocalLoss
 class StackObjective:
     name = "stack"
     reference_name = "prefix_ce"
+    reference_label = "prefix CE"  # blocks 0..k with block k's head
     deterministic = True
     trains_in_order = True
     gain_reference = "first"  # the composed stack is its own last prefix: its gain is over block 0 with its head
     composed_is_last_reference = True
     blocks_alike = False  # block 0 embeds the bytes, the others read h
     prefix_drafts = True  # every prefix is a language model trained to predict the byte the whole stack predicts
+    serves_sweep = False  # a stack emits one byte per traversal (ar, spec)
     serving_span = "blocktrain.serve.runtime.stack:StackSpan"
 
     def __init__(self, cfg: RunConfig) -> None:
