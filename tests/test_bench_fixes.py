@@ -88,7 +88,7 @@ def test_a_result_from_before_the_ratio_still_formats_and_says_so(quality: dict[
         assert sec["compositional_gain_nats_per_byte"] == want["compositional_gain_nats_per_byte"]
     table = format_table(new)
     assert "x its FLOPs)" in _cell(table, "gap to E2E, matched FLOPs", _column(table, "diffusion"))
-    assert "trained for one arm's training FLOPs" in table  # whom it matched is not in the file: not claimed
+    assert f"trained for the {new['primary_objective']} arm's training FLOPs" in table  # always the primary's
 
 
 def test_the_only_e2e_at_matched_flops_says_whose_flops_it_matched(quality: dict[str, Any]) -> None:
@@ -150,7 +150,7 @@ def test_format_eval_prints_the_references_the_result_names() -> None:
     assert "members alone 2.1000, 2.2000" in lines
     assert lines[-1] == "gain        +0.1000 nats/byte over the best single-block reference (members alone)"
     old = {k: v for k, v in r.items() if not k.startswith(("reference_", "gain_reference", "member"))}
-    assert "prefix_ce   2.1000" in format_eval({**old, "prefix_ce": [2.1]})  # a result without the name: its old key
+    assert "prefixes    2.1000" in format_eval({**old, "prefix_ce": [2.1]})  # a result without the name: its old label
 
 
 def test_evaluate_model_names_the_objectives_references(tmp_path: Path) -> None:

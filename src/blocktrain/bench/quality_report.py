@@ -123,7 +123,8 @@ def format_table(r: dict[str, Any]) -> str:
         _lr_note(r),
     ]
     if any(_unmatched_ratio(r, o) is not None for o in objs.values()):
-        to = (r.get("e2e_matched_flops") or {}).get("matched_to")  # absent from results written before it was recorded
+        # results written before it was recorded: the E2E was always matched to the primary objective
+        to = (r.get("e2e_matched_flops") or {}).get("matched_to") or r.get("primary_objective")
         notes.append(f"The E2E at matched FLOPs trained for {f'the {to} arm' if to else 'one arm'}'s training FLOPs; a gap "
                      "marked 'E2E at Nx its FLOPs' is against an E2E that trained N times that objective's FLOPs.")
     if r.get("test_bytes_limit"):

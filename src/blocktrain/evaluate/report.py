@@ -99,7 +99,9 @@ def compositional_gain(ce: float, refs: list[float], reference: str) -> float:
     return (refs[0] if reference == "first" else min(refs)) - ce
 
 
-LEGACY_REFERENCE_NAMES = ("prefix_ce", "blocks_alone_ce")  # the built-ins' keys, for results that do not name theirs
+LEGACY_REFERENCE_LABELS = {"prefix_ce": "prefixes", "blocks_alone_ce": "blocks alone"}  # the built-ins' keys and
+# labels, for results written before they named theirs
+LEGACY_REFERENCE_NAMES = tuple(LEGACY_REFERENCE_LABELS)
 
 
 def reference_key(r: dict[str, Any]) -> str | None:
@@ -112,9 +114,10 @@ def reference_key(r: dict[str, Any]) -> str | None:
 
 
 def reference_label(r: dict[str, Any], key: str) -> str:
-    """How a table names the references under ``key``: the label the result records, else the key itself."""
+    """How a table names the references under ``key``: the label the result records, else (an older result) the
+    built-in's label or the key itself."""
     label = r.get("reference_label")
-    return label if isinstance(label, str) else key
+    return label if isinstance(label, str) else LEGACY_REFERENCE_LABELS.get(key, key)
 
 
 def format_eval(r: dict[str, Any]) -> str:
