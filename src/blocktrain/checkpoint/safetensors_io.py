@@ -43,8 +43,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the canonical form of a tensor dict (order-independent, one-to-one): per tensor in name order, the
     JSON line ``[name, dtype, shape, nbytes]`` then its raw bytes, so no tensor's bytes can pass for another's name."""
     h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
+    for name, t in _on_host(tensors):
         h.update(json.dumps([name, str(t.dtype), list(t.shape), t.numel() * t.element_size()]).encode() + b"\n")
         h.update(_raw_bytes(t))
     return h.hexdigest()
@@ -55,14 +54,19 @@ def _tensors_sha256_v1(tensors: dict[str, torch.Tensor]) -> str:
     a tensor's bytes end, so a tensor of UTF-8 bytes could be folded into the next one's name under the same digest
     (a hostile peer's copy of a block passed as the block). Read only, for files written before version 2."""
     h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
+    for name, t in _on_host(tensors):
         h.update(name.encode())
         h.update(b"\0")
         h.update(str(t.dtype).encode())
         h.update(json.dumps(list(t.shape)).encode())
         h.update(_raw_bytes(t))
     return h.hexdigest()
+
+
+def _on_host(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, contiguous host copy) in name order: what a digest reads, one tensor at a time."""
+    for name in sorted(tensors):
+        yield name, tensors[name].detach().contiguous().cpu()
 
 
 def metadata_sha256(meta: dict[str, str]) -> str:
