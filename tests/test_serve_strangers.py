@@ -422,7 +422,7 @@ def test_a_later_stages_error_names_the_clients_own_id() -> None:
         (name,) = entry.pending
         err = Frame(FrameKind.ERROR, name, Mode.SCORE, code=ErrorCode.UNKNOWN_REQUEST,
                     error=f"request {name} has no KV cache at stack[2-3]")
-        await entry.fail_or_retry(name, err)
+        await entry.fail_or_retry(name, err, entry.pending[name].seq)  # an error of the pending attempt
         entry.stop()
         for coro in answers:
             await coro

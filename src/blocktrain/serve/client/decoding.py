@@ -53,6 +53,7 @@ from blocktrain.sampling import EMPTY_PROMPT, filtered_probs, sample_byte
 from blocktrain.seeds import Seed
 from blocktrain.serve.client.stage_info import StageInfo
 from blocktrain.serve.wire.frames import Frame, FrameKind, Mode, UnknownRequestError
+from blocktrain.serve.wire.limits import MAX_SWEEPS
 from blocktrain.serve.wire.modes import GENERATION_MODES, MODE_RULES, modes_taking
 from blocktrain.serve.wire.speculative import accept_draft, next_draft_len, update_rate, windowed_draft_cap
 
@@ -101,8 +102,8 @@ class Sampling:
             raise ConfigError(f"top_k must be >= 0 (0 = all bytes), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.sweeps < 1:
-            raise ConfigError(f"sweeps must be >= 1, got {self.sweeps}")
+        if not 1 <= self.sweeps <= MAX_SWEEPS:  # stages refuse more
+            raise ConfigError(f"sweeps must be in 1..{MAX_SWEEPS}, got {self.sweeps}; set --sweeps")
         if not 1 <= self.draft_min <= self.draft_max:
             raise ConfigError(f"need 1 <= draft_min <= draft_max, got {self.draft_min} and {self.draft_max}; "
                               "set --draft-min/--draft-max")

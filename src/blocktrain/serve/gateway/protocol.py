@@ -46,10 +46,10 @@ from blocktrain.serve.gateway.checks import (
     text_or_parts,
     utf8,
 )
+from blocktrain.serve.wire.limits import MAX_SWEEPS
 from blocktrain.serve.wire.speculative import MAX_DRAFT
 
 MAX_N = 8  # the most choices one request may ask for
-MAX_SWEEPS = 16  # most sweeps one request may ask for
 MAX_MESSAGES = 256  # most messages one chat request may carry
 SEED_LIMIT = 1 << 63  # seeds are 63-bit (data.stream.mix_seed)
 CHAT_TEMPLATE = ("one line 'Role: content' per message (the role capitalised: System, User, Assistant, ...), "

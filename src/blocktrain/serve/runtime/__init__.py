@@ -38,6 +38,13 @@ def input_tensor(frame: Frame, key: str, d_model: int, where: str) -> torch.Tens
     return t
 
 
+def misrouted(what: str, lo: int, index: int) -> str:
+    """The message refusing WORK for ``what`` ``index`` at a stage whose span starts at ``lo`` (a stack or E2E span
+    runs every block or layer it holds, so the frame must start there: else a block would run twice, or never)."""
+    return (f"spans overlap or leave a gap: this stage starts at {what} {lo} but was sent work for {what} {index}; "
+            "check --blocks/--layers and --next of the stages before it")
+
+
 @torch.inference_mode()
 def on_device(frames: Sequence[Frame], device: torch.device, precision: Precision,
               run: Callable[[list[Frame]], list[Frame]]) -> list[Frame]:

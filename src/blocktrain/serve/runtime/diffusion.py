@@ -26,7 +26,8 @@ from blocktrain.sampling import sample_rows
 from blocktrain.seeds import Seed
 from blocktrain.serve.runtime import input_tensor, on_device
 from blocktrain.serve.runtime.kvcache import CacheOptions
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, frame_number, frame_param
+from blocktrain.serve.wire.frames import INT64, ErrorCode, Frame, FrameKind, Mode, frame_number, frame_param
+from blocktrain.serve.wire.limits import MAX_SWEEPS
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,10 @@ class BlockSpan:
             frame_number(frame.params, "temperature", 0.0)
             if n_new < 1 or sweeps < 1 or prompt_len < 1:
                 raise WireError("sweep needs n_new >= 1, sweeps >= 1 and a prompt of at least 1 byte")
+            if sweeps > MAX_SWEEPS:  # each sweep is a traversal of the whole pipeline: bound what one frame asks
+                raise WireError(f"parameter 'sweeps' must be at most {MAX_SWEEPS}, got {sweeps}; ask for fewer sweeps")
+            if frame_param(frame.params, "sweep_index", int, 0) >= sweeps:
+                raise WireError(f"parameter 'sweep_index' must be below 'sweeps' ({sweeps})")
             expected = prompt_len if "z" not in frame.tensors and frame.kind is FrameKind.SUBMIT else prompt_len + n_new
             if t != expected:
                 raise WireError(f"sweep frame holds {t} bytes, expected {expected}")
@@ -122,6 +127,7 @@ class BlockSpan:
         sp = SpecParams.read(frame.params)
         n, c = sp.n_draft, self.cfg.model.context
         x = frame.tensors["x"]
+        self._validate_spec_pos(frame, sp, x.shape[1])
         if "z" not in frame.tensors:
             if x.shape[0] != 1:
                 raise WireError("spec frames carry one sequence: x of shape (1, t)")
@@ -141,6 +147,19 @@ class BlockSpan:
         if x.shape[1] <= n:
             raise WireError(f"'x' must cover the accepted text and the {n} draft positions")
         return x.shape[1]
+
+    @staticmethod
+    def _validate_spec_pos(frame: Frame, sp: SpecParams, t: int) -> None:
+        """``pos`` of a spec frame: diffusion stages keep no cache, so an unwindowed frame carries the whole text
+        (pos 0); a windowed one says where its window starts in the text (>= 0; the draft's seed, pos + t + n_draft,
+        a 64-bit integer)."""
+        pos = frame_param(frame.params, "pos", int, 0)
+        if not sp.window and pos != 0:
+            raise WireError(f"parameter 'pos' must be 0 on diffusion stages (they keep no KV cache: a spec frame "
+                            f"carries the whole text), got {pos}; send the whole text, or a windowed frame")
+        if pos < 0 or pos + t + sp.n_draft >= INT64[1]:
+            raise WireError(f"parameter 'pos' (where the window starts in the text) must be in 0..{INT64[1] - 1 - t - sp.n_draft}, "
+                            f"got {pos}")
 
     # --- compute -----------------------------------------------------------
     def _start(self, frame: Frame) -> tuple[torch.Tensor, torch.Tensor]:

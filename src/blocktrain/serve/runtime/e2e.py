@@ -18,9 +18,19 @@ from blocktrain.config import ModelConfig, Precision
 from blocktrain.device import CPU
 from blocktrain.errors import WireError
 from blocktrain.model.layers import TransformerLayer
-from blocktrain.serve.runtime import input_tensor, on_device
+from blocktrain.serve.runtime import input_tensor, misrouted, on_device
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.wire.frames import (
+    ErrorCode,
+    Frame,
+    FrameKind,
+    MisroutedError,
+    Mode,
+    UnknownRequestError,
+    frame_param,
+    frame_seq,
+    step_seq,
+)
 
 
 class E2ESpan:
@@ -79,6 +89,8 @@ class E2ESpan:
         """Reject a frame this span cannot run (raises WireError with the reason)."""
         if frame.mode not in (Mode.SCORE, Mode.BASELINE):
             raise WireError(f"this stage serves the E2E baseline; mode {frame.mode} is not 'baseline' or 'score'")
+        if frame.kind is FrameKind.WORK and frame.sigma_index != self.lo:  # an E2E span runs all its layers
+            raise MisroutedError(misrouted("layer", self.lo, frame.sigma_index))
         t = input_tensor(frame, "x" if self.lo == 0 else "h", self.cfg.d_model, f"at layer {self.lo}")
         if frame.mode is Mode.SCORE:  # teacher-forced windows (b, t), no cache: an evaluation harness's requests
             if t.shape[1] > self.cfg.context:
@@ -92,7 +104,7 @@ class E2ESpan:
                 f"positions {pos}..{pos + t.shape[1] - 1} exceed the context of {self.cfg.context}; "
                 "start a new request with a shorter prompt"
             )
-        self.cache.check(frame.request_id, pos, exact=True)
+        self.cache.check(frame.request_id, pos, exact=True, seq=frame_seq(frame.params))
 
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
         return on_device(frames, self.device, self.precision, lambda fs: [self._run_one(f) for f in fs])
@@ -102,14 +114,14 @@ class E2ESpan:
             return self._score(f)
         pos = int(f.params.get("pos", 0))
         try:
-            entry = self.cache.checkout(f.request_id, pos)
-        except UnknownRequestError as exc:  # evicted since validate(): the client prefills it again (pos=0)
+            entry = self.cache.checkout(f.request_id, pos, step_seq(f))
+        except UnknownRequestError as exc:  # evicted since validate() (or a newer step ran): the client prefills
             return f.reply_error(ErrorCode.UNKNOWN_REQUEST, str(exc))
         kv = dict(entry.kv)  # a copy: a failed step leaves the cache as it was
         h = self._input(f, pos)
         for i in range(self.lo, self.hi + 1):
             h = self.layers[i](h, cache=kv, name=str(i))
-        self.cache.put(f.request_id, CacheEntry(pos + h.shape[1], kv, epoch=entry.epoch))
+        self.cache.put(f.request_id, CacheEntry(pos + h.shape[1], kv, epoch=entry.epoch, seq=entry.seq))
         return self._output(f, h, h[:, -1])
 
     def _score(self, f: Frame) -> Frame:

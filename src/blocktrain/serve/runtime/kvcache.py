@@ -7,6 +7,14 @@ stage first truncates the request's cache to ``pos`` (the rollback over
 rejected speculative positions, or over a retried frame) and then appends the
 frame's new positions.
 
+A frame also carries ``seq``, the entry's number of the step it belongs to
+(:func:`~blocktrain.serve.wire.frames.step_seq`); each cache remembers the
+newest step that ran on it and refuses an older one
+(:class:`~blocktrain.serve.wire.frames.StaleFrameError`): a retried step's late
+copy, or a link's resend, arriving after the request's next step would otherwise
+rewind (or, at pos 0, replace) the cache that step built. Copies of the same step
+run again (the same positions, the same bytes: the same cache).
+
 Caches are dropped on RELEASE (the request finished), after ``ttl_s`` without
 use, beyond ``max_requests`` requests (least recently used first) and beyond
 ``max_bytes`` bytes of keys and values over all requests (least recently used
@@ -24,7 +32,7 @@ from dataclasses import dataclass, field
 
 from blocktrain.errors import ConfigError, WireError
 from blocktrain.model.layers import Cache
-from blocktrain.serve.wire.frames import UnknownRequestError
+from blocktrain.serve.wire.frames import StaleFrameError, UnknownRequestError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,7 @@ class CacheEntry:
     kv: Cache = field(default_factory=dict)  # layer name -> (keys, values), as the model's cached forward names them
     used: float = field(default_factory=time.monotonic)  # time.monotonic() of the last use
     epoch: int = 0  # the cache's release count when this entry was checked out (a RELEASE after it wins over its put)
+    seq: int | None = None  # the newest step (frame param ``seq``) that ran on this cache; None: none said
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.kv.values() for t in pair)
@@ -99,9 +108,11 @@ class KVCache:
         with self._lock:
             return sum(e.nbytes() for e in self._entries.values())
 
-    def check(self, rid: str, pos: int, exact: bool = False) -> None:
-        """Whether a frame at ``pos`` can run: UnknownRequestError when the request has no cache here (pos > 0),
-        WireError when it holds fewer than ``pos`` positions (or, ``exact``, other than ``pos``)."""
+    def check(self, rid: str, pos: int, exact: bool = False, seq: int | None = None) -> None:
+        """Whether a frame at ``pos`` of step ``seq`` can run: StaleFrameError when a newer step ran on the
+        request's cache, UnknownRequestError when the request has no cache here (pos > 0), WireError when it holds
+        fewer than ``pos`` positions (or, ``exact``, other than ``pos``)."""
+        self._refuse_stale(rid, self._entries.get(rid), seq)
         cached = self.positions(rid)
         if pos == 0:
             return
@@ -114,16 +125,26 @@ class KVCache:
         return UnknownRequestError(f"request {rid} has no KV cache at {self.name} (never prefilled, released or "
                                    "evicted); start it again with pos=0")
 
-    def checkout(self, rid: str, pos: int) -> CacheEntry:
-        """The request's cache truncated to ``pos`` (a fresh one for pos = 0); UnknownRequestError if it is missing."""
+    @staticmethod
+    def _refuse_stale(rid: str, entry: CacheEntry | None, seq: int | None) -> None:
+        if seq is not None and entry is not None and entry.seq is not None and seq < entry.seq:
+            raise StaleFrameError(f"request {rid} already ran step {entry.seq} here; this frame of step {seq} is a stale "
+                                  "copy of an earlier step (a retry's late copy or a resend) and is dropped")
+
+    def checkout(self, rid: str, pos: int, seq: int | None = None) -> CacheEntry:
+        """The request's cache truncated to ``pos`` (a fresh one for pos = 0), for step ``seq`` (None: none said);
+        StaleFrameError if a newer step ran on it (nothing is truncated), UnknownRequestError if it is missing."""
         with self._lock:
             entry = self._entries.get(rid)
+            self._refuse_stale(rid, entry, seq)
             if pos == 0:
-                return CacheEntry(epoch=self._epoch)
+                return CacheEntry(epoch=self._epoch, seq=seq if seq is not None or entry is None else entry.seq)
             if entry is None:
                 raise self._missing(rid)
             entry.truncate(pos)
             entry.epoch = self._epoch
+            if seq is not None:
+                entry.seq = seq  # an older step is refused from now on, before this one's put
             return entry
 
     def put(self, rid: str, entry: CacheEntry) -> None:

@@ -48,9 +48,19 @@ from blocktrain.config import Precision, RunConfig
 from blocktrain.device import CPU
 from blocktrain.errors import WireError
 from blocktrain.model.stack import StackBlock
-from blocktrain.serve.runtime import input_tensor, on_device
+from blocktrain.serve.runtime import input_tensor, misrouted, on_device
 from blocktrain.serve.runtime.kvcache import CacheEntry, CacheOptions, KVCache
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode, UnknownRequestError, frame_param
+from blocktrain.serve.wire.frames import (
+    ErrorCode,
+    Frame,
+    FrameKind,
+    MisroutedError,
+    Mode,
+    UnknownRequestError,
+    frame_param,
+    frame_seq,
+    step_seq,
+)
 from blocktrain.serve.wire.speculative import SpecParams, validate_carried_draft, windows
 
 
@@ -112,6 +122,8 @@ class StackSpan:
                             "traversal: use --mode ar or --mode spec")
         if frame.mode not in (Mode.SCORE, Mode.AR, Mode.SPEC):
             raise WireError(f"this stage serves a stack run; mode {frame.mode} is not one of score/ar/spec")
+        if frame.kind is FrameKind.WORK and frame.sigma_index != self.lo:  # a stack span runs all its blocks
+            raise MisroutedError(misrouted("block", self.lo, frame.sigma_index))
         t = input_tensor(frame, "x" if self.lo == 0 else "h", self.cfg.model.d_model, f"at block {self.lo}")
         frame_param(frame.params, "seed", int, 0)
         if frame.mode is Mode.SPEC and SpecParams.read(frame.params).window:
@@ -130,7 +142,7 @@ class StackSpan:
         if pos < 0 or pos + new > self.cfg.model.context:
             raise WireError(f"positions {pos}..{pos + new - 1} exceed the context of {self.cfg.model.context}; "
                             "start a new request (pos=0) with a shorter text or draft")
-        self.cache.check(frame.request_id, pos)
+        self.cache.check(frame.request_id, pos, seq=frame_seq(frame.params))
 
     def _validate_windows(self, frame: Frame, t: torch.Tensor) -> None:
         n, c = SpecParams.read(frame.params).n_draft, self.cfg.model.context
@@ -166,8 +178,8 @@ class StackSpan:
             return self._run_stateless(f)
         pos = int(f.params.get("pos", 0))
         try:
-            entry = self.cache.checkout(f.request_id, pos)
-        except UnknownRequestError as exc:  # evicted since validate(): the client prefills it again (pos=0)
+            entry = self.cache.checkout(f.request_id, pos, step_seq(f))
+        except UnknownRequestError as exc:  # evicted since validate() (or a newer step ran): the client prefills
             return f.reply_error(ErrorCode.UNKNOWN_REQUEST, str(exc))
         try:
             if self.lo == 0 and f.mode is Mode.SPEC:

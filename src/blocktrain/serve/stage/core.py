@@ -20,7 +20,7 @@ from typing import Any
 
 from blocktrain.errors import WireError
 from blocktrain.serve.runtime import Span
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, UnknownRequestError
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, MisroutedError, UnknownRequestError
 from blocktrain.serve.wire.links import Conn
 
 log = logging.getLogger("blocktrain.serve.stage")  # one logger for the whole stage server
@@ -66,6 +66,7 @@ class Pending:
     nbytes: int = 0  # bytes of its tensors
     timer: asyncio.TimerHandle | None = None
     attempts: int = 0
+    seq: int = 0  # the step the entry waits for (its retries keep it): only a RESULT or ERROR of it answers the request
     t0: float = field(default_factory=time.monotonic)
 
 
@@ -80,7 +81,8 @@ async def admit(span: Span, frame: Frame, conn: Conn, sent: Frame | None = None)
     try:
         span.validate(frame)
     except WireError as exc:
-        code = ErrorCode.UNKNOWN_REQUEST if isinstance(exc, UnknownRequestError) else ErrorCode.BAD_REQUEST
+        code = (ErrorCode.UNKNOWN_REQUEST if isinstance(exc, UnknownRequestError)
+                else ErrorCode.MISROUTED if isinstance(exc, MisroutedError) else ErrorCode.BAD_REQUEST)
         message = str(exc) if sent is None else str(exc).replace(frame.request_id, sent.request_id)  # its own id
         await reject(conn, sent or frame, code, message)
         return False

@@ -15,7 +15,7 @@ from typing import Any
 from blocktrain.serve.runtime import Span
 from blocktrain.serve.stage.core import Spawn, WorkItem, ack, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.entry import Entry
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, custody_tag
+from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, custody_tag, step_seq
 from blocktrain.serve.wire.links import Conn, Link
 
 
@@ -56,9 +56,9 @@ class Router:
             if not self.span.holds(frame.sigma_index):
                 await reject(conn, frame, ErrorCode.MISROUTED,
                              f"stage {self.name} does not run index {frame.sigma_index}; check the --next chain")
-            elif frame.sigma_index == 0 and not self.entry.holds(frame.request_id):
+            elif frame.sigma_index == 0 and not self.entry.accepts(frame):  # another sweep, of the pending step
                 await reject(conn, frame, ErrorCode.UNKNOWN_REQUEST,
-                             f"request {frame.request_id!r} is not in flight at {self.name}")
+                             f"request {frame.request_id!r} (step {step_seq(frame)}) is not in flight at {self.name}")
             elif await admit(self.span, frame, conn):
                 n = tensor_bytes(frame)
                 if conn.inflight >= self.max_queued or self.queued_bytes + n > self.max_queued_bytes:
@@ -70,7 +70,7 @@ class Router:
                 self.queued_bytes += n
                 self.enqueue(WorkItem(frame, conn, custody_tag(frame), n))
         elif kind is FrameKind.RESULT:
-            if self.entry.holds(frame.request_id):
+            if self.entry.holds(frame.request_id):  # delivered if of the pending step, else dropped; ACKed
                 tag = custody_tag(frame)
                 await self.entry.deliver(frame)
                 await conn.send(Frame(FrameKind.ACK, frame.request_id, params={"tag": tag}))
@@ -92,17 +92,17 @@ class Router:
 
     async def emit(self, item: WorkItem, out: Frame) -> None:
         """Send a computed frame where it belongs: this stage again, the next stage, the sender or the client."""
-        rid = out.request_id
+        rid, seq = out.request_id, step_seq(item.frame)  # the step the computed frame belongs to
         if out.kind is FrameKind.ERROR:
-            await self._route_error(rid, item.origin, item.in_tag, out)
+            await self._route_error(rid, item.origin, item.in_tag, out, seq)
             return
-        mine = self.entry.holds(rid)
-        local = out.kind is FrameKind.RESULT and mine and self.span.holds(0) and self.span.is_last
+        held = self.entry.holds(rid)
+        local = out.kind is FrameKind.RESULT and held and self.span.holds(0) and self.span.is_last
         local |= out.kind is FrameKind.WORK and self.span.holds(out.sigma_index)
         if local:
             if out.kind is FrameKind.RESULT:
-                await self.entry.deliver(out)
-            elif mine:
+                await self.entry.deliver(out)  # dropped there if it answers an earlier step
+            elif self.entry.accepts(out):
                 self.enqueue(WorkItem(out, None, None))
             await ack(item.origin, item.in_tag, rid)
         elif self.link is not None:
@@ -113,11 +113,14 @@ class Router:
             await item.origin.send(out)  # no --next: answer the sender (also releases its custody)
         else:
             await self._route_error(rid, item.origin, item.in_tag, out.reply_error(
-                ErrorCode.STAGE_UNAVAILABLE, f"stage {self.name} has no --next stage for index {out.sigma_index}"))
+                ErrorCode.STAGE_UNAVAILABLE, f"stage {self.name} has no --next stage for index {out.sigma_index}"), seq)
 
-    async def _route_error(self, rid: str, origin: Conn | None, in_tag: int | None, err: Frame) -> None:
+    async def _route_error(self, rid: str, origin: Conn | None, in_tag: int | None, err: Frame,
+                           seq: int | None) -> None:
+        """Fail request ``rid``'s step ``seq`` (the ``seq`` of the frame that failed) at the entry, or pass the
+        error back to where the frame came from."""
         if self.entry.holds(rid):
-            await self.entry.fail_or_retry(rid, err)
+            await self.entry.fail_or_retry(rid, err, seq)
             await ack(origin, in_tag, rid)
         elif origin is not None:
             fwd = Frame(FrameKind.ERROR, rid, err.mode, code=err.code, error=err.error, params={"tag": in_tag})
@@ -137,10 +140,10 @@ class Router:
             # this runs in the link's reader: every send upstream goes in a task of its own
             if frame.kind is FrameKind.ACK:
                 self.spawn(ack(origin, in_tag, frame.request_id))
-            elif frame.kind is FrameKind.ERROR:
-                self.spawn(self._route_error(frame.request_id, origin, in_tag, frame))
+            elif frame.kind is FrameKind.ERROR:  # of the step of the frame it answers (an ERROR carries no params)
+                self.spawn(self._route_error(frame.request_id, origin, in_tag, frame, step_seq(sent)))
             elif self.entry.holds(frame.request_id):  # RESULT answered back to us (the next stage has no --next)
-                await self.entry.deliver(frame)  # its answer to the client is sent in a task of its own
+                await self.entry.deliver(frame)  # sent in a task of its own; dropped if it answers an earlier step
                 self.spawn(ack(origin, in_tag, frame.request_id))
             elif origin is not None:
                 frame.params = {**frame.params, "tag": in_tag}
@@ -157,7 +160,7 @@ class Router:
             f"stage {self.name} could not pass request {frame.request_id} on to {self.link.target} ({reason}); "
             "restart that stage on the same address (its neighbours need no restart) or list replicas in --next",
         )
-        self.spawn(self._route_error(frame.request_id, origin, in_tag, err))  # the link's task: sent in one of its own
+        self.spawn(self._route_error(frame.request_id, origin, in_tag, err, step_seq(frame)))  # in a task of its own
 
     @staticmethod
     async def _send(conn: Conn, frame: Frame) -> None:

@@ -9,6 +9,13 @@ A request id is the client's name for its request, and clients do not know each 
 on its own (:meth:`Entry.inner`, a keyed hash of the client's connection and id) before anything keys on it, so a
 client can neither evict, rewind nor read another client's KV caches by sending its id, nor answer its request with a
 RESULT of its own. The stages after the entry only ever see these names; the client gets its own id back.
+
+A client reuses its id for every step of a KV-cached request (ar on stack stages, spec, the baseline), and a retry
+sends a step round again while its first copy may still be on its way: the entry numbers each step it is given
+(each SUBMIT; its retries keep the number: every copy of a step computes the same answer) in ``params["seq"]``
+(:func:`~blocktrain.serve.wire.frames.step_seq`), and a RESULT or ERROR answers a request only if it carries the
+number of the step the entry waits for. A late answer to an earlier step (a retried step's second copy, a link's
+resend) is dropped, never taken for the answer to the step after it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import itertools
 import secrets
 import time
 import weakref
@@ -24,7 +32,7 @@ from collections.abc import Callable
 from blocktrain.serve.runtime import Span
 from blocktrain.serve.stage.core import Pending, Spawn, WorkItem, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.options import StageOptions
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, Mode
+from blocktrain.serve.wire.frames import SEQ_PARAM, ErrorCode, Frame, FrameKind, Mode, step_seq
 from blocktrain.serve.wire.links import Conn
 
 
@@ -45,6 +53,7 @@ class Entry:
         self._secret = secrets.token_bytes(32)  # keys the names: nobody outside this process can derive one
         self._conn_keys: weakref.WeakKeyDictionary[Conn, bytes] = weakref.WeakKeyDictionary()  # a connection's salt
         self.pending_bytes = 0  # bytes of the pending requests' tensors
+        self._seqs = itertools.count(1)  # step numbers: each SUBMIT gets the next one, its retries keep it
 
     def inner(self, conn: Conn, rid: str) -> str:
         """The entry's name of request ``rid`` of the client on ``conn``: the same for every frame of that request on
@@ -59,6 +68,12 @@ class Entry:
     def holds(self, rid: str) -> bool:
         """Whether the request the entry named ``rid`` was given to this stage and is not answered yet."""
         return rid in self.pending
+
+    def accepts(self, frame: Frame) -> bool:
+        """Whether ``frame`` (a RESULT, or WORK coming back for another sweep) belongs to the step its request waits
+        for: an answer to an earlier step under the same id (a retry's late copy, a resend) is stale."""
+        p = self.pending.get(frame.request_id)
+        return p is not None and step_seq(frame) == p.seq
 
     def serves(self, conn: Conn) -> bool:
         """Whether a request that came in on ``conn`` is still pending."""
@@ -77,7 +92,8 @@ class Entry:
             await reject(conn, frame, ErrorCode.DUPLICATE_REQUEST,
                          f"request {frame.request_id!r} is already in flight; use a fresh id")
             return
-        if not await admit(self.span, self._fresh(frame, rid), conn, sent=frame):
+        seq = next(self._seqs)
+        if not await admit(self.span, self._fresh(frame, rid, seq), conn, sent=frame):
             return
         n, mine = tensor_bytes(frame), sum(1 for p in self.pending.values() if p.conn is conn)
         if (len(self.pending) >= self.opts.max_pending or mine >= self.opts.max_pending_per_conn
@@ -87,16 +103,17 @@ class Entry:
                 f"{self.pending_bytes} bytes; at most {self.opts.max_pending}, {self.opts.max_pending_per_conn} and "
                 f"{self.opts.buffer_bytes}); send it again once fewer are in flight"))
             return
-        p = Pending(conn, frame, nbytes=n)
+        p = Pending(conn, frame, nbytes=n, seq=seq)
         self.pending[rid] = p
         self.pending_bytes += n
         self._arm(rid, p)
-        self.enqueue(WorkItem(self._fresh(frame, rid), None, None))
+        self.enqueue(WorkItem(self._fresh(frame, rid, seq), None, None))
 
     @staticmethod
-    def _fresh(frame: Frame, rid: str) -> Frame:
-        """The client's ``frame`` as the entry's request ``rid`` (what the stages compute and key caches on)."""
-        return Frame(FrameKind.SUBMIT, rid, frame.mode, 0, dict(frame.params), dict(frame.tensors))
+    def _fresh(frame: Frame, rid: str, seq: int) -> Frame:
+        """The client's ``frame`` as step ``seq`` of the entry's request ``rid`` (what the stages compute and key
+        caches on); a ``seq`` the client sent is overwritten."""
+        return Frame(FrameKind.SUBMIT, rid, frame.mode, 0, {**frame.params, SEQ_PARAM: seq}, dict(frame.tensors))
 
     def _arm(self, rid: str, p: Pending) -> None:
         if p.timer is not None:
@@ -111,11 +128,17 @@ class Entry:
             ErrorCode.TIMEOUT,
             f"no result for request {p.submit.request_id} within {self.opts.request_timeout_s:.1f}s after {self.name}; a "
             "later stage may have died or be overloaded: check each 'blocktrain serve' process and restart the dead one",
-        ))
+        ), p.seq)
 
-    async def fail_or_retry(self, rid: str, err: Frame) -> None:
+    async def fail_or_retry(self, rid: str, err: Frame, seq: int | None) -> None:
+        """Request ``rid``'s step ``seq`` failed with ``err``: retry it or answer the client with the error. An error
+        of another step than the one pending (None: unknown) is stale and dropped."""
         p = self.pending.get(rid)
         if p is None:
+            return
+        if seq != p.seq:
+            log.debug("request %s: dropped an error of step %s, it waits for step %d: %s", rid, seq, p.seq,
+                      err.error)
             return
         stateless = p.submit.mode is not Mode.BASELINE or int(p.submit.params.get("pos", 0)) == 0
         transient = err.code in (ErrorCode.STAGE_UNAVAILABLE, ErrorCode.TIMEOUT)
@@ -123,7 +146,7 @@ class Entry:
             p.attempts += 1
             log.warning("request %s: %s; retry %d of %d", rid, err.error, p.attempts, self.opts.retries)
             self._arm(rid, p)
-            self.enqueue(WorkItem(self._fresh(p.submit, rid), None, None))
+            self.enqueue(WorkItem(self._fresh(p.submit, rid, p.seq), None, None))
             return
         self._drop(rid)
         err.params = {}
@@ -141,10 +164,15 @@ class Entry:
 
     async def deliver(self, result: Frame) -> None:
         """Answer a request with its result: sent in a task of its own, so a client that reads slowly holds only its
-        own answers, never the stage's compute or its link's reader (which deliver results from later stages)."""
+        own answers, never the stage's compute or its link's reader (which deliver results from later stages).
+
+        A result of another step than the pending one (a retried step's late copy, a resend) is dropped."""
+        if not self.accepts(result):
+            log.debug("request %s: dropped a stale result of step %s", result.request_id, step_seq(result))
+            return
         p = self._drop(result.request_id)
         result.request_id = p.submit.request_id  # the client's id
-        result.params = {k: v for k, v in result.params.items() if k != "tag"}
+        result.params = {k: v for k, v in result.params.items() if k not in ("tag", SEQ_PARAM)}
         result.params["stage_seconds"] = time.monotonic() - p.t0
         self.spawn(self._answer(p.conn, result))
 

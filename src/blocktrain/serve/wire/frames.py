@@ -16,6 +16,12 @@ JSON, unknown kind, corrupt payload, shapes that disagree with the header)
 raises :class:`~blocktrain.errors.WireError` and the connection can go on.
 No pickle anywhere: tensors travel only as safetensors with a sha256.
 
+Every frame the entry stage computes from a SUBMIT carries ``params["seq"]``, the number the entry gives each SUBMIT
+(each step of a request that reuses its id; a retry of the step keeps it); stages copy params onto the frames they
+compute, so a RESULT names the step it answers and the entry delivers it only if that is the step it waits for
+(:func:`step_seq`). KV-cached stages refuse a frame of an older step than the last they ran for its request
+(:class:`StaleFrameError`). Clients need not set it: the entry overwrites it.
+
 A stage started with a shared token reads nothing from a connection before a
 HELLO frame (no payload, at most ``MAX_HELLO_BYTES``) whose ``params["token"]``
 matches it (compared in constant time); anything else gets an ERROR
@@ -59,6 +65,7 @@ _ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # whole ids only (fullmatch: "$" 
 
 
 
+SEQ_PARAM = "seq"  # frame parameter: the entry's number of one step (SUBMIT) of a request (see step_seq)
 INT64 = (-(1 << 63), 1 << 63)  # the range of an int frame parameter: a seed is mixed as a signed 64-bit integer
 
 
@@ -70,6 +77,17 @@ def frame_param(params: dict[str, Any], name: str, kind: type, default: Any = No
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value < INT64[1]:
         raise WireError(f"parameter {name!r} must be a 64-bit integer, got {value!r}")
     return value
+
+
+def frame_seq(params: dict[str, Any]) -> int | None:
+    """A frame's step number ``params["seq"]`` (:func:`step_seq`), checked: None when absent (a frame run on a
+    span directly, not through an entry stage), else a 64-bit int >= 0 or WireError."""
+    if SEQ_PARAM not in params:
+        return None
+    seq: int = frame_param(params, SEQ_PARAM, int)
+    if seq < 0:
+        raise WireError(f"parameter {SEQ_PARAM!r} (the entry's step number) must be >= 0, got {seq}")
+    return seq
 
 
 def frame_number(params: dict[str, Any], name: str, default: float) -> float:
@@ -164,6 +182,14 @@ class Frame:
         return err
 
 
+def step_seq(frame: Frame | None) -> int | None:
+    """The step ``frame`` belongs to: ``params["seq"]``, which the entry stage sets on every SUBMIT it is given (a
+    retry of the step keeps it) and every stage copies onto the frames it computes from it, so a RESULT says which
+    step it answers. None where there is none, or it is not an int (never an answer)."""
+    seq = None if frame is None else frame.params.get(SEQ_PARAM)
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
 def custody_tag(frame: Frame) -> int | None:
     """The custody tag a neighbour stage's link gave ``frame`` (an int, echoed back in its ACK or ERROR); None for
     anything else, which is never echoed (a long string would come back larger than it went, past the frame cap)."""
@@ -173,6 +199,16 @@ def custody_tag(frame: Frame) -> int | None:
 
 class UnknownRequestError(WireError):
     """A frame names a request id that this stage does not hold (never submitted, finished or evicted)."""
+
+
+class StaleFrameError(UnknownRequestError):
+    """A frame is of an older step of a request than one this stage already ran for it (a retried step's late
+    copy, or a link's resend after a reconnect): running it would rewind the request's KV cache."""
+
+
+class MisroutedError(WireError):
+    """A frame was sent to a stage that does not run its next block (or layer) first: the stages' spans overlap or
+    leave a gap."""
 
 
 def encode(frame: Frame, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:

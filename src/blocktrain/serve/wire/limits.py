@@ -6,3 +6,4 @@ MAX_HEADER_BYTES = 64 * 1024  # JSON headers are small; anything larger is an at
 DEFAULT_MAX_FRAME_BYTES = 64 * 1024 * 1024  # header + payload cap; `--max-frame-mib` changes it
 MAX_HELLO_BYTES = 4096  # bytes: the largest frame a stage reads before the connection is authenticated
 SMALL_FRAME_BYTES = 64 * 1024  # bytes: a stage sets this much buffer aside per connection for frames this small
+MAX_SWEEPS = 16  # sweeps one sweep request may ask for: stages refuse more (the gateway too, before it sends any)
