@@ -33,7 +33,8 @@ and clipped into [-sqrt(v_bar), sqrt(v_bar)] (Adam's normalised step m / sqrt(v)
 however hostile, moves the shared v to zero or infinity. With ``moment_mean_v`` (m shared too), the published v is
 that of the M workers' mean gradient rather than of one worker's: v = E[g^2] = mu^2 + sigma^2 for one worker's batch,
 mu^2 + sigma^2 / M for their mean, so v_M = m_bar^2 + (v_bar - m_bar^2) / M (m_bar^2 estimates mu^2; clamped to
-[m_bar^2, v_bar]): the step one machine at M times the batch would take.
+[m_bar^2, v_bar]): the step one machine at M times the batch would take. The hold then compares v_M with the
+previously published v_M (the same units), and m_bar is clipped again into +-sqrt(v_M).
 
 The published step is encoded like a delta (:mod:`blocktrain.protocol.delta`:
 int8 by default, with the coordinator's own error feedback), and both
@@ -55,6 +56,7 @@ from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, Ou
 from blocktrain.protocol.delta import Compression, ErrorFeedback, decode_delta
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, decode_moments, encode_moments
 from blocktrain.protocol.weights import apply_step
+from blocktrain.train.step import ADAMW_BETAS
 
 MOMENTUM_PREFIX = "momentum/"  # durable outer state: momentum buffer tensor names
 RESIDUAL_PREFIX = "residual/"  # durable outer state: the step encoder's error-feedback residual
@@ -184,16 +186,18 @@ def shared_moments(
     settings: CoordinatorSettings,
     previous: dict[str, torch.Tensor] | None,
     workers: int | None = None,
+    carried: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """The published inner moments of a round from the workers' pushed estimates (module docstring).
 
     With c = ``moment_clip``, med the coordinate-wise median of the round's v_i and s the median over the workers of
     each v tensor's mean (its typical scale), every v_i is clipped into [med / c, c max(med, s)] (a coordinate most
     workers never touched, a rare byte's embedding row, keeps its honest values), aggregated like the deltas, then
-    held within [prev / step, prev x step] of the previously published v (step = ``moment_step``; c s where prev is
-    0: a coordinate no round has published yet). m is
-    aggregated like the deltas and clipped by sqrt(v). ``workers``: M, the workers whose moments these are (a group
-    mean counts its members; None: one per push)."""
+    m is aggregated like the deltas and clipped by sqrt(v); with ``moment_mean_v``, v becomes the mean gradient's
+    (module docstring). Then v is held within [prev / step, prev x step] of the previously published v (step =
+    ``moment_step``; c s where prev is 0: a coordinate no round has published yet), and m clipped by sqrt(v) again.
+    ``workers``: M, the workers whose moments these are (a group mean counts its members; None: one per push);
+    ``carried``: d, the share of each pushed v that is ``previous``'s v (:func:`carried_share`; 0: none)."""
     names = list(moments[0])
     vs = [n for n in names if n.startswith(V_PREFIX)]
     clipped: list[dict[str, torch.Tensor]] = [dict(x) for x in moments]
@@ -207,21 +211,53 @@ def shared_moments(
         for x in clipped:
             x[n] = torch.minimum(torch.maximum(x[n].float(), med / c), c * torch.maximum(med, scale[n]))
     out = aggregate(clipped, samples, settings.aggregation, settings.trim_fraction)
+    pairs = {n: V_PREFIX + n[len(M_PREFIX):] for n in names
+             if n.startswith(M_PREFIX) and V_PREFIX + n[len(M_PREFIX):] in out}  # m name -> its v's
     for n in vs:
         out[n] = out[n].clamp_min(0.0)
+    for n, v in pairs.items():
+        _clip_m(out, n, v)
+        if settings.moment_mean_v:
+            out[v] = _mean_gradient_v(out[v], out[n].square(), workers or len(moments),
+                                      None if previous is None else previous.get(v), carried)
+    for n in vs:  # held against the previous published v, in the same units: after the conversion (held before it,
+        # the workers' v, about M times the mean gradient's, was capped at moment_step x the published one, and
+        # the published v shrank every round past M = moment_step workers, down to m^2)
         if previous is not None and n in previous:
             prev = previous[n].to(out[n].device)
             hi = torch.where(prev > 0, prev * settings.moment_step, c * scale[n])  # a coordinate never published: s
             out[n] = torch.minimum(torch.maximum(out[n], prev / settings.moment_step), hi)
-    for n in names:
-        if n.startswith(M_PREFIX) and V_PREFIX + n[len(M_PREFIX):] in out:
-            v = V_PREFIX + n[len(M_PREFIX):]
-            bound = out[v].sqrt()
-            out[n] = torch.minimum(torch.maximum(out[n], -bound), bound)
-            if settings.moment_mean_v:  # v of the M workers' mean gradient, in [m^2, v]
-                mu2 = out[n].square()
-                out[v] = mu2 + (out[v] - mu2) / (workers or len(moments))
+    for n, v in pairs.items():  # the hold may have lowered v below m^2
+        _clip_m(out, n, v)
     return out
+
+
+def _mean_gradient_v(v_bar: torch.Tensor, mu2: torch.Tensor, M: int, prev: torch.Tensor | None,
+                     d: float) -> torch.Tensor:
+    """The v one machine at M times the batch would hold, from v_bar, the aggregate of M workers' v (module docstring).
+
+    A worker's pushed v is d P + (1 - d) G_i, d = beta2^n after n inner steps from the published P it loaded (d = 0
+    with no P: a fresh start's bias-corrected v is G_i alone), G_i its own gradients' EMA of g^2. Only G_i is one
+    worker's; the M-fold batch has d P + (1 - d) G_M, G_M = mu^2 + (G - mu^2) / M. (Dividing all of v_bar - mu^2 by
+    M divided the carried d P by M again every share: published v settled 1.5x to 2.6x below its target at six
+    workers, H = 6, beta2 0.95, by how much of P a round kept.)"""
+    if prev is None or d <= 0.0:
+        return mu2 + (v_bar - mu2) / M
+    kept = d * prev.to(v_bar.device)
+    fresh = (v_bar - kept) / (1.0 - d)  # G, the workers' own, from the carried part
+    return kept + (1.0 - d) * (mu2 + (fresh - mu2).clamp_min(0.0) / M)
+
+
+def carried_share(steps: int, every: int, beta2: float = ADAMW_BETAS[1]) -> float:
+    """d = beta2^n, the share of a pushed v that is the published v its worker loaded, n = ``steps`` x ``every``
+    inner steps later (H steps a round, moments published every ``every`` rounds; a round cut short keeps more)."""
+    return beta2 ** (max(1, steps) * every)
+
+
+def _clip_m(out: dict[str, torch.Tensor], m: str, v: str) -> None:
+    """Clip the published m into +-sqrt(v), in place (|m| <= sqrt(v) for any gradients' moments)."""
+    bound = out[v].sqrt()
+    out[m] = torch.minimum(torch.maximum(out[m], -bound), bound)
 
 
 @dataclass
@@ -273,11 +309,13 @@ def next_version(
     moments: list[dict[str, torch.Tensor]] | None = None,
     lr_scale: float = 1.0,
     members: list[int] | None = None,
+    carried: float = 0.0,
 ) -> RoundResult:
     """Close one round: screen (``agree_min``), aggregate, outer step, encode the step with error feedback, apply it;
     with ``moments`` (the pushed inner moment estimates, one per delta), publish their bounded aggregate too.
     ``lr_scale``: s_v of the round (:func:`blocktrain.train.step.round_lr_scale`), which outer Adam's step follows;
-    ``members``: how many workers each update's moments stand for (a group mean's members; None: one each).
+    ``members``: how many workers each update's moments stand for (a group mean's members; None: one each);
+    ``carried``: the share of each pushed v that is the previously published v (:func:`carried_share`).
 
     W_{v+1} = W_v + decode(encode(step + e)); the workers apply the same decoded step and load the same decoded
     moments.
@@ -294,7 +332,8 @@ def next_version(
     shared, published = state.shared, None
     if moments:
         workers = sum(members[i] for i in kept) if members is not None else None
-        mean = shared_moments([moments[i] for i in kept], [samples[i] for i in kept], settings, state.shared, workers)
+        mean = shared_moments([moments[i] for i in kept], [samples[i] for i in kept], settings, state.shared, workers,
+                              carried)
         published = encode_moments(mean, settings.moment_codec)
         shared = decode_moments(published, settings.moment_codec, {n: tuple(w.shape) for n, w in weights.items()})
     return RoundResult(new, wire, OuterState(buf, {} if lossless else codec.residual, second, shared), tuple(kept),

@@ -27,7 +27,7 @@ import torch
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import RunConfig, Schedule
-from blocktrain.coordinator.aggregate import RoundResult, next_version
+from blocktrain.coordinator.aggregate import RoundResult, carried_share, next_version
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.intake import Intake, unpack_sketch
@@ -302,7 +302,8 @@ class Rounds:
         current = self.checkpoints.current(k)
         return rows, next_version(current.weights, [u.delta for u in updates], [u.samples for u in updates],
                                   self.settings, current.outer, moments or None, self.lr_scale(k, v),
-                                  [max(1, len(u.group)) for u in updates])  # a group mean stands for its members
+                                  [max(1, len(u.group)) for u in updates],  # a group mean stands for its members
+                                  carried_share(self.local_steps(k), every))
 
     def _persist(self, k: int, v: int, rows: list[UpdateRow], screened: list[UpdateRow], result: RoundResult,
                  reason: CloseReason, now: float) -> tuple[dict[int, BlockState], int | None]:

@@ -41,7 +41,7 @@ from torch import nn
 
 from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
 from blocktrain.config import CompileMode, RunConfig
-from blocktrain.coordinator.aggregate import OuterState, RoundResult, next_version
+from blocktrain.coordinator.aggregate import OuterState, RoundResult, carried_share, next_version
 from blocktrain.coordinator.audit import Auditor
 from blocktrain.coordinator.conduct import COUNTED
 from blocktrain.coordinator.evaluation import Evaluator
@@ -230,7 +230,8 @@ class BlockRun:
             return
         moments = [p.moments for _, p in kept if p.moments is not None]
         result = next_version(W, [p.delta for _, p in kept], [p.samples for _, p in kept], self.settings, self.state,
-                              moments or None, round_lr_scale(self.schedule, offset, h))
+                              moments or None, round_lr_scale(self.schedule, offset, h),
+                              carried=carried_share(h, self.settings.moment_every))
         for j, (at, _) in enumerate(kept):
             if j not in result.kept:  # dropped by the agreement screen at the round's close: a counted refusal
                 run.updates[at] = replace(run.updates[at], outcome="screened")

@@ -34,7 +34,7 @@ from torch import nn
 from blocktrain.config import TrainConfig
 from blocktrain.protocol.inner_state import ROUND_SCALARS, STEP_SCALARS, inner_state
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, InnerStart
-from blocktrain.train.step import decay_groups, make_optimizer
+from blocktrain.train.step import ADAMW_BETAS, decay_groups, make_optimizer
 
 __all__ = ["InnerRounds", "InnerStart", "OptimizerFactory", "RoundAdamW", "Snapshot", "inner_scalars", "make_inner_optimizer",
            "make_round_optimizer", "moment_estimates", "start_round"]
@@ -47,7 +47,7 @@ class RoundAdamW(torch.optim.Optimizer):
     """AdamW with a bias correction per moment (module docstring); state per parameter: ``exp_avg``,
     ``exp_avg_sq`` (the parameter's shape and device) and the host floats ``c1``, ``c2``."""
 
-    def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float] = (0.9, 0.95),
+    def __init__(self, params: Iterable[dict], lr: float, betas: tuple[float, float] = ADAMW_BETAS,
                  eps: float = 1e-8, foreach: bool | None = None) -> None:
         if lr < 0 or eps < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"invalid RoundAdamW settings: lr {lr}, betas {betas}, eps {eps}")

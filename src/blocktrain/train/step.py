@@ -17,6 +17,8 @@ from torch import nn
 
 from blocktrain.config import TrainConfig
 
+ADAMW_BETAS = (0.9, 0.95)  # (beta1, beta2) of every inner AdamW: the trainers', the workers' (RoundAdamW)
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up then cosine decay to min_lr_ratio * lr."""
@@ -57,7 +59,7 @@ def make_optimizer(module: nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Ada
     params = [p for g in groups for p in g["params"]]
     devices = {p.device.type for p in params}
     fused = bool(params) and devices <= {"cpu", "cuda"} and all(p.dtype == torch.float32 for p in params)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), fused=fused or None), names
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=ADAMW_BETAS, fused=fused or None), names
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -76,7 +78,7 @@ class MuonAdamW(torch.optim.Optimizer):
         rest = [p for _, p in named if id(p) not in ids]
         self.parts: list[torch.optim.Optimizer] = [
             torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
-            torch.optim.AdamW(rest, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0),
+            torch.optim.AdamW(rest, lr=cfg.lr, betas=ADAMW_BETAS, weight_decay=0.0),
         ]
         super().__init__([{"params": hidden}, {"params": rest}], {"lr": cfg.lr})
         self.param_groups = [g for part in self.parts for g in part.param_groups]  # optimizer_step sets their lr
