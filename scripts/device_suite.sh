@@ -93,7 +93,7 @@ ARCHIVE=${ARCHIVE:-$RESULTS.tar.gz}
 SERVE_FLAGS=${SERVE_FLAGS:-$SERVE_DEFAULT}  # bench serve's flags beyond the runs and the device
 AVG_ROUNDS=$([ "$SUITE" = full ] && echo 100 || echo 2)  # the whole stack's outer steps per block
 # The volunteers' default (issue 43's winner), as the study's flags: the rows measure what the coordinator runs
-AVG_FLAGS="--aggregation median --inner-start shared_mv --mean-v --moment-codec factored --share-every 3 --outer nesterov --outer-lr 0.5 --outer-momentum 0.5"
+AVG_FLAGS="--aggregation median --inner-start shared_mv --mean-v --moment-codec factored --share-every 3 --outer nesterov --outer-lr 0.7 --outer-momentum 0.5"
 
 mkdir -p "$RESULTS"
 log() { echo "[device-suite $(date +%T)] $*" >&2; }

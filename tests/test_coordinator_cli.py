@@ -18,7 +18,7 @@ from blocktrain.cli.common import handling_signals
 from blocktrain.cli.distributed import settings_from_args
 from blocktrain.cli.fields import field_comments, flag_name
 from blocktrain.cli.main import build_parser
-from blocktrain.coordinator.settings import Aggregation, CoordinatorSettings, OuterOptimizer
+from blocktrain.coordinator.settings import NESTEROV_LR, Aggregation, CoordinatorSettings, OuterOptimizer
 
 
 def _coordinator_parser() -> argparse.ArgumentParser:
@@ -92,12 +92,12 @@ def test_all_flags_at_once_and_old_flag_names(tmp_path: Path) -> None:
         norm_k=0.0, aggregation=Aggregation.TRIMMED_MEAN, trim_fraction=0.1, outer=OuterOptimizer.AVERAGE,
         outer_lr=None, outer_momentum=0.5, gate_tolerance=0.1, eval_every=0, eval_bytes=10, fsync=False,
     )
-    # by default the objective chooses the outer step (the averaging study's: Nesterov for a stack), eta 0.5 for
+    # by default the objective chooses the outer step (the averaging study's: Nesterov for a stack), NESTEROV_LR for
     # Nesterov and 1 for a plain average, mu 0.5
     default = settings_from_args(_parse(tmp_path))
     assert (default.outer, default.outer_lr, default.outer_momentum) == (None, None, 0.5)
     assert (default.for_objective("nesterov").outer, default.for_objective("nesterov").outer_lr) == (
-        OuterOptimizer.NESTEROV, 0.5)
+        OuterOptimizer.NESTEROV, NESTEROV_LR)
     assert default.for_objective("average").outer_lr == 1.0
     assert settings_from_args(_parse(tmp_path, "--outer", "average")).for_objective("nesterov").outer is OuterOptimizer.AVERAGE
     # an explicit --outer-lr wins; the run's own eval flags stay apart

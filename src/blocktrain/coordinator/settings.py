@@ -19,8 +19,9 @@ class Aggregation(enum.Enum):
     AGREE_MEAN = "agree_mean"  # the mean scaled by per-coordinate sign agreement (a measured lever, averaging-scaling.md)
 
 
-NESTEROV_LR = 0.5  # the default outer lr of Nesterov (mu 0.5) on shared moments: 0.72 of the 6x-batch gain on cpu-mini's
-# block 0 over five seeds, worst 0.65, against 0.45 (worst 0.04) for eta 0.85 mu 0.9 on fresh moments (averaging-scaling.md)
+NESTEROV_LR = 0.7  # the default outer lr of Nesterov (mu 0.5) on shared moments: 0.80 of the 6x-batch gain on cpu-mini's
+# block 0 over five seeds, worst 0.72, against 0.72 (worst 0.54) at 0.85 and 0.62 at 0.5 (two seeds); 1.2 diverged
+# (averaging-meanv-fix.jsonl, measured once the published v was the mean gradient's; averaging-scaling.md)
 
 
 OUTER_ADAM_LR = 1e-3  # the default eta of outer Adam (an absolute step per coordinate, like an inner lr)
@@ -74,7 +75,8 @@ class CoordinatorSettings:
     aggregation: Aggregation = Aggregation.MEDIAN  # how one round's deltas are combined (median: aggregation-choice.md)
     trim_fraction: float = 0.2  # trimmed mean: fraction cut at each end
     outer: OuterOptimizer | None = None  # outer step (None: the objective's; benchmarks/results/averaging-study.md)
-    outer_lr: float | None = None  # eta of the outer step (None: 0.85 for nesterov, averaging-scaling.md; 1 for average)
+    outer_lr: float | None = None  # eta of the outer step (None: NESTEROV_LR for nesterov, averaging-scaling.md; 1 for
+    # average; OUTER_ADAM_LR for outer Adam)
     outer_momentum: float = 0.5  # mu of Nesterov; beta1 of outer Adam
     outer_beta2: float = 0.99  # outer Adam: decay of its second moment u
     outer_eps: float = 1e-8  # outer Adam: tau, added to sqrt(u) (larger: less adaptive)
