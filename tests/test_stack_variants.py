@@ -269,3 +269,32 @@ def test_concurrent_residual_heads_follow_the_refresh(tmp_path: Path, data_dir: 
     assert isinstance(b1, StackBlock) and b1.prev_head is not None
     # refreshed at step 2 from block 0's head of then; block 0 trained 2 more steps after
     assert not torch.equal(b1.prev_head.head.weight, torch.zeros_like(b1.prev_head.head.weight))
+
+
+def test_a_resumed_concurrent_run_logs_each_step_once(tmp_path: Path, data_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The concurrent schedule never dropped the metrics of steps after the checkpoint it resumed from: killed after
+    steps 5..8 ran and before their checkpoint, the resumed run logged them again (helper-60)."""
+    from collections import Counter
+
+    from blocktrain.train import schedule
+
+    cfg = replace(tiny(), objective=Objective.STACK).with_train(steps=8, eval_bytes=0, round_steps=2, refresh_rounds=2,
+                                                                schedule=Schedule.CONCURRENT, log_every=1)
+    real, calls = schedule._checkpoint, []
+
+    def killed_before_the_second(*args: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # steps 5..8 ran, their checkpoint never written
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(schedule, "_checkpoint", killed_before_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        train_concurrent(cfg, open_data_dir(data_dir), tmp_path / "run", progress=False)
+    monkeypatch.setattr(schedule, "_checkpoint", real)
+    train_concurrent(cfg, open_data_dir(data_dir), tmp_path / "run", progress=False)
+    for k in range(cfg.model.n_blocks):
+        steps = [r["step"] for r in read_jsonl(RunDir(tmp_path / "run").metrics_path(f"block_{k}"))
+                 if "step" in r and "loss" in r]
+        assert sorted(steps) == list(range(1, 9)), (k, Counter(steps))

@@ -38,7 +38,7 @@ from blocktrain.objectives.base import frozen_dtype
 from blocktrain.seeds import block_stream, init_seed
 from blocktrain.train.checkpointing import Checkpointer
 from blocktrain.train.loop import MetricsHook, train_steps
-from blocktrain.train.metrics import JsonlWriter
+from blocktrain.train.metrics import JsonlWriter, drop_after
 from blocktrain.train.round import BlockTask
 from blocktrain.train.step import lr_at, make_optimizer
 
@@ -76,6 +76,10 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     schedules = [replace(tc, lr=objective.block_lr(k)) for k in range(B)]  # each block's peak lr (stack.lr_later)
     period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
     start = _resume(run, ckpts)
+    for k in range(B if start > 0 else 0):  # the steps after the checkpoint it resumes from are logged again
+        if dropped := drop_after(run.metrics_path(f"block_{k}"), start):
+            log.info("block_%d: dropped %d metrics records of steps after %d, which this run logs again", k, dropped,
+                     start)
     dtype = frozen_dtype(tc.frozen_storage, precision is Precision.BF16)
     losses = [float("nan")] * B
     t0 = time.perf_counter()
