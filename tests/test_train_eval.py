@@ -472,3 +472,25 @@ def test_a_run_killed_between_checkpoints_logs_each_step_once(tmp_path: Path) ->
     train(kill_at=None)
     steps = [r["step"] for r in read_jsonl(tmp_path / "toy.jsonl") if "loss" in r]
     assert steps == list(range(1, 9)), steps
+
+
+def test_the_e2e_starts_from_its_seeds_weights_whatever_warms_the_runtime_first(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train_e2e seeded the global generator, then warmed the runtime with a throwaway module drawn from it, so its
+    E2E started from other weights than its seed's (benchmarks/quality/e2e_recipe.py seeds and builds at once);
+    train_block warms up first. Now train_e2e does too (helper-60)."""
+    import blocktrain.train.e2e as E
+    from blocktrain.model.e2e import E2ETransformer
+    from blocktrain.seeds import E2E_INIT, init_seed
+
+    cfg = tiny().with_train(steps=1, eval_bytes=0)
+    got: dict[str, torch.Tensor] = {}
+
+    def first_weights(*, module: torch.nn.Module, **kwargs: object) -> None:
+        got.update({n: t.detach().clone() for n, t in module.state_dict().items()})
+
+    monkeypatch.setattr(E, "run_training", first_weights)
+    train_e2e(cfg, open_data_dir(data_dir), tmp_path / "run", progress=False)
+    torch.manual_seed(init_seed(cfg.train.seed, E2E_INIT))
+    want = E2ETransformer(cfg.model).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

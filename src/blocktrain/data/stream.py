@@ -79,6 +79,6 @@ class TrainStream:
             # (batch, context+1) windows gathered with one fancy index
             idx = offsets.numpy()[:, None] + np.arange(self.context + 1)[None, :]
             win = torch.from_numpy(np.asarray(self.data[idx], dtype=np.uint8))
-            if self.device.type != "cpu":  # a split too large to keep there: one copy per batch
-                win = win.to(self.device)
+            if self.device.type != "cpu":  # a split too large to keep there: one copy per batch, from pinned
+                win = to_device(win, self.device)  # memory, queued (a pageable copy waited for the device each step)
         return win[:, :-1], win[:, 1:]

@@ -30,9 +30,9 @@ def train_e2e(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool = True
     precision = resolve_precision(cfg.train.precision, device)
     # A data stream of its own, distinct from every block's.
     tstream = TrainStream(train.data, cfg.model.context, cfg.train.batch_size, cfg.train.seed, stream=E2E_STREAM, device=device)
-    torch.manual_seed(init_seed(cfg.train.seed, E2E_INIT))
-    warm_runtime()
+    warm_runtime()  # before the seed: its throwaway module draws from the global generator (as train_block does)
     baseline = rss_bytes()
+    torch.manual_seed(init_seed(cfg.train.seed, E2E_INIT))
     model = E2ETransformer(cfg.model).to(device)
     recompute_layers(model, cfg.train.recompute)
 
