@@ -638,4 +638,7 @@ def test_a_refusal_stops_counting_toward_quarantine_once_its_worker_has_had_wind
     if window:
         assert not refuse() and refuse()  # three within the window quarantine it
     assert c.store.conduct.quarantined("x")
+    plan = c.store.q("EXPLAIN QUERY PLAN SELECT arrived FROM updates WHERE worker='x' AND state='applied' "
+                     "ORDER BY arrived DESC LIMIT 1 OFFSET 4")  # under the lock at every counted refusal: no scan
+    assert any("updates_by_worker_state" in str(r["detail"]) for r in plan), plan
     c.close()

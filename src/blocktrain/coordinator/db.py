@@ -36,6 +36,8 @@ CREATE TABLE IF NOT EXISTS updates(
     blob TEXT NOT NULL, arrived REAL NOT NULL, arrival_s REAL NOT NULL, state TEXT NOT NULL,
     UNIQUE(block, version, worker));
 CREATE INDEX IF NOT EXISTS updates_by_worker ON updates(block, worker, version);
+-- a counted refusal reads its worker's window-th newest applied update (conduct's quarantine_window): not a scan
+CREATE INDEX IF NOT EXISTS updates_by_worker_state ON updates(worker, state, arrived);
 CREATE TABLE IF NOT EXISTS seeds(
     worker TEXT NOT NULL, block INTEGER NOT NULL, version INTEGER NOT NULL, seed INTEGER NOT NULL,
     stream INTEGER NOT NULL, PRIMARY KEY(worker, block, version));
