@@ -271,10 +271,12 @@ def test_concurrent_residual_heads_follow_the_refresh(tmp_path: Path, data_dir: 
     assert not torch.equal(b1.prev_head.head.weight, torch.zeros_like(b1.prev_head.head.weight))
 
 
+@pytest.mark.parametrize("killed_at", [1, 2])
 def test_a_resumed_concurrent_run_logs_each_step_once(tmp_path: Path, data_dir: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch, killed_at: int) -> None:
     """The concurrent schedule never dropped the metrics of steps after the checkpoint it resumed from: killed after
-    steps 5..8 ran and before their checkpoint, the resumed run logged them again (helper-60)."""
+    steps 5..8 ran and before their checkpoint, the resumed run logged them again (helper-60); killed before its
+    first checkpoint (steps 1..4), it resumed at 0 and logged those twice (helper-61)."""
     from collections import Counter
 
     from blocktrain.train import schedule
@@ -285,8 +287,8 @@ def test_a_resumed_concurrent_run_logs_each_step_once(tmp_path: Path, data_dir: 
 
     def killed_before_the_second(*args: object) -> None:
         calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # steps 5..8 ran, their checkpoint never written
+        if len(calls) == killed_at:
+            raise KeyboardInterrupt  # the steps of this refresh ran, their checkpoint never written
         real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(schedule, "_checkpoint", killed_before_the_second)

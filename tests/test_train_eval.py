@@ -494,3 +494,28 @@ def test_the_e2e_starts_from_its_seeds_weights_whatever_warms_the_runtime_first(
     torch.manual_seed(init_seed(cfg.train.seed, E2E_INIT))
     want = E2ETransformer(cfg.model).state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that died hard after its step-0 save resumed at 0 and kept the metrics of the steps it had run, so it
+    logged them twice: drop_after ran only past step 0 (helper-61)."""
+    import blocktrain.train.loop as loop
+    from blocktrain.train.metrics import read_jsonl
+
+    dd = open_data_dir(data_dir)
+    cfg = tiny().with_train(steps=6, checkpoint_every=100, log_every=1, eval_bytes=0)
+    real_write = loop.JsonlWriter.write
+
+    def dying_write(self: object, **record: object) -> None:
+        real_write(self, **record)  # type: ignore[arg-type]
+        if record.get("step") == 3 and "loss" in record:
+            raise RuntimeError("the process died")  # not an interrupt: no checkpoint on the way out
+
+    monkeypatch.setattr(loop.JsonlWriter, "write", dying_write)
+    with pytest.raises(RuntimeError, match="died"):
+        train_block(cfg, dd, tmp_path / "run", 0, progress=False)
+    monkeypatch.setattr(loop.JsonlWriter, "write", real_write)
+    train_block(cfg, dd, tmp_path / "run", 0, progress=False)
+    steps = [r["step"] for r in read_jsonl(RunDir(tmp_path / "run").metrics_path("block_0")) if "loss" in r]
+    assert steps == list(range(1, 7)), steps

@@ -117,7 +117,7 @@ def run_training(
         return done  # a summary of no step had NaN timings, ~0 s of wall time and the memory of a load
     if ckpt_path.exists():
         log.info("%s: resuming at step %d of %d", name, start, tc.steps)
-    if start > 0 and (dropped := drop_after(metrics_path, start)):
+    if dropped := drop_after(metrics_path, start):  # start 0 too: a kill after the step-0 save left later steps
         log.info("%s: dropped %d metrics records of steps after %d, which this run logs again", name, dropped, start)
     if start == 0:
         ckpt.save(0)  # step-0 weights: initial state is reproducible and resumable

@@ -76,7 +76,7 @@ def train_concurrent(cfg: RunConfig, data: DataDir, out: Path, *, progress: bool
     schedules = [replace(tc, lr=objective.block_lr(k)) for k in range(B)]  # each block's peak lr (stack.lr_later)
     period = tc.round_steps * tc.refresh_rounds  # steps per block between refreshes (and checkpoints)
     start = _resume(run, ckpts)
-    for k in range(B if start > 0 else 0):  # the steps after the checkpoint it resumes from are logged again
+    for k in range(B):  # the steps after the checkpoint it resumes from (0: none) are logged again
         if dropped := drop_after(run.metrics_path(f"block_{k}"), start):
             log.info("block_%d: dropped %d metrics records of steps after %d, which this run logs again", k, dropped,
                      start)
