@@ -428,7 +428,7 @@ def test_a_peers_copy_with_another_schema_under_the_same_old_digest_is_not_pulle
     loading it into the block raised a KeyError that ended the worker. The digest is one-to-one now, and pull() also
     checks the block's names and shapes before the digest."""
     from blocktrain import presets
-    from blocktrain.checkpoint.safetensors_io import _tensors_sha256_v1, tensors_sha256
+    from blocktrain.checkpoint.safetensors_io import legacy_tensors_sha256, tensors_sha256
     from blocktrain.objectives import get_objective
     from blocktrain.protocol.weights import trainable_state
 
@@ -439,7 +439,7 @@ def test_a_peers_copy_with_another_schema_under_the_same_old_digest_is_not_pulle
     t = honest[a]
     merged = a + "\0" + str(t.dtype) + str(list(t.shape)).replace(",", ", ") + "\0" * (4 * t.numel()) + b
     forged = {n: w for n, w in honest.items() if n not in (a, b)} | {merged: honest[b]}
-    assert _tensors_sha256_v1(forged) == _tensors_sha256_v1(honest)  # the old digest's collision
+    assert legacy_tensors_sha256(forged) == legacy_tensors_sha256(honest)  # the old digest's collision
     assert tensors_sha256(forged) != tensors_sha256(honest)
 
     class Serving:  # what a peer streams through rpc_download_state
@@ -453,12 +453,12 @@ def test_a_peers_copy_with_another_schema_under_the_same_old_digest_is_not_pulle
     groups = GroupAverager.__new__(GroupAverager)  # pull()'s own checks only: no DHT
     groups._block, groups._state_bytes, groups._schema = 0, 1 << 30, {n: tuple(w.shape) for n, w in honest.items()}
     groups.newest_shared = lambda k: 0.0  # type: ignore[method-assign]
-    for sha in (tensors_sha256(honest), _tensors_sha256_v1(honest)):
+    for sha in (tensors_sha256(honest), legacy_tensors_sha256(honest)):
         groups._averager = Serving(forged, sha)  # type: ignore[assignment]
         assert groups.pull(0, 0, sha, timeout=1.0) is None
-    monkeypatch.setattr(G, "tensors_sha256", _tensors_sha256_v1)  # a digest that collides: the schema check alone
-    groups._averager = Serving(forged, _tensors_sha256_v1(honest))  # type: ignore[assignment]
-    assert groups.pull(0, 0, _tensors_sha256_v1(honest), timeout=1.0) is None
+    monkeypatch.setattr(G, "tensors_sha256", legacy_tensors_sha256)  # a digest that collides: the schema check alone
+    groups._averager = Serving(forged, legacy_tensors_sha256(honest))  # type: ignore[assignment]
+    assert groups.pull(0, 0, legacy_tensors_sha256(honest), timeout=1.0) is None
     monkeypatch.undo()
     groups._averager = Serving(honest, tensors_sha256(honest))  # type: ignore[assignment]
     got = groups.pull(0, 0, tensors_sha256(honest), timeout=1.0)

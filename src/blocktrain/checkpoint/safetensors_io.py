@@ -49,7 +49,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _tensors_sha256_v1(tensors: dict[str, torch.Tensor]) -> str:
+def legacy_tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
     """The digest format version 1 files carry: ``name NUL dtype shape bytes`` per tensor, with nothing to mark where
     a tensor's bytes end, so a tensor of UTF-8 bytes could be folded into the next one's name under the same digest
     (a hostile peer's copy of a block passed as the block). Read only, for files written before version 2."""
@@ -153,7 +153,7 @@ def unpack(payload: bytes, source: str = "payload") -> tuple[dict[str, torch.Ten
     except Exception as exc:  # safetensors and torch raise many kinds on a stranger's bytes: each is a bad file
         raise CheckpointError(f"{source}: corrupt safetensors data ({type(exc).__name__}: {exc}); it may be "
                               "truncated") from exc
-    digest = _tensors_sha256_v1(tensors) if version == "1" else tensors_sha256(tensors)
+    digest = legacy_tensors_sha256(tensors) if version == "1" else tensors_sha256(tensors)
     if digest != meta.get("sha256"):
         raise CheckpointError(
             f"{source}: sha256 mismatch (stored {meta.get('sha256')}, computed {digest}); "

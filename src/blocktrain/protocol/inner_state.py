@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from blocktrain.checkpoint.safetensors_io import pack, tensors_sha256, unpack
+from blocktrain.checkpoint.safetensors_io import legacy_tensors_sha256, pack, tensors_sha256, unpack
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.protocol.codes import Reason
 
@@ -62,6 +62,14 @@ def inner_state(opt: torch.optim.Optimizer, names: Mapping[int, str],
 def state_sha(tensors: Mapping[str, torch.Tensor]) -> str:
     """The digest a worker commits to: sha256 over the state's names, dtypes, shapes and bytes."""
     return tensors_sha256(dict(tensors))
+
+
+def commits_to(tensors: Mapping[str, torch.Tensor], sha: str) -> bool:
+    """Whether ``sha``, a push's commitment, is the digest of ``tensors`` (a state already checked against the
+    block's names and shapes): :func:`state_sha`, or the format version 1 digest a worker of the release before
+    committed with (its audit can outlast a coordinator's upgrade; under a fixed schema that digest is one-to-one)."""
+    state = dict(tensors)
+    return tensors_sha256(state) == sha or legacy_tensors_sha256(state) == sha
 
 
 def pack_state(tensors: Mapping[str, torch.Tensor], *, block: int, version: int) -> bytes:
