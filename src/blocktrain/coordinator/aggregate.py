@@ -192,7 +192,7 @@ def shared_moments(
 
     With c = ``moment_clip``, med the coordinate-wise median of the round's v_i and s the median over the workers of
     each v tensor's mean (its typical scale), every v_i is clipped into [med / c, c max(med, s)] (a coordinate most
-    workers never touched, a rare byte's embedding row, keeps its honest values), aggregated like the deltas, then
+    workers never touched, a rare byte's embedding row, keeps its honest values) and aggregated like the deltas;
     m is aggregated like the deltas and clipped by sqrt(v); with ``moment_mean_v``, v becomes the mean gradient's
     (module docstring). Then v is held within [prev / step, prev x step] of the previously published v (step =
     ``moment_step``; c s where prev is 0: a coordinate no round has published yet), and m clipped by sqrt(v) again.
@@ -239,8 +239,8 @@ def _mean_gradient_v(v_bar: torch.Tensor, mu2: torch.Tensor, M: int, prev: torch
     A worker's pushed v is d P + (1 - d) G_i, d = beta2^n after n inner steps from the published P it loaded (d = 0
     with no P: a fresh start's bias-corrected v is G_i alone), G_i its own gradients' EMA of g^2. Only G_i is one
     worker's; the M-fold batch has d P + (1 - d) G_M, G_M = mu^2 + (G - mu^2) / M. (Dividing all of v_bar - mu^2 by
-    M divided the carried d P by M again every share: published v settled 1.5x to 2.6x below its target at six
-    workers, H = 6, beta2 0.95, by how much of P a round kept.)"""
+    M divided the carried d P by M again every share: in a model of it, v settled 22% low at M = 4, H = 25, and
+    further below its target the more of P a round kept.)"""
     if prev is None or d <= 0.0:
         return mu2 + (v_bar - mu2) / M
     kept = d * prev.to(v_bar.device)
