@@ -2,12 +2,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
 
 from blocktrain.checkpoint.run import RunDir
 from blocktrain.cli.main import main
+from blocktrain.config import RunConfig
+from blocktrain.data.dataset import DataDir
 from blocktrain.objectives import get_objective
 from blocktrain.presets import tiny
 from blocktrain.train import child
@@ -49,8 +52,11 @@ def test_train_into_a_run_of_another_config_fails_once_with_exit_2(
     assert not (run / "blocks").exists() and (run / "run.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("isolate", ["yes", "no"])
 def test_train_reports_a_failed_block_truthfully(tmp_path: Path, data_dir: Path, capfd: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                monkeypatch: pytest.MonkeyPatch, isolate: str) -> None:
+    """In a fresh process the block's own error is printed above; in this one (``--isolate no``, tiny's default) the
+    message carries it: either way it names the block and says what to do."""
     monkeypatch.setattr(child, "START_METHOD", "fork")  # the block processes: forked, not re-imported
     run = tmp_path / "run"
     cfg = tiny()
@@ -60,12 +66,38 @@ def test_train_reports_a_failed_block_truthfully(tmp_path: Path, data_dir: Path,
     rd.block_path(1).parent.mkdir(parents=True)
     rd.block_path(1).write_bytes(b"not a checkpoint")  # block 1 cannot resume from this
     rc = main(["train", "--preset", "tiny", "--blocks", "2", "--steps", "2", "--out", str(run), "--data", str(data_dir),
-               "--no-progress"])
+               "--no-progress", "--isolate", isolate])
     err = capfd.readouterr().err
     assert rc == 2
-    assert "training failed for blocks [1]" in err and "fix its cause" in err, err
+    assert "fix its cause" in err.lower(), err
+    if isolate == "yes":
+        assert "training failed for blocks [1]" in err, err
+    else:
+        assert "training failed for block 1: " in err and "not a safetensors file" in err, err
     assert "rerun the same command to resume them" not in err
     assert rd.block_path(0).is_file()
+
+
+def test_tiny_trains_its_blocks_in_this_process_and_the_others_in_fresh_ones(
+        tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--isolate auto`` (the default): tiny's arms train in well under the second a fresh interpreter takes to import
+    torch, so they train here; ``--isolate yes`` or ``--parallel`` start a process per block, and ``--isolate no`` with
+    ``--parallel`` is refused with what to do."""
+    started: list[int] = []
+    real = child._start
+
+    def start(cfg: RunConfig, data: DataDir, out: Path, k: int, progress: bool) -> BaseProcess:
+        started.append(k)
+        return real(cfg, data, out, k, progress)
+
+    monkeypatch.setattr(child, "START_METHOD", "fork")
+    monkeypatch.setattr(child, "_start", start)
+    base = ["train", "--preset", "tiny", "--blocks", "2", "--steps", "1", "--data", str(data_dir), "--no-progress"]
+    assert main([*base, "--out", str(tmp_path / "a")]) == 0 and started == []
+    assert RunDir(tmp_path / "a").has_blocks(2)
+    assert main([*base, "--out", str(tmp_path / "b"), "--isolate", "yes"]) == 0 and started == [0, 1]
+    assert main([*base, "--out", str(tmp_path / "c"), "--isolate", "no", "--parallel", "2"]) == 2
+    assert "drop --isolate no" in capsys.readouterr().err and not (tmp_path / "c" / "blocks").exists()
 
 
 def test_train_block_refuses_a_block_outside_the_run(tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,7 +109,9 @@ def test_train_block_refuses_a_block_outside_the_run(tmp_path: Path, data_dir: P
     assert not (tmp_path / "run" / "e2e.safetensors").exists() and not any((tmp_path / "run").glob("**/*.safetensors"))
 
 
-def test_sigterm_stops_a_training_as_ctrl_c_does(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("isolate", ["yes", "no"])
+def test_sigterm_stops_a_training_as_ctrl_c_does(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 isolate: str) -> None:
     """``kill PID`` (or a service manager's stop) sends SIGTERM, whose default action killed ``train`` and its block
     process at once, losing every step since the last checkpoint (up to --checkpoint-every). It now stops the run as
     Ctrl-C does: the block process is told to stop too, saves its checkpoint, and the command exits 130."""
@@ -92,7 +126,8 @@ def test_sigterm_stops_a_training_as_ctrl_c_does(tmp_path: Path, data_dir: Path,
     monkeypatch.setattr(child, "START_METHOD", "fork")  # the block processes: forked, not re-imported
     run = tmp_path / "run"
     proc = spawn(["train", "--preset", "tiny", "--steps", "1000000", "--checkpoint-every", "1000000", "--log-every", "1",
-                  "--out", str(run), "--data", str(data_dir), "--no-progress"], stderr=subprocess.PIPE)
+                  "--out", str(run), "--data", str(data_dir), "--no-progress", "--isolate", isolate],
+                 stderr=subprocess.PIPE)
     metrics = RunDir(run).metrics_path("block_0")
     deadline = time.monotonic() + 60
     while not (metrics.is_file() and metrics.read_text().count('"loss"') >= 3):

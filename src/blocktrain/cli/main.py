@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("blocktrain")
 DEVICE_HELP = "where the model computes: auto (cuda if available, else cpu), cpu, cuda or cuda:N"
 PREPARE_FLAGS = Flags(PrepareOptions, "prepare__")
+ISOLATE_HELP = ("train each arm in a child process, so its peak memory is its own (yes), or every arm in this process, "
+                "paying torch's start-up once (no); auto: no for the tiny preset, yes otherwise")
 SPEED_FLAGS = Flags(SpeedOptions, "speed__", rename={"json_path": "--json"}, skip=("data", "command"))
 
 
@@ -62,8 +64,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     from blocktrain.train.child import train_run
 
     cfg, data = run_config(args, open_train=True)
-    train_run(cfg, data, Path(args.out), progress=not args.no_progress, parallel=args.parallel)
+    isolate = isolate_arms(args.isolate, cfg, parallel=args.parallel)
+    train_run(cfg, data, Path(args.out), isolate=isolate, progress=not args.no_progress, parallel=args.parallel)
     return 0
+
+
+def isolate_arms(choice: str, cfg: RunConfig, parallel: int = 1) -> bool:
+    """``--isolate``: a fresh process per arm (yes), or every arm in this process (no); auto: no for the tiny preset,
+    whose arms train in well under the second a fresh interpreter takes to import torch, yes otherwise."""
+    if choice == "no" and parallel > 1:
+        raise BlockTrainError(f"--parallel {parallel} trains blocks side by side in fresh processes: drop --isolate no, "
+                              "or train them one at a time with --parallel 1")
+    return choice == "yes" or (choice == "auto" and (cfg.name != "tiny" or parallel > 1))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -153,7 +165,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         max_eval_bytes=args.max_eval_bytes, fresh=args.fresh, resume=args.resume, progress=not args.no_progress,
         lr_sweep=not args.no_lr_sweep, matched_flops=not args.no_matched_flops, matched_steps=not args.no_matched_steps,
         command="blocktrain " + shlex.join(sys.argv[1:]),
-        isolate=args.isolate == "yes" or (args.isolate == "auto" and cfg.name != "tiny"),
+        isolate=isolate_arms(args.isolate, cfg),
     )
     run_quality_bench(opts)
     return 0
@@ -233,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(s)
     s.add_argument("--parallel", type=int, default=1,
                    help="train this many diffusion blocks at once, as processes (a progressive stack trains in order)")
+    s.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto", help=ISOLATE_HELP)
     s.set_defaults(fn=cmd_train)
 
     s = sub.add_parser("train-e2e", help="train the end-to-end reference")
@@ -292,9 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--chains", type=int, default=2, help="K for the diffusion K-chain mixture row")
     q.add_argument("--max-eval-bytes", type=int, default=None,
                    help="score only the first N test bytes (default: the preset's --test-bytes; 0: the whole split)")
-    q.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
-                   help="train each arm in a child process, so its peak memory is its own (yes), or every arm in this "
-                        "process, paying torch's start-up once (no); auto: no for the tiny preset, yes otherwise")
+    q.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto", help=ISOLATE_HELP)
     q.add_argument("--fresh", action="store_true", help="delete the bench directory first")
     q.add_argument("--resume", action="store_true",
                    help="continue the bench directory if it exists: each arm from its last checkpoint (a bench cut by "

@@ -70,10 +70,12 @@ def train_run(cfg: RunConfig, data: DataDir, out: Path, *, isolate: bool = True,
         for k in range(cfg.model.n_blocks):
             try:
                 done.append(train_arm(cfg, data, out, k, isolate=isolate, progress=progress))
-            except ArmFailedError as exc:
+            except BlockTrainError as exc:  # a fresh process's (printed above), or this process's own
                 later = list(range(k + 1, cfg.model.n_blocks))
-                raise BlockTrainError(_failed([k], f"; blocks {later} did not start, since they train on block {k}"
-                                              if ordered and later else "")) from exc
+                why = f"; blocks {later} did not start, since they train on block {k}" if ordered and later else ""
+                raise BlockTrainError(_failed([k], why) if isinstance(exc, ArmFailedError) else
+                                      f"training failed for block {k}{why}: {exc}. Fix its cause, then run the same "
+                                      "command again (every block resumes from its last checkpoint)") from exc
         return done
     return _parallel(cfg, data, out, parallel, progress)
 
