@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +188,36 @@ def test_settings_record_as_json_with_enums_as_their_values() -> None:
     d = json.loads(json.dumps(s.to_dict()))
     assert set(d) == {f.name for f in fields(CoordinatorSettings)}
     assert d["aggregation"] == "mean" and d["gate"] is False and d["step_compression"] == s.step_compression.value
+
+
+def test_a_restart_goes_on_with_the_settings_the_run_ran_with(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Rerunning the coordinator's command continues its run, as its stop message says; the settings were rebuilt from
+    the flags and this version's defaults, so an upgrade that moved a default (NESTEROV_LR: 0.5 -> 0.7) changed a
+    run's outer step halfway. A restart now keeps what the run ran with, and a flag given changes its value, logged."""
+    from blocktrain.coordinator.service import Coordinator
+    from blocktrain.coordinator.settings import SETTINGS_META
+    from blocktrain.coordinator.store import Store
+    from blocktrain.presets import tiny
+
+    assert settings_from_args(_parse(tmp_path)) == CoordinatorSettings()  # a new run: the defaults
+    first = CoordinatorSettings(outer_lr=0.5, rounds=3, aggregation=Aggregation.MEAN, gate=False, eval_every=0)
+    coordinator = Coordinator(tmp_path / "run", replace(tiny(), objective="stack"), first)
+    ran = coordinator.settings  # the stack's outer step, Nesterov, at the run's lr
+    coordinator.close()
+    again = settings_from_args(_parse(tmp_path))  # the defaults' outer lr is NESTEROV_LR, not the run's
+    assert again == ran and (again.outer, again.outer_lr) == (OuterOptimizer.NESTEROV, 0.5) and NESTEROV_LR != 0.5
+    with caplog.at_level("WARNING", logger="blocktrain"):
+        changed = settings_from_args(_parse(tmp_path, "--outer-lr", "0.6", "--rounds", "3"))
+    assert (changed.outer_lr, changed.rounds, changed.aggregation) == (0.6, 3, Aggregation.MEAN)
+    assert [r.getMessage() for r in caplog.records] == ["setting outer_lr: 0.5 -> 0.6, as given"]
+    other = settings_from_args(_parse(tmp_path, "--outer", "average"))  # a new outer step takes its own lr
+    assert other.outer is OuterOptimizer.AVERAGE and other.for_objective("nesterov").outer_lr == 1.0
+    store = Store(tmp_path / "run")  # a setting an older version kept and this one lacks is dropped, logged
+    try:
+        store.meta.set_meta(SETTINGS_META, json.dumps({**ran.to_dict(), "retired_knob": 2}))
+    finally:
+        store.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="blocktrain"):
+        assert settings_from_args(_parse(tmp_path)) == ran
+    assert [r.getMessage() for r in caplog.records] == ["setting retired_knob: 2 is not a setting of this version, dropped"]

@@ -33,8 +33,33 @@ WORKER_FLAGS = Flags(WorkerOptions, "worker__", rename={"url": "--coordinator", 
 
 
 def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
-    """The coordinator settings given as flags (one per field); the dataclass defaults for the rest."""
-    return SETTINGS_FLAGS.build(args)
+    """The coordinator settings given as flags (one per field); for the rest, those the run in ``--run-dir`` last ran
+    with where it has run before, else the dataclass defaults."""
+    given = SETTINGS_FLAGS.values(args)
+    stored = _stored_settings(Path(args.run_dir)) if getattr(args, "run_dir", None) else None
+    if stored is None:
+        return CoordinatorSettings(**given)
+    settings, notes = CoordinatorSettings.continued(stored, given)
+    log.info("continuing the settings this run last ran with (a flag given changes its value): %s",
+             "; ".join(notes) or "none changed")
+    for note in notes:
+        log.warning("setting %s", note)
+    return settings
+
+
+def _stored_settings(run_dir: Path) -> dict[str, object] | None:
+    """The settings the coordinator of ``run_dir`` last ran with (None: it has not run, or ran before they were kept)."""
+    from blocktrain.coordinator.settings import SETTINGS_META
+    from blocktrain.coordinator.store import Store
+
+    if not (run_dir / "coordinator" / "state.sqlite3").is_file():
+        return None
+    store = Store(run_dir)
+    try:
+        text = store.meta.get_meta(SETTINGS_META)
+    finally:
+        store.close()
+    return None if text is None else dict(json.loads(text))
 
 
 def coordinator_inputs(args: argparse.Namespace) -> tuple[RunConfig, CoordinatorSettings, DataDir | None]:

@@ -20,6 +20,7 @@ Durable state is the :class:`.store.Store`'s, one accessor per table owner.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -43,7 +44,7 @@ from blocktrain.coordinator.intake import Intake, pack_sketch
 from blocktrain.coordinator.observe import Observed, Traffic, prometheus
 from blocktrain.coordinator.roster import Roster
 from blocktrain.coordinator.rounds import Rounds, progressive_schedule
-from blocktrain.coordinator.settings import CoordinatorSettings
+from blocktrain.coordinator.settings import SETTINGS_META, CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.uploads import Uploads
 from blocktrain.data.dataset import DataDir
@@ -84,6 +85,7 @@ class Coordinator:
         self.settings = settings.for_objective(self.objective.outer_step())
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
+        self.store.meta.set_meta(SETTINGS_META, json.dumps(self.settings.to_dict()))  # what a restart goes on with
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
         self._reload_claim = threading.Lock()  # serialises re-reads of the token table (the store's second connection)
         self.n_blocks = self.cfg.model.n_blocks

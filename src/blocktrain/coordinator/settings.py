@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -23,6 +25,8 @@ NESTEROV_LR = 0.7  # the default outer lr of Nesterov (mu 0.5) on shared moments
 # block 0 over five seeds, worst 0.72, against 0.72 (worst 0.54) at 0.85 and 0.62 at 0.5 (two seeds); 1.2 diverged
 # (averaging-meanv-fix.jsonl, measured once the published v was the mean gradient's; averaging-scaling.md)
 
+
+SETTINGS_META = "settings"  # the store's meta key of the settings a run last ran with (to_dict's JSON)
 
 OUTER_ADAM_LR = 1e-3  # the default eta of outer Adam (an absolute step per coordinate, like an inner lr)
 
@@ -49,6 +53,10 @@ class UpdateState(enum.Enum):
 class CloseReason(enum.Enum):
     QUORUM = "quorum"  # every live replica reported, with at least the --min-updates floor
     DEADLINE = "deadline"  # the deadline passed with at least one delta
+
+
+def _shown(value: Any) -> str:
+    return str(value.value) if isinstance(value, enum.Enum) else repr(value)
 
 
 def per_block_h(block_steps: int, rounds: int) -> int:
@@ -162,6 +170,28 @@ class CoordinatorSettings:
     def to_dict(self) -> dict[str, Any]:
         """Every field, enums as their values: what a result records of the settings it ran with."""
         return {f.name: (v.value if isinstance(v := getattr(self, f.name), enum.Enum) else v) for f in fields(self)}
+
+    @classmethod
+    def continued(cls, stored: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[CoordinatorSettings, list[str]]:
+        """The settings a restarted run goes on with: those it ran with (``stored``, :meth:`to_dict`'s, its outer step
+        and lr resolved), each field in ``given`` (the flags given now) replacing its value. So rerunning a command
+        after an upgrade keeps the run's outer lr, and so on, where a new version's default would change them.
+
+        Returns them and one line per field that ``given`` changed, or that the stored settings had and this version
+        lacks. A new outer step given without an lr takes its own default lr, not the old step's."""
+        hints, known = typing.get_type_hints(cls), {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        notes = [f"{name}: {value!r} is not a setting of this version, dropped" for name, value in stored.items()
+                 if name not in known]
+        for name in known & stored.keys():
+            kind = next((t for t in typing.get_args(hints[name]) or (hints[name],) if isinstance(t, type)
+                         and issubclass(t, enum.Enum)), None)
+            values[name] = kind(stored[name]) if kind is not None and stored[name] is not None else stored[name]
+        if "outer" in given and "outer_lr" not in given and given["outer"] != values.get("outer"):
+            values["outer_lr"] = None
+        notes += [f"{name}: {_shown(values[name]) if name in values else 'unset'} -> {_shown(v)}, as given"
+                  for name, v in given.items() if values.get(name, object()) != v]
+        return cls(**{**values, **given}), notes
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or self.device.startswith("cuda:")):
