@@ -269,3 +269,23 @@ def test_an_audit_commitment_made_under_the_old_digest_still_matches_its_state()
     assert commits_to(state, tensors_sha256(state)) and commits_to(state, legacy_tensors_sha256(state))
     other = {**state, "adam.v.w": torch.full((2, 3), 0.25)}
     assert not commits_to(state, tensors_sha256(other)) and not commits_to(state, legacy_tensors_sha256(other))
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_an_atomic_write_gets_the_mode_the_umask_gives(tmp_path: Path, mask: int) -> None:
+    """mkstemp makes its file 0o600, and the rename kept it: run.json, every checkpoint and the WikiText cache were
+    readable by their owner alone (a serve or eval run as another user failed on them). They now get 0o666 less the
+    umask, as a plain open gives."""
+    import os
+    import stat
+
+    from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
+
+    old = os.umask(mask)
+    try:
+        atomic_write_bytes(tmp_path / "run.json", b"{}")
+        save_file(tmp_path / "block.safetensors", {"w": torch.zeros(2)})
+    finally:
+        os.umask(old)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()} == {
+        "run.json": 0o666 & ~mask, "block.safetensors": 0o666 & ~mask}

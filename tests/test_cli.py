@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from blocktrain.cli.main import build_parser, main
+from blocktrain.presets import tiny
+from tests.conftest import write_data_dir
 
 
 def _snapshot(root: Path) -> dict[str, str]:
@@ -132,6 +135,41 @@ def test_checkpoint_of_another_config_on_eval_says_what_is_true(
     err = capsys.readouterr().err
     assert "belongs to another run" in err and "run.json" in err
     assert "--preset" not in err  # eval takes no --preset: the run's own config is used
+
+
+def test_a_block_trained_on_other_data_copied_into_a_run_is_refused(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The architecture was the only check, so block 0 of a run on other data, copied in, was scored, served and
+    resumed as this run's own."""
+    other_data = write_data_dir(tmp_path / "other-data", n_repeat=41)
+    other = tmp_path / "other"
+    assert main(["train-block", "--preset", "tiny", "--steps", "2", "--out", str(other), "--data", str(other_data),
+                 "--block", "0", "--no-progress"]) == 0
+    for name in ("block_0.safetensors", "block_0.state.safetensors"):
+        shutil.copy(other / "blocks" / name, run_dir / "blocks" / name)
+    assert main(["eval", str(run_dir), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained on dataset" in err and "belongs to another run" in err, err
+
+
+def test_a_resume_with_another_recipe_is_recorded_and_logged(
+    run_dir: Path, data_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resume may change the recipe (more steps, say), but run.json kept the first one, so it no longer said what
+    the run trained with; it now records the recipe it goes on with and each change, and the log names it."""
+    with caplog.at_level("WARNING"):
+        assert main(["train-block", "--preset", "tiny", "--steps", "5", "--seed", "7", "--out", str(run_dir), "--data",
+                     str(data_dir), "--block", "0", "--no-progress", "--log-every", "1"]) == 0
+    doc = json.loads((run_dir / "run.json").read_text())
+    assert (doc["config"]["train"]["steps"], doc["config"]["train"]["seed"]) == (5, 7)
+    (change,) = doc["recipe_changes"]
+    assert change["changed"] == {"train.steps": [3, 5], "train.seed": [0, 7], "train.log_every": [tiny().train.log_every, 1]}
+    (line,) = [r.getMessage() for r in caplog.records if "another recipe" in r.getMessage()]
+    assert line.endswith("train.steps 3 -> 5; train.seed 0 -> 7"), line  # log_every: not what it trains
+    assert main(["train-block", "--preset", "tiny", "--steps", "5", "--seed", "7", "--out", str(run_dir), "--data",
+                 str(data_dir), "--block", "1", "--no-progress", "--log-every", "1"]) == 0
+    assert len(json.loads((run_dir / "run.json").read_text())["recipe_changes"]) == 1  # the same recipe: no change
 
 
 def _parsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

@@ -119,6 +119,15 @@ def test_download_from_local_parquet(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert asked == []
     with pytest.raises(DataError, match="unknown dataset"):
         download_wikitext("wikitext-5", dest, fetch=fetch)
+    # a copy that is not the published one is fetched again, and a download that is not is never kept: it was kept
+    # with a warning, then every later run without --data trained on it
+    (dest / "wiki.test.raw").write_bytes(b" \ntampered\n")
+    files["test"] = src / "other.parquet"
+    pq.write_table(pa.table({"text": ["", "not t\n"]}), files["test"])
+    with pytest.raises(DataError, match="not the published"):
+        download_wikitext("wikitext-2", dest, fetch=fetch)
+    assert asked == [("Salesforce/wikitext", "wikitext-2-raw-v1/test-00000-of-00001.parquet")]
+    assert not (dest / "wiki.test.raw").exists() or (dest / "wiki.test.raw").read_bytes() == b" \ntampered\n"
 
 
 def test_an_interrupted_download_in_the_cache_is_resumed_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

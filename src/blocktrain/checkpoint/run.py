@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,12 @@ from blocktrain.config import RunConfig
 from blocktrain.errors import CheckpointError, ConfigError, RunError
 
 RUN_FORMAT_VERSION = 1
+MAX_RECIPE_CHANGES = 100  # run.json keeps the last this many recipe changes
+# train fields that change where and how a run computes or reports, not what it trains (no warning when they change)
+RUNTIME_FIELDS = frozenset(f"train.{k}" for k in ("device", "compile", "profile_steps", "log_every", "checkpoint_every",
+                                                  "eval_bytes", "eval_every", "test_bytes", "recompute"))
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,24 +75,41 @@ class RunDir:
                     f"{self.root} already holds a run with another model/diffusion config "
                     f"(preset {existing.name!r}); choose a new --out directory"
                 )
-            if existing.dataset != cfg.dataset and not existing.dataset:  # a run from before fingerprints: record it
-                existing = existing.with_dataset(cfg.dataset)
-                self._write(existing)
-            elif data_dir is not None and self.recorded_data() != self._data:
-                self._write(existing)
+            filled = existing.dataset != cfg.dataset and not existing.dataset  # a run from before fingerprints
+            existing = existing.with_dataset(cfg.dataset) if filled else existing
             # the caller's recipe (its train section and the stack's init, step split and later lr, outside the
             # architecture key); the run's own record for the rest. A changed --step-ratio with the same train section
             # was dropped for the recorded one
-            return replace(existing, train=cfg.train, stack=cfg.stack)
+            resumed = replace(existing, train=cfg.train, stack=cfg.stack)
+            changed = recipe_changes(existing, resumed)
+            if changed:  # recorded, so that run.json names the recipe the run goes on with, and what it began with
+                log.warning("%s goes on with another recipe than it recorded: %s", self.root,
+                            "; ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RUNTIME_FIELDS)
+                            or "only where and how it runs")
+            if filled or changed or (data_dir is not None and self.recorded_data() != self._data):
+                self._write(resumed, changed)
+            return resumed
         self._write(cfg)
         return cfg
 
-    def _write(self, cfg: RunConfig) -> None:
+    def _write(self, cfg: RunConfig, changed: dict[str, tuple[Any, Any]] | None = None) -> None:
         doc: dict[str, Any] = {"format_version": RUN_FORMAT_VERSION, "config": cfg.to_dict()}
         data = self._data or self.recorded_data()
         if data:
             doc["data"] = data
+        history = self._recipe_history()
+        if changed:
+            history = [*history, {"time": time.time(), "changed": {k: list(v) for k, v in changed.items()}}]
+        if history:
+            doc["recipe_changes"] = history[-MAX_RECIPE_CHANGES:]
         atomic_write_bytes(self.config_path, json.dumps(doc, indent=2).encode())
+
+    def _recipe_history(self) -> list[Any]:
+        """run.json's ``recipe_changes``: each resume with another recipe, when and what changed (old, new)."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            history = json.loads(self.config_path.read_text()).get("recipe_changes", [])
+            return history if isinstance(history, list) else []
+        return []
 
     def recorded_data(self) -> dict[str, str] | None:
         """``{"dir", "fingerprint"}`` of the data the run trains on, as run.json records it (None: not recorded)."""
@@ -130,6 +155,13 @@ class RunDir:
         return self.e2e_path().is_file()
 
 
+def recipe_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """The train and stack fields ``new`` changes, ``section.field`` -> (old, new), as run.json writes them."""
+    a, b = old.to_dict(), new.to_dict()
+    return {f"{sec}.{k}": (a[sec].get(k), v) for sec in ("train", "stack") for k, v in b[sec].items()
+            if a[sec].get(k) != v}
+
+
 def save_model(path: Path, module: nn.Module, cfg: RunConfig, kind: str, step: int, **extra: str) -> str:
     meta = {"kind": kind, "config": cfg.to_json(), "step": str(step), **extra}
     return save_file(path, {k: v for k, v in module.state_dict().items()}, meta)
@@ -144,6 +176,11 @@ def load_model(path: Path, module: nn.Module, cfg: RunConfig, kind: str, **expec
         other = RunConfig.from_json(meta.get("config", ""))
     except ConfigError as exc:
         raise CheckpointError(f"{path}: its embedded config is unreadable ({exc})") from exc
+    if other.dataset and cfg.dataset and other.dataset != cfg.dataset:
+        raise CheckpointError(
+            f"{path} was trained on dataset {other.dataset[:12]}, but its run directory's run.json records dataset "
+            f"{cfg.dataset[:12]}, so it belongs to another run; move it out and train it again here, or use it from "
+            "the run directory it came from")
     if other.architecture_key() != cfg.architecture_key():
         # ``cfg`` is the run's own (its run.json): the file was copied in from another run.
         raise CheckpointError(

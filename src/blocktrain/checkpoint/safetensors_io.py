@@ -194,6 +194,7 @@ def atomic_open(path: Path) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # a plain open's mode: mkstemp's 0o600 kept a run's files from its other users
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -203,6 +204,14 @@ def atomic_open(path: Path) -> Iterator[BinaryIO]:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def umask() -> int:
+    """The process's umask, read by setting one and restoring it (a strict one meanwhile: a file another thread
+    makes in that instant is private rather than public)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: Path, payload: bytes) -> None:

@@ -9,6 +9,7 @@ published digests where they are known.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -82,16 +83,21 @@ def download_wikitext(name: str, dest: Path, fetch: Fetch = hub_fetch) -> Path:
     folder, splits = _LAYOUT[name]
     for split, shards in splits.items():
         target = dest / f"wiki.{split}.raw"
+        want = KNOWN_SHA256.get(target.name) if name == "wikitext-2" else None
         if target.is_file() and target.stat().st_size > 0:
-            continue
+            if want is None or sha256_file(target) == want:
+                continue
+            log.warning("%s does not match the published sha256 %s; fetching it again", target, want)
         rows: list[str] = []
         for shard in shards:
             log.info("fetching %s/%s", folder, shard)
             rows.extend(_parquet_rows(fetch(HUB_REPO, f"{folder}/{shard}")))
         if not rows:
             raise DataError(f"the hub returned no rows for {name} {split}")
-        atomic_write_bytes(target, rows_to_raw(rows))
-        want = KNOWN_SHA256.get(target.name) if name == "wikitext-2" else None
-        if want is not None and sha256_file(target) != want:
-            log.warning("%s does not match the published sha256 %s", target, want)
+        raw = rows_to_raw(rows)
+        if want is not None and (got := hashlib.sha256(raw).hexdigest()) != want:  # never kept, so never trained on
+            raise DataError(f"the hub's {name} {split} split has sha256 {got[:16]}..., not the published {want[:16]}...: "
+                            "the download was damaged or the hub's copy changed; run the command again, or prepare "
+                            "your own copy of the data ('blocktrain prepare') and pass --data DIR")
+        atomic_write_bytes(target, raw)
     return dest

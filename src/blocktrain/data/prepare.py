@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, fsync_dir
+from blocktrain.checkpoint.safetensors_io import atomic_write_bytes, fsync_dir, umask
 from blocktrain.data.dataset import DATASET_FORMAT, DATASET_VERSION, MANIFEST, SPLITS, find_flavour, fingerprint_of
 from blocktrain.data.integrity import sha256_file
 from blocktrain.errors import DataError
@@ -223,19 +223,11 @@ def prepare(src: Path, out: Path, opts: PrepareOptions = PrepareOptions()) -> Pr
     return Prepared(manifest, out)
 
 
-def _umask() -> int:
-    """The process's umask, read by setting one and restoring it (a strict one meanwhile: a file another thread
-    makes in that instant is private rather than public)."""
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
 def _publish_modes(tmp: Path) -> None:
     """Give the temporary dataset directory and its files the modes a plain mkdir/open would (0o777 / 0o666 less the
     umask): mkdtemp makes the directory 0o700 and the manifest's atomic write (mkstemp) 0o600, so without this the
     dataset would be readable by its owner alone, e.g. not by workers run as another user."""
-    mask = _umask()
+    mask = umask()
     for path in tmp.iterdir():
         path.chmod(0o666 & ~mask)
     tmp.chmod(0o777 & ~mask)
