@@ -252,6 +252,21 @@ def test_one_hostile_uploader_cannot_get_honest_members_quarantined(tmp_path: Pa
         c.close()
 
 
+def test_a_registration_with_a_key_that_is_no_key_stores_nothing(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """The worker's row (a new session, a lease, hivemind) was committed before its p2p_key was checked: answered 422,
+    it was still a live replica its block's rounds waited for, and a member no audit could trace."""
+    c = make_coordinator(tmp_path / "run", corpus, hivemind=True, audit_fraction=0.0, hivemind_host="127.0.0.1",
+                         eval_every=0)
+    try:
+        c.add_token("w")
+        with pytest.raises(ProtocolError) as exc:
+            c.register("w", 0, p2p_key="not a key")
+        assert exc.value.reason == "p2p_key"
+        assert c.store.workers.worker("w") is None and "w" not in c.live_replicas(c.clock())[0]
+    finally:
+        c.close()
+
+
 def test_group_means_are_judged_apart_from_single_workers_pushes(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
     """A mean of n deltas has a smaller norm than one delta: in one history with the group means, a member's solo push
     (its group did not form, or its mean did not land) sat above 3x their median and was refused as NORM, which

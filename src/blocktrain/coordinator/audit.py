@@ -49,6 +49,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -78,6 +79,7 @@ log = logging.getLogger(__name__)
 
 AUDIT_TOLERANCE_STEPS = 25  # inner steps at which the audit tolerances hold as set; above, they scale by sqrt(H / this)
 MAX_PENDING = 64  # audits awaiting an upload at once (each holds one decoded delta); beyond it a drawn push gets 503
+REPLAY_TIMES = 1024  # replays whose wall times the status's median reads (every replay's, kept for a whole run, grew without end)
 
 
 def replay_scale(pushed: dict[str, torch.Tensor], replayed: dict[str, torch.Tensor]) -> float:
@@ -133,7 +135,7 @@ class Auditor:
         self._uploads = itertools.count(1)
         self.passed = 0
         self.failed = 0
-        self.replay_seconds: list[float] = []  # wall time of every replay
+        self.replay_seconds: deque[float] = deque(maxlen=REPLAY_TIMES)  # wall time of the latest replays
         self.derived = 0  # replays whose moments it derived from earlier rounds (coordinator.lineage)
 
     @property

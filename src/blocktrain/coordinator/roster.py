@@ -85,6 +85,8 @@ class Roster:
             k = self._least_replicated(name, now)
         else:
             k = block
+        # a key that is no key is refused before anything is stored (else a live replica its rounds waited for)
+        p2p = self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None
         lease = now + self.settings.lease_seconds
         with self.store.tx():
             self.store.workers.register_worker(name, k, block is not None, now, lease, hivemind=p2p_key is not None)
@@ -97,7 +99,7 @@ class Roster:
             rounds=self.rounds.block_rounds(k),  # this block's rounds (a stack's step split gives each block its own)
             n_blocks=self.n_blocks, local_steps=self.rounds.local_steps(k), inner_start=self.settings.inner_start,
             moment_codec=self.settings.moment_codec, moment_every=self.settings.moment_every,
-            p2p=self.hub.admit(name, p2p_key) if self.hub is not None and p2p_key is not None else None,
+            p2p=p2p,
         )
 
     def _least_replicated(self, name: str, now: float) -> int:

@@ -75,6 +75,8 @@ class Rounds:
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
         self._copies_due: set[int] = set()  # blocks whose run-directory checkpoint copy failed (a full disk): due again
+        self._close_failed: dict[int, tuple[int, str]] = {}  # block -> (version, error) of its last failed close
+        self._warm_due: set[int] = set()  # opened blocks whose warm start failed (a full disk): tried again each tick
 
     # --- start-up -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -108,8 +110,7 @@ class Rounds:
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             self._grace(k, v, now)
             if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
-                ck.warm_start(k)  # a no-op unless a crash came between opening block k and its warm start
-                self._copy(k, 0)
+                self._warm(k)  # a no-op unless a crash came between opening block k and its warm start
 
     def _histories(self, k: int, grouped: bool) -> tuple[list[float], list[float]]:
         """Block k's recent norms per unit of lr and loss rises, oldest first, of single workers' pushes or of group
@@ -231,7 +232,9 @@ class Rounds:
         if self.state[k] is BlockState.WAITING:
             raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", Reason.WAITING)
         if rnd is None or rnd.state is not RoundState.OPEN:
-            raise ProtocolError(409, f"block {k} takes no more updates (the run finished)", Reason.FINISHED)
+            why = ("the run finished" if all(st is BlockState.FINISHED for st in self.state.values()) else
+                   "it has trained its rounds; register again for a block still training")
+            raise ProtocolError(409, f"block {k} takes no more updates ({why})", Reason.FINISHED)
 
     # --- rounds ------------------------------------------------------------------
     def check_quorum(self, now: float) -> list[int]:
@@ -262,13 +265,32 @@ class Rounds:
             required = max(1, self.settings.min_updates - len(excluded))
             if (len(counted) >= required and live[k] <= reported | refused
                     and rnd.n_updates > 0  # 0: every update it had was dropped (a quarantined worker's)
-                    and not self.audits_pending(k, v)):
-                self.close_round(k, CloseReason.QUORUM, now)
+                    and not self.audits_pending(k, v)) and self._close(k, CloseReason.QUORUM, now):
                 closed.append(k)
         return closed
 
+    def _warm(self, k: int) -> None:
+        """Warm-start opened block k (:meth:`Checkpoints.warm_start`) and copy it, unless its first round already holds
+        pushes: they were trained from the weights it opened with, and would be applied to others. A failure (a full
+        disk) leaves it due again at the next tick, where it had left the block at its cold weights for good, and
+        a restart then warm-started it under the pushes made since."""
+        self._warm_due.discard(k)
+        if self.checkpoints.current(k).version != 0 or self.store.updates.accepted_updates(k, 0):
+            log.warning("block %d: not warm-started: pushes were made from the weights it opened with", k)
+            return
+        try:
+            self.checkpoints.warm_start(k)
+        except Exception as exc:  # its round stays open on the first weights meanwhile
+            log.error("block %d: warm start failed, tried again at the next tick: %s", k, exc)
+            self._warm_due.add(k)
+            return
+        self._copy(k, 0)
+
     def close_due_rounds(self, now: float) -> None:
-        """Close rounds past their deadline; extend those that received nothing."""
+        """Close rounds past their deadline; extend those that received nothing (and warm-start a block whose warm
+        start failed)."""
+        for k in sorted(self._warm_due):
+            self._warm(k)
         for k in range(self.n_blocks):
             v = self.checkpoints.current(k).version
             rnd = self.store.rounds.round(k, v)
@@ -277,10 +299,26 @@ class Rounds:
             if self.audits_pending(k, v):  # past its deadline, the round waits for its audits (each within
                 continue                   # --audit-timeout, else its worker is quarantined and its update dropped)
             if rnd.n_updates > 0:
-                self.close_round(k, CloseReason.DEADLINE, now)
+                self._close(k, CloseReason.DEADLINE, now)
             else:  # nobody delivered: keep the round open for another period
                 with self.store.tx():
                     self.store.rounds.extend_round(k, v, now + self.settings.round_seconds)
+
+    def _close(self, k: int, reason: CloseReason, now: float) -> bool:
+        """:meth:`close_round`, its failure block k's own: logged (once per version and error), the round left open
+        for the next tick. Raised, it reached whoever came in (a push to any block answered 422 and counted against
+        its worker, a leave refused after it was committed) and stopped the tick before the other blocks."""
+        v = self.checkpoints.current(k).version
+        try:
+            self.close_round(k, reason, now)
+        except Exception as exc:  # any failure of this block's close: the others go on
+            if self._close_failed.get(k) != (v, str(exc)):
+                log.error("block %d: closing round v%d failed, it stays open and is tried again each tick: %s", k, v,
+                          exc, exc_info=exc)
+            self._close_failed[k] = (v, str(exc))
+            return False
+        self._close_failed.pop(k, None)
+        return True
 
     def close_round(self, k: int, reason: CloseReason, now: float) -> None:
         """Collect the round's updates, make the next version, persist it, advance the schedule."""
@@ -382,8 +420,7 @@ class Rounds:
                  warm: int | None, reason: CloseReason, now: float) -> None:
         """What follows a stored close: the warm start of a block that opened, screened workers' refusals, states."""
         if warm is not None:
-            self.checkpoints.warm_start(warm)
-            self._copy(warm, 0)
+            self._warm(warm)
         log.info("block %d: round %d closed by %s with %d updates -> version %d", k, v, reason.value, n_updates, v + 1)
         for r in screened:
             log.warning("block %d v%d: dropped the update of %s at the round's close: it disagreed with the others", k, v, r.worker)

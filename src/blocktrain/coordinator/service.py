@@ -48,7 +48,7 @@ from blocktrain.coordinator.settings import SETTINGS_META, CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.uploads import Uploads
 from blocktrain.data.dataset import DataDir
-from blocktrain.errors import ProtocolError
+from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.messages import (
@@ -85,6 +85,12 @@ class Coordinator:
         self.settings = settings.for_objective(self.objective.outer_step())
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
+        if (stored := self.store.meta.get_meta(SETTINGS_META)) is not None:
+            try:
+                self.settings.refuse_push_changes(json.loads(stored))
+            except ConfigError:
+                self.store.close()
+                raise
         self.store.meta.set_meta(SETTINGS_META, json.dumps(self.settings.to_dict()))  # what a restart goes on with
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
         self._reload_claim = threading.Lock()  # serialises re-reads of the token table (the store's second connection)

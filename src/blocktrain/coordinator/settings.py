@@ -27,6 +27,8 @@ NESTEROV_LR = 0.7  # the default outer lr of Nesterov (mu 0.5) on shared moments
 
 
 SETTINGS_META = "settings"  # the store's meta key of the settings a run last ran with (to_dict's JSON)
+# settings that decide what a stored push is: a round holding pushes made under others could never close
+PUSH_FIELDS = ("inner_start", "moment_every", "moment_codec")
 
 OUTER_ADAM_LR = 1e-3  # the default eta of outer Adam (an absolute step per coordinate, like an inner lr)
 
@@ -170,6 +172,17 @@ class CoordinatorSettings:
     def to_dict(self) -> dict[str, Any]:
         """Every field, enums as their values: what a result records of the settings it ran with."""
         return {f.name: (v.value if isinstance(v := getattr(self, f.name), enum.Enum) else v) for f in fields(self)}
+
+    def refuse_push_changes(self, stored: Mapping[str, Any]) -> None:
+        """Raise :class:`ConfigError` where these settings change one that decides what a stored push is (``stored``:
+        :meth:`to_dict`'s of the run's last start): the rounds' stored pushes would no longer parse, and never close."""
+        ours = self.to_dict()
+        changed = [f"--{n.replace('_', '-')} {stored[n]} (now {ours[n]})" for n in PUSH_FIELDS
+                   if n in stored and stored[n] != ours[n]]
+        if changed:
+            raise ConfigError(f"this run's stored pushes were made under {', '.join(changed)}; restart it with the "
+                              "run's own value (or without the flag: a restart keeps the run's settings), or start a new "
+                              "--run-dir")
 
     @classmethod
     def continued(cls, stored: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[CoordinatorSettings, list[str]]:
