@@ -45,13 +45,16 @@ TRAINERS: tuple[tuple[str, tuple[str, ...], str, Objective | None, int], ...] = 
 LOG_EVERY = 5  # steps between the logged rates the timing is read from
 PROFILE_STEPS = LOG_EVERY  # steps profiled at the end of a profiled run (after its timed steps)
 PROFILE_TOP = 8  # operators of each profile kept in the result
+# The directories a speed bench writes into its --out, {trainer}-{arm}: its arms, and the reference commit's runs
+# (benchmarks/quality/speed_reference.py). An --out holding anything else is not deleted.
+OWN_DIRS = frozenset(f"{name}-{arm}" for name, *_ in TRAINERS for arm in ("fp32", "bf16", "compiled", "reference"))
 
 
 @dataclass(frozen=True)
 class SpeedOptions:
     data: DataDir  # data directory
     preset: str = "cpu-small"  # configuration preset to time
-    out: Path = Path("runs/bench-speed")  # scratch directory for the short runs (deleted and recreated)
+    out: Path = Path("runs/bench-speed")  # scratch directory for the short runs (new, empty or an earlier bench's: replaced)
     steps: int = 30  # training steps per measurement (at least 3 x LOG_EVERY)
     json_path: Path | None = None  # write the result JSON here (and a .md table beside it)
     device: str = "auto"  # where the runs train: auto, cpu, cuda or cuda:N
@@ -96,13 +99,25 @@ def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
     return result
 
 
+def clear_out(out: Path) -> None:
+    """``out`` new and empty: an earlier speed bench's directory is deleted; one holding anything else is refused."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError(f"--out {out} is not a directory; pick another --out")
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in OWN_DIRS or p.is_symlink() or not p.is_dir())
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ConfigError(f"--out {out} holds {shown}, not an earlier speed bench's runs alone, and the bench "
+                              "deletes its --out: pick another --out, or delete that directory yourself")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+
 def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
     """Time every trainer in fp32 and bf16 (``opts.out`` is replaced); the result, not yet written."""
     device = resolve_device(opts.device)
     step_bytes = bytes_per_step(opts.preset)
-    if opts.out.exists():
-        shutil.rmtree(opts.out)
-    opts.out.mkdir(parents=True)
+    clear_out(opts.out)
     common = common_flags(opts)
     new_flags = ["--log-every", str(LOG_EVERY), "--eval-bytes", "0", "--checkpoint-every", "1000000", "--device", opts.device]
     peak = measure_peak_flops(device)

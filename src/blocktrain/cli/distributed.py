@@ -179,9 +179,10 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add the coordinator/worker/token sub-commands to the parser."""
     s = sub.add_parser("coordinator", help="serve decentralised training: publish blocks, average updates")
-    # its own --eval-*, --device below; no local training's logging, checkpoints, test scoring or profile (workers train)
+    # its own --eval-*, --device below; no local training's logging, checkpoints, test scoring, profile or compile
+    # (workers train, each with its own --compile)
     add_run_args(s, need_out=False, skip=("eval_every", "eval_bytes", "device", "log_every", "checkpoint_every", "test_bytes",
-                                          "profile_steps"))
+                                          "profile_steps", "compile"))
     s.add_argument("--run-dir", required=True, help="run directory holding the coordinator state")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8470, help="port to listen on")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import shlex
 import signal
 import sys
@@ -86,6 +87,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.report import evaluate_model
 
+    # before any model is loaded
+    at_least(args.batch_size, 1, "--batch-size", "windows per forward pass")
+    at_least(args.chains, 1, "--chains", "chains scored")
+    if args.max_bytes is not None:
+        at_least(args.max_bytes, 0, "--max-bytes", "bytes scored; 0: the whole split")
+    max_bytes = args.max_bytes or None  # 0: the whole split, as bench quality's --max-eval-bytes 0
     device = resolve_device(args.device)
     precision = resolve_precision(Precision(args.precision), device)
     run = RunDir(Path(args.run))
@@ -98,7 +105,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         log.warning("%s trained on dataset %s but is scored on %s (%s); its CE is not comparable with the run's own",
                     args.run, trained_on[:12], data_dir.root, scoring[:12])
     result = evaluate_model(
-        model, data, chains=args.chains, max_bytes=args.max_bytes, blocks_alone=args.blocks_alone,
+        model, data, chains=args.chains, max_bytes=max_bytes, blocks_alone=args.blocks_alone,
         progress=not args.no_progress, batch_size=args.batch_size,
     )
     result["dataset_fingerprint"] = scoring
@@ -118,6 +125,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from blocktrain.evaluate.assembled import load_model_from_run
     from blocktrain.evaluate.generate import generate
 
+    at_least(args.bytes, 0, "--bytes", "bytes generated")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):  # sampling.py: 0 (or below) is greedy
+        raise BlockTrainError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    at_least(args.top_k, 0, "--top-k", "most likely bytes sampled among; 0: all")
+    if not 0 <= args.seed < 2**63:  # seeds are 63-bit (data.stream.mix_seed), as the gateway's
+        raise BlockTrainError(f"--seed must be in [0, 2**63), got {args.seed}")
     if not 0 < args.top_p <= 1:
         raise BlockTrainError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.pipeline and args.top_p < 1 and args.mode not in ("ar", "spec"):
@@ -155,7 +168,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
 
     if args.rederive:  # derived figures only: no training, no data
         src = Path(args.rederive)
-        result = rederive(json.loads(src.read_text()))
+        result = rederive(read_result(src))
         write_result(result, Path(args.json) if args.json else src, str(result["preset"]))
         return 0
     cfg, data = run_config(args)
@@ -169,6 +182,21 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     )
     run_quality_bench(opts)
     return 0
+
+
+def read_result(src: Path) -> dict[str, Any]:
+    """``--rederive JSON``: an earlier bench quality result (BlockTrainError if it cannot be read as one)."""
+    try:
+        result = json.loads(src.read_text())
+    except OSError as exc:
+        raise BlockTrainError(f"cannot read --rederive {src}: {exc.strerror or exc}; pass the JSON an earlier "
+                              "bench quality wrote (its --json)") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BlockTrainError(f"--rederive {src} is not JSON ({exc}); pass the JSON an earlier bench quality wrote") from exc
+    if not isinstance(result, dict) or "preset" not in result:
+        raise BlockTrainError(f"--rederive {src} is not a bench quality result (no 'preset'); pass the JSON an earlier "
+                              "bench quality wrote")
+    return result
 
 
 def cmd_bench_machine(args: argparse.Namespace) -> int:
@@ -202,7 +230,14 @@ def cmd_bench_speed(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from blocktrain.data.prepare import prepare
 
-    done = prepare(Path(args.src), Path(args.out), PREPARE_FLAGS.build(args))
+    out = Path(args.out).expanduser()
+    for path in (out, *out.parents):  # the nearest existing one must be a directory
+        if path.exists():
+            if not path.is_dir():
+                raise BlockTrainError(f"--out {args.out}: {path} is not a directory; "
+                                      "choose a new or empty directory for the dataset")
+            break
+    done = prepare(Path(args.src), out, PREPARE_FLAGS.build(args))
     m = done.manifest
     for split in ("train", "valid", "test"):
         info = m["splits"][split]
@@ -212,6 +247,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     sys.stdout.write(f"dataset {args.out} fingerprint {done.fingerprint}\n"
                      f"train on it: blocktrain train --data {args.out}\n")
     return 0
+
+
+def at_least(value: int, least: int, flag: str, what: str) -> None:
+    """A BlockTrainError naming ``flag`` unless ``value >= least``."""
+    if value < least:
+        raise BlockTrainError(f"{flag} must be >= {least} ({what}), got {value}; set {flag} N >= {least}")
 
 
 class ExactParser(argparse.ArgumentParser):
@@ -259,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default="auto", choices=["auto", "blocktrain", "e2e"], help="which model of the run")
     s.add_argument("--chains", type=int, default=1, help="K: also score the mixture of K chains")
     s.add_argument("--blocks-alone", action="store_true", help="also score each block alone on pure noise")
-    s.add_argument("--max-bytes", type=int, default=None, help="score only the first N bytes (default: all)")
+    s.add_argument("--max-bytes", type=int, default=None, help="score only the first N bytes (default and 0: all)")
     s.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="inference arithmetic (bf16: autocast, about 2x faster on CPU, CE within ~0.001)")
     s.add_argument("--device", default="auto", help=DEVICE_HELP + "; the split and its windows live there too")
