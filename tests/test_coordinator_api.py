@@ -75,6 +75,18 @@ def test_assignment_fewest_live_replicas_and_override(api: Api) -> None:
     assert r.status_code == 422 and "does not exist" in r.json()["detail"]
 
 
+def test_a_body_its_model_refuses_is_answered_after_the_token_as_every_refusal(api: Api) -> None:
+    """FastAPI parses a route's JSON body before the handler runs, so a stranger with a bad body got its 422 (and the
+    schema's field names) in FastAPI's own format, never a 401; the token is now checked first, and the refusal is an
+    ErrorBody like every other."""
+    for body in (b"{not json", b'{"block": -1}', b'{"block": "two"}'):
+        r = api.client.post("/v1/register", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"] == "auth", r.text
+        r = api.client.post("/v1/register", content=body, headers={**api.h("w0"), "content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"] == "metadata" and "/docs" in r.json()["detail"], r.text
+    assert "block" in r.json()["detail"]
+
+
 def test_auth_required_and_tokens_stored_hashed(api: Api) -> None:
     assert api.client.post("/v1/register", json={}).status_code == 401
     r = api.client.get("/v1/work", headers={"Authorization": "Bearer nope"})

@@ -34,6 +34,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -256,6 +257,20 @@ def create_app(c: Coordinator, *, background: bool = True) -> FastAPI:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
         return JSONResponse(ErrorBody(error=exc.reason, detail=str(exc)).model_dump(), status_code=exc.status,
                             headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A request its route's model refused: the token checked first, as every route checks it before reading the
+        body (FastAPI parses the body before the handler runs), then answered as every refusal is, an ErrorBody."""
+        try:
+            await auth(request)
+        except ProtocolError as refused:
+            return await protocol_error(request, refused)
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+        return await protocol_error(request, ProtocolError(
+            422, f"the request's {where} is invalid ({first.get('msg', 'unreadable')}); send what this coordinator's "
+            f"/docs lists for {request.url.path}", Reason.METADATA))
 
     async def auth(request: Request) -> str:
         """The worker a request's token names: from the cache on the event loop, else (an unknown or revoked token,
