@@ -157,6 +157,20 @@ def test_jsonl_field_and_its_errors(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*partial*"))  # nothing partial left behind
 
 
+def test_a_jsonl_dump_named_json_and_a_prepared_dataset_as_the_source(tmp_path: Path) -> None:
+    """A JSONL dump named .json was read as plain text, its --field ignored, and failed with advice to raise
+    --valid-fraction; a prepared dataset given as the source failed for want of a wiki.train.bin no one makes."""
+    rows = [{"body": p, "id": i} for i, p in enumerate(_paragraphs(80))]
+    src = tmp_path / "dump.json"
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    done = prepare(src, tmp_path / "out", PrepareOptions(valid_fraction=0.2, test_fraction=0.2, min_split_bytes=64,
+                                                         progress=False, field="body"))
+    assert sum(done.manifest["splits"][s]["documents"] for s in SPLITS) == 80
+    assert b'"body"' not in (tmp_path / "out" / "train.bin").read_bytes()  # the field's text, not the JSON lines
+    with pytest.raises(DataError, match=r"made already: pass it to training as --data"):
+        prepare(tmp_path / "out", tmp_path / "again", SMALL)
+
+
 def test_wikitext_layout_is_copied_byte_for_byte_and_keeps_its_fingerprint(tmp_path: Path) -> None:
     from tests.distributed_utils import write_corpus
 

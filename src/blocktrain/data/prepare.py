@@ -27,6 +27,7 @@ in 1 MiB chunks and only the hashes and counts are kept.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import itertools
@@ -124,10 +125,20 @@ def directory_splits(sizes: dict[str, int], opts: PrepareOptions) -> dict[str, s
 
 
 def source_kind(src: Path) -> str:
+    """``wikitext``, ``directory``, ``jsonl`` (also a ``.json`` file whose first line is a JSON object: a JSONL dump
+    under another name, whose ``--field`` was ignored as the file was read as text) or ``text``."""
     if src.is_dir():
+        if (src / MANIFEST).is_file():
+            raise DataError(f"{src} is a dataset 'blocktrain prepare' made already: pass it to training as --data {src}")
         return "wikitext" if find_flavour(src) is not None else "directory"
     if not src.is_file():
         raise DataError(f"source {src} does not exist; pass a text file, a JSONL file or a directory")
+    if src.suffix.lower() == ".json":
+        with src.open("rb") as f:
+            first = f.readline(1 << 20).strip()
+        with contextlib.suppress(ValueError):
+            if isinstance(json.loads(first), dict):
+                return "jsonl"
     return "jsonl" if src.suffix.lower() in (".jsonl", ".ndjson") else "text"
 
 
