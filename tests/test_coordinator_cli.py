@@ -19,6 +19,7 @@ from blocktrain.cli.distributed import settings_from_args
 from blocktrain.cli.fields import field_comments, flag_name
 from blocktrain.cli.main import build_parser
 from blocktrain.coordinator.settings import NESTEROV_LR, Aggregation, CoordinatorSettings, OuterOptimizer
+from blocktrain.errors import BlockTrainError
 
 
 def _coordinator_parser() -> argparse.ArgumentParser:
@@ -193,31 +194,75 @@ def test_settings_record_as_json_with_enums_as_their_values() -> None:
 def test_a_restart_goes_on_with_the_settings_the_run_ran_with(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Rerunning the coordinator's command continues its run, as its stop message says; the settings were rebuilt from
     the flags and this version's defaults, so an upgrade that moved a default (NESTEROV_LR: 0.5 -> 0.7) changed a
-    run's outer step halfway. A restart now keeps what the run ran with, and a flag given changes its value, logged."""
+    run's outer step halfway. A restart now keeps its training's arithmetic (RUN_FIELDS), logs each value kept that
+    the defaults would change, and a flag given changes its value; the rest (--no-eval, the defences, the device) is
+    this start's, and --reset-settings takes the flags and defaults alone."""
     from blocktrain.coordinator.service import Coordinator
     from blocktrain.coordinator.settings import SETTINGS_META
     from blocktrain.coordinator.store import Store
     from blocktrain.presets import tiny
 
+    def restart(*flags: str) -> tuple[CoordinatorSettings, list[str]]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="blocktrain"):
+            settings = settings_from_args(_parse(tmp_path, *flags))
+        return settings, [r.getMessage() for r in caplog.records]
+
     assert settings_from_args(_parse(tmp_path)) == CoordinatorSettings()  # a new run: the defaults
-    first = CoordinatorSettings(outer_lr=0.5, rounds=3, aggregation=Aggregation.MEAN, gate=False, eval_every=0)
+    first = CoordinatorSettings(outer_lr=0.5, rounds=3, aggregation=Aggregation.MEAN, gate=False, eval_every=0,
+                                outer_cap=2.0)
     coordinator = Coordinator(tmp_path / "run", replace(tiny(), objective="stack"), first)
     ran = coordinator.settings  # the stack's outer step, Nesterov, at the run's lr
     coordinator.close()
-    again = settings_from_args(_parse(tmp_path))  # the defaults' outer lr is NESTEROV_LR, not the run's
-    assert again == ran and (again.outer, again.outer_lr) == (OuterOptimizer.NESTEROV, 0.5) and NESTEROV_LR != 0.5
-    with caplog.at_level("WARNING", logger="blocktrain"):
-        changed = settings_from_args(_parse(tmp_path, "--outer-lr", "0.6", "--rounds", "3"))
+    again, notes = restart()  # the defaults' outer lr is NESTEROV_LR, not the run's
+    assert (again.outer, again.outer_lr, again.rounds, again.aggregation, again.outer_cap) == (
+        OuterOptimizer.NESTEROV, 0.5, 3, Aggregation.MEAN, 2.0) and NESTEROV_LR != 0.5
+    assert (again.gate, again.eval_every) == (True, 1)  # this start's: --no-gate and --no-eval were not sticky
+    assert sorted(notes) == ["setting aggregation: mean kept (this version's default: median)",
+                             "setting outer_cap: 2.0 kept (this version's default: None)",
+                             f"setting outer_lr: 0.5 kept (this version's default: {NESTEROV_LR})",
+                             "setting rounds: 3 kept (this version's default: 0)"], notes
+    changed, notes = restart("--outer-lr", "0.6", "--rounds", "3")
     assert (changed.outer_lr, changed.rounds, changed.aggregation) == (0.6, 3, Aggregation.MEAN)
-    assert [r.getMessage() for r in caplog.records] == ["setting outer_lr: 0.5 -> 0.6, as given"]
-    other = settings_from_args(_parse(tmp_path, "--outer", "average"))  # a new outer step takes its own lr
+    assert "setting outer_lr: 0.5 -> 0.6, as given" in notes and not any("rounds" in n for n in notes)
+    other, _ = restart("--outer", "average")  # a new outer step takes its own lr
     assert other.outer is OuterOptimizer.AVERAGE and other.for_objective("nesterov").outer_lr == 1.0
-    store = Store(tmp_path / "run")  # a setting an older version kept and this one lacks is dropped, logged
+    reset, notes = restart("--reset-settings")
+    assert reset == CoordinatorSettings() and notes == []
+    store = Store(tmp_path / "run")  # what this version cannot read is dropped, logged; a flag given is not even read
     try:
-        store.meta.set_meta(SETTINGS_META, json.dumps({**ran.to_dict(), "retired_knob": 2}))
+        store.meta.set_meta(SETTINGS_META, json.dumps({**ran.to_dict(), "retired_knob": 2, "aggregation": "krum",
+                                                       "moment_every": "three"}))
     finally:
         store.close()
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="blocktrain"):
-        assert settings_from_args(_parse(tmp_path)) == ran
-    assert [r.getMessage() for r in caplog.records] == ["setting retired_knob: 2 is not a setting of this version, dropped"]
+    odd, notes = restart("--moment-every", "3")
+    assert odd.aggregation is Aggregation.MEDIAN and odd.moment_every == 3 and odd.outer_lr == 0.5
+    assert "setting retired_knob: 2 is not a setting of this version, dropped" in notes
+    assert any(n.startswith("setting aggregation: the stored 'krum' cannot be read") for n in notes), notes
+    assert "setting moment_every: 'three' -> 3, as given" in notes  # given: the stored value is not converted
+
+
+def test_what_decides_a_stored_push_is_checked_only_once_pushes_exist_and_kept_after_a_failed_start(
+        tmp_path: Path) -> None:
+    """A start that failed wrote its settings before it failed, so a typo stuck (the push settings refused to change
+    even with no push stored); they are written once a start has held, and compared only with pushes stored."""
+    from blocktrain.coordinator.service import Coordinator
+    from blocktrain.coordinator.settings import SETTINGS_META
+    from blocktrain.coordinator.store import Store
+    from blocktrain.presets import tiny
+
+    cfg = replace(tiny(), objective="stack")
+    base: dict[str, Any] = {"gate": False, "eval_every": 0, "fsync": False, "rounds": 2}
+    Coordinator(tmp_path / "run", cfg, CoordinatorSettings(moment_every=5, **base)).close()
+    with pytest.raises(BlockTrainError):  # fails after the store is open: device cuda on a CUDA-less machine
+        Coordinator(tmp_path / "run", cfg, CoordinatorSettings(moment_every=7, device="cuda:7", **base))
+    store = Store(tmp_path / "run")  # the last start that held is what a restart goes on with
+    try:
+        assert json.loads(store.meta.get_meta(SETTINGS_META) or "{}")["moment_every"] == 5
+    finally:
+        store.close()
+    c = Coordinator(tmp_path / "run", cfg, CoordinatorSettings(moment_every=3, **base))  # no push stored: allowed
+    try:
+        assert json.loads(c.store.meta.get_meta(SETTINGS_META) or "{}")["moment_every"] == 3
+    finally:
+        c.close()

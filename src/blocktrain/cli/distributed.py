@@ -36,12 +36,13 @@ def settings_from_args(args: argparse.Namespace) -> CoordinatorSettings:
     """The coordinator settings given as flags (one per field); for the rest, those the run in ``--run-dir`` last ran
     with where it has run before, else the dataclass defaults."""
     given = SETTINGS_FLAGS.values(args)
-    stored = _stored_settings(Path(args.run_dir)) if getattr(args, "run_dir", None) else None
+    fresh = getattr(args, "reset_settings", False) or not getattr(args, "run_dir", None)
+    stored = None if fresh else _stored_settings(Path(args.run_dir))
     if stored is None:
         return CoordinatorSettings(**given)
     settings, notes = CoordinatorSettings.continued(stored, given)
-    log.info("continuing the settings this run last ran with (a flag given changes its value): %s",
-             "; ".join(notes) or "none changed")
+    log.info("continuing the outer step and inner start this run ran with (a flag given changes its value; "
+             "--reset-settings takes the flags and defaults alone)")
     for note in notes:
         log.warning("setting %s", note)
     return settings
@@ -184,6 +185,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_run_args(s, need_out=False, skip=("eval_every", "eval_bytes", "device", "log_every", "checkpoint_every", "test_bytes",
                                           "profile_steps", "compile"))
     s.add_argument("--run-dir", required=True, help="run directory holding the coordinator state")
+    s.add_argument("--reset-settings", action="store_true",
+                   help="on a restart, take the flags and this version's defaults alone, not the outer step and inner "
+                        "start the run ran with (what decides a stored push must still match)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8470, help="port to listen on")
     # One flag per CoordinatorSettings field (--round-seconds, --no-fsync, ...): a new setting needs no edit here.

@@ -48,7 +48,7 @@ from blocktrain.coordinator.settings import SETTINGS_META, CoordinatorSettings
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.uploads import Uploads
 from blocktrain.data.dataset import DataDir
-from blocktrain.errors import ConfigError, ProtocolError
+from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.messages import (
@@ -85,13 +85,20 @@ class Coordinator:
         self.settings = settings.for_objective(self.objective.outer_step())
         self.clock = clock
         self.store = Store(self.run.root, fsync=settings.fsync)
-        if (stored := self.store.meta.get_meta(SETTINGS_META)) is not None:
-            try:
-                self.settings.refuse_push_changes(json.loads(stored))
-            except ConfigError:
-                self.store.close()
-                raise
-        self.store.meta.set_meta(SETTINGS_META, json.dumps(self.settings.to_dict()))  # what a restart goes on with
+        self.hub: PeerHub | None = None
+        try:
+            self._open(settings, data)
+        except BaseException:  # a start that failed leaves no connection or DHT peer behind
+            if self.hub is not None:
+                self.hub.close()
+            self.store.close()
+            raise
+
+    def _open(self, settings: CoordinatorSettings, data: DataDir | None) -> None:
+        """The parts of a start, on the opened store (``settings`` as given, before the objective's outer step)."""
+        stored = self.store.meta.get_meta(SETTINGS_META)
+        if stored is not None and self.store.q1("SELECT 1 FROM updates LIMIT 1") is not None:
+            self.settings.refuse_push_changes(json.loads(stored))  # pushes are stored: what decides one stays
         self.lock = threading.RLock()  # serialises every state change and every use of the store; only this front takes it
         self._reload_claim = threading.Lock()  # serialises re-reads of the token table (the store's second connection)
         self.n_blocks = self.cfg.model.n_blocks
@@ -109,7 +116,7 @@ class Coordinator:
                              audits_pending=self.auditor.holds)  # a round waits for its audits
         self.tokens = Tokens(self.store, self.conduct)
         # the hivemind engine's authority and bootstrap peer (coordinator.groups)
-        self.hub: PeerHub | None = PeerHub(self.run.root, self.store, settings.hivemind_host) if settings.hivemind else None
+        self.hub = PeerHub(self.run.root, self.store, settings.hivemind_host) if settings.hivemind else None
         self.roster = Roster(self.cfg, self.settings, self.store, self.rounds, self.checkpoints, self.conduct, self.hub)
         self.uploads = Uploads(self.cfg, self.settings, self.store, self.roster, self.rounds, self.checkpoints,
                                self.intake, self.auditor, self.conduct, self.hub)
@@ -121,6 +128,8 @@ class Coordinator:
             self.uploads.restore_audits(self.clock())
             self.conduct.finish_group_quarantines(self.clock())  # a crash between a group refusal and its quarantine
             self._revoke_in_dht()
+            # what a restart goes on with, once this start has held (a start that failed leaves the last good ones)
+            self.store.meta.set_meta(SETTINGS_META, json.dumps(self.settings.to_dict()))
 
     def _quarantined(self, name: str) -> None:
         """(Locked.) What a quarantine of ``name`` ends beyond its token: the audits that await its uploads, and (with

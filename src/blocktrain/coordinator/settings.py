@@ -29,6 +29,11 @@ NESTEROV_LR = 0.7  # the default outer lr of Nesterov (mu 0.5) on shared moments
 SETTINGS_META = "settings"  # the store's meta key of the settings a run last ran with (to_dict's JSON)
 # settings that decide what a stored push is: a round holding pushes made under others could never close
 PUSH_FIELDS = ("inner_start", "moment_every", "moment_codec")
+# settings a restart goes on with (its training's arithmetic, PUSH_FIELDS among them); the others (deadlines, defences,
+# evaluation, the server's limits, the device) are this start's flags and defaults
+RUN_FIELDS = frozenset({"rounds", "local_steps", "min_updates", "aggregation", "trim_fraction", "outer", "outer_lr",
+                        "outer_momentum", "outer_beta2", "outer_eps", "outer_cap", "step_compression", "moment_clip",
+                        "moment_step", "moment_mean_v", "agree_min", *PUSH_FIELDS})
 
 OUTER_ADAM_LR = 1e-3  # the default eta of outer Adam (an absolute step per coordinate, like an inner lr)
 
@@ -59,6 +64,11 @@ class CloseReason(enum.Enum):
 
 def _shown(value: Any) -> str:
     return str(value.value) if isinstance(value, enum.Enum) else repr(value)
+
+
+def _stored(value: Any) -> Any:
+    """A value as :meth:`CoordinatorSettings.to_dict` stores it."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def per_block_h(block_steps: int, rounds: int) -> int:
@@ -186,25 +196,46 @@ class CoordinatorSettings:
 
     @classmethod
     def continued(cls, stored: Mapping[str, Any], given: Mapping[str, Any]) -> tuple[CoordinatorSettings, list[str]]:
-        """The settings a restarted run goes on with: those it ran with (``stored``, :meth:`to_dict`'s, its outer step
-        and lr resolved), each field in ``given`` (the flags given now) replacing its value. So rerunning a command
-        after an upgrade keeps the run's outer lr, and so on, where a new version's default would change them.
+        """The settings a restarted run goes on with: :data:`RUN_FIELDS` (its training's arithmetic) as it ran with
+        them (``stored``, :meth:`to_dict`'s, its outer step and lr resolved), the rest from this start's flags and
+        defaults; each field in ``given`` (the flags given now) sets its value. So rerunning a command after an
+        upgrade keeps the run's outer lr, where a new version's default would change it halfway.
 
-        Returns them and one line per field that ``given`` changed, or that the stored settings had and this version
-        lacks. A new outer step given without an lr takes its own default lr, not the old step's."""
-        hints, known = typing.get_type_hints(cls), {f.name for f in fields(cls)}
+        Returns them and one line per value kept that this version's default would change, per field ``given``
+        changed, and per stored value this version cannot read (dropped: its flag or default applies). A new outer
+        step given without an lr takes its own default lr, not the old step's."""
+        hints, default = typing.get_type_hints(cls), cls()
         values: dict[str, Any] = {}
         notes = [f"{name}: {value!r} is not a setting of this version, dropped" for name, value in stored.items()
-                 if name not in known]
-        for name in known & stored.keys():
-            kind = next((t for t in typing.get_args(hints[name]) or (hints[name],) if isinstance(t, type)
-                         and issubclass(t, enum.Enum)), None)
-            values[name] = kind(stored[name]) if kind is not None and stored[name] is not None else stored[name]
+                 if name not in {f.name for f in fields(cls)}]
+        for name in (n for n in RUN_FIELDS if n in stored and n not in given):
+            kind = next((t for t in typing.get_args(hints[name]) or (hints[name],) if isinstance(t, type)), None)
+            try:
+                value = stored[name]
+                if value is not None and kind is not None and issubclass(kind, enum.Enum):
+                    value = kind(value)
+                elif value is not None and kind is float and isinstance(value, int) and not isinstance(value, bool):
+                    value = float(value)
+                if value is not None and kind is not None and not isinstance(value, kind):
+                    raise TypeError(f"{value!r} is not a {kind.__name__}")
+            except (ValueError, TypeError) as exc:
+                notes.append(f"{name}: the stored {stored[name]!r} cannot be read ({exc}), dropped")
+                continue
+            values[name] = value
         if "outer" in given and "outer_lr" not in given and given["outer"] != values.get("outer"):
-            values["outer_lr"] = None
-        notes += [f"{name}: {_shown(values[name]) if name in values else 'unset'} -> {_shown(v)}, as given"
-                  for name, v in given.items() if values.get(name, object()) != v]
-        return cls(**{**values, **given}), notes
+            values.pop("outer_lr", None)  # the new outer step's own default lr
+        for name, value in values.items():
+            outer = values.get("outer")
+            now = default.eta(outer) if name == "outer_lr" and outer is not None else getattr(default, name)
+            if value != now and name != "outer":  # (the outer step: the objective's when none is chosen)
+                notes.append(f"{name}: {_shown(value)} kept (this version's default: {_shown(now)})")
+        notes += [f"{name}: {_shown(stored[name]) if name in stored else 'unset'} -> {_shown(v)}, as given"
+                  for name, v in given.items() if name in RUN_FIELDS and stored.get(name, object()) != _stored(v)]
+        try:
+            return cls(**{**values, **given}), notes
+        except ConfigError as exc:
+            raise ConfigError(f"the settings this run last ran with do not hold: {exc}; pass the flag with a good "
+                              "value, or --reset-settings") from exc
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device == "cuda" or self.device.startswith("cuda:")):
