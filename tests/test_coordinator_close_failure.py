@@ -64,11 +64,40 @@ def test_a_failing_close_is_neither_the_pushers_nor_the_other_blocks(tmp_path: P
 
 
 def test_a_restart_that_changes_what_a_stored_push_is_is_refused(tmp_path: Path) -> None:
-    shared = {**QUIET, "inner_start": InnerStart.SHARED_MV}
-    make_coordinator(tmp_path / "run", None, FakeClock(), moment_every=3, **shared).close()
+    shared = {**QUIET, "inner_start": InnerStart.SHARED_MV, "min_updates": 2}
+    c = make_coordinator(tmp_path / "run", None, FakeClock(), moment_every=3, **shared)
+    try:
+        for name in ("a", "b"):
+            c.add_token(name)
+            c.register(name, 0)
+        assert c.submit("a", 0, _push(c, "a", 0, seed=0)).accepted  # v0 shares no moments at every 3; b awaited
+    finally:
+        c.close()
     with pytest.raises(ConfigError, match=r"--moment-every 3 \(now 1\).*restart it with the run's own value"):
         make_coordinator(tmp_path / "run", None, FakeClock(), moment_every=1, **shared)
     make_coordinator(tmp_path / "run", None, FakeClock(), moment_every=3, **shared).close()  # its own: fine
+
+
+def test_a_close_that_fails_after_its_commit_is_reported_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """What follows a stored close (a warm start, screened workers' refusals) failing is not a round that stayed
+    open: the version has moved on, and the push that closed it is told so."""
+    c = make_coordinator(tmp_path / "run", None, FakeClock(), **QUIET)
+    try:
+        c.add_token("a")
+        c.register("a", 0)
+
+        def broken(*args: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(c.rounds, "_advance", broken)
+        with caplog.at_level("ERROR"):
+            assert c.submit("a", 0, _push(c, "a", 0, seed=0)).round_closed
+        assert c.version[0] == 1
+        assert [r.getMessage()[:60] for r in caplog.records] == [
+            "block 0: round v0 closed, but what follows its close failed: "[:60]]
+    finally:
+        c.close()
 
 
 def test_the_auditors_replay_times_are_bounded() -> None:

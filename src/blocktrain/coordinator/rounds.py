@@ -75,7 +75,7 @@ class Rounds:
         self.n_blocks = cfg.model.n_blocks
         self.state: dict[int, BlockState] = {}
         self._copies_due: set[int] = set()  # blocks whose run-directory checkpoint copy failed (a full disk): due again
-        self._close_failed: dict[int, tuple[int, str]] = {}  # block -> (version, error) of its last failed close
+        self._close_failed: dict[int, tuple[int, str]] = {}  # block -> (version, error kind) of its last failed close
         self._warm_due: set[int] = set()  # opened blocks whose warm start failed (a full disk): tried again each tick
 
     # --- start-up -------------------------------------------------------------
@@ -109,7 +109,8 @@ class Rounds:
             self.state[k] = self._resumed_state(k, v, now)
             log.info("block %d: resumed at version %d (%s)", k, v, self.state[k].value)
             self._grace(k, v, now)
-            if self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits():
+            if (self.progressive and k > 0 and v == 0 and self.state[k] is BlockState.OPEN and self.objective.inherits()
+                    and not s.updates.accepted_updates(k, 0)):  # with pushes, its weights are what they were made from
                 self._warm(k)  # a no-op unless a crash came between opening block k and its warm start
 
     def _histories(self, k: int, grouped: bool) -> tuple[list[float], list[float]]:
@@ -274,16 +275,19 @@ class Rounds:
         pushes: they were trained from the weights it opened with, and would be applied to others. A failure (a full
         disk) leaves it due again at the next tick, where it had left the block at its cold weights for good, and
         a restart then warm-started it under the pushes made since."""
-        self._warm_due.discard(k)
-        if self.checkpoints.current(k).version != 0 or self.store.updates.accepted_updates(k, 0):
-            log.warning("block %d: not warm-started: pushes were made from the weights it opened with", k)
-            return
+        failed = k in self._warm_due
+        self._warm_due.add(k)  # until it is done, or moot
         try:
+            if self.checkpoints.current(k).version != 0 or self.store.updates.accepted_updates(k, 0):
+                self._warm_due.discard(k)
+                log.warning("block %d: not warm-started: pushes were made from the weights it opened with", k)
+                return
             self.checkpoints.warm_start(k)
         except Exception as exc:  # its round stays open on the first weights meanwhile
-            log.error("block %d: warm start failed, tried again at the next tick: %s", k, exc)
-            self._warm_due.add(k)
+            if not failed:
+                log.error("block %d: warm start failed, tried again each tick: %s", k, exc)
             return
+        self._warm_due.discard(k)
         self._copy(k, 0)
 
     def close_due_rounds(self, now: float) -> None:
@@ -312,10 +316,14 @@ class Rounds:
         try:
             self.close_round(k, reason, now)
         except Exception as exc:  # any failure of this block's close: the others go on
-            if self._close_failed.get(k) != (v, str(exc)):
+            if self.checkpoints.current(k).version != v:  # committed and published: what follows it failed
+                log.error("block %d: round v%d closed, but what follows its close failed: %s", k, v, exc, exc_info=exc)
+                return True
+            key = (v, f"{type(exc).__name__}:{getattr(exc, 'errno', None)}")  # not the message: it may name a temp file
+            if self._close_failed.get(k) != key:
                 log.error("block %d: closing round v%d failed, it stays open and is tried again each tick: %s", k, v,
                           exc, exc_info=exc)
-            self._close_failed[k] = (v, str(exc))
+            self._close_failed[k] = key
             return False
         self._close_failed.pop(k, None)
         return True
