@@ -10,13 +10,11 @@ import torch
 
 from blocktrain.bench import speed
 from blocktrain.cli.main import build_parser, main
-from blocktrain.config import TrainConfig
+from blocktrain.config import SEED_LIMIT, TrainConfig
 from blocktrain.data.stream import mix_seed
 from blocktrain.errors import ConfigError
 from blocktrain.seeds import E2E_INIT, init_seed
 from tests.conftest import write_data_dir
-
-SEED_LIMIT = 2**32  # train.seed's bound (config.SEED_LIMIT)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +116,7 @@ def test_coordinator_takes_no_compile_flag(capsys: pytest.CaptureFixture[str]) -
 
 def test_train_seed_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A seed of 2**63 was taken, then failed deep inside: struct.error in mix_seed, or torch.manual_seed's overflow of
-    init_seed = seed * 1009 + role. Seeds in [0, 2**32) work end to end."""
+    init_seed = seed * 1009 + role. Seeds below SEED_LIMIT (every seed that trained before) work end to end."""
     for bad in (-1, SEED_LIMIT, 2**63):
         with pytest.raises(ConfigError, match="--seed"):
             TrainConfig(seed=bad)
@@ -164,3 +162,12 @@ def test_bench_speed_keeps_an_out_that_is_not_its_own(tmp_path: Path, capsys: py
     with pytest.raises(TimedError):
         main([*argv, "--out", str(earlier)])
     assert earlier.is_dir() and not any(earlier.iterdir())
+    # and so is one holding the result it wrote there itself (--json inside --out), but not another JSON file
+    (earlier / "e2e-fp32").mkdir()
+    for name in ("speed.json", "speed.md"):
+        (earlier / name).write_text("{}")
+    with pytest.raises(TimedError):
+        main([*argv, "--out", str(earlier), "--json", str(earlier / "speed.json")])
+    assert not any(earlier.iterdir())
+    (earlier / "other.json").write_text("{}")
+    refused([*argv, "--out", str(earlier), "--json", str(earlier / "speed.json")], capsys, "other.json")

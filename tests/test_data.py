@@ -88,7 +88,8 @@ def test_rows_to_raw_rebuilds_official_layout() -> None:
     assert rows_to_raw(["", " = A = \n", "", "text .\n"]) == b" \n = A = \n \ntext .\n"
 
 
-def test_download_from_local_parquet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_download_from_local_parquet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     src = tmp_path / "hub"
@@ -119,15 +120,18 @@ def test_download_from_local_parquet(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert asked == []
     with pytest.raises(DataError, match="unknown dataset"):
         download_wikitext("wikitext-5", dest, fetch=fetch)
-    # a copy that is not the published one is fetched again, and a download that is not is never kept: it was kept
-    # with a warning, then every later run without --data trained on it
-    (dest / "wiki.test.raw").write_bytes(b" \ntampered\n")
+    # a download that is not the published one was kept with one warning, then every later run without --data
+    # trained on it in silence: it is marked, and every run that resolves the cache says so
     files["test"] = src / "other.parquet"
     pq.write_table(pa.table({"text": ["", "not t\n"]}), files["test"])
-    with pytest.raises(DataError, match="not the published"):
-        download_wikitext("wikitext-2", dest, fetch=fetch)
-    assert asked == [("Salesforce/wikitext", "wikitext-2-raw-v1/test-00000-of-00001.parquet")]
-    assert not (dest / "wiki.test.raw").exists() or (dest / "wiki.test.raw").read_bytes() == b" \ntampered\n"
+    monkeypatch.setenv("BLOCKTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("BLOCKTRAIN_DATA", raising=False)
+    with caplog.at_level("WARNING"):
+        resolve_data_dir(download=lambda d: download_wikitext("wikitext-2", d, fetch=fetch))
+        caplog.clear()
+        again = resolve_data_dir(download=lambda d: download_wikitext("wikitext-2", d, fetch=fetch))
+    assert (again.root / "wiki.test.raw.sha256-mismatch").is_file()
+    assert [r.getMessage().split(" was downloaded")[0] for r in caplog.records] == [str(again.root / "wiki.test.raw")]
 
 
 def test_an_interrupted_download_in_the_cache_is_resumed_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

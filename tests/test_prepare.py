@@ -169,6 +169,14 @@ def test_a_jsonl_dump_named_json_and_a_prepared_dataset_as_the_source(tmp_path: 
     assert b'"body"' not in (tmp_path / "out" / "train.bin").read_bytes()  # the field's text, not the JSON lines
     with pytest.raises(DataError, match=r"made already: pass it to training as --data"):
         prepare(tmp_path / "out", tmp_path / "again", SMALL)
+    src.write_bytes(b"\n\xef\xbb\xbf" + src.read_bytes())  # a blank first line, a byte-order mark: still JSONL
+    from blocktrain.data.prepare import source_kind
+
+    assert source_kind(src) == "jsonl"
+    web = tmp_path / "web"  # another project's manifest.json is only text
+    web.mkdir()
+    (web / MANIFEST).write_text('{"name": "site", "icons": []}\n')
+    assert source_kind(web) == "directory"
 
 
 def test_wikitext_layout_is_copied_byte_for_byte_and_keeps_its_fingerprint(tmp_path: Path) -> None:

@@ -22,8 +22,9 @@ from blocktrain.errors import ConfigError
 
 VOCAB_SIZE = 256  # byte-level: one symbol per byte value
 # train.seed < SEED_LIMIT: seeds.init_seed (seed * 1009 + role) must fit torch.manual_seed's 64 bits, and
-# data.stream.mix_seed packs the seed as a signed 64-bit integer; 2**32 leaves both room
-SEED_LIMIT = 1 << 32
+# data.stream.mix_seed packs the seed as a signed 64-bit integer: every seed a stored run could have trained with
+# (a larger one failed in those two), about 1.8e16
+SEED_LIMIT = (2**64 - 1009) // 1009 + 1
 
 
 class Slicing(enum.Enum):
@@ -246,7 +247,7 @@ class TrainConfig:
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check_all(self, math.isfinite, "finite", "lr", "weight_decay", "grad_clip")  # inf passed the comparisons
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(0 <= self.seed < SEED_LIMIT, "seed", f"must be in [0, 2**32), got {self.seed}; set --seed N in that range")
+        _check(0 <= self.seed < SEED_LIMIT, "seed", f"must be in [0, {SEED_LIMIT}), got {self.seed}; set --seed N in that range")
         _check_enums(self)
         _check(
             isinstance(self.device, str) and (self.device in ("auto", "cpu") or self.device.startswith("cuda")),

@@ -99,12 +99,21 @@ def run_speed_bench(opts: SpeedOptions) -> dict[str, Any]:
     return result
 
 
-def clear_out(out: Path) -> None:
-    """``out`` new and empty: an earlier speed bench's directory is deleted; one holding anything else is refused."""
+def clear_out(out: Path, json_path: Path | None = None) -> None:
+    """``out`` new and empty: an earlier speed bench's directory is deleted (its runs, and its result where ``--json``
+    writes it inside ``out``); one holding anything else is refused."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ConfigError(f"--out {out} is not a directory; pick another --out")
+    own_files = set()
+    if json_path is not None and json_path.resolve().parent == out.resolve():  # the result, and its table beside it
+        own_files = {json_path.name, json_path.with_suffix(".md").name}
     if out.exists():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in OWN_DIRS or p.is_symlink() or not p.is_dir())
+        def own(p: Path) -> bool:
+            if p.is_symlink():
+                return False
+            return (p.name in OWN_DIRS and p.is_dir()) or (p.name in own_files and p.is_file())
+
+        foreign = sorted(p.name for p in out.iterdir() if not own(p))
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise ConfigError(f"--out {out} holds {shown}, not an earlier speed bench's runs alone, and the bench "
@@ -117,7 +126,7 @@ def measure_speed(opts: SpeedOptions) -> dict[str, Any]:
     """Time every trainer in fp32 and bf16 (``opts.out`` is replaced); the result, not yet written."""
     device = resolve_device(opts.device)
     step_bytes = bytes_per_step(opts.preset)
-    clear_out(opts.out)
+    clear_out(opts.out, opts.json_path)
     common = common_flags(opts)
     new_flags = ["--log-every", str(LOG_EVERY), "--eval-bytes", "0", "--checkpoint-every", "1000000", "--device", opts.device]
     peak = measure_peak_flops(device)

@@ -82,10 +82,10 @@ class RunDir:
             # was dropped for the recorded one
             resumed = replace(existing, train=cfg.train, stack=cfg.stack)
             changed = recipe_changes(existing, resumed)
-            if changed:  # recorded, so that run.json names the recipe the run goes on with, and what it began with
+            trains = {k: v for k, v in changed.items() if k not in RUNTIME_FIELDS}
+            if trains:  # recorded below, so that run.json names the recipe the run goes on with, and its changes
                 log.warning("%s goes on with another recipe than it recorded: %s", self.root,
-                            "; ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RUNTIME_FIELDS)
-                            or "only where and how it runs")
+                            "; ".join(f"{k} {a} -> {b}" for k, (a, b) in trains.items()))
             if filled or changed or (data_dir is not None and self.recorded_data() != self._data):
                 self._write(resumed, changed)
             return resumed

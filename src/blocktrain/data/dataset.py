@@ -201,6 +201,10 @@ def resolve_data_dir(
         return open_data_dir(Path(env).expanduser())
     cached = cache_dir() / "wikitext-2-raw"
     if find_flavour(cached, partial=False) is not None:  # an interrupted download is resumed below, not used
+        for marker in sorted(cached.glob("*.sha256-mismatch")):  # download.mismatch_marker
+            log.warning("%s was downloaded with another sha256 than the published one: runs on it are not comparable "
+                        "with WikiText-2's (delete the folder to download it again, or pass --data DIR)",
+                        cached / marker.name.removesuffix(".sha256-mismatch"))
         return open_data_dir(cached)
     if no_download is not None:
         raise DataError(no_download)

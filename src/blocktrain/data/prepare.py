@@ -128,14 +128,17 @@ def source_kind(src: Path) -> str:
     """``wikitext``, ``directory``, ``jsonl`` (also a ``.json`` file whose first line is a JSON object: a JSONL dump
     under another name, whose ``--field`` was ignored as the file was read as text) or ``text``."""
     if src.is_dir():
-        if (src / MANIFEST).is_file():
-            raise DataError(f"{src} is a dataset 'blocktrain prepare' made already: pass it to training as --data {src}")
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # another project's manifest.json is text
+            if json.loads((src / MANIFEST).read_text()).get("format") == DATASET_FORMAT:
+                raise DataError(f"{src} is a dataset 'blocktrain prepare' made already: pass it to training as "
+                                f"--data {src}")
         return "wikitext" if find_flavour(src) is not None else "directory"
     if not src.is_file():
         raise DataError(f"source {src} does not exist; pass a text file, a JSONL file or a directory")
     if src.suffix.lower() == ".json":
-        with src.open("rb") as f:
-            first = f.readline(1 << 20).strip()
+        with src.open("rb") as f:  # the first line with text (of the first 64, each read up to 16 MiB)
+            lines = (f.readline(1 << 24) for _ in range(64))
+            first = next((line for line in lines if line.strip()), b"").removeprefix(b"\xef\xbb\xbf")
         with contextlib.suppress(ValueError):
             if isinstance(json.loads(first), dict):
                 return "jsonl"
