@@ -2,7 +2,8 @@
 # The device suite (issue 42): one command that answers speed, depth, volunteers, live trust and serving on one GPU.
 #
 #   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H100/H200, DEADLINE_S (480 s)
-#   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py)
+#   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py):
+#                                                         # 153 s alone on 2 cores at 1afd97e (172 s before it)
 #   SUITE=rehearsal DEVICE=cpu bash scripts/device_suite.sh   # full's jobs, flags and side-by-side launch at tiny
 #                                                             # budgets: run it before a GPU session (about 8 minutes here)
 #
