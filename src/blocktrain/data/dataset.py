@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from blocktrain.data.integrity import KNOWN_SHA256, sha256_file
+from blocktrain.data.integrity import KNOWN_SHA256, mismatch_marker, sha256_file
 from blocktrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -201,10 +201,11 @@ def resolve_data_dir(
         return open_data_dir(Path(env).expanduser())
     cached = cache_dir() / "wikitext-2-raw"
     if find_flavour(cached, partial=False) is not None:  # an interrupted download is resumed below, not used
-        for marker in sorted(cached.glob("*.sha256-mismatch")):  # download.mismatch_marker
-            log.warning("%s was downloaded with another sha256 than the published one: runs on it are not comparable "
-                        "with WikiText-2's (delete the folder to download it again, or pass --data DIR)",
-                        cached / marker.name.removesuffix(".sha256-mismatch"))
+        for split in SPLITS:
+            if mismatch_marker(target := cached / f"wiki.{split}.raw").is_file():
+                log.warning("%s was downloaded with another sha256 than the published one: runs on it are not "
+                            "comparable with WikiText-2's (delete the folder to download it again, or pass --data DIR)",
+                            target)
         return open_data_dir(cached)
     if no_download is not None:
         raise DataError(no_download)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from blocktrain.checkpoint.safetensors_io import atomic_write_bytes
-from blocktrain.data.integrity import KNOWN_SHA256
+from blocktrain.data.integrity import KNOWN_SHA256, mismatch_marker
 from blocktrain.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -83,9 +83,9 @@ def download_wikitext(name: str, dest: Path, fetch: Fetch = hub_fetch) -> Path:
     folder, splits = _LAYOUT[name]
     for split, shards in splits.items():
         target = dest / f"wiki.{split}.raw"
-        want = KNOWN_SHA256.get(target.name) if name == "wikitext-2" else None
         if target.is_file() and target.stat().st_size > 0:
             continue
+        want = KNOWN_SHA256.get(target.name) if name == "wikitext-2" else None
         rows: list[str] = []
         for shard in shards:
             log.info("fetching %s/%s", folder, shard)
@@ -105,7 +105,3 @@ def download_wikitext(name: str, dest: Path, fetch: Fetch = hub_fetch) -> Path:
         atomic_write_bytes(target, raw)
     return dest
 
-
-def mismatch_marker(target: Path) -> Path:
-    """The file that marks a downloaded split whose sha256 is not the published one (its digest, then the published)."""
-    return target.with_name(target.name + ".sha256-mismatch")

@@ -20,6 +20,12 @@ KNOWN_SHA256 = {
 }
 
 
+def mismatch_marker(target: Path) -> Path:
+    """The file that marks a downloaded split whose sha256 is not the published one (its digest, then the published):
+    written by the download, read by every run that resolves the cache."""
+    return target.with_name(target.name + ".sha256-mismatch")
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
