@@ -114,16 +114,17 @@ def test_the_auditors_replay_times_are_bounded() -> None:
     assert auditor.summary()["median_replay_s"] == 500 + REPLAY_TIMES // 2  # the latest replays'
 
 
-def test_a_failed_warm_start_is_tried_again_and_never_under_pushes(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_warm_start_is_tried_again_and_the_block_waits_for_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A stack block opens when the one before it finishes, then is warm-started from it. A warm start that failed (a
     full disk) raised out of the close, left the block at its first weights for good, and a restart warm-started it
-    under the pushes made from those weights since. It is now tried again each tick, and never once pushes exist."""
+    under the pushes made from those weights since. It is now tried again each tick, and until it is done the block
+    hands out no round and takes no push: one made from its first weights would have made the warm start moot."""
     from dataclasses import replace
 
     from blocktrain.config import StackInit
     from blocktrain.coordinator.settings import CoordinatorSettings
-    from blocktrain.protocol.codes import BlockState
+    from blocktrain.protocol.codes import BlockState, Reason, RoundState
     from tests.distributed_utils import HANDMADE
     from tests.test_coordinator_stack import STACK, delta_for, finish_block
 
@@ -157,15 +158,21 @@ def test_a_failed_warm_start_is_tried_again_and_never_under_pushes(tmp_path: Pat
     try:
         finish_block(c, 0, "seed")
         cold = c.weights_sha[1]
-        for name in ("w", "w2"):  # two replicas: the round waits for w2
-            c.add_token(name)
-            c.register(name, 1)
-        assert c.submit("w", 1, pack_delta(delta_for(c, 1), Compression.BF16, block=1, base_version=0, base_sha=cold,
-                                           samples=4)).accepted
+        c.add_token("w")
+        c.register("w", 1)
+        work = c.work("w")
+        assert work.round_state is RoundState.WAITING and "not yet warm-started" in work.message
+        assert c.status().blocks[1].round_state is RoundState.WAITING
+        with pytest.raises(ProtocolError) as refused:  # one pushed anyway, from the first weights
+            c.submit("w", 1, pack_delta(delta_for(c, 1), Compression.BF16, block=1, base_version=0, base_sha=cold,
+                                        samples=4))
+        assert refused.value.status == 409 and refused.value.reason == Reason.WAITING
+        assert c.store.updates.accepted_updates(1, 0) == [] and not c.conduct.quarantined("w")
     finally:
         c.close()
     again = Coordinator(tmp_path / "b", cfg, settings, None, clock=FakeClock())  # the disk has room again
     try:
-        assert again.version[1] == 0 and again.weights_sha[1] == cold  # w's push was made from these: they stay
+        assert again.version[1] == 0 and again.weights_sha[1] != cold  # warm-started at the restart
+        assert again.work("w").round_state is RoundState.OPEN
     finally:
         again.close()

@@ -20,7 +20,7 @@ from blocktrain.coordinator.intake import Intake
 from blocktrain.coordinator.rounds import Rounds
 from blocktrain.coordinator.settings import CoordinatorSettings, OuterOptimizer
 from blocktrain.coordinator.store import Store
-from blocktrain.protocol.codes import BlockState, RoundState
+from blocktrain.protocol.codes import BlockState
 from blocktrain.protocol.status import BlockStatus, EvalStatus, OuterStatus, RoundStatus, Status, WorkerStatus
 
 
@@ -90,8 +90,7 @@ class Observed:
             state = self.rounds.state[k]
             blocks.append(BlockStatus(
                 block=k, state=state, version=current.version, weights_sha=current.sha,
-                round_state=(RoundState.WAITING if state is BlockState.WAITING
-                             else rnd.state if rnd is not None else RoundState.FINISHED),
+                round_state=self.rounds.round_state(k, rnd),
                 deadline_in=(rnd.deadline - now) if rnd is not None else 0.0,
                 updates_in_round=rnd.n_updates if rnd is not None else 0, live_replicas=len(live[k]), outer=outer))
         workers = [WorkerStatus(name=w.name, block=w.block, pinned=w.pinned, state=w.state.value, live=w.live(now),

@@ -165,7 +165,7 @@ class Roster:
         current = ck.current(k)
         rnd = self.store.rounds.round(k, current.version)
         block_state = rounds.state[k]
-        state = rnd.state if rnd is not None else RoundState.FINISHED
+        state = rounds.round_state(k, rnd)  # WAITING: no round yet, or one held until its block is warm-started
         stream = worker_stream(row.id, k, current.version)
         submitted = self.store.updates.submitted(k, current.version, name)
         in_groups = self.store.workers.averages_in_groups(name)
@@ -182,7 +182,7 @@ class Roster:
             block=k, version=current.version, weights_sha=current.sha, block_state=block_state,
             message=rounds.state_message(k),
             frozen=rounds.frozen_refs(k),  # the finished blocks block k reads
-            round_state=RoundState.WAITING if block_state is BlockState.WAITING else state,  # no round yet
+            round_state=state,
             deadline_in=(rnd.deadline - now) if rnd is not None else 0.0,
             seed=self.cfg.train.seed, stream=stream,
             steps=rounds.local_steps(k), batch=self.cfg.train.batch_size,  # the budget: steps x batch samples

@@ -31,7 +31,7 @@ from blocktrain.coordinator.aggregate import RoundResult, carried_share, next_ve
 from blocktrain.coordinator.checkpoints import Checkpoints
 from blocktrain.coordinator.conduct import Conduct
 from blocktrain.coordinator.intake import Intake, unpack_sketch
-from blocktrain.coordinator.rows import UpdateRow
+from blocktrain.coordinator.rows import RoundRow, UpdateRow
 from blocktrain.coordinator.settings import CloseReason, CoordinatorSettings, UpdateState, per_block_h
 from blocktrain.coordinator.store import Store
 from blocktrain.coordinator.validate import parse_update
@@ -190,6 +190,9 @@ class Rounds:
     def state_message(self, k: int) -> str:
         """What a worker on block k should know about its state ('' while it is open)."""
         state = self.state[k]
+        if self.warming(k):
+            return (f"block {k} is open but not yet warm-started from block {k - 1}, which failed (see the coordinator's "
+                    "log: a full disk?) and is tried again each tick; this worker waits until then")
         if state is BlockState.WAITING:
             rounds = ", ".join(str(self.block_rounds(j)) for j in range(k))
             return (f"block {k} is waiting: it opens once blocks 0..{k - 1} have finished their rounds ({rounds}); "
@@ -197,6 +200,17 @@ class Rounds:
         if state is BlockState.FINISHED:
             return f"block {k} has finished its rounds; it takes no more updates"
         return ""
+
+    def warming(self, k: int) -> bool:
+        """Whether open block k awaits a warm start that failed: it hands out no work and takes no pushes until then,
+        since a push made from its first weights would make the warm start moot for good."""
+        return k in self._warm_due
+
+    def round_state(self, k: int, rnd: RoundRow | None) -> RoundState:
+        """Block k's round state as workers and the status see it: a waiting or warming block has no round yet."""
+        if self.state[k] is BlockState.WAITING or self.warming(k):
+            return RoundState.WAITING
+        return rnd.state if rnd is not None else RoundState.FINISHED
 
     def open_blocks(self) -> list[int]:
         return [k for k in range(self.n_blocks) if self.state[k] is BlockState.OPEN]
@@ -230,7 +244,7 @@ class Rounds:
                 409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
                 Reason.STALE,
             )
-        if self.state[k] is BlockState.WAITING:
+        if self.state[k] is BlockState.WAITING or self.warming(k):
             raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", Reason.WAITING)
         if rnd is None or rnd.state is not RoundState.OPEN:
             why = ("the run finished" if all(st is BlockState.FINISHED for st in self.state.values()) else
@@ -274,7 +288,8 @@ class Rounds:
         """Warm-start opened block k (:meth:`Checkpoints.warm_start`) and copy it, unless its first round already holds
         pushes: they were trained from the weights it opened with, and would be applied to others. A failure (a full
         disk) leaves it due again at the next tick, where it had left the block at its cold weights for good, and
-        a restart then warm-started it under the pushes made since."""
+        a restart then warm-started it under the pushes made since; until then the block hands out no round and takes
+        no push (:meth:`warming`)."""
         failed = k in self._warm_due
         self._warm_due.add(k)  # until it is done, or moot
         try:

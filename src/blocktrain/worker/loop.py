@@ -41,7 +41,7 @@ from blocktrain.device import compile_module, resolve_device, resolve_precision
 from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
-from blocktrain.protocol.codes import BlockState, Reason, RoundState
+from blocktrain.protocol.codes import Reason, RoundState
 from blocktrain.protocol.delta import ErrorFeedback, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
@@ -409,9 +409,9 @@ class Worker:
                 if self._unsent is not None:  # its group's mean not there yet: asked often, not to miss the deadline
                     self.abandon.wait(self.opts.poll_s)
                     continue
-                if work.block_state is BlockState.WAITING and not waiting:
+                if work.round_state is RoundState.WAITING and not waiting:  # a waiting block, or one warming up
                     log.info("%s", work.message or f"block {self.k} is waiting for earlier blocks to finish")
-                waiting = work.block_state is BlockState.WAITING
+                waiting = work.round_state is RoundState.WAITING
                 if (work.round_state is not RoundState.OPEN or work.submitted or self.engine.waits_for_peers(work.version)
                         or self._refused == (work.block, work.version)):
                     self._await_next(work.version)
