@@ -10,6 +10,7 @@
   the lock; no ``sqlite3.Row`` leaves ``coordinator/tables.py`` and ``conduct_tables.py`` (and ``rows.py``, whose row
   types are built from one).
 - ``serve/``'s subpackages import only downward: wire <- runtime <- stage, wire <- client <- gateway.
+- Every module a docstring's ``:mod:`` names exists.
 """
 
 from __future__ import annotations
@@ -244,3 +245,20 @@ def test_every_source_folder_is_a_package_an_install_ships() -> None:
     src = Path(__file__).resolve().parents[1] / "src"
     folders = {str(p.parent.relative_to(src)).replace("/", ".") for p in src.rglob("*.py")}
     assert folders <= set(find_packages(str(src))), sorted(folders - set(find_packages(str(src))))
+
+
+def test_every_module_a_docstring_names_exists() -> None:
+    """A ``:mod:`` reference in the package's source, relative (``.intake``) or absolute (``blocktrain.data``), names a
+    module or package that exists: ``coordinator/simulate.py`` cited ``.defences``, a module long since renamed."""
+    missing = []
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        for name in re.findall(r":mod:`~?\.([A-Za-z_][\w.]*)`", text):
+            base = path.parent / name.split(".")[0]
+            if not (base.with_suffix(".py").exists() or (base / "__init__.py").exists()):
+                missing.append(f"{path.relative_to(SRC)}: .{name}")
+        for name in re.findall(r":mod:`~?blocktrain\.([\w.]+)`", text):
+            base = SRC.joinpath(*name.split("."))
+            if not (base.with_suffix(".py").exists() or (base / "__init__.py").exists()):
+                missing.append(f"{path.relative_to(SRC)}: blocktrain.{name}")
+    assert not missing, missing

@@ -9,7 +9,7 @@ M workers would against a coordinator, without HTTP, storage or processes:
   says (:mod:`blocktrain.train.inner`: afresh, carried, or from the published shared moments);
 * it pushes Delta_i = W_i - W_v encoded with error feedback, and its moment estimates where they are shared
   (:func:`blocktrain.protocol.delta.pack_delta`), which is parsed and checked by
-  the coordinator's own functions (:mod:`.validate`, :mod:`.defences`: the norm
+  the coordinator's own functions (:mod:`.validate`, :mod:`.intake`: the norm
   bound, and the loss gate when ``gate_tolerance`` is set);
 * a drawn push is audited by the coordinator's own :meth:`.audit.Auditor.judge`, from the state it committed to,
   its moments bounded by those its earlier rounds give (:mod:`.lineage` over :class:`.local_records.LocalRecords`,
