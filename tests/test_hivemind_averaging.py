@@ -630,6 +630,62 @@ def test_registered_workers_average_in_a_group_and_a_stranger_contributes_nothin
         dht0.shutdown()
 
 
+def test_a_peer_serves_the_weights_of_a_block_whose_rounds_share_moments() -> None:
+    """A worker's averager reduces the delta and the shared moments (``m/`` and ``v/`` names), while peers offer one
+    another the weights alone: every pull was refused by its check of names and shapes, which held the moments' too,
+    so with shared moments (the default) no version ever came from a peer (helper-67's review)."""
+    from blocktrain.protocol.moments import M_PREFIX, V_PREFIX
+
+    authority = Authority(KEYS[0])
+    own = authority.issue("coordinator", KEYS[0].get_public_key().to_bytes())
+    dht0 = join_dht([], PeerAuthorizer(KEYS[0], own, authority.public_key), "127.0.0.1")
+    members = _averagers(2, authority, dht0, KEYS[1:3], "r-moments")
+    try:
+        g = torch.Generator().manual_seed(0)
+        weights = {"a": torch.randn(5, 3, generator=g), "b": torch.randn(7, generator=g)}
+        like = {**weights, **{p + n: torch.zeros_like(t) for p in (M_PREFIX, V_PREFIX) for n, t in weights.items()}}
+        for m in members:
+            m.prepare(0, like, weights)
+        sha = tensors_sha256(weights)
+        members[0].share(0, 3, sha, weights)
+        got = wait_for(lambda: members[1].pull(0, 3, sha, timeout=5.0), 30, "a peer's pull")
+        assert {n: t.tolist() for n, t in got.items()} == {n: t.tolist() for n, t in weights.items()}
+    finally:
+        for m in members:
+            m.close()
+        dht0.shutdown()
+
+
+def test_a_worker_moved_to_another_block_trains_its_round_there() -> None:
+    """A worker whose round v went into a group mean on one block, then moved to another block at the same version v,
+    waited for that mean's peers instead of training (the engine's grouped version survived the registration)."""
+    import threading
+
+    from blocktrain.worker.engines import HivemindEngine
+
+    engine = HivemindEngine(4, 1.0, "127.0.0.1", threading.Event())
+    prepared: list[tuple[int, list[str], list[str]]] = []
+
+    class Groups:
+        def renew(self, token: bytes) -> None:
+            pass
+
+        def prepare(self, k: int, like: dict[str, torch.Tensor], shared: dict[str, torch.Tensor]) -> None:
+            prepared.append((k, sorted(like), sorted(shared)))
+
+    authority = Authority(KEYS[0])
+    token = authority.issue("w1", engine.key.get_public_key().to_bytes())
+    p2p = {"token": base64.b64encode(token).decode(), "authority": authority.public_key.decode(), "initial_peers": [],
+           "run": "r"}
+    engine.groups = Groups()
+    engine.grouped_version = 12  # its round v12 on block 2 went into a mean another member uploads
+    assert engine.waits_for_peers(12)
+    weights = {"w": torch.zeros(2)}
+    engine.joined(p2p, 3, weights, {**weights, "m/w": torch.zeros(2)})  # moved to block 3, which is at v12 too
+    assert not engine.waits_for_peers(12)
+    assert prepared == [(3, ["m/w", "w"], ["w"])]
+
+
 @pytest.mark.parametrize(("start", "every"), [(InnerStart.FRESH, 1), (InnerStart.SHARED_MV, 1), (InnerStart.SHARED_MV, 2)])
 def test_workers_averaging_on_hivemind_land_on_the_local_reference(start: InnerStart, every: int, tmp_path: Path,
                                                                    corpus: DataDir,  # noqa: F811

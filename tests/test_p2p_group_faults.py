@@ -356,6 +356,14 @@ def test_a_dht_that_never_answers_does_not_hang_the_worker(monkeypatch: pytest.M
     groups.mark_ready(0, 3)
     assert time.monotonic() - start < 3 * 0.2 + MARGIN_S
 
+    # a caller's deadline bounds each call too: a wait that started just before it went up to two calls past it
+    monkeypatch.setattr(G, "DHT_CALL_S", 10.0)
+    start = time.monotonic()
+    deadline = start + 0.2
+    assert groups.all_ready(0, 3, deadline) and groups.newest_shared(0, deadline) == -1.0
+    groups.mark_ready(0, 3, deadline)
+    assert time.monotonic() - start < 0.2 + 3 * 0.05 + MARGIN_S
+
 
 def test_start_quietly_waits_for_the_process_a_bounded_time() -> None:
     class Process:
@@ -452,7 +460,7 @@ def test_a_peers_copy_with_another_schema_under_the_same_old_digest_is_not_pulle
 
     groups = GroupAverager.__new__(GroupAverager)  # pull()'s own checks only: no DHT
     groups._block, groups._state_bytes, groups._schema = 0, 1 << 30, {n: tuple(w.shape) for n, w in honest.items()}
-    groups.newest_shared = lambda k: 0.0  # type: ignore[method-assign]
+    groups.newest_shared = lambda k, deadline=None: 0.0  # type: ignore[method-assign]
     for sha in (tensors_sha256(honest), legacy_tensors_sha256(honest)):
         groups._averager = Serving(forged, sha)  # type: ignore[assignment]
         assert groups.pull(0, 0, sha, timeout=1.0) is None

@@ -88,6 +88,12 @@ class GroupOutcome:
         return sum(m.samples for m in self.members)
 
 
+def _call_timeout(deadline: float | None) -> float:
+    """Seconds a DHT call from the worker's own thread waits: DHT_CALL_S, and never past ``deadline`` (time.monotonic;
+    at least 50 ms, so that a call at the deadline can still answer)."""
+    return DHT_CALL_S if deadline is None else min(DHT_CALL_S, max(0.05, deadline - time.monotonic()))
+
+
 class GroupAverager:
     """This worker's side of the rounds' groups (see the module docstring)."""
 
@@ -166,9 +172,12 @@ class GroupAverager:
         averager.state_sharing_priority = float(v)  # peers download from the newest version first
         averager.allow_state_sharing = True
 
-    def prepare(self, k: int, like: dict[str, torch.Tensor]) -> None:
-        """Start block k's averager (its tensors shaped ``like``), so this worker can pull before it trains."""
-        self._averager_for(k, like)
+    def prepare(self, k: int, like: dict[str, torch.Tensor], shared: dict[str, torch.Tensor] | None = None) -> None:
+        """Start block k's averager, so this worker can pull before it trains: ``like``, what its rounds average (the
+        delta, and the inner moments where they are shared); ``shared``, the block's weights, what peers offer and
+        pull (default ``like``; a copy holding the moments' names too was refused by every pull's check of names and
+        shapes)."""
+        self._averager_for(k, like, shared)
 
     def pull(self, k: int, v: int, sha: str, timeout: float, wait_s: float = 0.0) -> dict[str, torch.Tensor] | None:
         """Block k's weights at version v from a peer that has them, if their sha256 is ``sha`` (else None).
@@ -179,7 +188,7 @@ class GroupAverager:
         if self._averager is None or self._block != k:
             return None
         give_up = time.monotonic() + wait_s
-        while self.newest_shared(k) < v:  # no peer has it yet: downloading an older version would be wasted
+        while self.newest_shared(k, give_up) < v:  # no peer has it yet: downloading an older version would be wasted
             if time.monotonic() >= give_up:
                 return None
             time.sleep(0.25)
@@ -207,37 +216,41 @@ class GroupAverager:
             return None
         return weights
 
-    def newest_shared(self, k: int) -> float:
-        """The newest version of block k a peer offers; -1 when none does."""
+    def newest_shared(self, k: int, deadline: float | None = None) -> float:
+        """The newest version of block k a peer offers; -1 when none does (or the DHT did not say by ``deadline``)."""
         me = self.dht.peer_id.to_bytes()
-        return max((v for peer, v in self._versions(f"{group_prefix(self.run, k)}.all_averagers").items()
+        return max((v for peer, v in self._versions(f"{group_prefix(self.run, k)}.all_averagers", deadline).items()
                     if peer != me), default=-1.0)
 
-    def mark_ready(self, k: int, v: int) -> None:
-        """Say that this worker has trained block k's round v and is about to look for its group."""
+    def mark_ready(self, k: int, v: int, deadline: float | None = None) -> None:
+        """Say that this worker has trained block k's round v and is about to look for its group (the store waited
+        for DHT_CALL_S at most, never past ``deadline``, time.monotonic)."""
         future = self.dht.store(f"{group_prefix(self.run, k)}.ready", subkey=self.dht.peer_id.to_bytes(), value=v,
                                 expiration_time=get_dht_time() + READY_TTL_S, return_future=True)
         try:
-            future.result(timeout=DHT_CALL_S)
+            future.result(timeout=_call_timeout(deadline))
         except Exception as exc:  # a busy or dead DHT process: its peers wait for it no longer than their deadline
             log.warning("block %d v%d: could not say so in the DHT (%s: %s)", k, v, type(exc).__name__, exc)
 
-    def all_ready(self, k: int, v: int) -> bool:
+    def all_ready(self, k: int, v: int, deadline: float | None = None) -> bool:
         """Whether every peer that holds block k at version v has said it is ready (:meth:`mark_ready`).
 
         A group forms from the peers that look for it within one matchmaking window; a worker that starts
         looking later finds the group gone and forms another, so the workers of a round wait for one another
-        first (hivemind's own optimizer waits on its progress tracker likewise)."""
+        first (hivemind's own optimizer waits on its progress tracker likewise). ``deadline`` (time.monotonic): when
+        the caller stops waiting; the DHT's answers are waited for no later."""
         prefix = group_prefix(self.run, k)
-        holding = {peer for peer, at in self._versions(f"{prefix}.all_averagers").items() if at == v}
-        ready = {peer for peer, at in self._versions(f"{prefix}.ready").items() if at == v}
+        holding = {peer for peer, at in self._versions(f"{prefix}.all_averagers", deadline).items() if at == v}
+        ready = {peer for peer, at in self._versions(f"{prefix}.ready", deadline).items() if at == v}
         return holding <= ready | {self.dht.peer_id.to_bytes()}
 
-    def _versions(self, key: str) -> dict[bytes, float]:
+    def _versions(self, key: str, deadline: float | None = None) -> dict[bytes, float]:
         """Peer id (bytes) -> the number each peer stored under ``key``'s subkeys (hivemind's averagers declare
-        their state-sharing priority, here the version they share, under ``PREFIX.all_averagers``)."""
+        their state-sharing priority, here the version they share, under ``PREFIX.all_averagers``). The DHT's answer
+        is waited for DHT_CALL_S at most, and never past ``deadline`` (time.monotonic): a busy DHT process took a
+        caller's loop up to two such calls past its own give-up time."""
         try:
-            found = self.dht.get(key, latest=True, return_future=True).result(timeout=DHT_CALL_S)
+            found = self.dht.get(key, latest=True, return_future=True).result(timeout=_call_timeout(deadline))
         except Exception as exc:  # a busy or dead DHT process: as if no peer had said anything (the callers poll)
             log.warning("the DHT did not answer for %s (%s: %s)", key, type(exc).__name__, exc)
             return {}
@@ -245,9 +258,11 @@ class GroupAverager:
         return {peer: float(e.value) for peer, e in entries.items()
                 if isinstance(peer, bytes) and isinstance(getattr(e, "value", None), int | float)}
 
-    def _averager_for(self, k: int, like: dict[str, torch.Tensor]) -> BlockAverager:
+    def _averager_for(self, k: int, like: dict[str, torch.Tensor],
+                      shared: dict[str, torch.Tensor] | None = None) -> BlockAverager:
         """The long-lived averager of block k (one per block: hivemind's averager is a process, made once), its
-        all-reduce bounded (:func:`exchange_timeouts`); ``like``: the block's tensors by name (their shapes)."""
+        all-reduce bounded (:func:`exchange_timeouts`); ``like``: the tensors it averages by name (their shapes);
+        ``shared``: the weights peers offer one another (default ``like``)."""
         if self._averager is not None and self._block == k:
             return self._averager
         self.close_averager()
@@ -264,8 +279,9 @@ class GroupAverager:
                     averager.shutdown()
             raise
         self._averager, self._block = averager, k
-        self._schema = {n: tuple(t.shape) for n, t in like.items()}
-        self._state_bytes = 4 * sum(t.numel() for t in like.values()) + STATE_SLACK_BYTES
+        shared = like if shared is None else shared
+        self._schema = {n: tuple(t.shape) for n, t in shared.items()}
+        self._state_bytes = 4 * sum(t.numel() for t in shared.values()) + STATE_SLACK_BYTES
         return averager
 
     def renew(self, token: bytes, timeout_s: float = 30.0) -> None:

@@ -42,7 +42,11 @@ FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the least normal float3
 def int8_scale(amax: float) -> float:
     """The int8 scale s of a tensor whose largest magnitude is ``amax``: amax / 127, never below the least normal
     float32 (a tensor of subnormal values had s round to 0 in float32, and a coordinator refuses a scale <= 0), 1 for
-    an all-zero tensor."""
+    an all-zero tensor. A ValueError for a NaN or infinite ``amax``: int8 would send NaN as 0 at scale 1, and a
+    sender's error feedback would keep the NaN."""
+    if not math.isfinite(amax):
+        raise ValueError(f"a tensor whose largest magnitude is {amax} cannot be int8-encoded: it holds NaN or "
+                         "infinite values")
     return max(amax / 127.0, FLOAT32_TINY) if amax > 0 else 1.0
 
 

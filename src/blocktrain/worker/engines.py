@@ -62,8 +62,9 @@ class Engine(Protocol):
     def register_key(self) -> str | None:
         """The public key to register with (None: no peer-to-peer identity)."""
 
-    def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor]) -> None:
-        """After a (re)registration on block k: the registration's ``p2p`` answer and the block's weights."""
+    def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> None:
+        """After a (re)registration on block k: the registration's ``p2p`` answer, the block's weights, and ``like``,
+        what its rounds combine (the delta's names, and the shared moments' where they travel with it)."""
 
     def token_due(self) -> bool:
         """Whether its peer-to-peer token nears its end: ask the coordinator for a new one (:meth:`renew`)."""
@@ -103,7 +104,7 @@ class DirectEngine:
     def register_key(self) -> str | None:
         return None
 
-    def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor]) -> None:
+    def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> None:
         return None
 
     def token_due(self) -> bool:
@@ -160,7 +161,7 @@ class HivemindEngine:
     def register_key(self) -> str | None:
         return str(self.key.get_public_key().to_bytes().decode())
 
-    def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor]) -> None:
+    def joined(self, p2p: Any, k: int, weights: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> None:
         """Join the run's DHT with the token the coordinator issued (once; a new registration renews the token)."""
         from blocktrain.p2p.groups import GroupAverager, join_dht
         from blocktrain.p2p.trust import PeerAuthorizer
@@ -174,8 +175,9 @@ class HivemindEngine:
         else:
             self._renew_token(token)
         self.token_expires = _expires(token)
-        self.like = weights
-        self.groups.prepare(k, weights)  # the block it was (re)assigned
+        self.like = like
+        self.grouped_version = -1  # a round grouped on the block held before is not this block's
+        self.groups.prepare(k, like, weights)  # the block it was (re)assigned
 
     def token_due(self) -> bool:
         from blocktrain.p2p.trust import RENEW_BEFORE_S
@@ -241,9 +243,9 @@ class HivemindEngine:
     def _await_peers(self, k: int, v: int, clock: RoundClock) -> None:
         """Wait (heartbeating) until the block's other workers at this version have trained too, so that the
         round's group forms at once; at the latest when training would have had to stop."""
-        self.groups.mark_ready(k, v)
         give_up = min(clock.give_up_at, time.monotonic() + clock.lease_s)
-        while time.monotonic() < give_up and not self.abandon.is_set() and not self.groups.all_ready(k, v):
+        self.groups.mark_ready(k, v, give_up)
+        while time.monotonic() < give_up and not self.abandon.is_set() and not self.groups.all_ready(k, v, give_up):
             clock.beat()
             self.abandon.wait(0.25)
 
@@ -258,7 +260,7 @@ class HivemindEngine:
             abandon.wait(poll_s)
             return
         give_up = time.monotonic() + max(poll_s, min(lease_s / 3, 3.0 * self.matchmaking_s))
-        while time.monotonic() < give_up and not abandon.is_set() and self.groups.newest_shared(k) <= v:
+        while time.monotonic() < give_up and not abandon.is_set() and self.groups.newest_shared(k, give_up) <= v:
             abandon.wait(poll_s)
 
     def close(self) -> None:

@@ -130,7 +130,8 @@ class Worker:
         self._moments_version = -1  # the version whose published moments this worker loaded last
         self._kept_version = -1  # the version of its newest round of this block that counts (-1: none yet)
         self.round_state: dict[str, torch.Tensor] = {}  # inner state at the current round's start (for an audit)
-        self._undo: tuple[Snapshot, int] = ({}, -1)  # its inner state and loaded moments before the round began
+        # its inner state, loaded moments and kept version before the round began (:meth:`_undo_round`)
+        self._undo: tuple[Snapshot, int, int] = ({}, -1, -1)
         self.feedback = ErrorFeedback(self.opts.compression)  # quantisation residual of this block's pushes
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version = -1
@@ -149,7 +150,7 @@ class Worker:
         self._setup(reg)
         weights = trainable_state(self.block)  # what a group averages: the delta, and the moments this run shares
         like = {**weights, **{p + n: torch.zeros_like(t) for p in self.inner_start.shares for n, t in weights.items()}}
-        self.engine.joined(reg.p2p, self.k, like)
+        self.engine.joined(reg.p2p, self.k, weights, like)
 
     # --- weights ---------------------------------------------------------------
     def _sync(self, work: WorkAnswer) -> None:
@@ -183,7 +184,7 @@ class Worker:
         self._claim_cap = work.steps * work.batch  # what one member of a group may claim (the coordinator's check)
         # as the coordinator asks: fresh moments, its own carried, or the published ones (else its own go on); a round
         # whose push does not count is undone to here (coordinator.lineage derives an audited round's moments so)
-        self._undo = (self.inner.snapshot(), self._moments_version)
+        self._undo = (self.inner.snapshot(), self._moments_version, self._kept_version)
         self.inner.begin(self._published_moments() if self.inner.shares else None)
         self.round_state = self.inner.committed(self.feedback.residual)  # committed with the push
         # A slow worker trains what fits before the round's deadline (at least one step) and pushes that:
@@ -268,6 +269,9 @@ class Worker:
             delta, samples = self._delta()
             # on a sharing round its moments travel with the delta
             delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
+            if not all(bool(torch.isfinite(t).all()) for t in delta.values()):  # once a round: a sync per tensor
+                self._diverged()
+                return
             clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s,
                                self._beat)
             t_combine = time.monotonic()
@@ -310,8 +314,8 @@ class Worker:
                                 "deadline", self.k, self.base_version, exc)
                     return
                 if not (unsent is not None and exc.reason == Reason.DUPLICATE):  # its group's mean landed meanwhile:
-                    self.inner.restore(self._undo[0])                         # the round counts (lineage), so its
-                    self._moments_version = self._undo[1]                     # moments go on
+                    self._undo_round()                                        # the round counts (lineage), so its
+                                                                              # moments go on
                 self._refused_push(exc)
                 return
             self._kept_version = self.base_version
@@ -325,6 +329,28 @@ class Worker:
         finally:
             load_trainable(self.block, self.base)  # the local copy restarts from the published version
 
+    def _undo_round(self) -> None:
+        """This round does not count: its inner state, its loaded moments and the version of its newest round that
+        counts go back to where the round began (a member whose group's mean was to count had moved the last on, and
+        a refused push left it there, so the moments published in its window were never loaded)."""
+        snapshot, self._moments_version, self._kept_version = self._undo
+        self.inner.restore(snapshot)
+
+    def _diverged(self) -> None:
+        """This round's training ended in NaN or infinite values: nothing is pushed (int8 encoded NaN as 0 and kept it
+        in the error feedback's residual, which then failed this worker's next audit), the round is undone, and it
+        counts toward --max-rejections."""
+        assert self.base is not None
+        self._undo_round()
+        load_trainable(self.block, self.base)
+        exc = ProtocolError(422, f"block {self.k} v{self.base_version}: training diverged to NaN or infinite values; "
+                            "nothing was pushed (if it recurs, train in fp32: --precision fp32)", Reason.NON_FINITE)
+        self._rejections += 1
+        self._refused = (self.k, self.base_version)  # the same round trained again would diverge again
+        log.error("%s", exc)
+        if self._rejections >= self.opts.max_rejections:
+            raise exc
+
     def _refused_push(self, exc: ProtocolError) -> None:
         """A refused push: a stale one waits for the new version; another counts toward --max-rejections."""
         if exc.status == 409:
@@ -336,6 +362,12 @@ class Worker:
             self.summary.rounds_stale += 1
             log.warning("block %d: the coordinator has no room to audit the push against v%d (%s); training the next "
                         "round", self.k, self.base_version, exc)
+            return
+        if exc.reason == Reason.RATE_LIMITED:  # the coordinator judged nothing (its own quarantine judges conduct):
+            self.summary.rounds_stale += 1     # stale pushes of a slow worker in short rounds come to this too
+            log.warning("block %d: the coordinator is refusing this worker's requests for a while (%s); waiting "
+                        "before the next round", self.k, exc)
+            self.abandon.wait(RATE_LIMIT_WAIT_S)
             return
         if exc.status >= 500:
             raise exc
@@ -481,6 +513,7 @@ class Worker:
         self.client.close()
 
 
+RATE_LIMIT_WAIT_S = 10.0  # seconds a rate-limited worker waits before it asks again (the coordinator's window: 60 s)
 SYNC_TRIES = 3  # fetches in a row of weights that are not the version named before the worker gives up
 
 
