@@ -104,6 +104,23 @@ def test_a_release_during_a_step_is_not_undone_by_its_put() -> None:
     assert cache.positions("r") == 3
 
 
+def test_a_step_still_queued_when_its_request_is_released_keeps_no_cache() -> None:
+    """A RELEASE is handled at once, while a step of its request may still wait in a stage's compute queue (or be
+    computed upstream): that step, a prefill at pos=0 checked out after the RELEASE, stored a fresh cache, which then
+    stayed until the TTL and counted against every live request's room (helper-66). A RELEASE carries the newest step
+    the entry had issued, and no step up to it keeps a cache; a step issued after it does."""
+    cache = KVCache(name="test")
+    assert not cache.release("r", seq=7)  # the client left; its step 7 is still queued here
+    queued = cache.checkout("r", 0, seq=7)
+    queued.pos = 5
+    cache.put("r", queued)
+    assert "r" not in cache and cache.nbytes() == 0
+    later = cache.checkout("r", 0, seq=8)  # a step the entry issued after the RELEASE
+    later.pos = 2
+    cache.put("r", later)
+    assert cache.positions("r") == 2
+
+
 def test_a_client_that_stops_reading_holds_only_its_own_answer() -> None:
     """The compute loop sent each answer itself and waited for it to drain: a client that submits a large score and
     reads nothing held every other client's requests for the write timeout (30 s by default). Answers are sent in
@@ -305,7 +322,8 @@ def test_a_client_cannot_answer_another_clients_request() -> None:
 
 def test_a_release_is_passed_on_bare() -> None:
     """A middle stage passed a RELEASE on whole, tensors included, into its link's unbounded queue once the frame
-    had left the byte budget: RELEASEs of 4 MiB each piled up while the budget read 0. Only its id and mode go on."""
+    had left the byte budget: RELEASEs of 4 MiB each piled up while the budget read 0. Only its id, its mode and the
+    entry's newest step number go on."""
     from blocktrain.serve.stage.custody import Router
     from blocktrain.serve.stage.entry import Entry
     from blocktrain.serve.stage.options import StageOptions
@@ -314,13 +332,13 @@ def test_a_release_is_passed_on_bare() -> None:
         is_last = False
 
         def __init__(self) -> None:
-            self.released: list[str] = []
+            self.released: list[tuple[str, int | None]] = []
 
         def holds(self, k: int) -> bool:
             return k == 1
 
-        def release(self, rid: str) -> bool:
-            self.released.append(rid)
+        def release(self, rid: str, seq: int | None = None) -> bool:
+            self.released.append((rid, seq))
             return False
 
     class Link:
@@ -335,11 +353,30 @@ def test_a_release_is_passed_on_bare() -> None:
     entry = Entry(span, StageOptions(), "mid", lambda item: None, lambda coro: None)  # type: ignore[arg-type]
     router = Router(span, entry, "mid", lambda item: None, lambda coro: None, dict)  # type: ignore[arg-type]
     router.link = link  # type: ignore[assignment]
-    big = Frame(FrameKind.RELEASE, "abc", Mode.AR, params={"pad": "x" * 1000}, tensors={"t": torch.zeros(1 << 20)})
+    big = Frame(FrameKind.RELEASE, "abc", Mode.AR, params={"pad": "x" * 1000, "seq": 7},
+                tensors={"t": torch.zeros(1 << 20)})
     asyncio.run(router.on_frame(big, None))  # type: ignore[arg-type]
     (sent,) = link.sent
-    assert (sent.kind, sent.request_id, sent.mode, sent.params, sent.tensors) == (FrameKind.RELEASE, "abc", Mode.AR, {}, {})
-    assert span.released == ["abc"]  # a middle stage releases the id it was given (the entry's name)
+    assert (sent.kind, sent.request_id, sent.mode, sent.params, sent.tensors) == (
+        FrameKind.RELEASE, "abc", Mode.AR, {"seq": 7}, {})
+    assert span.released == [("abc", 7)]  # a middle stage releases the id it was given (the entry's name)
+
+    class First(Middle):  # the entry: holds block 0
+        def holds(self, k: int) -> bool:
+            return k == 0
+
+    class Client:  # a connection (the entry names its requests per connection)
+        pass
+
+    span, link, conn = First(), Link(), Client()
+    entry = Entry(span, StageOptions(), "entry", lambda item: None, lambda coro: None)  # type: ignore[arg-type]
+    router = Router(span, entry, "entry", lambda item: None, lambda coro: None, dict)  # type: ignore[arg-type]
+    router.link = link  # type: ignore[assignment]
+    entry.last_seq = 12  # steps issued so far; a client's own "seq" is not the entry's
+    asyncio.run(router.on_frame(Frame(FrameKind.RELEASE, "mine", Mode.AR, params={"seq": 10**9}), conn))  # type: ignore[arg-type]
+    (sent,) = link.sent
+    assert sent.request_id == entry.inner(conn, "mine") and sent.params == {"seq": 12}  # type: ignore[arg-type]
+    assert span.released == [(entry.inner(conn, "mine"), 12)]  # type: ignore[arg-type]
 
 
 def test_an_upstream_peer_that_reads_nothing_holds_up_no_other_frame_coming_back() -> None:

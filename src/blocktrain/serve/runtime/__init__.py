@@ -83,8 +83,9 @@ class Span(Protocol):
     def run(self, frames: Sequence[Frame]) -> list[Frame]:
         """One output frame (WORK, RESULT or ERROR) per input frame."""
 
-    def release(self, request_id: str) -> bool:
-        """Drop a request's caches; whether there were any."""
+    def release(self, request_id: str, seq: int | None = None) -> bool:
+        """Drop a request's caches, and keep none a step up to ``seq`` (the entry's newest when it was released)
+        would store; whether there were any."""
 
     def expire_idle(self) -> int:
         """Drop caches idle past their timeout; how many."""

@@ -70,7 +70,7 @@ class BlockSpan:
     def is_last(self) -> bool:
         return self.hi == self.n_last
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, seq: int | None = None) -> bool:
         return False  # no caches: each traversal carries the whole text
 
     def expire_idle(self) -> int:

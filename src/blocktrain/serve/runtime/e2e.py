@@ -72,8 +72,8 @@ class E2ESpan:
     def is_last(self) -> bool:
         return self.head is not None
 
-    def release(self, request_id: str) -> bool:
-        return self.cache.release(request_id)
+    def release(self, request_id: str, seq: int | None = None) -> bool:
+        return self.cache.release(request_id, seq)
 
     def expire_idle(self) -> int:
         return self.cache.expire_idle()

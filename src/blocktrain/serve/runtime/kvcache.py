@@ -89,7 +89,8 @@ class KVCache:
         self._lock = threading.Lock()
         self.evictions = 0  # caches dropped by the limits (not by RELEASE)
         self._epoch = 0  # RELEASEs so far
-        self._released: OrderedDict[str, int] = OrderedDict()  # request id -> the epoch of its last RELEASE (recent)
+        # request id -> the epoch of its last RELEASE and the newest step the entry had issued then (recent ones)
+        self._released: OrderedDict[str, tuple[int, int | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -149,9 +150,12 @@ class KVCache:
 
     def put(self, rid: str, entry: CacheEntry) -> None:
         """Store (or refresh) the request's cache, then apply the limits; not if the request was released while the
-        step that extended it ran (the RELEASE, on the event loop, came between :meth:`checkout` and this)."""
+        step that extended it ran (the RELEASE, on the event loop, came between :meth:`checkout` and this), nor if
+        the step was issued before the RELEASE (it was still queued here when the RELEASE passed: a fresh cache of a
+        prefill, checked out after it, stayed until the TTL, counted against every live request's room)."""
         with self._lock:
-            if self._released.get(rid, -1) > entry.epoch:
+            epoch, seq = self._released.get(rid, (-1, None))
+            if epoch > entry.epoch or (seq is not None and entry.seq is not None and entry.seq <= seq):
                 log.debug("%s: request %s was released during its step; its cache is not kept", self.name, rid)
                 return
             entry.used = time.monotonic()
@@ -159,10 +163,13 @@ class KVCache:
             self._entries.move_to_end(rid)
             self._evict_locked(keep_last=True)
 
-    def release(self, rid: str) -> bool:
+    def release(self, rid: str, seq: int | None = None) -> bool:
+        """Drop the request's cache, and keep none that a step running or queued now would store: one checked out
+        before this, or (``seq``, the newest step the entry had issued when the request was released) any step up to
+        ``seq``. Whether there was a cache."""
         with self._lock:
             self._epoch += 1
-            self._released[rid] = self._epoch
+            self._released[rid] = (self._epoch, seq)
             self._released.move_to_end(rid)
             while len(self._released) > RELEASES_KEPT:
                 self._released.popitem(last=False)

@@ -102,8 +102,8 @@ class StackSpan:
         """The last stage scores with its head; the entry drafts with block hi's head."""
         return self.is_last or self.lo == 0
 
-    def release(self, request_id: str) -> bool:
-        return self.cache.release(request_id)
+    def release(self, request_id: str, seq: int | None = None) -> bool:
+        return self.cache.release(request_id, seq)
 
     def expire_idle(self) -> int:
         return self.cache.expire_idle()

@@ -15,7 +15,7 @@ from typing import Any
 from blocktrain.serve.runtime import Span
 from blocktrain.serve.stage.core import Spawn, WorkItem, ack, admit, log, reject, tensor_bytes
 from blocktrain.serve.stage.entry import Entry
-from blocktrain.serve.wire.frames import ErrorCode, Frame, FrameKind, custody_tag, step_seq
+from blocktrain.serve.wire.frames import SEQ_PARAM, ErrorCode, Frame, FrameKind, custody_tag, step_seq
 from blocktrain.serve.wire.links import Conn, Link
 
 
@@ -80,9 +80,13 @@ class Router:
         elif kind is FrameKind.RELEASE:
             # passed on bare (its tensors, if a peer sent any, would bypass the byte budget in the link's queue); at
             # the entry, a client's release of its own request, by the entry's name for it
-            rid = self.entry.inner(conn, frame.request_id) if self.span.holds(0) else frame.request_id
-            frame = Frame(FrameKind.RELEASE, rid, frame.mode)
-            found = self.span.release(frame.request_id)
+            # with the newest step the entry has issued: a step of the request still queued (or not yet checked out)
+            # at a stage stores no cache once it runs
+            at_entry = self.span.holds(0)
+            rid = self.entry.inner(conn, frame.request_id) if at_entry else frame.request_id
+            seq = self.entry.last_seq if at_entry else step_seq(frame)
+            frame = Frame(FrameKind.RELEASE, rid, frame.mode, params={} if seq is None else {SEQ_PARAM: seq})
+            found = self.span.release(frame.request_id, seq)
             if self.link is not None and not self.span.is_last:
                 self.link.send(frame, custody=False)
             if not found:  # a release is idempotent: a request that slid its window or only scored holds nothing

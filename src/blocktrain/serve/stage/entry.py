@@ -54,6 +54,7 @@ class Entry:
         self._conn_keys: weakref.WeakKeyDictionary[Conn, bytes] = weakref.WeakKeyDictionary()  # a connection's salt
         self.pending_bytes = 0  # bytes of the pending requests' tensors
         self._seqs = itertools.count(1)  # step numbers: each SUBMIT gets the next one, its retries keep it
+        self.last_seq = 0  # the newest step number issued (a RELEASE carries it on: no earlier step keeps a cache)
 
     def inner(self, conn: Conn, rid: str) -> str:
         """The entry's name of request ``rid`` of the client on ``conn``: the same for every frame of that request on
@@ -92,7 +93,7 @@ class Entry:
             await reject(conn, frame, ErrorCode.DUPLICATE_REQUEST,
                          f"request {frame.request_id!r} is already in flight; use a fresh id")
             return
-        seq = next(self._seqs)
+        seq = self.last_seq = next(self._seqs)
         if not await admit(self.span, self._fresh(frame, rid, seq), conn, sent=frame):
             return
         n, mine = tensor_bytes(frame), sum(1 for p in self.pending.values() if p.conn is conn)
