@@ -579,3 +579,31 @@ def test_the_log_prob_cap_counts_the_bytes_an_answer_lists() -> None:
     with pytest.raises(RequestError) as info:
         fits(echo=True)  # 60016 x 21 > 2^20
     assert info.value.param == "logprobs"
+
+
+@pytest.mark.parametrize("max_scoring", [1, 3])
+def test_scored_requests_wait_for_room_beyond_max_scoring(max_scoring: int) -> None:
+    """Each scored request holds its text's (bytes, 256) float32 rows, 1 KiB a byte: up to 128 MiB for the longest
+    one may ask, where 256 connections at once could hold 16 GiB and more (helper-66). At most ``--max-scoring`` are
+    scored at once now; the others wait for room, within their timeout, and every one is answered."""
+    from blocktrain.serve.gateway.serving import Gateway
+
+    class Counting(FakeClient):
+        now = most = 0
+
+        async def score(self, x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+            Counting.now += 1
+            Counting.most = max(Counting.most, Counting.now)
+            await asyncio.sleep(0.05)
+            Counting.now -= 1
+            return torch.zeros(*x.shape, 256)
+
+    gw = Gateway(opts(max_scoring=max_scoring), cast(PipelineClient, Counting([b"abc"], context=16)))
+    req = CompletionRequest(prompt="a prompt of some bytes", echo=True, max_tokens=0, logprobs=1)  # type: ignore[arg-type]
+
+    async def three() -> list[Any]:
+        return await asyncio.gather(*(gw.complete(req) for _ in range(3)))
+
+    answers = asyncio.run(three())
+    assert len(answers) == 3 and all(a.choices[0].logprobs is not None for a in answers)
+    assert Counting.most == max_scoring

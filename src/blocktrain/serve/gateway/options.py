@@ -19,6 +19,9 @@ class GatewayOptions:
     max_body_bytes: int = 1 << 20  # bytes: the largest request body accepted
     request_timeout_s: float = 120.0  # seconds: a request (body read, generation, whole stream) must end within this
     max_connections: int = 256  # HTTP connections served at once; more are answered 503
+    # requests whose log-probs are computed at once (each holds up to 128 MiB of (bytes, 256) float32 rows); others
+    # wait, within their --timeout
+    max_scoring: int = 4
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
@@ -29,5 +32,7 @@ class GatewayOptions:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.request_timeout_s}")
         if self.max_connections < 1:
             raise ConfigError(f"--max-connections must be >= 1, got {self.max_connections}")
+        if self.max_scoring < 1:
+            raise ConfigError(f"--max-scoring must be >= 1 request, got {self.max_scoring}")
         if self.model_name is not None and not self.model_name.strip():
             raise ConfigError("--model-name must not be empty; omit it to name the model after the pipeline")

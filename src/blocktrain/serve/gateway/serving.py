@@ -126,6 +126,10 @@ class Gateway:
         self.created = int(time.time())  # unix seconds: the model card's ``created``
         self._connected = False
         self._lock = asyncio.Lock()
+        # scored requests at once: each holds its text's (bytes, 256) float32 rows, 1 KiB a byte (64 MiB for the most
+        # one may ask, MAX_SCORED_BYTES, and as much again for a second choice's), where 256 connections could hold
+        # 16 GiB and more
+        self._scoring = asyncio.Semaphore(opts.max_scoring)
 
     async def stage(self) -> StageInfo:
         """The entry stage's description, connecting first if needed (a 503 or 502 when that fails; requests that
@@ -231,8 +235,14 @@ class Gateway:
             seeds = [g.choice(i).sampling.seed for i in range(g.n)] if g.n > 1 else None
             return choices, BlocktrainInfo(mode=g.mode.value, seed=g.sampling.seed, **counters, seeds=seeds), n_out
 
+        async def scoring() -> tuple[list[Choice], BlocktrainInfo, int]:
+            if g.logprobs is None:
+                return await run()
+            async with self._scoring:
+                return await run()
+
         try:
-            return await asyncio.wait_for(run(), self.opts.request_timeout_s)
+            return await asyncio.wait_for(scoring(), self.opts.request_timeout_s)
         except TimeoutError:
             raise self.too_slow() from None
         except ServeError as exc:
@@ -305,7 +315,7 @@ class Gateway:
         async def scored(text: bytes) -> torch.Tensor:
             out = await self.log_probs(text, stage, g.score_seed, known[0] if known else None, wanted)
             if not known:
-                known.append(out[: len(history)])
+                known.append(out[: len(history)].clone())  # its own storage: a view held the whole first text's rows
             return out
         return scored
 
