@@ -3,7 +3,9 @@
 Temperature (0: greedy, the argmax, drawing nothing from the generator), top-k (0: off) and top-p (nucleus
 sampling, Holtzman et al. 2020; 1: off) apply in that order. Local ``generate``, the pipeline client's ar and
 baseline modes, speculative decoding's drafts and verdicts, and the sweep stage all draw through here, so a
-served continuation equals a local one at the same seed.
+served ar continuation equals a local one at the same seed. Spec samples ar's distribution on a stack run (its bytes
+differ, its distribution does not); on diffusion blocks it samples the chain under one noise per position, where ar
+draws fresh noise for every byte: close, not the same sampler (docs/serving.md, the modes).
 """
 
 from __future__ import annotations
