@@ -467,3 +467,26 @@ def test_a_later_stages_error_names_the_clients_own_id() -> None:
 
     (got,) = asyncio.run(run())
     assert got.request_id == "mine" and got.error == "request mine has no KV cache at stack[2-3]"
+
+
+def test_calls_are_sized_by_the_smaller_frame_cap_of_client_and_entry_stage() -> None:
+    """A gateway sized its score calls (and windowed spec's drafts) by its own 64 MiB frame cap: behind stages run with
+    --max-frame-mib 16 a call of several windows made a frame the link could not send, and every log-probs request
+    was a 503 where one window a call would have fit (helper-66). The entry stage reports its cap in its PONG, and
+    calls are sized by the smaller of the two."""
+    from blocktrain.serve.client.stage_info import StageInfo
+    from blocktrain.serve.gateway.logprobs import windows_per_call
+
+    with open_stage(whole_span(MODELS), max_frame_bytes=3 << 20) as st:
+        async def described() -> StageInfo:
+            async with PipelineClient(st.address, timeout_s=10) as c:
+                return c.stage
+
+        stage = asyncio.run(described())
+    assert stage.max_frame_bytes == 3 << 20
+    assert stage.frame_cap(64 << 20) == 3 << 20 and stage.frame_cap(1 << 20) == 1 << 20
+    assert dataclasses.replace(stage, max_frame_bytes=0).frame_cap(64 << 20) == 64 << 20  # an older stage: own cap
+    context, d = 1024, 2048  # a window's rows: 1024 x 2048 float32 = 8 MiB in a half frame of 32 MiB (4 windows)
+    assert windows_per_call(context, d, stage.frame_cap(64 << 20)) < windows_per_call(context, d, 64 << 20)
+    with pytest.raises(WireError):  # a stage's report is checked like any of its fields
+        StageInfo.from_pong({"max_frame_bytes": "big"})

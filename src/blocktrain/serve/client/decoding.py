@@ -246,7 +246,7 @@ async def spec_steps(t: Traversal, prompt: bytes, n_new: int, opts: Sampling, st
     context = t.stage.context
     if n_new < 0 or context < 1:
         raise ServeError(f"spec generates 0 or more bytes on a model with a context, got {n_new} (context {context})")
-    windowed_cap = windowed_draft_cap(context, t.stage.d_model, t.max_frame_bytes)
+    windowed_cap = windowed_draft_cap(context, t.stage.d_model, t.stage.frame_cap(t.max_frame_bytes))
     text = bytearray(prompt or EMPTY_PROMPT)
     start, cached, rate = len(text), 0, INITIAL_RATE
     g = Seed.SAMPLER.generator(opts.seed)

@@ -22,6 +22,7 @@ class StageInfo:
     modes: tuple[Mode, ...]  # the modes the pipeline runs, its default generation mode first (unknown names dropped)
     cached: bool  # stages keep each request's KV cache and frames carry ``pos``; False: each traversal sends the whole text
     state: str  # the entry stage's state: "serving" once it takes requests
+    max_frame_bytes: int = 0  # bytes: the largest frame the entry stage reads (--max-frame-mib); 0 when not reported
 
     @classmethod
     def from_pong(cls, params: Mapping[str, Any]) -> StageInfo:
@@ -33,4 +34,11 @@ class StageInfo:
                    d_model=frame_param(p, "d_model", int, 0), context=frame_param(p, "context", int, 0),
                    modes=tuple(Mode(m) for m in frame_param(p, "modes", list, [])
                                  if isinstance(m, str) and m in known),
-                   cached=frame_param(p, "cached", bool, False), state=frame_param(p, "state", str, ""))
+                   cached=frame_param(p, "cached", bool, False), state=frame_param(p, "state", str, ""),
+                   max_frame_bytes=max(0, frame_param(p, "max_frame_bytes", int, 0)))
+
+    def frame_cap(self, own: int) -> int:
+        """Bytes: the largest frame both this client (``own``) and the entry stage take, which calls are sized by (a
+        gateway sized them by its own 64 MiB where the stages ran --max-frame-mib 16, and every score call of more
+        than one window was refused)."""
+        return min(own, self.max_frame_bytes) if self.max_frame_bytes > 0 else own

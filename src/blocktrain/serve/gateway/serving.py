@@ -301,7 +301,7 @@ class Gateway:
                         wanted: int = 0) -> Any:
         """Log-probs (len(data), 256) of each byte of ``data`` given the bytes before it (row 0: NaN); ``known``: its
         first rows, scored before; ``wanted``: the first row read (those before it are NaN, unscored)."""
-        per_call = windows_per_call(stage.context, stage.d_model, self.client.max_frame_bytes)
+        per_call = windows_per_call(stage.context, stage.d_model, stage.frame_cap(self.client.max_frame_bytes))
         return await byte_log_probs(data, stage.context, lambda x: self.client.score(x, seed=seed), per_call, known,
                                     wanted)
 

@@ -70,7 +70,7 @@ class StageServer:
         return {"state": self.state.value, "name": self.name, **self.span.describe(),
                 "pending": len(self.entry.pending), "stats": asdict(self.counters), "connections": len(self.conns),
                 "buffered_bytes": self.budget.used, "buffered_peak": self.budget.peak,
-                "buffer_bytes": self.budget.total}
+                "buffer_bytes": self.budget.total, "max_frame_bytes": self.opts.max_frame_bytes}
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
