@@ -29,7 +29,16 @@ if [ "$H" = 0 ]; then
   ROUNDS=${ROUNDS:?H=0 gives every block its own H and needs ROUNDS, the outer steps per block}
   WORKER_H=()  # each worker takes its block's H from the coordinator's registration
 else
+  if [ $((STEPS % H)) != 0 ]; then  # else the workers train ROUNDS x H < STEPS while the result says STEPS
+    echo "H=$H does not divide STEPS=$STEPS: choose an H that does, or H=0 with ROUNDS" >&2; exit 2
+  fi
   ROUNDS=$((STEPS / H)); WORKER_H=(--local-steps "$H")
+fi
+if [ "${SKIP_SINGLE:-0}" = 1 ]; then  # checked now, not after the hour the six workers take
+  if [ ! -s "${SINGLE_EVAL:-}" ]; then
+    echo "SKIP_SINGLE=1 needs SINGLE_EVAL, the single machine's eval JSON (and SINGLE_WALL_S, its seconds)" >&2; exit 2
+  fi
+  : "${SINGLE_WALL_S:?SKIP_SINGLE=1 needs SINGLE_WALL_S, the training seconds of the single machine}"
 fi
 rm -rf "$OUT"; mkdir -p "$OUT/logs"
 PIDS=()  # every process started here: the exit trap ends them all, so a failed worker leaves no others behind
@@ -70,7 +79,7 @@ curl -sf "http://127.0.0.1:$PORT/v1/status" > "$OUT/six.status.json"
 kill "$COORD"; wait "$COORD" || true; trap - EXIT
 
 echo "== final CE of both models on the first $EVAL_BYTES test bytes (same command)"
-if [ "${SKIP_SINGLE:-0}" = 1 ]; then cp "$SINGLE_EVAL" "$OUT/single.eval.json"; echo "${SINGLE_WALL_S:-0}" > "$OUT/single.wall_s"; else
+if [ "${SKIP_SINGLE:-0}" = 1 ]; then cp "$SINGLE_EVAL" "$OUT/single.eval.json"; echo "$SINGLE_WALL_S" > "$OUT/single.wall_s"; else
 OMP_NUM_THREADS=2 $BT eval "$OUT/single" --model blocktrain --split test --data "$DATA" --max-bytes "$EVAL_BYTES" \
   --json --no-progress > "$OUT/single.eval.json"
 fi
@@ -80,4 +89,4 @@ TARGET=$([ "$OBJECTIVE" = stack ] && echo 0.02 || echo 0.03)  # issue 11 asks 0.
 .venv/bin/python benchmarks/distributed/collect_distributed.py six-workers "$OUT" --preset "$PRESET" --steps "$STEPS" --h "$H" --rounds "$ROUNDS" \
   --objective "$OBJECTIVE" --target-gap "$TARGET" \
   --out "${RESULT:-benchmarks/results/six-workers$SUFFIX.json}" \
-  --command "${RESULT:+RESULT=$RESULT }OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H$([ "$H" = 0 ] && echo " ROUNDS=$ROUNDS") EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0} flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"
+  --command "${RESULT:+RESULT=$RESULT }OBJECTIVE=$OBJECTIVE PRESET=$PRESET STEPS=$STEPS H=$H$([ "$H" = 0 ] && echo " ROUNDS=$ROUNDS") EVAL_BYTES=$EVAL_BYTES COORD_FLAGS='${COORD_FLAGS:-}' WORKER_FLAGS='${WORKER_FLAGS:-}' SLOW=${SLOW:-0} SKIP_SINGLE=${SKIP_SINGLE:-0}$([ "${SKIP_SINGLE:-0}" = 1 ] && echo " SINGLE_EVAL=$SINGLE_EVAL SINGLE_WALL_S=$SINGLE_WALL_S") flock /tmp/blocktrain-cpu.lock scripts/exp_six_workers.sh"

@@ -56,3 +56,14 @@ def test_e2e_references_are_found_again_only_under_their_own_flags(tmp_path: Pat
     ev = json.loads((tmp_path / f"e2e-ref-{other.key}-1000" / "eval.json").read_text())
     assert len(trained) == 1 and trained[0][trained[0].index("--lr") + 1] == "4e-3"
     assert ev["ce_nats_per_byte"] == 1.6 and ev["steps"] == 1000  # written whole, with its training figures
+
+
+def test_a_row_measured_again_under_another_recipe_trains_in_a_folder_of_its_own() -> None:
+    """Row folders were named by the row alone: ``--rows baseline --extra --lr 0.004`` after ``--rows baseline`` went on
+    from the stack the default lr had finished (``blocktrain train`` returns a finished block's summary), while its
+    E2E reference, keyed by its flags, trained at 0.004: the row's gap mixed two recipes (helper-69)."""
+    common = ["--preset", "depth-proxy", "--data", "d", "--no-progress"]
+    base = depth_ablation.run_dir("runs", "baseline", [*common, *depth_ablation.row_flags("baseline")])
+    again = depth_ablation.run_dir("runs", "baseline", [*common, "--lr", "0.004", *depth_ablation.row_flags("baseline")])
+    assert base != again and base.name.startswith("baseline-") and base.parent.name == "runs"
+    assert base == depth_ablation.run_dir("runs", "baseline", [*common, *depth_ablation.row_flags("baseline")])

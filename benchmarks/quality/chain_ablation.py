@@ -124,7 +124,10 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).unsqueeze(0)
 
 
-def score_blocks(v: Variant, cfg: RunConfig, train: np.ndarray, valid: np.ndarray) -> dict[str, Any]:
+def score_blocks(v: Variant, cfg: RunConfig, train: np.ndarray, valid: np.ndarray,
+                 inference_variants: bool = False) -> dict[str, Any]:
+    """Train ``v``'s blocks (``cfg.train.steps``: their schedule's length) and score them; ``inference_variants``: the
+    same blocks under other inference schedules too."""
     obj = objective_for(cfg, v.mode)
     smax, T, d = cfg.diffusion.sigma_max, cfg.model.context, cfg.model.d_model
     blocks, frozen_forwards = train_blocks(v, cfg, train)
@@ -168,7 +171,7 @@ def score_blocks(v: Variant, cfg: RunConfig, train: np.ndarray, valid: np.ndarra
 
         alone.append(score_split(lp, valid, T, max_bytes=EVAL_BYTES).ce_nats_per_byte)
     infer: dict[str, dict[str, float]] = {}
-    if v.mode == "naive" and v.block_steps == cfg.train.steps:  # the same blocks under other inference schedules
+    if v.mode == "naive" and inference_variants:  # the same blocks under other inference schedules
         variants = {
             "euler_2_steps": replace(cfg.diffusion, steps_per_block=2),
             "euler_4_steps": replace(cfg.diffusion, steps_per_block=4),
@@ -245,8 +248,11 @@ def main() -> int:
     )
     lpb = cfg.model.layers_per_block
     block_layers = args.block_layers or lpb
-    block_cfg: RunConfig = replace(cfg, model=replace(cfg.model, n_layers=block_layers * B))
     block_steps = args.block_steps or round(steps * lpb / block_layers)
+    # the blocks' lr schedule spans their own steps: one of the E2E's steps left blocks of 4 layers (200 steps) at
+    # 0.6 of the peak lr, never annealed, and blocks of 1 layer (800 steps) at the least lr for half their steps
+    block_cfg: RunConfig = replace(cfg, model=replace(cfg.model, n_layers=block_layers * B),
+                                   train=replace(cfg.train, steps=block_steps))
     data = resolve_data_dir(args.data)
     train, valid = data.open("train").data, data.open("valid").data
     t0 = time.time()
@@ -254,7 +260,7 @@ def main() -> int:
         res = score_e2e(cfg, train, valid)
     else:
         v = Variant(args.recipe, block_steps, args.refresh_rounds, args.round_steps, args.catchup_steps)
-        res = score_blocks(v, block_cfg, train, valid)
+        res = score_blocks(v, block_cfg, train, valid, inference_variants=block_steps == steps and block_layers == lpb)
     row = {"preset": args.preset, "recipe": args.recipe, "sigma_min": args.sigma_min, "sigma_max": args.sigma_max, "steps": steps,
            "slicing": args.slicing, "overlap": args.overlap, "lr": lr, "block_layers": block_layers, "block_steps": block_steps,
            "refresh_rounds": args.refresh_rounds, "round_steps": args.round_steps, "catchup_steps": args.catchup_steps, **res,

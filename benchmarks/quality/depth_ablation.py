@@ -113,10 +113,17 @@ class E2ECache:
         return steps, ev
 
 
+def run_dir(out: str, name: str, flags: list[str]) -> Path:
+    """The run folder of ``name`` trained with ``flags``: named by them too, so that a row measured again with another
+    recipe (``--extra --lr 0.004``) trains afresh, where a folder named by the row alone went on from the stack the
+    old recipe had finished, and the row recorded the new command beside the old stack's CE."""
+    return Path(out) / f"{name}-{hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:12]}"
+
+
 def measure(name: str, args: argparse.Namespace, e2e: E2ECache) -> dict[str, Any]:
     lever, flags = ROWS[name][0], row_flags(name)
     common = ["--preset", args.preset, "--data", args.data, "--no-progress", *args.extra]
-    run = Path(args.out) / name
+    run = run_dir(args.out, name, [*common, *flags])
     t0 = time.perf_counter()
     _run([sys.executable, "-m", "blocktrain", "train", *common, "--objective", "stack", *flags, "--out", str(run)])
     wall = time.perf_counter() - t0
@@ -182,9 +189,10 @@ def sweep_e2e_lr(args: argparse.Namespace, steps: int, lrs: list[float]) -> list
     """The E2E reference at ``steps`` for each lr: validation CE (its own end-of-run eval) and test CE."""
     out = []
     for lr in lrs:
-        run = Path(args.out) / f"e2e-sweep-{steps}-lr{lr:g}"
-        _run([sys.executable, "-m", "blocktrain", "train-e2e", "--preset", args.preset, "--data", args.data, "--no-progress",
-              *args.extra, "--steps", str(steps), "--lr", repr(lr), "--out", str(run)])
+        flags = ["--preset", args.preset, "--data", args.data, "--no-progress", *args.extra, "--steps", str(steps),
+                 "--lr", repr(lr)]
+        run = run_dir(args.out, f"e2e-sweep-{steps}-lr{lr:g}", flags)
+        _run([sys.executable, "-m", "blocktrain", "train-e2e", *flags, "--out", str(run)])
         summary = _summaries(run, "e2e")
         ev = _eval(run, "e2e", args.data, args.max_bytes, blocks_alone=False)
         out.append({"lr": lr, "steps": steps, "val_ce": summary["eval"].get("val_ce"), "test_ce": ev["ce_nats_per_byte"],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from blocktrain.presets import get_preset
 from blocktrain.train.metrics import append_jsonl, read_jsonl, write_json
 
 ARMS = ("stack", "stack_prefix0", "e2e_matched_flops")
@@ -59,6 +61,17 @@ def read_rows(jsonl: Path) -> list[dict[str, Any]]:
 
 def _identity(row: dict[str, Any]) -> tuple[str, float, int]:
     return row.get("preset", ""), float(row.get("lr", math.nan)), int(row.get("seed", -1))
+
+
+def recipe_of(preset: str) -> str:
+    """A digest of ``preset``'s whole run config as this code defines it: a row trained under another recipe (a
+    default changed between two sessions of a resumed suite) is trained again, not averaged with the new ones."""
+    return hashlib.sha256(get_preset(preset).to_json().encode()).hexdigest()[:16]
+
+
+def _current(row: dict[str, Any], preset: str, max_eval_bytes: int) -> bool:
+    """Whether ``row`` was trained under this code's recipe of ``preset`` and scored on the same bytes."""
+    return row.get("recipe") == recipe_of(preset) and row.get("max_eval_bytes") == max_eval_bytes
 
 
 def append_row(jsonl: Path, row: dict[str, Any]) -> None:
@@ -97,7 +110,10 @@ def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data:
                max_eval_bytes: int, timeout: float | None) -> int:
     """Train every (lr, seed) of ``preset`` not yet in ``jsonl`` and append its row as it finishes; returns how many
     failed or ran out of time (their rows stay missing, for the next run). Each bench's output goes to its log."""
-    done = {_identity(r) for r in read_rows(jsonl)}
+    rows = read_rows(jsonl)
+    done = {_identity(r) for r in rows if _current(r, preset, max_eval_bytes)}
+    if stale := sorted(r["key"] for r in rows if r.get("preset") == preset and _identity(r) not in done):
+        log.info("%s: trained under another recipe or scored on other bytes than now: trained again", ", ".join(stale))
     runs.mkdir(parents=True, exist_ok=True)
     failed = 0
     for lr in lrs:
@@ -112,6 +128,7 @@ def train_rows(preset: str, lrs: list[str], seeds: list[int], device: str, data:
             if why is None:
                 try:
                     row = bench_row(key, preset, float(lr), seed, json.loads(Path(f"{out}.json").read_text()))
+                    row.update(recipe=recipe_of(preset), max_eval_bytes=max_eval_bytes)
                 except (OSError, ValueError, KeyError) as exc:  # this row only: the next ones still run
                     why = f"exit 0 but its JSON is unreadable ({type(exc).__name__}: {exc})"
             if why is not None:
@@ -176,6 +193,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for r in rows:
         by_preset[r["preset"]].append(r)
     for preset, rs in sorted(by_preset.items()):
+        kinds = {(r.get("recipe"), r.get("bytes_scored")) for r in rs}
+        if len(kinds) > 1:
+            raise ValueError(f"the rows of {preset} mix recipes or scored bytes ({sorted(map(str, kinds))}): train them "
+                             "again under one (`device_depth.py rows` does so for the stale ones), or move the old JSONL "
+                             "aside")
         by_lr: dict[float, dict[int, dict[str, Any]]] = defaultdict(dict)
         for r in rs:
             by_lr[float(r["lr"])][int(r["seed"])] = r
