@@ -129,3 +129,59 @@ def test_the_serving_bench_reads_the_data_its_run_trained_on(tmp_path: Path, mon
             split.write_bytes(split.read_bytes() + b" changed")
     with pytest.raises(DataError, match="--data"):
         bench_data(opts)
+
+
+def test_every_mode_is_warmed_up_before_its_first_timed_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first task's mode was warmed up: the other modes' first timed rows paid for their own first use (the
+    ar and stack_ar rows, timed once each, entirely), so their times were not comparable to the warmed ones
+    (helper-69). Each mode is warmed once now, before its first timed output."""
+    import asyncio
+    from typing import Any
+
+    from blocktrain.bench import serve_client
+
+    calls: list[tuple[str, str]] = []
+
+    class Client:
+        counters = type("Counters", (), {"bytes_out": 0})()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        async def connect(self) -> None:
+            pass
+
+        async def close(self) -> None:
+            pass
+
+        async def __aenter__(self) -> Client:
+            return self
+
+        async def __aexit__(self, *exc: object) -> None:
+            pass
+
+    async def generate_with(c: Any, mode: str, prompt: bytes, n: int, **kw: Any) -> bytes:
+        calls.append(("warm" if kw.get("seed") == 999 else "other", mode))
+        return b"x" * n
+
+    async def timed_output(c: Any, task: dict[str, Any], prompt: bytes, n: int, seed: int, **kw: Any) -> tuple[bytes, None]:
+        calls.append(("timed", task["mode"]))
+        return b"x" * n, None
+
+    async def nothing(*args: Any) -> Any:
+        return (0, 0)
+
+    monkeypatch.setattr(serve_client, "PipelineClient", Client)
+    monkeypatch.setattr(serve_client, "generate_with", generate_with)
+    monkeypatch.setattr(serve_client, "timed_output", timed_output)
+    monkeypatch.setattr(serve_client, "wait_ready", nothing)
+    monkeypatch.setattr(serve_client, "_stats", nothing)
+    tasks = [{"name": "sweep_k1", "mode": "sweep", "repeat": 2, "quality": False},
+             {"name": "ar", "mode": "ar", "quality": False},
+             {"name": "spec", "mode": "spec", "draft_min": 1, "draft_max": 8, "quality": False}]
+    plan = {"entry": ["127.0.0.1", 1], "stages": [["127.0.0.1", 1]], "prompts": [[104, 105]], "output_bytes": 8,
+            "temperature": 1.0, "top_k": 0, "seed": 0, "tasks": tasks}
+    asyncio.run(serve_client.run_plan(plan))
+    timed = [c for c in calls if c[0] != "other"]
+    assert timed == [("warm", "sweep"), ("timed", "sweep"), ("timed", "sweep"), ("warm", "ar"), ("timed", "ar"),
+                     ("warm", "spec"), ("timed", "spec")]
