@@ -193,8 +193,8 @@ def write_speed(opts: SpeedOptions, result: dict[str, Any]) -> None:
 
 def format_speed(r: dict[str, Any]) -> str:
     compiled = "compile" in r
-    rows = [["trainer", "fp32 s/step", "bf16 s/step", "bf16 speed-up", "reference fp32 s/step", "speed-up over reference",
-             "GFLOP/step", "MFU (bf16 peak)"]]
+    rows = [["trainer", "fp32 s/step", "bf16 s/step", "bf16 speed-up", "reference fp32 s/step",
+             "bf16 over reference fp32", "fp32 over reference fp32", "GFLOP/step", "MFU (bf16 peak)"]]
     if compiled:
         rows[0] += [f"compiled ({r['compile']}) s/step", "compiled speed-up", "compiled MFU"]
     for name, *_ in TRAINERS:
@@ -203,6 +203,7 @@ def format_speed(r: dict[str, Any]) -> str:
         rows.append([
             name, f"{e['fp32_s_per_step']:.4f}", f"{e['bf16_s_per_step']:.4f}", f"{e['speedup_bf16_over_fp32']:.2f}x",
             f"{ref:.3f}" if ref else "", f"{e['speedup_over_reference']:.2f}x" if ref else "",
+            f"{e['speedup_fp32_over_reference']:.2f}x" if ref and "speedup_fp32_over_reference" in e else "",
             f"{e['flops_per_step'] / 1e9:.1f}", f"{e['mfu']:.1%}",
         ])
         if compiled:
