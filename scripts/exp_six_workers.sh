@@ -38,7 +38,9 @@ if [ "${SKIP_SINGLE:-0}" = 1 ]; then  # checked now, not after the hour the six 
   if [ ! -s "${SINGLE_EVAL:-}" ]; then
     echo "SKIP_SINGLE=1 needs SINGLE_EVAL, the single machine's eval JSON (and SINGLE_WALL_S, its seconds)" >&2; exit 2
   fi
-  : "${SINGLE_WALL_S:?SKIP_SINGLE=1 needs SINGLE_WALL_S, the training seconds of the single machine}"
+  if [ -z "${SINGLE_WALL_S:-}" ]; then
+    echo "SKIP_SINGLE=1 needs SINGLE_WALL_S, the training seconds of the single machine" >&2; exit 2
+  fi
 fi
 rm -rf "$OUT"; mkdir -p "$OUT/logs"
 PIDS=()  # every process started here: the exit trap ends them all, so a failed worker leaves no others behind

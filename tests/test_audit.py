@@ -426,6 +426,32 @@ def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, c
     c.close()
 
 
+def test_a_replay_its_uploaded_state_made_diverge_fails_the_audit(tmp_path: Path, corpus: DataDir) -> None:  # noqa: F811
+    """A worker's uploaded state (finite, but extreme moments, say) can make the replay of its round end in NaN. Once
+    int8 refused to encode NaN (where it had sent it as 0), that replay raised, and the audit was taken for the
+    coordinator's own fault: the push dropped, its worker never quarantined, at every audit (helper-71). A replay
+    that diverges fails its audit now."""
+    c = make_coordinator(tmp_path / "run", corpus, clock=FakeClock(), **AUDIT_ALL)
+    headers = {"Authorization": f"Bearer {c.add_token('w')}"}
+    real = c.auditor._train
+
+    def diverging(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        block = args[2]  # (case, task, block, opt, ...): the replayed block ends in NaN
+        next(p for p in block.parameters() if p.requires_grad).data.fill_(float("nan"))
+
+    c.auditor._train = diverging  # type: ignore[method-assign]
+    with TestClient(create_app(c, background=False)) as client:
+        w, answer = _registered_push(client, c, headers, state_sha({}))
+        assert answer["audit"] is True
+        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state({}, block=0, version=w.version),
+                        headers=headers)
+        assert r.status_code == 200 and r.json()["passed"] is False, r.text
+        assert r.json()["relative_error"] >= 1e30
+        assert c.conduct.quarantined("w") and c.auditor.summary()["failed"] == 1
+    c.close()
+
+
 @pytest.mark.parametrize("audited", [True, False])
 def test_a_resent_push_is_answered_as_its_first_sending_was(tmp_path: Path, corpus: DataDir,  # noqa: F811
                                                             audited: bool) -> None:

@@ -531,3 +531,25 @@ def test_a_refresh_of_the_frozen_blocks_refreshes_a_shared_head_too(tmp_path: Pa
     assert not torch.equal(newer[0].head.weight, earlier[0].head.weight)  # type: ignore[union-attr, arg-type]
     run.set_frozen([obj.freeze(newer[0], torch.float32)], newer)
     assert all(torch.equal(r.head.weight, newer[0].head.weight) for r in run.replicas)  # type: ignore[union-attr, arg-type]
+
+
+def test_a_replica_whose_round_diverges_pushes_nothing_and_the_run_goes_on(corpus: DataDir,  # noqa: F811
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 refuses to encode NaN now (it sent it as 0): the in-process rounds packed a diverged replica's delta
+    anyway and the whole simulation raised (helper-71). Such a replica pushes nothing that round, as a worker does."""
+    from blocktrain.coordinator import simulate
+
+    real, calls = simulate.train_round, [0]
+
+    def diverging(task: Any, block: Any, *args: Any, **kwargs: Any) -> Any:
+        out = real(task, block, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 2:  # round 0's second replica
+            next(p for p in block.parameters() if p.requires_grad).data.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(simulate, "train_round", diverging)
+    s = CoordinatorSettings(outer=OuterOptimizer.NESTEROV, outer_lr=0.7)
+    run = run_local_rounds(get_preset("tiny"), s, LocalRounds(workers=2, local_steps=5, steps=10), corpus)
+    assert [(u.round, u.replica) for u in run.updates] == [(0, 0), (1, 0), (1, 1)]
+    assert all(bool(torch.isfinite(w).all()) for w in run.weights.values())

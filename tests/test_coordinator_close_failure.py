@@ -161,7 +161,7 @@ def test_a_failed_warm_start_is_tried_again_and_the_block_waits_for_it(tmp_path:
         c.add_token("w")
         c.register("w", 1)
         work = c.work("w")
-        assert work.round_state is RoundState.WAITING and "not yet warm-started" in work.message
+        assert work.round_state is RoundState.WAITING and "its warm start from block 0 failed" in work.message
         assert c.status().blocks[1].round_state is RoundState.WAITING
         with pytest.raises(ProtocolError) as refused:  # one pushed anyway, from the first weights
             c.submit("w", 1, pack_delta(delta_for(c, 1), Compression.BF16, block=1, base_version=0, base_sha=cold,

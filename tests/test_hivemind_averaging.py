@@ -678,12 +678,15 @@ def test_a_worker_moved_to_another_block_trains_its_round_there() -> None:
     p2p = {"token": base64.b64encode(token).decode(), "authority": authority.public_key.decode(), "initial_peers": [],
            "run": "r"}
     engine.groups = Groups()
-    engine.grouped_version = 12  # its round v12 on block 2 went into a mean another member uploads
-    assert engine.waits_for_peers(12)
     weights = {"w": torch.zeros(2)}
-    engine.joined(p2p, 3, weights, {**weights, "m/w": torch.zeros(2)})  # moved to block 3, which is at v12 too
+    like = {**weights, "m/w": torch.zeros(2)}
+    engine.joined(p2p, 2, weights, like)
+    engine.grouped_version = 12  # its round v12 on block 2 went into a mean another member uploads
+    engine.joined(p2p, 2, weights, like)  # registered again on the same block: that mean may still land
+    assert engine.waits_for_peers(12)
+    engine.joined(p2p, 3, weights, like)  # moved to block 3, which is at v12 too
     assert not engine.waits_for_peers(12)
-    assert prepared == [(3, ["m/w", "w"], ["w"])]
+    assert prepared == [(2, ["m/w", "w"], ["w"])] * 2 + [(3, ["m/w", "w"], ["w"])]
 
 
 @pytest.mark.parametrize(("start", "every"), [(InnerStart.FRESH, 1), (InnerStart.SHARED_MV, 1), (InnerStart.SHARED_MV, 2)])

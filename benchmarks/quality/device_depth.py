@@ -74,6 +74,15 @@ def _current(row: dict[str, Any], preset: str, max_eval_bytes: int) -> bool:
     return row.get("recipe") == recipe_of(preset) and row.get("max_eval_bytes") == max_eval_bytes
 
 
+def newest_setting(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each preset's rows of the recipe and scored bytes of its newest row (the JSONL's last; a suite resumed under
+    a new recipe retrains its stale rows one by one, and a cut run leaves both kinds), and the keys of those left out:
+    what a summary of a half-retrained suite can stand on, where :func:`summarise` refuses the mix."""
+    newest = {r.get("preset"): (r.get("recipe"), r.get("bytes_scored")) for r in rows}
+    kept = [r for r in rows if (r.get("recipe"), r.get("bytes_scored")) == newest[r.get("preset")]]
+    return kept, [str(r.get("key")) for r in rows if r not in kept]
+
+
 def append_row(jsonl: Path, row: dict[str, Any]) -> None:
     """Add one row to the JSONL (the only writer of its lines), on a line of its own after a cut one."""
     append_jsonl(jsonl, row)
@@ -276,13 +285,17 @@ def main() -> int:
         return 1 if train_rows(args.preset, args.lrs, args.seeds, args.device, args.data, args.runs, args.jsonl,
                                args.max_eval_bytes, args.timeout) else 0
     if args.cmd == "row":
-        append_row(args.jsonl, bench_row(args.key, args.preset, args.lr, args.seed, json.loads(args.bench.read_text())))
+        row = bench_row(args.key, args.preset, args.lr, args.seed, json.loads(args.bench.read_text()))
+        append_row(args.jsonl, {**row, "recipe": recipe_of(args.preset)})
         return 0
-    rows = read_rows(args.jsonl)
+    rows, left_out = newest_setting(read_rows(args.jsonl))
+    if left_out:
+        log.warning("left out of the summary, trained under an older recipe or scored on other bytes than the newest "
+                    "rows (`rows` trains them again): %s", ", ".join(left_out))
     summary = summarise(rows)
     sys.stdout.write(table(summary) + "\n")
     if args.json:
-        write_json(args.json, {"benchmark": "device-depth", "summary": summary, "rows": rows})
+        write_json(args.json, {"benchmark": "device-depth", "summary": summary, "rows": rows, "left_out": left_out})
     return 0
 
 

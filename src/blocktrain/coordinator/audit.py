@@ -339,6 +339,8 @@ class Auditor:
                     steps=upd.samples // self.cfg.train.batch_size, precision=Precision(upd.precision))
         local = trainable_state(block)
         delta = {n: local[n] - w for n, w in case.base.weights.items()}
+        if not all(bool(torch.isfinite(d).all()) for d in delta.values()):  # its uploaded state made the replay diverge
+            return math.inf, math.nan, math.inf  # failed (int8 cannot encode it: that error dropped the push unjudged)
         replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
         miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})
         rel = miss / upd.norm if upd.norm > 0 else (0.0 if miss == 0 else math.inf)

@@ -191,8 +191,8 @@ class Rounds:
         """What a worker on block k should know about its state ('' while it is open)."""
         state = self.state[k]
         if self.warming(k):
-            return (f"block {k} is open but not yet warm-started from block {k - 1}, which failed (see the coordinator's "
-                    "log: a full disk?) and is tried again each tick; this worker waits until then")
+            return (f"block {k} is open, but its warm start from block {k - 1} failed (see the coordinator's log: a full "
+                    "disk?) and is tried again each tick; this worker waits until it is done")
         if state is BlockState.WAITING:
             rounds = ", ".join(str(self.block_rounds(j)) for j in range(k))
             return (f"block {k} is waiting: it opens once blocks 0..{k - 1} have finished their rounds ({rounds}); "

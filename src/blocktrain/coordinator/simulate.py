@@ -277,6 +277,10 @@ class BlockRun:
                 return None
             delta = forged
         mine = inner.moments(self.settings.moments_at(named))  # a sharing round's push carries them (moment_every)
+        if not all(bool(torch.isfinite(t).all()) for t in [*delta.values(), *(mine or {}).values()]):
+            log.warning("replica %d: block %d v%d diverged to NaN or infinite values: nothing pushed, as a worker "
+                        "does", i, k, v)  # (int8 cannot encode it; a worker undoes such a round and pushes nothing)
+            return None
         residual = self.feedback[i].residual  # restored if the push is refused, as the worker does
         body = pack_delta(delta, opts.compression, block=k, base_version=named,
                           base_sha=base.weights_sha if named == v else "0" * 64, samples=bad.claim(budget) if bad else budget,

@@ -152,6 +152,7 @@ class HivemindEngine:
         self.key = RSAPrivateKey()  # this worker's identity on the DHT
         self.groups: Any = None  # the GroupAverager, once joined
         self.grouped_version = -1  # the version whose delta went into a group mean that another member uploads
+        self.block = -1  # the block it registered on last
         self.peer_pulls = 0  # published versions fetched from a peer, not the coordinator
         self.rounds_grouped = 0  # rounds whose delta another member uploaded in its group's mean
         self.like: dict[str, torch.Tensor] = {}  # what the block's averager all-reduces: the delta and shared moments
@@ -175,8 +176,9 @@ class HivemindEngine:
         else:
             self._renew_token(token)
         self.token_expires = _expires(token)
-        self.like = like
-        self.grouped_version = -1  # a round grouped on the block held before is not this block's
+        if k != self.block:  # a round grouped on the block held before is not this block's (on the same block its
+            self.grouped_version = -1  # group's mean may still land: the worker waits for it)
+        self.like, self.block = like, k
         self.groups.prepare(k, like, weights)  # the block it was (re)assigned
 
     def token_due(self) -> bool:

@@ -19,9 +19,7 @@ class GatewayOptions:
     max_body_bytes: int = 1 << 20  # bytes: the largest request body accepted
     request_timeout_s: float = 120.0  # seconds: a request (body read, generation, whole stream) must end within this
     max_connections: int = 256  # HTTP connections served at once; more are answered 503
-    # requests whose log-probs are computed at once (each holds up to 128 MiB of (bytes, 256) float32 rows); others
-    # wait, within their --timeout
-    max_scoring: int = 4
+    max_scoring: int = 4  # requests scored at once (each holds up to 128 MiB of log-prob rows); others wait
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
