@@ -93,8 +93,10 @@ def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: py
     from benchmarks.quality import device_depth
 
     jsonl = tmp_path / "depth.jsonl"
-    done = {"key": "tiny-lr2e-3-seed0", "preset": "tiny", "lr": 2e-3, "seed": 0}
-    jsonl.write_text(json.dumps(done) + "\n" + '{"key": "tiny-lr3e')  # killed mid-write
+    done = {"key": "tiny-lr2e-3-seed0", "preset": "tiny", "lr": 2e-3, "seed": 0,
+            "recipe": device_depth.recipe_of("tiny"), "max_eval_bytes": 4096}
+    stale = {**done, "key": "tiny-lr1e-3-seed0", "lr": 1e-3, "recipe": "an-older-recipe"}  # trained again
+    jsonl.write_text(json.dumps(done) + "\n" + json.dumps(stale) + "\n" + '{"key": "tiny-lr3e')  # killed mid-write
     ran: list[list[str]] = []
 
     def fake_bench(cmd: list[str], log_path: Path, timeout: float | None) -> str | None:
@@ -108,7 +110,30 @@ def test_depth_rows_resume_from_the_rows_written(tmp_path: Path, monkeypatch: py
     assert [c[c.index("--lr") + 1] for c in ran] == ["3e-3", "1e-3"] and ran[0][ran[0].index("--device") + 1] == "cpu"
     assert ran[0][ran[0].index("--json") + 1] == str(tmp_path / "runs" / "depth-tiny-lr3e-3-seed0.json")
     assert "--resume" in ran[0] and "--fresh" not in ran[0]  # a row cut by its time limit goes on where it was
-    assert [r["key"] for r in device_depth.read_rows(jsonl)] == ["tiny-lr2e-3-seed0"]  # no row for either failure
+    assert [r["key"] for r in device_depth.read_rows(jsonl)] == ["tiny-lr2e-3-seed0", "tiny-lr1e-3-seed0"]  # no new row
+    for at_bytes in (4096, 8192):  # a row scored on other bytes than asked now is trained again too
+        ran.clear()
+        device_depth.train_rows("tiny", ["0.002"], [0], "cpu", tmp_path / "data", tmp_path / "runs", jsonl, at_bytes,
+                                timeout=5)
+        assert len(ran) == (at_bytes != 4096)
+
+
+def test_the_depth_summary_refuses_rows_of_two_recipes_or_scored_bytes() -> None:
+    """A suite resumed in a later session skipped the rows it had, keyed by (preset, lr, seed) alone, and averaged
+    rows trained under an older recipe or scored on other bytes with the new ones (helper-69)."""
+    from benchmarks.quality import device_depth
+
+    rows = [_depth_row(1e-3, 0, (1.3,) * 3, (1.3,) * 3), _depth_row(1e-3, 1, (1.3,) * 3, (1.3,) * 3)]
+    for r in rows:
+        r.update(recipe="a", bytes_scored=100)
+    device_depth.summarise(rows)
+    for field, other in (("recipe", "b"), ("bytes_scored", 50)):
+        mixed = [rows[0], {**rows[1], field: other}]
+        with pytest.raises(ValueError, match="mix recipes or scored bytes"):
+            device_depth.summarise(mixed)
+        kept, left_out = device_depth.newest_setting(mixed)  # what the suite's summary stands on meanwhile
+        assert kept == [mixed[1]] and left_out == [rows[0]["key"]]
+        device_depth.summarise(kept)
 
 
 def test_a_depth_bench_past_its_time_is_killed_with_its_children(tmp_path: Path) -> None:
@@ -195,3 +220,37 @@ def test_the_depth_summary_picks_lrs_on_validation_among_complete_lrs(tmp_path: 
     assert uneven["p"]["arms"]["stack"]["uneven"] and uneven["p"]["gap_seeds"] in ([0], [1])
     old = [{k: v for k, v in r.items() if k != "val_ce"} for r in device_depth.read_rows(jsonl)]
     assert device_depth.summarise(old)["p"]["arms"]["stack"]["picked_on"] == "test"  # rows from before validation
+
+
+def test_a_suite_told_to_stop_ends_the_job_it_runs(tmp_path: Path) -> None:
+    """Each job runs under ``timeout``, which leads a process group of its own: a Ctrl-C or SIGTERM to the suite ended
+    the suite and its packer, and left the running job training on for up to its limit (helper-69). The exit trap
+    now signals every running job's timeout, which passes the signal on to its command."""
+    import signal
+
+    data = write_corpus(tmp_path / "data").root
+    results, pidfile = tmp_path / "device-suite", tmp_path / "job.pid"
+    fake = tmp_path / "python"  # the real interpreter, but the first job's command stands still until it is ended
+    fake.write_text(f'#!/usr/bin/env bash\ncase "$*" in *device_checks.py*) echo $$ > {pidfile}; exec sleep 300;; esac\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "SUITE": "smoke", "DEVICE": "cpu", "RESULTS": str(results), "DATA": str(data),
+           "PYTHON": str(fake), "OMP_NUM_THREADS": "1"}
+    suite = subprocess.Popen(["bash", str(ROOT / "scripts" / "device_suite.sh")], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pidfile.is_file() and pidfile.read_text().strip()):
+            assert suite.poll() is None and time.monotonic() < deadline, "the first job never started"
+            time.sleep(0.1)
+        job = int(pidfile.read_text())
+        suite.send_signal(signal.SIGTERM)
+        assert suite.wait(timeout=60) == 143
+        deadline = time.monotonic() + 20
+        while _alive(job):
+            assert time.monotonic() < deadline, "the job outlived the suite"
+            time.sleep(0.1)
+        assert not (results / "checks.done").exists()
+    finally:
+        if suite.poll() is None:
+            suite.kill()
