@@ -3,7 +3,8 @@
 #
 #   bash scripts/device_suite.sh                          # SUITE=full DEVICE=cuda: one H100/H200, DEADLINE_S (480 s)
 #   SUITE=smoke DEVICE=cpu bash scripts/device_suite.sh   # every job at the tiny preset on CPU (tests/test_device_suite.py):
-#                                                         # 153 s alone on 2 cores at 1afd97e (172 s before it)
+#                                                         # 147 s alone on 2 cores at dd5d5bc (172 s before 1afd97e):
+#                                                         # scripts/time_smoke.sh, device-suite-smoke-cpu.json
 #   SUITE=rehearsal DEVICE=cpu bash scripts/device_suite.sh   # full's jobs, flags and side-by-side launch at tiny
 #                                                             # budgets: run it before a GPU session (about 8 minutes here)
 #
