@@ -277,6 +277,17 @@ def _registered_push(client: TestClient, c: Coordinator, headers: dict[str, str]
     return _push(client, c, headers, sha)
 
 
+def _audited_push(client: TestClient, c: Coordinator, headers: dict[str, str]) -> tuple[WorkAnswer, dict[str, Any]]:
+    """:func:`_registered_push` committed to an empty inner state, drawn for an audit, and that state uploaded: the
+    work answer and the audit's answer."""
+    w, answer = _registered_push(client, c, headers, state_sha({}))
+    assert answer["audit"] is True
+    r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state({}, block=0, version=w.version),
+                    headers=headers)
+    assert r.status_code == 200, r.text
+    return w, r.json()
+
+
 def _push(client: TestClient | httpx.Client, c: Coordinator, headers: dict[str, str], sha: str,
           seed: int = 0) -> tuple[WorkAnswer, dict[str, object]]:
     w = WorkAnswer.model_validate(client.get("/v1/work", headers=headers).json())
@@ -413,11 +424,8 @@ def test_a_replay_that_breaks_drops_the_push_and_blames_no_one(tmp_path: Path, c
 
     c.auditor.replay_error = broken  # type: ignore[method-assign, assignment]
     with TestClient(create_app(c, background=False)) as client:
-        w, answer = _registered_push(client, c, headers, state_sha({}))
-        assert answer["audit"] is True
-        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state({}, block=0, version=w.version),
-                        headers=headers)
-        assert r.status_code == 200 and r.json()["passed"] is False, r.text
+        w, judged = _audited_push(client, c, headers)
+        assert judged["passed"] is False
         assert not c.conduct.quarantined("w") and not c.auditor.holds(0, w.version)
         assert c.store.q("SELECT state FROM updates WHERE worker='w'") == [{"state": "dropped"}]
         row = c.store.workers.worker("w")
@@ -442,12 +450,8 @@ def test_a_replay_its_uploaded_state_made_diverge_fails_the_audit(tmp_path: Path
 
     c.auditor._train = diverging  # type: ignore[method-assign]
     with TestClient(create_app(c, background=False)) as client:
-        w, answer = _registered_push(client, c, headers, state_sha({}))
-        assert answer["audit"] is True
-        r = client.post(f"/v1/blocks/0/audits/{w.version}", content=pack_state({}, block=0, version=w.version),
-                        headers=headers)
-        assert r.status_code == 200 and r.json()["passed"] is False, r.text
-        assert r.json()["relative_error"] >= 1e30
+        _, judged = _audited_push(client, c, headers)
+        assert judged["passed"] is False and judged["relative_error"] >= 1e30
         assert c.conduct.quarantined("w") and c.auditor.summary()["failed"] == 1
     c.close()
 
