@@ -38,3 +38,17 @@ def test_a_worker_its_refusals_or_its_probation_caught_counts_as_detected(tmp_pa
     rows = {r["kind"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["data_poisoner"]["p_undetected"] == 0.0 and rows["data_poisoner"]["hostile_accepted"] == 14
     assert rows["strong"]["p_undetected"] == 0.0  # it attacked on probation: its first push was audited for sure
+
+
+def test_without_the_inflated_claims_row_a_row_refused_throughout_is_the_probation_reference() -> None:
+    """A study of a few rows (the fixed code's, 2026-12-07) ran ``strong`` but not ``inflated_claim``: every row's
+    ``vs probation`` was blank, though ``strong`` had every attacking push refused and so changed the run by its
+    probation's honest pushes alone. Such a row stands in; the named one wins where both were run."""
+    rows = [row("clean", 1.5, hostile_updates=0, hostile_by_outcome={}, p_undetected=None),
+            row("strong", 1.7, hostile_by_outcome={"norm": 3}),
+            row("stale", 1.72, hostile_by_outcome={"accepted": 15, "audit": 1}, hostile_accepted=15),
+            row("colluding", 1.9, hostile_by_outcome={"gate": 6})]
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in table(rows).splitlines()[2:]}
+    assert "| +0.2200 | +0.0200 |" in lines["stale"]
+    with_claim = {ln.split(" | ")[0].strip("| "): ln for ln in table([*rows, row("inflated_claim", 1.71)]).splitlines()[2:]}
+    assert "| +0.2200 | +0.0100 |" in with_claim["stale"]

@@ -109,14 +109,18 @@ def caught_for_sure(by_outcome: dict[str, int], quarantined: bool, attack_from: 
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per row. ``vs clean``: its CE minus the run without the hostile worker. ``vs probation``: minus the
     run whose hostile worker pushes honestly until ``attacks from`` and is refused at every push after (the inflated
-    claim's row, refused by the claim check from its first attacking push): what the attack added to the honest
+    claim's row, refused by the claim check from its first attacking push; without it, a non-colluding row of the
+    same start none of whose attacking pushes was applied, ``strong`` say): what the attack added to the honest
     pushes it made on probation."""
 
     def every(r: dict[str, Any]) -> int:  # a row is read against the references run at its moment cadence
         return int(r.get("moment_every", 1))
 
     clean = {(r["seed"], every(r)): r["ce_nats_per_byte"] for r in rows if r["kind"] == "clean"}
-    probation = {(r["seed"], r["attack_from"], every(r)): r["ce_nats_per_byte"] for r in rows if r["kind"] == "inflated_claim"}
+    probation = {(r["seed"], r["attack_from"], every(r)): r["ce_nats_per_byte"] for r in rows  # any refused-throughout
+                 if r["kind"] not in ("clean", "colluding") and r["attack_from"] > 0 and r["hostile_accepted"] == 0}
+    probation.update({(r["seed"], r["attack_from"], every(r)): r["ce_nats_per_byte"] for r in rows
+                      if r["kind"] == "inflated_claim"})  # the named reference where it was run
     lines = ["| attack | attacks from | CE | vs clean | vs probation | hostile pushes | accepted | caught by "
              "| quarantined at | p undetected | honest refused |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
