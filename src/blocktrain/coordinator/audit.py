@@ -67,7 +67,7 @@ from blocktrain.errors import ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype, whole_blocks
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, delta_norm, residual_within
+from blocktrain.protocol.delta import ErrorFeedback, Sent, all_finite, decode_delta, delta_norm, residual_within
 from blocktrain.protocol.inner_state import ADAM, MOMENTS, SCALARS, commits_to, load_inner_state, residual_of, unpack_state
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.moments import M_PREFIX, V_PREFIX, MomentCodec, decode_moments, encode_moments
@@ -339,7 +339,7 @@ class Auditor:
                     steps=upd.samples // self.cfg.train.batch_size, precision=Precision(upd.precision))
         local = trainable_state(block)
         delta = {n: local[n] - w for n, w in case.base.weights.items()}
-        if not all(bool(torch.isfinite(d).all()) for d in delta.values()):  # its uploaded state made the replay diverge
+        if not all_finite(delta.values()):  # its uploaded state made the replay diverge
             return math.inf, math.nan, math.inf  # failed (int8 cannot encode it: that error dropped the push unjudged)
         replayed = decode_delta(ErrorFeedback(upd.compression, residual).encode(delta), upd.compression)
         miss = delta_norm({n: replayed[n] - d for n, d in upd.delta.items()})

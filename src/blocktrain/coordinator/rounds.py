@@ -244,7 +244,7 @@ class Rounds:
                 409, f"the delta is against version {base} but block {k} is at version {v}; pull the new version",
                 Reason.STALE,
             )
-        if self.state[k] is BlockState.WAITING or self.warming(k):
+        if self.round_state(k, rnd) is RoundState.WAITING:  # waiting for earlier blocks, or for its warm start
             raise ProtocolError(409, f"{self.state_message(k)}; it takes no updates yet", Reason.WAITING)
         if rnd is None or rnd.state is not RoundState.OPEN:
             why = ("the run finished" if all(st is BlockState.FINISHED for st in self.state.values()) else

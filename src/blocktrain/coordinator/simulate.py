@@ -59,7 +59,7 @@ from blocktrain.errors import ConfigError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.progress import progress_bar
 from blocktrain.protocol.codes import Reason
-from blocktrain.protocol.delta import ErrorFeedback, Sent, decode_delta, pack_delta
+from blocktrain.protocol.delta import ErrorFeedback, Sent, all_finite, decode_delta, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import AuditAnswer
 from blocktrain.protocol.moments import InnerStart, decode_moments, shares_moments
@@ -277,7 +277,7 @@ class BlockRun:
                 return None
             delta = forged
         mine = inner.moments(self.settings.moments_at(named))  # a sharing round's push carries them (moment_every)
-        if not all(bool(torch.isfinite(t).all()) for t in [*delta.values(), *(mine or {}).values()]):
+        if not all_finite([*delta.values(), *(mine or {}).values()]):
             log.warning("replica %d: block %d v%d diverged to NaN or infinite values: nothing pushed, as a worker "
                         "does", i, k, v)  # (int8 cannot encode it; a worker undoes such a round and pushes nothing)
             return None

@@ -39,6 +39,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from blocktrain.checkpoint.safetensors_io import tensors_sha256
 from blocktrain.p2p.averager import BlockAverager, exchange_timeouts, start_quietly
 from blocktrain.p2p.trust import Card, PeerAuthorizer, RSAPrivateKey, parse_token, verified_token
+from blocktrain.protocol.delta import all_finite
 from blocktrain.protocol.group import GroupMember, group_prefix, round_scope
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ class GroupAverager:
         members = self._members(gathered, scope, each)  # a card for another version or run does not verify either
         if members is None or len(members) < 2:
             return None
-        if not all(bool(torch.isfinite(t).all()) for t in summed.values()):  # a member sent NaN or inf: the
+        if not all_finite(summed.values()):  # a member sent NaN or inf: the
             log.warning("block %d v%d: the group's mean holds NaN or infinite values (a member sent them); uploading "
                         "alone", k, v)  # coordinator would refuse it, counted against its honest uploader
             return None

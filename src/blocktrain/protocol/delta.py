@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +160,13 @@ def residual_excess(residual: dict[str, torch.Tensor], previous: dict[str, torch
         if bool((e.abs() > bound).any()):
             return n
     return None
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite: one read of the device for them all (a delta that trained to NaN
+    or inf is pushed nowhere; int8 cannot encode it: :func:`~blocktrain.protocol.moments.int8_scale`)."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    return not flags or bool(torch.stack(flags).all())
 
 
 def delta_norm(delta: dict[str, torch.Tensor]) -> float:

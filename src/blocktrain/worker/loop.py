@@ -42,7 +42,7 @@ from blocktrain.errors import CheckpointError, ProtocolError
 from blocktrain.objectives import get_objective
 from blocktrain.objectives.base import frozen_dtype
 from blocktrain.protocol.codes import Reason, RoundState
-from blocktrain.protocol.delta import ErrorFeedback, pack_delta
+from blocktrain.protocol.delta import ErrorFeedback, all_finite, pack_delta
 from blocktrain.protocol.inner_state import pack_state, state_sha
 from blocktrain.protocol.messages import Registration, WorkAnswer
 from blocktrain.protocol.moments import parse_moments
@@ -269,7 +269,7 @@ class Worker:
             delta, samples = self._delta()
             # on a sharing round its moments travel with the delta
             delta.update(self.inner.moments(self.inner_start.shares_at(self.base_version, self.moment_every)) or {})
-            if not all(bool(torch.isfinite(t).all()) for t in delta.values()):  # once a round: a sync per tensor
+            if not all_finite(delta.values()):  # once a round
                 self._diverged()
                 return
             clock = RoundClock(self._deadline_at - self._push_margin() - self.engine.reserve_s(), self.lease_s,
@@ -343,13 +343,9 @@ class Worker:
         assert self.base is not None
         self._undo_round()
         load_trainable(self.block, self.base)
-        exc = ProtocolError(422, f"block {self.k} v{self.base_version}: training diverged to NaN or infinite values; "
-                            "nothing was pushed (if it recurs, train in fp32: --precision fp32)", Reason.NON_FINITE)
-        self._rejections += 1
-        self._refused = (self.k, self.base_version)  # the same round trained again would diverge again
-        log.error("%s", exc)
-        if self._rejections >= self.opts.max_rejections:
-            raise exc
+        self._refused_push(ProtocolError(  # counted as a refused push: the same round trained again would diverge again
+            422, f"block {self.k} v{self.base_version}: training diverged to NaN or infinite values; nothing was pushed "
+            "(if it recurs, train in fp32: --precision fp32)", Reason.NON_FINITE))
 
     def _refused_push(self, exc: ProtocolError) -> None:
         """A refused push: a stale one waits for the new version; another counts toward --max-rejections."""
